@@ -1,0 +1,49 @@
+"""Defaults, and the environment variables phalanx reads or sets, in one place.
+
+The controller reads its own environment once, in :meth:`Settings.from_env`; workers read
+the variables the controller set for them once, at start-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+
+DEFAULT_START_TIMEOUT = 120.0  # seconds for every worker to construct its object
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0  # seconds for cleanup and a graceful exit before SIGKILL
+DEFAULT_TERM_GRACE = 3.0  # seconds between SIGTERM and SIGKILL when stopping one worker
+STDERR_TAIL_LINES = 20  # lines of a dead worker's stderr quoted in WorkerDied
+ORPHAN_GRACE = 1.0  # seconds a worker waits for its main thread after losing the controller
+
+# Set by the controller for each worker (the framework-agnostic names are in frameworks.py).
+ENV_FD = "PHALANX_FD"  # file descriptor of the worker's control socket
+ENV_PARENT_PID = "PHALANX_PARENT_PID"  # the controller's pid, re-checked after PDEATHSIG
+
+# Read from the controller's environment.
+ENV_START_TIMEOUT = "PHALANX_START_TIMEOUT"
+ENV_PROGRESS = "PHALANX_PROGRESS"  # "0" hides the start-up progress bar, "1" forces it
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Controller-side settings that may come from the environment."""
+
+    start_timeout: float = DEFAULT_START_TIMEOUT
+    progress: bool | None = None  # None: show when stderr is a terminal
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if environ is None else environ
+        progress = env.get(ENV_PROGRESS)
+        start_timeout = env.get(ENV_START_TIMEOUT)
+        try:
+            timeout = float(start_timeout) if start_timeout else DEFAULT_START_TIMEOUT
+        except ValueError:
+            raise ValueError(
+                f"{ENV_START_TIMEOUT}={start_timeout!r} is not a number of seconds"
+            ) from None
+        return cls(
+            start_timeout=timeout,
+            progress=None if progress is None else progress not in ("0", "false", ""),
+        )

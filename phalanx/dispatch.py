@@ -1,0 +1,283 @@
+"""The controller's event pump: routes frames from worker connections to futures, and turns
+a worker's death into ``WorkerDied`` for every call pending on it.
+
+There is no background thread. Whichever thread waits on a future becomes the *leader*
+and polls every connection and death descriptor (pidfd) for the group; other waiting
+threads sleep on a condition until the leader completes their future or steps down
+(leader/followers). A result therefore reaches the waiting thread with no thread hand-off,
+and a death is noticed the moment its descriptor becomes readable, not on a timer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from phalanx import wire
+from phalanx.errors import (
+    ProcessFailure,
+    RemoteFailure,
+    WorkerDied,
+    WorkerError,
+    chain_remote,
+)
+
+if TYPE_CHECKING:
+    from phalanx.backends.base import WorkerHandle
+    from phalanx.futures import RankFuture
+
+logger = logging.getLogger(__name__)
+
+_EXIT_WAIT = 1.0  # after end of stream, how long the process may take to finish exiting
+_OUTPUT_WAIT = 0.2  # how long to wait for a dead worker's last stderr lines
+
+
+class Slot:
+    """The controller's view of one incarnation of one rank."""
+
+    def __init__(self, rank: int, node: int, handle: WorkerHandle) -> None:
+        self.rank = rank
+        self.node = node
+        self.handle = handle
+        self.conn: wire.Connection = handle.conn
+        self.pid: int | None = handle.pid
+        self.pending: dict[int, RankFuture] = {}
+        self.alive = True
+        self.dying = False  # death is being processed
+        self.ready = False
+        self.methods: list[str] = []
+        self.init_failure: RemoteFailure | None = None
+        self.failure: ProcessFailure | None = None
+
+    def settled_start(self) -> bool:
+        return self.ready or self.init_failure is not None or not self.alive
+
+
+class Dispatcher:
+    """Receives for every worker of one group; driven by the threads that wait."""
+
+    def __init__(self, on_death: Callable[[Slot], None] | None = None) -> None:
+        self._poller = select.poll()
+        self._by_fd: dict[int, tuple[Slot, bool]] = {}  # fd -> (slot, is_death_fd)
+        self._cond = threading.Condition(threading.Lock())
+        self._pumping = False
+        self._followers = 0
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poller.register(self._wake_r, select.POLLIN)
+        self._on_death = on_death
+        self._closed = False
+
+    # -- membership -------------------------------------------------------------------
+
+    def add(self, slot: Slot) -> None:
+        self._by_fd[slot.conn.fileno] = (slot, False)
+        self._poller.register(slot.conn.fileno, select.POLLIN)
+        death_fd = slot.handle.death_fd
+        if death_fd is not None:
+            self._by_fd[death_fd] = (slot, True)
+            self._poller.register(death_fd, select.POLLIN)
+        self._wake()  # a leader blocked in poll() must pick up the new descriptors
+
+    def _forget(self, slot: Slot) -> None:
+        for fd in (slot.conn.fileno, slot.handle.death_fd):
+            if fd is not None and fd in self._by_fd and self._by_fd[fd][0] is slot:
+                del self._by_fd[fd]
+                try:
+                    self._poller.unregister(fd)
+                except KeyError:
+                    pass
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass
+
+    # -- waiting ----------------------------------------------------------------------
+
+    def wait(self, is_done: Callable[[], bool], timeout: float | None) -> bool:
+        """Wait until ``is_done()`` or ``timeout``; drive the pump while nobody else does."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        cond = self._cond
+        while True:
+            with cond:
+                while True:
+                    if is_done():
+                        return True
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        return False
+                    if not self._pumping:
+                        self._pumping = True
+                        break
+                    self._followers += 1
+                    try:
+                        cond.wait(remaining)
+                    finally:
+                        self._followers -= 1
+            try:
+                while not is_done():
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        return False
+                    self._pump(remaining)
+                return True
+            finally:
+                with cond:
+                    self._pumping = False
+                    cond.notify_all()
+
+    def poll_now(self) -> None:
+        """Process whatever has already arrived, without blocking (no-op if another thread pumps)."""
+        with self._cond:
+            if self._pumping:
+                return
+            self._pumping = True
+        try:
+            self._pump(0)
+        finally:
+            with self._cond:
+                self._pumping = False
+                self._cond.notify_all()
+
+    def _pump(self, timeout: float | None) -> None:
+        if timeout is None:
+            ms = None
+        else:
+            ms = int(timeout * 1000) + 1 if timeout > 0 else 0
+        try:
+            events = self._poller.poll(ms)
+        except InterruptedError:  # pragma: no cover
+            return
+        for fd, _ in events:
+            if fd == self._wake_r:
+                try:
+                    os.read(self._wake_r, 4096)
+                except BlockingIOError:
+                    pass
+                continue
+            entry = self._by_fd.get(fd)
+            if entry is None:
+                continue
+            slot, is_death = entry
+            if is_death:
+                self._declare_dead(slot)
+                continue
+            try:
+                frames = slot.conn.reader.recv_frames(socket.MSG_DONTWAIT)
+            except wire.ConnectionLost:
+                self._declare_dead(slot)
+                continue
+            if frames:
+                self._on_frames(slot, frames)
+        if self._followers:
+            with self._cond:
+                self._cond.notify_all()
+
+    # -- frames -----------------------------------------------------------------------
+
+    def _on_frames(self, slot: Slot, frames: list[list[Any]]) -> None:
+        pending = slot.pending
+        for segs in frames:
+            head = pickle.loads(segs[0])
+            kind = head[0]
+            if kind == wire.RESULT:
+                rf = pending.pop(head[1], None)
+                if rf is not None:
+                    rf._resolve(segs[1:])
+            elif kind == wire.ERROR:
+                rf = pending.pop(head[1], None)
+                if rf is not None:
+                    failure = RemoteFailure(*head[2])
+                    error = WorkerError(
+                        failure, rank=slot.rank, node=slot.node, pid=slot.pid, method=rf.method
+                    )
+                    rf._fail(chain_remote(error, failure))
+            elif kind == wire.READY:
+                slot.pid = head[2]
+                slot.methods = head[3]
+                slot.ready = True
+            elif kind == wire.INIT_ERROR:
+                slot.init_failure = RemoteFailure(*head[2])
+            else:
+                logger.error("rank %d sent an unknown message kind %r", slot.rank, kind)
+
+    # -- death ------------------------------------------------------------------------
+
+    def _drain(self, slot: Slot) -> None:
+        """Take in what a dead worker sent before it died: results first, then the death."""
+        for _ in range(10_000):
+            try:
+                frames = slot.conn.reader.recv_frames(socket.MSG_DONTWAIT)
+            except wire.ConnectionLost:
+                return
+            if not frames:
+                return
+            self._on_frames(slot, frames)
+
+    def _declare_dead(self, slot: Slot) -> None:
+        if slot.dying:
+            return
+        slot.dying = True
+        self._drain(slot)
+        self._forget(slot)
+        handle = slot.handle
+        exitcode = handle.exitcode(_EXIT_WAIT)
+        if exitcode is None:
+            # The control stream ended but the process lives on: it is unusable; end it.
+            handle.kill()
+            exitcode = handle.exitcode(5.0)
+        handle.wait_output_closed(_OUTPUT_WAIT)
+        slot.failure = ProcessFailure(
+            rank=slot.rank,
+            node=slot.node,
+            pid=slot.pid,
+            exitcode=exitcode,
+            stderr_tail=handle.stderr_tail(),
+        )
+        slot.alive = False  # after .failure is set: senders that see this fail on their own
+        pending, slot.pending = slot.pending, {}
+        for rf in pending.values():
+            rf._fail(WorkerDied(slot.failure, method=rf.method))
+        if self._on_death is not None:
+            self._on_death(slot)
+
+    @staticmethod
+    def fail_if_dead(slot: Slot, call_id: int, rf: RankFuture) -> None:
+        """Close the race between sending to a slot and its death being processed."""
+        if not slot.alive:
+            slot.pending.pop(call_id, None)
+            rf._fail(WorkerDied(slot.failure, method=rf.method))  # type: ignore[arg-type]
+
+    def remove(self, slot: Slot) -> None:
+        self._forget(slot)
+        self._wake()
+
+    def close(self, error_factory: Callable[[RankFuture], BaseException], slots: list[Slot]) -> None:
+        """Fail every pending call (e.g. with GroupClosed) and stop watching all slots."""
+        with self._cond:
+            self._closed = True
+        for slot in slots:
+            self._forget(slot)
+            pending, slot.pending = slot.pending, {}
+            for rf in pending.values():
+                rf._fail(error_factory(rf))
+        self._wake()
+        with self._cond:
+            self._cond.notify_all()
+
+    def release(self) -> None:
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass

@@ -1,0 +1,236 @@
+"""Every exception phalanx raises, and the per-rank failure record behind them.
+
+::
+
+    PhalanxError                     base of everything below
+     ├── StartupError                the group could not start: a constructor raised, a worker
+     │                               died or did not report ready within ``start_timeout``
+     ├── WorkerError                 user code (or (un)pickling in the worker) raised during a call
+     ├── WorkerDied                  the worker process exited or was killed; also raised at once
+     │                               for a call to a rank already known dead
+     ├── CallTimeout (TimeoutError)  a call's ``timeout`` passed before every rank answered
+     ├── GroupClosed                 the group was shut down (pending calls end with this)
+     └── SerializationError          the controller could not pickle a call's arguments (nothing
+                                     was sent) or could not unpickle a rank's result
+
+``WorkerError`` keeps the remote exception as its ``__cause__`` when it can be rebuilt in the
+controller; that exception's own cause is a :class:`RemoteTraceback` holding the worker's
+traceback text, so a user sees the controller stack, then the worker stack.
+
+Every error survives pickling (they cross process boundaries in user code too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+from typing import Any
+
+
+def _rebuild(cls: type, args: tuple, state: dict) -> BaseException:
+    exc = cls.__new__(cls)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc
+
+
+class PhalanxError(Exception):
+    """Base class of every phalanx error."""
+
+    def __reduce__(self) -> tuple:
+        return (_rebuild, (type(self), self.args, dict(self.__dict__)))
+
+
+class RemoteTraceback(Exception):
+    """Carries a worker's traceback text; attached as the cause of a rebuilt remote error."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return "\n\nRemote traceback:\n" + self.text.rstrip()
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteFailure:
+    """What a worker reports about an exception: sent as a plain tuple, rebuilt here."""
+
+    exc_type: str
+    message: str
+    traceback: str
+    stage: str  # "running the method", "unpickling the arguments", "pickling the result", ...
+    pickled: bytes | None  # the exception itself, when it could be pickled
+
+    def as_tuple(self) -> tuple:
+        return dataclasses.astuple(self)
+
+    def rebuild(self) -> BaseException | None:
+        """The original exception with the remote traceback as its cause, or None."""
+        if self.pickled is None:
+            return None
+        import pickle
+
+        try:
+            exc = pickle.loads(self.pickled)
+        except Exception:
+            return None
+        if not isinstance(exc, BaseException):
+            return None
+        exc.__cause__ = RemoteTraceback(self.traceback)
+        return exc
+
+
+class WorkerError(PhalanxError):
+    """User code raised on a rank. ``.exc_type`` is the remote exception's type name,
+    ``.traceback`` the remote traceback text, ``.stage`` says which side of the call failed.
+    """
+
+    def __init__(
+        self,
+        failure: RemoteFailure,
+        *,
+        rank: int,
+        node: int,
+        pid: int | None,
+        method: str,
+    ) -> None:
+        where = f"rank {rank} (node {node}, pid {pid})"
+        if failure.stage == "running the method":
+            text = f"{failure.exc_type} on {where} in {method}(): {failure.message}"
+        else:
+            text = f"{failure.exc_type} on {where} while {failure.stage} of {method}(): {failure.message}"
+        super().__init__(text)
+        self.rank = rank
+        self.node = node
+        self.pid = pid
+        self.method = method
+        self.exc_type = failure.exc_type
+        self.traceback = failure.traceback
+        self.stage = failure.stage
+
+
+def signal_name(exitcode: int | None) -> str | None:
+    """``-9`` -> ``"SIGKILL"``; None for a normal exit code."""
+    if exitcode is None or exitcode >= 0:
+        return None
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
+_LIKELY_CAUSE = {
+    "SIGKILL": "killed by SIGKILL: the kernel's out-of-memory killer or an external `kill -9`",
+    "SIGSEGV": "a crash in native code (segmentation fault in a C extension, CUDA, ...)",
+    "SIGBUS": "a crash in native code (bus error; often a full /dev/shm or a truncated mmap)",
+    "SIGILL": "a crash in native code (illegal instruction; a binary built for another CPU?)",
+    "SIGFPE": "a crash in native code (arithmetic fault)",
+    "SIGABRT": "an abort in native code (failed assertion, std::terminate, double free)",
+    "SIGTERM": "asked to stop by another process (SIGTERM)",
+    "SIGINT": "interrupted (SIGINT)",
+}
+
+
+def likely_cause(exitcode: int | None) -> str:
+    """A short human explanation of how a worker ended (pure function of its exit code)."""
+    if exitcode is None:
+        return "lost its control connection; exit status unknown"
+    name = signal_name(exitcode)
+    if name is not None:
+        return _LIKELY_CAUSE.get(name, f"killed by {name}")
+    if exitcode == 0:
+        return "exited normally (exit code 0) while calls were pending"
+    return f"exited with code {exitcode} (sys.exit / os._exit in user code, or a fatal error)"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessFailure:
+    """How one worker process ended: the record behind :class:`WorkerDied`."""
+
+    rank: int
+    node: int
+    pid: int | None
+    exitcode: int | None  # negative: killed by that signal; None: unknown
+    stderr_tail: tuple[str, ...] = ()
+
+    @property
+    def signal(self) -> str | None:
+        return signal_name(self.exitcode)
+
+    @property
+    def cause(self) -> str:
+        return likely_cause(self.exitcode)
+
+
+class WorkerDied(PhalanxError):
+    """A worker process ended while calls were pending on it (or was called while dead).
+
+    ``.exitcode`` is negative when a signal killed it; ``.signal`` is then its name;
+    ``.stderr_tail`` holds the last lines it wrote to stderr; ``.cause`` a likely explanation.
+    """
+
+    def __init__(self, failure: ProcessFailure, *, method: str | None = None) -> None:
+        during = f" while running {method}()" if method else ""
+        text = (
+            f"rank {failure.rank} (node {failure.node}, pid {failure.pid}) died{during}: "
+            f"{failure.cause}"
+        )
+        if failure.stderr_tail:
+            text += "\nlast lines of its stderr:\n  " + "\n  ".join(failure.stderr_tail)
+        super().__init__(text)
+        self.failure = failure
+        self.rank = failure.rank
+        self.node = failure.node
+        self.pid = failure.pid
+        self.exitcode = failure.exitcode
+        self.signal = failure.signal
+        self.stderr_tail = failure.stderr_tail
+        self.cause = failure.cause
+        self.method = method
+
+
+class StartupError(PhalanxError):
+    """The group could not start; every worker it had started has been stopped.
+
+    ``.rank`` is the first rank that failed (None for a timeout of several), and the
+    underlying :class:`WorkerError` / :class:`WorkerDied` is chained as ``__cause__``.
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, traceback: str | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.traceback = traceback
+
+
+class CallTimeout(PhalanxError, TimeoutError):
+    """A call's ``timeout`` passed before every selected rank answered."""
+
+    def __init__(self, method: str, timeout: float, pending_ranks: list[int]) -> None:
+        super().__init__(
+            f"{method}() did not finish within {timeout:g} s on ranks {pending_ranks}; "
+            "the call keeps running there (use group.stacks() or a larger timeout=)"
+        )
+        self.method = method
+        self.timeout = timeout
+        self.pending_ranks = pending_ranks
+
+
+class GroupClosed(PhalanxError):
+    """The group was shut down; pending calls end with this, and new ones raise it."""
+
+
+class SerializationError(PhalanxError):
+    """The controller failed to pickle arguments (nothing was sent) or to unpickle a result."""
+
+    def __init__(self, message: str, *, stage: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.stage = stage
+        self.rank = rank
+
+
+def chain_remote(error: WorkerError, failure: RemoteFailure) -> WorkerError:
+    """Attach the rebuilt remote exception (or the bare remote traceback) as the cause."""
+    original: Any = failure.rebuild()
+    error.__cause__ = original if original is not None else RemoteTraceback(failure.traceback)
+    return error

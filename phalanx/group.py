@@ -1,0 +1,547 @@
+"""``WorkerGroup``: start a group of ranks, call methods on them, watch them, stop them."""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import itertools
+import logging
+import os
+import socket
+import sys
+import time
+import types
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any, Union
+
+from phalanx import config, wire
+from phalanx.backends import Backend, WorkerSpec, create_backend
+from phalanx.console import Progress
+from phalanx.dispatch import Dispatcher, Slot
+from phalanx.errors import (
+    GroupClosed,
+    PhalanxError,
+    RemoteFailure,
+    SerializationError,
+    StartupError,
+    ProcessFailure,
+    WorkerDied,
+)
+from phalanx.frameworks import Layout, check_framework, merge_env, rank_env
+from phalanx.futures import GroupFuture, RankFuture
+
+logger = logging.getLogger(__name__)
+
+Workers = Union[str, int, Sequence[int]]
+"""``"all"``, ``"any"`` (first live rank), ``"ready"`` (live ranks only), or ranks."""
+
+_live_groups: weakref.WeakSet[WorkerGroup] = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_at_exit() -> None:
+    for group in list(_live_groups):
+        group.shutdown()
+
+
+@dataclasses.dataclass(frozen=True)
+class RankHealth:
+    """One rank's state as seen by the controller."""
+
+    rank: int
+    node: int
+    pid: int | None
+    alive: bool
+    calls_in_flight: int
+    exitcode: int | None
+
+
+def select_ranks(workers: Workers, alive: Sequence[bool]) -> list[int]:
+    """Resolve a ``workers=`` selection to ranks (pure). Explicit dead ranks are kept: the
+    caller reports them; ``"ready"`` and ``"any"`` skip them."""
+    world = len(alive)
+    if isinstance(workers, str):
+        if workers == "all":
+            return list(range(world))
+        if workers == "ready":
+            return [r for r in range(world) if alive[r]]
+        if workers == "any":
+            for r in range(world):
+                if alive[r]:
+                    return [r]
+            return []
+        raise ValueError(f"workers={workers!r}: expected 'all', 'any', 'ready' or a list of ranks")
+    ranks = [workers] if isinstance(workers, int) else list(workers)
+    for r in ranks:
+        if not isinstance(r, int) or isinstance(r, bool):
+            raise TypeError(f"workers must hold integer ranks, got {r!r}")
+        if not 0 <= r < world:
+            raise ValueError(f"rank {r} is outside this group's ranks 0..{world - 1}")
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"workers={ranks} names a rank twice")
+    return sorted(ranks)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class _MethodProxy:
+    """``group.train.call(batch)`` reads as ``group.call("train", batch)``."""
+
+    def __init__(self, group: WorkerGroup, method: str) -> None:
+        self._group = group
+        self._method = method
+
+    def call(self, *args: Any, **kwargs: Any) -> list[Any]:
+        return self._group.call(self._method, *args, **kwargs)
+
+    def call_async(self, *args: Any, **kwargs: Any) -> GroupFuture:
+        return self._group.call_async(self._method, *args, **kwargs)
+
+    def map(self, *args: Any, **kwargs: Any) -> list[Any]:
+        return self._group.map(self._method, *args, **kwargs)
+
+    def map_async(self, *args: Any, **kwargs: Any) -> GroupFuture:
+        return self._group.map_async(self._method, *args, **kwargs)
+
+    def call_one(self, rank: int, *args: Any, **kwargs: Any) -> Any:
+        return self._group.call_one(rank, self._method, *args, **kwargs)
+
+
+class WorkerGroup:
+    """A group of worker processes, each holding one instance of ``target``.
+
+    ``target`` is a class (or any picklable callable returning the worker object), or a
+    module whose functions become the methods. It is constructed once per rank, after the
+    rank's environment is set, with ``args``/``kwargs``. The constructor returns once every
+    rank is ready, or raises :class:`StartupError` having stopped them all.
+    """
+
+    def __init__(
+        self,
+        target: Any,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        *,
+        nodes: int = 1,
+        procs_per_node: int = 1,
+        env: Mapping[str, str] | None = None,
+        rank_env: Mapping[int, Mapping[str, str]] | None = None,
+        framework: str | None = None,
+        backend: str = "local",
+        concurrency: int = 1,
+        start_timeout: float | None = None,
+        echo_output: bool = True,
+        cwd: str | None = None,
+    ) -> None:
+        settings = config.Settings.from_env()
+        if not (callable(target) or isinstance(target, types.ModuleType)):
+            raise TypeError(f"target must be a class, a callable or a module, got {target!r}")
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(f"args must be a tuple or list, got {type(args).__name__}")
+        if kwargs is not None and not isinstance(kwargs, Mapping):
+            raise TypeError(f"kwargs must be a mapping, got {type(kwargs).__name__}")
+        if not isinstance(concurrency, int) or isinstance(concurrency, bool) or concurrency < 1:
+            raise ValueError(f"concurrency must be a positive integer, got {concurrency!r}")
+        check_framework(framework)
+        self._layout = Layout(nodes, procs_per_node)
+        if rank_env is not None:
+            bad = [r for r in rank_env if not (isinstance(r, int) and 0 <= r < self.world_size)]
+            if bad:
+                raise ValueError(f"rank_env names ranks {bad} outside 0..{self.world_size - 1}")
+        self._start_timeout = settings.start_timeout if start_timeout is None else start_timeout
+        if self._start_timeout <= 0:
+            raise ValueError(f"start_timeout must be positive, got {self._start_timeout!r}")
+        self._progress = settings.progress
+        self._target_name = getattr(target, "__qualname__", getattr(target, "__name__", "target"))
+        try:
+            self._init_payload = wire.dumps((target, tuple(args), dict(kwargs or {})))
+        except Exception as exc:
+            raise SerializationError(
+                f"could not pickle the target or its constructor arguments: "
+                f"{type(exc).__name__}: {exc}",
+                stage="pickling the constructor arguments",
+            ) from exc
+        self._init_options = {"concurrency": concurrency, "framework": framework}
+        self._user_env = dict(env or {})
+        self._rank_env = {r: dict(e) for r, e in (rank_env or {}).items()}
+        self._cwd = cwd or os.getcwd()
+        self._call_ids = itertools.count(1)
+        self._closed = False
+        self._methods: list[str] | None = None
+        self._backend: Backend = create_backend(backend, echo_output=echo_output)
+        self._dispatcher = Dispatcher(on_death=self._on_death)
+        self._slots: list[Slot | None] = [None] * self.world_size
+        self._master_addr = self._backend.rendezvous_address()
+        self._master_port = _free_port(self._master_addr)
+        self._specs = [self._spec(rank) for rank in range(self.world_size)]  # env errors first
+        try:
+            self._start_ranks(list(range(self.world_size)))
+        except BaseException:
+            self._closed = True
+            self._dispatcher.release()
+            self._backend.close()
+            raise
+        _live_groups.add(self)
+        logger.info("started %d workers of %s", self.world_size, self._target_name)
+
+    # -- layout -----------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return self._layout.world_size
+
+    @property
+    def nodes(self) -> int:
+        return self._layout.nodes
+
+    @property
+    def procs_per_node(self) -> int:
+        return self._layout.procs_per_node
+
+    @property
+    def methods(self) -> list[str]:
+        """Public methods of the worker object (as reported by the workers at start-up)."""
+        return list(self._methods or [])
+
+    def _spec(self, rank: int) -> WorkerSpec:
+        generic = rank_env(self._layout, rank, self._master_addr, self._master_port)
+        env = merge_env(os.environ, generic, self._user_env, self._rank_env.get(rank))
+        return WorkerSpec(
+            rank=rank,
+            node=self._layout.node_of(rank),
+            local_rank=self._layout.local_rank_of(rank),
+            env=env,
+            cwd=self._cwd,
+        )
+
+    # -- start-up ---------------------------------------------------------------------
+
+    def _start_ranks(self, ranks: list[int]) -> None:
+        handles = self._backend.start([self._specs[r] for r in ranks])
+        slots = [Slot(h.rank, h.node, h) for h in handles]
+        init = wire.frame(
+            [wire.header(wire.INIT, 0, list(sys.path), self._init_options), *self._init_payload]
+        )
+        for slot in slots:
+            self._slots[slot.rank] = slot
+            self._dispatcher.add(slot)
+            try:
+                slot.conn.send(init)
+            except wire.ConnectionLost:
+                pass  # its death is reported below
+        try:
+            self._await_ready(slots)
+        except BaseException:
+            for slot in slots:
+                self._dispatcher.remove(slot)
+            self._backend.stop([s.handle for s in slots], grace=0.0, force=True)
+            raise
+        if self._methods is None:
+            self._methods = slots[0].methods
+
+    def _await_ready(self, slots: list[Slot]) -> None:
+        progress = Progress(
+            f"starting {len(slots)} workers", len(slots), enabled=self._progress
+        )
+        deadline = time.monotonic() + self._start_timeout
+        try:
+            while True:
+                step = min(0.1, deadline - time.monotonic()) if progress.enabled else None
+                if step is None:
+                    step = deadline - time.monotonic()
+                all_settled = self._dispatcher.wait(
+                    lambda: all(s.settled_start() for s in slots), max(step, 0.0)
+                )
+                progress.update(sum(s.ready for s in slots))
+                failed = [s for s in slots if s.init_failure is not None or not s.alive]
+                if failed:
+                    raise self._startup_error(min(failed, key=lambda s: s.rank))
+                if all_settled:
+                    return
+                if time.monotonic() >= deadline:
+                    late = [s.rank for s in slots if not s.ready]
+                    raise StartupError(
+                        f"ranks {late} did not become ready within {self._start_timeout:g} s; "
+                        f"raise start_timeout= (or {config.ENV_START_TIMEOUT}) if "
+                        f"{self._target_name}() is slow to construct",
+                        rank=late[0],
+                    )
+        finally:
+            progress.close()
+
+    def _startup_error(self, slot: Slot) -> StartupError:
+        failure: RemoteFailure | None = slot.init_failure
+        if failure is not None:
+            error = StartupError(
+                f"rank {slot.rank} (node {slot.node}, pid {slot.pid}) failed while "
+                f"{failure.stage}: {failure.exc_type}: {failure.message}\n\n"
+                f"Remote traceback:\n{failure.traceback.rstrip()}",
+                rank=slot.rank,
+                traceback=failure.traceback,
+            )
+            original = failure.rebuild()
+            if original is not None:
+                error.__cause__ = original
+            return error
+        assert slot.failure is not None
+        died = WorkerDied(slot.failure)
+        error = StartupError(f"rank {slot.rank} died during start-up: {died}", rank=slot.rank)
+        error.__cause__ = died
+        return error
+
+    # -- calls ------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise GroupClosed("this WorkerGroup has been shut down")
+
+    def _check_method(self, method: str) -> None:
+        if not isinstance(method, str):
+            raise TypeError(f"method must be a name (str), got {method!r}")
+        if self._methods is not None and method not in self._methods and not method.startswith("_"):
+            raise AttributeError(
+                f"{self._target_name} has no method {method!r}; "
+                f"available: {', '.join(self._methods) or 'none'}"
+            )
+
+    def _live_ranks(self, workers: Workers) -> list[int]:
+        self._check_open()
+        if workers in ("ready", "any"):
+            self._dispatcher.poll_now()  # learn of deaths that already happened
+        alive = [s is not None and s.alive for s in self._slots]
+        ranks = select_ranks(workers, alive)
+        for r in ranks:
+            slot = self._slots[r]
+            if slot is None or not slot.alive:
+                raise WorkerDied(slot.failure if slot is not None else None)  # type: ignore[arg-type]
+        if workers == "any" and not ranks:
+            raise GroupClosed("workers='any': no rank of this group is alive")
+        return ranks
+
+    def _encode(self, args: tuple, kwargs: dict, rank: int | None = None) -> list[Any]:
+        try:
+            return wire.dumps_fast((args, kwargs))
+        except Exception as exc:
+            where = "" if rank is None else f" for rank {rank}"
+            raise SerializationError(
+                f"could not pickle the arguments{where}: {type(exc).__name__}: {exc}; "
+                "nothing was sent",
+                stage="pickling the arguments",
+                rank=rank,
+            ) from exc
+
+    def _send(self, method: str, ranks: list[int], payloads: list[list[Any]]) -> GroupFuture:
+        call_id = next(self._call_ids)
+        head = wire.header(wire.CALL, call_id, method)
+        dispatcher = self._dispatcher
+        futures = [RankFuture(r, method, dispatcher) for r in ranks]
+        group_future = GroupFuture(method, futures, dispatcher)
+        shared = wire.frame([head, *payloads[0]]) if len(payloads) == 1 else None
+        for i, (rank, rf) in enumerate(zip(ranks, futures)):
+            slot = self._slots[rank]
+            assert slot is not None
+            slot.pending[call_id] = rf
+            try:
+                slot.conn.send(shared if shared is not None else wire.frame([head, *payloads[i]]))
+            except wire.ConnectionLost:
+                pass  # the dispatcher fails it with WorkerDied when it processes the death
+            dispatcher.fail_if_dead(slot, call_id, rf)
+        return group_future
+
+    def call_async(self, method: str, *args: Any, workers: Workers = "all", **kwargs: Any) -> GroupFuture:
+        """Send the same arguments (pickled once) to every selected rank."""
+        self._check_method(method)
+        ranks = self._live_ranks(workers)
+        payload = self._encode(args, kwargs)
+        return self._send(method, ranks, [payload])
+
+    def call(
+        self,
+        method: str,
+        *args: Any,
+        workers: Workers = "all",
+        timeout: float | None = None,
+        **kwargs: Any,
+    ) -> list[Any]:
+        """Call ``method(*args, **kwargs)`` on the selected ranks; results in rank order."""
+        return self.call_async(method, *args, workers=workers, **kwargs).result(timeout)
+
+    def call_one(
+        self, rank: int, method: str, *args: Any, timeout: float | None = None, **kwargs: Any
+    ) -> Any:
+        """Call ``method`` on one rank and return its value."""
+        if not isinstance(rank, int) or isinstance(rank, bool):
+            raise TypeError(f"rank must be an integer, got {rank!r}")
+        return self.call_async(method, *args, workers=[rank], **kwargs).result(timeout)[0]
+
+    def map_async(
+        self, method: str, *arg_lists: Sequence[Any], workers: Workers = "all", **kwarg_lists: Sequence[Any]
+    ) -> GroupFuture:
+        """Each positional/keyword argument is a list with one item per selected rank."""
+        self._check_method(method)
+        ranks = self._live_ranks(workers)
+        n = len(ranks)
+        named = [(f"argument {i}", v) for i, v in enumerate(arg_lists)]
+        named += [(f"keyword {k!r}", v) for k, v in kwarg_lists.items()]
+        for label, values in named:
+            if not isinstance(values, (list, tuple)):
+                raise TypeError(f"map(): {label} must be a list with one item per rank, "
+                                f"got {type(values).__name__}")
+            if len(values) != n:
+                raise ValueError(
+                    f"map(): {label} has {len(values)} items but {n} ranks are selected"
+                )
+        payloads = [
+            self._encode(
+                tuple(a[i] for a in arg_lists), {k: v[i] for k, v in kwarg_lists.items()}, ranks[i]
+            )
+            for i in range(n)
+        ]
+        return self._send(method, ranks, payloads)
+
+    def map(
+        self,
+        method: str,
+        *arg_lists: Sequence[Any],
+        workers: Workers = "all",
+        timeout: float | None = None,
+        **kwarg_lists: Sequence[Any],
+    ) -> list[Any]:
+        """Call ``method`` with one item of each list per rank; results in rank order."""
+        return self.map_async(method, *arg_lists, workers=workers, **kwarg_lists).result(timeout)
+
+    def __getattr__(self, name: str) -> _MethodProxy:
+        methods = self.__dict__.get("_methods")
+        if methods is not None and name in methods:
+            return _MethodProxy(self, name)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    # -- watching ---------------------------------------------------------------------
+
+    def health(self) -> list[RankHealth]:
+        """Every rank's state now (deaths that already happened are taken into account)."""
+        if not self._closed:
+            self._dispatcher.poll_now()
+        report = []
+        for rank, slot in enumerate(self._slots):
+            if slot is None:
+                continue
+            report.append(
+                RankHealth(
+                    rank=rank,
+                    node=slot.node,
+                    pid=slot.pid,
+                    alive=slot.alive and not self._closed,
+                    calls_in_flight=len(slot.pending),
+                    exitcode=slot.failure.exitcode if slot.failure else None,
+                )
+            )
+        return report
+
+    def _on_death(self, slot: Slot) -> None:
+        if not self._closed and slot.failure is not None:
+            logger.warning("rank %d (pid %s) died: %s", slot.rank, slot.pid, slot.failure.cause)
+
+    # -- replacing workers ------------------------------------------------------------
+
+    def recreate(self, rank: int) -> None:
+        """Start a fresh process for ``rank`` (stopping the old one if it still runs), with the
+        same environment and constructor arguments."""
+        self._check_open()
+        (rank,) = select_ranks([rank], [True] * self.world_size)
+        old = self._slots[rank]
+        if old is not None:
+            self._retire([old], grace=config.DEFAULT_TERM_GRACE)
+        self._start_ranks([rank])
+        logger.info("recreated rank %d", rank)
+
+    def restart(self) -> None:
+        """Replace every worker process, keeping the layout (pending calls fail)."""
+        self._check_open()
+        self._retire([s for s in self._slots if s is not None], grace=config.DEFAULT_TERM_GRACE)
+        self._master_port = _free_port(self._master_addr)
+        self._specs = [self._spec(rank) for rank in range(self.world_size)]
+        self._start_ranks(list(range(self.world_size)))
+        logger.info("restarted %d workers", self.world_size)
+
+    def _retire(self, slots: list[Slot], *, grace: float, force: bool = False) -> None:
+        for slot in slots:
+            self._dispatcher.remove(slot)
+        self._backend.stop([s.handle for s in slots], grace=grace, force=force)
+        for slot in slots:
+            if slot.alive or slot.pending:
+                exitcode = slot.handle.exitcode(0)
+                slot.handle.wait_output_closed(0.2)
+                slot.failure = ProcessFailure(
+                    slot.rank, slot.node, slot.pid, exitcode, slot.handle.stderr_tail()
+                )
+                slot.alive = False
+                pending, slot.pending = slot.pending, {}
+                for rf in pending.values():
+                    rf._fail(WorkerDied(slot.failure, method=rf.method))
+
+    # -- shutdown ---------------------------------------------------------------------
+
+    def shutdown(
+        self,
+        cleanup: str | None = None,
+        timeout: float = config.DEFAULT_SHUTDOWN_TIMEOUT,
+        force: bool = False,
+    ) -> None:
+        """Stop every worker: optional ``cleanup`` method on all live ranks, a graceful exit
+        within ``timeout``, then SIGTERM and SIGKILL of each worker's process tree.
+
+        Idempotent. Pending calls end with :class:`GroupClosed`. On return no process the
+        group started is alive.
+        """
+        if self._closed:
+            return
+        deadline = time.monotonic() + timeout
+        slots = [s for s in self._slots if s is not None]
+        if cleanup is not None and not force:
+            try:
+                self.call(cleanup, workers="ready", timeout=timeout)
+            except PhalanxError as exc:
+                logger.warning("cleanup method %r failed: %s", cleanup, exc)
+        self._closed = True
+        _live_groups.discard(self)
+        live = [s for s in slots if s.alive]
+        if not force:
+            bye = wire.frame([wire.header(wire.SHUTDOWN, 0)])
+            for slot in live:
+                try:
+                    slot.conn.send(bye)
+                except wire.ConnectionLost:
+                    pass
+            self._backend.wait_exited([s.handle for s in live], max(0.0, deadline - time.monotonic()))
+        self._dispatcher.close(
+            lambda rf: GroupClosed(f"the group was shut down while {rf.method}() was pending "
+                                   f"on rank {rf.rank}"),
+            slots,
+        )
+        grace = min(config.DEFAULT_TERM_GRACE, max(0.0, deadline - time.monotonic()))
+        self._backend.stop([s.handle for s in slots], grace=grace, force=force)
+        for slot in slots:
+            slot.alive = False
+        self._dispatcher.release()
+        self._backend.close()
+        logger.info("shut down %d workers of %s", self.world_size, self._target_name)
+
+    def __enter__(self) -> WorkerGroup:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "running"
+        return (
+            f"<WorkerGroup {self._target_name} nodes={self.nodes} "
+            f"procs_per_node={self.procs_per_node} {state}>"
+        )
+

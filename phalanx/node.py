@@ -1,0 +1,196 @@
+"""Starting, watching and stopping worker processes on this machine.
+
+Used by the local backend (and, later, by each cluster agent for its node). A worker is a
+fresh interpreter running :mod:`phalanx.worker` in its own session (so a terminal's Ctrl-C
+reaches the controller only, and the worker's whole process tree can be signalled), with a
+connected control socket, piped stdout/stderr, and a pidfd whose readability *is* the
+death event.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import TypeVar
+
+from phalanx import config
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class _SpawnThread:
+    """Runs every ``Popen`` of this process on one long-lived daemon thread.
+
+    ``PR_SET_PDEATHSIG`` fires when the *thread* that forked the child exits, not the
+    process; spawning from a thread that lives as long as the process means workers die with
+    the controller and never with some short-lived thread of the user's.
+    """
+
+    _instance: _SpawnThread | None = None
+    _instance_lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="phalanx-spawn", daemon=True).start()
+
+    @classmethod
+    def get(cls) -> _SpawnThread:
+        with cls._instance_lock:
+            if cls._instance is None or cls._instance._pid != os.getpid():
+                cls._instance = cls()
+                cls._instance._pid = os.getpid()
+            return cls._instance
+
+    _pid = 0
+
+    def run(self, fn: Callable[[], T]) -> T:
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        self._jobs.put((fn, done))
+        ok, value = done.get()
+        if ok:
+            return value
+        raise value
+
+    def _run(self) -> None:
+        while True:
+            fn, done = self._jobs.get()
+            try:
+                done.put((True, fn()))
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                done.put((False, exc))
+
+
+class LocalProcess:
+    """One worker process on this machine, and the controller's end of its control socket."""
+
+    def __init__(self, popen: subprocess.Popen, sock: socket.socket) -> None:
+        self.popen = popen
+        self.pid = popen.pid
+        self.sock = sock
+        try:
+            self.death_fd: int | None = os.pidfd_open(popen.pid)
+        except (AttributeError, OSError):  # pre-5.3 kernels, other platforms
+            self.death_fd = None
+        # The log pump owns the pipe descriptors: take our own copies, close Popen's.
+        self.stdout_fd = os.dup(popen.stdout.fileno())  # type: ignore[union-attr]
+        self.stderr_fd = os.dup(popen.stderr.fileno())  # type: ignore[union-attr]
+        popen.stdout.close()  # type: ignore[union-attr]
+        popen.stderr.close()  # type: ignore[union-attr]
+
+    def exitcode(self, timeout: float = 0.0) -> int | None:
+        """Reap and return the exit code; None if still running after ``timeout``."""
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def signal_tree(self, sig: int) -> None:
+        """Send ``sig`` to the worker and everything in its session's process group."""
+        _signal_descendants(self.pid, sig)
+        try:
+            os.killpg(self.pid, sig)  # the worker is its own session and group leader
+        except (ProcessLookupError, PermissionError):
+            pass
+        if self.popen.returncode is None:
+            try:
+                self.popen.send_signal(sig)
+            except ProcessLookupError:
+                pass
+
+    def release(self) -> None:
+        """Close the pidfd (the control socket belongs to its Connection)."""
+        if self.death_fd is not None:
+            os.close(self.death_fd)
+            self.death_fd = None
+
+
+def _signal_descendants(pid: int, sig: int) -> None:
+    """Signal the descendants that left the worker's process group (e.g. via setsid)."""
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover - psutil is a core dependency
+        return
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return
+    for child in children:
+        try:
+            child.send_signal(sig)
+        except psutil.Error:
+            pass
+
+
+def spawn_worker(env: Mapping[str, str], cwd: str | None = None) -> LocalProcess:
+    """Start ``python -m phalanx.worker`` with ``env`` and a control socket."""
+    parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    child_fd = child_sock.fileno()
+    full_env = dict(env)
+    full_env[config.ENV_FD] = str(child_fd)
+    full_env[config.ENV_PARENT_PID] = str(os.getpid())
+
+    def start() -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "phalanx.worker"],
+            env=full_env,
+            cwd=cwd,
+            pass_fds=(child_fd,),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+
+    try:
+        popen = _SpawnThread.get().run(start)
+    except BaseException:
+        parent_sock.close()
+        raise
+    finally:
+        child_sock.close()
+    return LocalProcess(popen, parent_sock)
+
+
+def stop_processes(
+    procs: Iterable[LocalProcess], *, grace: float = config.DEFAULT_TERM_GRACE, force: bool = False
+) -> None:
+    """SIGTERM every process tree, wait up to ``grace`` s, SIGKILL what is left, reap all.
+
+    With ``force`` it goes straight to SIGKILL. Also kills what dead workers left behind in
+    their process groups. Returns once every worker is reaped.
+    """
+    procs = list(procs)
+    if not force:
+        for proc in procs:
+            if proc.alive():
+                proc.signal_tree(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for proc in procs:
+            proc.exitcode(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        proc.signal_tree(signal.SIGKILL)
+    for proc in procs:
+        if proc.exitcode(10.0) is None:  # pragma: no cover - SIGKILL cannot be ignored
+            logger.error("worker pid %s did not exit after SIGKILL", proc.pid)
+
+
+def wait_all_exit(procs: Iterable[LocalProcess], timeout: float) -> list[LocalProcess]:
+    """Wait up to ``timeout`` for the processes to exit on their own; returns those still alive."""
+    deadline = time.monotonic() + timeout
+    alive = []
+    for proc in procs:
+        if proc.exitcode(max(0.0, deadline - time.monotonic())) is None:
+            alive.append(proc)
+    return alive

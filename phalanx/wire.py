@@ -1,0 +1,371 @@
+"""Framing, serialisation and the byte stream between the controller and a worker.
+
+A *frame* is a list of byte segments sent as one unit::
+
+    <u32 nseg><u64 body_len> <u64 len_0> ... <u64 len_{n-1}> <seg_0> ... <seg_{n-1}>
+
+Segment 0 is a small pickled header ``(kind, call_id, *extra)``; the remaining segments
+are an optional payload: one pickle stream followed by its protocol-5 out-of-band buffers.
+Large numpy arrays and torch CPU tensors therefore travel as their own segments, handed to
+``sendmsg`` as memoryviews and received in place into one preallocated buffer: the bytes are
+copied by the kernel and nowhere else.
+
+Sending never blocks the caller on a slow peer: what the socket does not take at once is
+queued on the connection and written by a :class:`BacklogWriter` thread. That keeps both
+sides reading while they write, so two peers sending to each other cannot deadlock.
+
+This module knows nothing of workers or groups; it only moves frames.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import os
+import pickle
+import select
+import socket
+import struct
+import threading
+from typing import Any
+
+import cloudpickle
+
+logger = logging.getLogger(__name__)
+
+# Message kinds (first element of every header).
+CALL = 1  # controller -> worker: (CALL, call_id, method) + payload(args, kwargs)
+RESULT = 2  # worker -> controller: (RESULT, call_id) + payload(value)
+ERROR = 3  # worker -> controller: (ERROR, call_id, RemoteFailure-tuple)
+INIT = 4  # controller -> worker: (INIT, 0, sys_path, options) + payload(target, args, kwargs)
+READY = 5  # worker -> controller: (READY, 0, pid, method_names)
+INIT_ERROR = 6  # worker -> controller: (INIT_ERROR, 0, RemoteFailure-tuple)
+SHUTDOWN = 7  # controller -> worker: (SHUTDOWN, 0)
+
+_PREFIX = struct.Struct("<IQ")
+_LEN = struct.Struct("<Q")
+_RECV_CHUNK = 256 * 1024
+# Frames at least this large are received in place into their own buffer instead of
+# being accumulated in the stream buffer and sliced out of it.
+_BIG_FRAME = 512 * 1024
+_SOCKET_BUFFER = 4 * 1024 * 1024
+_MAX_SEGMENTS = 512  # well under IOV_MAX
+
+
+class ConnectionLost(Exception):
+    """The peer closed the stream or the socket failed (internal, never reaches users)."""
+
+
+# --------------------------------------------------------------------------- serialisation
+
+
+def dumps(obj: Any) -> list[Any]:
+    """Pickle ``obj`` into ``[stream, *out_of_band_buffers]`` (cloudpickle, protocol 5).
+
+    Classes and functions from ``__main__``, notebooks and closures are pickled by value;
+    contiguous buffers (numpy, torch CPU tensors) are returned as memoryviews, not copied.
+    """
+    buffers: list[pickle.PickleBuffer] = []
+    stream = cloudpickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    if not buffers:
+        return [stream]
+    return [stream, *(b.raw() for b in buffers)]
+
+
+_PLAIN_TYPES = (int, float, str, bytes, bool, type(None))
+
+
+def _is_plain(obj: Any, depth: int = 0) -> bool:
+    """True for small builtin data that the stdlib pickler handles exactly like cloudpickle."""
+    if type(obj) in _PLAIN_TYPES:
+        return True
+    if depth < 3 and type(obj) in (tuple, list):
+        return len(obj) <= 16 and all(_is_plain(x, depth + 1) for x in obj)
+    if depth < 3 and type(obj) is dict:
+        return len(obj) <= 16 and all(
+            type(k) is str and _is_plain(v, depth + 1) for k, v in obj.items()
+        )
+    return False
+
+
+def dumps_fast(obj: Any) -> list[Any]:
+    """Like :func:`dumps`, with a shortcut through the C pickler for small builtin data."""
+    if _is_plain(obj):
+        return [pickle.dumps(obj, protocol=5)]
+    return dumps(obj)
+
+
+def loads(segments: list[Any]) -> Any:
+    """Inverse of :func:`dumps`: ``segments[0]`` is the stream, the rest its buffers."""
+    return pickle.loads(segments[0], buffers=segments[1:])
+
+
+def header(*fields: Any) -> bytes:
+    return pickle.dumps(fields, protocol=5)
+
+
+def frame(segments: list[Any]) -> list[Any]:
+    """Prefix ``segments`` with the frame header; the result goes to ``sendmsg`` as is."""
+    lengths = [memoryview(s).nbytes for s in segments]
+    table = struct.pack(f"<{len(lengths)}Q", *lengths)
+    prefix = _PREFIX.pack(len(segments), len(table) + sum(lengths))
+    return [prefix + table, *segments]
+
+
+# --------------------------------------------------------------------------- receiving
+
+
+class FrameReader:
+    """Incremental frame parser over one stream socket (blocking or not)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._buf = bytearray()
+        self._chunk = bytearray(_RECV_CHUNK)
+        # A large frame being received in place: (buffer, bytes filled, segment lengths).
+        self._big: tuple[bytearray, int, tuple[int, ...]] | None = None
+
+    def recv_frames(self, flags: int = 0) -> list[list[Any]]:
+        """Receive once and return every frame now complete (possibly none).
+
+        With ``flags=socket.MSG_DONTWAIT`` it returns ``[]`` instead of blocking.
+        Raises :class:`ConnectionLost` at end of stream.
+        """
+        if self._big is not None:
+            return self._fill_big(flags)
+        try:
+            n = self._sock.recv_into(self._chunk, _RECV_CHUNK, flags)
+        except (BlockingIOError, InterruptedError):
+            return []
+        except OSError as exc:
+            raise ConnectionLost(str(exc)) from exc
+        if n == 0:
+            raise ConnectionLost("end of stream")
+        with memoryview(self._chunk) as mv:
+            self._buf += mv[:n]
+        return self._parse()
+
+    def _parse(self) -> list[list[Any]]:
+        frames = []
+        buf = self._buf
+        size = len(buf)
+        pos = 0
+        with memoryview(buf) as mv:
+            while size - pos >= _PREFIX.size:
+                nseg, body = _PREFIX.unpack_from(buf, pos)
+                start = pos + _PREFIX.size
+                end = start + body
+                if end > size:
+                    table_end = start + 8 * nseg
+                    if body >= _BIG_FRAME and table_end <= size:
+                        lengths = struct.unpack_from(f"<{nseg}Q", buf, start)
+                        target = bytearray(end - table_end)
+                        have = size - table_end
+                        target[:have] = mv[table_end:size]
+                        self._big = (target, have, lengths)
+                        pos = size
+                    break
+                lengths = struct.unpack_from(f"<{nseg}Q", buf, start)
+                off = start + 8 * nseg
+                segs = []
+                for length in lengths:
+                    segs.append(bytes(mv[off : off + length]))
+                    off += length
+                frames.append(segs)
+                pos = end
+        if pos:
+            del buf[:pos]
+        if self._big is not None and self._big[1] == len(self._big[0]):
+            frames.append(self._finish_big())
+        return frames
+
+    def _fill_big(self, flags: int) -> list[list[Any]]:
+        target, have, lengths = self._big  # type: ignore[misc]
+        try:
+            with memoryview(target) as mv:
+                n = self._sock.recv_into(mv[have:], len(target) - have, flags)
+        except (BlockingIOError, InterruptedError):
+            return []
+        except OSError as exc:
+            raise ConnectionLost(str(exc)) from exc
+        if n == 0:
+            raise ConnectionLost("end of stream")
+        have += n
+        self._big = (target, have, lengths)
+        if have < len(target):
+            return []
+        return [self._finish_big()]
+
+    def _finish_big(self) -> list[Any]:
+        target, _, lengths = self._big  # type: ignore[misc]
+        self._big = None
+        mv = memoryview(target)
+        segs: list[Any] = []
+        off = 0
+        for length in lengths:
+            segs.append(mv[off : off + length])
+            off += length
+        segs[0] = bytes(segs[0])
+        return segs
+
+
+# --------------------------------------------------------------------------- sending
+
+
+def _advance(segments: collections.deque, sent: int) -> None:
+    """Drop ``sent`` bytes from the front of a deque of byte segments."""
+    while sent:
+        head = segments[0]
+        size = memoryview(head).nbytes
+        if sent >= size:
+            segments.popleft()
+            sent -= size
+        else:
+            segments[0] = memoryview(head).cast("B")[sent:]
+            sent = 0
+
+
+class Connection:
+    """One framed, full-duplex channel over a connected stream socket.
+
+    ``send`` may be called from any thread and never blocks on the peer; receiving is done
+    by one thread at a time (the worker's main loop, or the controller's dispatcher).
+    """
+
+    def __init__(self, sock: socket.socket, writer: BacklogWriter) -> None:
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, opt, _SOCKET_BUFFER)
+            except OSError:  # pragma: no cover - the kernel caps it, which is fine
+                pass
+        self.sock = sock
+        self.fileno = sock.fileno()
+        self.reader = FrameReader(sock)
+        self._lock = threading.Lock()
+        self._backlog: collections.deque = collections.deque()
+        self._writer = writer
+        self.broken: BaseException | None = None
+        self.closed = False
+
+    def send(self, segments: list[Any]) -> None:
+        """Queue one frame (already built by :func:`frame`); raises ConnectionLost if broken."""
+        with self._lock:
+            if self.broken is not None or self.closed:
+                raise ConnectionLost(f"connection is closed ({self.broken or 'closed'})")
+            if self._backlog:
+                self._backlog.extend(segments)
+                return
+            total = 0
+            for s in segments:
+                total += memoryview(s).nbytes
+            try:
+                sent = self.sock.sendmsg(segments[:_MAX_SEGMENTS], (), socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as exc:
+                self.broken = exc
+                raise ConnectionLost(str(exc)) from exc
+            if sent == total:
+                return
+            self._backlog.extend(segments)
+            _advance(self._backlog, sent)
+        self._writer.schedule(self)
+
+    def _flush_some(self) -> bool:
+        """Write what the socket takes now; True when the backlog is empty (writer thread)."""
+        with self._lock:
+            while self._backlog:
+                chunk = list(self._backlog)[:_MAX_SEGMENTS]
+                try:
+                    sent = self.sock.sendmsg(chunk, (), socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    return False
+                except OSError as exc:
+                    self.broken = exc
+                    self._backlog.clear()
+                    return True
+                _advance(self._backlog, sent)
+            return True
+
+    def has_backlog(self) -> bool:
+        return bool(self._backlog)
+
+    def close(self) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            self._backlog.clear()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+class BacklogWriter:
+    """A thread that writes queued bytes to connections whose peer was not reading fast enough.
+
+    It is idle (blocked in ``poll``) unless some send could not complete at once.
+    """
+
+    def __init__(self, name: str = "phalanx-writer") -> None:
+        self._pending: set[Connection] = set()
+        self._lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def schedule(self, conn: Connection) -> None:
+        with self._lock:
+            self._pending.add(conn)
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass  # a wake-up is already pending
+        except OSError as exc:
+            if exc.errno != errno.EBADF:
+                raise
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake()
+        self._thread.join(timeout=5)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def _run(self) -> None:
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        registered: dict[int, Connection] = {}
+        while not self._stopped:
+            with self._lock:
+                wanted = {c.fileno: c for c in self._pending if not c.closed}
+                self._pending.clear()
+            for fd, conn in wanted.items():
+                if fd not in registered:
+                    poller.register(fd, select.POLLOUT)
+                registered[fd] = conn  # a closed connection's fd may have been reused
+            for fd, conn in list(registered.items()):
+                if conn.closed or conn._flush_some():
+                    poller.unregister(fd)
+                    del registered[fd]
+            try:
+                events = poller.poll()
+            except InterruptedError:  # pragma: no cover
+                continue
+            for fd, _ in events:
+                if fd == self._wake_r:
+                    try:
+                        while os.read(self._wake_r, 4096):
+                            pass
+                    except BlockingIOError:
+                        pass
+                # Writable connections are flushed at the top of the next iteration.

@@ -1,0 +1,281 @@
+"""The worker process: ``python -m phalanx.worker``.
+
+It is started with its rank environment already set and a connected control socket whose
+file descriptor is in ``PHALANX_FD``. It then
+
+1. arranges to die with the controller (``PR_SET_PDEATHSIG`` plus a re-check of the parent,
+   and a watchdog on the control socket's hang-up as the portable fallback);
+2. receives ``INIT``: the controller's ``sys.path`` and the pickled target and constructor
+   arguments; builds the user object and answers ``READY`` (or ``INIT_ERROR``);
+3. serves ``CALL`` frames in the order they arrive on its main thread (or on a pool of
+   ``concurrency`` threads), answering ``RESULT`` or ``ERROR`` for each, until ``SHUTDOWN``
+   or end of stream.
+
+``sys.exit()`` in user code ends the worker with that code, as it would a script; any other
+exception is reported to the controller and the worker keeps serving.
+
+The same loop runs under every backend: it only needs a connected stream socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import os
+import pickle
+import select
+import socket
+import sys
+import threading
+import time
+import traceback
+import types
+from typing import Any
+
+import cloudpickle
+
+from phalanx import config, wire
+from phalanx.errors import RemoteFailure
+
+
+def _install_parent_death_signal(parent_pid: int) -> None:
+    """Have the kernel SIGKILL us when the controller dies, then close the fork/exec race."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        pr_set_pdeathsig = 1
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    if parent_pid and os.getppid() != parent_pid:
+        os._exit(1)  # the controller died before the signal was armed
+
+
+def _watch_for_hangup(sock: socket.socket) -> None:
+    """Exit when the controller's end of the socket closes, even if user code never returns."""
+
+    def watch() -> None:
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLRDHUP)
+        while True:
+            try:
+                events = poller.poll()
+            except InterruptedError:  # pragma: no cover
+                continue
+            except (OSError, ValueError):
+                return
+            if events:
+                break
+        time.sleep(config.ORPHAN_GRACE)  # let an orderly exit of the main thread finish first
+        os._exit(1)
+
+    threading.Thread(target=watch, name="phalanx-hangup-watch", daemon=True).start()
+
+
+def public_methods(obj: Any) -> list[str]:
+    """Names of the public callables of ``obj``, without running any property."""
+    names = []
+    for name in dir(obj):
+        if name.startswith("_"):
+            continue
+        try:
+            attr = inspect.getattr_static(obj, name)
+        except AttributeError:
+            continue
+        if isinstance(attr, (staticmethod, classmethod)) or callable(attr):
+            names.append(name)
+    return names
+
+
+def _failure(exc: BaseException, stage: str) -> RemoteFailure:
+    text = "".join(traceback.format_exception(exc))
+    try:
+        message = str(exc)
+    except Exception:
+        message = f"<unprintable {type(exc).__name__}>"
+    try:
+        pickled: bytes | None = cloudpickle.dumps(exc, protocol=5)
+    except Exception:
+        pickled = None
+    return RemoteFailure(type(exc).__name__, message, text, stage, pickled)
+
+
+class _WorkerExit(Exception):
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+class WorkerRuntime:
+    """Builds the user object and serves calls over one connection."""
+
+    def __init__(self, conn: wire.Connection) -> None:
+        self.conn = conn
+        self.obj: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._early_frames: list[list[Any]] = []  # calls that arrived together with INIT
+
+    # -- start-up ---------------------------------------------------------------------
+
+    def initialise(self) -> bool:
+        """Wait for INIT, build the user object; False when that failed (already reported)."""
+        while True:
+            frames = self.conn.reader.recv_frames()
+            if frames:
+                break
+        segs = frames[0]
+        self._early_frames = frames[1:]
+        kind, _, sys_path, options = pickle.loads(segs[0])
+        if kind != wire.INIT:
+            raise RuntimeError(f"expected INIT, got message kind {kind}")
+        sys.path[:] = list(dict.fromkeys([*sys_path, *sys.path]))
+        stage = "unpickling the target"
+        try:
+            target, args, kwargs = wire.loads(segs[1:])
+            stage = "constructing the worker object"
+            if isinstance(target, types.ModuleType):
+                self.obj = target
+            else:
+                self.obj = target(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - reported to the controller
+            failure = _failure(exc, stage)
+            self.conn.send(wire.frame([wire.header(wire.INIT_ERROR, 0, failure.as_tuple())]))
+            return False
+        concurrency = options.get("concurrency", 1)
+        if concurrency > 1:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                concurrency, thread_name_prefix="phalanx-call"
+            )
+        ready = wire.header(wire.READY, 0, os.getpid(), public_methods(self.obj))
+        self.conn.send(wire.frame([ready]))
+        return True
+
+    # -- serving ----------------------------------------------------------------------
+
+    def serve(self) -> int:
+        """Serve calls until SHUTDOWN or end of stream; returns the exit code."""
+        recv = self.conn.reader.recv_frames
+        run = self._run_call if self._pool is None else self._submit_call
+        loads = pickle.loads
+        frames, self._early_frames = self._early_frames, []
+        while True:
+            for segs in frames:
+                head = loads(segs[0])
+                kind = head[0]
+                if kind == wire.CALL:
+                    run(head[1], head[2], segs)
+                elif kind == wire.SHUTDOWN:
+                    return 0
+            try:
+                frames = recv()
+            except wire.ConnectionLost:
+                return 0
+
+    def _submit_call(self, call_id: int, method: str, segs: list[Any]) -> None:
+        assert self._pool is not None
+        self._pool.submit(self._run_call_guarded, call_id, method, segs)
+
+    def _run_call_guarded(self, call_id: int, method: str, segs: list[Any]) -> None:
+        try:
+            self._run_call(call_id, method, segs)
+        except _WorkerExit as exc:
+            _flush_and_exit(self.conn, exc.code)
+
+    def _run_call(self, call_id: int, method: str, segs: list[Any]) -> None:
+        try:
+            args, kwargs = wire.loads(segs[1:])
+        except SystemExit as exc:
+            raise _WorkerExit(_exit_code_of(exc)) from None
+        except BaseException as exc:  # noqa: BLE001 - reported to the controller
+            self._send_error(call_id, exc, "unpickling the arguments")
+            return
+        try:
+            fn = getattr(self.obj, method)
+        except AttributeError:
+            available = ", ".join(public_methods(self.obj)) or "none"
+            exc = AttributeError(
+                f"{type(self.obj).__name__} has no method {method!r}; available: {available}"
+            )
+            self._send_error(call_id, exc, "looking up the method")
+            return
+        try:
+            result = fn(*args, **kwargs)
+            if inspect.isawaitable(result):
+                result = self._await(result)
+        except SystemExit as exc:
+            raise _WorkerExit(_exit_code_of(exc)) from None
+        except BaseException as exc:  # noqa: BLE001 - reported to the controller
+            self._send_error(call_id, exc, "running the method")
+            return
+        try:
+            payload = wire.dumps_fast(result)
+        except SystemExit as exc:
+            raise _WorkerExit(_exit_code_of(exc)) from None
+        except BaseException as exc:  # noqa: BLE001 - reported to the controller
+            self._send_error(call_id, exc, "pickling the result")
+            return
+        del result
+        self.conn.send(wire.frame([wire.header(wire.RESULT, call_id), *payload]))
+
+    def _await(self, awaitable: Any) -> Any:
+        if self._pool is None:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+            return self._loop.run_until_complete(awaitable)
+        return asyncio.run(_as_coroutine(awaitable))
+
+    def _send_error(self, call_id: int, exc: BaseException, stage: str) -> None:
+        failure = _failure(exc, stage)
+        self.conn.send(wire.frame([wire.header(wire.ERROR, call_id, failure.as_tuple())]))
+
+
+async def _as_coroutine(awaitable: Any) -> Any:
+    return await awaitable
+
+
+def _exit_code_of(exc: SystemExit) -> int:
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _flush_and_exit(conn: wire.Connection, code: int, wait: float = 1.0) -> None:
+    deadline = time.monotonic() + wait
+    while conn.has_backlog() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def main() -> None:
+    fd = int(os.environ.pop(config.ENV_FD))
+    parent = int(os.environ.pop(config.ENV_PARENT_PID, "0"))
+    _install_parent_death_signal(parent)
+    sock = socket.socket(fileno=fd)
+    sock.set_inheritable(False)
+    _watch_for_hangup(sock)
+    conn = wire.Connection(sock, wire.BacklogWriter("phalanx-worker-writer"))
+    runtime = WorkerRuntime(conn)
+    try:
+        if not runtime.initialise():
+            _flush_and_exit(conn, 1)
+        code = runtime.serve()
+    except _WorkerExit as exc:
+        _flush_and_exit(conn, exc.code)
+    except wire.ConnectionLost:
+        code = 0
+    deadline = time.monotonic() + 1.0
+    while conn.has_backlog() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
