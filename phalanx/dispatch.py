@@ -64,7 +64,8 @@ class Dispatcher:
     """Receives for every worker of one group; driven by the threads that wait."""
 
     def __init__(self, on_death: Callable[[Slot], None] | None = None) -> None:
-        self._poller = select.poll()
+        # epoll: waiting costs the same however many workers the group has.
+        self._poller = select.epoll() if hasattr(select, "epoll") else select.poll()
         self._by_fd: dict[int, tuple[Slot, bool]] = {}  # fd -> (slot, is_death_fd)
         self._cond = threading.Condition(threading.Lock())
         self._pumping = False
@@ -73,6 +74,8 @@ class Dispatcher:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._poller.register(self._wake_r, select.POLLIN)
+        self._poll = self._poller.poll
+        self._epoll = hasattr(select, "epoll")
         self._on_death = on_death
         self._closed = False
 
@@ -150,12 +153,14 @@ class Dispatcher:
                 self._cond.notify_all()
 
     def _pump(self, timeout: float | None) -> None:
-        if timeout is None:
-            ms = None
+        if self._epoll:
+            wait = -1 if timeout is None else timeout
+        elif timeout is None:
+            wait = None
         else:
-            ms = int(timeout * 1000) + 1 if timeout > 0 else 0
+            wait = int(timeout * 1000) + 1 if timeout > 0 else 0
         try:
-            events = self._poller.poll(ms)
+            events = self._poll(wait)
         except InterruptedError:  # pragma: no cover
             return
         for fd, _ in events:
@@ -276,6 +281,8 @@ class Dispatcher:
             self._cond.notify_all()
 
     def release(self) -> None:
+        if self._epoll:
+            self._poller.close()
         for fd in (self._wake_r, self._wake_w):
             try:
                 os.close(fd)

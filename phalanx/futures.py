@@ -27,7 +27,7 @@ _PENDING, _OK, _FAILED = 0, 1, 2
 class RankFuture:
     """The outcome of one call on one rank."""
 
-    __slots__ = ("rank", "method", "_dispatcher", "_state", "_payload", "_error", "_parent")
+    __slots__ = ("_dispatcher", "_error", "_parent", "_payload", "_state", "method", "rank")
 
     def __init__(self, rank: int, method: str, dispatcher: Dispatcher) -> None:
         self.rank = rank

@@ -22,10 +22,10 @@ from phalanx.dispatch import Dispatcher, Slot
 from phalanx.errors import (
     GroupClosed,
     PhalanxError,
+    ProcessFailure,
     RemoteFailure,
     SerializationError,
     StartupError,
-    ProcessFailure,
     WorkerDied,
 )
 from phalanx.frameworks import Layout, check_framework, merge_env, rank_env
@@ -173,6 +173,8 @@ class WorkerGroup:
         self._call_ids = itertools.count(1)
         self._closed = False
         self._methods: list[str] | None = None
+        self._method_set: frozenset[str] = frozenset()
+        self._all_ranks = list(range(self.world_size))
         self._backend: Backend = create_backend(backend, echo_output=echo_output)
         self._dispatcher = Dispatcher(on_death=self._on_death)
         self._slots: list[Slot | None] = [None] * self.world_size
@@ -243,6 +245,7 @@ class WorkerGroup:
             raise
         if self._methods is None:
             self._methods = slots[0].methods
+            self._method_set = frozenset(self._methods)
 
     def _await_ready(self, slots: list[Slot]) -> None:
         progress = Progress(
@@ -301,9 +304,11 @@ class WorkerGroup:
             raise GroupClosed("this WorkerGroup has been shut down")
 
     def _check_method(self, method: str) -> None:
+        if method in self._method_set:
+            return
         if not isinstance(method, str):
             raise TypeError(f"method must be a name (str), got {method!r}")
-        if self._methods is not None and method not in self._methods and not method.startswith("_"):
+        if self._methods is not None and not method.startswith("_"):
             raise AttributeError(
                 f"{self._target_name} has no method {method!r}; "
                 f"available: {', '.join(self._methods) or 'none'}"
@@ -311,6 +316,8 @@ class WorkerGroup:
 
     def _live_ranks(self, workers: Workers) -> list[int]:
         self._check_open()
+        if workers == "all" and all(s.alive for s in self._slots):  # type: ignore[union-attr]
+            return self._all_ranks
         if workers in ("ready", "any"):
             self._dispatcher.poll_now()  # learn of deaths that already happened
         alive = [s is not None and s.alive for s in self._slots]
@@ -342,15 +349,17 @@ class WorkerGroup:
         futures = [RankFuture(r, method, dispatcher) for r in ranks]
         group_future = GroupFuture(method, futures, dispatcher)
         shared = wire.frame([head, *payloads[0]]) if len(payloads) == 1 else None
-        for i, (rank, rf) in enumerate(zip(ranks, futures)):
-            slot = self._slots[rank]
-            assert slot is not None
-            slot.pending[call_id] = rf
+        slots = self._slots
+        for i, rank in enumerate(ranks):
+            slot = slots[rank]
+            rf = futures[i]
+            slot.pending[call_id] = rf  # type: ignore[union-attr]
             try:
-                slot.conn.send(shared if shared is not None else wire.frame([head, *payloads[i]]))
+                slot.conn.send(shared or wire.frame([head, *payloads[i]]))  # type: ignore[union-attr]
             except wire.ConnectionLost:
                 pass  # the dispatcher fails it with WorkerDied when it processes the death
-            dispatcher.fail_if_dead(slot, call_id, rf)
+            if not slot.alive:  # type: ignore[union-attr]
+                dispatcher.fail_if_dead(slot, call_id, rf)  # type: ignore[arg-type]
         return group_future
 
     def call_async(self, method: str, *args: Any, workers: Workers = "all", **kwargs: Any) -> GroupFuture:

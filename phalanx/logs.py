@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 
 class _Stream:
-    __slots__ = ("fd", "prefix", "is_stderr", "partial", "tail", "closed", "echo")
+    __slots__ = ("closed", "echo", "fd", "is_stderr", "partial", "prefix", "tail")
 
     def __init__(self, fd: int, prefix: str, is_stderr: bool, tail: collections.deque, echo: bool):
         self.fd = fd

@@ -73,24 +73,42 @@ def dumps(obj: Any) -> list[Any]:
     return [stream, *(b.raw() for b in buffers)]
 
 
-_PLAIN_TYPES = (int, float, str, bytes, bool, type(None))
+_PLAIN_TYPES = frozenset({int, float, str, bytes, bool, type(None)})
 
 
 def _is_plain(obj: Any, depth: int = 0) -> bool:
     """True for small builtin data that the stdlib pickler handles exactly like cloudpickle."""
-    if type(obj) in _PLAIN_TYPES:
+    kind = type(obj)
+    if kind in _PLAIN_TYPES:
         return True
-    if depth < 3 and type(obj) in (tuple, list):
-        return len(obj) <= 16 and all(_is_plain(x, depth + 1) for x in obj)
-    if depth < 3 and type(obj) is dict:
-        return len(obj) <= 16 and all(
-            type(k) is str and _is_plain(v, depth + 1) for k, v in obj.items()
-        )
+    if depth >= 3:
+        return False
+    if kind is tuple or kind is list:
+        if len(obj) > 16:
+            return False
+        for item in obj:
+            if type(item) not in _PLAIN_TYPES and not _is_plain(item, depth + 1):
+                return False
+        return True
+    if kind is dict:
+        if len(obj) > 16:
+            return False
+        for key, item in obj.items():
+            if type(key) is not str:
+                return False
+            if type(item) not in _PLAIN_TYPES and not _is_plain(item, depth + 1):
+                return False
+        return True
     return False
+
+
+_NO_ARGUMENTS = pickle.dumps(((), {}), protocol=5)
 
 
 def dumps_fast(obj: Any) -> list[Any]:
     """Like :func:`dumps`, with a shortcut through the C pickler for small builtin data."""
+    if obj == ((), {}):
+        return [_NO_ARGUMENTS]
     if _is_plain(obj):
         return [pickle.dumps(obj, protocol=5)]
     return dumps(obj)
@@ -105,12 +123,36 @@ def header(*fields: Any) -> bytes:
     return pickle.dumps(fields, protocol=5)
 
 
+_SMALL_FRAME = 64 * 1024
+_PREFIX_1 = struct.Struct("<IQQ")
+_PREFIX_2 = struct.Struct("<IQQQ")
+
+
 def frame(segments: list[Any]) -> list[Any]:
-    """Prefix ``segments`` with the frame header; the result goes to ``sendmsg`` as is."""
+    """Prefix ``segments`` with the frame header; the result goes to ``Connection.send``.
+
+    Small frames made of ``bytes`` are joined into one ``bytes`` (one plain ``send``);
+    larger ones stay a list of segments so that buffers are never copied.
+    """
+    n = len(segments)
+    if n == 1 and type(segments[0]) is bytes:
+        (a,) = segments
+        return [_PREFIX_1.pack(1, 8 + len(a), len(a)) + a]
+    if n == 2 and type(segments[0]) is bytes and type(segments[1]) is bytes:
+        a, b = segments
+        if len(b) < _SMALL_FRAME:
+            return [_PREFIX_2.pack(2, 16 + len(a) + len(b), len(a), len(b)) + a + b]
     lengths = [memoryview(s).nbytes for s in segments]
-    table = struct.pack(f"<{len(lengths)}Q", *lengths)
-    prefix = _PREFIX.pack(len(segments), len(table) + sum(lengths))
+    table = struct.pack(f"<{n}Q", *lengths)
+    prefix = _PREFIX.pack(n, len(table) + sum(lengths))
     return [prefix + table, *segments]
+
+
+def join_frames(frames: list[list[Any]]) -> list[Any]:
+    """Several framed messages as one segment list (to be sent with one system call)."""
+    if all(len(f) == 1 for f in frames):
+        return [b"".join(f[0] for f in frames)]
+    return [seg for f in frames for seg in f]
 
 
 # --------------------------------------------------------------------------- receiving
@@ -256,11 +298,15 @@ class Connection:
             if self._backlog:
                 self._backlog.extend(segments)
                 return
-            total = 0
-            for s in segments:
-                total += memoryview(s).nbytes
+            if len(segments) == 1 and type(segments[0]) is bytes:
+                total = len(segments[0])
+            else:
+                total = sum(memoryview(s).nbytes for s in segments)
             try:
-                sent = self.sock.sendmsg(segments[:_MAX_SEGMENTS], (), socket.MSG_DONTWAIT)
+                if len(segments) == 1:
+                    sent = self.sock.send(segments[0], socket.MSG_DONTWAIT)
+                else:
+                    sent = self.sock.sendmsg(segments[:_MAX_SEGMENTS], (), socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 sent = 0
             except OSError as exc:

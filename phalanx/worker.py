@@ -101,6 +101,10 @@ def _failure(exc: BaseException, stage: str) -> RemoteFailure:
     return RemoteFailure(type(exc).__name__, message, text, stage, pickled)
 
 
+_PLAIN_RESULTS = frozenset({type(None), int, float, str, bytes, bool, list, dict, tuple})
+_BATCH_WINDOW = 0.0005  # seconds: results held back for batching at most this long
+
+
 class _WorkerExit(Exception):
     def __init__(self, code: int) -> None:
         super().__init__(code)
@@ -116,6 +120,7 @@ class WorkerRuntime:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._early_frames: list[list[Any]] = []  # calls that arrived together with INIT
+        self._batch: list[list[Any]] | None = None  # result frames not yet sent
 
     # -- start-up ---------------------------------------------------------------------
 
@@ -159,19 +164,39 @@ class WorkerRuntime:
         recv = self.conn.reader.recv_frames
         run = self._run_call if self._pool is None else self._submit_call
         loads = pickle.loads
+        clock = time.perf_counter
         frames, self._early_frames = self._early_frames, []
         while True:
+            # Results of a burst of calls go out together, unless the burst runs long.
+            self._batch = [] if self._pool is None and len(frames) > 1 else None
+            started = clock()
             for segs in frames:
                 head = loads(segs[0])
                 kind = head[0]
                 if kind == wire.CALL:
                     run(head[1], head[2], segs)
+                    if self._batch and clock() - started > _BATCH_WINDOW:
+                        self._flush_batch()
+                        started = clock()
                 elif kind == wire.SHUTDOWN:
+                    self._flush_batch()
                     return 0
+            self._flush_batch()
             try:
                 frames = recv()
             except wire.ConnectionLost:
                 return 0
+
+    def _send(self, framed: list[Any]) -> None:
+        if self._batch is not None:
+            self._batch.append(framed)
+        else:
+            self.conn.send(framed)
+
+    def _flush_batch(self) -> None:
+        if self._batch:
+            batch, self._batch = self._batch, []
+            self.conn.send(wire.join_frames(batch))
 
     def _submit_call(self, call_id: int, method: str, segs: list[Any]) -> None:
         assert self._pool is not None
@@ -202,7 +227,7 @@ class WorkerRuntime:
             return
         try:
             result = fn(*args, **kwargs)
-            if inspect.isawaitable(result):
+            if type(result) not in _PLAIN_RESULTS and inspect.isawaitable(result):
                 result = self._await(result)
         except SystemExit as exc:
             raise _WorkerExit(_exit_code_of(exc)) from None
@@ -217,7 +242,7 @@ class WorkerRuntime:
             self._send_error(call_id, exc, "pickling the result")
             return
         del result
-        self.conn.send(wire.frame([wire.header(wire.RESULT, call_id), *payload]))
+        self._send(wire.frame([wire.header(wire.RESULT, call_id), *payload]))
 
     def _await(self, awaitable: Any) -> Any:
         if self._pool is None:
@@ -228,7 +253,7 @@ class WorkerRuntime:
 
     def _send_error(self, call_id: int, exc: BaseException, stage: str) -> None:
         failure = _failure(exc, stage)
-        self.conn.send(wire.frame([wire.header(wire.ERROR, call_id, failure.as_tuple())]))
+        self._send(wire.frame([wire.header(wire.ERROR, call_id, failure.as_tuple())]))
 
 
 async def _as_coroutine(awaitable: Any) -> Any:
