@@ -31,19 +31,30 @@ def _serve(conn: Connection, factory: Any) -> None:
 
 class PipePool:
     def __init__(self, factory: Any, n: int) -> None:
-        ctx = mp.get_context("spawn")
-        self.conns: list[Connection] = []
-        self.procs = []
-        for _ in range(n):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(child, factory), daemon=True)
-            proc.start()
-            child.close()
-            self.conns.append(parent)
-            self.procs.append(proc)
+        self._ctx = mp.get_context("spawn")
+        self._factory = factory
+        self.conns: list[Any] = [None] * n
+        self.procs: list[Any] = [None] * n
+        for i in range(n):
+            self._spawn(i)
         for conn in self.conns:
-            if conn.recv_bytes() != b"ready":
-                raise RuntimeError("worker failed to start")
+            self._await_ready(conn)
+
+    def _spawn(self, i: int) -> None:
+        parent, child = self._ctx.Pipe()
+        proc = self._ctx.Process(target=_serve, args=(child, self._factory), daemon=True)
+        proc.start()
+        child.close()
+        self.conns[i] = parent
+        self.procs[i] = proc
+
+    @staticmethod
+    def _await_ready(conn: Connection) -> None:
+        if conn.recv_bytes() != b"ready":
+            raise RuntimeError("worker failed to start")
+
+    def pids(self) -> list[int]:
+        return [proc.pid for proc in self.procs]
 
     def call(self, method: str, *args: Any) -> list[Any]:
         data = pickle.dumps((method, args), protocol=5)
@@ -63,14 +74,32 @@ class PipePool:
             pickle.loads(conn.recv_bytes())
             received += 1
 
-    def call_watching(self, method: str, *args: Any) -> None:
-        """One call to worker 0 that returns (or raises EOFError) when the worker dies."""
-        conn = self.conns[0]
-        conn.send_bytes(pickle.dumps((method, args), protocol=5))
-        wait([conn, self.procs[0].sentinel])
-        if not self.procs[0].is_alive() or not conn.poll():
+    def submit(self, i: int, method: str, *args: Any) -> None:
+        """Send one call to worker ``i``; collect it with :meth:`watch`."""
+        self.conns[i].send_bytes(pickle.dumps((method, args), protocol=5))
+
+    def watch(self, i: int) -> Any:
+        """The result of worker ``i``'s call; raises EOFError as soon as the worker dies."""
+        conn = self.conns[i]
+        wait([conn, self.procs[i].sentinel])
+        if not conn.poll():
             raise EOFError("worker died")
-        pickle.loads(conn.recv_bytes())
+        return pickle.loads(conn.recv_bytes())  # EOFError at end of stream
+
+    def call_watching(self, method: str, *args: Any) -> Any:
+        """One call to worker 0 that returns (or raises EOFError) when the worker dies."""
+        self.submit(0, method, *args)
+        return self.watch(0)
+
+    def restart(self, i: int) -> None:
+        """Replace worker ``i`` (killing it if it still runs) with a fresh one."""
+        proc = self.procs[i]
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+        self.conns[i].close()
+        self._spawn(i)
+        self._await_ready(self.conns[i])
 
     def close(self) -> None:
         stop = pickle.dumps((None, ()), protocol=5)

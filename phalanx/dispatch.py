@@ -78,6 +78,7 @@ class Dispatcher:
         self._epoll = hasattr(select, "epoll")
         self._on_death = on_death
         self._closed = False
+        self._released = False
 
     # -- membership -------------------------------------------------------------------
 
@@ -140,7 +141,7 @@ class Dispatcher:
                     cond.notify_all()
 
     def poll_now(self) -> None:
-        """Process whatever has already arrived, without blocking (no-op if another thread pumps)."""
+        """Process what has already arrived, without blocking (no-op if another thread pumps)."""
         with self._cond:
             if self._pumping:
                 return
@@ -153,6 +154,8 @@ class Dispatcher:
                 self._cond.notify_all()
 
     def _pump(self, timeout: float | None) -> None:
+        if self._released:
+            return
         if self._epoll:
             wait = -1 if timeout is None else timeout
         elif timeout is None:
@@ -267,7 +270,9 @@ class Dispatcher:
         self._forget(slot)
         self._wake()
 
-    def close(self, error_factory: Callable[[RankFuture], BaseException], slots: list[Slot]) -> None:
+    def close(
+        self, error_factory: Callable[[RankFuture], BaseException], slots: list[Slot]
+    ) -> None:
         """Fail every pending call (e.g. with GroupClosed) and stop watching all slots."""
         with self._cond:
             self._closed = True
@@ -281,6 +286,12 @@ class Dispatcher:
             self._cond.notify_all()
 
     def release(self) -> None:
+        deadline = time.monotonic() + 5.0
+        with self._cond:
+            # Let a leader finish its last poll (close() woke it) before the fds go away.
+            while self._pumping and time.monotonic() < deadline:
+                self._cond.wait(0.5)
+            self._released = True
         if self._epoll:
             self._poller.close()
         for fd in (self._wake_r, self._wake_w):

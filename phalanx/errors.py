@@ -73,7 +73,7 @@ class RemoteFailure:
 
         try:
             exc = pickle.loads(self.pickled)
-        except Exception:
+        except Exception:  # noqa: BLE001 - any failure to rebuild means "keep the text only"
             return None
         if not isinstance(exc, BaseException):
             return None
@@ -99,7 +99,10 @@ class WorkerError(PhalanxError):
         if failure.stage == "running the method":
             text = f"{failure.exc_type} on {where} in {method}(): {failure.message}"
         else:
-            text = f"{failure.exc_type} on {where} while {failure.stage} of {method}(): {failure.message}"
+            text = (
+                f"{failure.exc_type} on {where} while {failure.stage} of {method}(): "
+                f"{failure.message}"
+            )
         super().__init__(text)
         self.rank = rank
         self.node = node

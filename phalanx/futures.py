@@ -182,13 +182,11 @@ class GroupFuture:
 
     def __iter__(self) -> Iterator[RankFuture]:
         """Per-rank futures in completion order (waiting as needed), including failed ones."""
-        index = 0
-        total = len(self._futures)
-        while index < total:
-            if index >= len(self._completed):
-                self._dispatcher.wait(lambda: len(self._completed) > index, None)
-            yield self._completed[index]
-            index += 1
+        completed = self._completed
+        for index in range(len(self._futures)):
+            if index >= len(completed):
+                self._dispatcher.wait(lambda n=index: len(completed) > n, None)
+            yield completed[index]
 
     def __await__(self) -> Generator[Any, None, list[Any]]:
         loop = asyncio.get_running_loop()

@@ -33,7 +33,7 @@ from phalanx.futures import GroupFuture, RankFuture
 
 logger = logging.getLogger(__name__)
 
-Workers = Union[str, int, Sequence[int]]
+Workers = Union[str, int, Sequence[int]]  # noqa: UP007 - a runtime alias on 3.10
 """``"all"``, ``"any"`` (first live rank), ``"ready"`` (live ranks only), or ranks."""
 
 _live_groups: weakref.WeakSet[WorkerGroup] = weakref.WeakSet()
@@ -362,7 +362,9 @@ class WorkerGroup:
                 dispatcher.fail_if_dead(slot, call_id, rf)  # type: ignore[arg-type]
         return group_future
 
-    def call_async(self, method: str, *args: Any, workers: Workers = "all", **kwargs: Any) -> GroupFuture:
+    def call_async(
+        self, method: str, *args: Any, workers: Workers = "all", **kwargs: Any
+    ) -> GroupFuture:
         """Send the same arguments (pickled once) to every selected rank."""
         self._check_method(method)
         ranks = self._live_ranks(workers)
@@ -389,7 +391,11 @@ class WorkerGroup:
         return self.call_async(method, *args, workers=[rank], **kwargs).result(timeout)[0]
 
     def map_async(
-        self, method: str, *arg_lists: Sequence[Any], workers: Workers = "all", **kwarg_lists: Sequence[Any]
+        self,
+        method: str,
+        *arg_lists: Sequence[Any],
+        workers: Workers = "all",
+        **kwarg_lists: Sequence[Any],
     ) -> GroupFuture:
         """Each positional/keyword argument is a list with one item per selected rank."""
         self._check_method(method)
@@ -511,12 +517,17 @@ class WorkerGroup:
         if self._closed:
             return
         deadline = time.monotonic() + timeout
+        try:
+            if cleanup is not None and not force:
+                try:
+                    self.call(cleanup, workers="ready", timeout=timeout)
+                except PhalanxError as exc:
+                    logger.warning("cleanup method %r failed: %s", cleanup, exc)
+        finally:
+            self._teardown(deadline, force)
+
+    def _teardown(self, deadline: float, force: bool) -> None:
         slots = [s for s in self._slots if s is not None]
-        if cleanup is not None and not force:
-            try:
-                self.call(cleanup, workers="ready", timeout=timeout)
-            except PhalanxError as exc:
-                logger.warning("cleanup method %r failed: %s", cleanup, exc)
         self._closed = True
         _live_groups.discard(self)
         live = [s for s in slots if s.alive]
@@ -527,10 +538,12 @@ class WorkerGroup:
                     slot.conn.send(bye)
                 except wire.ConnectionLost:
                     pass
-            self._backend.wait_exited([s.handle for s in live], max(0.0, deadline - time.monotonic()))
+            remaining = max(0.0, deadline - time.monotonic())
+            self._backend.wait_exited([s.handle for s in live], remaining)
         self._dispatcher.close(
-            lambda rf: GroupClosed(f"the group was shut down while {rf.method}() was pending "
-                                   f"on rank {rf.rank}"),
+            lambda rf: GroupClosed(
+                f"the group was shut down while {rf.method}() was pending on rank {rf.rank}"
+            ),
             slots,
         )
         grace = min(config.DEFAULT_TERM_GRACE, max(0.0, deadline - time.monotonic()))

@@ -133,8 +133,15 @@ def _signal_descendants(pid: int, sig: int) -> None:
             pass
 
 
+# The worker must find phalanx even when the controller imported it from a path of its own
+# (sys.path edits, a notebook's cwd): put the package's parent first, then run the worker.
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_WORKER_BOOT = "import sys; sys.path.insert(0, {root!r}); from phalanx.worker import main; main()"
+
+
 def spawn_worker(env: Mapping[str, str], cwd: str | None = None) -> LocalProcess:
-    """Start ``python -m phalanx.worker`` with ``env`` and a control socket."""
+    """Start a worker interpreter (:func:`phalanx.worker.main`) with ``env`` and a control
+    socket."""
     parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     child_fd = child_sock.fileno()
     full_env = dict(env)
@@ -143,7 +150,7 @@ def spawn_worker(env: Mapping[str, str], cwd: str | None = None) -> LocalProcess
 
     def start() -> subprocess.Popen:
         return subprocess.Popen(
-            [sys.executable, "-m", "phalanx.worker"],
+            [sys.executable, "-c", _WORKER_BOOT.format(root=_PACKAGE_ROOT)],
             env=full_env,
             cwd=cwd,
             pass_fds=(child_fd,),

@@ -92,11 +92,11 @@ def _failure(exc: BaseException, stage: str) -> RemoteFailure:
     text = "".join(traceback.format_exception(exc))
     try:
         message = str(exc)
-    except Exception:
+    except Exception:  # noqa: BLE001 - a broken __str__ must not lose the report
         message = f"<unprintable {type(exc).__name__}>"
     try:
         pickled: bytes | None = cloudpickle.dumps(exc, protocol=5)
-    except Exception:
+    except Exception:  # noqa: BLE001 - unpicklable exceptions travel as text only
         pickled = None
     return RemoteFailure(type(exc).__name__, message, text, stage, pickled)
 
