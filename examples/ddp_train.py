@@ -46,7 +46,8 @@ class Trainer:
         total = 0.0
         for step in range(steps):
             x = torch.randn(batch_size, 16, generator=generator)
-            y = (x @ self.w_true).unsqueeze(1) + 0.01 * torch.randn(batch_size, 1, generator=generator)
+            noise = 0.01 * torch.randn(batch_size, 1, generator=generator)
+            y = (x @ self.w_true).unsqueeze(1) + noise
             loss = torch.nn.functional.mse_loss(self.model(x), y)
             self.optimizer.zero_grad()
             loss.backward()  # DDP all-reduces (averages) the gradients across ranks here

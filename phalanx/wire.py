@@ -148,13 +148,6 @@ def frame(segments: list[Any]) -> list[Any]:
     return [prefix + table, *segments]
 
 
-def join_frames(frames: list[list[Any]]) -> list[Any]:
-    """Several framed messages as one segment list (to be sent with one system call)."""
-    if all(len(f) == 1 for f in frames):
-        return [b"".join(f[0] for f in frames)]
-    return [seg for f in frames for seg in f]
-
-
 # --------------------------------------------------------------------------- receiving
 
 

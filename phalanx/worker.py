@@ -102,7 +102,6 @@ def _failure(exc: BaseException, stage: str) -> RemoteFailure:
 
 
 _PLAIN_RESULTS = frozenset({type(None), int, float, str, bytes, bool, list, dict, tuple})
-_BATCH_WINDOW = 0.0005  # seconds: results held back for batching at most this long
 
 
 class _WorkerExit(Exception):
@@ -120,7 +119,7 @@ class WorkerRuntime:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._early_frames: list[list[Any]] = []  # calls that arrived together with INIT
-        self._batch: list[list[Any]] | None = None  # result frames not yet sent
+        self._loop_lock = threading.Lock()
 
     # -- start-up ---------------------------------------------------------------------
 
@@ -162,41 +161,30 @@ class WorkerRuntime:
     def serve(self) -> int:
         """Serve calls until SHUTDOWN or end of stream; returns the exit code."""
         recv = self.conn.reader.recv_frames
+        poller = select.poll()
+        poller.register(self.conn.fileno, select.POLLIN)
+        readable = poller.poll
         run = self._run_call if self._pool is None else self._submit_call
         loads = pickle.loads
-        clock = time.perf_counter
         frames, self._early_frames = self._early_frames, []
         while True:
-            # Results of a burst of calls go out together, unless the burst runs long.
-            self._batch = [] if self._pool is None and len(frames) > 1 else None
-            started = clock()
             for segs in frames:
                 head = loads(segs[0])
                 kind = head[0]
                 if kind == wire.CALL:
                     run(head[1], head[2], segs)
-                    if self._batch and clock() - started > _BATCH_WINDOW:
-                        self._flush_batch()
-                        started = clock()
                 elif kind == wire.SHUTDOWN:
-                    self._flush_batch()
                     return 0
-            self._flush_batch()
             try:
-                frames = recv()
+                frames = recv(socket.MSG_DONTWAIT)
+                while not frames:
+                    # Sleep in poll(), not in recv(): a blocked recv() on a Unix socket is
+                    # also woken each time the controller consumes what we sent (a spurious
+                    # wake-up that costs a context switch per call); poll() filters it out.
+                    readable()
+                    frames = recv(socket.MSG_DONTWAIT)
             except wire.ConnectionLost:
                 return 0
-
-    def _send(self, framed: list[Any]) -> None:
-        if self._batch is not None:
-            self._batch.append(framed)
-        else:
-            self.conn.send(framed)
-
-    def _flush_batch(self) -> None:
-        if self._batch:
-            batch, self._batch = self._batch, []
-            self.conn.send(wire.join_frames(batch))
 
     def _submit_call(self, call_id: int, method: str, segs: list[Any]) -> None:
         assert self._pool is not None
@@ -242,18 +230,25 @@ class WorkerRuntime:
             self._send_error(call_id, exc, "pickling the result")
             return
         del result
-        self._send(wire.frame([wire.header(wire.RESULT, call_id), *payload]))
+        self.conn.send(wire.frame([wire.header(wire.RESULT, call_id), *payload]))
 
     def _await(self, awaitable: Any) -> Any:
-        if self._pool is None:
+        if self._pool is None:  # serial calls: run the coroutine on this (main) thread
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()
             return self._loop.run_until_complete(awaitable)
-        return asyncio.run(_as_coroutine(awaitable))
+        # concurrent calls: every coroutine shares one event loop on its own thread
+        with self._loop_lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                threading.Thread(
+                    target=self._loop.run_forever, name="phalanx-asyncio", daemon=True
+                ).start()
+        return asyncio.run_coroutine_threadsafe(_as_coroutine(awaitable), self._loop).result()
 
     def _send_error(self, call_id: int, exc: BaseException, stage: str) -> None:
         failure = _failure(exc, stage)
-        self._send(wire.frame([wire.header(wire.ERROR, call_id, failure.as_tuple())]))
+        self.conn.send(wire.frame([wire.header(wire.ERROR, call_id, failure.as_tuple())]))
 
 
 async def _as_coroutine(awaitable: Any) -> Any:

@@ -1,0 +1,236 @@
+"""The three contenders behind one interface, each driving one group of ``Bench`` workers.
+
+Every contender holds at most one running group at a time: ``start(n)`` returns once the
+constructor has returned on every worker, ``stop()`` once every worker process is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import psutil
+
+import phalanx
+from bench.pipe_pool import PipePool
+from bench.util import clock
+from bench.workloads import Bench
+
+SETTLE_S = 0.05  # how long a call runs before its worker is killed (W5)
+DEATH_TIMEOUT_S = 60.0  # W5 gives up on a contender that never reports the death
+
+
+class Contender:
+    name = "abstract"
+
+    def start(self, n: int) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def running(self) -> bool:
+        raise NotImplementedError
+
+    def pids(self) -> list[int]:
+        raise NotImplementedError
+
+    def noop(self) -> None:
+        """One no-op call fanned out to every worker, waiting for all replies."""
+        raise NotImplementedError
+
+    def pipelined(self, count: int) -> None:
+        """``count`` no-op calls to worker 0, as many in flight as the contender allows."""
+        raise NotImplementedError
+
+    def array_sum(self, array: Any) -> list[float]:
+        """``array`` sent to every worker, which returns its sum."""
+        raise NotImplementedError
+
+    def kill_latency(self) -> float:
+        """SIGKILL worker 0 inside a call; seconds from the kill until the caller's call
+        raises. Worker 0 is replaced afterwards (not timed)."""
+        raise NotImplementedError
+
+
+class PhalanxContender(Contender):
+    name = "phalanx"
+
+    def __init__(self) -> None:
+        self.group: phalanx.WorkerGroup | None = None
+
+    def start(self, n: int) -> None:
+        self.group = phalanx.WorkerGroup(Bench, procs_per_node=n, echo_output=False)
+
+    def stop(self) -> None:
+        group, self.group = self.group, None
+        if group is not None:
+            group.shutdown()
+
+    def running(self) -> bool:
+        return self.group is not None
+
+    def pids(self) -> list[int]:
+        assert self.group is not None
+        return [h.pid for h in self.group.health() if h.pid is not None]
+
+    def noop(self) -> None:
+        self.group.call("noop")  # type: ignore[union-attr]
+
+    def pipelined(self, count: int) -> None:
+        group = self.group
+        assert group is not None
+        futures = [group.call_async("noop", workers=[0]) for _ in range(count)]
+        for future in futures:
+            future.result()
+
+    def array_sum(self, array: Any) -> list[float]:
+        return self.group.call("array_sum", array)  # type: ignore[union-attr]
+
+    def kill_latency(self) -> float:
+        group = self.group
+        assert group is not None
+        pid = group.call_one(0, "pid")
+        future = group.call_async("sleep", 10, workers=[0])
+        time.sleep(SETTLE_S)
+        t0 = clock()
+        os.kill(pid, signal.SIGKILL)
+        try:
+            future.result(timeout=DEATH_TIMEOUT_S)
+        except phalanx.WorkerDied:
+            elapsed = clock() - t0
+        else:
+            raise RuntimeError("the call returned although its worker was killed")
+        group.recreate(0)
+        return elapsed
+
+
+class PipePoolContender(Contender):
+    name = "pipe_pool"
+
+    def __init__(self) -> None:
+        self.pool: PipePool | None = None
+
+    def start(self, n: int) -> None:
+        self.pool = PipePool(Bench, n)
+
+    def stop(self) -> None:
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            pool.close()
+
+    def running(self) -> bool:
+        return self.pool is not None
+
+    def pids(self) -> list[int]:
+        return self.pool.pids()  # type: ignore[union-attr]
+
+    def noop(self) -> None:
+        self.pool.call("noop")  # type: ignore[union-attr]
+
+    def pipelined(self, count: int) -> None:
+        self.pool.pipelined("noop", count)  # type: ignore[union-attr]
+
+    def array_sum(self, array: Any) -> list[float]:
+        return self.pool.call("array_sum", array)  # type: ignore[union-attr]
+
+    def kill_latency(self) -> float:
+        pool = self.pool
+        assert pool is not None
+        pid = pool.pids()[0]
+        pool.submit(0, "sleep", 10)  # call_watching, split so that the kill can go between
+        time.sleep(SETTLE_S)
+        t0 = clock()
+        os.kill(pid, signal.SIGKILL)
+        try:
+            pool.watch(0)
+        except EOFError:
+            elapsed = clock() - t0
+        else:
+            raise RuntimeError("the call returned although its worker was killed")
+        pool.restart(0)
+        return elapsed
+
+
+class RayContender(Contender):
+    """Ray actors of ``Bench``; ``ray.init`` has been called by the runner."""
+
+    name = "ray"
+
+    def __init__(self) -> None:
+        import ray
+
+        self.ray = ray
+        self.actor_class = ray.remote(Bench)
+        self.actors: list[Any] = []
+        self._pids: list[int] = []
+
+    def _new_actors(self, n: int) -> tuple[list[Any], list[int]]:
+        actors = [self.actor_class.remote() for _ in range(n)]
+        # The constructor has returned on an actor once it answers a method call.
+        return actors, self.ray.get([a.pid.remote() for a in actors])
+
+    def start(self, n: int) -> None:
+        self.actors, self._pids = self._new_actors(n)
+
+    def stop(self) -> None:
+        """Kill the actors and wait until their processes are gone (``ray.kill`` is async)."""
+        procs = []
+        for pid in self._pids:
+            try:
+                procs.append(psutil.Process(pid))
+            except psutil.Error:
+                pass
+        for actor in self.actors:
+            self.ray.kill(actor)
+        self.actors, self._pids = [], []
+        _, alive = psutil.wait_procs(procs, timeout=30)
+        if alive:
+            raise RuntimeError(f"ray actor processes {[p.pid for p in alive]} outlived ray.kill")
+
+    def running(self) -> bool:
+        return bool(self.actors)
+
+    def pids(self) -> list[int]:
+        return list(self._pids)
+
+    def noop(self) -> None:
+        self.ray.get([a.noop.remote() for a in self.actors])
+
+    def pipelined(self, count: int) -> None:
+        actor = self.actors[0]
+        self.ray.get([actor.noop.remote() for _ in range(count)])
+
+    def array_sum(self, array: Any) -> list[float]:
+        ref = self.ray.put(array)  # once; every actor reads it from the object store
+        return self.ray.get([a.array_sum.remote(ref) for a in self.actors])
+
+    def kill_latency(self) -> float:
+        ray = self.ray
+        actor, pid = self.actors[0], self._pids[0]
+        ref = actor.sleep.remote(10)
+        time.sleep(SETTLE_S)
+        t0 = clock()
+        os.kill(pid, signal.SIGKILL)
+        try:
+            ray.get(ref, timeout=DEATH_TIMEOUT_S)
+        except ray.exceptions.RayActorError:
+            elapsed = clock() - t0
+        else:
+            raise RuntimeError("the call returned although its actor was killed")
+        ray.kill(actor)
+        try:
+            psutil.Process(pid).wait(10)
+        except psutil.Error:
+            pass
+        (self.actors[0],), (self._pids[0],) = self._new_actors(1)
+        return elapsed
+
+
+def make_contenders(with_ray: bool) -> list[Contender]:
+    contenders: list[Contender] = [PhalanxContender(), PipePoolContender()]
+    if with_ray:
+        contenders.append(RayContender())
+    return contenders

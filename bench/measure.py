@@ -1,0 +1,277 @@
+"""The workloads W1-W6. Each runs every contender side by side: trials are interleaved, and
+trial ``k`` starts with a different contender (:func:`bench.util.rotated`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import numpy as np
+
+from bench.contenders import Contender
+from bench.util import (
+    Errors,
+    Row,
+    clock,
+    descendants,
+    describe,
+    new_descendants,
+    rotated,
+    still_running,
+)
+
+MIB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How many trials of what; ``ray`` trials are fewer because each takes much longer."""
+
+    quick: bool
+    w1_trials: dict[int, int]  # workers -> trials
+    w1_ray_trials: dict[int, int]
+    w2_sizes: tuple[int, ...] = (1, 4, 16)
+    w2_batches: int = 7
+    w2_calls: int = 500  # per batch (fewer for a contender that would take over the budget)
+    w2_batch_budget_s: float = 1.0
+    w2_warmup_s: float = 0.5
+    w3_calls: int = 20_000
+    w3_trials: int = 5
+    w3_ray_trials: int = 3
+    w4_mib: int = 64
+    w4_workers: int = 4
+    w4_trials: int = 5
+    w4_ray_trials: int = 3
+    w5_workers: int = 4
+    w5_trials: int = 7
+    w5_ray_trials: int = 5
+    w6_workers: int = 4
+    w6_trials: int = 3
+
+
+def make_plan(quick: bool) -> Plan:
+    if quick:
+        return Plan(
+            quick=True, w1_trials={4: 3, 16: 2}, w1_ray_trials={4: 2, 16: 1},
+            w2_batches=5, w2_calls=200, w2_batch_budget_s=0.3, w2_warmup_s=0.2,
+            w3_trials=3, w3_ray_trials=1, w4_trials=3, w4_ray_trials=2,
+            w5_trials=4, w5_ray_trials=2, w6_trials=1,
+        )  # fmt: skip
+    return Plan(quick=False, w1_trials={4: 7, 16: 3}, w1_ray_trials={4: 3, 16: 2})
+
+
+def _schedule(contenders: Sequence[Contender], trials: int, ray_trials: int | None = None):
+    """(trial, contender) pairs: trial by trial, each trial in a rotated order; ray runs
+    ``ray_trials`` trials (default: as many as the others)."""
+    counts = {c.name: trials if c.name != "ray" or ray_trials is None else ray_trials
+              for c in contenders}
+    for trial in range(max(counts.values(), default=0)):
+        active = [c for c in contenders if trial < counts[c.name]]
+        yield from ((trial, c) for c in rotated(active, trial))
+
+
+def start_all(
+    contenders: Sequence[Contender], n: int, errors: Errors, where: str
+) -> list[Contender]:
+    started = []
+    for c in contenders:
+        if errors.attempt(where, c.name, lambda c=c: c.start(n) or True):
+            started.append(c)
+        elif c.running():
+            errors.attempt(where, c.name, c.stop)
+    return started
+
+
+def stop_all(contenders: Sequence[Contender], errors: Errors, where: str) -> None:
+    for c in contenders:
+        if c.running():
+            errors.attempt(where, c.name, c.stop)
+
+
+def warm_up(contenders: Sequence[Contender], errors: Errors) -> None:
+    """One untimed start and stop each: imports, helper threads and processes (the spawn
+    thread, multiprocessing's resource tracker, ray's worker pool) exist before W1 times."""
+    stop_all(start_all(contenders, 1, errors, "warm-up"), errors, "warm-up")
+
+
+def w1_startup(contenders: Sequence[Contender], plan: Plan, errors: Errors) -> list[Row]:
+    rows = []
+    for n in sorted(plan.w1_trials):
+        start = Row(f"W1.startup.{n}", f"W1 startup to ready, {n} workers", "s", "lower")
+        stop = Row(f"W1.teardown.{n}", f"W1 teardown, {n} workers", "s", "lower")
+        failed: set[str] = set()
+        for _, c in _schedule(contenders, plan.w1_trials[n], plan.w1_ray_trials[n]):
+            if c.name in failed:
+                continue
+            gc.collect()
+            t0 = clock()
+            try:
+                c.start(n)
+                t1 = clock()
+                c.stop()
+                t2 = clock()
+            except Exception as exc:
+                errors.record(f"W1@{n}", c.name, exc)
+                failed.add(c.name)
+                stop_all([c], errors, f"W1@{n}")
+                continue
+            start.add(c.name, t1 - t0)
+            stop.add(c.name, t2 - t1)
+        rows += [start, stop]
+    return rows
+
+
+def _run_batch(c: Contender, calls: int) -> float:
+    noop = c.noop
+    t0 = clock()
+    for _ in range(calls):
+        noop()
+    return clock() - t0
+
+
+def _warm_calls(c: Contender, plan: Plan) -> int:
+    """Warm ``c`` up; the calls per batch that fit the batch budget (at most w2_calls)."""
+    done, t0 = 0, clock()
+    while done < 20 or clock() - t0 < plan.w2_warmup_s:
+        c.noop()
+        done += 1
+    per_call = (clock() - t0) / done
+    return max(20, min(plan.w2_calls, int(plan.w2_batch_budget_s / per_call)))
+
+
+def w2_fanout(contenders: Sequence[Contender], plan: Plan, errors: Errors) -> list[Row]:
+    rows = []
+    for n in plan.w2_sizes:
+        where = f"W2@{n}"
+        row = Row(f"W2.noop.{n}", f"W2 no-op call fan-out, {n} worker(s)", "us/call", "lower")
+        live = start_all(contenders, n, errors, where)
+        try:
+            calls: dict[str, int] = {}
+            for c in list(live):
+                found = errors.attempt(where, c.name, partial(_warm_calls, c, plan))
+                if found is None:
+                    live.remove(c)
+                else:
+                    calls[c.name] = found
+            for batch in range(plan.w2_batches):
+                for c in rotated(live, batch):
+                    k = calls[c.name]
+                    elapsed = errors.attempt(where, c.name, partial(_run_batch, c, k))
+                    if elapsed is None:
+                        live.remove(c)
+                    else:
+                        row.add(c.name, elapsed / k * 1e6)
+            row.extra["calls_per_batch"] = calls
+        finally:
+            stop_all(contenders, errors, where)
+        rows.append(row)
+    return rows
+
+
+def w3_pipelined(contenders: Sequence[Contender], plan: Plan, errors: Errors) -> list[Row]:
+    count = plan.w3_calls
+    row = Row("W3.pipelined", f"W3 pipelined {count:,} no-ops to 1 worker", "calls/s", "higher")
+    live = start_all(contenders, 1, errors, "W3")
+    try:
+        for c in list(live):  # warm-up
+            if errors.attempt("W3", c.name, lambda c=c: c.pipelined(1000) or True) is None:
+                live.remove(c)
+        for _, c in _schedule(live, plan.w3_trials, plan.w3_ray_trials):
+            gc.collect()
+            t0 = clock()
+            if errors.attempt("W3", c.name, lambda c=c: c.pipelined(count) or True):
+                row.add(c.name, count / (clock() - t0))
+    finally:
+        stop_all(contenders, errors, "W3")
+    return [row]
+
+
+def w4_broadcast(contenders: Sequence[Contender], plan: Plan, errors: Errors) -> list[Row]:
+    n, size = plan.w4_workers, plan.w4_mib * MIB
+    array = np.ones(size // 8, dtype=np.float64)
+    expected = [float(array.size)] * n
+    what = f"{plan.w4_mib} MiB float64 array to {n} workers"
+    seconds = Row("W4.seconds", f"W4 broadcast {what}", "s", "lower")
+    rate = Row("W4.gbps", f"W4 effective bandwidth ({plan.w4_mib} MiB x {n} / time)", "GB/s",
+               "higher")
+
+    def once(c: Contender) -> float:
+        t0 = clock()
+        sums = c.array_sum(array)
+        elapsed = clock() - t0
+        if sums != expected:
+            raise RuntimeError(f"wrong sums {sums}, expected {expected}")
+        return elapsed
+
+    live = start_all(contenders, n, errors, "W4")
+    try:
+        for c in list(live):  # warm-up: buffers, page faults, the object store
+            if errors.attempt("W4", c.name, lambda c=c: once(c)) is None:
+                live.remove(c)
+        for _, c in _schedule(live, plan.w4_trials, plan.w4_ray_trials):
+            gc.collect()
+            elapsed = errors.attempt("W4", c.name, lambda c=c: once(c))
+            if elapsed is not None:
+                seconds.add(c.name, elapsed)
+                rate.add(c.name, size * n / elapsed / 1e9)
+    finally:
+        stop_all(contenders, errors, "W4")
+    return [seconds, rate]
+
+
+def w5_death(contenders: Sequence[Contender], plan: Plan, errors: Errors) -> list[Row]:
+    row = Row("W5.kill", "W5 SIGKILL inside a call -> call raises", "ms", "lower")
+    live = start_all(contenders, plan.w5_workers, errors, "W5")
+    failed: set[str] = set()
+    try:
+        for _, c in _schedule(live, plan.w5_trials, plan.w5_ray_trials):
+            if c.name in failed:
+                continue
+            elapsed = errors.attempt("W5", c.name, c.kill_latency)
+            if elapsed is None:
+                failed.add(c.name)
+            else:
+                row.add(c.name, elapsed * 1e3)
+    finally:
+        stop_all(contenders, errors, "W5")
+    return [row]
+
+
+def w6_leftovers(contenders: Sequence[Contender], plan: Plan, errors: Errors) -> list[Row]:
+    """Descendants of this process that a group started, still alive after its shutdown.
+
+    Ray is left out: its actor processes belong to raylet, not to this process."""
+    n = plan.w6_workers
+    row = Row("W6.leftover", f"W6 processes alive after shutdown, {n} workers", "count",
+              "lower", agg="max")
+    row.extra = {"started": {}, "left": {}}
+    subjects = [c for c in contenders if c.name != "ray"]
+
+    def trial(c: Contender) -> None:
+        before = set(descendants(recursive=False))
+        c.start(n)
+        try:
+            started = new_descendants(before)
+        finally:
+            c.stop()
+        left = still_running(started)
+        row.add(c.name, len(left))
+        row.extra["started"].setdefault(c.name, []).append(len(started))
+        row.extra["left"].setdefault(c.name, []).extend(describe(left))
+
+    for _, c in _schedule(subjects, plan.w6_trials):
+        errors.attempt("W6", c.name, lambda c=c: trial(c))
+        stop_all([c], errors, "W6")
+    return [row]
+
+
+WORKLOADS: dict[str, Callable[[Sequence[Contender], Plan, Errors], list[Row]]] = {
+    "W1": w1_startup,
+    "W2": w2_fanout,
+    "W3": w3_pipelined,
+    "W4": w4_broadcast,
+    "W5": w5_death,
+    "W6": w6_leftovers,
+}

@@ -1,0 +1,150 @@
+"""Benchmark phalanx against a minimal pipe pool and ray, side by side.
+
+    python -m bench.run [--quick] [--json PATH] [--only W1,W2,...] [--no-ray]
+
+See bench/README.md for what each workload measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import report
+from bench.contenders import Contender, make_contenders
+from bench.measure import WORKLOADS, make_plan, stop_all, warm_up
+from bench.util import Errors, Row, clock, describe, machine_info, new_descendants
+
+DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "latest.json"
+RAY_CPUS = 32  # ray schedules 1 CPU per actor by default; the largest group is 16 actors
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer trials (about a minute)")
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write results")
+    parser.add_argument("--only", default="", help="comma-separated workloads, e.g. W2,W3")
+    parser.add_argument("--no-ray", action="store_true", help="leave ray out")
+    args = parser.parse_args(argv)
+    only = [w.strip().upper() for w in args.only.split(",") if w.strip()]
+    unknown = [w for w in only if w not in WORKLOADS]
+    if unknown:
+        parser.error(f"unknown workloads {unknown}; choose from {', '.join(WORKLOADS)}")
+    args.workloads = [w for w in WORKLOADS if not only or w in only]
+    return args
+
+
+def start_ray(errors: Errors) -> tuple[Any, dict[str, Any]]:
+    """``(ray module or None, info)``; ray is optional: any failure just leaves it out."""
+    info: dict[str, Any] = {}
+    t0 = clock()
+    try:
+        import ray
+    except Exception as exc:
+        info["skipped"] = f"import ray failed: {type(exc).__name__}: {exc}"
+        return None, info
+    info["version"] = ray.__version__
+    try:
+        ray.init(num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False,
+                 logging_level=logging.WARNING)
+    except Exception as exc:
+        errors.record("ray.init", "ray", exc)
+        info["skipped"] = f"ray.init failed: {type(exc).__name__}: {exc}"
+        return None, info
+    info["init_s"] = clock() - t0
+    return ray, info
+
+
+def progress(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.getLogger("phalanx").setLevel(logging.ERROR)  # W5's deaths are expected
+    errors = Errors()
+    before = set(p.pid for p in new_descendants(set()))
+    ray, ray_info = (None, {"skipped": "--no-ray"}) if args.no_ray else start_ray(errors)
+    plan = make_plan(args.quick)
+    contenders: list[Contender] = []
+    names: list[str] = []
+    rows: list[Row] = []
+    timings: dict[str, float] = {}
+    t_start = clock()
+    try:
+        contenders = errors.attempt("setup", "all", lambda: make_contenders(ray is not None)) or []
+        names = [c.name for c in contenders]
+        progress(f"contenders: {', '.join(names)}; workloads: {', '.join(args.workloads)}"
+                 f"{' (quick)' if args.quick else ''}")
+        warm_up(contenders, errors)
+        for name in args.workloads:
+            t0 = clock()
+            progress(f"{name} ...")
+            rows += WORKLOADS[name](contenders, plan, errors)
+            timings[name] = clock() - t0
+            progress(f"{name} done in {timings[name]:.1f} s")
+    finally:
+        stop_all(contenders, errors, "teardown")
+        if ray is not None:
+            ray.shutdown()
+    leftovers = leftover_processes(before)
+    total = clock() - t_start
+
+    results = report.evaluate(rows)
+    print()
+    print(report.table(rows, names, errors))
+    print("\ntargets (phalanx vs pipe_pool):")
+    print(report.targets_text(results))
+    if errors.items:
+        print(f"\n{len(errors.items)} error(s):")
+        for e in errors.items:
+            print(f"  {e['workload']} / {e['contender']}: {e['error']}")
+    print(f"\nleftover processes after the run: {len(leftovers)}")
+    for text in leftovers:
+        print(f"  {text}")
+    payload = {
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "unix_time": time.time(),
+        "machine": machine_info(),
+        "args": {"quick": args.quick, "only": args.workloads, "no_ray": args.no_ray},
+        "plan": plan.__dict__,
+        "contenders": names,
+        "ray": ray_info,
+        "seconds_per_workload": timings,
+        "total_seconds": total,
+        "targets": results,
+        "errors": errors.items,
+        "leftover_processes": leftovers,
+    }
+    report.write_json(args.json, payload, rows)
+    print(f"\nJSON: {args.json}   (total {total:.0f} s)")
+    return 1 if errors.items or leftovers else 0
+
+
+def leftover_processes(before: set[int]) -> list[str]:
+    """Processes this run started that are still alive; they are killed and reported."""
+    deadline = time.monotonic() + 5.0  # ray.shutdown's processes take a moment to exit
+    while True:
+        left = [p for p in new_descendants(set()) if p.pid not in before]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    text = describe(left)
+    for proc in left:
+        try:
+            proc.kill()
+        except Exception:
+            pass
+    return text
+
+
+def main(argv: list[str] | None = None) -> None:
+    sys.exit(run(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""Small helpers shared by the benchmark modules: statistics, ordering, process bookkeeping."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import psutil
+
+T = TypeVar("T")
+
+clock = time.perf_counter
+
+
+def median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def rotated(items: Sequence[T], shift: int) -> list[T]:
+    """``items`` rotated by ``shift``: trial ``k`` starts with a different contender, so no
+    contender always runs first (or right after the same neighbour)."""
+    if not items:
+        return []
+    shift %= len(items)
+    return [*items[shift:], *items[:shift]]
+
+
+@dataclasses.dataclass
+class Row:
+    """One line of the results table: a measure of one workload for every contender."""
+
+    key: str  # stable id, e.g. "W2.noop.4"; the targets refer to it
+    label: str
+    unit: str
+    better: str  # "lower" or "higher"
+    raw: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    agg: str = "median"  # how raw values become the reported one: "median" or "max"
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def value(self, contender: str) -> float | None:
+        values = self.raw.get(contender)
+        if not values:
+            return None
+        return max(values) if self.agg == "max" else median(values)
+
+    def add(self, contender: str, value: float) -> None:
+        self.raw.setdefault(contender, []).append(value)
+
+
+class Errors:
+    """Collects failures so that one broken contender does not stop the run."""
+
+    def __init__(self) -> None:
+        self.items: list[dict[str, str]] = []
+
+    def attempt(self, where: str, contender: str, fn: Callable[[], T]) -> T | None:
+        try:
+            return fn()
+        except Exception as exc:
+            self.record(where, contender, exc)
+            return None
+
+    def record(self, where: str, contender: str, exc: BaseException) -> None:
+        text = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        self.items.append({"workload": where, "contender": contender, "error": text})
+        print(f"  ! {where} / {contender}: {text}", file=sys.stderr, flush=True)
+
+
+# -- processes ----------------------------------------------------------------------------
+
+
+def descendants(recursive: bool = True) -> dict[int, psutil.Process]:
+    """Every live descendant (or child) of this process, by pid."""
+    try:
+        return {p.pid: p for p in psutil.Process().children(recursive=recursive)}
+    except psutil.Error:
+        return {}
+
+
+def new_descendants(before: set[int]) -> list[psutil.Process]:
+    """Children of this process not in ``before``, with all their descendants.
+
+    Processes that pre-existing children start meanwhile (ray's raylet starting workers)
+    are not counted; nor is multiprocessing's resource tracker (see :func:`is_mp_helper`).
+    """
+    found = []
+    for child in descendants(recursive=False).values():
+        if child.pid in before or is_mp_helper(child):
+            continue
+        found.append(child)
+        try:
+            found.extend(child.children(recursive=True))
+        except psutil.Error:
+            pass
+    return found
+
+
+def still_running(procs: Sequence[psutil.Process]) -> list[psutil.Process]:
+    """Those of ``procs`` that still exist (zombies included: they were not reaped).
+
+    ``is_running`` compares creation times, so a recycled pid does not count.
+    """
+    alive = []
+    for proc in procs:
+        try:
+            if proc.is_running():
+                alive.append(proc)
+        except psutil.Error:
+            pass
+    return alive
+
+
+def describe(procs: Sequence[psutil.Process]) -> list[str]:
+    out = []
+    for proc in procs:
+        try:
+            out.append(f"{proc.pid} {proc.status()} {' '.join(proc.cmdline())[:120]}")
+        except psutil.Error:
+            out.append(f"{proc.pid} (gone)")
+    return out
+
+
+def is_mp_helper(proc: psutil.Process) -> bool:
+    """multiprocessing's resource tracker: one per interpreter, started by the first spawn
+    and ended when this interpreter exits; not a worker that anyone left behind."""
+    try:
+        return "multiprocessing.resource_tracker" in " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "python": sys.version.split()[0],
+        "implementation": platform.python_implementation(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+    }
+    try:
+        info["load_avg_at_start"] = os.getloadavg()
+    except OSError:
+        pass
+    return info

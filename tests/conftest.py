@@ -1,0 +1,88 @@
+"""Suite-wide fixtures: the backend parameter, and the rule that no test leaves a process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import psutil
+import pytest
+
+from tests import helpers
+
+# Adding a backend to the contract and fault suites is adding its name here.
+BACKENDS = ["local"]
+
+_REAP_GRACE = 3.0  # seconds for processes that are already exiting to be reaped
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def backend(request) -> str:
+    return request.param
+
+
+def _leftover_children() -> list[psutil.Process]:
+    allowed: set[int] = set()
+    for group in helpers.LONG_LIVED:
+        allowed |= helpers.live_worker_pids(group)
+    leftovers = []
+    for child in psutil.Process().children(recursive=True):
+        if child.pid in allowed:
+            continue
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE:
+                continue
+        except psutil.NoSuchProcess:
+            continue
+        leftovers.append(child)
+    return leftovers
+
+
+def _describe(proc: psutil.Process) -> str:
+    try:
+        return f"pid {proc.pid}: {' '.join(proc.cmdline())}"
+    except psutil.Error:
+        return f"pid {proc.pid}: <gone>"
+
+
+def _check_no_leftovers(what: str) -> None:
+    leftovers: list[psutil.Process] = []
+    if helpers.wait_until(lambda: not _leftover_children(), _REAP_GRACE, interval=0.05):
+        return
+    leftovers = _leftover_children()
+    if not leftovers:
+        return
+    described = [_describe(p) for p in leftovers]
+    for proc in leftovers:
+        helpers.kill_quietly(proc.pid, signal.SIGKILL)
+    psutil.wait_procs(leftovers, timeout=3)
+    pytest.fail(
+        f"{what} left {len(described)} child process(es) alive:\n  " + "\n  ".join(described),
+        pytrace=False,
+    )
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_processes(request):
+    """Every test must end with no child process of the test process left alive."""
+    yield
+    _check_no_leftovers(f"test {request.node.nodeid}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_leftover_processes_per_module(request):
+    """Module-scoped groups must not leave processes behind either once torn down."""
+    yield
+    _check_no_leftovers(f"module {request.module.__name__}")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _quiet_progress_bar():
+    # The progress bar is drawn only on a terminal; keep test output stable either way.
+    old = os.environ.get("PHALANX_PROGRESS")
+    os.environ["PHALANX_PROGRESS"] = "0"
+    yield
+    if old is None:
+        os.environ.pop("PHALANX_PROGRESS", None)
+    else:
+        os.environ["PHALANX_PROGRESS"] = old

@@ -1,0 +1,102 @@
+"""Small test utilities: waiting on conditions, process liveness, controller scripts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Groups that deliberately outlive one test (module-scoped fixtures): their live workers
+# are not leftovers of the test that happens to be running.
+LONG_LIVED: list = []
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.02) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout`` seconds passed; its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie waiting to be reaped counts as dead)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_dead(pids: list[int] | int, timeout: float = 5.0) -> bool:
+    """Wait until every pid has exited (without reaping anything)."""
+    pids = [pids] if isinstance(pids, int) else list(pids)
+    return wait_until(lambda: not any(pid_alive(p) for p in pids), timeout)
+
+
+def kill_quietly(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def live_worker_pids(group) -> set[int]:
+    return {h.pid for h in group.health() if h.alive and h.pid is not None}
+
+
+def script_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PHALANX_PROGRESS"] = "0"
+    return env
+
+
+def write_script(directory: Path, source: str, name: str = "controller.py") -> Path:
+    path = directory / name
+    path.write_text(textwrap.dedent(source))
+    return path
+
+
+def run_script(path: Path, timeout: float = 60.0) -> subprocess.CompletedProcess:
+    """Run a controller script to completion with this interpreter."""
+    return subprocess.run(
+        [sys.executable, str(path)],
+        cwd=str(path.parent),
+        env=script_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def start_script(path: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(path)],
+        cwd=str(path.parent),
+        env=script_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def json_lines(text: str) -> list:
+    """The JSON documents a script printed, one per line, ignoring other output."""
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith(("{", "[")):
+            out.append(json.loads(line))
+    return out

@@ -1,0 +1,142 @@
+"""The error tree: every error survives pickling, and death records explain themselves."""
+
+from __future__ import annotations
+
+import pickle
+
+import cloudpickle
+import pytest
+
+import phalanx
+from phalanx.errors import (
+    CallTimeout,
+    GroupClosed,
+    PhalanxError,
+    ProcessFailure,
+    RemoteFailure,
+    RemoteTraceback,
+    SerializationError,
+    StartupError,
+    WorkerDied,
+    WorkerError,
+    chain_remote,
+    likely_cause,
+    signal_name,
+)
+
+
+def _failure(stage: str = "running the method", pickled: bytes | None = None) -> RemoteFailure:
+    return RemoteFailure("ValueError", "bad value", "Traceback ...\nValueError: bad value\n",
+                         stage, pickled)
+
+
+ERRORS = {
+    "PhalanxError": lambda: PhalanxError("plain"),
+    "WorkerError": lambda: WorkerError(_failure(), rank=1, node=0, pid=123, method="train"),
+    "WorkerError-stage": lambda: WorkerError(
+        _failure("pickling the result"), rank=3, node=1, pid=7, method="step"
+    ),
+    "WorkerDied": lambda: WorkerDied(
+        ProcessFailure(2, 1, 456, -9, ("line 1", "line 2")), method="train"
+    ),
+    "WorkerDied-no-method": lambda: WorkerDied(ProcessFailure(0, 0, None, None)),
+    "StartupError": lambda: StartupError("could not start", rank=2, traceback="tb text"),
+    "CallTimeout": lambda: CallTimeout("train", 1.5, [0, 2]),
+    "GroupClosed": lambda: GroupClosed("closed"),
+    "SerializationError": lambda: SerializationError(
+        "cannot pickle", stage="pickling the arguments", rank=3
+    ),
+}
+
+
+@pytest.mark.parametrize("dumps", [pickle.dumps, cloudpickle.dumps], ids=["pickle", "cloudpickle"])
+@pytest.mark.parametrize("name", list(ERRORS))
+def test_every_error_survives_pickling(name, dumps):
+    error = ERRORS[name]()
+    copy = pickle.loads(dumps(error))
+    assert type(copy) is type(error)
+    assert isinstance(copy, PhalanxError)
+    assert str(copy) == str(error)
+    assert copy.args == error.args
+    assert vars(copy) == vars(error)
+
+
+def test_error_attributes_and_messages():
+    err = ERRORS["WorkerError"]()
+    assert (err.rank, err.node, err.pid, err.method) == (1, 0, 123, "train")
+    assert (err.exc_type, err.stage) == ("ValueError", "running the method")
+    for part in ("ValueError", "bad value", "rank 1", "node 0", "pid 123", "train()"):
+        assert part in str(err)
+    staged = ERRORS["WorkerError-stage"]()
+    assert "while pickling the result of step()" in str(staged)
+
+    died = ERRORS["WorkerDied"]()
+    assert (died.rank, died.node, died.pid, died.exitcode) == (2, 1, 456, -9)
+    assert died.signal == "SIGKILL"
+    assert died.stderr_tail == ("line 1", "line 2")
+    assert "line 1" in str(died) and "line 2" in str(died) and "train()" in str(died)
+
+    timeout = ERRORS["CallTimeout"]()
+    assert isinstance(timeout, TimeoutError)
+    assert timeout.pending_ranks == [0, 2] and timeout.timeout == 1.5
+    assert "[0, 2]" in str(timeout)
+
+    ser = ERRORS["SerializationError"]()
+    assert (ser.stage, ser.rank) == ("pickling the arguments", 3)
+
+
+def test_public_errors_are_exported():
+    for name in ("PhalanxError", "WorkerError", "WorkerDied", "StartupError", "CallTimeout",
+                 "GroupClosed", "SerializationError", "ProcessFailure"):
+        assert name in phalanx.__all__
+        assert hasattr(phalanx, name)
+    for name in phalanx.__all__:
+        assert hasattr(phalanx, name), name
+
+
+@pytest.mark.parametrize(
+    ("exitcode", "signal", "cause_words"),
+    [
+        (-9, "SIGKILL", ["out-of-memory", "kill -9"]),
+        (-11, "SIGSEGV", ["segmentation fault"]),
+        (0, None, ["exit code 0"]),
+        (3, None, ["code 3"]),
+        (None, None, ["unknown"]),
+    ],
+)
+def test_signal_name_and_likely_cause(exitcode, signal, cause_words):
+    assert signal_name(exitcode) == signal
+    cause = likely_cause(exitcode)
+    for word in cause_words:
+        assert word in cause
+    failure = ProcessFailure(rank=1, node=0, pid=10, exitcode=exitcode)
+    assert failure.signal == signal
+    assert failure.cause == cause
+    died = WorkerDied(failure)
+    assert died.signal == signal and died.cause == cause and cause in str(died)
+
+
+def test_unknown_signal_number_is_named():
+    assert signal_name(-200) == "signal 200"
+    assert "signal 200" in likely_cause(-200)
+
+
+def test_remote_failure_rebuilds_the_original_with_the_remote_traceback():
+    original = KeyError("missing")
+    failure = _failure(pickled=cloudpickle.dumps(original))
+    rebuilt = failure.rebuild()
+    assert type(rebuilt) is KeyError and rebuilt.args == ("missing",)
+    assert isinstance(rebuilt.__cause__, RemoteTraceback)
+    assert "ValueError: bad value" in str(rebuilt.__cause__)
+
+    error = chain_remote(WorkerError(failure, rank=0, node=0, pid=1, method="m"), failure)
+    assert type(error.__cause__) is KeyError
+
+
+def test_unrebuildable_remote_exception_still_carries_the_traceback():
+    for pickled in (None, b"not a pickle", pickle.dumps("not an exception")):
+        failure = _failure(pickled=pickled)
+        assert failure.rebuild() is None
+        error = chain_remote(WorkerError(failure, rank=0, node=0, pid=1, method="m"), failure)
+        assert isinstance(error.__cause__, RemoteTraceback)
+        assert "ValueError: bad value" in error.__cause__.text

@@ -1,0 +1,217 @@
+"""Worker classes and crash helpers shared by the tests.
+
+This is an importable module, so the controller pickles these classes by reference and
+each worker imports this module itself -- *after* its environment was set, which
+``ENV_AT_IMPORT`` records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ENV_AT_IMPORT = {
+    name: os.environ.get(name) for name in ("RANK", "WORLD_SIZE", "PHALANX_RANK", "USER_VAR")
+}
+
+
+def my_rank() -> int:
+    return int(os.environ["RANK"])
+
+
+class Probe:
+    """A general-purpose worker: reports its environment, sleeps, records, fails on demand."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.args = args
+        self.kwargs = kwargs
+        self.log: list = []
+        self.children: list[subprocess.Popen] = []
+
+    # -- identity and environment --
+    def init_args(self):
+        return self.args, self.kwargs
+
+    def env(self, *names: str) -> dict:
+        return {name: os.environ.get(name) for name in names}
+
+    def env_at_import(self) -> dict:
+        return dict(ENV_AT_IMPORT)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def rank(self) -> int:
+        return my_rank()
+
+    def cwd(self) -> str:
+        return os.getcwd()
+
+    # -- plain calls --
+    def echo(self, *args, **kwargs):
+        return args, kwargs
+
+    def identity(self, value):
+        return value
+
+    def add(self, a, b=0):
+        return a + b
+
+    def sleep(self, seconds: float, value=None):
+        time.sleep(seconds)
+        return value
+
+    async def async_sleep(self, seconds: float, value=None):
+        await asyncio.sleep(seconds)
+        return value
+
+    def record(self, item) -> int:
+        self.log.append(item)
+        return len(self.log)
+
+    def history(self) -> list:
+        return list(self.log)
+
+    def clear(self) -> None:
+        self.log.clear()
+
+    def array_summary(self, array):
+        return float(array.sum()), tuple(array.shape), str(array.dtype)
+
+    def make_array(self, n: int):
+        import numpy as np
+
+        return np.arange(n, dtype=np.float64) * (my_rank() + 1)
+
+    # -- failures --
+    def raise_value_error(self, message: str):
+        raise ValueError(message)
+
+    def fail_on_rank(self, rank: int, sleep: float):
+        """Rank ``rank`` raises at once; every other rank sleeps ``sleep`` seconds."""
+        if my_rank() == rank:
+            raise KeyError(f"rank {rank} failed on purpose")
+        time.sleep(sleep)
+        return my_rank()
+
+    def exit_with(self, code: int, stderr_lines: tuple = ()):
+        for line in stderr_lines:
+            print(line, file=sys.stderr, flush=True)
+        os._exit(code)
+
+    # -- output and processes --
+    def say(self, text: str, stderr: bool = False) -> int:
+        print(text, file=sys.stderr if stderr else sys.stdout, flush=True)
+        return my_rank()
+
+    def spawn_sleeper(self, new_session: bool = False) -> int:
+        proc = subprocess.Popen(["sleep", "60"], start_new_session=new_session)
+        self.children.append(proc)
+        return proc.pid
+
+    def write_marker(self, directory: str) -> None:
+        Path(directory, f"rank{my_rank()}").write_text(str(os.getpid()))
+
+    # -- crash matrix --
+    def crash_running(self, kind: str | None):
+        if kind is None:
+            return "ok"
+        crash(kind)
+
+    def return_crash_on_pickle(self, kind: str | None):
+        return "ok" if kind is None else CrashOnPickle(kind)
+
+    def return_crash_on_unpickle(self, kind: str | None):
+        return "ok" if kind is None else CrashOnUnpickle(kind)
+
+
+class FailingConstructor:
+    """Raises in the constructor on ``fail_rank``; other ranks sleep ``sleep`` seconds first."""
+
+    def __init__(self, fail_rank: int, sleep: float = 0.0, exit_code: int | None = None,
+                 pid_dir: str | None = None) -> None:
+        if pid_dir is not None:
+            Path(pid_dir, f"rank{my_rank()}").write_text(str(os.getpid()))
+        if my_rank() == fail_rank:
+            if exit_code is not None:
+                os._exit(exit_code)
+            raise RuntimeError(f"constructor failed on rank {fail_rank}")
+        time.sleep(sleep)
+
+    def ping(self) -> int:
+        return my_rank()
+
+
+class SlowConstructor:
+    def __init__(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    def ping(self) -> int:
+        return my_rank()
+
+
+class CountingPickles:
+    """Counts, in the process that pickles it, how many times it was pickled."""
+
+    pickled = 0
+
+    def __reduce__(self):
+        type(self).pickled += 1
+        return (CountingPickles, ())
+
+
+# ----------------------------------------------------------------------- crash helpers
+
+CRASH_KINDS = ("exception", "sys.exit", "os._exit", "SIGSEGV", "SIGKILL")
+
+
+class CrashError(Exception):
+    """The exception the ``"exception"`` crash kind raises."""
+
+
+def crash(kind: str) -> None:
+    """Fail the current process in the way ``kind`` names."""
+    if kind == "exception":
+        raise CrashError("injected failure")
+    if kind == "sys.exit":
+        sys.exit(5)
+    if kind == "os._exit":
+        os._exit(3)
+    if kind in ("SIGSEGV", "SIGKILL"):
+        try:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file
+        except (ImportError, OSError, ValueError):
+            pass
+        os.kill(os.getpid(), getattr(signal, kind))
+        time.sleep(10)  # the signal is delivered before this returns
+    raise ValueError(f"unknown crash kind {kind!r}")
+
+
+class CrashOnPickle:
+    """Crashes whichever process pickles it."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def __reduce__(self):
+        crash(self.kind)
+
+
+class CrashOnUnpickle:
+    """Pickles fine; crashes whichever process unpickles it."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def __getstate__(self):
+        return {"kind": self.kind}
+
+    def __setstate__(self, state):
+        crash(state["kind"])
