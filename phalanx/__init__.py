@@ -10,21 +10,30 @@ Layers (a module imports only from layers below its own)::
 The pure layer does no process or socket I/O and is tested without spawning anything.
 """
 
-from phalanx.errors import (
-    CallTimeout,
-    GroupClosed,
-    PhalanxError,
-    ProcessFailure,
-    SerializationError,
-    StartupError,
-    WorkerDied,
-    WorkerError,
-)
-from phalanx.futures import GroupFuture, RankFuture
-from phalanx.group import RankHealth, WorkerGroup
-from phalanx.spmd import spmd
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# Public name -> defining module. Loaded on first use, so that a worker process (which
+# imports phalanx.worker) does not pay for the controller's modules at start-up.
+_EXPORTS = {
+    "CallTimeout": "phalanx.errors",
+    "GroupClosed": "phalanx.errors",
+    "PhalanxError": "phalanx.errors",
+    "ProcessFailure": "phalanx.errors",
+    "SerializationError": "phalanx.errors",
+    "StartupError": "phalanx.errors",
+    "WorkerDied": "phalanx.errors",
+    "WorkerError": "phalanx.errors",
+    "GroupFuture": "phalanx.futures",
+    "RankFuture": "phalanx.futures",
+    "RankHealth": "phalanx.group",
+    "WorkerGroup": "phalanx.group",
+    "spmd": "phalanx.spmd",
+}
 
 __all__ = [
     "CallTimeout",
@@ -42,3 +51,31 @@ __all__ = [
     "__version__",
     "spmd",
 ]
+
+if TYPE_CHECKING:
+    from phalanx.errors import (
+        CallTimeout,
+        GroupClosed,
+        PhalanxError,
+        ProcessFailure,
+        SerializationError,
+        StartupError,
+        WorkerDied,
+        WorkerError,
+    )
+    from phalanx.futures import GroupFuture, RankFuture
+    from phalanx.group import RankHealth, WorkerGroup
+    from phalanx.spmd import spmd
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'phalanx' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -10,7 +10,6 @@ without waiting for the other ranks of that call.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 from collections.abc import Generator, Iterator
 from typing import TYPE_CHECKING, Any
@@ -189,6 +188,8 @@ class GroupFuture:
             yield completed[index]
 
     def __await__(self) -> Generator[Any, None, list[Any]]:
+        import asyncio
+
         loop = asyncio.get_running_loop()
         return (yield from loop.run_in_executor(None, self.result).__await__())
 

@@ -19,8 +19,6 @@ The same loop runs under every backend: it only needs a connected stream socket.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import inspect
 import os
 import pickle
@@ -116,8 +114,8 @@ class WorkerRuntime:
     def __init__(self, conn: wire.Connection) -> None:
         self.conn = conn
         self.obj: Any = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._loop: Any = None  # asyncio event loop, made on the first async method
+        self._pool: Any = None  # ThreadPoolExecutor when concurrency > 1
         self._early_frames: list[list[Any]] = []  # calls that arrived together with INIT
         self._loop_lock = threading.Lock()
 
@@ -149,6 +147,8 @@ class WorkerRuntime:
             return False
         concurrency = options.get("concurrency", 1)
         if concurrency > 1:
+            import concurrent.futures
+
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 concurrency, thread_name_prefix="phalanx-call"
             )
@@ -233,6 +233,8 @@ class WorkerRuntime:
         self.conn.send(wire.frame([wire.header(wire.RESULT, call_id), *payload]))
 
     def _await(self, awaitable: Any) -> Any:
+        import asyncio
+
         if self._pool is None:  # serial calls: run the coroutine on this (main) thread
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()
