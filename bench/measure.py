@@ -1,10 +1,10 @@
-"""The workloads W1-W6. Each runs every contender side by side: trials are interleaved, and
-trial ``k`` starts with a different contender (:func:`bench.util.rotated`)."""
+"""The workloads W1-W6. Each runs every contender side by side: trials (W2: batches) are
+interleaved, in an order that changes from trial to trial (:func:`bench.util.trial_order`),
+and each timed section is preceded by :func:`bench.util.settle`."""
 
 from __future__ import annotations
 
 import dataclasses
-import gc
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -18,8 +18,9 @@ from bench.util import (
     descendants,
     describe,
     new_descendants,
-    rotated,
+    settle,
     still_running,
+    trial_order,
 )
 
 MIB = 2**20
@@ -63,13 +64,14 @@ def make_plan(quick: bool) -> Plan:
 
 
 def _schedule(contenders: Sequence[Contender], trials: int, ray_trials: int | None = None):
-    """(trial, contender) pairs: trial by trial, each trial in a rotated order; ray runs
+    """(trial, contender) pairs: trial by trial, in an order that changes; ray runs
     ``ray_trials`` trials (default: as many as the others)."""
-    counts = {c.name: trials if c.name != "ray" or ray_trials is None else ray_trials
-              for c in contenders}
+    counts = {
+        c.name: trials if c.name != "ray" or ray_trials is None else ray_trials for c in contenders
+    }
     for trial in range(max(counts.values(), default=0)):
         active = [c for c in contenders if trial < counts[c.name]]
-        yield from ((trial, c) for c in rotated(active, trial))
+        yield from ((trial, c) for c in trial_order(active, trial))
 
 
 def start_all(
@@ -105,7 +107,7 @@ def w1_startup(contenders: Sequence[Contender], plan: Plan, errors: Errors) -> l
         for _, c in _schedule(contenders, plan.w1_trials[n], plan.w1_ray_trials[n]):
             if c.name in failed:
                 continue
-            gc.collect()
+            settle()
             t0 = clock()
             try:
                 c.start(n)
@@ -156,8 +158,9 @@ def w2_fanout(contenders: Sequence[Contender], plan: Plan, errors: Errors) -> li
                 else:
                     calls[c.name] = found
             for batch in range(plan.w2_batches):
-                for c in rotated(live, batch):
+                for c in trial_order(live, batch):
                     k = calls[c.name]
+                    settle()
                     elapsed = errors.attempt(where, c.name, partial(_run_batch, c, k))
                     if elapsed is None:
                         live.remove(c)
@@ -179,7 +182,7 @@ def w3_pipelined(contenders: Sequence[Contender], plan: Plan, errors: Errors) ->
             if errors.attempt("W3", c.name, lambda c=c: c.pipelined(1000) or True) is None:
                 live.remove(c)
         for _, c in _schedule(live, plan.w3_trials, plan.w3_ray_trials):
-            gc.collect()
+            settle()
             t0 = clock()
             if errors.attempt("W3", c.name, lambda c=c: c.pipelined(count) or True):
                 row.add(c.name, count / (clock() - t0))
@@ -194,8 +197,9 @@ def w4_broadcast(contenders: Sequence[Contender], plan: Plan, errors: Errors) ->
     expected = [float(array.size)] * n
     what = f"{plan.w4_mib} MiB float64 array to {n} workers"
     seconds = Row("W4.seconds", f"W4 broadcast {what}", "s", "lower")
-    rate = Row("W4.gbps", f"W4 effective bandwidth ({plan.w4_mib} MiB x {n} / time)", "GB/s",
-               "higher")
+    rate = Row(
+        "W4.gbps", f"W4 effective bandwidth ({plan.w4_mib} MiB x {n} / time)", "GB/s", "higher"
+    )
 
     def once(c: Contender) -> float:
         t0 = clock()
@@ -207,11 +211,11 @@ def w4_broadcast(contenders: Sequence[Contender], plan: Plan, errors: Errors) ->
 
     live = start_all(contenders, n, errors, "W4")
     try:
-        for c in list(live):  # warm-up: buffers, page faults, the object store
-            if errors.attempt("W4", c.name, lambda c=c: once(c)) is None:
+        for c in list(live):  # warm-up (twice): buffers, page faults, the object store
+            if errors.attempt("W4", c.name, lambda c=c: [once(c), once(c)]) is None:
                 live.remove(c)
         for _, c in _schedule(live, plan.w4_trials, plan.w4_ray_trials):
-            gc.collect()
+            settle()
             elapsed = errors.attempt("W4", c.name, lambda c=c: once(c))
             if elapsed is not None:
                 seconds.add(c.name, elapsed)
@@ -229,6 +233,7 @@ def w5_death(contenders: Sequence[Contender], plan: Plan, errors: Errors) -> lis
         for _, c in _schedule(live, plan.w5_trials, plan.w5_ray_trials):
             if c.name in failed:
                 continue
+            settle()
             elapsed = errors.attempt("W5", c.name, c.kill_latency)
             if elapsed is None:
                 failed.add(c.name)
@@ -244,8 +249,13 @@ def w6_leftovers(contenders: Sequence[Contender], plan: Plan, errors: Errors) ->
 
     Ray is left out: its actor processes belong to raylet, not to this process."""
     n = plan.w6_workers
-    row = Row("W6.leftover", f"W6 processes alive after shutdown, {n} workers", "count",
-              "lower", agg="max")
+    row = Row(
+        "W6.leftover",
+        f"W6 processes alive after shutdown, {n} workers",
+        "count",
+        "lower",
+        agg="max",
+    )
     row.extra = {"started": {}, "left": {}}
     subjects = [c for c in contenders if c.name != "ray"]
 

@@ -63,6 +63,8 @@ def evaluate(rows: Sequence[Row]) -> list[dict[str, Any]]:
 def fmt(value: float | None) -> str:
     if value is None:
         return "-"
+    if float(value).is_integer() and abs(value) < 1000:
+        return str(int(value))
     size = abs(value)
     if size >= 1000:
         return f"{value:,.0f}"

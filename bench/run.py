@@ -18,10 +18,20 @@ from typing import Any
 from bench import report
 from bench.contenders import Contender, make_contenders
 from bench.measure import WORKLOADS, make_plan, stop_all, warm_up
-from bench.util import Errors, Row, clock, describe, machine_info, new_descendants
+from bench.util import (
+    Errors,
+    Row,
+    clock,
+    cpu_snapshot,
+    describe,
+    machine_info,
+    new_descendants,
+    other_cpu_share,
+)
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "latest.json"
 RAY_CPUS = 32  # ray schedules 1 CPU per actor by default; the largest group is 16 actors
+RAY_WORKLOADS = ("W1", "W2", "W3", "W4", "W5")  # W6 counts our own descendants: not ray's
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -50,8 +60,12 @@ def start_ray(errors: Errors) -> tuple[Any, dict[str, Any]]:
         return None, info
     info["version"] = ray.__version__
     try:
-        ray.init(num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False,
-                 logging_level=logging.WARNING)
+        ray.init(
+            num_cpus=RAY_CPUS,
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level=logging.WARNING,
+        )
     except Exception as exc:
         errors.record("ray.init", "ray", exc)
         info["skipped"] = f"ray.init failed: {type(exc).__name__}: {exc}"
@@ -67,8 +81,16 @@ def progress(text: str) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.getLogger("phalanx").setLevel(logging.ERROR)  # W5's deaths are expected
     errors = Errors()
+    machine = machine_info()
+    started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    cpu_at_start = cpu_snapshot()
     before = set(p.pid for p in new_descendants(set()))
-    ray, ray_info = (None, {"skipped": "--no-ray"}) if args.no_ray else start_ray(errors)
+    if args.no_ray:
+        ray, ray_info = None, {"skipped": "--no-ray"}
+    elif not any(w in RAY_WORKLOADS for w in args.workloads):
+        ray, ray_info = None, {"skipped": "no selected workload runs ray"}
+    else:
+        ray, ray_info = start_ray(errors)
     plan = make_plan(args.quick)
     contenders: list[Contender] = []
     names: list[str] = []
@@ -78,8 +100,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         contenders = errors.attempt("setup", "all", lambda: make_contenders(ray is not None)) or []
         names = [c.name for c in contenders]
-        progress(f"contenders: {', '.join(names)}; workloads: {', '.join(args.workloads)}"
-                 f"{' (quick)' if args.quick else ''}")
+        progress(
+            f"contenders: {', '.join(names)}; workloads: {', '.join(args.workloads)}"
+            f"{' (quick)' if args.quick else ''}"
+        )
         warm_up(contenders, errors)
         for name in args.workloads:
             t0 = clock()
@@ -87,10 +111,11 @@ def run(args: argparse.Namespace) -> int:
             rows += WORKLOADS[name](contenders, plan, errors)
             timings[name] = clock() - t0
             progress(f"{name} done in {timings[name]:.1f} s")
+        cpu_at_end = cpu_snapshot()  # before teardown: ray's processes are still counted
     finally:
         stop_all(contenders, errors, "teardown")
         if ray is not None:
-            ray.shutdown()
+            errors.attempt("teardown", "ray", ray.shutdown)
     leftovers = leftover_processes(before)
     total = clock() - t_start
 
@@ -103,13 +128,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"\n{len(errors.items)} error(s):")
         for e in errors.items:
             print(f"  {e['workload']} / {e['contender']}: {e['error']}")
+    other = other_cpu_share(cpu_at_start, cpu_at_end)
+    if other > 0.1:
+        print(
+            f"\nnote: processes outside this run used {other:.0%} of one CPU meanwhile; "
+            "they competed with the contenders, expect noisier numbers"
+        )
     print(f"\nleftover processes after the run: {len(leftovers)}")
     for text in leftovers:
         print(f"  {text}")
     payload = {
-        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "unix_time": time.time(),
-        "machine": machine_info(),
+        "timestamp": started_at,
+        "finished_unix_time": time.time(),
+        "machine": machine,
+        "other_processes_cpu_share": other,
         "args": {"quick": args.quick, "only": args.workloads, "no_ray": args.no_ray},
         "plan": plan.__dict__,
         "contenders": names,

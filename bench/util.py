@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
+import itertools
 import os
 import platform
 import statistics
@@ -16,19 +18,30 @@ import psutil
 T = TypeVar("T")
 
 clock = time.perf_counter
+SETTLE_S = 0.1  # pause before each timed section (see settle())
 
 
 def median(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def rotated(items: Sequence[T], shift: int) -> list[T]:
-    """``items`` rotated by ``shift``: trial ``k`` starts with a different contender, so no
-    contender always runs first (or right after the same neighbour)."""
-    if not items:
-        return []
-    shift %= len(items)
+def trial_order(items: Sequence[T], trial: int) -> list[T]:
+    """The order of ``items`` in trial ``trial``: cycles through every permutation (up to 4
+    items; rotations beyond), so that no contender always goes first, nor always runs right
+    after the same neighbour (whose after-effects, e.g. ray's background threads, would
+    then always land on it)."""
+    if len(items) <= 4:
+        orders = list(itertools.permutations(items))
+        return list(orders[trial % len(orders)])
+    shift = trial % len(items)
     return [*items[shift:], *items[:shift]]
+
+
+def settle() -> None:
+    """Collect garbage and pause briefly before a timed section, so that the previous
+    contender's leftovers (garbage, ray's flushes) are not charged to the next one."""
+    gc.collect()
+    time.sleep(SETTLE_S)
 
 
 @dataclasses.dataclass
@@ -135,6 +148,29 @@ def is_mp_helper(proc: psutil.Process) -> bool:
         return False
 
 
+def cpu_snapshot() -> tuple[float, float, float]:
+    """(wall clock, CPU seconds the whole machine has been busy, CPU seconds of this run:
+    this process, the children it reaped, and every live descendant with what it reaped)."""
+    machine = psutil.cpu_times()
+    busy = sum(machine) - machine.idle - getattr(machine, "iowait", 0.0)
+    own = os.times()
+    ours = own.user + own.system + own.children_user + own.children_system
+    for proc in descendants().values():
+        try:
+            t = proc.cpu_times()
+        except psutil.Error:
+            continue
+        ours += t.user + t.system + t.children_user + t.children_system
+    return clock(), busy, ours
+
+
+def other_cpu_share(start: tuple[float, float, float], end: tuple[float, float, float]) -> float:
+    """The share of one CPU that processes outside this run used between two snapshots."""
+    if end[0] <= start[0]:
+        return 0.0
+    return max(0.0, (end[1] - start[1]) - (end[2] - start[2])) / (end[0] - start[0])
+
+
 def machine_info() -> dict[str, Any]:
     info: dict[str, Any] = {
         "cpu_count": os.cpu_count(),
@@ -146,8 +182,5 @@ def machine_info() -> dict[str, Any]:
         "processor": platform.processor(),
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
     }
-    try:
-        info["load_avg_at_start"] = os.getloadavg()
-    except OSError:
-        pass
+    info["load_avg_at_start"] = os.getloadavg()
     return info
