@@ -14,7 +14,6 @@ import logging
 import os
 import pickle
 import select
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -83,8 +82,8 @@ class Dispatcher:
     # -- membership -------------------------------------------------------------------
 
     def add(self, slot: Slot) -> None:
-        self._by_fd[slot.conn.fileno] = (slot, False)
-        self._poller.register(slot.conn.fileno, select.POLLIN)
+        self._by_fd[slot.conn.read_fd] = (slot, False)
+        self._poller.register(slot.conn.read_fd, select.POLLIN)
         death_fd = slot.handle.death_fd
         if death_fd is not None:
             self._by_fd[death_fd] = (slot, True)
@@ -92,7 +91,7 @@ class Dispatcher:
         self._wake()  # a leader blocked in poll() must pick up the new descriptors
 
     def _forget(self, slot: Slot) -> None:
-        for fd in (slot.conn.fileno, slot.handle.death_fd):
+        for fd in (slot.conn.read_fd, slot.handle.death_fd):
             if fd is not None and fd in self._by_fd and self._by_fd[fd][0] is slot:
                 del self._by_fd[fd]
                 try:
@@ -108,27 +107,48 @@ class Dispatcher:
 
     # -- waiting ----------------------------------------------------------------------
 
-    def wait(self, is_done: Callable[[], bool], timeout: float | None) -> bool:
-        """Wait until ``is_done()`` or ``timeout``; drive the pump while nobody else does."""
+    def wait(
+        self,
+        is_done: Callable[[], bool],
+        timeout: float | None,
+        kickoff: Callable[[], None] | None = None,
+    ) -> bool:
+        """Wait until ``is_done()`` or ``timeout``; drive the pump while nobody else does.
+
+        ``kickoff`` (the sends of a synchronous call) runs once, as late as possible: right
+        before this thread's first poll. Nothing then stands between the last send and
+        sleeping, which lets the scheduler run the woken worker on this CPU at once instead
+        of waking an idle one (a difference of tens of microseconds per call).
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         cond = self._cond
         while True:
+            lead = False
             with cond:
                 while True:
-                    if is_done():
+                    if kickoff is None and is_done():
                         return True
                     remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
+                    if kickoff is None and remaining is not None and remaining <= 0:
                         return False
                     if not self._pumping:
-                        self._pumping = True
+                        self._pumping = lead = True
                         break
+                    if kickoff is not None:
+                        break  # another thread leads: send now, then wait as a follower
                     self._followers += 1
                     try:
                         cond.wait(remaining)
                     finally:
                         self._followers -= 1
+            if not lead:
+                kickoff()  # type: ignore[misc]
+                kickoff = None
+                continue
             try:
+                if kickoff is not None:
+                    kickoff()
+                    kickoff = None
                 while not is_done():
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
@@ -181,7 +201,7 @@ class Dispatcher:
                 self._declare_dead(slot)
                 continue
             try:
-                frames = slot.conn.reader.recv_frames(socket.MSG_DONTWAIT)
+                frames = slot.conn.reader.recv_frames(block=False)
             except wire.ConnectionLost:
                 self._declare_dead(slot)
                 continue
@@ -225,7 +245,7 @@ class Dispatcher:
         """Take in what a dead worker sent before it died: results first, then the death."""
         for _ in range(10_000):
             try:
-                frames = slot.conn.reader.recv_frames(socket.MSG_DONTWAIT)
+                frames = slot.conn.reader.recv_frames(block=False)
             except wire.ConnectionLost:
                 return
             if not frames:

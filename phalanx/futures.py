@@ -11,7 +11,7 @@ without waiting for the other ranks of that call.
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import TYPE_CHECKING, Any
 
 from phalanx import wire
@@ -117,6 +117,9 @@ class GroupFuture:
         self._failed: RankFuture | None = None
         self._completed: list[RankFuture] = []
         self._cancelled = False
+        # For synchronous calls the group defers the sends to the first wait (see
+        # Dispatcher.wait); anything that looks at the future sends them first.
+        self._kickoff: Callable[[], None] | None = None
         for rf in rank_futures:  # built before anything is sent: none is complete yet
             rf._parent = self
 
@@ -138,14 +141,23 @@ class GroupFuture:
     def _settled(self) -> bool:
         return self._remaining == 0 or self._failed is not None or self._cancelled
 
+    def _kick(self) -> None:
+        kickoff, self._kickoff = self._kickoff, None
+        if kickoff is not None:
+            kickoff()
+
     def done(self) -> bool:
         """True once every rank answered, one failed, or the future was cancelled."""
+        self._kick()
         if not self._settled():
             self._dispatcher.poll_now()
         return self._settled()
 
     def _wait(self, timeout: float | None) -> None:
-        if not self._settled() and not self._dispatcher.wait(self._settled, timeout):
+        kickoff, self._kickoff = self._kickoff, None
+        if kickoff is None and self._settled():
+            return
+        if not self._dispatcher.wait(self._settled, timeout, kickoff):
             pending = [rf.rank for rf in self._futures if not rf._state]
             raise CallTimeout(self.method, timeout or 0.0, pending)
 
@@ -171,6 +183,7 @@ class GroupFuture:
         Workers that already started the call finish it (a running Python frame cannot be
         interrupted safely). Returns False if the call had already completed.
         """
+        self._kick()
         if self._remaining == 0 or self._failed is not None:
             return False
         self._cancelled = True
@@ -181,6 +194,7 @@ class GroupFuture:
 
     def __iter__(self) -> Iterator[RankFuture]:
         """Per-rank futures in completion order (waiting as needed), including failed ones."""
+        self._kick()
         completed = self._completed
         for index in range(len(self._futures)):
             if index >= len(completed):
@@ -190,6 +204,7 @@ class GroupFuture:
     def __await__(self) -> Generator[Any, None, list[Any]]:
         import asyncio
 
+        self._kick()
         loop = asyncio.get_running_loop()
         return (yield from loop.run_in_executor(None, self.result).__await__())
 

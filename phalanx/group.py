@@ -342,24 +342,35 @@ class WorkerGroup:
                 rank=rank,
             ) from exc
 
-    def _send(self, method: str, ranks: list[int], payloads: list[list[Any]]) -> GroupFuture:
+    def _send(
+        self, method: str, ranks: list[int], payloads: list[list[Any]], *, defer: bool = False
+    ) -> GroupFuture:
+        """Register a call's futures and send it (``defer``: at the future's first wait)."""
         call_id = next(self._call_ids)
         head = wire.header(wire.CALL, call_id, method)
         dispatcher = self._dispatcher
         futures = [RankFuture(r, method, dispatcher) for r in ranks]
         group_future = GroupFuture(method, futures, dispatcher)
-        shared = wire.frame([head, *payloads[0]]) if len(payloads) == 1 else None
-        slots = self._slots
-        for i, rank in enumerate(ranks):
-            slot = slots[rank]
-            rf = futures[i]
-            slot.pending[call_id] = rf  # type: ignore[union-attr]
-            try:
-                slot.conn.send(shared or wire.frame([head, *payloads[i]]))  # type: ignore[union-attr]
-            except wire.ConnectionLost:
-                pass  # the dispatcher fails it with WorkerDied when it processes the death
-            if not slot.alive:  # type: ignore[union-attr]
-                dispatcher.fail_if_dead(slot, call_id, rf)  # type: ignore[arg-type]
+        if len(payloads) == 1:
+            framed = [wire.frame([head, *payloads[0]])] * len(ranks)
+        else:
+            framed = [wire.frame([head, *payload]) for payload in payloads]
+        targets = [self._slots[rank] for rank in ranks]
+
+        def send() -> None:
+            for slot, rf, frame in zip(targets, futures, framed, strict=True):
+                slot.pending[call_id] = rf  # type: ignore[union-attr]
+                try:
+                    slot.conn.send(frame)  # type: ignore[union-attr]
+                except wire.ConnectionLost:
+                    pass  # the dispatcher fails it with WorkerDied when it handles the death
+                if not slot.alive:  # type: ignore[union-attr]
+                    dispatcher.fail_if_dead(slot, call_id, rf)  # type: ignore[arg-type]
+
+        if defer:
+            group_future._kickoff = send
+        else:
+            send()
         return group_future
 
     def call_async(
@@ -380,7 +391,10 @@ class WorkerGroup:
         **kwargs: Any,
     ) -> list[Any]:
         """Call ``method(*args, **kwargs)`` on the selected ranks; results in rank order."""
-        return self.call_async(method, *args, workers=workers, **kwargs).result(timeout)
+        self._check_method(method)
+        ranks = self._live_ranks(workers)
+        payload = self._encode(args, kwargs)
+        return self._send(method, ranks, [payload], defer=True).result(timeout)
 
     def call_one(
         self, rank: int, method: str, *args: Any, timeout: float | None = None, **kwargs: Any
@@ -388,7 +402,7 @@ class WorkerGroup:
         """Call ``method`` on one rank and return its value."""
         if not isinstance(rank, int) or isinstance(rank, bool):
             raise TypeError(f"rank must be an integer, got {rank!r}")
-        return self.call_async(method, *args, workers=[rank], **kwargs).result(timeout)[0]
+        return self.call(method, *args, workers=[rank], timeout=timeout, **kwargs)[0]
 
     def map_async(
         self,

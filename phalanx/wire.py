@@ -14,13 +14,16 @@ Sending never blocks the caller on a slow peer: what the socket does not take at
 queued on the connection and written by a :class:`BacklogWriter` thread. That keeps both
 sides reading while they write, so two peers sending to each other cannot deadlock.
 
-This module knows nothing of workers or groups; it only moves frames.
+The bytes travel over a :class:`Stream`: a pair of pipes between processes on one machine,
+a socket between machines. This module knows nothing of workers or groups; it only moves
+frames.
 """
 
 from __future__ import annotations
 
 import collections
 import errno
+import fcntl
 import logging
 import os
 import pickle
@@ -51,6 +54,8 @@ _RECV_CHUNK = 256 * 1024
 _BIG_FRAME = 512 * 1024
 _SOCKET_BUFFER = 4 * 1024 * 1024
 _MAX_SEGMENTS = 512  # well under IOV_MAX
+_PIPE_BUFFER = 1024 * 1024  # the default /proc/sys/fs/pipe-max-size
+_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 
 
 class ConnectionLost(Exception):
@@ -148,29 +153,123 @@ def frame(segments: list[Any]) -> list[Any]:
     return [prefix + table, *segments]
 
 
+# --------------------------------------------------------------------------- streams
+
+
+class Stream:
+    """A byte stream to one peer: where frames are read from and written to.
+
+    ``read_into`` blocks only when ``block`` is true and the stream supports it;
+    ``write_nowait`` never blocks and returns how many bytes were taken.
+    """
+
+    read_fd: int
+    write_fd: int
+    hangup_events: int  # poll() mask that reports the peer going away without reading data
+
+    def read_into(self, buf: Any, nbytes: int, block: bool) -> int:
+        raise NotImplementedError
+
+    def write_nowait(self, segments: list[Any]) -> int:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class SocketStream(Stream):
+    """A connected stream socket (Unix or TCP), used in both directions."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, opt, _SOCKET_BUFFER)
+            except OSError:  # pragma: no cover - the kernel caps it, which is fine
+                pass
+        self.sock = sock
+        self.read_fd = self.write_fd = sock.fileno()
+        self.hangup_events = getattr(select, "POLLRDHUP", 0)
+
+    def read_into(self, buf: Any, nbytes: int, block: bool) -> int:
+        return self.sock.recv_into(buf, nbytes, 0 if block else socket.MSG_DONTWAIT)
+
+    def write_nowait(self, segments: list[Any]) -> int:
+        if len(segments) == 1:
+            return self.sock.send(segments[0], socket.MSG_DONTWAIT)
+        return self.sock.sendmsg(segments[:_MAX_SEGMENTS], (), socket.MSG_DONTWAIT)
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+class PipeStream(Stream):
+    """A pair of pipes, one per direction: the local backend's transport.
+
+    Pipes keep readers and writers on separate wait queues, so a reader asleep in
+    ``read()`` is not woken each time its peer drains what it wrote (as a Unix socket
+    reader is): one context switch per call instead of two. The read end blocks only if
+    ``blocking_reads`` (the worker's main loop); the write end never blocks.
+    """
+
+    def __init__(self, read_fd: int, write_fd: int, *, blocking_reads: bool) -> None:
+        self.read_fd = read_fd
+        self.write_fd = write_fd
+        self.hangup_events = 0  # POLLHUP is always reported on a read end without writers
+        self._blocking_reads = blocking_reads
+        os.set_blocking(read_fd, blocking_reads)
+        os.set_blocking(write_fd, False)
+        for fd in (read_fd, write_fd):
+            try:
+                fcntl.fcntl(fd, _F_SETPIPE_SZ, _PIPE_BUFFER)
+            except OSError:  # above /proc/sys/fs/pipe-max-size: keep the default
+                pass
+
+    def read_into(self, buf: Any, nbytes: int, block: bool) -> int:
+        if block != self._blocking_reads and not block:
+            raise ValueError("non-blocking read on a blocking pipe")
+        with memoryview(buf) as mv:
+            return os.readv(self.read_fd, [mv[:nbytes]])
+
+    def write_nowait(self, segments: list[Any]) -> int:
+        if len(segments) == 1:
+            return os.write(self.write_fd, segments[0])
+        return os.writev(self.write_fd, segments[:_MAX_SEGMENTS])
+
+    def close(self) -> None:
+        for fd in (self.read_fd, self.write_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
 # --------------------------------------------------------------------------- receiving
 
 
 class FrameReader:
-    """Incremental frame parser over one stream socket (blocking or not)."""
+    """Incremental frame parser over one stream (blocking or not)."""
 
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
+    def __init__(self, stream: Stream) -> None:
+        self._stream = stream
         self._buf = bytearray()
         self._chunk = bytearray(_RECV_CHUNK)
         # A large frame being received in place: (buffer, bytes filled, segment lengths).
         self._big: tuple[bytearray, int, tuple[int, ...]] | None = None
 
-    def recv_frames(self, flags: int = 0) -> list[list[Any]]:
+    def recv_frames(self, block: bool = True) -> list[list[Any]]:
         """Receive once and return every frame now complete (possibly none).
 
-        With ``flags=socket.MSG_DONTWAIT`` it returns ``[]`` instead of blocking.
+        With ``block=False`` it returns ``[]`` instead of waiting for data.
         Raises :class:`ConnectionLost` at end of stream.
         """
         if self._big is not None:
-            return self._fill_big(flags)
+            return self._fill_big(block)
         try:
-            n = self._sock.recv_into(self._chunk, _RECV_CHUNK, flags)
+            n = self._stream.read_into(self._chunk, _RECV_CHUNK, block)
         except (BlockingIOError, InterruptedError):
             return []
         except OSError as exc:
@@ -215,11 +314,11 @@ class FrameReader:
             frames.append(self._finish_big())
         return frames
 
-    def _fill_big(self, flags: int) -> list[list[Any]]:
+    def _fill_big(self, block: bool) -> list[list[Any]]:
         target, have, lengths = self._big  # type: ignore[misc]
         try:
             with memoryview(target) as mv:
-                n = self._sock.recv_into(mv[have:], len(target) - have, flags)
+                n = self._stream.read_into(mv[have:], len(target) - have, block)
         except (BlockingIOError, InterruptedError):
             return []
         except OSError as exc:
@@ -262,21 +361,17 @@ def _advance(segments: collections.deque, sent: int) -> None:
 
 
 class Connection:
-    """One framed, full-duplex channel over a connected stream socket.
+    """One framed, full-duplex channel over a :class:`Stream`.
 
     ``send`` may be called from any thread and never blocks on the peer; receiving is done
     by one thread at a time (the worker's main loop, or the controller's dispatcher).
     """
 
-    def __init__(self, sock: socket.socket, writer: BacklogWriter) -> None:
-        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, opt, _SOCKET_BUFFER)
-            except OSError:  # pragma: no cover - the kernel caps it, which is fine
-                pass
-        self.sock = sock
-        self.fileno = sock.fileno()
-        self.reader = FrameReader(sock)
+    def __init__(self, stream: Stream, writer: BacklogWriter) -> None:
+        self.stream = stream
+        self.read_fd = stream.read_fd
+        self.write_fd = stream.write_fd
+        self.reader = FrameReader(stream)
         self._lock = threading.Lock()
         self._backlog: collections.deque = collections.deque()
         self._writer = writer
@@ -296,10 +391,7 @@ class Connection:
             else:
                 total = sum(memoryview(s).nbytes for s in segments)
             try:
-                if len(segments) == 1:
-                    sent = self.sock.send(segments[0], socket.MSG_DONTWAIT)
-                else:
-                    sent = self.sock.sendmsg(segments[:_MAX_SEGMENTS], (), socket.MSG_DONTWAIT)
+                sent = self.stream.write_nowait(segments)
             except (BlockingIOError, InterruptedError):
                 sent = 0
             except OSError as exc:
@@ -317,7 +409,7 @@ class Connection:
             while self._backlog:
                 chunk = list(self._backlog)[:_MAX_SEGMENTS]
                 try:
-                    sent = self.sock.sendmsg(chunk, (), socket.MSG_DONTWAIT)
+                    sent = self.stream.write_nowait(chunk)
                 except (BlockingIOError, InterruptedError):
                     return False
                 except OSError as exc:
@@ -336,11 +428,7 @@ class Connection:
                 return
             self.closed = True
             self._backlog.clear()
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
+        self.stream.close()
 
 
 class BacklogWriter:
@@ -386,7 +474,7 @@ class BacklogWriter:
         registered: dict[int, Connection] = {}
         while not self._stopped:
             with self._lock:
-                wanted = {c.fileno: c for c in self._pending if not c.closed}
+                wanted = {c.write_fd: c for c in self._pending if not c.closed}
                 self._pending.clear()
             for fd, conn in wanted.items():
                 if fd not in registered:

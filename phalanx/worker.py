@@ -50,12 +50,12 @@ def _install_parent_death_signal(parent_pid: int) -> None:
         os._exit(1)  # the controller died before the signal was armed
 
 
-def _watch_for_hangup(sock: socket.socket) -> None:
-    """Exit when the controller's end of the socket closes, even if user code never returns."""
+def _watch_for_hangup(stream: wire.Stream) -> None:
+    """Exit when the controller's end of the stream closes, even if user code never returns."""
 
     def watch() -> None:
         poller = select.poll()
-        poller.register(sock.fileno(), select.POLLRDHUP)
+        poller.register(stream.read_fd, stream.hangup_events)
         while True:
             try:
                 events = poller.poll()
@@ -161,9 +161,14 @@ class WorkerRuntime:
     def serve(self) -> int:
         """Serve calls until SHUTDOWN or end of stream; returns the exit code."""
         recv = self.conn.reader.recv_frames
-        poller = select.poll()
-        poller.register(self.conn.fileno, select.POLLIN)
-        readable = poller.poll
+        readable = None
+        if isinstance(self.conn.stream, wire.SocketStream):
+            # Sleep in poll(), not in recv(): a blocked recv() on a Unix socket is also woken
+            # each time the controller drains what we sent (a spurious context switch per
+            # call); poll() filters that wake-up out. Pipes need no such care.
+            poller = select.poll()
+            poller.register(self.conn.read_fd, select.POLLIN)
+            readable = poller.poll
         run = self._run_call if self._pool is None else self._submit_call
         loads = pickle.loads
         frames, self._early_frames = self._early_frames, []
@@ -176,13 +181,13 @@ class WorkerRuntime:
                 elif kind == wire.SHUTDOWN:
                     return 0
             try:
-                frames = recv(socket.MSG_DONTWAIT)
-                while not frames:
-                    # Sleep in poll(), not in recv(): a blocked recv() on a Unix socket is
-                    # also woken each time the controller consumes what we sent (a spurious
-                    # wake-up that costs a context switch per call); poll() filters it out.
-                    readable()
-                    frames = recv(socket.MSG_DONTWAIT)
+                if readable is None:
+                    frames = recv()
+                else:
+                    frames = recv(False)
+                    while not frames:
+                        readable()
+                        frames = recv(False)
             except wire.ConnectionLost:
                 return 0
 
@@ -276,14 +281,25 @@ def _flush_and_exit(conn: wire.Connection, code: int, wait: float = 1.0) -> None
     os._exit(code)
 
 
+def _open_stream(spec: str) -> wire.Stream:
+    """``pipe:R,W`` (local backend) or ``socket:FD`` (a connected socket)."""
+    kind, _, fds = spec.partition(":")
+    numbers = [int(fd) for fd in fds.split(",")]
+    for fd in numbers:
+        os.set_inheritable(fd, False)  # not for the user's subprocesses
+    if kind == "pipe":
+        return wire.PipeStream(numbers[0], numbers[1], blocking_reads=True)
+    if kind == "socket":
+        return wire.SocketStream(socket.socket(fileno=numbers[0]))
+    raise ValueError(f"{config.ENV_FD}={spec!r}: expected pipe:R,W or socket:FD")
+
+
 def main() -> None:
-    fd = int(os.environ.pop(config.ENV_FD))
+    stream = _open_stream(os.environ.pop(config.ENV_FD))
     parent = int(os.environ.pop(config.ENV_PARENT_PID, "0"))
     _install_parent_death_signal(parent)
-    sock = socket.socket(fileno=fd)
-    sock.set_inheritable(False)
-    _watch_for_hangup(sock)
-    conn = wire.Connection(sock, wire.BacklogWriter("phalanx-worker-writer"))
+    _watch_for_hangup(stream)
+    conn = wire.Connection(stream, wire.BacklogWriter("phalanx-worker-writer"))
     runtime = WorkerRuntime(conn)
     try:
         if not runtime.initialise():

@@ -47,7 +47,8 @@ class LocalBackend(Backend):
     def _start(self, spec: WorkerSpec) -> WorkerHandle:
         proc = node.spawn_worker(spec.env, cwd=spec.cwd)
         tap = self._logs.attach(spec.rank, proc.stdout_fd, proc.stderr_fd)
-        conn = wire.Connection(proc.sock, self._writer)
+        stream = wire.PipeStream(proc.read_fd, proc.write_fd, blocking_reads=False)
+        conn = wire.Connection(stream, self._writer)
         return LocalWorker(spec, proc, conn, tap)
 
     def _stop(self, handles: list[WorkerHandle], *, grace: float, force: bool) -> None:
