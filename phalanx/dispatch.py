@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import select
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+_CALL_ID = struct.Struct("<Q").unpack_from
 _EXIT_WAIT = 1.0  # after end of stream, how long the process may take to finish exiting
 _OUTPUT_WAIT = 0.2  # how long to wait for a dead worker's last stderr lines
 
@@ -67,8 +68,8 @@ class Dispatcher:
         self._poller = select.epoll() if hasattr(select, "epoll") else select.poll()
         self._by_fd: dict[int, tuple[Slot, bool]] = {}  # fd -> (slot, is_death_fd)
         self._cond = threading.Condition(threading.Lock())
-        self._pumping = False
-        self._followers = 0
+        self._lead = threading.Lock()  # held by the thread that pumps (the leader)
+        self._followers = 0  # threads waiting for the leader to finish their future
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -78,6 +79,7 @@ class Dispatcher:
         self._on_death = on_death
         self._closed = False
         self._released = False
+        self.deaths = 0  # incremented on every death and removal: a cheap change counter
 
     # -- membership -------------------------------------------------------------------
 
@@ -121,57 +123,66 @@ class Dispatcher:
         of waking an idle one (a difference of tens of microseconds per call).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        cond = self._cond
         while True:
-            lead = False
-            with cond:
-                while True:
-                    if kickoff is None and is_done():
-                        return True
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if kickoff is None and remaining is not None and remaining <= 0:
-                        return False
-                    if not self._pumping:
-                        self._pumping = lead = True
-                        break
-                    if kickoff is not None:
-                        break  # another thread leads: send now, then wait as a follower
-                    self._followers += 1
-                    try:
-                        cond.wait(remaining)
-                    finally:
-                        self._followers -= 1
-            if not lead:
-                kickoff()  # type: ignore[misc]
+            if self._lead.acquire(False):
+                return self._lead_until(is_done, deadline, kickoff)
+            if kickoff is not None:
+                kickoff()  # another thread leads: send now, then wait as a follower
                 kickoff = None
-                continue
-            try:
-                if kickoff is not None:
-                    kickoff()
-                    kickoff = None
+            cond = self._cond
+            with cond:
+                self._followers += 1
+                try:
+                    while True:
+                        if is_done():
+                            return True
+                        remaining = None if deadline is None else deadline - time.monotonic()
+                        if remaining is not None and remaining <= 0:
+                            return False
+                        if self._lead.acquire(False):
+                            self._lead.release()
+                            break  # the leader stepped down: try to lead
+                        cond.wait(remaining)
+                finally:
+                    self._followers -= 1
+
+    def _lead_until(
+        self,
+        is_done: Callable[[], bool],
+        deadline: float | None,
+        kickoff: Callable[[], None] | None,
+    ) -> bool:
+        """Pump as the leader (``self._lead`` held) until done or the deadline."""
+        try:
+            if kickoff is not None:
+                kickoff()
+            if deadline is None:
                 while not is_done():
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
-                        return False
-                    self._pump(remaining)
+                    self._pump(None)
                 return True
-            finally:
-                with cond:
-                    self._pumping = False
-                    cond.notify_all()
+            while not is_done():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._pump(remaining)
+            return True
+        finally:
+            self._lead.release()
+            if self._followers:  # one of them may lead now, or its future completed
+                with self._cond:
+                    self._cond.notify_all()
 
     def poll_now(self) -> None:
         """Process what has already arrived, without blocking (no-op if another thread pumps)."""
-        with self._cond:
-            if self._pumping:
-                return
-            self._pumping = True
+        if not self._lead.acquire(False):
+            return
         try:
             self._pump(0)
         finally:
-            with self._cond:
-                self._pumping = False
-                self._cond.notify_all()
+            self._lead.release()
+            if self._followers:
+                with self._cond:
+                    self._cond.notify_all()
 
     def _pump(self, timeout: float | None) -> None:
         if self._released:
@@ -216,13 +227,15 @@ class Dispatcher:
     def _on_frames(self, slot: Slot, frames: list[list[Any]]) -> None:
         pending = slot.pending
         for segs in frames:
-            head = pickle.loads(segs[0])
-            kind = head[0]
-            if kind == wire.RESULT:
-                rf = pending.pop(head[1], None)
+            first = segs[0]
+            if first[0] == wire.RESULT:  # the hot path, without building a header tuple
+                rf = pending.pop(_CALL_ID(first, 1)[0], None)
                 if rf is not None:
                     rf._resolve(segs[1:])
-            elif kind == wire.ERROR:
+                continue
+            head = wire.parse_header(first)
+            kind = head[0]
+            if kind == wire.ERROR:
                 rf = pending.pop(head[1], None)
                 if rf is not None:
                     failure = RemoteFailure(*head[2])
@@ -273,6 +286,7 @@ class Dispatcher:
             stderr_tail=handle.stderr_tail(),
         )
         slot.alive = False  # after .failure is set: senders that see this fail on their own
+        self.deaths += 1
         pending, slot.pending = slot.pending, {}
         for rf in pending.values():
             rf._fail(WorkerDied(slot.failure, method=rf.method))
@@ -287,6 +301,7 @@ class Dispatcher:
             rf._fail(WorkerDied(slot.failure, method=rf.method))  # type: ignore[arg-type]
 
     def remove(self, slot: Slot) -> None:
+        self.deaths += 1
         self._forget(slot)
         self._wake()
 
@@ -306,11 +321,11 @@ class Dispatcher:
             self._cond.notify_all()
 
     def release(self) -> None:
-        deadline = time.monotonic() + 5.0
-        with self._cond:
-            # Let a leader finish its last poll (close() woke it) before the fds go away.
-            while self._pumping and time.monotonic() < deadline:
-                self._cond.wait(0.5)
+        # Let a leader finish its last poll (close() woke it) before the fds go away.
+        if self._lead.acquire(timeout=5.0):
+            self._released = True
+            self._lead.release()
+        else:
             self._released = True
         if self._epoll:
             self._poller.close()

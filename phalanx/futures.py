@@ -28,14 +28,16 @@ class RankFuture:
 
     __slots__ = ("_dispatcher", "_error", "_parent", "_payload", "_state", "method", "rank")
 
-    def __init__(self, rank: int, method: str, dispatcher: Dispatcher) -> None:
+    def __init__(
+        self, rank: int, method: str, dispatcher: Dispatcher, parent: GroupFuture | None = None
+    ) -> None:
         self.rank = rank
         self.method = method
         self._dispatcher = dispatcher
         self._state = _PENDING
         self._payload: Any = None
         self._error: BaseException | None = None
-        self._parent: GroupFuture | None = None
+        self._parent = parent
 
     # -- completion (dispatcher side) -------------------------------------------------
 
@@ -68,9 +70,13 @@ class RankFuture:
 
     def result(self, timeout: float | None = None) -> Any:
         """The rank's return value; raises its error, or CallTimeout after ``timeout`` s."""
-        self._wait(timeout)
+        if not self._state:
+            self._wait(timeout)
         if self._state == _FAILED:
             raise self._error  # type: ignore[misc]
+        return self._value()
+
+    def _value(self) -> Any:
         payload = self._payload
         if type(payload) is list:  # still encoded: decode once
             try:
@@ -109,19 +115,17 @@ class GroupFuture:
     yields the per-rank futures as they complete; ``await future`` works in asyncio code.
     """
 
-    def __init__(self, method: str, rank_futures: list[RankFuture], dispatcher: Dispatcher):
+    def __init__(self, method: str, ranks: list[int], dispatcher: Dispatcher):
         self.method = method
-        self._futures = rank_futures
+        self._futures = [RankFuture(rank, method, dispatcher, self) for rank in ranks]
         self._dispatcher = dispatcher
-        self._remaining = len(rank_futures)
+        self._remaining = len(ranks)
         self._failed: RankFuture | None = None
         self._completed: list[RankFuture] = []
         self._cancelled = False
         # For synchronous calls the group defers the sends to the first wait (see
         # Dispatcher.wait); anything that looks at the future sends them first.
         self._kickoff: Callable[[], None] | None = None
-        for rf in rank_futures:  # built before anything is sent: none is complete yet
-            rf._parent = self
 
     @property
     def ranks(self) -> list[int]:
@@ -168,7 +172,7 @@ class GroupFuture:
             raise concurrent.futures.CancelledError(f"{self.method}() was cancelled")
         if self._failed is not None:
             raise self._failed._error  # type: ignore[misc]
-        return [rf.result() for rf in self._futures]
+        return [rf._value() for rf in self._futures]
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The first failure, or None once every rank succeeded."""

@@ -29,7 +29,7 @@ from phalanx.errors import (
     WorkerDied,
 )
 from phalanx.frameworks import Layout, check_framework, merge_env, rank_env
-from phalanx.futures import GroupFuture, RankFuture
+from phalanx.futures import GroupFuture
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +175,7 @@ class WorkerGroup:
         self._methods: list[str] | None = None
         self._method_set: frozenset[str] = frozenset()
         self._all_ranks = list(range(self.world_size))
+        self._deaths_seen = -1  # dispatcher.deaths when every rank was last seen alive
         self._backend: Backend = create_backend(backend, echo_output=echo_output)
         self._dispatcher = Dispatcher(on_death=self._on_death)
         self._slots: list[Slot | None] = [None] * self.world_size
@@ -316,11 +317,13 @@ class WorkerGroup:
 
     def _live_ranks(self, workers: Workers) -> list[int]:
         self._check_open()
-        if workers == "all" and all(s.alive for s in self._slots):  # type: ignore[union-attr]
-            return self._all_ranks
+        if workers == "all" and self._dispatcher.deaths == self._deaths_seen:
+            return self._all_ranks  # no rank died since every rank was last known alive
         if workers in ("ready", "any"):
             self._dispatcher.poll_now()  # learn of deaths that already happened
         alive = [s is not None and s.alive for s in self._slots]
+        if all(alive):
+            self._deaths_seen = self._dispatcher.deaths
         ranks = select_ranks(workers, alive)
         for r in ranks:
             slot = self._slots[r]
@@ -349,8 +352,8 @@ class WorkerGroup:
         call_id = next(self._call_ids)
         head = wire.header(wire.CALL, call_id, method)
         dispatcher = self._dispatcher
-        futures = [RankFuture(r, method, dispatcher) for r in ranks]
-        group_future = GroupFuture(method, futures, dispatcher)
+        group_future = GroupFuture(method, ranks, dispatcher)
+        futures = group_future._futures
         if len(payloads) == 1:
             framed = [wire.frame([head, *payloads[0]])] * len(ranks)
         else:

@@ -110,8 +110,13 @@ def _is_plain(obj: Any, depth: int = 0) -> bool:
 _NO_ARGUMENTS = pickle.dumps(((), {}), protocol=5)
 
 
+_NONE = pickle.dumps(None, protocol=5)
+
+
 def dumps_fast(obj: Any) -> list[Any]:
     """Like :func:`dumps`, with a shortcut through the C pickler for small builtin data."""
+    if obj is None:
+        return [_NONE]
     if obj == ((), {}):
         return [_NO_ARGUMENTS]
     if _is_plain(obj):
@@ -124,13 +129,45 @@ def loads(segments: list[Any]) -> Any:
     return pickle.loads(segments[0], buffers=segments[1:])
 
 
-def header(*fields: Any) -> bytes:
-    return pickle.dumps(fields, protocol=5)
+_HEAD = struct.Struct("<BQ")  # kind, call id
+HEAD_SIZE = _HEAD.size
+
+
+def header(kind: int, call_id: int, *extra: Any) -> bytes:
+    """Segment 0 of a frame: kind and call id packed, then the method name (CALL) or the
+    pickled extra fields (everything but RESULT, which has none)."""
+    head = _HEAD.pack(kind, call_id)
+    if kind == CALL:
+        (method,) = extra
+        return head + method.encode()
+    if not extra:
+        return head
+    return head + pickle.dumps(extra, protocol=5)
+
+
+def parse_header(segment: Any) -> tuple:
+    """Inverse of :func:`header`: ``(kind, call_id, *extra)``."""
+    kind, call_id = _HEAD.unpack_from(segment)
+    rest = bytes(segment[HEAD_SIZE:])
+    if kind == CALL:
+        return (kind, call_id, rest.decode())
+    if not rest:
+        return (kind, call_id)
+    return (kind, call_id, *pickle.loads(rest))
 
 
 _SMALL_FRAME = 64 * 1024
 _PREFIX_1 = struct.Struct("<IQQ")
 _PREFIX_2 = struct.Struct("<IQQQ")
+
+
+def result_frame(call_id: int, payload: list[Any]) -> list[Any]:
+    """``frame([header(RESULT, call_id), *payload])``, built directly for the common case."""
+    if len(payload) == 1 and type(payload[0]) is bytes and len(payload[0]) < _SMALL_FRAME:
+        (data,) = payload
+        prefix = _PREFIX_2.pack(2, 16 + HEAD_SIZE + len(data), HEAD_SIZE, len(data))
+        return [prefix + _HEAD.pack(RESULT, call_id) + data]
+    return frame([_HEAD.pack(RESULT, call_id), *payload])
 
 
 def frame(segments: list[Any]) -> list[Any]:
@@ -148,7 +185,7 @@ def frame(segments: list[Any]) -> list[Any]:
         if len(b) < _SMALL_FRAME:
             return [_PREFIX_2.pack(2, 16 + len(a) + len(b), len(a), len(b)) + a + b]
     lengths = [memoryview(s).nbytes for s in segments]
-    table = struct.pack(f"<{n}Q", *lengths)
+    table = _table(n).pack(*lengths)
     prefix = _PREFIX.pack(n, len(table) + sum(lengths))
     return [prefix + table, *segments]
 
@@ -229,10 +266,12 @@ class PipeStream(Stream):
                 pass
 
     def read_into(self, buf: Any, nbytes: int, block: bool) -> int:
-        if block != self._blocking_reads and not block:
+        if self._blocking_reads and not block:
             raise ValueError("non-blocking read on a blocking pipe")
+        if nbytes == len(buf):
+            return os.readv(self.read_fd, (buf,))
         with memoryview(buf) as mv:
-            return os.readv(self.read_fd, [mv[:nbytes]])
+            return os.readv(self.read_fd, (mv[:nbytes],))
 
     def write_nowait(self, segments: list[Any]) -> int:
         if len(segments) == 1:
@@ -250,12 +289,19 @@ class PipeStream(Stream):
 # --------------------------------------------------------------------------- receiving
 
 
+_TABLES = [struct.Struct(f"<{n}Q") for n in range(17)]
+
+
+def _table(nseg: int) -> struct.Struct:
+    return _TABLES[nseg] if nseg < len(_TABLES) else struct.Struct(f"<{nseg}Q")
+
+
 class FrameReader:
     """Incremental frame parser over one stream (blocking or not)."""
 
     def __init__(self, stream: Stream) -> None:
         self._stream = stream
-        self._buf = bytearray()
+        self._buf = bytearray()  # bytes of an incomplete frame, carried to the next read
         self._chunk = bytearray(_RECV_CHUNK)
         # A large frame being received in place: (buffer, bytes filled, segment lengths).
         self._big: tuple[bytearray, int, tuple[int, ...]] | None = None
@@ -276,40 +322,43 @@ class FrameReader:
             raise ConnectionLost(str(exc)) from exc
         if n == 0:
             raise ConnectionLost("end of stream")
+        if not self._buf:  # the usual case: parse straight out of the read buffer
+            return self._parse(self._chunk, n)
         with memoryview(self._chunk) as mv:
             self._buf += mv[:n]
-        return self._parse()
+        buf, self._buf = self._buf, bytearray()
+        return self._parse(buf, len(buf))
 
-    def _parse(self) -> list[list[Any]]:
+    def _parse(self, buf: bytearray, size: int) -> list[list[Any]]:
+        """Split ``buf[:size]`` into frames; keep an incomplete tail for the next read."""
         frames = []
-        buf = self._buf
-        size = len(buf)
         pos = 0
+        unpack_prefix = _PREFIX.unpack_from
         with memoryview(buf) as mv:
             while size - pos >= _PREFIX.size:
-                nseg, body = _PREFIX.unpack_from(buf, pos)
+                nseg, body = unpack_prefix(buf, pos)
                 start = pos + _PREFIX.size
                 end = start + body
                 if end > size:
                     table_end = start + 8 * nseg
                     if body >= _BIG_FRAME and table_end <= size:
-                        lengths = struct.unpack_from(f"<{nseg}Q", buf, start)
+                        # Receive the rest of a large frame in place, into its own buffer.
+                        lengths = _table(nseg).unpack_from(buf, start)
                         target = bytearray(end - table_end)
                         have = size - table_end
                         target[:have] = mv[table_end:size]
                         self._big = (target, have, lengths)
                         pos = size
                     break
-                lengths = struct.unpack_from(f"<{nseg}Q", buf, start)
                 off = start + 8 * nseg
                 segs = []
-                for length in lengths:
-                    segs.append(bytes(mv[off : off + length]))
+                for length in _table(nseg).unpack_from(buf, start):
+                    segs.append(mv[off : off + length].tobytes())
                     off += length
                 frames.append(segs)
                 pos = end
-        if pos:
-            del buf[:pos]
+            if pos < size:
+                self._buf = bytearray(mv[pos:size])
         if self._big is not None and self._big[1] == len(self._big[0]):
             frames.append(self._finish_big())
         return frames
@@ -372,6 +421,7 @@ class Connection:
         self.read_fd = stream.read_fd
         self.write_fd = stream.write_fd
         self.reader = FrameReader(stream)
+        self._write = stream.write_nowait
         self._lock = threading.Lock()
         self._backlog: collections.deque = collections.deque()
         self._writer = writer
@@ -381,17 +431,17 @@ class Connection:
     def send(self, segments: list[Any]) -> None:
         """Queue one frame (already built by :func:`frame`); raises ConnectionLost if broken."""
         with self._lock:
-            if self.broken is not None or self.closed:
-                raise ConnectionLost(f"connection is closed ({self.broken or 'closed'})")
-            if self._backlog:
+            if self._backlog or self.broken is not None or self.closed:
+                if self.broken is not None or self.closed:
+                    raise ConnectionLost(f"connection is closed ({self.broken or 'closed'})")
                 self._backlog.extend(segments)
                 return
-            if len(segments) == 1 and type(segments[0]) is bytes:
-                total = len(segments[0])
+            if len(segments) == 1:
+                total = len(segments[0])  # one bytes object: see frame()
             else:
                 total = sum(memoryview(s).nbytes for s in segments)
             try:
-                sent = self.stream.write_nowait(segments)
+                sent = self._write(segments)
             except (BlockingIOError, InterruptedError):
                 sent = 0
             except OSError as exc:

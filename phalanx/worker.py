@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import inspect
 import os
-import pickle
 import select
 import socket
+import struct
 import sys
 import threading
 import time
@@ -99,6 +99,7 @@ def _failure(exc: BaseException, stage: str) -> RemoteFailure:
     return RemoteFailure(type(exc).__name__, message, text, stage, pickled)
 
 
+_CALL_ID = struct.Struct("<Q").unpack_from
 _PLAIN_RESULTS = frozenset({type(None), int, float, str, bytes, bool, list, dict, tuple})
 
 
@@ -129,7 +130,7 @@ class WorkerRuntime:
                 break
         segs = frames[0]
         self._early_frames = frames[1:]
-        kind, _, sys_path, options = pickle.loads(segs[0])
+        kind, _, sys_path, options = wire.parse_header(segs[0])
         if kind != wire.INIT:
             raise RuntimeError(f"expected INIT, got message kind {kind}")
         sys.path[:] = list(dict.fromkeys([*sys_path, *sys.path]))
@@ -170,14 +171,14 @@ class WorkerRuntime:
             poller.register(self.conn.read_fd, select.POLLIN)
             readable = poller.poll
         run = self._run_call if self._pool is None else self._submit_call
-        loads = pickle.loads
+        call, call_id, head_size = wire.CALL, _CALL_ID, wire.HEAD_SIZE
         frames, self._early_frames = self._early_frames, []
         while True:
             for segs in frames:
-                head = loads(segs[0])
-                kind = head[0]
-                if kind == wire.CALL:
-                    run(head[1], head[2], segs)
+                first = segs[0]
+                kind = first[0]
+                if kind == call:
+                    run(call_id(first, 1)[0], first[head_size:].decode(), segs)
                 elif kind == wire.SHUTDOWN:
                     return 0
             try:
@@ -235,7 +236,7 @@ class WorkerRuntime:
             self._send_error(call_id, exc, "pickling the result")
             return
         del result
-        self.conn.send(wire.frame([wire.header(wire.RESULT, call_id), *payload]))
+        self.conn.send(wire.result_frame(call_id, payload))
 
     def _await(self, awaitable: Any) -> Any:
         import asyncio
