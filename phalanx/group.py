@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -153,6 +154,8 @@ class WorkerGroup:
             bad = [r for r in rank_env if not (isinstance(r, int) and 0 <= r < self.world_size)]
             if bad:
                 raise ValueError(f"rank_env names ranks {bad} outside 0..{self.world_size - 1}")
+        for rank in range(self.world_size):  # type errors in env now, before any resource
+            merge_env({}, {}, env, (rank_env or {}).get(rank))
         self._start_timeout = settings.start_timeout if start_timeout is None else start_timeout
         if self._start_timeout <= 0:
             raise ValueError(f"start_timeout must be positive, got {self._start_timeout!r}")
@@ -240,9 +243,7 @@ class WorkerGroup:
         try:
             self._await_ready(slots)
         except BaseException:
-            for slot in slots:
-                self._dispatcher.remove(slot)
-            self._backend.stop([s.handle for s in slots], grace=0.0, force=True)
+            self._retire(slots, grace=0.0, force=True)  # they stay known as dead ranks
             raise
         if self._methods is None:
             self._methods = slots[0].methods
@@ -259,7 +260,9 @@ class WorkerGroup:
                 if step is None:
                     step = deadline - time.monotonic()
                 all_settled = self._dispatcher.wait(
-                    lambda: all(s.settled_start() for s in slots), max(step, 0.0)
+                    lambda: all(s.settled_start() for s in slots)
+                    or any(s.init_failure is not None or not s.alive for s in slots),
+                    max(step, 0.0),
                 )
                 progress.update(sum(s.ready for s in slots))
                 failed = [s for s in slots if s.init_failure is not None or not s.alive]
@@ -319,6 +322,12 @@ class WorkerGroup:
         self._check_open()
         if workers == "all" and self._dispatcher.deaths == self._deaths_seen:
             return self._all_ranks  # no rank died since every rank was last known alive
+        if type(workers) is list and len(workers) == 1:  # the common call_one-style case
+            rank = workers[0]
+            if type(rank) is int and 0 <= rank < len(self._slots):
+                slot = self._slots[rank]
+                if slot is not None and slot.alive:
+                    return workers
         if workers in ("ready", "any"):
             self._dispatcher.poll_now()  # learn of deaths that already happened
         alive = [s is not None and s.alive for s in self._slots]
@@ -350,31 +359,32 @@ class WorkerGroup:
     ) -> GroupFuture:
         """Register a call's futures and send it (``defer``: at the future's first wait)."""
         call_id = next(self._call_ids)
-        head = wire.header(wire.CALL, call_id, method)
-        dispatcher = self._dispatcher
-        group_future = GroupFuture(method, ranks, dispatcher)
-        futures = group_future._futures
+        group_future = GroupFuture(method, ranks, self._dispatcher)
         if len(payloads) == 1:
-            framed = [wire.frame([head, *payloads[0]])] * len(ranks)
+            frames = [wire.call_frame(call_id, method, payloads[0])] * len(ranks)
         else:
-            framed = [wire.frame([head, *payload]) for payload in payloads]
-        targets = [self._slots[rank] for rank in ranks]
-
-        def send() -> None:
-            for slot, rf, frame in zip(targets, futures, framed, strict=True):
-                slot.pending[call_id] = rf  # type: ignore[union-attr]
-                try:
-                    slot.conn.send(frame)  # type: ignore[union-attr]
-                except wire.ConnectionLost:
-                    pass  # the dispatcher fails it with WorkerDied when it handles the death
-                if not slot.alive:  # type: ignore[union-attr]
-                    dispatcher.fail_if_dead(slot, call_id, rf)  # type: ignore[arg-type]
-
+            frames = [wire.call_frame(call_id, method, payload) for payload in payloads]
         if defer:
-            group_future._kickoff = send
+            group_future._kickoff = functools.partial(
+                self._deliver, call_id, ranks, group_future._futures, frames
+            )
         else:
-            send()
+            self._deliver(call_id, ranks, group_future._futures, frames)
         return group_future
+
+    def _deliver(
+        self, call_id: int, ranks: list[int], futures: list[Any], frames: list[list[Any]]
+    ) -> None:
+        slots = self._slots
+        for rank, rf, frame in zip(ranks, futures, frames, strict=True):
+            slot = slots[rank]
+            slot.pending[call_id] = rf  # type: ignore[union-attr]
+            try:
+                slot.conn.send(frame)  # type: ignore[union-attr]
+            except wire.ConnectionLost:
+                pass  # the dispatcher fails it with WorkerDied when it handles the death
+            if not slot.alive:  # type: ignore[union-attr]
+                self._dispatcher.fail_if_dead(slot, call_id, rf)  # type: ignore[arg-type]
 
     def call_async(
         self, method: str, *args: Any, workers: Workers = "all", **kwargs: Any
@@ -476,7 +486,7 @@ class WorkerGroup:
         return report
 
     def _on_death(self, slot: Slot) -> None:
-        if not self._closed and slot.failure is not None:
+        if not self._closed and slot.ready and slot.failure is not None:
             logger.warning("rank %d (pid %s) died: %s", slot.rank, slot.pid, slot.failure.cause)
 
     # -- replacing workers ------------------------------------------------------------
@@ -528,6 +538,9 @@ class WorkerGroup:
         """Stop every worker: optional ``cleanup`` method on all live ranks, a graceful exit
         within ``timeout``, then SIGTERM and SIGKILL of each worker's process tree.
 
+        Idle workers exit on their own (running their atexit handlers); workers still busy
+        with a call are terminated at once, since its result could not be delivered.
+
         Idempotent. Pending calls end with :class:`GroupClosed`. On return no process the
         group started is alive.
         """
@@ -547,16 +560,19 @@ class WorkerGroup:
         slots = [s for s in self._slots if s is not None]
         self._closed = True
         _live_groups.discard(self)
-        live = [s for s in slots if s.alive]
+        # Idle workers are asked to exit and given until the deadline (atexit handlers,
+        # framework cleanup); workers still busy with a call would only finish work whose
+        # result nobody can receive any more, so they are terminated at once.
+        idle = [s for s in slots if s.alive and not s.pending]
         if not force:
             bye = wire.frame([wire.header(wire.SHUTDOWN, 0)])
-            for slot in live:
+            for slot in idle:
                 try:
                     slot.conn.send(bye)
                 except wire.ConnectionLost:
                     pass
             remaining = max(0.0, deadline - time.monotonic())
-            self._backend.wait_exited([s.handle for s in live], remaining)
+            self._backend.wait_exited([s.handle for s in idle], remaining)
         self._dispatcher.close(
             lambda rf: GroupClosed(
                 f"the group was shut down while {rf.method}() was pending on rank {rf.rank}"
@@ -578,9 +594,12 @@ class WorkerGroup:
         self.shutdown()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "running"
+        layout = self.__dict__.get("_layout")
+        if layout is None:
+            return "<WorkerGroup (not started)>"
+        state = "closed" if self.__dict__.get("_closed", True) else "running"
         return (
-            f"<WorkerGroup {self._target_name} nodes={self.nodes} "
-            f"procs_per_node={self.procs_per_node} {state}>"
+            f"<WorkerGroup {self.__dict__.get('_target_name', '?')} nodes={layout.nodes} "
+            f"procs_per_node={layout.procs_per_node} {state}>"
         )
 

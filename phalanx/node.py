@@ -81,6 +81,7 @@ class LocalProcess:
         except (AttributeError, OSError):  # pre-5.3 kernels, other platforms
             self.death_fd = None
         # The log pump owns the pipe descriptors: take our own copies, close Popen's.
+        self._descendants: list = []  # psutil.Process objects seen before a graceful exit
         self.stdout_fd = os.dup(popen.stdout.fileno())  # type: ignore[union-attr]
         self.stderr_fd = os.dup(popen.stderr.fileno())  # type: ignore[union-attr]
         popen.stdout.close()  # type: ignore[union-attr]
@@ -108,6 +109,27 @@ class LocalProcess:
                 self.popen.send_signal(sig)
             except ProcessLookupError:
                 pass
+
+    def remember_descendants(self) -> None:
+        """Note the worker's descendants now: once it exits they are orphans that no longer
+        show up as its children (and those that left its process group escape killpg)."""
+        try:
+            import psutil
+
+            found = psutil.Process(self.pid).children(recursive=True)
+        except Exception:  # noqa: BLE001 - psutil.Error: the worker is already gone
+            return
+        known = {p.pid for p in self._descendants}
+        self._descendants += [p for p in found if p.pid not in known]
+
+    def kill_remembered(self) -> None:
+        for child in self._descendants:
+            try:
+                if child.is_running():  # compares start times: safe against pid reuse
+                    child.kill()
+            except Exception:  # noqa: BLE001 - psutil.Error: it exited meanwhile
+                pass
+        self._descendants = []
 
     def release(self) -> None:
         """Close the pidfd (the control pipes belong to their Connection)."""
@@ -190,6 +212,9 @@ def stop_processes(
     their process groups. Returns once every worker is reaped.
     """
     procs = list(procs)
+    for proc in procs:
+        if proc.alive():
+            proc.remember_descendants()
     if not force:
         for proc in procs:
             if proc.alive():
@@ -199,6 +224,7 @@ def stop_processes(
             proc.exitcode(max(0.0, deadline - time.monotonic()))
     for proc in procs:
         proc.signal_tree(signal.SIGKILL)
+        proc.kill_remembered()
     for proc in procs:
         if proc.exitcode(10.0) is None:  # pragma: no cover - SIGKILL cannot be ignored
             logger.error("worker pid %s did not exit after SIGKILL", proc.pid)
@@ -208,6 +234,9 @@ def wait_all_exit(procs: Iterable[LocalProcess], timeout: float) -> list[LocalPr
     """Wait up to ``timeout`` for the processes to exit on their own; returns those still alive."""
     deadline = time.monotonic() + timeout
     alive = []
+    procs = list(procs)
+    for proc in procs:
+        proc.remember_descendants()
     for proc in procs:
         if proc.exitcode(max(0.0, deadline - time.monotonic())) is None:
             alive.append(proc)

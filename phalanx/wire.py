@@ -117,7 +117,15 @@ def dumps_fast(obj: Any) -> list[Any]:
     """Like :func:`dumps`, with a shortcut through the C pickler for small builtin data."""
     if obj is None:
         return [_NONE]
-    if obj == ((), {}):
+    # Structural test only: "==" would run user code (numpy compares element-wise).
+    if (
+        type(obj) is tuple
+        and len(obj) == 2
+        and type(obj[0]) is tuple
+        and not obj[0]
+        and type(obj[1]) is dict
+        and not obj[1]
+    ):
         return [_NO_ARGUMENTS]
     if _is_plain(obj):
         return [pickle.dumps(obj, protocol=5)]
@@ -168,6 +176,15 @@ def result_frame(call_id: int, payload: list[Any]) -> list[Any]:
         prefix = _PREFIX_2.pack(2, 16 + HEAD_SIZE + len(data), HEAD_SIZE, len(data))
         return [prefix + _HEAD.pack(RESULT, call_id) + data]
     return frame([_HEAD.pack(RESULT, call_id), *payload])
+
+
+def call_frame(call_id: int, method: str, payload: list[Any]) -> list[Any]:
+    """``frame([header(CALL, call_id, method), *payload])``, built directly when small."""
+    head = _HEAD.pack(CALL, call_id) + method.encode()
+    if len(payload) == 1 and type(payload[0]) is bytes and len(payload[0]) < _SMALL_FRAME:
+        (data,) = payload
+        return [_PREFIX_2.pack(2, 16 + len(head) + len(data), len(head), len(data)) + head + data]
+    return frame([head, *payload])
 
 
 def frame(segments: list[Any]) -> list[Any]:

@@ -21,21 +21,23 @@ def backend(request) -> str:
     return request.param
 
 
-def _leftover_children() -> list[psutil.Process]:
-    allowed: set[int] = set()
-    for group in helpers.LONG_LIVED:
-        allowed |= helpers.live_worker_pids(group)
-    leftovers = []
-    for child in psutil.Process().children(recursive=True):
-        if child.pid in allowed:
-            continue
-        try:
-            if child.status() == psutil.STATUS_ZOMBIE:
-                continue
-        except psutil.NoSuchProcess:
-            continue
-        leftovers.append(child)
-    return leftovers
+@pytest.fixture
+def make_group(backend):
+    """Start groups on the backend under test; each is shut down when the test ends."""
+    from phalanx import WorkerGroup
+
+    groups: list = []
+
+    def make(target, *args, **kwargs):
+        kwargs.setdefault("backend", backend)
+        kwargs.setdefault("echo_output", False)
+        group = WorkerGroup(target, *args, **kwargs)
+        groups.append(group)
+        return group
+
+    yield make
+    for group in groups:
+        group.shutdown(timeout=2)
 
 
 def _describe(proc: psutil.Process) -> str:
@@ -46,10 +48,9 @@ def _describe(proc: psutil.Process) -> str:
 
 
 def _check_no_leftovers(what: str) -> None:
-    leftovers: list[psutil.Process] = []
-    if helpers.wait_until(lambda: not _leftover_children(), _REAP_GRACE, interval=0.05):
+    if helpers.wait_until(lambda: not helpers.stray_children(), _REAP_GRACE, interval=0.05):
         return
-    leftovers = _leftover_children()
+    leftovers = helpers.stray_children()
     if not leftovers:
         return
     described = [_describe(p) for p in leftovers]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -18,6 +19,20 @@ REPO = Path(__file__).resolve().parent.parent
 # Groups that deliberately outlive one test (module-scoped fixtures): their live workers
 # are not leftovers of the test that happens to be running.
 LONG_LIVED: list = []
+
+
+@contextlib.contextmanager
+def long_lived_group(*args, **kwargs):
+    """A group shared by the tests of one module (their workers are not leftovers)."""
+    from phalanx import WorkerGroup
+
+    group = WorkerGroup(*args, **kwargs)
+    LONG_LIVED.append(group)
+    try:
+        yield group
+    finally:
+        LONG_LIVED.remove(group)
+        group.shutdown(timeout=5)
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.02) -> bool:
@@ -54,6 +69,18 @@ def kill_quietly(pid: int, sig: int) -> None:
 
 def live_worker_pids(group) -> set[int]:
     return {h.pid for h in group.health() if h.alive and h.pid is not None}
+
+
+def stray_children() -> list[psutil.Process]:
+    """Live descendants of this process that belong to no long-lived group."""
+    allowed: set[int] = set()
+    for group in LONG_LIVED:
+        allowed |= live_worker_pids(group)
+    strays = []
+    for child in psutil.Process().children(recursive=True):
+        if child.pid not in allowed and pid_alive(child.pid):
+            strays.append(child)
+    return strays
 
 
 def script_env() -> dict[str, str]:

@@ -8,10 +8,13 @@ each worker imports this module itself -- *after* its environment was set, which
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -52,6 +55,16 @@ class Probe:
     def cwd(self) -> str:
         return os.getcwd()
 
+    def on_main_thread(self) -> bool:
+        return threading.current_thread() is threading.main_thread()
+
+    def bind_master_port(self) -> bool:
+        """What rank 0 of torch.distributed does: listen on MASTER_ADDR:MASTER_PORT."""
+        with socket.socket() as sock:
+            sock.bind((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
+            sock.listen()
+        return True
+
     # -- plain calls --
     def echo(self, *args, **kwargs):
         return args, kwargs
@@ -80,8 +93,13 @@ class Probe:
     def clear(self) -> None:
         self.log.clear()
 
-    def array_summary(self, array):
-        return float(array.sum()), tuple(array.shape), str(array.dtype)
+    def array_summary(self, array) -> dict:
+        return {
+            "sha256": hashlib.sha256(array.tobytes()).hexdigest(),
+            "sum": float(array.sum()),
+            "shape": tuple(array.shape),
+            "dtype": str(array.dtype),
+        }
 
     def make_array(self, n: int):
         import numpy as np
@@ -99,6 +117,15 @@ class Probe:
         time.sleep(sleep)
         return my_rank()
 
+    def raise_unrebuildable(self):
+        raise NeedsTwoArguments("cannot be rebuilt here", 7)
+
+    def return_unpicklable(self):
+        return threading.Lock()
+
+    def sys_exit(self, code=None):
+        sys.exit(code)
+
     def exit_with(self, code: int, stderr_lines: tuple = ()):
         for line in stderr_lines:
             print(line, file=sys.stderr, flush=True)
@@ -114,8 +141,14 @@ class Probe:
         self.children.append(proc)
         return proc.pid
 
-    def write_marker(self, directory: str) -> None:
-        Path(directory, f"rank{my_rank()}").write_text(str(os.getpid()))
+    def hang(self) -> None:
+        time.sleep(60)
+
+    def cleanup(self) -> None:
+        """A cleanup method for shutdown(cleanup=...): marks that it ran on this rank."""
+        if my_rank() == self.kwargs.get("fail_cleanup_on"):
+            raise RuntimeError("cleanup failed on purpose")
+        Path(self.kwargs["marker_dir"], f"rank{my_rank()}").write_text(str(os.getpid()))
 
     # -- crash matrix --
     def crash_running(self, kind: str | None):
@@ -145,6 +178,26 @@ class FailingConstructor:
 
     def ping(self) -> int:
         return my_rank()
+
+
+class FailsOnceFlagged(Probe):
+    """Constructs normally until ``flag`` exists; then rank 1's constructor fails in the way
+    ``how`` names: ``"raise"`` at once, or ``"hang"`` (never becomes ready)."""
+
+    def __init__(self, flag: str, how: str = "raise") -> None:
+        super().__init__(flag, how)
+        if my_rank() == 1 and os.path.exists(flag):
+            if how == "hang":
+                time.sleep(600)
+            raise RuntimeError("rank 1 cannot be rebuilt")
+
+
+class NeedsTwoArguments(Exception):
+    """An exception that pickle cannot rebuild (its __init__ takes two arguments)."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class SlowConstructor:

@@ -29,7 +29,7 @@ def test_rank_env_for_two_nodes_of_two():
     expected = [
         {"RANK": r, "LOCAL_RANK": r % 2, "NODE_RANK": r // 2} for r in range(4)
     ]
-    for env, want in zip(envs, expected):
+    for env, want in zip(envs, expected, strict=True):
         for name, value in want.items():
             assert env[name] == str(value)
             assert env[f"PHALANX_{name}"] == str(value)

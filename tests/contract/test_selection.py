@@ -1,0 +1,73 @@
+"""Selections and dead ranks: ``"ready"``/``"any"`` skip them, explicit calls fail at once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from phalanx import GroupClosed, WorkerDied
+from tests import helpers
+from tests.workers import Probe
+
+
+@pytest.fixture
+def group(make_group):
+    return make_group(Probe, procs_per_node=3)
+
+
+def kill(group, rank: int) -> int:
+    """SIGKILL one rank and wait until the group has noticed (the kernel publishes an exit
+    to waiters a moment after the process is gone)."""
+    pid = group.call_one(rank, "pid")
+    os.kill(pid, signal.SIGKILL)
+    assert helpers.wait_dead(pid)
+    assert helpers.wait_until(lambda: not group.health()[rank].alive, 3)
+    return pid
+
+
+def test_ready_and_any_skip_a_killed_rank(group):
+    kill(group, 0)
+    assert group.call("rank", workers="ready") == [1, 2]
+    assert group.call("rank", workers="any") == [1]
+    assert group.map("add", [1, 2], b=[10, 10], workers="ready") == [11, 12]
+    kill(group, 1)
+    assert group.call("rank", workers="any") == [2]
+    assert group.call("rank", workers=[2]) == [2]
+
+
+def test_any_with_no_live_rank_raises(make_group):
+    group = make_group(Probe)
+    kill(group, 0)
+    with pytest.raises(GroupClosed):
+        group.call("rank", workers="any")
+
+
+def test_calling_a_dead_rank_raises_worker_died_at_once(group):
+    pid = kill(group, 1)
+    assert [h.alive for h in group.health()] == [True, False, True]
+    for call in (
+        lambda: group.call_one(1, "rank"),
+        lambda: group.call("rank"),
+        lambda: group.call("rank", workers=[0, 1]),
+        lambda: group.map("rank", workers=[1]),
+    ):
+        started = time.monotonic()
+        with pytest.raises(WorkerDied) as info:
+            call()
+        assert time.monotonic() - started < 0.5
+        assert info.value.rank == 1 and info.value.pid == pid
+        assert info.value.exitcode == -signal.SIGKILL and info.value.signal == "SIGKILL"
+    assert group.call("rank", workers=[0, 2]) == [0, 2]
+
+
+def test_a_call_racing_a_fresh_death_fails_promptly(group):
+    pid = group.call_one(2, "pid")
+    os.kill(pid, signal.SIGKILL)  # the controller has not noticed yet
+    started = time.monotonic()
+    with pytest.raises(WorkerDied) as info:
+        group.call("sleep", 0.0, timeout=10)
+    assert time.monotonic() - started < 3
+    assert info.value.rank == 2

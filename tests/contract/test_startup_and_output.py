@@ -1,0 +1,171 @@
+"""Start-up failures, worker output, spmd, and controllers written as scripts."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import phalanx as px
+from phalanx import CallTimeout, StartupError, WorkerDied, WorkerGroup
+from tests import helpers
+from tests.workers import FailingConstructor, Probe, SlowConstructor
+
+
+def pids_in(directory) -> list[int]:
+    return [int(p.read_text()) for p in sorted(directory.iterdir())]
+
+
+def test_a_failing_constructor_fails_the_start_with_its_traceback(backend, tmp_path):
+    with pytest.raises(StartupError) as info:
+        WorkerGroup(FailingConstructor, args=(1,), kwargs={"pid_dir": str(tmp_path)},
+                    procs_per_node=3, backend=backend, echo_output=False)
+    error = info.value
+    assert error.rank == 1
+    message = str(error)
+    assert "rank 1" in message
+    assert "RuntimeError: constructor failed on rank 1" in message
+    assert "Traceback" in message and "__init__" in message
+    assert "constructor failed on rank 1" in error.traceback
+    assert isinstance(error.__cause__, RuntimeError)
+    pids = pids_in(tmp_path)  # the start fails fast: slower ranks may not have got this far
+    assert 1 <= len(pids) <= 3
+    assert helpers.wait_dead(pids, 1), "the other ranks must be torn down"
+
+
+def test_a_worker_dying_in_its_constructor_fails_the_start(backend):
+    with pytest.raises(StartupError) as info:
+        WorkerGroup(FailingConstructor, args=(0,), kwargs={"exit_code": 7},
+                    procs_per_node=2, backend=backend, echo_output=False)
+    assert info.value.rank == 0
+    assert isinstance(info.value.__cause__, WorkerDied)
+    assert info.value.__cause__.exitcode == 7
+
+
+def test_start_timeout_raises_startup_error_naming_the_setting(backend, tmp_path):
+    started = time.monotonic()
+    with pytest.raises(StartupError) as info:
+        WorkerGroup(SlowConstructor, args=(60,), procs_per_node=2, start_timeout=1,
+                    backend=backend, echo_output=False)
+    assert time.monotonic() - started < 5
+    assert "start_timeout" in str(info.value)
+    assert "[0, 1]" in str(info.value)
+
+
+@pytest.mark.slow
+def test_a_failing_constructor_is_reported_without_waiting_for_slow_ranks(backend):
+    started = time.monotonic()
+    with pytest.raises(StartupError) as info:
+        WorkerGroup(FailingConstructor, args=(1,), kwargs={"sleep": 60}, procs_per_node=2,
+                    start_timeout=4, backend=backend, echo_output=False)
+    assert info.value.rank == 1
+    assert time.monotonic() - started < 2.5
+
+
+def _wait_for_lines(capfd, out_lines: list[str], err_lines: list[str], timeout: float = 5.0):
+    """Collect captured output until every wanted line arrived (the log pump is a thread)."""
+    out, err = "", ""
+
+    def seen() -> bool:
+        nonlocal out, err
+        chunk = capfd.readouterr()
+        out, err = out + chunk.out, err + chunk.err
+        return set(out_lines) <= set(out.splitlines()) and set(err_lines) <= set(
+            err.splitlines()
+        )
+
+    helpers.wait_until(seen, timeout, interval=0.05)
+    return out.splitlines(), err.splitlines()
+
+
+def test_worker_output_reaches_the_controller_prefixed_with_the_rank(make_group, capfd):
+    group = make_group(Probe, procs_per_node=2, echo_output=True)
+    group.call("say", "hello out")
+    group.call("say", "hello err", stderr=True)
+    want_out = ["[rank 0] hello out", "[rank 1] hello out"]
+    want_err = ["[rank 0] hello err", "[rank 1] hello err"]
+    out, err = _wait_for_lines(capfd, want_out, want_err)
+    assert set(want_out) <= set(out), out
+    assert set(want_err) <= set(err), err
+
+
+def test_echo_output_false_keeps_worker_output_quiet(make_group, capfd):
+    group = make_group(Probe, echo_output=False)
+    group.call("say", "should not appear")
+    group.shutdown()
+    assert "should not appear" not in "".join(capfd.readouterr())
+
+
+def scaled_rank(scale, offset=0):
+    import os
+
+    return int(os.environ["RANK"]) * scale + offset
+
+
+def test_spmd_returns_one_value_per_rank(backend):
+    run = px.spmd(scaled_rank, procs_per_node=3, backend=backend, echo_output=False)
+    assert run(10, offset=1) == [1, 11, 21]
+    base = 5
+    assert px.spmd(lambda: base, nodes=2, backend=backend, echo_output=False)() == [5, 5]
+
+
+def sleep_then_return(seconds):
+    time.sleep(seconds)
+    return seconds
+
+
+@pytest.mark.slow
+def test_spmd_timeout_bounds_the_whole_run(backend):
+    run = px.spmd(sleep_then_return, procs_per_node=2, timeout=1, backend=backend,
+                  echo_output=False)
+    started = time.monotonic()
+    with pytest.raises(CallTimeout):
+        run(8)
+    assert time.monotonic() - started < 5
+
+
+def test_classes_defined_in_main_work(backend, tmp_path):
+    script = helpers.write_script(tmp_path, f"""
+        import json
+        import phalanx as px
+
+        class Counter:
+            def __init__(self, start):
+                self.n = start
+
+            def bump(self, by):
+                self.n += by
+                return self.n
+
+        if __name__ == "__main__":
+            with px.WorkerGroup(Counter, args=(40,), procs_per_node=2,
+                                backend={backend!r}) as group:
+                print(json.dumps(group.call("bump", 2)))
+    """)
+    done = helpers.run_script(script)
+    assert done.returncode == 0, done.stderr
+    assert helpers.json_lines(done.stdout) == [[42, 42]]
+
+
+@pytest.mark.parametrize("ending", ["return normally", "raise"])
+def test_interpreter_exit_shuts_the_group_down(backend, tmp_path, ending):
+    script = helpers.write_script(tmp_path, f"""
+        import json
+        import phalanx as px
+
+        class Worker:
+            def pid(self):
+                import os
+                return os.getpid()
+
+        group = px.WorkerGroup(Worker, procs_per_node=3, backend={backend!r})
+        print(json.dumps(group.call("pid")), flush=True)
+        if {ending == "raise"!r}:
+            raise RuntimeError("the script crashed without calling shutdown")
+    """)
+    started = time.monotonic()
+    done = helpers.run_script(script)
+    assert time.monotonic() - started < 20
+    assert done.returncode == (1 if ending == "raise" else 0), done.stderr
+    (pids,) = helpers.json_lines(done.stdout)
+    assert helpers.wait_dead(pids, 2), "workers outlived their controller"

@@ -1,0 +1,125 @@
+"""Process-level faults: controller SIGKILL, stopped workers, deaths mid-call and their reports."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from phalanx import CallTimeout, WorkerDied
+from tests import helpers
+from tests.workers import Probe
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_workers_exit_when_the_controller_is_sigkilled(backend, tmp_path, nodes):
+    script = helpers.write_script(tmp_path, f"""
+        import json, time
+        import phalanx as px
+        from tests.workers import Probe
+
+        group = px.WorkerGroup(Probe, nodes={nodes}, procs_per_node={4 // nodes},
+                               backend={backend!r}, echo_output=False)
+        print(json.dumps(group.call("pid")), flush=True)
+        time.sleep(60)
+    """)
+    controller = helpers.start_script(script)
+    try:
+        ready, _, _ = select.select([controller.stdout], [], [], 30)
+        assert ready, "the controller script did not start its workers"
+        pids = json.loads(controller.stdout.readline())
+        assert len(pids) == 4 and all(helpers.pid_alive(p) for p in pids)
+        os.kill(controller.pid, signal.SIGKILL)
+        controller.wait(10)
+        assert helpers.wait_dead(pids, 2), "workers outlived their SIGKILLed controller"
+    finally:
+        if controller.poll() is None:
+            controller.kill()
+            controller.wait(10)
+        controller.stdout.close()
+        controller.stderr.close()
+
+
+@pytest.fixture
+def pair(make_group):
+    group = make_group(Probe, procs_per_node=2)
+    return group, group.call("pid")
+
+
+def test_a_stopped_worker_times_out_and_resumes(pair):
+    group, pids = pair
+    future = group.call_async("sleep", 0.3, value="finished", workers=[1])
+    os.kill(pids[1], signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(CallTimeout) as info:
+            future.result(timeout=1.0)
+        assert 0.9 < time.monotonic() - started < 3
+        assert info.value.pending_ranks == [1]
+        assert group.call("rank", workers=[0], timeout=5) == [0]  # the others are unaffected
+    finally:
+        os.kill(pids[1], signal.SIGCONT)
+    assert future.result(timeout=10) == ["finished"]
+    assert group.call("rank", timeout=10) == [0, 1]
+
+
+def test_a_stopped_worker_that_is_killed_is_reported_dead(pair):
+    group, pids = pair
+    future = group.call_async("sleep", 0.3)
+    os.kill(pids[0], signal.SIGSTOP)
+    with pytest.raises(CallTimeout) as info:
+        future.result(timeout=0.5)
+    assert info.value.pending_ranks == [0]
+    os.kill(pids[0], signal.SIGKILL)
+    with pytest.raises(WorkerDied) as info:
+        future.result(timeout=5)
+    assert (info.value.rank, info.value.signal) == (0, "SIGKILL")
+    group.recreate(0)
+    assert group.call("rank", timeout=10) == [0, 1]
+
+
+def test_a_worker_killed_while_a_large_argument_is_in_transit(pair):
+    group, pids = pair
+    array = np.ones(32 * 1024 * 1024 // 8)  # 32 MiB: more than the socket buffers hold
+    future = group.call_async("array_summary", array)
+    os.kill(pids[1], signal.SIGKILL)
+    with pytest.raises(WorkerDied) as info:
+        future.result(timeout=10)
+    assert info.value.rank == 1
+    group.recreate(1)
+    assert [s["sum"] for s in group.call("array_summary", array, timeout=30)] == [array.size] * 2
+
+
+def test_worker_died_carries_the_last_stderr_lines(pair):
+    group, pids = pair
+    lines = [f"diagnostic line {i}" for i in range(30)]
+    with pytest.raises(WorkerDied) as info:
+        group.call_one(1, "exit_with", 3, tuple(lines), timeout=10)
+    died = info.value
+    assert (died.rank, died.pid, died.exitcode, died.signal) == (1, pids[1], 3, None)
+    assert died.method == "exit_with"
+    assert died.stderr_tail, "the last stderr lines must be kept"
+    assert list(died.stderr_tail) == lines[-len(died.stderr_tail):]
+    assert "diagnostic line 29" in str(died)
+    assert "code 3" in died.cause
+
+
+def test_sigkill_mid_call_fails_fast_and_suggests_out_of_memory(pair):
+    group, pids = pair
+    future = group.call_async("sleep", 5)
+    time.sleep(0.1)
+    os.kill(pids[1], signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(WorkerDied) as info:
+        future.result(timeout=10)
+    assert time.monotonic() - started < 2, "rank 0's sleep must not delay the report"
+    died = info.value
+    assert (died.rank, died.exitcode, died.signal) == (1, -9, "SIGKILL")
+    assert died.method == "sleep"
+    assert "out-of-memory" in died.cause and "out-of-memory" in str(died)
+    group.shutdown(timeout=0.2)  # rank 0 is still sleeping: do not wait for it
