@@ -30,7 +30,7 @@ from phalanx.errors import (
 
 if TYPE_CHECKING:
     from phalanx.backends.base import WorkerHandle
-    from phalanx.futures import RankFuture
+    from phalanx.futures import GroupFuture
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class Slot:
         self.handle = handle
         self.conn: wire.Connection = handle.conn
         self.pid: int | None = handle.pid
-        self.pending: dict[int, RankFuture] = {}
+        self.pending: dict[int, GroupFuture] = {}  # call id -> its future
         self.alive = True
         self.dying = False  # death is being processed
         self.ready = False
@@ -229,20 +229,24 @@ class Dispatcher:
         for segs in frames:
             first = segs[0]
             if first[0] == wire.RESULT:  # the hot path, without building a header tuple
-                rf = pending.pop(_CALL_ID(first, 1)[0], None)
-                if rf is not None:
-                    rf._resolve(segs[1:])
+                future = pending.pop(_CALL_ID(first, 1)[0], None)
+                if future is not None:
+                    future._resolve_rank(slot.rank, segs[1:])
                 continue
             head = wire.parse_header(first)
             kind = head[0]
             if kind == wire.ERROR:
-                rf = pending.pop(head[1], None)
-                if rf is not None:
+                future = pending.pop(head[1], None)
+                if future is not None:
                     failure = RemoteFailure(*head[2])
                     error = WorkerError(
-                        failure, rank=slot.rank, node=slot.node, pid=slot.pid, method=rf.method
+                        failure,
+                        rank=slot.rank,
+                        node=slot.node,
+                        pid=slot.pid,
+                        method=future.method,
                     )
-                    rf._fail(chain_remote(error, failure))
+                    future._fail_rank(slot.rank, chain_remote(error, failure))
             elif kind == wire.READY:
                 slot.pid = head[2]
                 slot.methods = head[3]
@@ -288,17 +292,18 @@ class Dispatcher:
         slot.alive = False  # after .failure is set: senders that see this fail on their own
         self.deaths += 1
         pending, slot.pending = slot.pending, {}
-        for rf in pending.values():
-            rf._fail(WorkerDied(slot.failure, method=rf.method))
+        for future in pending.values():
+            future._fail_rank(slot.rank, WorkerDied(slot.failure, method=future.method))
         if self._on_death is not None:
             self._on_death(slot)
 
     @staticmethod
-    def fail_if_dead(slot: Slot, call_id: int, rf: RankFuture) -> None:
+    def fail_if_dead(slot: Slot, call_id: int, future: GroupFuture) -> None:
         """Close the race between sending to a slot and its death being processed."""
         if not slot.alive:
             slot.pending.pop(call_id, None)
-            rf._fail(WorkerDied(slot.failure, method=rf.method))  # type: ignore[arg-type]
+            failure = slot.failure
+            future._fail_rank(slot.rank, WorkerDied(failure, method=future.method))  # type: ignore[arg-type]
 
     def remove(self, slot: Slot) -> None:
         self.deaths += 1
@@ -306,7 +311,7 @@ class Dispatcher:
         self._wake()
 
     def close(
-        self, error_factory: Callable[[RankFuture], BaseException], slots: list[Slot]
+        self, error_factory: Callable[[str, int], BaseException], slots: list[Slot]
     ) -> None:
         """Fail every pending call (e.g. with GroupClosed) and stop watching all slots."""
         with self._cond:
@@ -314,8 +319,8 @@ class Dispatcher:
         for slot in slots:
             self._forget(slot)
             pending, slot.pending = slot.pending, {}
-            for rf in pending.values():
-                rf._fail(error_factory(rf))
+            for future in pending.values():
+                future._fail_rank(slot.rank, error_factory(future.method, slot.rank))
         self._wake()
         with self._cond:
             self._cond.notify_all()

@@ -1,4 +1,4 @@
-"""Results of calls: one :class:`RankFuture` per rank, gathered by a :class:`GroupFuture`.
+"""Results of calls: a :class:`GroupFuture` per call, with a :class:`RankFuture` view per rank.
 
 Futures hold no locks and no threads. They are completed by the group's dispatcher, and
 waiting on one drives the dispatcher (see :mod:`phalanx.dispatch`): the thread that waits
@@ -6,106 +6,36 @@ does the receiving, which is what keeps a call's round trip close to a raw pipe'
 
 A group future *fails fast*: its first failing rank makes ``result()`` raise at once,
 without waiting for the other ranks of that call.
+
+Per-rank state lives in flat lists inside the group future (a call in flight costs two
+small objects, not one per rank): pipelining tens of thousands of calls stays cheap for the
+allocator and the garbage collector. Results are unpickled on first access.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import pickle
 from collections.abc import Callable, Generator, Iterator
 from typing import TYPE_CHECKING, Any
 
-from phalanx import wire
 from phalanx.errors import CallTimeout, SerializationError
 
 if TYPE_CHECKING:
     from phalanx.dispatch import Dispatcher
 
-_PENDING, _OK, _FAILED = 0, 1, 2
+_loads = pickle.loads
 
 
-class RankFuture:
-    """The outcome of one call on one rank."""
-
-    __slots__ = ("_dispatcher", "_error", "_parent", "_payload", "_state", "method", "rank")
-
-    def __init__(
-        self, rank: int, method: str, dispatcher: Dispatcher, parent: GroupFuture | None = None
-    ) -> None:
-        self.rank = rank
-        self.method = method
-        self._dispatcher = dispatcher
-        self._state = _PENDING
-        self._payload: Any = None
-        self._error: BaseException | None = None
-        self._parent = parent
-
-    # -- completion (dispatcher side) -------------------------------------------------
-
-    def _resolve(self, segments: list[Any]) -> None:
-        if self._state:
-            return
-        self._payload = segments
-        self._state = _OK
-        if self._parent is not None:
-            self._parent._rank_done(self)
-
-    def _fail(self, error: BaseException) -> None:
-        if self._state:
-            return
-        self._error = error
-        self._state = _FAILED
-        if self._parent is not None:
-            self._parent._rank_done(self)
-
-    # -- user side --------------------------------------------------------------------
-
-    def done(self) -> bool:
-        if not self._state:
-            self._dispatcher.poll_now()
-        return self._state != _PENDING
-
-    def _wait(self, timeout: float | None) -> None:
-        if not self._state and not self._dispatcher.wait(lambda: self._state != _PENDING, timeout):
-            raise CallTimeout(self.method, timeout or 0.0, [self.rank])
-
-    def result(self, timeout: float | None = None) -> Any:
-        """The rank's return value; raises its error, or CallTimeout after ``timeout`` s."""
-        if not self._state:
-            self._wait(timeout)
-        if self._state == _FAILED:
-            raise self._error  # type: ignore[misc]
-        return self._value()
-
-    def _value(self) -> Any:
-        payload = self._payload
-        if type(payload) is list:  # still encoded: decode once
-            try:
-                payload = wire.loads(payload)
-            except Exception as exc:
-                raise SerializationError(
-                    f"could not unpickle the result of {self.method}() from rank {self.rank}: "
-                    f"{type(exc).__name__}: {exc}",
-                    stage="unpickling the result",
-                    rank=self.rank,
-                ) from exc
-            self._payload = _Decoded(payload)
-            return payload
-        return payload.value
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        self._wait(timeout)
-        return self._error
+class _Pending:
+    __slots__ = ()
 
     def __repr__(self) -> str:
-        state = ("pending", "done", "failed")[self._state]
-        return f"<RankFuture rank={self.rank} {self.method}() {state}>"
+        return "<pending>"
 
 
-class _Decoded:
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
+_PENDING = _Pending()
+_POSITIONS_FROM = 8  # calls on more ranks than this find a rank's slot through a dict
 
 
 class GroupFuture:
@@ -115,40 +45,117 @@ class GroupFuture:
     yields the per-rank futures as they complete; ``await future`` works in asyncio code.
     """
 
-    def __init__(self, method: str, ranks: list[int], dispatcher: Dispatcher):
+    __slots__ = (
+        "_cancelled",
+        "_decoded",
+        "_dispatcher",
+        "_errors",
+        "_failed",
+        "_kickoff",
+        "_positions",
+        "_ranks",
+        "_remaining",
+        "_values",
+        "method",
+    )
+
+    def __init__(self, method: str, ranks: list[int], dispatcher: Dispatcher) -> None:
         self.method = method
-        self._futures = [RankFuture(rank, method, dispatcher, self) for rank in ranks]
+        self._ranks = ranks  # never mutated (it may be shared with the group)
         self._dispatcher = dispatcher
+        self._values: list[Any] = [_PENDING] * len(ranks)  # encoded, then decoded, values
+        self._decoded = 0  # bit i set once _values[i] holds the decoded value
+        self._errors: dict[int, BaseException] | None = None
         self._remaining = len(ranks)
-        self._failed: RankFuture | None = None
-        self._completed: list[RankFuture] = []
+        self._failed = -1  # index of the first failed rank
         self._cancelled = False
+        self._positions: dict[int, int] | None = (
+            {rank: i for i, rank in enumerate(ranks)} if len(ranks) > _POSITIONS_FROM else None
+        )
         # For synchronous calls the group defers the sends to the first wait (see
         # Dispatcher.wait); anything that looks at the future sends them first.
         self._kickoff: Callable[[], None] | None = None
 
+    # -- completion (dispatcher side) -------------------------------------------------
+
+    def _index(self, rank: int) -> int:
+        if self._positions is not None:
+            return self._positions[rank]
+        return self._ranks.index(rank)
+
+    def _resolve_rank(self, rank: int, segments: list[Any]) -> None:
+        i = self._index(rank)
+        if self._values[i] is _PENDING:
+            self._values[i] = segments
+            self._remaining -= 1
+
+    def _fail_rank(self, rank: int, error: BaseException) -> None:
+        i = self._index(rank)
+        if self._values[i] is not _PENDING:
+            return
+        if self._errors is None:
+            self._errors = {}
+        self._errors[i] = error
+        self._values[i] = None
+        self._remaining -= 1
+        if self._failed < 0:
+            self._failed = i
+
+    # -- state ------------------------------------------------------------------------
+
     @property
     def ranks(self) -> list[int]:
-        return [rf.rank for rf in self._futures]
+        return list(self._ranks)
 
     @property
     def futures(self) -> list[RankFuture]:
         """The per-rank futures, in rank order."""
-        return list(self._futures)
-
-    def _rank_done(self, rf: RankFuture) -> None:
-        self._remaining -= 1
-        self._completed.append(rf)
-        if rf._state == _FAILED and self._failed is None:
-            self._failed = rf
+        return [RankFuture(self, i) for i in range(len(self._ranks))]
 
     def _settled(self) -> bool:
-        return self._remaining == 0 or self._failed is not None or self._cancelled
+        return self._remaining == 0 or self._failed >= 0 or self._cancelled
+
+    def _is_done(self, i: int) -> bool:
+        return self._values[i] is not _PENDING
+
+    def _error(self, i: int) -> BaseException | None:
+        return None if self._errors is None else self._errors.get(i)
+
+    def _value(self, i: int) -> Any:
+        """The decoded value of a rank that succeeded (decoded once, on first access)."""
+        if self._decoded >> i & 1:
+            return self._values[i]
+        payload = self._values[i]
+        try:
+            if len(payload) == 1:
+                value = _loads(payload[0])
+            else:
+                value = _loads(payload[0], buffers=payload[1:])
+        except Exception as exc:
+            raise SerializationError(
+                f"could not unpickle the result of {self.method}() from rank "
+                f"{self._ranks[i]}: {type(exc).__name__}: {exc}",
+                stage="unpickling the result",
+                rank=self._ranks[i],
+            ) from exc
+        self._values[i] = value
+        self._decoded |= 1 << i
+        return value
 
     def _kick(self) -> None:
         kickoff, self._kickoff = self._kickoff, None
         if kickoff is not None:
             kickoff()
+
+    def _wait(self, is_done: Callable[[], bool], timeout: float | None) -> None:
+        kickoff, self._kickoff = self._kickoff, None
+        if kickoff is None and is_done():
+            return
+        if not self._dispatcher.wait(is_done, timeout, kickoff):
+            pending = [r for r, v in zip(self._ranks, self._values, strict=True) if v is _PENDING]
+            raise CallTimeout(self.method, timeout or 0.0, pending)
+
+    # -- user side --------------------------------------------------------------------
 
     def done(self) -> bool:
         """True once every rank answered, one failed, or the future was cancelled."""
@@ -157,29 +164,22 @@ class GroupFuture:
             self._dispatcher.poll_now()
         return self._settled()
 
-    def _wait(self, timeout: float | None) -> None:
-        kickoff, self._kickoff = self._kickoff, None
-        if kickoff is None and self._settled():
-            return
-        if not self._dispatcher.wait(self._settled, timeout, kickoff):
-            pending = [rf.rank for rf in self._futures if not rf._state]
-            raise CallTimeout(self.method, timeout or 0.0, pending)
-
     def result(self, timeout: float | None = None) -> list[Any]:
         """Every rank's value in rank order; raises the first failure at once."""
-        self._wait(timeout)
+        if self._kickoff is not None or not (self._remaining == 0 or self._failed >= 0):
+            self._wait(self._settled, timeout)
         if self._cancelled:
             raise concurrent.futures.CancelledError(f"{self.method}() was cancelled")
-        if self._failed is not None:
-            raise self._failed._error  # type: ignore[misc]
-        return [rf._value() for rf in self._futures]
+        if self._failed >= 0:
+            raise self._errors[self._failed]  # type: ignore[index]
+        return [self._value(i) for i in range(len(self._values))]
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The first failure, or None once every rank succeeded."""
-        self._wait(timeout)
+        self._wait(self._settled, timeout)
         if self._cancelled:
             raise concurrent.futures.CancelledError(f"{self.method}() was cancelled")
-        return None if self._failed is None else self._failed._error
+        return None if self._failed < 0 else self._errors[self._failed]  # type: ignore[index]
 
     def cancel(self) -> bool:
         """Stop waiting for this call: later results are discarded.
@@ -188,7 +188,7 @@ class GroupFuture:
         interrupted safely). Returns False if the call had already completed.
         """
         self._kick()
-        if self._remaining == 0 or self._failed is not None:
+        if self._remaining == 0 or self._failed >= 0:
             return False
         self._cancelled = True
         return True
@@ -197,13 +197,18 @@ class GroupFuture:
         return self._cancelled
 
     def __iter__(self) -> Iterator[RankFuture]:
-        """Per-rank futures in completion order (waiting as needed), including failed ones."""
+        """Per-rank futures as they complete (those already complete first, in rank order),
+        failed ones included; waits as needed."""
         self._kick()
-        completed = self._completed
-        for index in range(len(self._futures)):
-            if index >= len(completed):
-                self._dispatcher.wait(lambda n=index: len(completed) > n, None)
-            yield completed[index]
+        left = list(range(len(self._ranks)))
+        while left:
+            ready = [i for i in left if self._values[i] is not _PENDING]
+            if not ready:
+                self._dispatcher.wait(lambda: any(self._is_done(i) for i in left), None)
+                continue
+            for i in ready:
+                left.remove(i)
+                yield RankFuture(self, i)
 
     def __await__(self) -> Generator[Any, None, list[Any]]:
         import asyncio
@@ -213,8 +218,57 @@ class GroupFuture:
         return (yield from loop.run_in_executor(None, self.result).__await__())
 
     def __len__(self) -> int:
-        return len(self._futures)
+        return len(self._ranks)
 
     def __repr__(self) -> str:
         state = "done" if self._settled() else f"{self._remaining} pending"
-        return f"<GroupFuture {self.method}() ranks={self.ranks} {state}>"
+        return f"<GroupFuture {self.method}() ranks={self._ranks} {state}>"
+
+
+class RankFuture:
+    """The outcome of one call on one rank (a view into its :class:`GroupFuture`)."""
+
+    __slots__ = ("_group", "_i", "rank")
+
+    def __init__(self, group: GroupFuture, index: int) -> None:
+        self._group = group
+        self._i = index
+        self.rank = group._ranks[index]
+
+    @property
+    def method(self) -> str:
+        return self._group.method
+
+    def done(self) -> bool:
+        group = self._group
+        group._kick()
+        if not group._is_done(self._i):
+            group._dispatcher.poll_now()
+        return group._is_done(self._i)
+
+    def _wait(self, timeout: float | None) -> None:
+        group, i = self._group, self._i
+        try:
+            group._wait(lambda: group._is_done(i), timeout)
+        except CallTimeout:
+            raise CallTimeout(group.method, timeout or 0.0, [self.rank]) from None
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The rank's return value; raises its error, or CallTimeout after ``timeout`` s."""
+        self._wait(timeout)
+        error = self._group._error(self._i)
+        if error is not None:
+            raise error
+        return self._group._value(self._i)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._wait(timeout)
+        return self._group._error(self._i)
+
+    def __repr__(self) -> str:
+        group = self._group
+        if not group._is_done(self._i):
+            state = "pending"
+        else:
+            state = "failed" if group._error(self._i) is not None else "done"
+        return f"<RankFuture rank={self.rank} {group.method}() {state}>"

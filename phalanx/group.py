@@ -366,25 +366,25 @@ class WorkerGroup:
             frames = [wire.call_frame(call_id, method, payload) for payload in payloads]
         if defer:
             group_future._kickoff = functools.partial(
-                self._deliver, call_id, ranks, group_future._futures, frames
+                self._deliver, call_id, ranks, group_future, frames
             )
         else:
-            self._deliver(call_id, ranks, group_future._futures, frames)
+            self._deliver(call_id, ranks, group_future, frames)
         return group_future
 
     def _deliver(
-        self, call_id: int, ranks: list[int], futures: list[Any], frames: list[list[Any]]
+        self, call_id: int, ranks: list[int], future: GroupFuture, frames: list[list[Any]]
     ) -> None:
         slots = self._slots
-        for rank, rf, frame in zip(ranks, futures, frames, strict=True):
+        for i, rank in enumerate(ranks):
             slot = slots[rank]
-            slot.pending[call_id] = rf  # type: ignore[union-attr]
+            slot.pending[call_id] = future  # type: ignore[union-attr]
             try:
-                slot.conn.send(frame)  # type: ignore[union-attr]
+                slot.conn.send(frames[i])  # type: ignore[union-attr]
             except wire.ConnectionLost:
                 pass  # the dispatcher fails it with WorkerDied when it handles the death
             if not slot.alive:  # type: ignore[union-attr]
-                self._dispatcher.fail_if_dead(slot, call_id, rf)  # type: ignore[arg-type]
+                self._dispatcher.fail_if_dead(slot, call_id, future)  # type: ignore[arg-type]
 
     def call_async(
         self, method: str, *args: Any, workers: Workers = "all", **kwargs: Any
@@ -524,8 +524,8 @@ class WorkerGroup:
                 )
                 slot.alive = False
                 pending, slot.pending = slot.pending, {}
-                for rf in pending.values():
-                    rf._fail(WorkerDied(slot.failure, method=rf.method))
+                for future in pending.values():
+                    future._fail_rank(slot.rank, WorkerDied(slot.failure, method=future.method))
 
     # -- shutdown ---------------------------------------------------------------------
 
@@ -574,8 +574,8 @@ class WorkerGroup:
             remaining = max(0.0, deadline - time.monotonic())
             self._backend.wait_exited([s.handle for s in idle], remaining)
         self._dispatcher.close(
-            lambda rf: GroupClosed(
-                f"the group was shut down while {rf.method}() was pending on rank {rf.rank}"
+            lambda method, rank: GroupClosed(
+                f"the group was shut down while {method}() was pending on rank {rank}"
             ),
             slots,
         )

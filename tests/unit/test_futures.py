@@ -14,7 +14,7 @@ import pytest
 
 from phalanx import wire
 from phalanx.errors import CallTimeout, GroupClosed, SerializationError
-from phalanx.futures import GroupFuture
+from phalanx.futures import GroupFuture, RankFuture
 
 
 class ScriptedDispatcher:
@@ -35,10 +35,28 @@ class ScriptedDispatcher:
         self.polls += 1
 
 
+class RankHandle:
+    """A rank's future, plus the dispatcher-side calls that complete it."""
+
+    def __init__(self, group_future: GroupFuture, future: RankFuture) -> None:
+        self.future = future
+        self._group_future = group_future
+
+    def _resolve(self, segments: list) -> None:
+        self._group_future._resolve_rank(self.future.rank, segments)
+
+    def _fail(self, error: BaseException) -> None:
+        self._group_future._fail_rank(self.future.rank, error)
+
+    def __getattr__(self, name: str):
+        return getattr(self.future, name)
+
+
 def make(ranks=(0, 1, 2), method="step"):
     dispatcher = ScriptedDispatcher()
     group_future = GroupFuture(method, list(ranks), dispatcher)
-    return group_future, group_future.futures, dispatcher
+    handles = [RankHandle(group_future, f) for f in group_future.futures]
+    return group_future, handles, dispatcher
 
 
 def encoded(value) -> list:
