@@ -11,7 +11,6 @@ and a death is noticed the moment its descriptor becomes readable, not on a time
 from __future__ import annotations
 
 import logging
-import os
 import select
 import struct
 import threading
@@ -70,10 +69,8 @@ class Dispatcher:
         self._cond = threading.Condition(threading.Lock())
         self._lead = threading.Lock()  # held by the thread that pumps (the leader)
         self._followers = 0  # threads waiting for the leader to finish their future
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._poller.register(self._wake_r, select.POLLIN)
+        self._wakeup = wire.WakePipe()
+        self._poller.register(self._wakeup.fd, select.POLLIN)
         self._poll = self._poller.poll
         self._epoll = hasattr(select, "epoll")
         self._on_death = on_death
@@ -90,7 +87,7 @@ class Dispatcher:
         if death_fd is not None:
             self._by_fd[death_fd] = (slot, True)
             self._poller.register(death_fd, select.POLLIN)
-        self._wake()  # a leader blocked in poll() must pick up the new descriptors
+        self._wakeup.wake()  # a leader blocked in poll() must pick up the new descriptors
 
     def _forget(self, slot: Slot) -> None:
         for fd in (slot.conn.read_fd, slot.handle.death_fd):
@@ -100,12 +97,6 @@ class Dispatcher:
                     self._poller.unregister(fd)
                 except KeyError:
                     pass
-
-    def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass
 
     # -- waiting ----------------------------------------------------------------------
 
@@ -198,11 +189,8 @@ class Dispatcher:
         except InterruptedError:  # pragma: no cover
             return
         for fd, _ in events:
-            if fd == self._wake_r:
-                try:
-                    os.read(self._wake_r, 4096)
-                except BlockingIOError:
-                    pass
+            if fd == self._wakeup.fd:
+                self._wakeup.drain()
                 continue
             entry = self._by_fd.get(fd)
             if entry is None:
@@ -308,7 +296,7 @@ class Dispatcher:
     def remove(self, slot: Slot) -> None:
         self.deaths += 1
         self._forget(slot)
-        self._wake()
+        self._wakeup.wake()
 
     def close(
         self, error_factory: Callable[[str, int], BaseException], slots: list[Slot]
@@ -321,7 +309,7 @@ class Dispatcher:
             pending, slot.pending = slot.pending, {}
             for future in pending.values():
                 future._fail_rank(slot.rank, error_factory(future.method, slot.rank))
-        self._wake()
+        self._wakeup.wake()
         with self._cond:
             self._cond.notify_all()
 
@@ -334,8 +322,4 @@ class Dispatcher:
             self._released = True
         if self._epoll:
             self._poller.close()
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        self._wakeup.close()

@@ -424,7 +424,18 @@ class WorkerGroup:
         workers: Workers = "all",
         **kwarg_lists: Sequence[Any],
     ) -> GroupFuture:
-        """Each positional/keyword argument is a list with one item per selected rank."""
+        """Each positional/keyword argument is a list with one item per selected rank
+        (matched to the selected ranks in rank order)."""
+        ranks, payloads = self._map_payloads(method, arg_lists, workers, kwarg_lists)
+        return self._send(method, ranks, payloads)
+
+    def _map_payloads(
+        self,
+        method: str,
+        arg_lists: tuple[Sequence[Any], ...],
+        workers: Workers,
+        kwarg_lists: dict[str, Sequence[Any]],
+    ) -> tuple[list[int], list[list[Any]]]:
         self._check_method(method)
         ranks = self._live_ranks(workers)
         n = len(ranks)
@@ -444,7 +455,7 @@ class WorkerGroup:
             )
             for i in range(n)
         ]
-        return self._send(method, ranks, payloads)
+        return ranks, payloads
 
     def map(
         self,
@@ -455,7 +466,8 @@ class WorkerGroup:
         **kwarg_lists: Sequence[Any],
     ) -> list[Any]:
         """Call ``method`` with one item of each list per rank; results in rank order."""
-        return self.map_async(method, *arg_lists, workers=workers, **kwarg_lists).result(timeout)
+        ranks, payloads = self._map_payloads(method, arg_lists, workers, kwarg_lists)
+        return self._send(method, ranks, payloads, defer=True).result(timeout)
 
     def __getattr__(self, name: str) -> _MethodProxy:
         methods = self.__dict__.get("_methods")

@@ -14,6 +14,7 @@ import select
 import threading
 
 from phalanx import config, console
+from phalanx.wire import WakePipe
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +58,7 @@ class LogPump:
         self._streams: dict[int, _Stream] = {}
         self._lock = threading.Lock()
         self._new: list[_Stream] = []
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
+        self._wake = WakePipe()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="phalanx-logs", daemon=True)
         self._thread.start()
@@ -75,25 +75,21 @@ class LogPump:
             os.set_blocking(stream.fd, False)
         with self._lock:
             self._new.extend(streams)
-        os.write(self._wake_w, b"x")
+        self._wake.wake()
         return OutputTap(streams, tail)
 
     def stop(self, timeout: float = 2.0) -> None:
         """Stop after the pipes still open have drained (bounded by ``timeout``)."""
         self._stopping = True
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:
-            pass
+        self._wake.wake()
         self._thread.join(timeout)
         for stream in list(self._streams.values()):
             self._close(stream)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self._wake.close()
 
     def _run(self) -> None:
         poller = select.poll()
-        poller.register(self._wake_r, select.POLLIN)
+        poller.register(self._wake.fd, select.POLLIN)
         while True:
             with self._lock:
                 new, self._new = self._new, []
@@ -109,11 +105,8 @@ class LogPump:
             if self._stopping and not events:
                 return  # pipes held open by stray grandchildren: stop waiting for them
             for fd, _ in events:
-                if fd == self._wake_r:
-                    try:
-                        os.read(self._wake_r, 4096)
-                    except BlockingIOError:
-                        pass
+                if fd == self._wake.fd:
+                    self._wake.drain()
                     continue
                 stream = self._streams.get(fd)
                 if stream is not None and not self._read(stream):

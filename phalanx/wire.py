@@ -331,20 +331,27 @@ class FrameReader:
         """
         if self._big is not None:
             return self._fill_big(block)
-        try:
-            n = self._stream.read_into(self._chunk, _RECV_CHUNK, block)
-        except (BlockingIOError, InterruptedError):
+        n = self._read(self._chunk, _RECV_CHUNK, block)
+        if not n:
             return []
-        except OSError as exc:
-            raise ConnectionLost(str(exc)) from exc
-        if n == 0:
-            raise ConnectionLost("end of stream")
         if not self._buf:  # the usual case: parse straight out of the read buffer
             return self._parse(self._chunk, n)
         with memoryview(self._chunk) as mv:
             self._buf += mv[:n]
         buf, self._buf = self._buf, bytearray()
         return self._parse(buf, len(buf))
+
+    def _read(self, buf: Any, nbytes: int, block: bool) -> int:
+        """Bytes read into ``buf``; 0 when nothing is there yet (non-blocking)."""
+        try:
+            n = self._stream.read_into(buf, nbytes, block)
+        except (BlockingIOError, InterruptedError):
+            return 0
+        except OSError as exc:
+            raise ConnectionLost(str(exc)) from exc
+        if n == 0:
+            raise ConnectionLost("end of stream")
+        return n
 
     def _parse(self, buf: bytearray, size: int) -> list[list[Any]]:
         """Split ``buf[:size]`` into frames; keep an incomplete tail for the next read."""
@@ -382,15 +389,10 @@ class FrameReader:
 
     def _fill_big(self, block: bool) -> list[list[Any]]:
         target, have, lengths = self._big  # type: ignore[misc]
-        try:
-            with memoryview(target) as mv:
-                n = self._stream.read_into(mv[have:], len(target) - have, block)
-        except (BlockingIOError, InterruptedError):
+        with memoryview(target) as mv:
+            n = self._read(mv[have:], len(target) - have, block)
+        if not n:
             return []
-        except OSError as exc:
-            raise ConnectionLost(str(exc)) from exc
-        if n == 0:
-            raise ConnectionLost("end of stream")
         have += n
         self._big = (target, have, lengths)
         if have < len(target):
@@ -498,6 +500,38 @@ class Connection:
         self.stream.close()
 
 
+class WakePipe:
+    """A self-pipe that interrupts a thread blocked in ``poll()`` on its read end."""
+
+    def __init__(self) -> None:
+        self.fd, self._write_fd = os.pipe()
+        os.set_blocking(self.fd, False)
+        os.set_blocking(self._write_fd, False)
+
+    def wake(self) -> None:
+        try:
+            os.write(self._write_fd, b"x")
+        except BlockingIOError:
+            pass  # a wake-up is already pending
+        except OSError as exc:
+            if exc.errno != errno.EBADF:  # closed by a concurrent shutdown: nothing to wake
+                raise
+
+    def drain(self) -> None:
+        try:
+            while os.read(self.fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        for fd in (self.fd, self._write_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
 class BacklogWriter:
     """A thread that writes queued bytes to connections whose peer was not reading fast enough.
 
@@ -507,9 +541,7 @@ class BacklogWriter:
     def __init__(self, name: str = "phalanx-writer") -> None:
         self._pending: set[Connection] = set()
         self._lock = threading.Lock()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._wake = WakePipe()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -517,27 +549,17 @@ class BacklogWriter:
     def schedule(self, conn: Connection) -> None:
         with self._lock:
             self._pending.add(conn)
-        self._wake()
-
-    def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"x")
-        except BlockingIOError:
-            pass  # a wake-up is already pending
-        except OSError as exc:
-            if exc.errno != errno.EBADF:
-                raise
+        self._wake.wake()
 
     def stop(self) -> None:
         self._stopped = True
-        self._wake()
+        self._wake.wake()
         self._thread.join(timeout=5)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self._wake.close()
 
     def _run(self) -> None:
         poller = select.poll()
-        poller.register(self._wake_r, select.POLLIN)
+        poller.register(self._wake.fd, select.POLLIN)
         registered: dict[int, Connection] = {}
         while not self._stopped:
             with self._lock:
@@ -555,11 +577,6 @@ class BacklogWriter:
                 events = poller.poll()
             except InterruptedError:  # pragma: no cover
                 continue
-            for fd, _ in events:
-                if fd == self._wake_r:
-                    try:
-                        while os.read(self._wake_r, 4096):
-                            pass
-                    except BlockingIOError:
-                        pass
-                # Writable connections are flushed at the top of the next iteration.
+            if any(fd == self._wake.fd for fd, _ in events):
+                self._wake.drain()
+            # Writable connections are flushed at the top of the next iteration.

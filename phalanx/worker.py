@@ -100,6 +100,7 @@ def _failure(exc: BaseException, stage: str) -> RemoteFailure:
 
 
 _CALL_ID = struct.Struct("<Q").unpack_from
+_MISSING = object()
 _PLAIN_RESULTS = frozenset({type(None), int, float, str, bytes, bool, list, dict, tuple})
 
 
@@ -203,37 +204,27 @@ class WorkerRuntime:
             _flush_and_exit(self.conn, exc.code)
 
     def _run_call(self, call_id: int, method: str, segs: list[Any]) -> None:
+        # One try block; ``stage`` says which side of the call an exception came from.
+        stage = "unpickling the arguments"
         try:
             args, kwargs = wire.loads(segs[1:])
-        except SystemExit as exc:
-            raise _WorkerExit(_exit_code_of(exc)) from None
-        except BaseException as exc:  # noqa: BLE001 - reported to the controller
-            self._send_error(call_id, exc, "unpickling the arguments")
-            return
-        try:
-            fn = getattr(self.obj, method)
-        except AttributeError:
-            available = ", ".join(public_methods(self.obj)) or "none"
-            exc = AttributeError(
-                f"{type(self.obj).__name__} has no method {method!r}; available: {available}"
-            )
-            self._send_error(call_id, exc, "looking up the method")
-            return
-        try:
+            stage = "looking up the method"
+            fn = getattr(self.obj, method, _MISSING)
+            if fn is _MISSING:
+                available = ", ".join(public_methods(self.obj)) or "none"
+                raise AttributeError(
+                    f"{type(self.obj).__name__} has no method {method!r}; available: {available}"
+                )
+            stage = "running the method"
             result = fn(*args, **kwargs)
             if type(result) not in _PLAIN_RESULTS and inspect.isawaitable(result):
                 result = self._await(result)
-        except SystemExit as exc:
-            raise _WorkerExit(_exit_code_of(exc)) from None
-        except BaseException as exc:  # noqa: BLE001 - reported to the controller
-            self._send_error(call_id, exc, "running the method")
-            return
-        try:
+            stage = "pickling the result"
             payload = wire.dumps_fast(result)
         except SystemExit as exc:
             raise _WorkerExit(_exit_code_of(exc)) from None
         except BaseException as exc:  # noqa: BLE001 - reported to the controller
-            self._send_error(call_id, exc, "pickling the result")
+            self._send_error(call_id, exc, stage)
             return
         del result
         self.conn.send(wire.result_frame(call_id, payload))
