@@ -85,37 +85,31 @@ def run(args: argparse.Namespace) -> int:
     started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     cpu_at_start = cpu_snapshot()
     before = set(p.pid for p in new_descendants(set()))
-    if args.no_ray:
-        ray, ray_info = None, {"skipped": "--no-ray"}
-    elif not any(w in RAY_WORKLOADS for w in args.workloads):
-        ray, ray_info = None, {"skipped": "no selected workload runs ray"}
-    else:
-        ray, ray_info = start_ray(errors)
+    want_ray = not args.no_ray and any(w in RAY_WORKLOADS for w in args.workloads)
+    ray_info: dict[str, Any] = {"skipped": "--no-ray" if args.no_ray else "no ray workload"}
     plan = make_plan(args.quick)
-    contenders: list[Contender] = []
     names: list[str] = []
     rows: list[Row] = []
     timings: dict[str, float] = {}
     t_start = clock()
-    try:
-        contenders = errors.attempt("setup", "all", lambda: make_contenders(ray is not None)) or []
-        names = [c.name for c in contenders]
-        progress(
-            f"contenders: {', '.join(names)}; workloads: {', '.join(args.workloads)}"
-            f"{' (quick)' if args.quick else ''}"
-        )
-        warm_up(contenders, errors)
-        for name in args.workloads:
-            t0 = clock()
-            progress(f"{name} ...")
-            rows += WORKLOADS[name](contenders, plan, errors)
-            timings[name] = clock() - t0
-            progress(f"{name} done in {timings[name]:.1f} s")
-        cpu_at_end = cpu_snapshot()  # before teardown: ray's processes are still counted
-    finally:
-        stop_all(contenders, errors, "teardown")
+    # Phase 1: phalanx and the pipe pool, with no ray daemons running. Ray's gcs_server,
+    # raylet and agents take a good part of a CPU for as long as ray runs; on a 2-core
+    # machine that would tilt the phalanx-vs-pipe-pool comparison the targets are about.
+    local = errors.attempt("setup", "all", lambda: make_contenders(False)) or []
+    names += [c.name for c in local]
+    rows += run_phase(local, args.workloads, plan, errors, timings)
+    cpu_at_end = cpu_snapshot()
+    # Phase 2: ray alone, on the same workloads.
+    if want_ray:
+        ray, ray_info = start_ray(errors)
         if ray is not None:
-            errors.attempt("teardown", "ray", ray.shutdown)
+            try:
+                remote = errors.attempt("setup", "ray", lambda: make_contenders(True)[2:]) or []
+                names += [c.name for c in remote]
+                ray_workloads = [w for w in args.workloads if w in RAY_WORKLOADS]
+                rows = merge_rows(rows, run_phase(remote, ray_workloads, plan, errors, timings))
+            finally:
+                errors.attempt("teardown", "ray", ray.shutdown)
     leftovers = leftover_processes(before)
     total = clock() - t_start
 
@@ -155,6 +149,46 @@ def run(args: argparse.Namespace) -> int:
     report.write_json(args.json, payload, rows)
     print(f"\nJSON: {args.json}   (total {total:.0f} s)")
     return 1 if errors.items or leftovers else 0
+
+
+def run_phase(
+    contenders: list[Contender],
+    workloads: list[str],
+    plan: Any,
+    errors: Errors,
+    timings: dict[str, float],
+) -> list[Row]:
+    """Run ``workloads`` with ``contenders`` interleaved; stop them all at the end."""
+    rows: list[Row] = []
+    if not contenders:
+        return rows
+    label = ", ".join(c.name for c in contenders)
+    try:
+        progress(f"contenders: {label}; workloads: {', '.join(workloads)}")
+        warm_up(contenders, errors)
+        for name in workloads:
+            t0 = clock()
+            progress(f"{name} ({label}) ...")
+            rows += WORKLOADS[name](contenders, plan, errors)
+            timings[f"{name} ({label})"] = clock() - t0
+            progress(f"{name} done in {clock() - t0:.1f} s")
+    finally:
+        stop_all(contenders, errors, "teardown")
+    return rows
+
+
+def merge_rows(first: list[Row], second: list[Row]) -> list[Row]:
+    """Rows of both phases, one per key, in the order of ``first``."""
+    by_key = {row.key: row for row in first}
+    merged = list(first)
+    for row in second:
+        if row.key in by_key:
+            for contender, values in row.raw.items():
+                by_key[row.key].raw.setdefault(contender, []).extend(values)
+            by_key[row.key].extra.update(row.extra)
+        else:
+            merged.append(row)
+    return merged
 
 
 def leftover_processes(before: set[int]) -> list[str]:
