@@ -307,6 +307,9 @@ class PipeStream(Stream):
 
 
 _TABLES = [struct.Struct(f"<{n}Q") for n in range(17)]
+_unpack_length = _TABLES[1].unpack_from
+_unpack_prefix = _PREFIX.unpack_from
+_PREFIX_SIZE = _PREFIX.size
 
 
 def _table(nseg: int) -> struct.Struct:
@@ -357,32 +360,35 @@ class FrameReader:
         """Split ``buf[:size]`` into frames; keep an incomplete tail for the next read."""
         frames = []
         pos = 0
-        unpack_prefix = _PREFIX.unpack_from
-        with memoryview(buf) as mv:
-            while size - pos >= _PREFIX.size:
-                nseg, body = unpack_prefix(buf, pos)
-                start = pos + _PREFIX.size
-                end = start + body
-                if end > size:
-                    table_end = start + 8 * nseg
-                    if body >= _BIG_FRAME and table_end <= size:
-                        # Receive the rest of a large frame in place, into its own buffer.
-                        lengths = _table(nseg).unpack_from(buf, start)
-                        target = bytearray(end - table_end)
-                        have = size - table_end
-                        target[:have] = mv[table_end:size]
-                        self._big = (target, have, lengths)
-                        pos = size
-                    break
-                off = start + 8 * nseg
+        mv = memoryview(buf)  # buf is never resized while this view lives
+        while size - pos >= _PREFIX_SIZE:
+            nseg, body = _unpack_prefix(buf, pos)
+            start = pos + _PREFIX_SIZE
+            end = start + body
+            if end > size:
+                table_end = start + 8 * nseg
+                if body >= _BIG_FRAME and table_end <= size:
+                    # Receive the rest of a large frame in place, into its own buffer.
+                    lengths = _table(nseg).unpack_from(buf, start)
+                    target = bytearray(end - table_end)
+                    have = size - table_end
+                    target[:have] = mv[table_end:size]
+                    self._big = (target, have, lengths)
+                    pos = size
+                break
+            off = start + 8 * nseg
+            if nseg == 2:  # header + one pickle: nearly every frame
+                mid = off + _unpack_length(buf, start)[0]
+                frames.append([mv[off:mid].tobytes(), mv[mid:end].tobytes()])
+            else:
                 segs = []
                 for length in _table(nseg).unpack_from(buf, start):
                     segs.append(mv[off : off + length].tobytes())
                     off += length
                 frames.append(segs)
-                pos = end
-            if pos < size:
-                self._buf = bytearray(mv[pos:size])
+            pos = end
+        if pos < size:
+            self._buf = bytearray(mv[pos:size])
         if self._big is not None and self._big[1] == len(self._big[0]):
             frames.append(self._finish_big())
         return frames
