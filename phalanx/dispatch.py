@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _CALL_ID = struct.Struct("<Q").unpack_from
+_RESULT = wire.RESULT
 _EXIT_WAIT = 1.0  # after end of stream, how long the process may take to finish exiting
 _OUTPUT_WAIT = 0.2  # how long to wait for a dead worker's last stderr lines
 
@@ -81,7 +82,7 @@ class Dispatcher:
     # -- membership -------------------------------------------------------------------
 
     def add(self, slot: Slot) -> None:
-        self._by_fd[slot.conn.read_fd] = (slot, False)
+        self._by_fd[slot.conn.read_fd] = (slot, False)  # (slot, is its death descriptor)
         self._poller.register(slot.conn.read_fd, select.POLLIN)
         death_fd = slot.handle.death_fd
         if death_fd is not None:
@@ -216,7 +217,7 @@ class Dispatcher:
         pending = slot.pending
         for segs in frames:
             first = segs[0]
-            if first[0] == wire.RESULT:  # the hot path, without building a header tuple
+            if first[0] == _RESULT:  # the hot path, without building a header tuple
                 future = pending.pop(_CALL_ID(first, 1)[0], None)
                 if future is not None:
                     future._resolve_rank(slot.rank, segs[1:])

@@ -84,7 +84,10 @@ class GroupFuture:
         return self._ranks.index(rank)
 
     def _resolve_rank(self, rank: int, segments: list[Any]) -> None:
-        i = self._index(rank)
+        if self._positions is None:
+            i = 0 if len(self._ranks) == 1 else self._ranks.index(rank)
+        else:
+            i = self._positions[rank]
         if self._values[i] is _PENDING:
             self._values[i] = segments
             self._remaining -= 1
@@ -172,6 +175,17 @@ class GroupFuture:
             raise concurrent.futures.CancelledError(f"{self.method}() was cancelled")
         if self._failed >= 0:
             raise self._errors[self._failed]  # type: ignore[index]
+        if self._decoded == 0:  # first access: decode every value in one pass
+            try:
+                values = [
+                    _loads(p[0]) if len(p) == 1 else _loads(p[0], buffers=p[1:])
+                    for p in self._values
+                ]
+            except Exception:  # noqa: BLE001 - redone value by value to name the rank
+                return [self._value(i) for i in range(len(self._values))]
+            self._values = values
+            self._decoded = (1 << len(values)) - 1
+            return list(values)
         return [self._value(i) for i in range(len(self._values))]
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
