@@ -4,8 +4,8 @@ Layers (a module imports only from layers below its own)::
 
     api        __init__ (this file), spmd, group
     runtime    dispatch, futures, backends/*, node, logs, worker
-    transport  wire
-    pure       errors, config, frameworks, console
+    transport  wire (framing, serialisation), streams (pipes, sockets)
+    pure       errors, config, frameworks, selection, console
 
 The pure layer does no process or socket I/O and is tested without spawning anything.
 """

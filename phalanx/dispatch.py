@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from phalanx import wire
+from phalanx import streams, wire
 from phalanx.errors import (
     ProcessFailure,
     RemoteFailure,
@@ -70,7 +70,7 @@ class Dispatcher:
         self._cond = threading.Condition(threading.Lock())
         self._lead = threading.Lock()  # held by the thread that pumps (the leader)
         self._followers = 0  # threads waiting for the leader to finish their future
-        self._wakeup = wire.WakePipe()
+        self._wakeup = streams.WakePipe()
         self._poller.register(self._wakeup.fd, select.POLLIN)
         self._poll = self._poller.poll
         self._epoll = hasattr(select, "epoll")

@@ -14,7 +14,7 @@ import time
 import types
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any, Union
+from typing import Any
 
 from phalanx import config, wire
 from phalanx.backends import Backend, WorkerSpec, create_backend
@@ -31,11 +31,11 @@ from phalanx.errors import (
 )
 from phalanx.frameworks import Layout, check_framework, merge_env, rank_env
 from phalanx.futures import GroupFuture
+from phalanx.selection import Workers, select_ranks
 
 logger = logging.getLogger(__name__)
 
-Workers = Union[str, int, Sequence[int]]  # noqa: UP007 - a runtime alias on 3.10
-"""``"all"``, ``"any"`` (first live rank), ``"ready"`` (live ranks only), or ranks."""
+
 
 _live_groups: weakref.WeakSet[WorkerGroup] = weakref.WeakSet()
 
@@ -56,32 +56,6 @@ class RankHealth:
     alive: bool
     calls_in_flight: int
     exitcode: int | None
-
-
-def select_ranks(workers: Workers, alive: Sequence[bool]) -> list[int]:
-    """Resolve a ``workers=`` selection to ranks (pure). Explicit dead ranks are kept: the
-    caller reports them; ``"ready"`` and ``"any"`` skip them."""
-    world = len(alive)
-    if isinstance(workers, str):
-        if workers == "all":
-            return list(range(world))
-        if workers == "ready":
-            return [r for r in range(world) if alive[r]]
-        if workers == "any":
-            for r in range(world):
-                if alive[r]:
-                    return [r]
-            return []
-        raise ValueError(f"workers={workers!r}: expected 'all', 'any', 'ready' or a list of ranks")
-    ranks = [workers] if isinstance(workers, int) else list(workers)
-    for r in ranks:
-        if not isinstance(r, int) or isinstance(r, bool):
-            raise TypeError(f"workers must hold integer ranks, got {r!r}")
-        if not 0 <= r < world:
-            raise ValueError(f"rank {r} is outside this group's ranks 0..{world - 1}")
-    if len(set(ranks)) != len(ranks):
-        raise ValueError(f"workers={ranks} names a rank twice")
-    return sorted(ranks)
 
 
 def _free_port(host: str) -> int:

@@ -14,7 +14,7 @@ import select
 import threading
 
 from phalanx import config, console
-from phalanx.wire import WakePipe
+from phalanx.streams import WakePipe
 
 logger = logging.getLogger(__name__)
 

@@ -22,18 +22,17 @@ frames.
 from __future__ import annotations
 
 import collections
-import errno
-import fcntl
 import logging
-import os
 import pickle
 import select
-import socket
 import struct
 import threading
 from typing import Any
 
 import cloudpickle
+
+from phalanx.streams import MAX_SEGMENTS as _MAX_SEGMENTS
+from phalanx.streams import Stream, WakePipe
 
 logger = logging.getLogger(__name__)
 
@@ -52,10 +51,6 @@ _RECV_CHUNK = 256 * 1024
 # Frames at least this large are received in place into their own buffer instead of
 # being accumulated in the stream buffer and sliced out of it.
 _BIG_FRAME = 512 * 1024
-_SOCKET_BUFFER = 4 * 1024 * 1024
-_MAX_SEGMENTS = 512  # well under IOV_MAX
-_PIPE_BUFFER = 1024 * 1024  # the default /proc/sys/fs/pipe-max-size
-_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 
 
 class ConnectionLost(Exception):
@@ -205,102 +200,6 @@ def frame(segments: list[Any]) -> list[Any]:
     table = _table(n).pack(*lengths)
     prefix = _PREFIX.pack(n, len(table) + sum(lengths))
     return [prefix + table, *segments]
-
-
-# --------------------------------------------------------------------------- streams
-
-
-class Stream:
-    """A byte stream to one peer: where frames are read from and written to.
-
-    ``read_into`` blocks only when ``block`` is true and the stream supports it;
-    ``write_nowait`` never blocks and returns how many bytes were taken.
-    """
-
-    read_fd: int
-    write_fd: int
-    hangup_events: int  # poll() mask that reports the peer going away without reading data
-
-    def read_into(self, buf: Any, nbytes: int, block: bool) -> int:
-        raise NotImplementedError
-
-    def write_nowait(self, segments: list[Any]) -> int:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-
-class SocketStream(Stream):
-    """A connected stream socket (Unix or TCP), used in both directions."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, opt, _SOCKET_BUFFER)
-            except OSError:  # pragma: no cover - the kernel caps it, which is fine
-                pass
-        self.sock = sock
-        self.read_fd = self.write_fd = sock.fileno()
-        self.hangup_events = getattr(select, "POLLRDHUP", 0)
-
-    def read_into(self, buf: Any, nbytes: int, block: bool) -> int:
-        return self.sock.recv_into(buf, nbytes, 0 if block else socket.MSG_DONTWAIT)
-
-    def write_nowait(self, segments: list[Any]) -> int:
-        if len(segments) == 1:
-            return self.sock.send(segments[0], socket.MSG_DONTWAIT)
-        return self.sock.sendmsg(segments[:_MAX_SEGMENTS], (), socket.MSG_DONTWAIT)
-
-    def close(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
-
-
-class PipeStream(Stream):
-    """A pair of pipes, one per direction: the local backend's transport.
-
-    Pipes keep readers and writers on separate wait queues, so a reader asleep in
-    ``read()`` is not woken each time its peer drains what it wrote (as a Unix socket
-    reader is): one context switch per call instead of two. The read end blocks only if
-    ``blocking_reads`` (the worker's main loop); the write end never blocks.
-    """
-
-    def __init__(self, read_fd: int, write_fd: int, *, blocking_reads: bool) -> None:
-        self.read_fd = read_fd
-        self.write_fd = write_fd
-        self.hangup_events = 0  # POLLHUP is always reported on a read end without writers
-        self._blocking_reads = blocking_reads
-        os.set_blocking(read_fd, blocking_reads)
-        os.set_blocking(write_fd, False)
-        for fd in (read_fd, write_fd):
-            try:
-                fcntl.fcntl(fd, _F_SETPIPE_SZ, _PIPE_BUFFER)
-            except OSError:  # above /proc/sys/fs/pipe-max-size: keep the default
-                pass
-
-    def read_into(self, buf: Any, nbytes: int, block: bool) -> int:
-        if self._blocking_reads and not block:
-            raise ValueError("non-blocking read on a blocking pipe")
-        if nbytes == len(buf):
-            return os.readv(self.read_fd, (buf,))
-        with memoryview(buf) as mv:
-            return os.readv(self.read_fd, (mv[:nbytes],))
-
-    def write_nowait(self, segments: list[Any]) -> int:
-        if len(segments) == 1:
-            return os.write(self.write_fd, segments[0])
-        return os.writev(self.write_fd, segments[:_MAX_SEGMENTS])
-
-    def close(self) -> None:
-        for fd in (self.read_fd, self.write_fd):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
 
 
 # --------------------------------------------------------------------------- receiving
@@ -504,38 +403,6 @@ class Connection:
             self.closed = True
             self._backlog.clear()
         self.stream.close()
-
-
-class WakePipe:
-    """A self-pipe that interrupts a thread blocked in ``poll()`` on its read end."""
-
-    def __init__(self) -> None:
-        self.fd, self._write_fd = os.pipe()
-        os.set_blocking(self.fd, False)
-        os.set_blocking(self._write_fd, False)
-
-    def wake(self) -> None:
-        try:
-            os.write(self._write_fd, b"x")
-        except BlockingIOError:
-            pass  # a wake-up is already pending
-        except OSError as exc:
-            if exc.errno != errno.EBADF:  # closed by a concurrent shutdown: nothing to wake
-                raise
-
-    def drain(self) -> None:
-        try:
-            while os.read(self.fd, 4096):
-                pass
-        except BlockingIOError:
-            pass
-
-    def close(self) -> None:
-        for fd in (self.fd, self._write_fd):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
 
 
 class BacklogWriter:

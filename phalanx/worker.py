@@ -33,7 +33,7 @@ from typing import Any
 
 import cloudpickle
 
-from phalanx import config, wire
+from phalanx import config, streams, wire
 from phalanx.errors import RemoteFailure
 
 
@@ -50,7 +50,7 @@ def _install_parent_death_signal(parent_pid: int) -> None:
         os._exit(1)  # the controller died before the signal was armed
 
 
-def _watch_for_hangup(stream: wire.Stream) -> None:
+def _watch_for_hangup(stream: streams.Stream) -> None:
     """Exit when the controller's end of the stream closes, even if user code never returns."""
 
     def watch() -> None:
@@ -164,7 +164,7 @@ class WorkerRuntime:
         """Serve calls until SHUTDOWN or end of stream; returns the exit code."""
         recv = self.conn.reader.recv_frames
         readable = None
-        if isinstance(self.conn.stream, wire.SocketStream):
+        if isinstance(self.conn.stream, streams.SocketStream):
             # Sleep in poll(), not in recv(): a blocked recv() on a Unix socket is also woken
             # each time the controller drains what we sent (a spurious context switch per
             # call); poll() filters that wake-up out. Pipes need no such care.
@@ -273,16 +273,16 @@ def _flush_and_exit(conn: wire.Connection, code: int, wait: float = 1.0) -> None
     os._exit(code)
 
 
-def _open_stream(spec: str) -> wire.Stream:
+def _open_stream(spec: str) -> streams.Stream:
     """``pipe:R,W`` (local backend) or ``socket:FD`` (a connected socket)."""
     kind, _, fds = spec.partition(":")
     numbers = [int(fd) for fd in fds.split(",")]
     for fd in numbers:
         os.set_inheritable(fd, False)  # not for the user's subprocesses
     if kind == "pipe":
-        return wire.PipeStream(numbers[0], numbers[1], blocking_reads=True)
+        return streams.PipeStream(numbers[0], numbers[1], blocking_reads=True)
     if kind == "socket":
-        return wire.SocketStream(socket.socket(fileno=numbers[0]))
+        return streams.SocketStream(socket.socket(fileno=numbers[0]))
     raise ValueError(f"{config.ENV_FD}={spec!r}: expected pipe:R,W or socket:FD")
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import signal
 from collections.abc import Sequence
 
-from phalanx import node, wire
+from phalanx import node, streams, wire
 from phalanx.backends.base import Backend, WorkerHandle, WorkerSpec
 from phalanx.logs import LogPump, OutputTap
 
@@ -47,7 +47,7 @@ class LocalBackend(Backend):
     def _start(self, spec: WorkerSpec) -> WorkerHandle:
         proc = node.spawn_worker(spec.env, cwd=spec.cwd)
         tap = self._logs.attach(spec.rank, proc.stdout_fd, proc.stderr_fd)
-        stream = wire.PipeStream(proc.read_fd, proc.write_fd, blocking_reads=False)
+        stream = streams.PipeStream(proc.read_fd, proc.write_fd, blocking_reads=False)
         conn = wire.Connection(stream, self._writer)
         return LocalWorker(spec, proc, conn, tap)
 

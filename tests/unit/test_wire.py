@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from phalanx import wire
+from phalanx import streams, wire
 
 STREAM_KINDS = ["socket", "pipe"]
 
@@ -25,12 +25,12 @@ class Link:
     def __init__(self, kind: str) -> None:
         if kind == "socket":
             left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            self.a, self.b = wire.SocketStream(left), wire.SocketStream(right)
+            self.a, self.b = streams.SocketStream(left), streams.SocketStream(right)
         else:
             r1, w1 = os.pipe()
             r2, w2 = os.pipe()
-            self.a = wire.PipeStream(r2, w1, blocking_reads=False)
-            self.b = wire.PipeStream(r1, w2, blocking_reads=False)
+            self.a = streams.PipeStream(r2, w1, blocking_reads=False)
+            self.b = streams.PipeStream(r1, w2, blocking_reads=False)
         self.reader = wire.FrameReader(self.b)
         self._closed = False
 
