@@ -1,0 +1,283 @@
+"""Named sharding: ranks arranged on named axes, and who gets which slice of a call's data.
+
+:class:`NamedSharding` is API-compatible with NeMo-RL's: an N-d layout holding every rank
+once, with a name per axis. :func:`plan_sharded_call` turns a sharding and the
+``call_sharded`` options into a :class:`ShardedPlan` (which rank is called with which index
+path into the data, which results are kept) following NeMo-RL's
+``run_all_workers_sharded_data`` / ``MultiWorkerFuture.get_results`` rules:
+
+- data arguments are nested lists indexed by ``in_sharded_axes`` in the order given;
+- along ``replicate_on_axes`` every rank receives the same slice;
+- every other axis is *free*: only coordinate 0 receives data; the others are not called,
+  or called with ``None`` for every data argument (``dummy_calls_to_free_axes``);
+- results come from ranks that received data and sit at coordinate 0 of every axis in
+  ``output_is_replicated``.
+
+Pure logic: no processes, no I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+
+class NamedSharding:
+    """An N-dimensional arrangement of ranks with named axes.
+
+    >>> s = NamedSharding([[0, 1], [2, 3]], ["dp", "tp"])
+    >>> s.shape, s.get_worker_coords(2), s.get_ranks(dp=1).layout.tolist()
+    ({'dp': 2, 'tp': 2}, {'dp': 1, 'tp': 0}, [2, 3])
+    """
+
+    def __init__(self, layout: Sequence[Any] | np.ndarray, names: Sequence[str]) -> None:
+        try:
+            array = np.array(layout)
+        except ValueError as exc:  # ragged nesting
+            raise ValueError(f"layout is not a regular N-d array of ranks: {exc}") from None
+        if array.dtype == object or not np.issubdtype(array.dtype, np.number):
+            raise ValueError(f"layout must hold integer ranks, got dtype {array.dtype}")
+        if not np.issubdtype(array.dtype, np.integer):
+            if not np.all(np.mod(array, 1) == 0):
+                bad = array[np.mod(array, 1) != 0].tolist()
+                raise ValueError(f"layout must hold integer ranks, got {bad[:5]}")
+            array = array.astype(np.int64)
+        self._names = [str(n) for n in names]
+        if array.ndim != len(self._names):
+            raise ValueError(
+                f"layout has {array.ndim} dimensions but {len(self._names)} names were given: "
+                f"{self._names}"
+            )
+        if len(set(self._names)) != len(self._names):
+            raise ValueError(f"axis names must be distinct, got {self._names}")
+        values, counts = np.unique(array, return_counts=True)
+        if (counts > 1).any():
+            raise ValueError(f"ranks appear more than once in the layout: {values[counts > 1]}")
+        self._layout = array
+        self._axis = {name: i for i, name in enumerate(self._names)}
+        self._coords = {
+            int(rank): dict(zip(self._names, (int(c) for c in index), strict=True))
+            for index, rank in np.ndenumerate(array)
+        }
+
+    @classmethod
+    def from_mesh(cls, mesh: Mapping[str, int]) -> NamedSharding:
+        """The row-major layout of ``mesh`` (``{"dp": 2, "tp": 2}``: dp=0 -> ranks 0, 1)."""
+        for name, size in mesh.items():
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise ValueError(
+                    f"mesh axis {name!r} must have a positive integer size, got {size!r}"
+                )
+        sizes = list(mesh.values())
+        return cls(np.arange(int(np.prod(sizes))).reshape(sizes), list(mesh))
+
+    # -- shape ------------------------------------------------------------------------
+
+    @property
+    def layout(self) -> np.ndarray:
+        return self._layout.copy()
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._names)
+
+    @property
+    def shape(self) -> dict[str, int]:
+        return dict(zip(self._names, (int(n) for n in self._layout.shape), strict=True))
+
+    @property
+    def ndim(self) -> int:
+        return self._layout.ndim
+
+    @property
+    def size(self) -> int:
+        return int(self._layout.size)
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self._coords)
+
+    def get_axis_index(self, name: str) -> int:
+        self._check_axes([name])
+        return self._axis[name]
+
+    def get_axis_size(self, name: str) -> int:
+        return int(self._layout.shape[self.get_axis_index(name)])
+
+    def _check_axes(self, axes: Iterable[str]) -> None:
+        for name in axes:
+            if name not in self._axis:
+                raise ValueError(f"unknown axis {name!r}; the axes are {self._names}")
+
+    # -- lookups ----------------------------------------------------------------------
+
+    def get_worker_coords(self, worker_id: int) -> dict[str, int]:
+        coords = self._coords.get(int(worker_id)) if _is_int(worker_id) else None
+        if coords is None:
+            raise ValueError(f"rank {worker_id!r} is not in this sharding's layout")
+        return dict(coords)
+
+    def get_ranks(self, **coords: int) -> NamedSharding | int:
+        """The sub-sharding over the axes not named, or the rank when every axis is named."""
+        self._check_axes(coords)
+        index: list[Any] = [slice(None)] * self.ndim
+        for name, value in coords.items():
+            size = self.get_axis_size(name)
+            if not _is_int(value) or not 0 <= value < size:
+                raise IndexError(
+                    f"index {value!r} is out of range for axis {name!r} of size {size}"
+                )
+            index[self._axis[name]] = value
+        sub = self._layout[tuple(index)]
+        rest = [n for n in self._names if n not in coords]
+        if not rest:
+            return int(sub)
+        return NamedSharding(sub, rest)
+
+    def get_ranks_by_coord(self, **coords: int) -> list[int]:
+        """Sorted ranks at the given coordinates (other axes: any); [] when out of range."""
+        self._check_axes(coords)
+        index: list[Any] = [slice(None)] * self.ndim
+        for name, value in coords.items():
+            if not 0 <= value < self.get_axis_size(name):
+                return []
+            index[self._axis[name]] = value
+        return sorted(int(r) for r in np.ravel(self._layout[tuple(index)]))
+
+    @staticmethod
+    def is_axis_zero(coords: Mapping[str, int], axes: Iterable[str]) -> bool:
+        """True when ``coords`` is 0 on every axis in ``axes`` (missing axes count as 0)."""
+        return all(coords.get(axis, 0) == 0 for axis in axes)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, NamedSharding):
+            return NotImplemented
+        return self._names == other._names and np.array_equal(self._layout, other._layout)
+
+    def __hash__(self) -> int:
+        return hash((tuple(self._names), self._layout.tobytes(), self._layout.shape))
+
+    def __repr__(self) -> str:
+        shape = tuple(int(n) for n in self._layout.shape)
+        return f"NamedSharding(shape={shape}, names={self._names}, layout={self._layout.tolist()})"
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedPlan:
+    """Who is called with which data, and whose results are kept (rank order)."""
+
+    called_ranks: list[int]
+    paths: dict[int, tuple[int, ...] | None]  # index path into each data argument; None: dummy
+    result_ranks: list[int]
+
+
+def plan_sharded_call(
+    sharding: NamedSharding,
+    in_sharded_axes: Sequence[str] = (),
+    replicate_on_axes: Sequence[str] = (),
+    output_is_replicated: Sequence[str] = (),
+    dummy_calls_to_free_axes: bool = False,
+) -> ShardedPlan:
+    """The dispatch plan of a ``call_sharded`` (see the module docstring for the rules)."""
+    for label, axes in (
+        ("in_sharded_axes", in_sharded_axes),
+        ("replicate_on_axes", replicate_on_axes),
+        ("output_is_replicated", output_is_replicated),
+    ):
+        if isinstance(axes, str):
+            raise TypeError(f"{label} must be a list of axis names, got the string {axes!r}")
+        for axis in axes:
+            if axis not in sharding.names:
+                raise ValueError(f"{label}: unknown axis {axis!r}; the axes are {sharding.names}")
+    both = [a for a in in_sharded_axes if a in replicate_on_axes]
+    if both:
+        raise ValueError(f"axis {both[0]!r} cannot be both sharded and replicated")
+    free = [a for a in sharding.names if a not in in_sharded_axes and a not in replicate_on_axes]
+    called: list[int] = []
+    paths: dict[int, tuple[int, ...] | None] = {}
+    results: list[int] = []
+    for rank in sharding.ranks:
+        coords = sharding.get_worker_coords(rank)
+        if all(coords[a] == 0 for a in free):
+            called.append(rank)
+            paths[rank] = tuple(coords[a] for a in in_sharded_axes)
+            if all(coords[a] == 0 for a in output_is_replicated):
+                results.append(rank)
+        elif dummy_calls_to_free_axes:
+            called.append(rank)
+            paths[rank] = None
+    return ShardedPlan(called, paths, results)
+
+
+def validate_sharded_value(
+    value: Any, in_sharded_axes: Sequence[str], sharding: NamedSharding, label: str
+) -> None:
+    """Check that ``value`` is a nested list indexed by the sharded axes, in order."""
+    level = [value]
+    for depth, axis in enumerate(in_sharded_axes):
+        size = sharding.get_axis_size(axis)
+        below = []
+        for item in level:
+            if not isinstance(item, (list, tuple)):
+                raise ValueError(
+                    f"{label}: expected a list of {size} items for sharded axis {axis!r} "
+                    f"(nesting level {depth}), got {type(item).__name__}"
+                )
+            if len(item) != size:
+                raise ValueError(
+                    f"{label}: axis {axis!r} has size {size} but the data at nesting level "
+                    f"{depth} has {len(item)} items"
+                )
+            below.extend(item)
+        level = below
+
+
+def take(value: Any, path: Sequence[int]) -> Any:
+    """``value[path[0]][path[1]]...``"""
+    for i in path:
+        value = value[i]
+    return value
+
+
+def leaves(sharding: NamedSharding, in_sharded_axes: Sequence[str]) -> list[tuple[int, ...]]:
+    """Every index path into data sharded along ``in_sharded_axes``."""
+    return list(itertools.product(*(range(sharding.get_axis_size(a)) for a in in_sharded_axes)))
+
+
+def rank0_only(sharding: NamedSharding, ranks: Sequence[int], axes: Sequence[str]) -> list[int]:
+    """The ranks of ``ranks`` at coordinate 0 on every axis in ``axes``."""
+    if isinstance(axes, str):
+        raise TypeError(f"rank0_only_axes must be a list of axis names, got the string {axes!r}")
+    sharding._check_axes(axes)
+    return [r for r in ranks if sharding.is_axis_zero(sharding.get_worker_coords(r), axes)]
+
+
+def dp_leaders(sharding: NamedSharding, dp_axis: str) -> list[int]:
+    """Ranks at coordinate 0 on every axis but ``dp_axis``, in data-parallel order."""
+    others = [a for a in sharding.names if a != dp_axis]
+    leaders = [
+        r for r in sharding.ranks if sharding.is_axis_zero(sharding.get_worker_coords(r), others)
+    ]
+    if dp_axis in sharding.names:
+        leaders.sort(key=lambda r: sharding.get_worker_coords(r)[dp_axis])
+    return leaders
+
+
+def sharding_for(mesh: NamedSharding | Mapping[str, int], world_size: int) -> NamedSharding:
+    """A group's sharding from its ``mesh=`` argument, checked against the world size."""
+    sharding = mesh if isinstance(mesh, NamedSharding) else NamedSharding.from_mesh(mesh)
+    if sharding.ranks != list(range(world_size)):
+        raise ValueError(
+            f"mesh {sharding!r} must hold every rank 0..{world_size - 1} exactly once "
+            f"(it has {sharding.size} ranks for a world size of {world_size})"
+        )
+    return sharding
+
