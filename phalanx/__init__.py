@@ -2,10 +2,10 @@
 
 Layers (a module imports only from layers below its own)::
 
-    api        __init__ (this file), spmd, group
-    runtime    dispatch, futures, backends/*, node, logs, worker
+    api        __init__ (this file), spmd, group, meshcalls
+    runtime    startup, dispatch, futures, backends/*, node, logs, worker
     transport  wire (framing, serialisation), streams (pipes, sockets)
-    pure       errors, config, frameworks, selection, console
+    pure       errors, config, frameworks, selection, sharding, console
 
 The pure layer does no process or socket I/O and is tested without spawning anything.
 """
@@ -29,6 +29,8 @@ _EXPORTS = {
     "WorkerDied": "phalanx.errors",
     "WorkerError": "phalanx.errors",
     "GroupFuture": "phalanx.futures",
+    "NamedSharding": "phalanx.sharding",
+    "ShardedFuture": "phalanx.futures",
     "RankFuture": "phalanx.futures",
     "RankHealth": "phalanx.group",
     "WorkerGroup": "phalanx.group",
@@ -39,11 +41,13 @@ __all__ = [
     "CallTimeout",
     "GroupClosed",
     "GroupFuture",
+    "NamedSharding",
     "PhalanxError",
     "ProcessFailure",
     "RankFuture",
     "RankHealth",
     "SerializationError",
+    "ShardedFuture",
     "StartupError",
     "WorkerDied",
     "WorkerError",
@@ -63,8 +67,9 @@ if TYPE_CHECKING:
         WorkerDied,
         WorkerError,
     )
-    from phalanx.futures import GroupFuture, RankFuture
+    from phalanx.futures import GroupFuture, RankFuture, ShardedFuture
     from phalanx.group import RankHealth, WorkerGroup
+    from phalanx.sharding import NamedSharding
     from phalanx.spmd import spmd
 
 

@@ -286,3 +286,44 @@ class RankFuture:
         else:
             state = "failed" if group._error(self._i) is not None else "done"
         return f"<RankFuture rank={self.rank} {group.method}() {state}>"
+
+
+class ShardedFuture:
+    """The outcome of ``call_sharded``: called on ``called_ranks``, results kept from
+    ``result_ranks`` (one per data shard when the output is replicated elsewhere)."""
+
+    def __init__(self, future: GroupFuture, result_ranks: list[int]) -> None:
+        self._future = future
+        self.called_ranks = list(future._ranks)
+        self.result_ranks = list(result_ranks)
+        position = {rank: i for i, rank in enumerate(self.called_ranks)}
+        self._keep = [position[r] for r in self.result_ranks]
+
+    def result(self, timeout: float | None = None) -> list[Any]:
+        """The kept ranks' values, in rank order; raises the first failure at once."""
+        values = self._future.result(timeout)
+        return [values[i] for i in self._keep]
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self._future.exception(timeout)
+
+    def cancel(self) -> bool:
+        return self._future.cancel()
+
+    @property
+    def futures(self) -> list[RankFuture]:
+        """Per-rank futures of every called rank (dummy calls included), in rank order."""
+        return self._future.futures
+
+    def __await__(self) -> Generator[Any, None, list[Any]]:
+        import asyncio
+
+        self._future._kick()
+        loop = asyncio.get_running_loop()
+        return (yield from loop.run_in_executor(None, self.result).__await__())
+
+    def __repr__(self) -> str:
+        return f"<ShardedFuture called={self.called_ranks} results from={self.result_ranks}>"

@@ -14,24 +14,26 @@ import time
 import types
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from phalanx import config, wire
 from phalanx.backends import Backend, WorkerSpec, create_backend
-from phalanx.console import Progress
 from phalanx.dispatch import Dispatcher, Slot
 from phalanx.errors import (
     GroupClosed,
     PhalanxError,
     ProcessFailure,
-    RemoteFailure,
     SerializationError,
-    StartupError,
     WorkerDied,
 )
 from phalanx.frameworks import Layout, check_framework, merge_env, rank_env
 from phalanx.futures import GroupFuture
+from phalanx.meshcalls import MeshCalls, merge_common_kwargs
 from phalanx.selection import Workers, select_ranks
+from phalanx.startup import await_ready
+
+if TYPE_CHECKING:
+    from phalanx.sharding import NamedSharding
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +89,7 @@ class _MethodProxy:
         return self._group.call_one(rank, self._method, *args, **kwargs)
 
 
-class WorkerGroup:
+class WorkerGroup(MeshCalls):
     """A group of worker processes, each holding one instance of ``target``.
 
     ``target`` is a class (or any picklable callable returning the worker object), or a
@@ -112,6 +114,8 @@ class WorkerGroup:
         start_timeout: float | None = None,
         echo_output: bool = True,
         cwd: str | None = None,
+        mesh: NamedSharding | Mapping[str, int] | None = None,
+        dp_axis: str = "dp",
     ) -> None:
         settings = config.Settings.from_env()
         if not (callable(target) or isinstance(target, types.ModuleType)):
@@ -128,6 +132,13 @@ class WorkerGroup:
             bad = [r for r in rank_env if not (isinstance(r, int) and 0 <= r < self.world_size)]
             if bad:
                 raise ValueError(f"rank_env names ranks {bad} outside 0..{self.world_size - 1}")
+        self._sharding: NamedSharding | None = None
+        self._dp_leaders = list(range(self.world_size))
+        if mesh is not None:
+            from phalanx.sharding import dp_leaders, sharding_for
+
+            self._sharding = sharding_for(mesh, self.world_size)
+            self._dp_leaders = dp_leaders(self._sharding, dp_axis)
         for rank in range(self.world_size):  # type errors in env now, before any resource
             merge_env({}, {}, env, (rank_env or {}).get(rank))
         self._start_timeout = settings.start_timeout if start_timeout is None else start_timeout
@@ -224,56 +235,13 @@ class WorkerGroup:
             self._method_set = frozenset(self._methods)
 
     def _await_ready(self, slots: list[Slot]) -> None:
-        progress = Progress(
-            f"starting {len(slots)} workers", len(slots), enabled=self._progress
+        await_ready(
+            self._dispatcher,
+            slots,
+            timeout=self._start_timeout,
+            progress=self._progress,
+            target_name=self._target_name,
         )
-        deadline = time.monotonic() + self._start_timeout
-        try:
-            while True:
-                step = min(0.1, deadline - time.monotonic()) if progress.enabled else None
-                if step is None:
-                    step = deadline - time.monotonic()
-                all_settled = self._dispatcher.wait(
-                    lambda: all(s.settled_start() for s in slots)
-                    or any(s.init_failure is not None or not s.alive for s in slots),
-                    max(step, 0.0),
-                )
-                progress.update(sum(s.ready for s in slots))
-                failed = [s for s in slots if s.init_failure is not None or not s.alive]
-                if failed:
-                    raise self._startup_error(min(failed, key=lambda s: s.rank))
-                if all_settled:
-                    return
-                if time.monotonic() >= deadline:
-                    late = [s.rank for s in slots if not s.ready]
-                    raise StartupError(
-                        f"ranks {late} did not become ready within {self._start_timeout:g} s; "
-                        f"raise start_timeout= (or {config.ENV_START_TIMEOUT}) if "
-                        f"{self._target_name}() is slow to construct",
-                        rank=late[0],
-                    )
-        finally:
-            progress.close()
-
-    def _startup_error(self, slot: Slot) -> StartupError:
-        failure: RemoteFailure | None = slot.init_failure
-        if failure is not None:
-            error = StartupError(
-                f"rank {slot.rank} (node {slot.node}, pid {slot.pid}) failed while "
-                f"{failure.stage}: {failure.exc_type}: {failure.message}\n\n"
-                f"Remote traceback:\n{failure.traceback.rstrip()}",
-                rank=slot.rank,
-                traceback=failure.traceback,
-            )
-            original = failure.rebuild()
-            if original is not None:
-                error.__cause__ = original
-            return error
-        assert slot.failure is not None
-        died = WorkerDied(slot.failure)
-        error = StartupError(f"rank {slot.rank} died during start-up: {died}", rank=slot.rank)
-        error.__cause__ = died
-        return error
 
     # -- calls ------------------------------------------------------------------------
 
@@ -361,13 +329,26 @@ class WorkerGroup:
                 self._dispatcher.fail_if_dead(slot, call_id, future)  # type: ignore[arg-type]
 
     def call_async(
-        self, method: str, *args: Any, workers: Workers = "all", **kwargs: Any
+        self,
+        method: str,
+        *args: Any,
+        workers: Workers = "all",
+        rank0_only_axes: Sequence[str] | None = None,
+        **kwargs: Any,
     ) -> GroupFuture:
         """Send the same arguments (pickled once) to every selected rank."""
         self._check_method(method)
-        ranks = self._live_ranks(workers)
+        ranks = self._select(workers, rank0_only_axes)
         payload = self._encode(args, kwargs)
         return self._send(method, ranks, [payload])
+
+    def _select(self, workers: Workers, rank0_only_axes: Sequence[str] | None) -> list[int]:
+        ranks = self._live_ranks(workers)
+        if rank0_only_axes:
+            from phalanx.sharding import rank0_only
+
+            ranks = rank0_only(self._require_mesh("rank0_only_axes"), ranks, rank0_only_axes)
+        return ranks
 
     def call(
         self,
@@ -375,11 +356,15 @@ class WorkerGroup:
         *args: Any,
         workers: Workers = "all",
         timeout: float | None = None,
+        rank0_only_axes: Sequence[str] | None = None,
         **kwargs: Any,
     ) -> list[Any]:
-        """Call ``method(*args, **kwargs)`` on the selected ranks; results in rank order."""
+        """Call ``method(*args, **kwargs)`` on the selected ranks; results in rank order.
+
+        ``rank0_only_axes`` (with a mesh) keeps only the ranks at coordinate 0 on those axes.
+        """
         self._check_method(method)
-        ranks = self._live_ranks(workers)
+        ranks = self._select(workers, rank0_only_axes)
         payload = self._encode(args, kwargs)
         return self._send(method, ranks, [payload], defer=True).result(timeout)
 
@@ -396,11 +381,15 @@ class WorkerGroup:
         method: str,
         *arg_lists: Sequence[Any],
         workers: Workers = "all",
+        rank0_only_axes: Sequence[str] | None = None,
+        common_kwargs: Mapping[str, Any] | None = None,
         **kwarg_lists: Sequence[Any],
     ) -> GroupFuture:
-        """Each positional/keyword argument is a list with one item per selected rank
-        (matched to the selected ranks in rank order)."""
-        ranks, payloads = self._map_payloads(method, arg_lists, workers, kwarg_lists)
+        """Each positional/keyword argument is a list with one item per called rank
+        (matched to them in rank order); ``common_kwargs`` go to every called rank."""
+        ranks, payloads = self._map_payloads(
+            method, arg_lists, workers, rank0_only_axes, common_kwargs, kwarg_lists
+        )
         return self._send(method, ranks, payloads)
 
     def _map_payloads(
@@ -408,10 +397,13 @@ class WorkerGroup:
         method: str,
         arg_lists: tuple[Sequence[Any], ...],
         workers: Workers,
+        rank0_only_axes: Sequence[str] | None,
+        common_kwargs: Mapping[str, Any] | None,
         kwarg_lists: dict[str, Sequence[Any]],
     ) -> tuple[list[int], list[list[Any]]]:
         self._check_method(method)
-        ranks = self._live_ranks(workers)
+        ranks = self._select(workers, rank0_only_axes)
+        common = merge_common_kwargs(common_kwargs, kwarg_lists)
         n = len(ranks)
         named = [(f"argument {i}", v) for i, v in enumerate(arg_lists)]
         named += [(f"keyword {k!r}", v) for k, v in kwarg_lists.items()]
@@ -425,7 +417,9 @@ class WorkerGroup:
                 )
         payloads = [
             self._encode(
-                tuple(a[i] for a in arg_lists), {k: v[i] for k, v in kwarg_lists.items()}, ranks[i]
+                tuple(a[i] for a in arg_lists),
+                {**{k: v[i] for k, v in kwarg_lists.items()}, **common},
+                ranks[i],
             )
             for i in range(n)
         ]
@@ -437,10 +431,14 @@ class WorkerGroup:
         *arg_lists: Sequence[Any],
         workers: Workers = "all",
         timeout: float | None = None,
+        rank0_only_axes: Sequence[str] | None = None,
+        common_kwargs: Mapping[str, Any] | None = None,
         **kwarg_lists: Sequence[Any],
     ) -> list[Any]:
         """Call ``method`` with one item of each list per rank; results in rank order."""
-        ranks, payloads = self._map_payloads(method, arg_lists, workers, kwarg_lists)
+        ranks, payloads = self._map_payloads(
+            method, arg_lists, workers, rank0_only_axes, common_kwargs, kwarg_lists
+        )
         return self._send(method, ranks, payloads, defer=True).result(timeout)
 
     def __getattr__(self, name: str) -> _MethodProxy:

@@ -1,0 +1,105 @@
+"""Calls that follow a group's mesh: ``call_sharded``, data-parallel leaders, the mesh.
+
+Mixed into :class:`~phalanx.group.WorkerGroup`; the rules themselves are the pure
+functions of :mod:`phalanx.sharding`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from phalanx.futures import ShardedFuture
+
+if TYPE_CHECKING:
+    from phalanx.futures import GroupFuture
+    from phalanx.sharding import NamedSharding
+
+
+def merge_common_kwargs(
+    common_kwargs: Mapping[str, Any] | None, per_rank: Mapping[str, Any]
+) -> dict[str, Any]:
+    common = dict(common_kwargs or {})
+    clash = sorted(set(common) & set(per_rank))
+    if clash:
+        raise ValueError(f"keywords {clash} are given both per rank and in common_kwargs")
+    return common
+
+
+class MeshCalls:
+    """The mesh-aware part of a worker group's API."""
+
+    _sharding: NamedSharding | None
+    _dp_leaders: list[int]
+
+    # Provided by WorkerGroup.
+    def _check_method(self, method: str) -> None: ...
+    def _live_ranks(self, workers: Any) -> list[int]: ...
+    def _encode(self, args: tuple, kwargs: dict, rank: int | None = None) -> list[Any]: ...
+    def _send(
+        self, method: str, ranks: list[int], payloads: list[list[Any]], *, defer: bool = False
+    ) -> GroupFuture: ...
+
+    @property
+    def sharding(self) -> NamedSharding | None:
+        """The group's mesh (``mesh=`` at construction), or None."""
+        return self._sharding
+
+    def _require_mesh(self, what: str) -> NamedSharding:
+        if self._sharding is None:
+            raise ValueError(f"{what} needs a group created with mesh=... (this one has none)")
+        return self._sharding
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel replicas (every rank is one without a mesh)."""
+        return len(self._dp_leaders)
+
+    def dp_leader(self, shard: int) -> int:
+        """The rank that leads data-parallel replica ``shard``."""
+        if not isinstance(shard, int) or not 0 <= shard < len(self._dp_leaders):
+            raise IndexError(f"dp shard {shard!r} is out of range 0..{self.dp_size - 1}")
+        return self._dp_leaders[shard]
+
+    def call_sharded(
+        self,
+        method: str,
+        *args: Any,
+        in_sharded_axes: Sequence[str] = (),
+        replicate_on_axes: Sequence[str] = (),
+        output_is_replicated: Sequence[str] = (),
+        dummy_calls_to_free_axes: bool = False,
+        common_kwargs: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> ShardedFuture:
+        """Send each rank its slice of nested-list data (NeMo-RL's sharded-data rules; see
+        :mod:`phalanx.sharding`); the future's result holds one value per kept rank."""
+        from phalanx import sharding as sh
+
+        mesh = self._require_mesh("call_sharded")
+        self._check_method(method)
+        plan = sh.plan_sharded_call(
+            mesh, in_sharded_axes, replicate_on_axes, output_is_replicated,
+            dummy_calls_to_free_axes,
+        )
+        for i, value in enumerate(args):
+            sh.validate_sharded_value(value, in_sharded_axes, mesh, f"argument {i}")
+        for key, value in kwargs.items():
+            sh.validate_sharded_value(value, in_sharded_axes, mesh, f"keyword {key!r}")
+        common = merge_common_kwargs(common_kwargs, kwargs)
+        ranks = self._live_ranks(plan.called_ranks)
+        encoded: dict[Any, list[Any]] = {}  # one pickle per distinct slice
+        for rank in ranks:
+            path = plan.paths[rank]
+            if path not in encoded:
+                if path is None:
+                    sliced = (tuple(None for _ in args), dict.fromkeys(kwargs))
+                else:
+                    sliced = (
+                        tuple(sh.take(v, path) for v in args),
+                        {k: sh.take(v, path) for k, v in kwargs.items()},
+                    )
+                encoded[path] = self._encode(sliced[0], {**sliced[1], **common}, rank)
+        future = self._send(method, ranks, [encoded[plan.paths[r]] for r in ranks])
+        return ShardedFuture(future, plan.result_ranks)
+
