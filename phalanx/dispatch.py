@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 _CALL_ID = struct.Struct("<Q").unpack_from
 _RESULT = wire.RESULT
+_YIELD = wire.YIELD
 _EXIT_WAIT = 1.0  # after end of stream, how long the process may take to finish exiting
 _OUTPUT_WAIT = 0.2  # how long to wait for a dead worker's last stderr lines
 
@@ -221,6 +222,11 @@ class Dispatcher:
                 future = pending.pop(_CALL_ID(first, 1)[0], None)
                 if future is not None:
                     future._resolve_rank(slot.rank, segs[1:])
+                continue
+            if first[0] == _YIELD:  # an item of a streamed call; RESULT ends the stream
+                future = pending.get(_CALL_ID(first, 1)[0])
+                if future is not None:
+                    future._yield_rank(slot.rank, segs[1:])  # type: ignore[attr-defined]
                 continue
             head = wire.parse_header(first)
             kind = head[0]

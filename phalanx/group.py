@@ -31,6 +31,7 @@ from phalanx.futures import GroupFuture
 from phalanx.meshcalls import MeshCalls, merge_common_kwargs
 from phalanx.selection import Workers, select_ranks
 from phalanx.startup import await_ready
+from phalanx.streaming import StreamCalls, StreamFuture
 
 if TYPE_CHECKING:
     from phalanx.sharding import NamedSharding
@@ -89,7 +90,7 @@ class _MethodProxy:
         return self._group.call_one(rank, self._method, *args, **kwargs)
 
 
-class WorkerGroup(MeshCalls):
+class WorkerGroup(MeshCalls, StreamCalls):
     """A group of worker processes, each holding one instance of ``target``.
 
     ``target`` is a class (or any picklable callable returning the worker object), or a
@@ -297,15 +298,27 @@ class WorkerGroup(MeshCalls):
             ) from exc
 
     def _send(
-        self, method: str, ranks: list[int], payloads: list[list[Any]], *, defer: bool = False
+        self,
+        method: str,
+        ranks: list[int],
+        payloads: list[list[Any]],
+        *,
+        defer: bool = False,
+        stream: bool = False,
     ) -> GroupFuture:
-        """Register a call's futures and send it (``defer``: at the future's first wait)."""
+        """Register a call's futures and send it (``defer``: at the future's first wait;
+        ``stream``: the workers stream items back, see :mod:`phalanx.streaming`)."""
         call_id = next(self._call_ids)
-        group_future = GroupFuture(method, ranks, self._dispatcher)
-        if len(payloads) == 1:
-            frames = [wire.call_frame(call_id, method, payloads[0])] * len(ranks)
+        kind = wire.CALL
+        if stream:
+            group_future: GroupFuture = StreamFuture(method, ranks, self._dispatcher)
+            kind = wire.CALL_STREAM
         else:
-            frames = [wire.call_frame(call_id, method, payload) for payload in payloads]
+            group_future = GroupFuture(method, ranks, self._dispatcher)
+        if len(payloads) == 1:
+            frames = [wire.call_frame(call_id, method, payloads[0], kind)] * len(ranks)
+        else:
+            frames = [wire.call_frame(call_id, method, p, kind) for p in payloads]
         if defer:
             group_future._kickoff = functools.partial(
                 self._deliver, call_id, ranks, group_future, frames

@@ -44,6 +44,8 @@ INIT = 4  # controller -> worker: (INIT, 0, sys_path, options) + payload(target,
 READY = 5  # worker -> controller: (READY, 0, pid, method_names)
 INIT_ERROR = 6  # worker -> controller: (INIT_ERROR, 0, RemoteFailure-tuple)
 SHUTDOWN = 7  # controller -> worker: (SHUTDOWN, 0)
+CALL_STREAM = 8  # controller -> worker: as CALL, for a method whose items are streamed back
+YIELD = 9  # worker -> controller: (YIELD, call_id) + payload(item); RESULT then ends the stream
 
 _PREFIX = struct.Struct("<IQ")
 _LEN = struct.Struct("<Q")
@@ -140,7 +142,7 @@ def header(kind: int, call_id: int, *extra: Any) -> bytes:
     """Segment 0 of a frame: kind and call id packed, then the method name (CALL) or the
     pickled extra fields (everything but RESULT, which has none)."""
     head = _HEAD.pack(kind, call_id)
-    if kind == CALL:
+    if kind == CALL or kind == CALL_STREAM:
         (method,) = extra
         return head + method.encode()
     if not extra:
@@ -152,7 +154,7 @@ def parse_header(segment: Any) -> tuple:
     """Inverse of :func:`header`: ``(kind, call_id, *extra)``."""
     kind, call_id = _HEAD.unpack_from(segment)
     rest = bytes(segment[HEAD_SIZE:])
-    if kind == CALL:
+    if kind == CALL or kind == CALL_STREAM:
         return (kind, call_id, rest.decode())
     if not rest:
         return (kind, call_id)
@@ -164,18 +166,18 @@ _PREFIX_1 = struct.Struct("<IQQ")
 _PREFIX_2 = struct.Struct("<IQQQ")
 
 
-def result_frame(call_id: int, payload: list[Any]) -> list[Any]:
-    """``frame([header(RESULT, call_id), *payload])``, built directly for the common case."""
+def result_frame(call_id: int, payload: list[Any], kind: int = RESULT) -> list[Any]:
+    """``frame([header(kind, call_id), *payload])``, built directly for the common case."""
     if len(payload) == 1 and type(payload[0]) is bytes and len(payload[0]) < _SMALL_FRAME:
         (data,) = payload
         prefix = _PREFIX_2.pack(2, 16 + HEAD_SIZE + len(data), HEAD_SIZE, len(data))
-        return [prefix + _HEAD.pack(RESULT, call_id) + data]
-    return frame([_HEAD.pack(RESULT, call_id), *payload])
+        return [prefix + _HEAD.pack(kind, call_id) + data]
+    return frame([_HEAD.pack(kind, call_id), *payload])
 
 
-def call_frame(call_id: int, method: str, payload: list[Any]) -> list[Any]:
-    """``frame([header(CALL, call_id, method), *payload])``, built directly when small."""
-    head = _HEAD.pack(CALL, call_id) + method.encode()
+def call_frame(call_id: int, method: str, payload: list[Any], kind: int = CALL) -> list[Any]:
+    """``frame([header(kind, call_id, method), *payload])``, built directly when small."""
+    head = _HEAD.pack(kind, call_id) + method.encode()
     if len(payload) == 1 and type(payload[0]) is bytes and len(payload[0]) < _SMALL_FRAME:
         (data,) = payload
         return [_PREFIX_2.pack(2, 16 + len(head) + len(data), len(head), len(data)) + head + data]

@@ -180,6 +180,8 @@ class WorkerRuntime:
                 kind = first[0]
                 if kind == call:
                     run(call_id(first, 1)[0], first[head_size:].decode(), segs)
+                elif kind == wire.CALL_STREAM:
+                    run(call_id(first, 1)[0], first[head_size:].decode(), segs, True)
                 elif kind == wire.SHUTDOWN:
                     return 0
             try:
@@ -193,17 +195,23 @@ class WorkerRuntime:
             except wire.ConnectionLost:
                 return 0
 
-    def _submit_call(self, call_id: int, method: str, segs: list[Any]) -> None:
+    def _submit_call(
+        self, call_id: int, method: str, segs: list[Any], stream: bool = False
+    ) -> None:
         assert self._pool is not None
-        self._pool.submit(self._run_call_guarded, call_id, method, segs)
+        self._pool.submit(self._run_call_guarded, call_id, method, segs, stream)
 
-    def _run_call_guarded(self, call_id: int, method: str, segs: list[Any]) -> None:
+    def _run_call_guarded(
+        self, call_id: int, method: str, segs: list[Any], stream: bool = False
+    ) -> None:
         try:
-            self._run_call(call_id, method, segs)
+            self._run_call(call_id, method, segs, stream)
         except _WorkerExit as exc:
             _flush_and_exit(self.conn, exc.code)
 
-    def _run_call(self, call_id: int, method: str, segs: list[Any]) -> None:
+    def _run_call(
+        self, call_id: int, method: str, segs: list[Any], stream: bool = False
+    ) -> None:
         # One try block; ``stage`` says which side of the call an exception came from.
         stage = "unpickling the arguments"
         try:
@@ -219,6 +227,9 @@ class WorkerRuntime:
             result = fn(*args, **kwargs)
             if type(result) not in _PLAIN_RESULTS and inspect.isawaitable(result):
                 result = self._await(result)
+            if stream:
+                self._stream(call_id, result)
+                return
             stage = "pickling the result"
             payload = wire.dumps_fast(result)
         except SystemExit as exc:
@@ -228,6 +239,22 @@ class WorkerRuntime:
             return
         del result
         self.conn.send(wire.result_frame(call_id, payload))
+
+    def _stream(self, call_id: int, result: Any) -> None:
+        """Send each item of a generator (sync or async) as it comes, then the end marker.
+        Exceptions propagate to _run_call, which reports them with the stage reached."""
+        if inspect.isasyncgen(result):
+            while True:
+                more, item = self._await(_anext(result))
+                if not more:
+                    break
+                self.conn.send(wire.result_frame(call_id, wire.dumps_fast(item), wire.YIELD))
+        elif inspect.isgenerator(result):
+            for item in result:
+                self.conn.send(wire.result_frame(call_id, wire.dumps_fast(item), wire.YIELD))
+        else:
+            self.conn.send(wire.result_frame(call_id, wire.dumps_fast(result), wire.YIELD))
+        self.conn.send(wire.result_frame(call_id, [wire._NONE]))
 
     def _await(self, awaitable: Any) -> Any:
         import asyncio
@@ -248,6 +275,13 @@ class WorkerRuntime:
     def _send_error(self, call_id: int, exc: BaseException, stage: str) -> None:
         failure = _failure(exc, stage)
         self.conn.send(wire.frame([wire.header(wire.ERROR, call_id, failure.as_tuple())]))
+
+
+async def _anext(agen: Any) -> tuple[bool, Any]:
+    try:
+        return True, await agen.__anext__()
+    except StopAsyncIteration:
+        return False, None
 
 
 async def _as_coroutine(awaitable: Any) -> Any:
