@@ -11,6 +11,7 @@ from functools import partial
 import numpy as np
 
 from bench.contenders import Contender
+from bench.sharded import w7_sharded
 from bench.util import (
     Errors,
     Row,
@@ -284,4 +285,5 @@ WORKLOADS: dict[str, Callable[[Sequence[Contender], Plan, Errors], list[Row]]] =
     "W4": w4_broadcast,
     "W5": w5_death,
     "W6": w6_leftovers,
+    "W7": w7_sharded,
 }

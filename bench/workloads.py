@@ -19,3 +19,7 @@ class Bench:
 
     def sleep(self, seconds: float) -> None:
         time.sleep(seconds)
+
+    def take(self, data: Any = None) -> None:
+        """A no-op that receives data (W7: call_sharded against a plain call)."""
+        return None

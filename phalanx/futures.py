@@ -292,12 +292,11 @@ class ShardedFuture:
     """The outcome of ``call_sharded``: called on ``called_ranks``, results kept from
     ``result_ranks`` (one per data shard when the output is replicated elsewhere)."""
 
-    def __init__(self, future: GroupFuture, result_ranks: list[int]) -> None:
+    def __init__(self, future: GroupFuture, result_ranks: list[int], keep: list[int]) -> None:
         self._future = future
         self.called_ranks = list(future._ranks)
         self.result_ranks = list(result_ranks)
-        position = {rank: i for i, rank in enumerate(self.called_ranks)}
-        self._keep = [position[r] for r in self.result_ranks]
+        self._keep = keep  # positions of result_ranks among called_ranks
 
     def result(self, timeout: float | None = None) -> list[Any]:
         """The kept ranks' values, in rank order; raises the first failure at once."""

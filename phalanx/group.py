@@ -135,6 +135,7 @@ class WorkerGroup(MeshCalls, StreamCalls):
                 raise ValueError(f"rank_env names ranks {bad} outside 0..{self.world_size - 1}")
         self._sharding: NamedSharding | None = None
         self._dp_leaders = list(range(self.world_size))
+        self._plans = {}
         if mesh is not None:
             from phalanx.sharding import dp_leaders, sharding_for
 
@@ -265,12 +266,8 @@ class WorkerGroup(MeshCalls, StreamCalls):
         self._check_open()
         if workers == "all" and self._dispatcher.deaths == self._deaths_seen:
             return self._all_ranks  # no rank died since every rank was last known alive
-        if type(workers) is list and len(workers) == 1:  # the common call_one-style case
-            rank = workers[0]
-            if type(rank) is int and 0 <= rank < len(self._slots):
-                slot = self._slots[rank]
-                if slot is not None and slot.alive:
-                    return workers
+        if type(workers) is list and workers and self._all_usable(workers):
+            return workers  # live ranks, valid and in increasing order: nothing to resolve
         if workers in ("ready", "any"):
             self._dispatcher.poll_now()  # learn of deaths that already happened
         alive = [s is not None and s.alive for s in self._slots]
@@ -284,6 +281,18 @@ class WorkerGroup(MeshCalls, StreamCalls):
         if workers == "any" and not ranks:
             raise GroupClosed("workers='any': no rank of this group is alive")
         return ranks
+
+    def _all_usable(self, ranks: list[int]) -> bool:
+        slots = self._slots
+        previous = -1
+        for rank in ranks:
+            if type(rank) is not int or not previous < rank < len(slots):
+                return False
+            slot = slots[rank]
+            if slot is None or not slot.alive:
+                return False
+            previous = rank
+        return True
 
     def _encode(self, args: tuple, kwargs: dict, rank: int | None = None) -> list[Any]:
         try:
@@ -317,8 +326,14 @@ class WorkerGroup(MeshCalls, StreamCalls):
             group_future = GroupFuture(method, ranks, self._dispatcher)
         if len(payloads) == 1:
             frames = [wire.call_frame(call_id, method, payloads[0], kind)] * len(ranks)
-        else:
-            frames = [wire.call_frame(call_id, method, p, kind) for p in payloads]
+        else:  # one frame per distinct payload (call_sharded repeats replicated slices)
+            built: dict[int, list[Any]] = {}
+            frames = []
+            for p in payloads:
+                frame = built.get(id(p))
+                if frame is None:
+                    frame = built[id(p)] = wire.call_frame(call_id, method, p, kind)
+                frames.append(frame)
         if defer:
             group_future._kickoff = functools.partial(
                 self._deliver, call_id, ranks, group_future, frames

@@ -13,7 +13,7 @@ from phalanx.futures import ShardedFuture
 
 if TYPE_CHECKING:
     from phalanx.futures import GroupFuture
-    from phalanx.sharding import NamedSharding
+    from phalanx.sharding import NamedSharding, ShardedPlan
 
 
 def merge_common_kwargs(
@@ -26,11 +26,18 @@ def merge_common_kwargs(
     return common
 
 
+def _names(axes: Sequence[str]) -> tuple[str, ...]:
+    if isinstance(axes, str):
+        raise TypeError(f"axes must be a list of axis names, got the string {axes!r}")
+    return tuple(axes)
+
+
 class MeshCalls:
     """The mesh-aware part of a worker group's API."""
 
     _sharding: NamedSharding | None
     _dp_leaders: list[int]
+    _plans: dict[tuple, tuple[ShardedPlan, list[int]]]  # call_sharded plans by options
 
     # Provided by WorkerGroup.
     def _check_method(self, method: str) -> None: ...
@@ -78,16 +85,24 @@ class MeshCalls:
 
         mesh = self._require_mesh("call_sharded")
         self._check_method(method)
-        plan = sh.plan_sharded_call(
-            mesh, in_sharded_axes, replicate_on_axes, output_is_replicated,
-            dummy_calls_to_free_axes,
+        options = (
+            _names(in_sharded_axes), _names(replicate_on_axes), _names(output_is_replicated),
+            bool(dummy_calls_to_free_axes),
         )
+        cached = self._plans.get(options)
+        if cached is None:  # plans depend only on the mesh and the options: keep them
+            plan = sh.plan_sharded_call(mesh, *options)
+            position = {rank: i for i, rank in enumerate(plan.called_ranks)}
+            cached = (plan, [position[r] for r in plan.result_ranks])
+            if len(self._plans) < 64:
+                self._plans[options] = cached
+        plan, keep = cached
         for i, value in enumerate(args):
             sh.validate_sharded_value(value, in_sharded_axes, mesh, f"argument {i}")
         for key, value in kwargs.items():
             sh.validate_sharded_value(value, in_sharded_axes, mesh, f"keyword {key!r}")
         common = merge_common_kwargs(common_kwargs, kwargs)
-        ranks = self._live_ranks(plan.called_ranks)
+        ranks = self._live_ranks(plan.called_ranks)  # raises for a dead rank
         encoded: dict[Any, list[Any]] = {}  # one pickle per distinct slice
         for rank in ranks:
             path = plan.paths[rank]
@@ -101,5 +116,5 @@ class MeshCalls:
                     )
                 encoded[path] = self._encode(sliced[0], {**sliced[1], **common}, rank)
         future = self._send(method, ranks, [encoded[plan.paths[r]] for r in ranks])
-        return ShardedFuture(future, plan.result_ranks)
+        return ShardedFuture(future, plan.result_ranks, keep)
 

@@ -12,18 +12,10 @@ import pytest
 import phalanx.group as group_module
 from phalanx import NamedSharding, ShardedFuture, WorkerDied, WorkerError, WorkerGroup
 from tests import helpers
-from tests.workers import CountingPickles, Probe, my_rank
+from tests.workers import CountingPickles, MeshProbe, Probe
 
 MESH = {"dp": 2, "tp": 2}  # row-major: dp=0 -> ranks 0, 1; dp=1 -> ranks 2, 3
 WORLD = 4
-
-
-class MeshProbe(Probe):
-    """Records every call of ``note`` with its arguments (read back with ``history``)."""
-
-    def note(self, *args, **kwargs):
-        self.log.append((args, kwargs))
-        return my_rank(), args, kwargs
 
 
 def noted(rank: int, *args, **kwargs) -> tuple:
@@ -56,8 +48,6 @@ def clean(group):
 def nothing_ran(group) -> bool:
     return group.call("history") == [[]] * group.world_size
 
-
-# ------------------------------------------------------------------------ the mesh itself
 
 
 def test_group_sharding_is_the_row_major_mesh(group):
@@ -108,8 +98,6 @@ def test_a_mesh_that_does_not_match_the_world_raises_before_any_process_starts(
     after = {p.pid for p in psutil.Process().children(recursive=True)}
     assert after <= before and helpers.stray_children() == []
 
-
-# --------------------------------------------------------------------------- call_sharded
 
 
 def test_data_sharded_on_dp_as_positional_and_keyword_arguments(clean):
@@ -237,8 +225,6 @@ def test_call_sharded_on_a_group_without_a_mesh_raises(flat):
     assert nothing_ran(flat)
 
 
-# ------------------------------------------------------------------ rank0_only_axes, map
-
 
 def test_rank0_only_axes_on_call_and_call_async(group):
     assert group.call("rank", rank0_only_axes=["tp"]) == [0, 2]
@@ -286,8 +272,6 @@ def test_rank0_only_axes_errors(group, flat):
     assert group.call("rank") == [0, 1, 2, 3]
 
 
-# ------------------------------------------------------------------------- dp leaders
-
 
 def test_dp_size_and_leaders(group, flat, make_group):
     assert group.dp_size == 2
@@ -302,8 +286,6 @@ def test_dp_size_and_leaders(group, flat, make_group):
     with pytest.raises(IndexError):
         flat.dp_leader(2)
 
-
-# ---------------------------------------------------------------------------- three axes
 
 
 def test_a_three_axis_mesh(make_group):
@@ -330,8 +312,6 @@ def test_a_three_axis_mesh(make_group):
     assert group.call("rank", rank0_only_axes=["pp", "tp"]) == [0, 4]
     assert group.map("rank", rank0_only_axes=["dp", "tp"]) == [0, 2]
 
-
-# ------------------------------------------------------------------------------ failures
 
 
 def test_a_worker_error_inside_call_sharded_fails_fast_with_its_rank(make_group):
