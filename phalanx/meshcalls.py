@@ -97,10 +97,11 @@ class MeshCalls:
             if len(self._plans) < 64:
                 self._plans[options] = cached
         plan, keep = cached
+        axes, sizes = plan.sharded_axes, plan.sharded_sizes
         for i, value in enumerate(args):
-            sh.validate_sharded_value(value, in_sharded_axes, mesh, f"argument {i}")
+            sh.check_nested(value, axes, sizes, f"argument {i}")
         for key, value in kwargs.items():
-            sh.validate_sharded_value(value, in_sharded_axes, mesh, f"keyword {key!r}")
+            sh.check_nested(value, axes, sizes, f"keyword {key!r}")
         common = merge_common_kwargs(common_kwargs, kwargs)
         ranks = self._live_ranks(plan.called_ranks)  # raises for a dead rank
         encoded: dict[Any, list[Any]] = {}  # one pickle per distinct slice

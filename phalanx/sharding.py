@@ -177,6 +177,8 @@ class ShardedPlan:
     called_ranks: list[int]
     paths: dict[int, tuple[int, ...] | None]  # index path into each data argument; None: dummy
     result_ranks: list[int]
+    sharded_axes: tuple[str, ...] = ()
+    sharded_sizes: tuple[int, ...] = ()  # sizes of sharded_axes, for checking the data
 
 
 def plan_sharded_call(
@@ -214,19 +216,25 @@ def plan_sharded_call(
         elif dummy_calls_to_free_axes:
             called.append(rank)
             paths[rank] = None
-    return ShardedPlan(called, paths, results)
+    sizes = tuple(sharding.get_axis_size(a) for a in in_sharded_axes)
+    return ShardedPlan(called, paths, results, tuple(in_sharded_axes), sizes)
 
 
 def validate_sharded_value(
     value: Any, in_sharded_axes: Sequence[str], sharding: NamedSharding, label: str
 ) -> None:
     """Check that ``value`` is a nested list indexed by the sharded axes, in order."""
+    sizes = [sharding.get_axis_size(axis) for axis in in_sharded_axes]
+    check_nested(value, in_sharded_axes, sizes, label)
+
+
+def check_nested(value: Any, axes: Sequence[str], sizes: Sequence[int], label: str) -> None:
+    """:func:`validate_sharded_value` with the axis sizes already looked up."""
     level = [value]
-    for depth, axis in enumerate(in_sharded_axes):
-        size = sharding.get_axis_size(axis)
+    for depth, (axis, size) in enumerate(zip(axes, sizes, strict=True)):
         below = []
         for item in level:
-            if not isinstance(item, (list, tuple)):
+            if type(item) is not list and not isinstance(item, (list, tuple)):
                 raise ValueError(
                     f"{label}: expected a list of {size} items for sharded axis {axis!r} "
                     f"(nesting level {depth}), got {type(item).__name__}"
