@@ -9,9 +9,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from phalanx import sharding as sh
 from phalanx.futures import ShardedFuture
 
 if TYPE_CHECKING:
+    from phalanx.dispatch import Dispatcher
     from phalanx.futures import GroupFuture
     from phalanx.sharding import NamedSharding, ShardedPlan
 
@@ -19,11 +21,19 @@ if TYPE_CHECKING:
 def merge_common_kwargs(
     common_kwargs: Mapping[str, Any] | None, per_rank: Mapping[str, Any]
 ) -> dict[str, Any]:
+    if not common_kwargs:
+        return {}
     common = dict(common_kwargs or {})
     clash = sorted(set(common) & set(per_rank))
     if clash:
         raise ValueError(f"keywords {clash} are given both per rank and in common_kwargs")
     return common
+
+
+def _take(value: Any, path: tuple[int, ...]) -> Any:
+    for i in path:
+        value = value[i]
+    return value
 
 
 def _names(axes: Sequence[str]) -> tuple[str, ...]:
@@ -38,8 +48,11 @@ class MeshCalls:
     _sharding: NamedSharding | None
     _dp_leaders: list[int]
     _plans: dict[tuple, tuple[ShardedPlan, list[int]]]  # call_sharded plans by options
+    _dispatcher: Dispatcher
+    _deaths_seen: int
 
     # Provided by WorkerGroup.
+    def _check_open(self) -> None: ...
     def _check_method(self, method: str) -> None: ...
     def _live_ranks(self, workers: Any) -> list[int]: ...
     def _encode(self, args: tuple, kwargs: dict, rank: int | None = None) -> list[Any]: ...
@@ -81,8 +94,7 @@ class MeshCalls:
     ) -> ShardedFuture:
         """Send each rank its slice of nested-list data (NeMo-RL's sharded-data rules; see
         :mod:`phalanx.sharding`); the future's result holds one value per kept rank."""
-        from phalanx import sharding as sh
-
+        self._check_open()
         mesh = self._require_mesh("call_sharded")
         self._check_method(method)
         options = (
@@ -103,19 +115,26 @@ class MeshCalls:
         for key, value in kwargs.items():
             sh.check_nested(value, axes, sizes, f"keyword {key!r}")
         common = merge_common_kwargs(common_kwargs, kwargs)
-        ranks = self._live_ranks(plan.called_ranks)  # raises for a dead rank
+        ranks = plan.called_ranks
+        if self._dispatcher.deaths != self._deaths_seen:  # some rank may be dead: check
+            ranks = self._live_ranks(ranks)
+        paths = plan.paths
         encoded: dict[Any, list[Any]] = {}  # one pickle per distinct slice
+        payloads = []
         for rank in ranks:
-            path = plan.paths[rank]
-            if path not in encoded:
-                if path is None:
-                    sliced = (tuple(None for _ in args), dict.fromkeys(kwargs))
+            path = paths[rank]
+            payload = encoded.get(path)
+            if payload is None:
+                if path is None:  # a dummy call: None for every data argument
+                    sliced_args: tuple = (None,) * len(args)
+                    sliced_kwargs = dict.fromkeys(kwargs)
                 else:
-                    sliced = (
-                        tuple(sh.take(v, path) for v in args),
-                        {k: sh.take(v, path) for k, v in kwargs.items()},
-                    )
-                encoded[path] = self._encode(sliced[0], {**sliced[1], **common}, rank)
-        future = self._send(method, ranks, [encoded[plan.paths[r]] for r in ranks])
+                    sliced_args = tuple([_take(v, path) for v in args]) if args else ()
+                    sliced_kwargs = {k: _take(v, path) for k, v in kwargs.items()}
+                if common:
+                    sliced_kwargs.update(common)
+                payload = encoded[path] = self._encode(sliced_args, sliced_kwargs, rank)
+            payloads.append(payload)
+        future = self._send(method, ranks, payloads)
         return ShardedFuture(future, plan.result_ranks, keep)
 

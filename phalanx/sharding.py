@@ -230,6 +230,8 @@ def validate_sharded_value(
 
 def check_nested(value: Any, axes: Sequence[str], sizes: Sequence[int], label: str) -> None:
     """:func:`validate_sharded_value` with the axis sizes already looked up."""
+    if len(sizes) == 1 and type(value) is list and len(value) == sizes[0]:
+        return  # the common one-axis case, well formed
     level = [value]
     for depth, (axis, size) in enumerate(zip(axes, sizes, strict=True)):
         below = []
