@@ -225,8 +225,14 @@ class WorkerRuntime:
                 )
             stage = "running the method"
             result = fn(*args, **kwargs)
-            if type(result) not in _PLAIN_RESULTS and inspect.isawaitable(result):
-                result = self._await(result)
+            if type(result) not in _PLAIN_RESULTS:
+                if inspect.isawaitable(result):
+                    result = self._await(result)
+                elif not stream and (inspect.isgenerator(result) or inspect.isasyncgen(result)):
+                    raise TypeError(
+                        f"{method}() returned a generator, which cannot be sent back whole; "
+                        "use group.call_stream() to receive its items"
+                    )
             if stream:
                 self._stream(call_id, result)
                 return

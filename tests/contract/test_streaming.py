@@ -103,3 +103,11 @@ def test_a_worker_killed_mid_stream_raises_worker_died(make_group, backend):
     with pytest.raises(WorkerDied) as info:
         next(iterator)
     assert info.value.signal == "SIGKILL"
+
+
+def test_a_plain_call_of_a_generator_method_points_to_call_stream(group):
+    with pytest.raises(WorkerError) as info:
+        group.call("count", 2)
+    assert info.value.exc_type == "TypeError"
+    assert "call_stream" in str(info.value)
+    assert group.call("plain") == [7, 7]
