@@ -76,7 +76,6 @@ class Dispatcher:
         self._poll = self._poller.poll
         self._epoll = hasattr(select, "epoll")
         self._on_death = on_death
-        self._closed = False
         self._released = False
         self.deaths = 0  # incremented on every death and removal: a cheap change counter
 
@@ -276,21 +275,25 @@ class Dispatcher:
             # The control stream ended but the process lives on: it is unusable; end it.
             handle.kill()
             exitcode = handle.exitcode(5.0)
-        handle.wait_output_closed(_OUTPUT_WAIT)
+        self.bury(slot, exitcode)
+        if self._on_death is not None:
+            self._on_death(slot)
+
+    def bury(self, slot: Slot, exitcode: int | None) -> None:
+        """Record how a slot's process ended and fail every call pending on it."""
+        slot.handle.wait_output_closed(_OUTPUT_WAIT)
         slot.failure = ProcessFailure(
             rank=slot.rank,
             node=slot.node,
             pid=slot.pid,
             exitcode=exitcode,
-            stderr_tail=handle.stderr_tail(),
+            stderr_tail=slot.handle.stderr_tail(),
         )
         slot.alive = False  # after .failure is set: senders that see this fail on their own
         self.deaths += 1
         pending, slot.pending = slot.pending, {}
         for future in pending.values():
             future._fail_rank(slot.rank, WorkerDied(slot.failure, method=future.method))
-        if self._on_death is not None:
-            self._on_death(slot)
 
     @staticmethod
     def fail_if_dead(slot: Slot, call_id: int, future: GroupFuture) -> None:
@@ -309,8 +312,6 @@ class Dispatcher:
         self, error_factory: Callable[[str, int], BaseException], slots: list[Slot]
     ) -> None:
         """Fail every pending call (e.g. with GroupClosed) and stop watching all slots."""
-        with self._cond:
-            self._closed = True
         for slot in slots:
             self._forget(slot)
             pending, slot.pending = slot.pending, {}

@@ -22,7 +22,6 @@ from phalanx.dispatch import Dispatcher, Slot
 from phalanx.errors import (
     GroupClosed,
     PhalanxError,
-    ProcessFailure,
     SerializationError,
     WorkerDied,
 )
@@ -529,15 +528,7 @@ class WorkerGroup(MeshCalls, StreamCalls):
         self._backend.stop([s.handle for s in slots], grace=grace, force=force)
         for slot in slots:
             if slot.alive or slot.pending:
-                exitcode = slot.handle.exitcode(0)
-                slot.handle.wait_output_closed(0.2)
-                slot.failure = ProcessFailure(
-                    slot.rank, slot.node, slot.pid, exitcode, slot.handle.stderr_tail()
-                )
-                slot.alive = False
-                pending, slot.pending = slot.pending, {}
-                for future in pending.values():
-                    future._fail_rank(slot.rank, WorkerDied(slot.failure, method=future.method))
+                self._dispatcher.bury(slot, slot.handle.exitcode(0))
 
     # -- shutdown ---------------------------------------------------------------------
 

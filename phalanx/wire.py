@@ -167,21 +167,13 @@ _PREFIX_2 = struct.Struct("<IQQQ")
 
 
 def result_frame(call_id: int, payload: list[Any], kind: int = RESULT) -> list[Any]:
-    """``frame([header(kind, call_id), *payload])``, built directly for the common case."""
-    if len(payload) == 1 and type(payload[0]) is bytes and len(payload[0]) < _SMALL_FRAME:
-        (data,) = payload
-        prefix = _PREFIX_2.pack(2, 16 + HEAD_SIZE + len(data), HEAD_SIZE, len(data))
-        return [prefix + _HEAD.pack(kind, call_id) + data]
+    """``frame([header(kind, call_id), *payload])``: a result, or a streamed item."""
     return frame([_HEAD.pack(kind, call_id), *payload])
 
 
 def call_frame(call_id: int, method: str, payload: list[Any], kind: int = CALL) -> list[Any]:
-    """``frame([header(kind, call_id, method), *payload])``, built directly when small."""
-    head = _HEAD.pack(kind, call_id) + method.encode()
-    if len(payload) == 1 and type(payload[0]) is bytes and len(payload[0]) < _SMALL_FRAME:
-        (data,) = payload
-        return [_PREFIX_2.pack(2, 16 + len(head) + len(data), len(head), len(data)) + head + data]
-    return frame([head, *payload])
+    """``frame([header(kind, call_id, method), *payload])``: a call, or a streamed call."""
+    return frame([_HEAD.pack(kind, call_id) + method.encode(), *payload])
 
 
 def frame(segments: list[Any]) -> list[Any]:
