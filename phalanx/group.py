@@ -227,22 +227,19 @@ class WorkerGroup(MeshCalls, StreamCalls):
             except wire.ConnectionLost:
                 pass  # its death is reported below
         try:
-            self._await_ready(slots)
+            await_ready(
+                self._dispatcher,
+                slots,
+                timeout=self._start_timeout,
+                progress=self._progress,
+                target_name=self._target_name,
+            )
         except BaseException:
             self._retire(slots, grace=0.0, force=True)  # they stay known as dead ranks
             raise
         if self._methods is None:
             self._methods = slots[0].methods
             self._method_set = frozenset(self._methods)
-
-    def _await_ready(self, slots: list[Slot]) -> None:
-        await_ready(
-            self._dispatcher,
-            slots,
-            timeout=self._start_timeout,
-            progress=self._progress,
-            target_name=self._target_name,
-        )
 
     # -- calls ------------------------------------------------------------------------
 
