@@ -21,6 +21,7 @@ __version__ = "0.1.0"
 # imports phalanx.worker) does not pay for the controller's modules at start-up.
 _EXPORTS = {
     "CallTimeout": "phalanx.errors",
+    "FrameworkNotInstalled": "phalanx.errors",
     "GroupClosed": "phalanx.errors",
     "PhalanxError": "phalanx.errors",
     "ProcessFailure": "phalanx.errors",
@@ -39,6 +40,7 @@ _EXPORTS = {
 
 __all__ = [
     "CallTimeout",
+    "FrameworkNotInstalled",
     "GroupClosed",
     "GroupFuture",
     "NamedSharding",
@@ -59,6 +61,7 @@ __all__ = [
 if TYPE_CHECKING:
     from phalanx.errors import (
         CallTimeout,
+        FrameworkNotInstalled,
         GroupClosed,
         PhalanxError,
         ProcessFailure,

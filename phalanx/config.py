@@ -14,6 +14,7 @@ DEFAULT_START_TIMEOUT = 120.0  # seconds for every worker to construct its objec
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0  # seconds for cleanup and a graceful exit before SIGKILL
 DEFAULT_TERM_GRACE = 3.0  # seconds between SIGTERM and SIGKILL when stopping one worker
 STDERR_TAIL_LINES = 20  # lines of a dead worker's stderr quoted in WorkerDied
+COLLAPSE_WINDOW = 0.2  # seconds a worker line waits for identical lines from other ranks
 ORPHAN_GRACE = 1.0  # seconds a worker waits for its main thread after losing the controller
 
 # Set by the controller for each worker (the framework-agnostic names are in frameworks.py).

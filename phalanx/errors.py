@@ -10,8 +10,10 @@
      │                               for a call to a rank already known dead
      ├── CallTimeout (TimeoutError)  a call's ``timeout`` passed before every rank answered
      ├── GroupClosed                 the group was shut down (pending calls end with this)
-     └── SerializationError          the controller could not pickle a call's arguments (nothing
-                                     was sent) or could not unpickle a rank's result
+     ├── SerializationError          the controller could not pickle a call's arguments (nothing
+     │                               was sent) or could not unpickle a rank's result
+     └── FrameworkNotInstalled       ``framework=`` names a framework whose package is missing
+         (ImportError)               (raised before any process starts)
 
 ``WorkerError`` keeps the remote exception as its ``__cause__`` when it can be rebuilt in the
 controller; that exception's own cause is a :class:`RemoteTraceback` holding the worker's
@@ -237,3 +239,16 @@ def chain_remote(error: WorkerError, failure: RemoteFailure) -> WorkerError:
     original: Any = failure.rebuild()
     error.__cause__ = original if original is not None else RemoteTraceback(failure.traceback)
     return error
+
+
+class FrameworkNotInstalled(PhalanxError, ImportError):
+    """``framework=`` names a framework whose Python package cannot be imported here."""
+
+    def __init__(self, framework: str, package: str, install: str | None) -> None:
+        hint = f"; install it with: {install}" if install else ""
+        super().__init__(
+            f"framework={framework!r} needs the {package!r} package, which is not installed{hint}"
+        )
+        self.framework = framework
+        self.package = package
+        self.install = install

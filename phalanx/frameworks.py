@@ -1,15 +1,20 @@
 """Where each rank sits and which environment it starts with: pure functions, no I/O.
 
 A :class:`Layout` is ``nodes`` x ``procs_per_node`` ranks, numbered node-major (rank 0..k-1
-on node 0, and so on). :func:`rank_env` gives the variables every worker gets, whatever the
-framework: exactly what ``torch.distributed.init_process_group(init_method="env://")`` reads,
-plus ``PHALANX_*`` equivalents.
+on node 0, and so on). Every rank gets the generic rendezvous variables of :func:`rank_env`
+(exactly what ``torch.distributed.init_process_group(init_method="env://")`` reads, plus
+``PHALANX_*`` equivalents). A :class:`Framework` adds what one distributed framework expects;
+all of them are described in :data:`FRAMEWORKS`, the one place to extend.
+
+The worker-side actions some frameworks need (start a Ray node, stop it at exit, tear down
+a process group) are named here and implemented in :mod:`phalanx.bootstrap`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import json
+from collections.abc import Callable, Mapping, Sequence
 
 GENERIC_VARS = (
     "RANK",
@@ -20,7 +25,11 @@ GENERIC_VARS = (
     "MASTER_ADDR",
     "MASTER_PORT",
 )
-FRAMEWORKS = (None, "spmd")
+RESTART_VARS = ("PHALANX_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
+ENV_FRAMEWORK = "PHALANX_FRAMEWORK"
+ENV_NODE_ADDRS = "PHALANX_NODE_ADDRS"  # comma-separated, one per node (single-controller)
+ENV_MONARCH_WORKERS = "PHALANX_MONARCH_WORKERS"  # the allocator argument, comma-separated
+ENV_NODE_SERVICE = "PHALANX_NODE_SERVICE"  # JSON NodeService, read once by the worker
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +54,22 @@ class Layout:
         return rank % self.procs_per_node
 
 
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """What the controller decided for one start of a group: addresses, ports, devices."""
+
+    master_addr: str
+    master_port: int
+    node_addrs: tuple[str, ...]  # one per node; node 0's is master_addr
+    ports: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    token: str = ""  # shared secret for framework services that authenticate (Ray)
+    gpus_per_worker: int = 0
+    visible_gpus: tuple[str, ...] = ()  # device ids a node's workers are drawn from
+
+    def port(self, name: str, node: int = 0) -> int:
+        return self.ports[name][node]
+
+
 def rank_env(layout: Layout, rank: int, master_addr: str, master_port: int) -> dict[str, str]:
     """The generic rendezvous variables of one rank."""
     if not 0 <= rank < layout.world_size:
@@ -63,12 +88,311 @@ def rank_env(layout: Layout, rank: int, master_addr: str, master_port: int) -> d
     return env
 
 
-def check_framework(framework: str | None) -> None:
-    if framework not in FRAMEWORKS:
-        raise ValueError(
-            f"unknown framework {framework!r}; expected one of "
-            + ", ".join(repr(f) for f in FRAMEWORKS)
+# -- framework descriptions ---------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeService:
+    """A process a framework needs on each node (a Ray node, a Monarch allocator), started by
+    that node's worker before user code and stopped when the worker exits."""
+
+    command: tuple[str, ...]
+    ready_line: str | None = None  # text in its output that says it is ready
+    ready_port: tuple[str, int] | None = None  # ...or: it accepts connections here
+    after: tuple[str, int] | None = None  # wait for this address to accept before starting
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> NodeService:
+        data = json.loads(text)
+        for key in ("command", "ready_port", "after"):
+            if data.get(key) is not None:
+                data[key] = tuple(data[key])
+        return cls(**data)
+
+
+EnvFn = Callable[[Layout, int, Launch], dict[str, str]]
+
+
+def _no_env(layout: Layout, rank: int, launch: Launch) -> dict[str, str]:
+    return {}
+
+
+def _one_process(gpus: int) -> int:
+    return 1
+
+
+def _one_per_gpu(gpus: int) -> int:
+    return max(gpus, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Framework:
+    """How to bootstrap one distributed framework on every rank.
+
+    ``env`` adds variables to the generic ones; ``ports`` names the services phalanx picks a
+    free port for on each node (``launch.ports[name][node]``); ``setup``/``cleanup`` name
+    worker-side actions in :mod:`phalanx.bootstrap`, run before the user object is built and
+    when the worker exits; ``auto_procs`` turns the number of GPUs a node has into the
+    ``procs_per_node="auto"`` count; ``service`` describes a process each node's worker
+    runs beside it; a ``single_controller`` framework runs the user function on node 0 only,
+    over a cluster the other nodes join (one process per node).
+    """
+
+    name: str
+    package: str | None = None  # module that must be importable on the workers
+    install: str | None = None  # how to get it
+    env: EnvFn = _no_env
+    ports: tuple[str, ...] = ()
+    setup: str | None = None
+    cleanup: str | None = None
+    service: Callable[[int, Launch], NodeService] | None = None
+    auto_procs: Callable[[int], int] = _one_process
+    single_controller: bool = False
+    one_per_node: bool = False
+
+
+def _jax_env(layout: Layout, rank: int, launch: Launch) -> dict[str, str]:
+    if launch.gpus_per_worker:  # the rank's GPUs are renumbered from 0 by CUDA_VISIBLE_DEVICES
+        local_ids = ",".join(str(i) for i in range(launch.gpus_per_worker))
+    else:  # one device per process, as jax does under its own cluster managers
+        local_ids = str(layout.local_rank_of(rank))
+    return {
+        "JAX_COORDINATOR_ADDRESS": f"{launch.master_addr}:{launch.port('jax')}",
+        "JAX_PROCESS_ID": str(rank),
+        "JAX_NUM_PROCESSES": str(layout.world_size),
+        "JAX_LOCAL_DEVICE_IDS": local_ids,
+    }
+
+
+def tf_config(layout: Layout, node: int, launch: Launch) -> dict:
+    """``TF_CONFIG`` for the worker on ``node``: one worker task per node, in node order."""
+    workers = [f"{addr}:{launch.port('tensorflow', n)}" for n, addr in enumerate(launch.node_addrs)]
+    return {"cluster": {"worker": workers}, "task": {"type": "worker", "index": node}}
+
+
+def _tensorflow_env(layout: Layout, rank: int, launch: Launch) -> dict[str, str]:
+    config = tf_config(layout, layout.node_of(rank), launch)
+    return {"TF_CONFIG": json.dumps(config, separators=(",", ":"))}
+
+
+def ray_address(launch: Launch) -> str:
+    return f"{launch.master_addr}:{launch.port('ray')}"
+
+
+def _ray_env(layout: Layout, rank: int, launch: Launch) -> dict[str, str]:
+    env = {
+        # the cluster phalanx starts accepts only peers holding this group's token
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": launch.token,
+        ENV_NODE_ADDRS: ",".join(launch.node_addrs),
+    }
+    if layout.node_of(rank) == 0:
+        env["RAY_ADDRESS"] = ray_address(launch)
+    return env
+
+
+def ray_start_command(node: int, launch: Launch) -> list[str]:
+    """The ``ray start`` command the worker on ``node`` runs (in the foreground: stopping it
+    stops that node's Ray processes). Node 0 is the head; the others join it."""
+    address = launch.node_addrs[node]
+    if node == 0:
+        command = ["ray", "start", "--head", f"--port={launch.port('ray')}"]
+    else:
+        command = ["ray", "start", f"--address={ray_address(launch)}"]
+    command += [
+        f"--node-ip-address={address}",
+        "--disable-usage-stats",
+        "--include-dashboard=false",
+        "--block",
+    ]
+    return command
+
+
+def _ray_service(node: int, launch: Launch) -> NodeService:
+    head = (launch.master_addr, launch.port("ray"))
+    return NodeService(
+        command=tuple(ray_start_command(node, launch)),
+        ready_line="Ray runtime started",
+        after=None if node == 0 else head,
+        # stop at once on SIGTERM instead of draining the node for 30 s
+        env={"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"},
+    )
+
+
+def monarch_worker_address(launch: Launch, node: int) -> str:
+    """Where node ``node``'s Monarch worker loop listens, as Monarch spells addresses."""
+    return f"tcp://{launch.node_addrs[node]}:{launch.port('monarch', node)}"
+
+
+def _is_loopback(address: str) -> bool:
+    return address.startswith("127.") or address in ("localhost", "::1")
+
+
+def _monarch_env(layout: Layout, rank: int, launch: Launch) -> dict[str, str]:
+    env = {
+        ENV_NODE_ADDRS: ",".join(launch.node_addrs),
+        ENV_MONARCH_WORKERS: ",".join(
+            monarch_worker_address(launch, n) for n in range(layout.nodes)
+        ),
+    }
+    if not all(_is_loopback(a) for a in launch.node_addrs):
+        # hosts reach each other's processes over TCP (one machine: Monarch's default, Unix)
+        env["HYPERACTOR_MESH_DEFAULT_TRANSPORT"] = "tcp"
+    return env
+
+
+def monarch_worker_command(node: int, launch: Launch) -> list[str]:
+    """The Monarch worker loop started on ``node``: the controller on node 0 attaches to
+    every node's loop and spawns its processes through it."""
+    address = monarch_worker_address(launch, node)
+    return [
+        "python",
+        "-c",
+        "from monarch.actor import run_worker_loop_forever\n"
+        f"run_worker_loop_forever(address={address!r}, ca='trust_all_connections')\n",
+    ]
+
+
+def _monarch_service(node: int, launch: Launch) -> NodeService:
+    return NodeService(
+        command=tuple(monarch_worker_command(node, launch)),
+        ready_port=(launch.node_addrs[node], launch.port("monarch", node)),
+    )
+
+
+FRAMEWORKS: dict[str | None, Framework] = {
+    None: Framework("spmd"),
+    "spmd": Framework("spmd"),
+    # the generic variables are exactly what init_process_group(init_method="env://") reads
+    "torch": Framework(
+        "torch",
+        package="torch",
+        install="pip install 'phalanx[torch]'",
+        cleanup="torch_cleanup",
+        auto_procs=_one_per_gpu,
+    ),
+    "jax": Framework(
+        "jax",
+        package="jax",
+        install="pip install 'phalanx[jax]'",
+        env=_jax_env,
+        ports=("jax",),
+        setup="jax_setup",
+        auto_procs=_one_per_gpu,
+    ),
+    "tensorflow": Framework(
+        "tensorflow",
+        package="tensorflow",
+        install="pip install 'phalanx[tensorflow]'",
+        env=_tensorflow_env,
+        ports=("tensorflow",),
+        cleanup="tensorflow_cleanup",
+        one_per_node=True,
+    ),
+    "ray": Framework(
+        "ray",
+        package="ray",
+        install="pip install 'phalanx[ray]'",
+        env=_ray_env,
+        ports=("ray",),
+        service=_ray_service,
+        cleanup="ray_cleanup",
+        single_controller=True,
+        one_per_node=True,
+    ),
+    "monarch": Framework(
+        "monarch",
+        package="monarch",
+        install="pip install torchmonarch",
+        env=_monarch_env,
+        ports=("monarch",),
+        service=_monarch_service,
+        single_controller=True,
+        one_per_node=True,
+    ),
+}
+
+
+def get_framework(name: str | None) -> Framework:
+    """The description of ``name``; a clear error for an unknown one."""
+    try:
+        return FRAMEWORKS[name]
+    except (KeyError, TypeError):
+        known = ", ".join(repr(f) for f in FRAMEWORKS)
+        raise ValueError(f"unknown framework {name!r}; expected one of {known}") from None
+
+
+def check_framework(name: str | None) -> None:
+    get_framework(name)
+
+
+def check_layout(framework: Framework, procs_per_node: int) -> None:
+    if framework.one_per_node and procs_per_node != 1:
+        what = (
+            "runs the function on node 0 over a cluster with one process per node"
+            if framework.single_controller
+            else "runs one worker process per node (TF_CONFIG has one task per node)"
         )
+        raise ValueError(
+            f"framework={framework.name!r} {what}; got procs_per_node={procs_per_node} "
+            "(use procs_per_node=1 or 'auto')"
+        )
+
+
+def resolve_procs_per_node(procs_per_node: int | str, framework: Framework, gpus: int) -> int:
+    """``"auto"`` becomes the framework's count for a node with ``gpus`` GPUs."""
+    if procs_per_node == "auto":
+        return 1 if framework.one_per_node else framework.auto_procs(gpus)
+    if isinstance(procs_per_node, str):
+        raise ValueError(f"procs_per_node must be a positive integer or 'auto', "
+                         f"got {procs_per_node!r}")
+    return procs_per_node
+
+
+def parse_visible_gpus(value: str | None) -> tuple[str, ...] | None:
+    """Device ids listed in ``CUDA_VISIBLE_DEVICES``; None when the variable is unset."""
+    if value is None:
+        return None
+    return tuple(part.strip() for part in value.split(",") if part.strip())
+
+
+def check_gpus(gpus_per_worker: int, procs_per_node: int, visible: Sequence[str]) -> None:
+    if not isinstance(gpus_per_worker, int) or isinstance(gpus_per_worker, bool) \
+            or gpus_per_worker < 0:
+        raise ValueError(f"gpus_per_worker must be a non-negative integer, "
+                         f"got {gpus_per_worker!r}")
+    needed = gpus_per_worker * procs_per_node
+    if needed > len(visible):
+        raise ValueError(
+            f"gpus_per_worker={gpus_per_worker} x {procs_per_node} workers per node needs "
+            f"{needed} GPUs per node, but {len(visible)} are visible"
+            + (f" ({','.join(visible)})" if visible else "")
+        )
+
+
+def gpu_env(local_rank: int, launch: Launch) -> dict[str, str]:
+    """``CUDA_VISIBLE_DEVICES``: local rank ``i`` gets the ``i``-th block of
+    ``gpus_per_worker`` devices of its node."""
+    if not launch.gpus_per_worker:
+        return {}
+    first = local_rank * launch.gpus_per_worker
+    devices = launch.visible_gpus[first : first + launch.gpus_per_worker]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(devices)}
+
+
+def worker_env(framework: Framework, layout: Layout, rank: int, launch: Launch) -> dict[str, str]:
+    """Everything phalanx sets for one rank: generic, framework and device variables."""
+    env = rank_env(layout, rank, launch.master_addr, launch.master_port)
+    env[ENV_FRAMEWORK] = framework.name
+    env.update(framework.env(layout, rank, launch))
+    env.update(gpu_env(layout.local_rank_of(rank), launch))
+    if framework.service is not None and layout.local_rank_of(rank) == 0:
+        env[ENV_NODE_SERVICE] = framework.service(layout.node_of(rank), launch).to_json()
+    return env
 
 
 def merge_env(

@@ -8,7 +8,6 @@ import functools
 import itertools
 import logging
 import os
-import socket
 import sys
 import time
 import types
@@ -25,9 +24,11 @@ from phalanx.errors import (
     SerializationError,
     WorkerDied,
 )
-from phalanx.frameworks import Layout, check_framework, merge_env, rank_env
+from phalanx.frameworks import merge_env, worker_env
 from phalanx.futures import GroupFuture
+from phalanx.logs import OutputOptions
 from phalanx.meshcalls import MeshCalls, merge_common_kwargs
+from phalanx.placement import new_launch, place
 from phalanx.selection import Workers, select_ranks
 from phalanx.startup import await_ready
 from phalanx.streaming import StreamCalls, StreamFuture
@@ -60,12 +61,6 @@ class RankHealth:
     exitcode: int | None
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 class _MethodProxy:
     """``group.train.call(batch)`` reads as ``group.call("train", batch)``."""
 
@@ -96,6 +91,17 @@ class WorkerGroup(MeshCalls, StreamCalls):
     module whose functions become the methods. It is constructed once per rank, after the
     rank's environment is set, with ``args``/``kwargs``. The constructor returns once every
     rank is ready, or raises :class:`StartupError` having stopped them all.
+
+    ``framework`` sets up the environment of a distributed framework on every rank
+    (``"torch"``, ``"jax"``, ``"tensorflow"``, ``"ray"``, ``"monarch"``; see
+    :mod:`phalanx.frameworks`); ``procs_per_node="auto"`` follows it (one per GPU for torch
+    and jax, otherwise one). ``gpus_per_worker`` gives each rank its own
+    ``CUDA_VISIBLE_DEVICES`` block, by local rank.
+
+    Worker output is echoed prefixed with its rank (``echo_output``); identical lines from
+    several ranks within a moment are shown once as ``[ranks 0-3] ...`` (``collapse_output``);
+    ``log_ranks`` shows only those ranks' lines; ``log_dir`` also writes every rank's
+    output to ``rank-N.stdout.log`` / ``rank-N.stderr.log`` there.
     """
 
     def __init__(
@@ -105,14 +111,18 @@ class WorkerGroup(MeshCalls, StreamCalls):
         kwargs: Mapping[str, Any] | None = None,
         *,
         nodes: int = 1,
-        procs_per_node: int = 1,
+        procs_per_node: int | str = 1,
         env: Mapping[str, str] | None = None,
         rank_env: Mapping[int, Mapping[str, str]] | None = None,
         framework: str | None = None,
+        gpus_per_worker: int = 0,
         backend: str = "local",
         concurrency: int = 1,
         start_timeout: float | None = None,
         echo_output: bool = True,
+        collapse_output: bool = True,
+        log_ranks: Sequence[int] | None = None,
+        log_dir: str | os.PathLike[str] | None = None,
         cwd: str | None = None,
         mesh: NamedSharding | Mapping[str, int] | None = None,
         dp_axis: str = "dp",
@@ -126,8 +136,10 @@ class WorkerGroup(MeshCalls, StreamCalls):
             raise TypeError(f"kwargs must be a mapping, got {type(kwargs).__name__}")
         if not isinstance(concurrency, int) or isinstance(concurrency, bool) or concurrency < 1:
             raise ValueError(f"concurrency must be a positive integer, got {concurrency!r}")
-        check_framework(framework)
-        self._layout = Layout(nodes, procs_per_node)
+        self._placement = place(framework, nodes, procs_per_node, gpus_per_worker)
+        self._layout = self._placement.layout
+        output = OutputOptions.build(echo_output, collapse_output, log_ranks, log_dir,
+                                     self.world_size)
         if rank_env is not None:
             bad = [r for r in rank_env if not (isinstance(r, int) and 0 <= r < self.world_size)]
             if bad:
@@ -165,11 +177,10 @@ class WorkerGroup(MeshCalls, StreamCalls):
         self._method_set: frozenset[str] = frozenset()
         self._all_ranks = list(range(self.world_size))
         self._deaths_seen = -1  # dispatcher.deaths when every rank was last seen alive
-        self._backend: Backend = create_backend(backend, echo_output=echo_output)
+        self._backend: Backend = create_backend(backend, output=output)
         self._dispatcher = Dispatcher(on_death=self._on_death)
         self._slots: list[Slot | None] = [None] * self.world_size
-        self._master_addr = self._backend.rendezvous_address()
-        self._master_port = _free_port(self._master_addr)
+        self._launch = new_launch(self._placement, self._backend.rendezvous_address())
         self._specs = [self._spec(rank) for rank in range(self.world_size)]  # env errors first
         try:
             self._start_ranks(list(range(self.world_size)))
@@ -196,12 +207,23 @@ class WorkerGroup(MeshCalls, StreamCalls):
         return self._layout.procs_per_node
 
     @property
+    def framework(self) -> str | None:
+        """The framework whose environment the ranks got (None: the generic variables)."""
+        name = self._placement.framework.name
+        return None if name == "spmd" else name
+
+    @property
+    def single_controller(self) -> bool:
+        """True for frameworks whose program runs on node 0 only (``"ray"``, ``"monarch"``)."""
+        return self._placement.framework.single_controller
+
+    @property
     def methods(self) -> list[str]:
         """Public methods of the worker object (as reported by the workers at start-up)."""
         return list(self._methods or [])
 
     def _spec(self, rank: int) -> WorkerSpec:
-        generic = rank_env(self._layout, rank, self._master_addr, self._master_port)
+        generic = worker_env(self._placement.framework, self._layout, rank, self._launch)
         env = merge_env(os.environ, generic, self._user_env, self._rank_env.get(rank))
         return WorkerSpec(
             rank=rank,
@@ -514,7 +536,7 @@ class WorkerGroup(MeshCalls, StreamCalls):
         """Replace every worker process, keeping the layout (pending calls fail)."""
         self._check_open()
         self._retire([s for s in self._slots if s is not None], grace=config.DEFAULT_TERM_GRACE)
-        self._master_port = _free_port(self._master_addr)
+        self._launch = new_launch(self._placement, self._launch.master_addr)
         self._specs = [self._spec(rank) for rank in range(self.world_size)]
         self._start_ranks(list(range(self.world_size)))
         logger.info("restarted %d workers", self.world_size)

@@ -1,35 +1,88 @@
 """Streams workers' stdout and stderr to the controller, line by line, prefixed with the rank.
 
 One thread per group reads every worker pipe (``poll``), forwards complete lines to
-:mod:`phalanx.console` and keeps the last lines of each worker's stderr, which
-:class:`~phalanx.errors.WorkerDied` quotes.
+:mod:`phalanx.console` (collapsing identical lines from several ranks, see
+:mod:`phalanx.collapse`), optionally writes them to per-rank files, and keeps the last lines
+of each worker's stderr, which :class:`~phalanx.errors.WorkerDied` quotes.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
+import pathlib
 import select
 import threading
+import time
+from collections.abc import Sequence
+from typing import BinaryIO
 
 from phalanx import config, console
+from phalanx.collapse import LineCollapser
 from phalanx.streams import WakePipe
 
 logger = logging.getLogger(__name__)
 
 
-class _Stream:
-    __slots__ = ("closed", "echo", "fd", "is_stderr", "partial", "prefix", "tail")
+@dataclasses.dataclass(frozen=True)
+class OutputOptions:
+    """What happens to worker output: shown (collapsed, filtered) and/or written to files."""
 
-    def __init__(self, fd: int, prefix: str, is_stderr: bool, tail: collections.deque, echo: bool):
+    echo: bool = True
+    collapse_window: float = config.COLLAPSE_WINDOW  # 0: every line on its own
+    ranks: frozenset[int] | None = None  # shown ranks; None: all
+    log_dir: pathlib.Path | None = None
+    world: int = 1
+
+    @classmethod
+    def build(
+        cls,
+        echo: bool,
+        collapse: bool,
+        ranks: Sequence[int] | None,
+        log_dir: str | os.PathLike[str] | None,
+        world: int,
+    ) -> OutputOptions:
+        """Check the user's options (before anything starts) and create ``log_dir``."""
+        shown = None
+        if ranks is not None:
+            if isinstance(ranks, (str, bytes)) or not all(
+                isinstance(r, int) and not isinstance(r, bool) for r in ranks
+            ):
+                raise TypeError(f"log_ranks must be a list of ranks, got {ranks!r}")
+            bad = sorted(r for r in ranks if not 0 <= r < world)
+            if bad:
+                raise ValueError(f"log_ranks names ranks {bad} outside 0..{world - 1}")
+            shown = frozenset(ranks)
+        directory = None
+        if log_dir is not None:
+            directory = pathlib.Path(log_dir)
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ValueError(f"log_dir={str(log_dir)!r} cannot be created: {exc}") from None
+        window = config.COLLAPSE_WINDOW if collapse else 0.0
+        return cls(bool(echo), window, shown, directory, world)
+
+    def shows(self, rank: int) -> bool:
+        return self.echo and (self.ranks is None or rank in self.ranks)
+
+
+class _Stream:
+    __slots__ = ("closed", "echo", "fd", "file", "is_stderr", "partial", "rank", "tail")
+
+    def __init__(self, fd: int, rank: int, is_stderr: bool, tail: collections.deque,
+                 echo: bool, file: BinaryIO | None):
         self.fd = fd
-        self.prefix = prefix
+        self.rank = rank
         self.is_stderr = is_stderr
         self.partial = b""
         self.tail = tail
         self.closed = threading.Event()
         self.echo = echo
+        self.file = file
 
 
 class OutputTap:
@@ -53,8 +106,9 @@ class OutputTap:
 class LogPump:
     """The reader thread for all worker pipes of one group."""
 
-    def __init__(self, echo: bool = True) -> None:
-        self._echo = echo
+    def __init__(self, options: OutputOptions | None = None) -> None:
+        self._options = options or OutputOptions()
+        self._collapser = LineCollapser(self._options.collapse_window, self._options.world)
         self._streams: dict[int, _Stream] = {}
         self._lock = threading.Lock()
         self._new: list[_Stream] = []
@@ -66,10 +120,11 @@ class LogPump:
     def attach(self, rank: int, stdout_fd: int, stderr_fd: int) -> OutputTap:
         """Start reading one worker's pipes (the pump owns and closes the descriptors)."""
         tail: collections.deque = collections.deque(maxlen=config.STDERR_TAIL_LINES)
-        prefix = f"[rank {rank}]"
+        echo = self._options.shows(rank)
         streams = [
-            _Stream(stdout_fd, prefix, False, collections.deque(maxlen=0), self._echo),
-            _Stream(stderr_fd, prefix, True, tail, self._echo),
+            _Stream(stdout_fd, rank, False, collections.deque(maxlen=0), echo,
+                    self._open_log(rank, "stdout")),
+            _Stream(stderr_fd, rank, True, tail, echo, self._open_log(rank, "stderr")),
         ]
         for stream in streams:
             os.set_blocking(stream.fd, False)
@@ -78,6 +133,12 @@ class LogPump:
         self._wake.wake()
         return OutputTap(streams, tail)
 
+    def _open_log(self, rank: int, name: str) -> BinaryIO | None:
+        if self._options.log_dir is None:
+            return None
+        path = self._options.log_dir / f"rank-{rank}.{name}.log"
+        return open(path, "ab", buffering=0)  # appended to across restarts of the rank
+
     def stop(self, timeout: float = 2.0) -> None:
         """Stop after the pipes still open have drained (bounded by ``timeout``)."""
         self._stopping = True
@@ -85,6 +146,7 @@ class LogPump:
         self._thread.join(timeout)
         for stream in list(self._streams.values()):
             self._close(stream)
+        self._show(self._collapser.flush())
         self._wake.close()
 
     def _run(self) -> None:
@@ -98,10 +160,18 @@ class LogPump:
                 poller.register(stream.fd, select.POLLIN)
             if self._stopping and not self._streams:
                 return
+            deadline = self._collapser.next_deadline()
+            wait = None
+            if deadline is not None:
+                wait = max(0, int((deadline - time.monotonic()) * 1000) + 1)
+            if self._stopping:
+                wait = 200 if wait is None else min(wait, 200)
             try:
-                events = poller.poll(200 if self._stopping else None)
+                events = poller.poll(wait)
             except InterruptedError:  # pragma: no cover
                 continue
+            if deadline is not None:
+                self._show(self._collapser.due(time.monotonic()))
             if self._stopping and not events:
                 return  # pipes held open by stray grandchildren: stop waiting for them
             for fd, _ in events:
@@ -133,11 +203,21 @@ class LogPump:
         return True
 
     def _emit(self, stream: _Stream, raw: bytes) -> None:
+        if stream.file is not None:
+            try:
+                stream.file.write(raw + b"\n")
+            except OSError as exc:  # a full disk must not stop the output pump
+                logger.warning("cannot write rank %d's log file: %s", stream.rank, exc)
         line = raw.decode("utf-8", errors="replace").rstrip("\r")
         if stream.is_stderr:
             stream.tail.append(line)
         if stream.echo:
-            console.write_line(stream.prefix, line, stderr=stream.is_stderr)
+            self._show(self._collapser.add(stream.rank, line, stream.is_stderr, time.monotonic()))
+
+    @staticmethod
+    def _show(lines: list) -> None:
+        for line in lines:
+            console.write_line(line.prefix, line.text, stderr=line.stderr)
 
     def _close(self, stream: _Stream) -> None:
         if self._streams.pop(stream.fd, None) is not None:
@@ -145,4 +225,6 @@ class LogPump:
                 os.close(stream.fd)
             except OSError:
                 pass
+            if stream.file is not None:
+                stream.file.close()
         stream.closed.set()

@@ -120,6 +120,7 @@ class WorkerRuntime:
         self._pool: Any = None  # ThreadPoolExecutor when concurrency > 1
         self._early_frames: list[list[Any]] = []  # calls that arrived together with INIT
         self._loop_lock = threading.Lock()
+        self.bootstrap: Any = None  # phalanx.bootstrap.Bootstrap when a framework needs one
 
     # -- start-up ---------------------------------------------------------------------
 
@@ -137,6 +138,11 @@ class WorkerRuntime:
         sys.path[:] = list(dict.fromkeys([*sys_path, *sys.path]))
         stage = "unpickling the target"
         try:
+            framework = options.get("framework")
+            if framework not in (None, "spmd"):
+                stage = f"starting the {framework} framework"
+                self._start_framework(framework)
+                stage = "unpickling the target"
             target, args, kwargs = wire.loads(segs[1:])
             stage = "constructing the worker object"
             if isinstance(target, types.ModuleType):
@@ -157,6 +163,19 @@ class WorkerRuntime:
         ready = wire.header(wire.READY, 0, os.getpid(), public_methods(self.obj))
         self.conn.send(wire.frame([ready]))
         return True
+
+    def _start_framework(self, name: str) -> None:
+        from phalanx import bootstrap
+        from phalanx.frameworks import get_framework
+
+        self.bootstrap = bootstrap.Bootstrap(get_framework(name))
+        self.bootstrap.setup()
+
+    def cleanup(self) -> None:
+        """The framework's cleanup, once, as the worker exits."""
+        if self.bootstrap is not None:
+            self.bootstrap.cleanup()
+            self.bootstrap = None
 
     # -- serving ----------------------------------------------------------------------
 
@@ -207,7 +226,7 @@ class WorkerRuntime:
         try:
             self._run_call(call_id, method, segs, stream)
         except _WorkerExit as exc:
-            _flush_and_exit(self.conn, exc.code)
+            _flush_and_exit(self.conn, exc.code, runtime=self)
 
     def _run_call(
         self, call_id: int, method: str, segs: list[Any], stream: bool = False
@@ -304,7 +323,11 @@ def _exit_code_of(exc: SystemExit) -> int:
     return 1
 
 
-def _flush_and_exit(conn: wire.Connection, code: int, wait: float = 1.0) -> None:
+def _flush_and_exit(
+    conn: wire.Connection, code: int, wait: float = 1.0, runtime: WorkerRuntime | None = None
+) -> None:
+    if runtime is not None:
+        runtime.cleanup()
     deadline = time.monotonic() + wait
     while conn.has_backlog() and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -335,12 +358,13 @@ def main() -> None:
     runtime = WorkerRuntime(conn)
     try:
         if not runtime.initialise():
-            _flush_and_exit(conn, 1)
+            _flush_and_exit(conn, 1, runtime=runtime)
         code = runtime.serve()
     except _WorkerExit as exc:
-        _flush_and_exit(conn, exc.code)
+        _flush_and_exit(conn, exc.code, runtime=runtime)
     except wire.ConnectionLost:
         code = 0
+    runtime.cleanup()
     deadline = time.monotonic() + 1.0
     while conn.has_backlog() and time.monotonic() < deadline:
         time.sleep(0.005)

@@ -136,6 +136,15 @@ class Probe:
         print(text, file=sys.stderr if stderr else sys.stdout, flush=True)
         return my_rank()
 
+    def say_long_lines(self, length: int, count: int) -> None:
+        """``count`` lines of ``length`` copies of this rank's digit, in small writes."""
+        digit = str(my_rank() % 10)
+        for _ in range(count):
+            for _ in range(length // 4096):
+                sys.stdout.write(digit * 4096)
+            sys.stdout.write(digit * (length % 4096) + "\n")
+        sys.stdout.flush()
+
     def spawn_sleeper(self, new_session: bool = False) -> int:
         proc = subprocess.Popen(["sleep", "60"], start_new_session=new_session)
         self.children.append(proc)

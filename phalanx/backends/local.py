@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from phalanx import node, streams, wire
 from phalanx.backends.base import Backend, WorkerHandle, WorkerSpec
-from phalanx.logs import LogPump, OutputTap
+from phalanx.logs import LogPump, OutputOptions, OutputTap
 
 
 class LocalWorker(WorkerHandle):
@@ -40,9 +40,9 @@ class LocalWorker(WorkerHandle):
 class LocalBackend(Backend):
     name = "local"
 
-    def __init__(self, *, echo_output: bool = True) -> None:
+    def __init__(self, *, output: OutputOptions | None = None) -> None:
         self._writer = wire.BacklogWriter()
-        self._logs = LogPump(echo=echo_output)
+        self._logs = LogPump(output)
 
     def _start(self, spec: WorkerSpec) -> WorkerHandle:
         proc = node.spawn_worker(spec.env, cwd=spec.cwd)

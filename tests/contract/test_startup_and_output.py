@@ -9,7 +9,7 @@ import pytest
 import phalanx as px
 from phalanx import CallTimeout, StartupError, WorkerDied, WorkerGroup
 from tests import helpers
-from tests.workers import FailingConstructor, Probe, SlowConstructor
+from tests.workers import FailingConstructor, SlowConstructor
 
 
 def pids_in(directory) -> list[int]:
@@ -60,40 +60,6 @@ def test_a_failing_constructor_is_reported_without_waiting_for_slow_ranks(backen
                     start_timeout=4, backend=backend, echo_output=False)
     assert info.value.rank == 1
     assert time.monotonic() - started < 2.5
-
-
-def _wait_for_lines(capfd, out_lines: list[str], err_lines: list[str], timeout: float = 5.0):
-    """Collect captured output until every wanted line arrived (the log pump is a thread)."""
-    out, err = "", ""
-
-    def seen() -> bool:
-        nonlocal out, err
-        chunk = capfd.readouterr()
-        out, err = out + chunk.out, err + chunk.err
-        return set(out_lines) <= set(out.splitlines()) and set(err_lines) <= set(
-            err.splitlines()
-        )
-
-    helpers.wait_until(seen, timeout, interval=0.05)
-    return out.splitlines(), err.splitlines()
-
-
-def test_worker_output_reaches_the_controller_prefixed_with_the_rank(make_group, capfd):
-    group = make_group(Probe, procs_per_node=2, echo_output=True)
-    group.call("say", "hello out")
-    group.call("say", "hello err", stderr=True)
-    want_out = ["[rank 0] hello out", "[rank 1] hello out"]
-    want_err = ["[rank 0] hello err", "[rank 1] hello err"]
-    out, err = _wait_for_lines(capfd, want_out, want_err)
-    assert set(want_out) <= set(out), out
-    assert set(want_err) <= set(err), err
-
-
-def test_echo_output_false_keeps_worker_output_quiet(make_group, capfd):
-    group = make_group(Probe, echo_output=False)
-    group.call("say", "should not appear")
-    group.shutdown()
-    assert "should not appear" not in "".join(capfd.readouterr())
 
 
 def scaled_rank(scale, offset=0):
