@@ -52,34 +52,39 @@ class LineCollapser:
     ``add`` and ``due`` return the lines ready to show, in order; ``next_deadline`` says
     when to call ``due`` again. ``world`` is how many ranks may write (a line all of them
     wrote is complete). With ``window == 0`` nothing is held.
+
+    Order: held lines leave in queue order. A rank joining a held line must not see it
+    shown before its own earlier lines, so the line moves behind the rank's latest held
+    line -- allowed only if no rank already in it has a line in between (whose order that
+    move would break); otherwise the rank starts a new line.
     """
 
     def __init__(self, window: float, world: int) -> None:
         self.window = window
         self.world = world
-        self._queue: collections.deque[Line] = collections.deque()
-        self._by_text: dict[tuple[str, bool], list[Line]] = {}
-        self._last_seq: dict[int, int] = {}  # per rank: the latest line it joined
+        self._queue: list[Line] = []
         self._seq = 0
 
     def add(self, rank: int, text: str, stderr: bool, now: float) -> list[Line]:
-        if self.window <= 0:
-            self._seq += 1
-            return [Line(text, stderr, [rank], now, self._seq)]
-        key = (text, stderr)
-        after = self._last_seq.get(rank, 0)
-        # Join the oldest held copy of this text that this rank has not joined yet and that
-        # comes after the rank's previous line (so its lines keep their order).
-        for line in self._by_text.get(key, ()):
-            if line.seq > after and rank not in line.ranks:
-                line.ranks.append(rank)
-                self._last_seq[rank] = line.seq
-                return self._release(now)
         self._seq += 1
-        line = Line(text, stderr, [rank], now + self.window, self._seq)
-        self._queue.append(line)
-        self._by_text.setdefault(key, []).append(line)
-        self._last_seq[rank] = line.seq
+        if self.window <= 0:
+            return [Line(text, stderr, [rank], now, self._seq)]
+        queue = self._queue
+        last = max((i for i, line in enumerate(queue) if rank in line.ranks), default=-1)
+        for i, line in enumerate(queue):
+            if line.text != text or line.stderr != stderr or rank in line.ranks:
+                continue
+            if i > last:  # after the rank's own held lines already
+                line.ranks.append(rank)
+                return self._release(now)
+            members = set(line.ranks)
+            if any(members.intersection(queue[k].ranks) for k in range(i + 1, last + 1)):
+                continue  # moving it would reorder another rank's lines
+            del queue[i]
+            queue.insert(last, line)  # right behind the rank's latest line
+            line.ranks.append(rank)
+            return self._release(now)
+        queue.append(Line(text, stderr, [rank], now + self.window, self._seq))
         return self._release(now)
 
     def due(self, now: float) -> list[Line]:
@@ -90,17 +95,14 @@ class LineCollapser:
         return self._release(float("inf"))
 
     def next_deadline(self) -> float | None:
-        return self._queue[0].deadline if self._queue else None
+        return min((line.deadline for line in self._queue), default=None)
 
     def _release(self, now: float) -> list[Line]:
-        out = []
         queue = self._queue
-        while queue and (queue[0].deadline <= now or len(queue[0].ranks) >= self.world):
-            line = queue.popleft()
-            held = self._by_text[(line.text, line.stderr)]
-            held.remove(line)
-            if not held:
-                del self._by_text[(line.text, line.stderr)]
+        n = 0
+        while n < len(queue) and (queue[n].deadline <= now or len(queue[n].ranks) >= self.world):
+            n += 1
+        out, self._queue = queue[:n], queue[n:]
+        for line in out:
             line.ranks.sort()
-            out.append(line)
         return out

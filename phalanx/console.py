@@ -8,7 +8,9 @@ import sys
 import threading
 from typing import TextIO
 
-_lock = threading.Lock()  # whole lines only: output from many ranks never interleaves mid-line
+# Whole lines only: output from many ranks never interleaves mid-line. Re-entrant, since a
+# signal handler on the main thread may write a notice while that thread holds it.
+_lock = threading.RLock()
 
 
 def write_line(prefix: str, line: str, *, stderr: bool = False) -> None:
@@ -19,6 +21,16 @@ def write_line(prefix: str, line: str, *, stderr: bool = False) -> None:
             stream.write(f"{prefix} {line}\n")
             stream.flush()
         except (ValueError, OSError):  # the stream was closed at interpreter exit
+            pass
+
+
+def notice(text: str) -> None:
+    """A message of phalanx's own to the user (the launcher's reports), on stderr."""
+    with _lock:
+        try:
+            sys.stderr.write(text.rstrip("\n") + "\n")
+            sys.stderr.flush()
+        except (ValueError, OSError):
             pass
 
 

@@ -111,6 +111,7 @@ class WorkerError(PhalanxError):
         self.pid = pid
         self.method = method
         self.exc_type = failure.exc_type
+        self.message = failure.message
         self.traceback = failure.traceback
         self.stage = failure.stage
 

@@ -515,6 +515,17 @@ class WorkerGroup(MeshCalls, StreamCalls):
             )
         return report
 
+    def send_signal(self, sig: int, workers: Workers = "all") -> None:
+        """Send a signal (``signal.SIGINT``, ...) to the selected live ranks' processes;
+        ranks already dead are skipped. A ``KeyboardInterrupt`` raised in a running method by
+        SIGINT fails that call with :class:`WorkerError`."""
+        self._check_open()
+        alive = [s is not None and s.alive for s in self._slots]
+        for rank in select_ranks(workers, alive):
+            slot = self._slots[rank]
+            if slot is not None and slot.alive:
+                slot.handle.send_signal(sig)
+
     def _on_death(self, slot: Slot) -> None:
         if not self._closed and slot.ready and slot.failure is not None:
             logger.warning("rank %d (pid %s) died: %s", slot.rank, slot.pid, slot.failure.cause)

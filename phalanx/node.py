@@ -110,6 +110,14 @@ class LocalProcess:
             except ProcessLookupError:
                 pass
 
+    def signal_group(self, sig: int) -> None:
+        """Send ``sig`` to the worker's process group, as a terminal would to a foreground
+        job (its own child processes included)."""
+        try:
+            os.killpg(self.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
     def remember_descendants(self) -> None:
         """Note the worker's descendants now: once it exits they are orphans that no longer
         show up as its children (and those that left its process group escape killpg)."""

@@ -86,8 +86,26 @@ def public_methods(obj: Any) -> list[str]:
     return names
 
 
+_PHALANX_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _is_internal(filename: str) -> bool:
+    return filename.startswith(_PHALANX_DIR) or filename in _RUNPY
+
+_RUNPY = ("<frozen runpy>", os.path.join(os.path.dirname(os.__file__), "runpy.py"))
+
+
+def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """The traceback from the first frame outside phalanx (and runpy) on: what the user
+    wrote, not the machinery that called it."""
+    first = tb
+    while tb is not None and _is_internal(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    return tb if tb is not None else first
+
+
 def _failure(exc: BaseException, stage: str) -> RemoteFailure:
-    text = "".join(traceback.format_exception(exc))
+    text = "".join(traceback.format_exception(type(exc), exc, _user_frames(exc.__traceback__)))
     try:
         message = str(exc)
     except Exception:  # noqa: BLE001 - a broken __str__ must not lose the report

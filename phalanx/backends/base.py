@@ -39,6 +39,10 @@ class WorkerHandle(abc.ABC):
         """SIGKILL the worker and everything it started."""
 
     @abc.abstractmethod
+    def send_signal(self, sig: int) -> None:
+        """Deliver ``sig`` to the worker (and the processes of its process group)."""
+
+    @abc.abstractmethod
     def wait_output_closed(self, timeout: float) -> bool:
         """Wait (bounded) until the worker's last output has been read."""
 

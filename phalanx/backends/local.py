@@ -30,6 +30,9 @@ class LocalWorker(WorkerHandle):
     def kill(self) -> None:
         self.proc.signal_tree(signal.SIGKILL)
 
+    def send_signal(self, sig: int) -> None:
+        self.proc.signal_group(sig)
+
     def wait_output_closed(self, timeout: float) -> bool:
         return self._tap.wait_closed(timeout)
 

@@ -115,3 +115,32 @@ def test_every_line_comes_out_once_and_each_rank_keeps_its_order(evts, window):
             assert seen == mine
     if window == 0.0:
         assert all(len(line.ranks) == 1 for line in out)
+
+
+def test_ranks_that_print_a_unique_line_first_still_collapse_the_shared_one():
+    c = LineCollapser(window=0.2, world=3)
+    out = []
+    for rank in (0, 2, 1):  # each rank: its own line, then the shared one
+        out += c.add(rank, f"hello from {rank}", False, now=0.0)
+        out += c.add(rank, "same line", False, now=0.0)
+    out += c.flush()
+    assert shown(out) == [
+        ("[rank 0]", "hello from 0", False),
+        ("[rank 2]", "hello from 2", False),
+        ("[rank 1]", "hello from 1", False),
+        ("[ranks 0-2]", "same line", False),
+    ]
+
+
+def test_a_join_that_would_reorder_another_ranks_lines_starts_a_new_line():
+    c = LineCollapser(window=0.2, world=2)
+    c.add(0, "same", False, now=0.0)
+    c.add(0, "after", False, now=0.0)  # rank 0 printed more after "same"
+    c.add(1, "first", False, now=0.0)
+    c.add(1, "same", False, now=0.0)  # joining would put "same" after rank 0's "after"
+    assert shown(c.flush()) == [
+        ("[rank 0]", "same", False),
+        ("[rank 0]", "after", False),
+        ("[rank 1]", "first", False),
+        ("[rank 1]", "same", False),
+    ]

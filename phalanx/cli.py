@@ -1,0 +1,213 @@
+"""The ``phalanx`` command line: ``phalanx run`` (a torchrun-like launcher)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from phalanx import __version__
+from phalanx.frameworks import FRAMEWORKS
+
+USAGE_ERROR = 2
+
+RUN_DESCRIPTION = """\
+Run a Python script (or -m module) on every rank of a group of local worker processes,
+like torchrun. Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK,
+MASTER_ADDR, MASTER_PORT (and PHALANX_* equivalents) plus what --framework adds, before
+the script is imported. Output lines are prefixed with their rank; identical lines from
+several ranks are shown once as "[ranks 0-3] ...".
+"""
+
+RUN_EPILOG = """\
+exit status:
+  0        every rank finished (returned or called sys.exit(0))
+  N        the first failing rank's status: its sys.exit(N) code, 1 for an uncaught
+           exception, 128+S when signal S killed it; a root-cause report (the rank, its
+           exit code or signal, its Python traceback) is printed at the end
+  128+S    the launcher itself got SIGINT/SIGTERM (S), which it forwarded to every rank
+           (then SIGKILL after --grace seconds, or at once on a second signal)
+  2        bad command line
+
+examples:
+  phalanx run -n 4 train.py --lr 0.1
+  phalanx run -n 2 --nodes 2 --framework torch --max-restarts 3 --log-dir logs train.py
+  phalanx run -n auto --framework jax -m mypkg.train
+"""
+
+
+def _procs(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {value!r}")
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {value!r}")
+    return number
+
+
+def _positive(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return number
+
+
+def _non_negative(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}")
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}")
+    return number
+
+
+def _seconds(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}")
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {value!r}")
+    return number
+
+
+def parse_ranks(value: str) -> tuple[int, ...]:
+    """``"0,2,4-6"`` -> ``(0, 2, 4, 5, 6)``."""
+    ranks: list[int] = []
+    try:
+        for part in value.split(","):
+            first, sep, last = part.strip().partition("-")
+            if sep:
+                ranks.extend(range(int(first), int(last) + 1))
+            else:
+                ranks.append(int(first))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected ranks such as 0,2 or 0-3, got {value!r}"
+        ) from None
+    if not ranks or min(ranks) < 0:
+        raise argparse.ArgumentTypeError(f"expected ranks such as 0,2 or 0-3, got {value!r}")
+    return tuple(sorted(set(ranks)))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="phalanx",
+        description="Launch, drive and supervise a group of distributed worker processes.",
+    )
+    parser.add_argument("--version", action="version", version=f"phalanx {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.required = True
+    run = commands.add_parser(
+        "run",
+        help="run a script or module on every rank (like torchrun)",
+        description=RUN_DESCRIPTION,
+        epilog=RUN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    run.add_argument("-n", "--nproc-per-node", type=_procs, default=1, metavar="N",
+                     help="worker processes per node, or 'auto': one per GPU for torch and "
+                          "jax, otherwise 1 (default: 1)")
+    run.add_argument("--nodes", type=_positive, default=1, metavar="K",
+                     help="nodes, simulated on this machine with distinct NODE_RANKs "
+                          "(default: 1); world size = K x N")
+    frameworks = sorted(name for name in FRAMEWORKS if name is not None)
+    run.add_argument("--framework", choices=frameworks, default="spmd",
+                     help="environment to set up on every rank (default: spmd, the generic "
+                          "variables only); ray and monarch run the script on node 0 only")
+    run.add_argument("--gpus-per-worker", type=_non_negative, default=0, metavar="G",
+                     help="give each rank G GPUs of its node via CUDA_VISIBLE_DEVICES")
+    run.add_argument("--max-restarts", type=_non_negative, default=0, metavar="R",
+                     help="restart the whole group up to R times after a failure; ranks see "
+                          "the restart count in PHALANX_RESTART_COUNT (and "
+                          "TORCHELASTIC_RESTART_COUNT) (default: 0)")
+    run.add_argument("--log-dir", metavar="DIR",
+                     help="also write each rank's output to DIR/rank-N.stdout.log and "
+                          "DIR/rank-N.stderr.log")
+    run.add_argument("--ranks", type=parse_ranks, metavar="LIST",
+                     help="show only these ranks' output, e.g. 0 or 0,2 or 0-3 (log files "
+                          "and the failure report still cover every rank)")
+    run.add_argument("--no-collapse", action="store_true",
+                     help="show every rank's lines separately, even identical ones")
+    run.add_argument("--grace", type=_seconds, default=10.0, metavar="SECONDS",
+                     help="after forwarding SIGINT/SIGTERM, wait this long before SIGKILL "
+                          "(default: 10)")
+    run.add_argument("--start-timeout", type=_seconds, default=None, metavar="SECONDS",
+                     help="seconds for every rank (and its framework) to start (default: 120)")
+    run.add_argument("-m", "--module", action="store_true",
+                     help="run the target as a module (python -m), not a script path")
+    run.add_argument("target", metavar="script.py | module",
+                     help="the program every rank runs")
+    run.add_argument("args", nargs=argparse.REMAINDER, metavar="...",
+                     help="arguments for the program")
+    return parser
+
+
+def _check_target(target: str, is_module: bool) -> str | None:
+    """Why the program cannot be run, checked before any process starts; None if fine."""
+    if is_module:
+        sys.path.insert(0, os.getcwd())
+        try:
+            found = importlib.util.find_spec(target) is not None
+        except (ImportError, ValueError):
+            found = False
+        finally:
+            sys.path.pop(0)
+        return None if found else f"no module named {target!r}"
+    if not os.path.isfile(target):
+        return f"no such file: {target!r}"
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    options = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="phalanx: %(message)s")
+    if options.command == "run":
+        return _run(parser, options)
+    parser.error(f"unknown command {options.command!r}")  # pragma: no cover - argparse checks
+    return USAGE_ERROR  # pragma: no cover
+
+
+def _run(parser: argparse.ArgumentParser, options: argparse.Namespace) -> int:
+    from phalanx import launch
+    from phalanx.errors import PhalanxError
+
+    problem = _check_target(options.target, options.module)
+    if problem is not None:
+        parser.exit(USAGE_ERROR, f"phalanx run: {problem}\n")
+    run_options = launch.RunOptions(
+        target=options.target,
+        args=tuple(options.args),
+        is_module=options.module,
+        nodes=options.nodes,
+        procs_per_node=options.nproc_per_node,
+        framework=options.framework,
+        gpus_per_worker=options.gpus_per_worker,
+        max_restarts=options.max_restarts,
+        log_dir=options.log_dir,
+        ranks=options.ranks,
+        collapse=not options.no_collapse,
+        grace=options.grace,
+        start_timeout=options.start_timeout,
+    )
+    try:
+        return launch.run(run_options)
+    except (ValueError, TypeError, PhalanxError) as exc:  # options the group refused
+        parser.exit(USAGE_ERROR if not isinstance(exc, PhalanxError) else 1,
+                    f"phalanx run: {exc}\n")
+    return USAGE_ERROR  # pragma: no cover
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,260 @@
+"""``phalanx run``: run a script (or ``-m module``) on every rank, torchrun-style.
+
+Each rank's worker runs the script as ``__main__`` with the framework's environment set.
+The launcher waits for every rank, stops the whole group at the first failure, prints a
+root-cause report (the first failing rank, its exit code or signal, its Python traceback)
+and exits with that rank's code. SIGINT and SIGTERM are forwarded to every rank, followed
+by SIGKILL after a grace period. ``max_restarts`` restarts the whole group after a failure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from phalanx import console
+from phalanx.errors import PhalanxError, StartupError, WorkerDied, WorkerError, likely_cause
+from phalanx.frameworks import RESTART_VARS
+
+logger = logging.getLogger(__name__)
+
+FAILED = 1  # exit status for a failure without a code of its own (an exception)
+
+
+class ScriptRunner:
+    """The worker object of ``phalanx run``: runs the user's program as ``__main__``."""
+
+    def __init__(self, target: str, args: Sequence[str], is_module: bool) -> None:
+        self.target = target
+        self.args = list(args)
+        self.is_module = is_module
+
+    def run(self) -> int:
+        """Run the program; its exit status (``sys.exit(n)`` gives ``n``; an exception
+        propagates to the controller with its traceback)."""
+        import runpy
+
+        if self.is_module:
+            sys.argv = [self.target, *self.args]  # runpy sets argv[0] to the module's file
+            sys.path.insert(0, os.getcwd())
+        else:
+            path = os.path.abspath(self.target)
+            sys.argv = [self.target, *self.args]
+            sys.path.insert(0, os.path.dirname(path))
+        try:
+            if self.is_module:
+                runpy.run_module(self.target, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(path, run_name="__main__")
+        except SystemExit as exc:
+            return _exit_status(exc.code)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        return 0
+
+
+def _exit_status(code: Any) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr, flush=True)  # sys.exit("message"), as Python itself does
+    return 1
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    target: str
+    args: tuple[str, ...] = ()
+    is_module: bool = False
+    nodes: int = 1
+    procs_per_node: int | str = 1
+    framework: str | None = None
+    gpus_per_worker: int = 0
+    max_restarts: int = 0
+    log_dir: str | None = None
+    ranks: tuple[int, ...] | None = None  # shown ranks
+    collapse: bool = True
+    grace: float = 10.0  # seconds between forwarding SIGINT/SIGTERM and SIGKILL
+    start_timeout: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """The first rank that failed, and how."""
+
+    rank: int | None
+    node: int | None
+    pid: int | None
+    status: int
+    summary: str
+    traceback: str | None = None
+    stderr_tail: tuple[str, ...] = ()
+
+
+def signal_status(exitcode: int) -> int:
+    """A process exit code as a shell reports it (killed by signal N: 128 + N)."""
+    return 128 - exitcode if exitcode < 0 else exitcode
+
+
+def failure_from(exc: BaseException) -> Failure:
+    if isinstance(exc, WorkerError):
+        message = getattr(exc, "message", "")
+        summary = f"raised {exc.exc_type}" + (f": {message}" if message else "") + (
+            f" while {exc.stage}" if exc.stage != "running the method" else ""
+        )
+        return Failure(exc.rank, exc.node, exc.pid, FAILED, summary, exc.traceback)
+    if isinstance(exc, WorkerDied):
+        status = FAILED if exc.exitcode is None else signal_status(exc.exitcode)
+        return Failure(exc.rank, exc.node, exc.pid, status, likely_cause(exc.exitcode),
+                       None, exc.stderr_tail)
+    if isinstance(exc, StartupError):
+        return Failure(exc.rank, None, None, FAILED, f"could not start: {exc}", exc.traceback)
+    return Failure(None, None, None, FAILED, f"{type(exc).__name__}: {exc}")
+
+
+def format_report(failure: Failure, attempts: int = 1) -> str:
+    """The root-cause report printed when a run fails (pure)."""
+    rule = "=" * 72
+    if failure.rank is None:
+        who = "the group"
+    else:
+        where = ", ".join(
+            part for part in (
+                None if failure.node is None else f"node {failure.node}",
+                None if failure.pid is None else f"pid {failure.pid}",
+            ) if part
+        )
+        who = f"rank {failure.rank}" + (f" ({where})" if where else "")
+    lines = [rule, "phalanx run failed" + (f" after {attempts} attempts" if attempts > 1 else ""),
+             f"root cause: {who} {failure.summary}", f"exit status: {failure.status}"]
+    if failure.traceback:
+        lines += ["", failure.traceback.rstrip()]
+    if failure.stderr_tail:
+        lines += ["", "last lines of its stderr:", *("  " + line for line in failure.stderr_tail)]
+    lines.append(rule)
+    return "\n".join(lines)
+
+
+class _Signals:
+    """Forwards SIGINT/SIGTERM to the running group; SIGKILL after ``grace`` seconds, or at
+    once on a second signal."""
+
+    def __init__(self, grace: float) -> None:
+        self.grace = grace
+        self.received: int | None = None
+        self.group: Any = None
+        self._timer: threading.Timer | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _Signals:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _handle(self, signum: int, frame: object) -> None:
+        first = self.received is None
+        self.received = self.received or signum
+        group = self.group
+        if group is None:
+            return
+        if not first:
+            self._kill(group)
+            return
+        console.notice(f"phalanx run: got {signal.Signals(signum).name}, forwarding it to every "
+                       f"rank (SIGKILL in {self.grace:g} s)")
+        try:
+            group.send_signal(signum)
+        except PhalanxError:
+            return
+        self._timer = threading.Timer(self.grace, self._kill, args=(group,))
+        self._timer.daemon = True
+        self._timer.start()
+
+    @staticmethod
+    def _kill(group: Any) -> None:
+        try:
+            group.send_signal(signal.SIGKILL)
+        except PhalanxError:
+            pass
+
+
+def _attempt(options: RunOptions, restart: int, signals: _Signals) -> Failure | None:
+    from phalanx.group import WorkerGroup
+
+    env = {name: str(restart) for name in RESTART_VARS}
+    if "OMP_NUM_THREADS" not in os.environ:  # as torchrun: ranks share the cores
+        env["OMP_NUM_THREADS"] = "1"
+    try:
+        group = WorkerGroup(
+            ScriptRunner,
+            args=(options.target, options.args, options.is_module),
+            nodes=options.nodes,
+            procs_per_node=options.procs_per_node,
+            framework=options.framework,
+            gpus_per_worker=options.gpus_per_worker,
+            env=env,
+            collapse_output=options.collapse,
+            log_ranks=options.ranks,
+            log_dir=options.log_dir,
+            start_timeout=options.start_timeout,
+        )
+    except StartupError as exc:
+        return failure_from(exc)
+    failure = None
+    try:
+        signals.group = group
+        if signals.received is not None:  # a signal arrived while the group started
+            return None
+        workers = [0] if group.single_controller else "all"
+        for rank_future in group.call_async("run", workers=workers):
+            error = rank_future.exception()
+            if error is not None:
+                failure = failure_from(error)
+                break
+            status = rank_future.result()
+            if status != 0:
+                health = group.health()[rank_future.rank]
+                failure = Failure(health.rank, health.node, health.pid, status,
+                                  f"exited with code {status}")
+                break
+    finally:
+        signals.group = None
+        group.shutdown(timeout=5.0 if failure is None else 2.0)
+    return failure
+
+
+def run(options: RunOptions) -> int:
+    """Run the program on every rank; returns the exit status for the launcher."""
+    attempts = options.max_restarts + 1
+    with _Signals(options.grace) as signals:
+        for attempt in range(attempts):
+            failure = _attempt(options, attempt, signals)
+            if signals.received is not None:
+                console.notice(f"phalanx run: stopped by {signal.Signals(signals.received).name}")
+                return 128 + signals.received
+            if failure is None:
+                return 0
+            if attempt + 1 < attempts:
+                who = "the group" if failure.rank is None else f"rank {failure.rank}"
+                console.notice(
+                    f"phalanx run: {who} {failure.summary} (exit status {failure.status}); "
+                    f"restarting the group (restart {attempt + 1} of {options.max_restarts})"
+                )
+                continue
+            console.notice(format_report(failure, attempts))
+            return failure.status
+    return FAILED  # pragma: no cover - the loop always returns
