@@ -2,10 +2,11 @@
 
 Layers (a module imports only from layers below its own)::
 
-    api        __init__ (this file), spmd, group, meshcalls
-    runtime    startup, dispatch, futures, backends/*, node, logs, worker
+    api        __init__ (this file), cli, launch, spmd, group, meshcalls, streaming, watch
+    runtime    startup, dispatch, futures, backends/*, node, logs, placement, worker,
+               bootstrap
     transport  wire (framing, serialisation), streams (pipes, sockets)
-    pure       errors, config, frameworks, selection, sharding, console
+    pure       errors, config, frameworks, selection, sharding, collapse, console
 
 The pure layer does no process or socket I/O and is tested without spawning anything.
 """
@@ -33,7 +34,7 @@ _EXPORTS = {
     "NamedSharding": "phalanx.sharding",
     "ShardedFuture": "phalanx.futures",
     "RankFuture": "phalanx.futures",
-    "RankHealth": "phalanx.group",
+    "RankHealth": "phalanx.watch",
     "WorkerGroup": "phalanx.group",
     "spmd": "phalanx.spmd",
 }
@@ -71,9 +72,10 @@ if TYPE_CHECKING:
         WorkerError,
     )
     from phalanx.futures import GroupFuture, RankFuture, ShardedFuture
-    from phalanx.group import RankHealth, WorkerGroup
+    from phalanx.group import WorkerGroup
     from phalanx.sharding import NamedSharding
     from phalanx.spmd import spmd
+    from phalanx.watch import RankHealth
 
 
 def __getattr__(name: str) -> Any:

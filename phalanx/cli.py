@@ -39,46 +39,30 @@ examples:
 """
 
 
-def _procs(value: str) -> int | str:
-    if value == "auto":
-        return value
+def _number(value: str, convert: type, minimum: float, what: str) -> float:
     try:
-        number = int(value)
+        number = convert(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {value!r}")
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {value!r}")
+        number = None
+    if number is None or number < minimum:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value!r}")
     return number
+
+
+def _procs(value: str) -> int | str:
+    return value if value == "auto" else _number(value, int, 1, "a positive integer or 'auto'")
 
 
 def _positive(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
-    return number
+    return _number(value, int, 1, "a positive integer")
 
 
 def _non_negative(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}")
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}")
-    return number
+    return _number(value, int, 0, "an integer >= 0")
 
 
 def _seconds(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}")
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {value!r}")
-    return number
+    return _number(value, float, 0, "a number of seconds >= 0")
 
 
 def parse_ranks(value: str) -> tuple[int, ...]:
@@ -173,6 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     options = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="phalanx: %(message)s")
+    # the launcher reports a rank's death itself (restart notice, root-cause report)
+    logging.getLogger("phalanx.group").setLevel(logging.ERROR)
     if options.command == "run":
         return _run(parser, options)
     parser.error(f"unknown command {options.command!r}")  # pragma: no cover - argparse checks

@@ -9,7 +9,6 @@ every rank of the group has written leaves at once instead of waiting out its wi
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from collections.abc import Iterable
 

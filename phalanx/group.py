@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import functools
 import itertools
 import logging
@@ -32,6 +31,7 @@ from phalanx.placement import new_launch, place
 from phalanx.selection import Workers, select_ranks
 from phalanx.startup import await_ready
 from phalanx.streaming import StreamCalls, StreamFuture
+from phalanx.watch import Watching
 
 if TYPE_CHECKING:
     from phalanx.sharding import NamedSharding
@@ -47,18 +47,6 @@ _live_groups: weakref.WeakSet[WorkerGroup] = weakref.WeakSet()
 def _shutdown_at_exit() -> None:
     for group in list(_live_groups):
         group.shutdown()
-
-
-@dataclasses.dataclass(frozen=True)
-class RankHealth:
-    """One rank's state as seen by the controller."""
-
-    rank: int
-    node: int
-    pid: int | None
-    alive: bool
-    calls_in_flight: int
-    exitcode: int | None
 
 
 class _MethodProxy:
@@ -84,7 +72,7 @@ class _MethodProxy:
         return self._group.call_one(rank, self._method, *args, **kwargs)
 
 
-class WorkerGroup(MeshCalls, StreamCalls):
+class WorkerGroup(MeshCalls, StreamCalls, Watching):
     """A group of worker processes, each holding one instance of ``target``.
 
     ``target`` is a class (or any picklable callable returning the worker object), or a
@@ -492,39 +480,6 @@ class WorkerGroup(MeshCalls, StreamCalls):
         if methods is not None and name in methods:
             return _MethodProxy(self, name)
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
-
-    # -- watching ---------------------------------------------------------------------
-
-    def health(self) -> list[RankHealth]:
-        """Every rank's state now (deaths that already happened are taken into account)."""
-        if not self._closed:
-            self._dispatcher.poll_now()
-        report = []
-        for rank, slot in enumerate(self._slots):
-            if slot is None:
-                continue
-            report.append(
-                RankHealth(
-                    rank=rank,
-                    node=slot.node,
-                    pid=slot.pid,
-                    alive=slot.alive and not self._closed,
-                    calls_in_flight=len(slot.pending),
-                    exitcode=slot.failure.exitcode if slot.failure else None,
-                )
-            )
-        return report
-
-    def send_signal(self, sig: int, workers: Workers = "all") -> None:
-        """Send a signal (``signal.SIGINT``, ...) to the selected live ranks' processes;
-        ranks already dead are skipped. A ``KeyboardInterrupt`` raised in a running method by
-        SIGINT fails that call with :class:`WorkerError`."""
-        self._check_open()
-        alive = [s is not None and s.alive for s in self._slots]
-        for rank in select_ranks(workers, alive):
-            slot = self._slots[rank]
-            if slot is not None and slot.alive:
-                slot.handle.send_signal(sig)
 
     def _on_death(self, slot: Slot) -> None:
         if not self._closed and slot.ready and slot.failure is not None:
