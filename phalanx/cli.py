@@ -140,9 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
 def _check_target(target: str, is_module: bool) -> str | None:
     """Why the program cannot be run, checked before any process starts; None if fine."""
     if is_module:
+        # Only the top-level package is looked up: finding a submodule would import (run)
+        # its parent packages here in the launcher. A missing submodule fails on the ranks.
         sys.path.insert(0, os.getcwd())
         try:
-            found = importlib.util.find_spec(target) is not None
+            found = importlib.util.find_spec(target.partition(".")[0]) is not None
         except (ImportError, ValueError):
             found = False
         finally:

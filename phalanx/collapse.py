@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
+MAX_HELD = 64  # lines held at most; a faster burst is shown sooner (bounds the work per line)
+
 
 def format_ranks(ranks: Iterable[int]) -> str:
     """``rank 3``, ``ranks 0-3``, ``ranks 0,2,5-7``."""
@@ -50,7 +52,8 @@ class LineCollapser:
 
     ``add`` and ``due`` return the lines ready to show, in order; ``next_deadline`` says
     when to call ``due`` again. ``world`` is how many ranks may write (a line all of them
-    wrote is complete). With ``window == 0`` nothing is held.
+    wrote is complete). With ``window == 0`` nothing is held; at most ``MAX_HELD`` lines
+    are, the oldest leaving early during a burst.
 
     Order: held lines leave in queue order. A rank joining a held line must not see it
     shown before its own earlier lines, so the line moves behind the rank's latest held
@@ -99,7 +102,10 @@ class LineCollapser:
     def _release(self, now: float) -> list[Line]:
         queue = self._queue
         n = 0
-        while n < len(queue) and (queue[n].deadline <= now or len(queue[n].ranks) >= self.world):
+        excess = len(queue) - MAX_HELD
+        while n < len(queue) and (
+            n < excess or queue[n].deadline <= now or len(queue[n].ranks) >= self.world
+        ):
             n += 1
         out, self._queue = queue[:n], queue[n:]
         for line in out:

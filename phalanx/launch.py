@@ -64,7 +64,7 @@ def _exit_status(code: Any) -> int:
     if code is None:
         return 0
     if isinstance(code, int):
-        return code
+        return int(code)  # sys.exit(True) is 1
     print(code, file=sys.stderr, flush=True)  # sys.exit("message"), as Python itself does
     return 1
 
@@ -102,6 +102,14 @@ class Failure:
 def signal_status(exitcode: int) -> int:
     """A process exit code as a shell reports it (killed by signal N: 128 + N)."""
     return 128 - exitcode if exitcode < 0 else exitcode
+
+
+def shell_status(code: int) -> int:
+    """The status the launcher exits with for a rank's ``sys.exit(code)``: what the OS would
+    make of it (``-1`` -> 255), except that a failing code never becomes 0 (``256`` -> 1)."""
+    if code == 0:
+        return 0
+    return code & 0xFF or FAILED
 
 
 def failure_from(exc: BaseException) -> Failure:
@@ -228,7 +236,7 @@ def _attempt(options: RunOptions, restart: int, signals: _Signals) -> Failure | 
             status = rank_future.result()
             if status != 0:
                 health = group.health()[rank_future.rank]
-                failure = Failure(health.rank, health.node, health.pid, status,
+                failure = Failure(health.rank, health.node, health.pid, shell_status(status),
                                   f"exited with code {status}")
                 break
     finally:

@@ -25,6 +25,8 @@ from phalanx.streams import WakePipe
 
 logger = logging.getLogger(__name__)
 
+_QUIET_MS = 200  # once stopping, pipes silent this long are given up on
+
 
 @dataclasses.dataclass(frozen=True)
 class OutputOptions:
@@ -139,19 +141,29 @@ class LogPump:
         path = self._options.log_dir / f"rank-{rank}.{name}.log"
         return open(path, "ab", buffering=0)  # appended to across restarts of the rank
 
-    def stop(self, timeout: float = 2.0) -> None:
-        """Stop after the pipes still open have drained (bounded by ``timeout``)."""
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop once the pipes still open have drained (each write end is closed once its
+        worker is reaped); ``timeout`` bounds the wait for pipes a stray grandchild holds."""
         self._stopping = True
         self._wake.wake()
         self._thread.join(timeout)
-        for stream in list(self._streams.values()):
-            self._close(stream)
-        self._show(self._collapser.flush())
+        if self._thread.is_alive():  # it closes what is left when it ends
+            logger.warning("worker output still arriving after %.0f s; not waiting", timeout)
+            return
         self._wake.close()
 
     def _run(self) -> None:
+        try:
+            self._pump()
+        finally:
+            for stream in list(self._streams.values()):
+                self._close(stream)
+            self._show(self._collapser.flush())
+
+    def _pump(self) -> None:
         poller = select.poll()
         poller.register(self._wake.fd, select.POLLIN)
+        quiet_since = None
         while True:
             with self._lock:
                 new, self._new = self._new, []
@@ -165,15 +177,22 @@ class LogPump:
             if deadline is not None:
                 wait = max(0, int((deadline - time.monotonic()) * 1000) + 1)
             if self._stopping:
-                wait = 200 if wait is None else min(wait, 200)
+                wait = _QUIET_MS if wait is None else min(wait, _QUIET_MS)
             try:
                 events = poller.poll(wait)
             except InterruptedError:  # pragma: no cover
                 continue
+            now = time.monotonic()
             if deadline is not None:
-                self._show(self._collapser.due(time.monotonic()))
-            if self._stopping and not events:
-                return  # pipes held open by stray grandchildren: stop waiting for them
+                self._show(self._collapser.due(now))
+            if self._stopping:
+                # pipes that stay silent are held open by stray grandchildren: stop waiting
+                if events:
+                    quiet_since = None
+                elif quiet_since is None:
+                    quiet_since = now
+                elif now - quiet_since >= _QUIET_MS / 1000:
+                    return
             for fd, _ in events:
                 if fd == self._wake.fd:
                     self._wake.drain()
@@ -206,7 +225,7 @@ class LogPump:
         if stream.file is not None:
             try:
                 stream.file.write(raw + b"\n")
-            except OSError as exc:  # a full disk must not stop the output pump
+            except (OSError, ValueError) as exc:  # a full disk must not stop the output pump
                 logger.warning("cannot write rank %d's log file: %s", stream.rank, exc)
         line = raw.decode("utf-8", errors="replace").rstrip("\r")
         if stream.is_stderr:

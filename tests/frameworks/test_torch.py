@@ -88,9 +88,9 @@ def test_data_parallel_training_matches_single_process_full_batch_training():
 
 
 def test_the_process_group_is_destroyed_at_worker_exit():
-    from phalanx import bootstrap
-
     import torch.distributed as dist
+
+    from phalanx import bootstrap
 
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
