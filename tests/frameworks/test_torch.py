@@ -28,6 +28,7 @@ def all_reduce_ranks() -> dict:
     }
 
 
+@pytest.mark.slow
 def test_gloo_all_reduce_across_two_simulated_nodes():
     results = px.spmd(all_reduce_ranks, nodes=2, procs_per_node=2, framework="torch",
                       echo_output=False)()
