@@ -10,7 +10,7 @@ from tests import helpers
 from tests.workers import Probe
 
 
-def _wait_for_lines(capfd, out_lines: list[str], err_lines: list[str], timeout: float = 5.0):
+def _wait_for_lines(capfd, out_lines: list[str], err_lines: list[str], timeout: float = 20.0):
     """Collect captured output until every wanted line arrived (the log pump is a thread)."""
     out, err = "", ""
 
