@@ -2,9 +2,10 @@
 
 Each rank builds the same model, trains on its own shard of a synthetic regression
 problem, and averages gradients with torch DistributedDataParallel over gloo. phalanx sets
-RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT before the worker object is built, so
-``init_process_group("gloo")`` needs no arguments. The controller drives the epochs,
-collects the losses, and checks that every rank ends with identical weights.
+RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT before the worker object is built
+(``framework="torch"``), so ``init_process_group("gloo")`` needs no arguments. The
+controller drives the epochs, collects the losses, and checks that every rank ends with
+identical weights. Lines every rank prints alike are shown once, as ``[ranks 0-3] ...``.
 
     python examples/ddp_train.py [--ranks 4] [--epochs 3] [--steps 40]
 """
@@ -36,6 +37,7 @@ class Trainer:
         )
         self.model = DistributedDataParallel(model)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr)
+        print(f"joined the gloo process group of {self.world_size} ranks")
         # The task: y = <x, w_true> + noise; each rank samples its own shard of it.
         self.w_true = torch.linspace(-1.0, 1.0, 16)
 
@@ -63,12 +65,6 @@ class Trainer:
             h.update(p.detach().numpy().tobytes())
         return h.hexdigest()[:16]
 
-    def close(self) -> None:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -79,14 +75,15 @@ def main() -> None:
     opts = parser.parse_args()
 
     started = time.perf_counter()
-    with px.WorkerGroup(Trainer, args=(opts.lr,), procs_per_node=opts.ranks) as group:
+    with px.WorkerGroup(Trainer, args=(opts.lr,), procs_per_node=opts.ranks,
+                        framework="torch") as group:
         print(f"{group.world_size} ranks ready in {time.perf_counter() - started:.1f} s")
         for epoch in range(opts.epochs):
             losses = group.call("train_epoch", epoch, opts.steps)
             shown = ", ".join(f"{loss:.4f}" for loss in losses)
             print(f"epoch {epoch}: mean loss per rank [{shown}]")
         digests = group.call("weights_digest")
-        group.shutdown(cleanup="close")
+    # leaving the block shut the group down; framework="torch" destroyed each process group
     if len(set(digests)) != 1:
         raise SystemExit(f"ranks disagree on the weights: {digests}")
     print(f"all {len(digests)} ranks hold identical weights (sha256 {digests[0]})")
