@@ -200,16 +200,11 @@ def ray_start_command(node: int, launch: Launch) -> list[str]:
     stops that node's Ray processes). Node 0 is the head; the others join it."""
     address = launch.node_addrs[node]
     if node == 0:
-        command = ["ray", "start", "--head", f"--port={launch.port('ray')}"]
+        command = ["ray", "start", "--head", f"--port={launch.port('ray')}",
+                   "--include-dashboard=false"]
     else:
         command = ["ray", "start", f"--address={ray_address(launch)}"]
-    command += [
-        f"--node-ip-address={address}",
-        "--disable-usage-stats",
-        "--include-dashboard=false",
-        "--block",
-    ]
-    return command
+    return [*command, f"--node-ip-address={address}", "--disable-usage-stats", "--block"]
 
 
 def _ray_service(node: int, launch: Launch) -> NodeService:

@@ -1,6 +1,7 @@
-"""framework="ray": phalanx starts a Ray cluster, runs the function on node 0 with
-RAY_ADDRESS set, and stops the cluster afterwards. Real on one node; the multi-node start
-commands are checked as generated commands in tests/unit/test_frameworks.py."""
+"""framework="ray": phalanx starts a Ray cluster (head on node 0, the other nodes join it),
+runs the function on node 0 with RAY_ADDRESS set, and stops the cluster afterwards. Real:
+two simulated nodes each run a Ray node on this machine. The start commands for nodes on
+other hosts are checked as generated commands in tests/unit/test_frameworks.py."""
 
 from __future__ import annotations
 
@@ -42,16 +43,16 @@ def _ray_daemons() -> set[int]:
 
 
 @pytest.mark.slow
-def test_ray_cluster_is_started_used_from_node_zero_and_stopped():
+def test_ray_cluster_is_started_on_two_nodes_used_from_node_zero_and_stopped():
     before = _ray_daemons()
-    results = px.spmd(use_the_cluster, framework="ray", echo_output=False,
+    results = px.spmd(use_the_cluster, nodes=2, framework="ray", echo_output=False,
                       start_timeout=120)()
     assert len(results) == 1  # single controller: the function ran on node 0 only
     (result,) = results
     assert result["rank"] == 0
     assert result["address"].startswith("127.0.0.1:")
     assert result["squares"] == [0, 1, 4, 9]
-    assert result["nodes"] == 1
+    assert result["nodes"] == 2  # node 1's worker joined the cluster
     started = set(result["cluster_pids"]) - before
     assert started, "the group's Ray cluster had no gcs_server/raylet"
     assert not started & _ray_daemons(), "the group's Ray processes outlived it"

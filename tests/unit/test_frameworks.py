@@ -241,9 +241,9 @@ def test_ray_variables_and_node_services():
         "start",
         "--head",
         "--port=6379",
+        "--include-dashboard=false",
         "--node-ip-address=10.0.0.1",
         "--disable-usage-stats",
-        "--include-dashboard=false",
         "--block",
     )
     assert head_service.after is None  # the head waits for nobody
@@ -257,9 +257,8 @@ def test_ray_variables_and_node_services():
         "--address=10.0.0.1:6379",
         "--node-ip-address=10.0.0.2",
         "--disable-usage-stats",
-        "--include-dashboard=false",
         "--block",
-    )
+    )  # Ray refuses dashboard options on a joining node
     assert "--head" not in worker_service.command
     assert worker_service.after == ("10.0.0.1", 6379)  # joins only once the head listens
     assert worker_service.ready_line == "Ray runtime started"
