@@ -110,7 +110,9 @@ class LogPump:
 
     def __init__(self, options: OutputOptions | None = None) -> None:
         self._options = options or OutputOptions()
-        self._collapser = LineCollapser(self._options.collapse_window, self._options.world)
+        options = self._options
+        shown = options.world if options.ranks is None else len(options.ranks)
+        self._collapser = LineCollapser(options.collapse_window, shown)
         self._streams: dict[int, _Stream] = {}
         self._lock = threading.Lock()
         self._new: list[_Stream] = []
