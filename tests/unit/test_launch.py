@@ -1,0 +1,58 @@
+"""The launcher's pure parts: exit statuses, the root-cause report, rank lists."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from phalanx.cli import parse_ranks
+from phalanx.errors import ProcessFailure, RemoteFailure, WorkerDied, WorkerError
+from phalanx.launch import Failure, failure_from, format_report, shell_status, signal_status
+
+
+@pytest.mark.parametrize(("code", "status"), [(0, 0), (3, 3), (255, 255), (-1, 255),
+                                              (256, 1), (257, 1), (512, 1)])
+def test_shell_status_never_turns_a_failure_into_success(code, status):
+    assert shell_status(code) == status
+
+
+@pytest.mark.parametrize(("exitcode", "status"), [(-9, 137), (-15, 143), (-2, 130), (4, 4)])
+def test_signal_status_is_what_a_shell_reports(exitcode, status):
+    assert signal_status(exitcode) == status
+
+
+def test_a_worker_error_reports_type_message_and_traceback():
+    remote = RemoteFailure("ValueError", "bad input", "Traceback ...\nValueError: bad input\n",
+                           "running the method", None)
+    failure = failure_from(WorkerError(remote, rank=2, node=1, pid=42, method="run"))
+    assert failure == Failure(2, 1, 42, 1, "raised ValueError: bad input",
+                              "Traceback ...\nValueError: bad input\n")
+    report = format_report(failure).splitlines()
+    assert report[1] == "phalanx run failed"
+    assert report[2] == "root cause: rank 2 (node 1, pid 42) raised ValueError: bad input"
+    assert report[3] == "exit status: 1"
+    assert "ValueError: bad input" in report
+
+
+def test_a_killed_rank_reports_the_signal_and_its_last_stderr_lines():
+    died = WorkerDied(ProcessFailure(rank=0, node=0, pid=7, exitcode=-9,
+                                     stderr_tail=("allocating 80 GiB",)))
+    failure = failure_from(died)
+    assert failure.status == 137
+    report = format_report(failure, attempts=3)
+    assert "phalanx run failed after 3 attempts" in report
+    assert "rank 0 (node 0, pid 7) killed by SIGKILL" in report
+    assert "  allocating 80 GiB" in report
+
+
+@pytest.mark.parametrize(("text", "ranks"), [("0", (0,)), ("2,0", (0, 2)), ("0-3", (0, 1, 2, 3)),
+                                             ("1,4-5,1", (1, 4, 5))])
+def test_parse_ranks(text, ranks):
+    assert parse_ranks(text) == ranks
+
+
+@pytest.mark.parametrize("text", ["", "x", "1-", "-1", "0,,1"])
+def test_parse_ranks_rejects_nonsense(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="ranks"):
+        parse_ranks(text)
