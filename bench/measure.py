@@ -11,6 +11,7 @@ from functools import partial
 import numpy as np
 
 from bench.contenders import Contender
+from bench.launcher import w8_launcher
 from bench.sharded import w7_sharded
 from bench.util import (
     Errors,
@@ -286,4 +287,5 @@ WORKLOADS: dict[str, Callable[[Sequence[Contender], Plan, Errors], list[Row]]] =
     "W5": w5_death,
     "W6": w6_leftovers,
     "W7": w7_sharded,
+    "W8": w8_launcher,
 }
