@@ -27,19 +27,36 @@ SERVICE_START_TIMEOUT = 120.0  # seconds for a node service (a Ray node) to come
 SERVICE_STOP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL when stopping it
 
 # Runs the service with PR_SET_PDEATHSIG = SIGTERM (kept across exec): should the worker be
-# killed, the service is told to stop too instead of outliving it.
+# killed, the service is told to stop too instead of outliving it. The parent check closes
+# the window in which the worker died before the signal was armed.
 _PDEATHSIG_EXEC = (
     "import ctypes,os,signal,sys\n"
     "ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)\n"
-    "os.execvp(sys.argv[1], sys.argv[1:])\n"
+    "if os.getppid() != int(sys.argv[1]): os._exit(1)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
 )
+_OUTPUT_LIMIT = 1 << 20  # bytes of a service's output read back at most
 
 
 # -- hooks named by frameworks.FRAMEWORKS ---------------------------------------------------
 
 
 def jax_setup() -> None:
-    """Teach ``jax.distributed.initialize()`` (no arguments) to read phalanx's variables."""
+    """Teach ``jax.distributed.initialize()`` (no arguments) to read phalanx's variables.
+
+    This uses jax's cluster-detection hook (``jax._src.clusters.ClusterEnv``, private): if
+    a jax release moves it, the rank still starts, with a warning, and
+    ``initialize()`` then needs the ``JAX_*`` values passed explicitly.
+    """
+    try:
+        _register_jax_cluster()
+    except (ImportError, AttributeError, ValueError) as exc:
+        logger.warning("cannot register phalanx with jax.distributed (%s: %s); pass "
+                       "coordinator_address, num_processes and process_id to initialize()",
+                       type(exc).__name__, exc)
+
+
+def _register_jax_cluster() -> None:
     from jax._src import clusters
 
     class PhalanxCluster(clusters.ClusterEnv):
@@ -127,14 +144,15 @@ class RunningService:
         if spec.after is not None:
             self._wait(lambda: _accepts(spec.after), deadline,  # type: ignore[arg-type]
                        f"{spec.after[0]}:{spec.after[1]} to accept connections")
-        self._log = tempfile.NamedTemporaryFile(
-            prefix="phalanx-service-", suffix=".log", delete=False
-        )
+        # Its output goes to an unlinked temporary file: nothing is left behind, however the
+        # worker ends.
+        self._out_fd, path = tempfile.mkstemp(prefix="phalanx-service-", suffix=".log")
+        os.unlink(path)
         command = [_executable(spec.command[0]), *spec.command[1:]]
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _PDEATHSIG_EXEC, *command],
+            [sys.executable, "-c", _PDEATHSIG_EXEC, str(os.getpid()), *command],
             stdin=subprocess.DEVNULL,
-            stdout=self._log,
+            stdout=self._out_fd,
             stderr=subprocess.STDOUT,
             env={**os.environ, **spec.env},
         )
@@ -151,8 +169,7 @@ class RunningService:
                 + self.output_tail()
             )
         if self.spec.ready_line is not None:
-            with open(self._log.name, errors="replace") as f:
-                return self.spec.ready_line in f.read()
+            return self.spec.ready_line in self.output()
         if self.spec.ready_port is not None:
             return _accepts(self.spec.ready_port)
         return True
@@ -163,12 +180,20 @@ class RunningService:
                 raise TimeoutError(f"gave up waiting for {what}:\n{self.output_tail()}")
             time.sleep(0.1)
 
-    def output_tail(self, lines: int = 20) -> str:
-        try:
-            with open(self._log.name, errors="replace") as f:
-                return "".join(f.readlines()[-lines:])
-        except (OSError, AttributeError):
+    def output(self) -> str:
+        """What the service wrote so far (its last megabyte)."""
+        fd = getattr(self, "_out_fd", None)
+        if fd is None:
             return ""
+        try:
+            size = os.fstat(fd).st_size
+            data = os.pread(fd, _OUTPUT_LIMIT, max(0, size - _OUTPUT_LIMIT))
+        except OSError:
+            return ""
+        return data.decode("utf-8", errors="replace")
+
+    def output_tail(self, lines: int = 20) -> str:
+        return "".join(self.output().splitlines(keepends=True)[-lines:])
 
     def stop(self, grace: float = SERVICE_STOP_GRACE) -> None:
         """SIGTERM, wait up to ``grace``, then SIGKILL it and every process it started."""
@@ -191,9 +216,8 @@ class RunningService:
             self.proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(5.0)
-        self._log.close()
         with contextlib.suppress(OSError):
-            os.unlink(self._log.name)
+            os.close(self._out_fd)
 
 
 # -- entry points used by the worker ------------------------------------------------------

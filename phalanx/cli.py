@@ -191,9 +191,10 @@ def _run(parser: argparse.ArgumentParser, options: argparse.Namespace) -> int:
     )
     try:
         return launch.run(run_options)
-    except (ValueError, TypeError, PhalanxError) as exc:  # options the group refused
-        parser.exit(USAGE_ERROR if not isinstance(exc, PhalanxError) else 1,
-                    f"phalanx run: {exc}\n")
+    except launch.BadOptions as exc:  # options the group refused before starting
+        parser.exit(USAGE_ERROR, f"phalanx run: {exc}\n")
+    except (PhalanxError, OSError) as exc:  # a missing framework, an unwritable log dir
+        parser.exit(1, f"phalanx run: {exc}\n")
     return USAGE_ERROR  # pragma: no cover
 
 

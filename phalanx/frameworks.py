@@ -64,10 +64,19 @@ class Launch:
     ports: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     token: str = ""  # shared secret for framework services that authenticate (Ray)
     gpus_per_worker: int = 0
-    visible_gpus: tuple[str, ...] = ()  # device ids a node's workers are drawn from
+    visible_gpus: tuple[str, ...] = ()  # device ids as the machine lists them
+    # per node, the positions in visible_gpus of its devices; () = every node has them all
+    # (nodes on separate machines); simulated nodes on one machine split its GPUs
+    node_gpus: tuple[tuple[int, ...], ...] = ()
 
     def port(self, name: str, node: int = 0) -> int:
         return self.ports[name][node]
+
+    def gpus_of(self, node: int) -> tuple[int, ...]:
+        """Positions in ``visible_gpus`` of the devices node ``node``'s workers may use."""
+        if self.node_gpus:
+            return self.node_gpus[node]
+        return tuple(range(len(self.visible_gpus)))
 
 
 def rank_env(layout: Layout, rank: int, master_addr: str, master_port: int) -> dict[str, str]:
@@ -155,17 +164,30 @@ class Framework:
     one_per_node: bool = False
 
 
+def jax_local_devices(layout: Layout, rank: int, launch: Launch) -> list[int] | None:
+    """The devices (as jax numbers them in the process) one rank uses; None: leave jax be."""
+    if launch.gpus_per_worker:  # its GPUs, renumbered from 0 by CUDA_VISIBLE_DEVICES
+        return list(range(launch.gpus_per_worker))
+    local_rank = layout.local_rank_of(rank)
+    mine = launch.gpus_of(layout.node_of(rank))
+    if not mine:  # CPU: one device per process, as jax does under its cluster managers
+        return [local_rank]
+    share = len(mine) // layout.procs_per_node  # an equal share of the node's GPUs
+    if share == 0:
+        return None  # fewer GPUs than processes: nothing sensible to pin
+    return list(mine[local_rank * share : (local_rank + 1) * share])
+
+
 def _jax_env(layout: Layout, rank: int, launch: Launch) -> dict[str, str]:
-    if launch.gpus_per_worker:  # the rank's GPUs are renumbered from 0 by CUDA_VISIBLE_DEVICES
-        local_ids = ",".join(str(i) for i in range(launch.gpus_per_worker))
-    else:  # one device per process, as jax does under its own cluster managers
-        local_ids = str(layout.local_rank_of(rank))
-    return {
+    env = {
         "JAX_COORDINATOR_ADDRESS": f"{launch.master_addr}:{launch.port('jax')}",
         "JAX_PROCESS_ID": str(rank),
         "JAX_NUM_PROCESSES": str(layout.world_size),
-        "JAX_LOCAL_DEVICE_IDS": local_ids,
     }
+    devices = jax_local_devices(layout, rank, launch)
+    if devices is not None:
+        env["JAX_LOCAL_DEVICE_IDS"] = ",".join(str(d) for d in devices)
+    return env
 
 
 def tf_config(layout: Layout, node: int, launch: Launch) -> dict:
@@ -338,10 +360,16 @@ def check_layout(framework: Framework, procs_per_node: int) -> None:
         )
 
 
-def resolve_procs_per_node(procs_per_node: int | str, framework: Framework, gpus: int) -> int:
-    """``"auto"`` becomes the framework's count for a node with ``gpus`` GPUs."""
+def resolve_procs_per_node(
+    procs_per_node: int | str, framework: Framework, gpus: int, gpus_per_worker: int = 0
+) -> int:
+    """``"auto"`` becomes the framework's count for a node with ``gpus`` GPUs, each worker
+    taking ``gpus_per_worker`` of them (or one)."""
     if procs_per_node == "auto":
-        return 1 if framework.one_per_node else framework.auto_procs(gpus)
+        if framework.one_per_node:
+            return 1
+        per_worker = gpus_per_worker if isinstance(gpus_per_worker, int) else 1
+        return framework.auto_procs(gpus // max(per_worker, 1))
     if isinstance(procs_per_node, str):
         raise ValueError(f"procs_per_node must be a positive integer or 'auto', "
                          f"got {procs_per_node!r}")
@@ -355,7 +383,9 @@ def parse_visible_gpus(value: str | None) -> tuple[str, ...] | None:
     return tuple(part.strip() for part in value.split(",") if part.strip())
 
 
-def check_gpus(gpus_per_worker: int, procs_per_node: int, visible: Sequence[str]) -> None:
+def check_gpus(
+    gpus_per_worker: int, procs_per_node: int, visible: Sequence[str], note: str = ""
+) -> None:
     if not isinstance(gpus_per_worker, int) or isinstance(gpus_per_worker, bool) \
             or gpus_per_worker < 0:
         raise ValueError(f"gpus_per_worker must be a non-negative integer, "
@@ -365,18 +395,24 @@ def check_gpus(gpus_per_worker: int, procs_per_node: int, visible: Sequence[str]
         raise ValueError(
             f"gpus_per_worker={gpus_per_worker} x {procs_per_node} workers per node needs "
             f"{needed} GPUs per node, but {len(visible)} are visible"
-            + (f" ({','.join(visible)})" if visible else "")
+            + (f" ({','.join(visible)})" if visible else "") + note
         )
 
 
-def gpu_env(local_rank: int, launch: Launch) -> dict[str, str]:
+def split_gpus(count: int, nodes: int) -> tuple[tuple[int, ...], ...]:
+    """Simulated nodes on one machine: node ``n`` gets the ``n``-th equal block of its GPUs."""
+    block = count // nodes
+    return tuple(tuple(range(n * block, (n + 1) * block)) for n in range(nodes))
+
+
+def gpu_env(local_rank: int, launch: Launch, node: int = 0) -> dict[str, str]:
     """``CUDA_VISIBLE_DEVICES``: local rank ``i`` gets the ``i``-th block of
     ``gpus_per_worker`` devices of its node."""
     if not launch.gpus_per_worker:
         return {}
     first = local_rank * launch.gpus_per_worker
-    devices = launch.visible_gpus[first : first + launch.gpus_per_worker]
-    return {"CUDA_VISIBLE_DEVICES": ",".join(devices)}
+    mine = launch.gpus_of(node)[first : first + launch.gpus_per_worker]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(launch.visible_gpus[i] for i in mine)}
 
 
 def worker_env(framework: Framework, layout: Layout, rank: int, launch: Launch) -> dict[str, str]:
@@ -384,7 +420,7 @@ def worker_env(framework: Framework, layout: Layout, rank: int, launch: Launch) 
     env = rank_env(layout, rank, launch.master_addr, launch.master_port)
     env[ENV_FRAMEWORK] = framework.name
     env.update(framework.env(layout, rank, launch))
-    env.update(gpu_env(layout.local_rank_of(rank), launch))
+    env.update(gpu_env(layout.local_rank_of(rank), launch, layout.node_of(rank)))
     if framework.service is not None and layout.local_rank_of(rank) == 0:
         env[ENV_NODE_SERVICE] = framework.service(layout.node_of(rank), launch).to_json()
     return env

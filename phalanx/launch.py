@@ -18,7 +18,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from phalanx import console
+from phalanx import config, console
 from phalanx.errors import PhalanxError, StartupError, WorkerDied, WorkerError, likely_cause
 from phalanx.frameworks import RESTART_VARS
 
@@ -52,12 +52,21 @@ class ScriptRunner:
                 runpy.run_module(self.target, run_name="__main__", alter_sys=True)
             else:
                 runpy.run_path(path, run_name="__main__")
+            status = 0
         except SystemExit as exc:
-            return _exit_status(exc.code)
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        return 0
+            status = _exit_status(exc.code)
+        _join_program_threads()  # as the interpreter would before exiting
+        sys.stdout.flush()
+        sys.stderr.flush()
+        return status
+
+
+def _join_program_threads() -> None:
+    """Wait for the non-daemon threads the program started (phalanx's own are daemons)."""
+    current = threading.current_thread()
+    for thread in threading.enumerate():
+        if thread is not current and not thread.daemon and thread.is_alive():
+            thread.join()
 
 
 def _exit_status(code: Any) -> int:
@@ -124,7 +133,9 @@ def failure_from(exc: BaseException) -> Failure:
         return Failure(exc.rank, exc.node, exc.pid, status, likely_cause(exc.exitcode),
                        None, exc.stderr_tail)
     if isinstance(exc, StartupError):
-        return Failure(exc.rank, None, None, FAILED, f"could not start: {exc}", exc.traceback)
+        first_line = str(exc).split("\n", 1)[0]  # the traceback follows in the report
+        return Failure(exc.rank, None, None, FAILED, f"could not start: {first_line}",
+                       exc.traceback)
     return Failure(None, None, None, FAILED, f"{type(exc).__name__}: {exc}")
 
 
@@ -151,14 +162,26 @@ def format_report(failure: Failure, attempts: int = 1) -> str:
     return "\n".join(lines)
 
 
+class BadOptions(ValueError):
+    """The group refused the launcher's options before anything started."""
+
+
 class _Signals:
-    """Forwards SIGINT/SIGTERM to the running group; SIGKILL after ``grace`` seconds, or at
-    once on a second signal."""
+    """Forwards SIGINT/SIGTERM to the ranks still running the program; SIGKILL to every rank
+    after ``grace`` seconds, or at once on a second signal. A signal while a group starts
+    interrupts the start (which stops what it had started).
+
+    The handler runs on the main thread between any two bytecodes: it only reads the group's
+    rank table, sends signals, and writes its notice straight to file descriptor 2 (the
+    console lock may be held by the output thread).
+    """
 
     def __init__(self, grace: float) -> None:
         self.grace = grace
         self.received: int | None = None
         self.group: Any = None
+        self.running: set[int] = set()  # ranks whose program has not finished
+        self.starting = False
         self._timer: threading.Timer | None = None
         self._previous: dict[int, Any] = {}
 
@@ -176,18 +199,21 @@ class _Signals:
     def _handle(self, signum: int, frame: object) -> None:
         first = self.received is None
         self.received = self.received or signum
+        if self.starting:
+            self.starting = False
+            raise KeyboardInterrupt  # the group's start stops what it had started
         group = self.group
         if group is None:
             return
         if not first:
             self._kill(group)
             return
-        console.notice(f"phalanx run: got {signal.Signals(signum).name}, forwarding it to every "
-                       f"rank (SIGKILL in {self.grace:g} s)")
         try:
-            group.send_signal(signum)
+            group.send_signal(signum, workers=sorted(self.running))
         except PhalanxError:
             return
+        _say(f"phalanx run: got {signal.Signals(signum).name}, forwarded it to the running "
+             f"ranks (SIGKILL in {self.grace:g} s)")
         self._timer = threading.Timer(self.grace, self._kill, args=(group,))
         self._timer.daemon = True
         self._timer.start()
@@ -195,19 +221,31 @@ class _Signals:
     @staticmethod
     def _kill(group: Any) -> None:
         try:
-            group.send_signal(signal.SIGKILL)
+            group.send_signal(signal.SIGKILL, workers="ready")
         except PhalanxError:
             pass
 
 
-def _attempt(options: RunOptions, restart: int, signals: _Signals) -> Failure | None:
+def _say(text: str) -> None:
+    try:
+        os.write(2, (text + "\n").encode())
+    except OSError:
+        pass
+
+
+def _start(options: RunOptions, restart: int, signals: _Signals) -> Any:
+    """The group for one attempt; None if a signal interrupted its start."""
     from phalanx.group import WorkerGroup
+    from phalanx.placement import place
 
     env = {name: str(restart) for name in RESTART_VARS}
-    if "OMP_NUM_THREADS" not in os.environ:  # as torchrun: ranks share the cores
-        env["OMP_NUM_THREADS"] = "1"
+    signals.starting = signals.received is None
     try:
-        group = WorkerGroup(
+        world = place(options.framework, options.nodes, options.procs_per_node,
+                      options.gpus_per_worker).layout.world_size
+        if "OMP_NUM_THREADS" not in os.environ and world > 1:  # as torchrun: ranks share cores
+            env["OMP_NUM_THREADS"] = "1"
+        return WorkerGroup(
             ScriptRunner,
             args=(options.target, options.args, options.is_module),
             nodes=options.nodes,
@@ -220,29 +258,57 @@ def _attempt(options: RunOptions, restart: int, signals: _Signals) -> Failure | 
             log_dir=options.log_dir,
             start_timeout=options.start_timeout,
         )
+    except KeyboardInterrupt:
+        if signals.received is None:
+            raise
+        return None
+    except (ValueError, TypeError) as exc:
+        raise BadOptions(str(exc)) from exc
+    finally:
+        signals.starting = False
+
+
+def _attempt(options: RunOptions, restart: int, signals: _Signals) -> Failure | None:
+    try:
+        group = _start(options, restart, signals)
     except StartupError as exc:
         return failure_from(exc)
+    if group is None or signals.received is not None:
+        if group is not None:
+            group.shutdown(timeout=2.0)
+        return None
     failure = None
     try:
+        ranks = [0] if group.single_controller else list(range(group.world_size))
+        signals.running = set(ranks)
         signals.group = group
-        if signals.received is not None:  # a signal arrived while the group started
-            return None
-        workers = [0] if group.single_controller else "all"
-        for rank_future in group.call_async("run", workers=workers):
-            error = rank_future.exception()
-            if error is not None:
-                failure = failure_from(error)
+        for rank_future in group.call_async("run", workers=ranks):
+            signals.running.discard(rank_future.rank)
+            failure = _outcome(group, rank_future)
+            if failure is not None:
                 break
-            status = rank_future.result()
-            if status != 0:
-                health = group.health()[rank_future.rank]
-                failure = Failure(health.rank, health.node, health.pid, shell_status(status),
-                                  f"exited with code {status}")
-                break
+    except PhalanxError as exc:  # a rank died before the program was sent to it
+        failure = failure_from(exc)
     finally:
         signals.group = None
-        group.shutdown(timeout=5.0 if failure is None else 2.0)
+        # a finished program's rank may still be running threads and atexit handlers
+        group.shutdown(timeout=config.DEFAULT_SHUTDOWN_TIMEOUT if failure is None else 2.0)
     return failure
+
+
+def _outcome(group: Any, rank_future: Any) -> Failure | None:
+    """None when the rank's program succeeded, else how it failed."""
+    error = rank_future.exception()
+    if isinstance(error, WorkerDied) and error.exitcode == 0:
+        return None  # os._exit(0): the program ended, successfully
+    if error is not None:
+        return failure_from(error)
+    status = rank_future.result()
+    if status == 0:
+        return None
+    health = group.health()[rank_future.rank]
+    return Failure(health.rank, health.node, health.pid, shell_status(status),
+                   f"exited with code {status}")
 
 
 def run(options: RunOptions) -> int:

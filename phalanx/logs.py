@@ -63,13 +63,20 @@ class OutputOptions:
             directory = pathlib.Path(log_dir)
             try:
                 directory.mkdir(parents=True, exist_ok=True)
+                for rank in range(world):  # every file can be written, before any start
+                    for name in ("stdout", "stderr"):
+                        open(log_path(directory, rank, name), "ab").close()
             except OSError as exc:
-                raise ValueError(f"log_dir={str(log_dir)!r} cannot be created: {exc}") from None
+                raise ValueError(f"log_dir={str(log_dir)!r} cannot be written: {exc}") from None
         window = config.COLLAPSE_WINDOW if collapse else 0.0
         return cls(bool(echo), window, shown, directory, world)
 
     def shows(self, rank: int) -> bool:
         return self.echo and (self.ranks is None or rank in self.ranks)
+
+
+def log_path(directory: pathlib.Path, rank: int, name: str) -> pathlib.Path:
+    return directory / f"rank-{rank}.{name}.log"
 
 
 class _Stream:
@@ -140,8 +147,8 @@ class LogPump:
     def _open_log(self, rank: int, name: str) -> BinaryIO | None:
         if self._options.log_dir is None:
             return None
-        path = self._options.log_dir / f"rank-{rank}.{name}.log"
-        return open(path, "ab", buffering=0)  # appended to across restarts of the rank
+        # appended to across restarts of the rank
+        return open(log_path(self._options.log_dir, rank, name), "ab", buffering=0)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop once the pipes still open have drained (each write end is closed once its

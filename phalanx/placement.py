@@ -23,6 +23,7 @@ from phalanx.frameworks import (
     get_framework,
     parse_visible_gpus,
     resolve_procs_per_node,
+    split_gpus,
 )
 
 NVIDIA_GPUS_DIR = "/proc/driver/nvidia/gpus"  # one entry per GPU the driver knows
@@ -68,6 +69,7 @@ class Placement:
     layout: Layout
     gpus_per_worker: int
     gpus: tuple[str, ...]
+    node_gpus: tuple[tuple[int, ...], ...] = ()
 
 
 def place(
@@ -76,16 +78,25 @@ def place(
     procs_per_node: int | str,
     gpus_per_worker: int,
     environ: Mapping[str, str] | None = None,
+    *,
+    one_machine: bool = True,
 ) -> Placement:
-    """Check the options and resolve ``"auto"``; every error before anything starts."""
+    """Check the options and resolve ``"auto"``; every error before anything starts.
+
+    ``one_machine``: the nodes are simulated on this machine (the local backend), so they
+    split its GPUs between them rather than each having them all.
+    """
     fw = get_framework(framework)
     gpus = visible_gpus(environ)
-    procs = resolve_procs_per_node(procs_per_node, fw, len(gpus))
+    node_gpus = split_gpus(len(gpus), nodes) if one_machine and nodes > 1 else ()
+    first_node = node_gpus[0] if node_gpus else tuple(range(len(gpus)))
+    procs = resolve_procs_per_node(procs_per_node, fw, len(first_node), gpus_per_worker)
     layout = Layout(nodes, procs)
     check_layout(fw, procs)
-    check_gpus(gpus_per_worker, procs, gpus)
+    note = f"; the {nodes} simulated nodes share this machine's {len(gpus)}" if node_gpus else ""
+    check_gpus(gpus_per_worker, procs, [gpus[i] for i in first_node], note)
     require_package(fw)
-    return Placement(fw, layout, gpus_per_worker, gpus)
+    return Placement(fw, layout, gpus_per_worker, gpus, node_gpus)
 
 
 def new_launch(placement: Placement, master_addr: str) -> Launch:
@@ -113,4 +124,5 @@ def new_launch(placement: Placement, master_addr: str) -> Launch:
         token=secrets.token_hex(16) if placement.framework.ports else "",
         gpus_per_worker=placement.gpus_per_worker,
         visible_gpus=placement.gpus,
+        node_gpus=placement.node_gpus,
     )

@@ -382,6 +382,8 @@ def main() -> None:
         _flush_and_exit(conn, exc.code, runtime=runtime)
     except wire.ConnectionLost:
         code = 0
+    except KeyboardInterrupt:  # SIGINT while idle (e.g. sent with group.send_signal): exit
+        code = 128 + 2
     runtime.cleanup()
     deadline = time.monotonic() + 1.0
     while conn.has_backlog() and time.monotonic() < deadline:

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Sequence
 
@@ -49,7 +50,14 @@ class LocalBackend(Backend):
 
     def _start(self, spec: WorkerSpec) -> WorkerHandle:
         proc = node.spawn_worker(spec.env, cwd=spec.cwd)
-        tap = self._logs.attach(spec.rank, proc.stdout_fd, proc.stderr_fd)
+        try:
+            tap = self._logs.attach(spec.rank, proc.stdout_fd, proc.stderr_fd)
+        except BaseException:  # e.g. its log file vanished: it has no handle to stop it by
+            node.stop_processes([proc], force=True)
+            for fd in (proc.stdout_fd, proc.stderr_fd, proc.read_fd, proc.write_fd):
+                os.close(fd)
+            proc.release()
+            raise
         stream = streams.PipeStream(proc.read_fd, proc.write_fd, blocking_reads=False)
         conn = wire.Connection(stream, self._writer)
         return LocalWorker(spec, proc, conn, tap)

@@ -448,13 +448,13 @@ time.sleep(60)
 class Launcher:
     """A launcher started in the background, its output going to files in ``directory``."""
 
-    def __init__(self, directory: Path, *args: str) -> None:
+    def __init__(self, directory: Path, *args: str, env: dict[str, str] | None = None) -> None:
         self.out_path = directory / "launcher.stdout"
         self.err_path = directory / "launcher.stderr"
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
             self.proc = subprocess.Popen(
                 [*PHALANX, "run", *args], stdout=out, stderr=err, cwd=directory,
-                env=launcher_env(), start_new_session=True,  # its own group, as in a shell
+                env=env or launcher_env(), start_new_session=True,  # own group, as in a shell
             )
         self.pids: list[int] = []
 
@@ -506,8 +506,8 @@ class Launcher:
 def launch(tmp_path):
     launchers: list[Launcher] = []
 
-    def start(*args: str) -> Launcher:
-        launcher = Launcher(tmp_path, *args)
+    def start(*args: str, env: dict[str, str] | None = None) -> Launcher:
+        launcher = Launcher(tmp_path, *args, env=env)
         launchers.append(launcher)
         return launcher
 
@@ -529,7 +529,7 @@ def test_sigint_interrupts_every_rank(tmp_path, launch, to_group):
     assert status == 130, launcher.describe()
     assert elapsed < 10, launcher.describe()
     assert ranks_saying(launcher.stdout, "interrupted") == [0, 1], launcher.describe()
-    assert "got SIGINT, forwarding it to every rank" in launcher.stderr
+    assert "got SIGINT, forwarded it to the running ranks" in launcher.stderr
     assert "stopped by SIGINT" in launcher.stderr
     assert "phalanx run failed" not in launcher.stderr
     assert_gone(pids)
@@ -544,7 +544,7 @@ def test_sigterm_terminates_every_rank(tmp_path, launch):
     assert status == 143, launcher.describe()
     assert elapsed < 10, launcher.describe()
     assert "interrupted" not in launcher.stdout
-    assert "got SIGTERM, forwarding it to every rank" in launcher.stderr
+    assert "got SIGTERM, forwarded it to the running ranks" in launcher.stderr
     assert "stopped by SIGTERM" in launcher.stderr
     assert "phalanx run failed" not in launcher.stderr
     assert_gone(pids)
@@ -567,7 +567,7 @@ def test_second_sigint_kills_at_once(tmp_path, launch):
     launcher = launch("-n", "2", "--grace", "60", "ignorer.py")
     pids = launcher.wait_ready(2)
     launcher.proc.send_signal(signal.SIGINT)
-    launcher.wait_stderr("got SIGINT, forwarding it to every rank (SIGKILL in 60 s)")
+    launcher.wait_stderr("got SIGINT, forwarded it to the running ranks (SIGKILL in 60 s)")
     launcher.proc.send_signal(signal.SIGINT)
     status, elapsed = launcher.wait()
     assert status == 130, launcher.describe()
@@ -730,3 +730,84 @@ def test_torch_framework_all_reduce(tmp_path):
         assert f"[rank {rank}] rank {rank} of 2: sum 3" in result.stdout.splitlines(), (
             describe(result))
 
+
+
+# -- programs that end in unusual ways, signals at awkward moments ---------------------------
+
+
+def test_a_rank_ending_with_os_exit_0_has_succeeded(tmp_path):
+    write(tmp_path, "quick_exit.py", """\
+        import os
+        import time
+
+        if os.environ["RANK"] == "1":
+            time.sleep(1.5)  # still working when rank 0 is gone
+            print("rank 1 finished", flush=True)
+        os._exit(0)  # skipping interpreter teardown, as jobs do to avoid slow exits
+    """)
+    result = phalanx(tmp_path, "run", "-n", "2", "--max-restarts", "1", "quick_exit.py")
+    assert result.returncode == 0, describe(result)
+    assert "[rank 1] rank 1 finished" in result.stdout.splitlines(), describe(result)
+    assert "restarting" not in result.stderr and "failed" not in result.stderr
+
+
+def test_threads_the_program_left_running_are_waited_for(tmp_path):
+    write(tmp_path, "upload.py", """\
+        import threading
+        import time
+
+        def upload():
+            time.sleep(1.0)
+            with open("uploaded", "w") as f:
+                f.write("done")
+
+        threading.Thread(target=upload).start()  # not a daemon: Python waits for it
+    """)
+    result = phalanx(tmp_path, "run", "upload.py")
+    assert result.returncode == 0, describe(result)
+    assert (tmp_path / "uploaded").read_text() == "done"
+
+
+def test_a_signal_while_the_group_starts_stops_the_start(tmp_path, launch):
+    # A fake `ray` on PATH stands in for a framework service that is slow to come up.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "ray"
+    fake.write_text("#!/bin/sh\necho $$ > fake-ray.pid\nexec sleep 60\n")
+    fake.chmod(0o755)
+    write(tmp_path, "never.py", "print('must not run')\n")
+    env = launcher_env(PATH=f"{bin_dir}:{os.environ['PATH']}")
+    launcher = launch("--framework", "ray", "--start-timeout", "60", "never.py", env=env)
+    pid_file = tmp_path / "fake-ray.pid"
+    assert helpers.wait_until(pid_file.exists, READY_TIMEOUT), launcher.describe()
+    fake_pid = int(pid_file.read_text())
+    launcher.proc.send_signal(signal.SIGINT)
+    status, elapsed = launcher.wait()
+    assert status == 130, launcher.describe()
+    assert elapsed < 10, launcher.describe()
+    assert "must not run" not in launcher.stdout
+    assert_gone([fake_pid])
+
+
+def test_ranks_that_finished_are_not_interrupted(tmp_path, launch):
+    write(tmp_path, "uneven.py", """\
+        import os
+        import time
+
+        print("ready", os.getpid(), flush=True)
+        if os.environ["RANK"] == "1":
+            try:
+                time.sleep(60)
+            except KeyboardInterrupt:
+                print("interrupted", flush=True)
+                raise
+    """)
+    launcher = launch("-n", "2", "uneven.py")
+    pids = launcher.wait_ready(2)
+    time.sleep(0.5)  # rank 0's program has returned; its worker idles
+    launcher.proc.send_signal(signal.SIGINT)
+    status, _ = launcher.wait()
+    assert status == 130, launcher.describe()
+    assert ranks_saying(launcher.stdout, "interrupted") == [1], launcher.describe()
+    assert "Traceback" not in launcher.stdout + launcher.stderr, launcher.describe()
+    assert_gone(pids)

@@ -16,9 +16,16 @@ from tests.workers import Probe
 
 def test_gpus_per_worker_gives_each_local_rank_its_own_devices(make_group, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    group = make_group(Probe, procs_per_node=2, gpus_per_worker=2)
+    seen = [env["CUDA_VISIBLE_DEVICES"] for env in group.call("env", "CUDA_VISIBLE_DEVICES")]
+    assert seen == ["4,5", "6,7"]  # by local rank
+
+
+def test_simulated_nodes_split_the_machines_gpus(make_group, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
     group = make_group(Probe, nodes=2, procs_per_node=2, gpus_per_worker=2)
     seen = [env["CUDA_VISIBLE_DEVICES"] for env in group.call("env", "CUDA_VISIBLE_DEVICES")]
-    assert seen == ["4,5", "6,7", "4,5", "6,7"]  # by local rank, on each node
+    assert seen == ["0,1", "2,3", "4,5", "6,7"]  # no device is given to two ranks
 
 
 def test_auto_procs_per_node_is_one_torch_rank_per_gpu(make_group, monkeypatch):

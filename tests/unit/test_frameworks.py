@@ -26,6 +26,7 @@ from phalanx.frameworks import (
     check_layout,
     get_framework,
     gpu_env,
+    jax_local_devices,
     merge_env,
     monarch_worker_address,
     monarch_worker_command,
@@ -500,3 +501,25 @@ def test_node_service_json_round_trip(service):
     assert isinstance(back.command, tuple)
     if service.ready_port is not None:
         assert isinstance(back.ready_port, tuple) and isinstance(back.after, tuple)
+
+
+@pytest.mark.parametrize(
+    ("visible", "node_gpus", "layout", "expected"),
+    [
+        ((), (), Layout(1, 2), [[0], [1]]),  # CPU: one device per process
+        (tuple("01234567"), (), Layout(1, 2), [[0, 1, 2, 3], [4, 5, 6, 7]]),  # equal shares
+        (tuple("01234567"), (), Layout(1, 1), [list(range(8))]),  # one process: all of them
+        (("0",), (), Layout(1, 2), [None, None]),  # fewer GPUs than processes: jax decides
+        (tuple("0123"), ((0, 1), (2, 3)), Layout(2, 1), [[0, 1], [2, 3]]),  # simulated nodes
+    ],
+)
+def test_jax_local_devices_share_the_nodes_gpus(visible, node_gpus, layout, expected):
+    launch = make_launch(visible_gpus=visible, node_gpus=node_gpus)
+    got = [jax_local_devices(layout, rank, launch) for rank in range(layout.world_size)]
+    assert got == expected
+    envs = envs_of("jax", layout, launch)
+    for env, devices in zip(envs, expected, strict=True):
+        if devices is None:
+            assert "JAX_LOCAL_DEVICE_IDS" not in env
+        else:
+            assert env["JAX_LOCAL_DEVICE_IDS"] == ",".join(map(str, devices))

@@ -11,7 +11,7 @@ import pytest
 
 from phalanx import placement
 from phalanx.errors import FrameworkNotInstalled, PhalanxError
-from phalanx.frameworks import FRAMEWORKS, Layout, get_framework, worker_env
+from phalanx.frameworks import FRAMEWORKS, Layout, get_framework, gpu_env, worker_env
 from phalanx.placement import Placement, new_launch, place, require_package, visible_gpus
 
 PACKAGED = [name for name, fw in FRAMEWORKS.items() if fw.package is not None]
@@ -131,12 +131,32 @@ def test_place_reports_a_missing_package_before_anything_starts(monkeypatch):
 
 def test_auto_procs_per_node_is_one_torch_process_per_visible_gpu(monkeypatch):
     installed(monkeypatch, "torch")
-    result = place("torch", 2, "auto", 1, environ={"CUDA_VISIBLE_DEVICES": "0,1,2"})
+    result = place("torch", 1, "auto", 1, environ={"CUDA_VISIBLE_DEVICES": "0,1,2"})
     assert isinstance(result, Placement)
     assert result.framework is get_framework("torch")
-    assert result.layout == Layout(nodes=2, procs_per_node=3)
+    assert result.layout == Layout(nodes=1, procs_per_node=3)
     assert result.gpus == ("0", "1", "2")
     assert result.gpus_per_worker == 1
+
+
+def test_auto_counts_gpus_per_worker(monkeypatch):
+    installed(monkeypatch, "torch")
+    result = place("torch", 1, "auto", 2, environ={"CUDA_VISIBLE_DEVICES": "0,1,2,3"})
+    assert result.layout.procs_per_node == 2  # two workers of two GPUs each
+
+
+def test_simulated_nodes_split_the_machines_gpus(monkeypatch):
+    installed(monkeypatch, "torch")
+    env = {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}
+    result = place("torch", 2, "auto", 1, environ=env)
+    assert result.layout == Layout(nodes=2, procs_per_node=2)  # 2 GPUs per simulated node
+    assert result.node_gpus == ((0, 1), (2, 3))
+    launch = new_launch(result, "127.0.0.1")
+    assert [gpu_env(i, launch, node) for node in (0, 1) for i in (0, 1)] == [
+        {"CUDA_VISIBLE_DEVICES": d} for d in ("4", "5", "6", "7")
+    ]
+    with pytest.raises(ValueError, match="simulated nodes share this machine's 4"):
+        place("torch", 2, 2, 2, environ=env)
 
 
 def test_auto_procs_per_node_counts_driver_gpus(monkeypatch, tmp_path):
