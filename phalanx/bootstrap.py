@@ -218,6 +218,8 @@ class RunningService:
             self.proc.wait(5.0)
         with contextlib.suppress(OSError):
             os.close(self._out_fd)
+        if self.spec.scratch is not None:
+            shutil.rmtree(self.spec.scratch, ignore_errors=True)
 
 
 # -- entry points used by the worker ------------------------------------------------------

@@ -110,6 +110,7 @@ class NodeService:
     ready_port: tuple[str, int] | None = None  # ...or: it accepts connections here
     after: tuple[str, int] | None = None  # wait for this address to accept before starting
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    scratch: str | None = None  # a directory of its own, removed once it stopped
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -226,7 +227,15 @@ def ray_start_command(node: int, launch: Launch) -> list[str]:
                    "--include-dashboard=false"]
     else:
         command = ["ray", "start", f"--address={ray_address(launch)}"]
-    return [*command, f"--node-ip-address={address}", "--disable-usage-stats", "--block"]
+    return [*command, f"--node-ip-address={address}", f"--temp-dir={ray_temp_dir(launch)}",
+            "--disable-usage-stats", "--block"]
+
+
+def ray_temp_dir(launch: Launch) -> str:
+    """The group's own Ray directory: its sessions, logs and ``ray_current_cluster`` stay
+    out of ``/tmp/ray``, where a later plain ``ray.init()`` would find the stopped cluster.
+    (Short: Ray's Unix sockets live below it.)"""
+    return f"/tmp/phalanx-ray-{launch.token[:8]}"
 
 
 def _ray_service(node: int, launch: Launch) -> NodeService:
@@ -237,6 +246,7 @@ def _ray_service(node: int, launch: Launch) -> NodeService:
         after=None if node == 0 else head,
         # stop at once on SIGTERM instead of draining the node for 30 s
         env={"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"},
+        scratch=ray_temp_dir(launch),
     )
 
 

@@ -5,6 +5,9 @@ other hosts are checked as generated commands in tests/unit/test_frameworks.py."
 
 from __future__ import annotations
 
+import glob
+from pathlib import Path
+
 import psutil
 import pytest
 
@@ -38,6 +41,11 @@ def use_the_cluster() -> dict:
     }
 
 
+def _current_cluster_file() -> tuple[bool, float]:
+    path = Path("/tmp/ray/ray_current_cluster")  # where a plain ray.init() looks for one
+    return (True, path.stat().st_mtime) if path.exists() else (False, 0.0)
+
+
 def _ray_daemons() -> set[int]:
     return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] in RAY_DAEMONS}
 
@@ -45,6 +53,7 @@ def _ray_daemons() -> set[int]:
 @pytest.mark.slow
 def test_ray_cluster_is_started_on_two_nodes_used_from_node_zero_and_stopped():
     before = _ray_daemons()
+    cluster_file = _current_cluster_file()
     results = px.spmd(use_the_cluster, nodes=2, framework="ray", echo_output=False,
                       start_timeout=120)()
     assert len(results) == 1  # single controller: the function ran on node 0 only
@@ -56,6 +65,10 @@ def test_ray_cluster_is_started_on_two_nodes_used_from_node_zero_and_stopped():
     started = set(result["cluster_pids"]) - before
     assert started, "the group's Ray cluster had no gcs_server/raylet"
     assert not started & _ray_daemons(), "the group's Ray processes outlived it"
+    # the group's Ray lived in a directory of its own, now removed: a later plain
+    # ray.init() on this machine does not find (and try to join) the stopped cluster
+    assert _current_cluster_file() == cluster_file
+    assert not glob.glob("/tmp/phalanx-ray-*")
 
 
 def test_single_controller_frameworks_take_one_process_per_node():

@@ -244,6 +244,7 @@ def test_ray_variables_and_node_services():
         "--port=6379",
         "--include-dashboard=false",
         "--node-ip-address=10.0.0.1",
+        "--temp-dir=/tmp/phalanx-ray-t0k",
         "--disable-usage-stats",
         "--block",
     )
@@ -257,6 +258,7 @@ def test_ray_variables_and_node_services():
         "start",
         "--address=10.0.0.1:6379",
         "--node-ip-address=10.0.0.2",
+        "--temp-dir=/tmp/phalanx-ray-t0k",
         "--disable-usage-stats",
         "--block",
     )  # Ray refuses dashboard options on a joining node
