@@ -56,3 +56,15 @@ def test_parse_ranks(text, ranks):
 def test_parse_ranks_rejects_nonsense(text):
     with pytest.raises(argparse.ArgumentTypeError, match="ranks"):
         parse_ranks(text)
+
+
+def test_a_failed_start_is_reported_once_with_its_traceback():
+    from phalanx.errors import StartupError
+
+    error = StartupError("rank 1 failed while starting the ray framework: RuntimeError: boom\n\n"
+                         "Remote traceback:\nTraceback ...\nRuntimeError: boom",
+                         rank=1, traceback="Traceback ...\nRuntimeError: boom\n")
+    report = format_report(failure_from(error))
+    assert "root cause: rank 1 could not start: rank 1 failed while starting the ray " \
+           "framework: RuntimeError: boom" in report
+    assert report.count("Traceback ...") == 1
