@@ -171,6 +171,8 @@ def jax_local_devices(layout: Layout, rank: int, launch: Launch) -> list[int] | 
         return list(range(launch.gpus_per_worker))
     local_rank = layout.local_rank_of(rank)
     mine = launch.gpus_of(layout.node_of(rank))
+    if launch.node_gpus:  # CUDA_VISIBLE_DEVICES holds the node's share: jax counts from 0
+        mine = tuple(range(len(mine)))
     if not mine:  # CPU: one device per process, as jax does under its cluster managers
         return [local_rank]
     share = len(mine) // layout.procs_per_node  # an equal share of the node's GPUs
@@ -227,15 +229,15 @@ def ray_start_command(node: int, launch: Launch) -> list[str]:
                    "--include-dashboard=false"]
     else:
         command = ["ray", "start", f"--address={ray_address(launch)}"]
-    return [*command, f"--node-ip-address={address}", f"--temp-dir={ray_temp_dir(launch)}",
-            "--disable-usage-stats", "--block"]
+    return [*command, f"--node-ip-address={address}",
+            f"--temp-dir={ray_temp_dir(launch, node)}", "--disable-usage-stats", "--block"]
 
 
-def ray_temp_dir(launch: Launch) -> str:
-    """The group's own Ray directory: its sessions, logs and ``ray_current_cluster`` stay
-    out of ``/tmp/ray``, where a later plain ``ray.init()`` would find the stopped cluster.
-    (Short: Ray's Unix sockets live below it.)"""
-    return f"/tmp/phalanx-ray-{launch.token[:8]}"
+def ray_temp_dir(launch: Launch, node: int) -> str:
+    """A Ray directory of the node's own: its sessions, logs and ``ray_current_cluster``
+    stay out of ``/tmp/ray``, where a later plain ``ray.init()`` would find the stopped
+    cluster. (Short: Ray's Unix sockets live below it.)"""
+    return f"/tmp/phalanx-ray-{launch.token[:8]}-{node}"
 
 
 def _ray_service(node: int, launch: Launch) -> NodeService:
@@ -246,7 +248,7 @@ def _ray_service(node: int, launch: Launch) -> NodeService:
         after=None if node == 0 else head,
         # stop at once on SIGTERM instead of draining the node for 30 s
         env={"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"},
-        scratch=ray_temp_dir(launch),
+        scratch=ray_temp_dir(launch, node),
     )
 
 
@@ -417,11 +419,14 @@ def split_gpus(count: int, nodes: int) -> tuple[tuple[int, ...], ...]:
 
 def gpu_env(local_rank: int, launch: Launch, node: int = 0) -> dict[str, str]:
     """``CUDA_VISIBLE_DEVICES``: local rank ``i`` gets the ``i``-th block of
-    ``gpus_per_worker`` devices of its node."""
-    if not launch.gpus_per_worker:
-        return {}
-    first = local_rank * launch.gpus_per_worker
-    mine = launch.gpus_of(node)[first : first + launch.gpus_per_worker]
+    ``gpus_per_worker`` devices of its node; without ``gpus_per_worker``, the ranks of a
+    node simulated on a shared machine see that node's share of its GPUs."""
+    mine = launch.gpus_of(node)
+    if launch.gpus_per_worker:
+        first = local_rank * launch.gpus_per_worker
+        mine = mine[first : first + launch.gpus_per_worker]
+    elif not launch.node_gpus:
+        return {}  # nodes on separate machines: every rank sees its machine's GPUs
     return {"CUDA_VISIBLE_DEVICES": ",".join(launch.visible_gpus[i] for i in mine)}
 
 

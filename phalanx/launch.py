@@ -62,7 +62,14 @@ class ScriptRunner:
 
 
 def _join_program_threads() -> None:
-    """Wait for the non-daemon threads the program started (phalanx's own are daemons)."""
+    """Wait for the non-daemon threads the program started (phalanx's own are daemons), as
+    the interpreter does at exit: first its thread-exit hooks, which tell idle
+    ``concurrent.futures`` pool threads to finish, then a join of what still runs."""
+    for hook in list(getattr(threading, "_threading_atexits", ())):
+        try:
+            hook()
+        except Exception:
+            logger.exception("a thread-exit hook failed")
     current = threading.current_thread()
     for thread in threading.enumerate():
         if thread is not current and not thread.daemon and thread.is_alive():
@@ -171,9 +178,11 @@ class _Signals:
     after ``grace`` seconds, or at once on a second signal. A signal while a group starts
     interrupts the start (which stops what it had started).
 
-    The handler runs on the main thread between any two bytecodes: it only reads the group's
-    rank table, sends signals, and writes its notice straight to file descriptor 2 (the
-    console lock may be held by the output thread).
+    The handler runs on the main thread between any two bytecodes, so it never raises: it
+    reads the group's rank table, sends signals, and writes its notice straight to file
+    descriptor 2 (the console lock may be held by the output thread). During a start, when
+    there is no group yet, it kills the worker processes this process started: the start
+    then fails as it does when a worker dies, stopping everything it started.
     """
 
     def __init__(self, grace: float) -> None:
@@ -200,8 +209,8 @@ class _Signals:
         first = self.received is None
         self.received = self.received or signum
         if self.starting:
-            self.starting = False
-            raise KeyboardInterrupt  # the group's start stops what it had started
+            _kill_children()  # the start sees its workers die and stops what it started
+            return
         group = self.group
         if group is None:
             return
@@ -226,6 +235,31 @@ class _Signals:
             pass
 
 
+def _kill_children() -> None:
+    """SIGKILL this process's phalanx workers (and their process groups)."""
+    import psutil
+
+    from phalanx.node import is_worker_command
+
+    try:
+        children = psutil.Process().children()
+    except psutil.Error:
+        return
+    for child in children:
+        try:
+            if not is_worker_command(child.cmdline()):
+                continue
+        except psutil.Error:
+            continue
+        try:
+            os.killpg(child.pid, signal.SIGKILL)  # each worker leads its own process group
+        except OSError:
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
+
+
 def _say(text: str) -> None:
     try:
         os.write(2, (text + "\n").encode())
@@ -239,7 +273,9 @@ def _start(options: RunOptions, restart: int, signals: _Signals) -> Any:
     from phalanx.placement import place
 
     env = {name: str(restart) for name in RESTART_VARS}
-    signals.starting = signals.received is None
+    if signals.received is not None:
+        return None
+    signals.starting = True
     try:
         world = place(options.framework, options.nodes, options.procs_per_node,
                       options.gpus_per_worker).layout.world_size
@@ -258,10 +294,6 @@ def _start(options: RunOptions, restart: int, signals: _Signals) -> Any:
             log_dir=options.log_dir,
             start_timeout=options.start_timeout,
         )
-    except KeyboardInterrupt:
-        if signals.received is None:
-            raise
-        return None
     except (ValueError, TypeError) as exc:
         raise BadOptions(str(exc)) from exc
     finally:
@@ -272,16 +304,16 @@ def _attempt(options: RunOptions, restart: int, signals: _Signals) -> Failure | 
     try:
         group = _start(options, restart, signals)
     except StartupError as exc:
-        return failure_from(exc)
-    if group is None or signals.received is not None:
-        if group is not None:
-            group.shutdown(timeout=2.0)
+        return None if signals.received is not None else failure_from(exc)
+    if group is None:
         return None
     failure = None
     try:
         ranks = [0] if group.single_controller else list(range(group.world_size))
         signals.running = set(ranks)
-        signals.group = group
+        signals.group = group  # from here a signal is forwarded to the running ranks
+        if signals.received is not None:  # it came in before the group was known
+            return None
         for rank_future in group.call_async("run", workers=ranks):
             signals.running.discard(rank_future.rank)
             failure = _outcome(group, rank_future)

@@ -177,6 +177,13 @@ _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _WORKER_BOOT = "import sys; sys.path.insert(0, {root!r}); from phalanx.worker import main; main()"
 
 
+def is_worker_command(cmdline: list[str]) -> bool:
+    """Whether a process command line is that of a phalanx worker started by this module."""
+    return len(cmdline) == 3 and cmdline[1] == "-c" and "from phalanx.worker import main" in (
+        cmdline[2]
+    )
+
+
 def spawn_worker(env: Mapping[str, str], cwd: str | None = None) -> LocalProcess:
     """Start a worker interpreter (:func:`phalanx.worker.main`) with ``env`` and a pair of
     control pipes."""

@@ -768,6 +768,22 @@ def test_threads_the_program_left_running_are_waited_for(tmp_path):
     assert (tmp_path / "uploaded").read_text() == "done"
 
 
+def test_a_thread_pool_left_open_does_not_keep_the_rank_alive(tmp_path):
+    write(tmp_path, "pool.py", """\
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(2)  # never shut down, as scripts often leave it
+
+        def work():
+            return 42
+
+        print("result", pool.submit(work).result())
+    """)
+    result = phalanx(tmp_path, "run", "-n", "2", "pool.py")
+    assert result.returncode == 0, describe(result)
+    assert "[ranks 0-1] result 42" in result.stdout.splitlines(), describe(result)
+
+
 def test_a_signal_while_the_group_starts_stops_the_start(tmp_path, launch):
     # A fake `ray` on PATH stands in for a framework service that is slow to come up.
     bin_dir = tmp_path / "bin"

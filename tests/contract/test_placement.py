@@ -65,3 +65,10 @@ def test_framework_variables_are_set_before_user_code_is_imported(make_group):
     assert [e["JAX_PROCESS_ID"] for e in envs] == ["0", "1"]
     assert all(e["JAX_NUM_PROCESSES"] == "2" and e["PHALANX_FRAMEWORK"] == "jax" for e in envs)
     assert group.framework == "jax" and not group.single_controller
+
+
+def test_simulated_nodes_see_only_their_share_of_the_gpus(make_group, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    group = make_group(Probe, nodes=2, procs_per_node=2)  # no gpus_per_worker
+    seen = [env["CUDA_VISIBLE_DEVICES"] for env in group.call("env", "CUDA_VISIBLE_DEVICES")]
+    assert seen == ["0,1", "0,1", "2,3", "2,3"]  # LOCAL_RANK picks within the node's share

@@ -244,7 +244,7 @@ def test_ray_variables_and_node_services():
         "--port=6379",
         "--include-dashboard=false",
         "--node-ip-address=10.0.0.1",
-        "--temp-dir=/tmp/phalanx-ray-t0k",
+        "--temp-dir=/tmp/phalanx-ray-t0k-0",
         "--disable-usage-stats",
         "--block",
     )
@@ -258,7 +258,7 @@ def test_ray_variables_and_node_services():
         "start",
         "--address=10.0.0.1:6379",
         "--node-ip-address=10.0.0.2",
-        "--temp-dir=/tmp/phalanx-ray-t0k",
+        "--temp-dir=/tmp/phalanx-ray-t0k-1",
         "--disable-usage-stats",
         "--block",
     )  # Ray refuses dashboard options on a joining node
@@ -512,7 +512,8 @@ def test_node_service_json_round_trip(service):
         (tuple("01234567"), (), Layout(1, 2), [[0, 1, 2, 3], [4, 5, 6, 7]]),  # equal shares
         (tuple("01234567"), (), Layout(1, 1), [list(range(8))]),  # one process: all of them
         (("0",), (), Layout(1, 2), [None, None]),  # fewer GPUs than processes: jax decides
-        (tuple("0123"), ((0, 1), (2, 3)), Layout(2, 1), [[0, 1], [2, 3]]),  # simulated nodes
+        # simulated nodes: CUDA_VISIBLE_DEVICES holds each node's share, numbered from 0
+        (tuple("0123"), ((0, 1), (2, 3)), Layout(2, 1), [[0, 1], [0, 1]]),
     ],
 )
 def test_jax_local_devices_share_the_nodes_gpus(visible, node_gpus, layout, expected):
