@@ -165,12 +165,12 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching):
         self._method_set: frozenset[str] = frozenset()
         self._all_ranks = list(range(self.world_size))
         self._deaths_seen = -1  # dispatcher.deaths when every rank was last seen alive
-        self._backend: Backend = create_backend(backend, output=output)
-        self._dispatcher = Dispatcher(on_death=self._on_death)
         self._slots: list[Slot | None] = [None] * self.world_size
-        self._launch = new_launch(self._placement, self._backend.rendezvous_address())
-        self._specs = [self._spec(rank) for rank in range(self.world_size)]  # env errors first
+        self._backend: Backend = create_backend(backend, output=output)  # checks the name
+        self._dispatcher = Dispatcher(on_death=self._on_death)
         try:
+            self._launch = new_launch(self._placement, self._backend.rendezvous_address())
+            self._specs = [self._spec(rank) for rank in range(self.world_size)]
             self._start_ranks(list(range(self.world_size)))
         except BaseException:
             self._closed = True
@@ -229,14 +229,14 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching):
         init = wire.frame(
             [wire.header(wire.INIT, 0, list(sys.path), self._init_options), *self._init_payload]
         )
-        for slot in slots:
-            self._slots[slot.rank] = slot
-            self._dispatcher.add(slot)
-            try:
-                slot.conn.send(init)
-            except wire.ConnectionLost:
-                pass  # its death is reported below
         try:
+            for slot in slots:
+                self._slots[slot.rank] = slot
+                self._dispatcher.add(slot)
+                try:
+                    slot.conn.send(init)
+                except wire.ConnectionLost:
+                    pass  # its death is reported below
             await_ready(
                 self._dispatcher,
                 slots,

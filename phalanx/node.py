@@ -51,10 +51,23 @@ class _SpawnThread:
 
     _pid = 0
 
-    def run(self, fn: Callable[[], T]) -> T:
+    def run(self, fn: Callable[[], T], undo: Callable[[T], object] | None = None) -> T:
+        """``fn()`` on the spawn thread. Interrupted meanwhile (Ctrl-C), it still waits for
+        ``fn`` to finish, hands its result to ``undo`` and re-raises the interruption: a
+        process being forked is never left behind unknown."""
         done: queue.SimpleQueue = queue.SimpleQueue()
         self._jobs.put((fn, done))
-        ok, value = done.get()
+        interruption: BaseException | None = None
+        while True:
+            try:
+                ok, value = done.get()
+                break
+            except BaseException as exc:  # noqa: BLE001 - re-raised once fn() has finished
+                interruption = exc
+        if interruption is not None:
+            if ok and undo is not None:
+                undo(value)
+            raise interruption
         if ok:
             return value
         raise value
@@ -206,8 +219,15 @@ def spawn_worker(env: Mapping[str, str], cwd: str | None = None) -> LocalProcess
             **_OWN_PROCESS_GROUP,
         )
 
+    def undo(popen: subprocess.Popen) -> None:
+        popen.kill()
+        popen.wait()
+        for stream in (popen.stdout, popen.stderr):
+            if stream is not None:
+                stream.close()
+
     try:
-        popen = _SpawnThread.get().run(start)
+        popen = _SpawnThread.get().run(start, undo)
     except BaseException:
         os.close(to_worker_w)
         os.close(from_worker_r)
