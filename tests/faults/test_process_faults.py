@@ -6,12 +6,13 @@ import json
 import os
 import select
 import signal
+import threading
 import time
 
 import numpy as np
 import pytest
 
-from phalanx import CallTimeout, WorkerDied
+from phalanx import CallTimeout, WorkerDied, WorkerGroup
 from tests import helpers
 from tests.workers import Probe
 
@@ -123,3 +124,18 @@ def test_sigkill_mid_call_fails_fast_and_suggests_out_of_memory(pair):
     assert died.method == "sleep"
     assert "out-of-memory" in died.cause and "out-of-memory" in str(died)
     group.shutdown(timeout=0.2)  # rank 0 is still sleeping: do not wait for it
+
+
+def test_ctrl_c_while_a_group_starts_leaves_no_worker_behind(backend):
+    from tests.workers import SlowConstructor
+
+    # SIGINT to ourselves mid-start, as a user pressing Ctrl-C in a terminal
+    timer = threading.Timer(1.0, os.kill, args=(os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            WorkerGroup(SlowConstructor, args=(30,), procs_per_node=2, backend=backend,
+                        echo_output=False, start_timeout=60)
+    finally:
+        timer.cancel()
+    # the no-leftover fixture checks that both workers are gone
