@@ -355,10 +355,6 @@ def get_framework(name: str | None) -> Framework:
         raise ValueError(f"unknown framework {name!r}; expected one of {known}") from None
 
 
-def check_framework(name: str | None) -> None:
-    get_framework(name)
-
-
 def check_layout(framework: Framework, procs_per_node: int) -> None:
     if framework.one_per_node and procs_per_node != 1:
         what = (

@@ -40,6 +40,8 @@ class ScriptRunner:
         propagates to the controller with its traceback)."""
         import runpy
 
+        from phalanx.worker import exit_code_of  # the rank's own process: already imported
+
         if self.is_module:
             sys.argv = [self.target, *self.args]  # runpy sets argv[0] to the module's file
             sys.path.insert(0, os.getcwd())
@@ -54,7 +56,7 @@ class ScriptRunner:
                 runpy.run_path(path, run_name="__main__")
             status = 0
         except SystemExit as exc:
-            status = _exit_status(exc.code)
+            status = exit_code_of(exc.code)
         _join_program_threads()  # as the interpreter would before exiting
         sys.stdout.flush()
         sys.stderr.flush()
@@ -74,15 +76,6 @@ def _join_program_threads() -> None:
     for thread in threading.enumerate():
         if thread is not current and not thread.daemon and thread.is_alive():
             thread.join()
-
-
-def _exit_status(code: Any) -> int:
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return int(code)  # sys.exit(True) is 1
-    print(code, file=sys.stderr, flush=True)  # sys.exit("message"), as Python itself does
-    return 1
 
 
 @dataclasses.dataclass(frozen=True)

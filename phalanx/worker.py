@@ -22,6 +22,7 @@ from __future__ import annotations
 import inspect
 import os
 import select
+import signal
 import socket
 import struct
 import sys
@@ -41,7 +42,6 @@ def _install_parent_death_signal(parent_pid: int) -> None:
     """Have the kernel SIGKILL us when the controller dies, then close the fork/exec race."""
     if sys.platform.startswith("linux"):
         import ctypes
-        import signal
 
         pr_set_pdeathsig = 1
         libc = ctypes.CDLL(None, use_errno=True)
@@ -276,7 +276,7 @@ class WorkerRuntime:
             stage = "pickling the result"
             payload = wire.dumps_fast(result)
         except SystemExit as exc:
-            raise _WorkerExit(_exit_code_of(exc)) from None
+            raise _WorkerExit(exit_code_of(exc.code)) from None
         except BaseException as exc:  # noqa: BLE001 - reported to the controller
             self._send_error(call_id, exc, stage)
             return
@@ -331,14 +331,22 @@ async def _as_coroutine(awaitable: Any) -> Any:
     return await awaitable
 
 
-def _exit_code_of(exc: SystemExit) -> int:
-    code = exc.code
+def exit_code_of(code: Any) -> int:
+    """The process exit status for ``sys.exit(code)``, as Python itself makes it (a
+    non-integer is printed to stderr and gives 1)."""
     if code is None:
         return 0
     if isinstance(code, int):
-        return code
-    print(code, file=sys.stderr)
+        return int(code)  # sys.exit(True) is 1
+    print(code, file=sys.stderr, flush=True)
     return 1
+
+
+def _drain(conn: wire.Connection, wait: float = 1.0) -> None:
+    """Give the writer thread up to ``wait`` s to send what is queued (the last results)."""
+    deadline = time.monotonic() + wait
+    while conn.has_backlog() and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 def _flush_and_exit(
@@ -346,9 +354,7 @@ def _flush_and_exit(
 ) -> None:
     if runtime is not None:
         runtime.cleanup()
-    deadline = time.monotonic() + wait
-    while conn.has_backlog() and time.monotonic() < deadline:
-        time.sleep(0.005)
+    _drain(conn, wait)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -383,11 +389,9 @@ def main() -> None:
     except wire.ConnectionLost:
         code = 0
     except KeyboardInterrupt:  # SIGINT while idle (e.g. sent with group.send_signal): exit
-        code = 128 + 2
+        code = 128 + signal.SIGINT
     runtime.cleanup()
-    deadline = time.monotonic() + 1.0
-    while conn.has_backlog() and time.monotonic() < deadline:
-        time.sleep(0.005)
+    _drain(conn)
     sys.exit(code)
 
 

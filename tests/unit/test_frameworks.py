@@ -21,7 +21,6 @@ from phalanx.frameworks import (
     Launch,
     Layout,
     NodeService,
-    check_framework,
     check_gpus,
     check_layout,
     get_framework,
@@ -108,11 +107,11 @@ def test_merge_env_rejects_non_string_entries_naming_the_key(user, per_rank, lab
     assert key in str(info.value)
 
 
-def test_check_framework():
+def test_get_framework_knows_every_framework_and_refuses_others():
     for name in (None, "spmd", "torch", "jax", "tensorflow", "ray", "monarch"):
-        check_framework(name)
+        get_framework(name)
     with pytest.raises(ValueError, match="nonsense"):
-        check_framework("nonsense")
+        get_framework("nonsense")
 
 
 def test_settings_read_from_the_environment_once():
