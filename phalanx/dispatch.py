@@ -1,11 +1,15 @@
-"""The controller's event pump: routes frames from worker connections to futures, and turns
-a worker's death into ``WorkerDied`` for every call pending on it.
+"""The controller's event pump: routes the events of every channel to futures, and turns a
+rank's EXITED event into ``WorkerDied`` for every call pending on it.
 
 There is no background thread. Whichever thread waits on a future becomes the *leader*
-and polls every connection and death descriptor (pidfd) for the group; other waiting
-threads sleep on a condition until the leader completes their future or steps down
-(leader/followers). A result therefore reaches the waiting thread with no thread hand-off,
-and a death is noticed the moment its descriptor becomes readable, not on a timer.
+and polls every descriptor the group's channels asked it to watch (leader/followers); other
+waiting threads sleep on a condition until the leader completes their future or steps down.
+A result therefore reaches the waiting thread with no thread hand-off. Events that a
+backend learns on a thread of its own (a death being finished, Ray's account of one) are
+posted and wake the leader through a self-pipe.
+
+Every event names its rank in its header (:mod:`phalanx.protocol`); an event from a
+channel that no longer carries that rank (an earlier incarnation) is dropped.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from phalanx import streams, wire
+from phalanx import protocol, streams
 from phalanx.errors import (
     ProcessFailure,
     RemoteFailure,
@@ -28,30 +32,26 @@ from phalanx.errors import (
 )
 
 if TYPE_CHECKING:
-    from phalanx.backends.base import WorkerHandle
+    from phalanx.backends.base import Channel
     from phalanx.futures import GroupFuture
 
 logger = logging.getLogger(__name__)
 
-_CALL_ID = struct.Struct("<Q").unpack_from
-_RESULT = wire.RESULT
-_YIELD = wire.YIELD
-_EXIT_WAIT = 1.0  # after end of stream, how long the process may take to finish exiting
-_OUTPUT_WAIT = 0.2  # how long to wait for a dead worker's last stderr lines
+_ROUTE = struct.Struct("<BQI").unpack_from  # kind, call id, rank
+_RESULT = protocol.RESULT
+_YIELD = protocol.YIELD
 
 
 class Slot:
     """The controller's view of one incarnation of one rank."""
 
-    def __init__(self, rank: int, node: int, handle: WorkerHandle) -> None:
+    def __init__(self, rank: int, node: int, channel: Channel) -> None:
         self.rank = rank
         self.node = node
-        self.handle = handle
-        self.conn: wire.Connection = handle.conn
-        self.pid: int | None = handle.pid
+        self.channel = channel
+        self.pid: int | None = None
         self.pending: dict[int, GroupFuture] = {}  # call id -> its future
         self.alive = True
-        self.dying = False  # death is being processed
         self.ready = False
         self.methods: list[str] = []
         self.init_failure: RemoteFailure | None = None
@@ -62,12 +62,13 @@ class Slot:
 
 
 class Dispatcher:
-    """Receives for every worker of one group; driven by the threads that wait."""
+    """Receives for every rank of one group; driven by the threads that wait."""
 
     def __init__(self, on_death: Callable[[Slot], None] | None = None) -> None:
         # epoll: waiting costs the same however many workers the group has.
         self._poller = select.epoll() if hasattr(select, "epoll") else select.poll()
-        self._by_fd: dict[int, tuple[Slot, bool]] = {}  # fd -> (slot, is_death_fd)
+        self._by_fd: dict[int, Channel] = {}
+        self._by_rank: dict[int, Slot] = {}
         self._cond = threading.Condition(threading.Lock())
         self._lead = threading.Lock()  # held by the thread that pumps (the leader)
         self._followers = 0  # threads waiting for the leader to finish their future
@@ -75,29 +76,41 @@ class Dispatcher:
         self._poller.register(self._wakeup.fd, select.POLLIN)
         self._poll = self._poller.poll
         self._epoll = hasattr(select, "epoll")
+        self._posted: list[tuple[Channel, list[list[Any]]]] = []
+        self._posted_lock = threading.Lock()
         self._on_death = on_death
         self._released = False
         self.deaths = 0  # incremented on every death and removal: a cheap change counter
 
+    # -- the sink channels deliver to (any thread) ------------------------------------
+
+    def watch(self, fd: int, channel: Channel) -> None:
+        self._by_fd[fd] = channel
+        self._poller.register(fd, select.POLLIN)
+        self._wakeup.wake()  # a leader blocked in poll() must pick up the new descriptor
+
+    def unwatch(self, fd: int) -> None:
+        if self._by_fd.pop(fd, None) is not None and not self._released:
+            try:
+                self._poller.unregister(fd)
+            except (KeyError, OSError, ValueError):
+                pass
+
+    def post(self, channel: Channel, events: list[list[Any]]) -> None:
+        with self._posted_lock:
+            if self._released:
+                return
+            self._posted.append((channel, events))
+        self._wakeup.wake()
+        if self._followers:  # no leader may be polling: let a follower take the lead
+            with self._cond:
+                self._cond.notify_all()
+
     # -- membership -------------------------------------------------------------------
 
     def add(self, slot: Slot) -> None:
-        self._by_fd[slot.conn.read_fd] = (slot, False)  # (slot, is its death descriptor)
-        self._poller.register(slot.conn.read_fd, select.POLLIN)
-        death_fd = slot.handle.death_fd
-        if death_fd is not None:
-            self._by_fd[death_fd] = (slot, True)
-            self._poller.register(death_fd, select.POLLIN)
-        self._wakeup.wake()  # a leader blocked in poll() must pick up the new descriptors
-
-    def _forget(self, slot: Slot) -> None:
-        for fd in (slot.conn.read_fd, slot.handle.death_fd):
-            if fd is not None and fd in self._by_fd and self._by_fd[fd][0] is slot:
-                del self._by_fd[fd]
-                try:
-                    self._poller.unregister(fd)
-                except KeyError:
-                    pass
+        """Route the rank's events to ``slot`` (before its channel is attached)."""
+        self._by_rank[slot.rank] = slot
 
     # -- waiting ----------------------------------------------------------------------
 
@@ -179,6 +192,9 @@ class Dispatcher:
     def _pump(self, timeout: float | None) -> None:
         if self._released:
             return
+        if self._posted:
+            self._take_posted()
+            timeout = 0
         if self._epoll:
             wait = -1 if timeout is None else timeout
         elif timeout is None:
@@ -192,108 +208,91 @@ class Dispatcher:
         for fd, _ in events:
             if fd == self._wakeup.fd:
                 self._wakeup.drain()
+                self._take_posted()
                 continue
-            entry = self._by_fd.get(fd)
-            if entry is None:
+            channel = self._by_fd.get(fd)
+            if channel is None:
                 continue
-            slot, is_death = entry
-            if is_death:
-                self._declare_dead(slot)
-                continue
-            try:
-                frames = slot.conn.reader.recv_frames(block=False)
-            except wire.ConnectionLost:
-                self._declare_dead(slot)
-                continue
-            if frames:
-                self._on_frames(slot, frames)
+            received = channel.receive(fd)
+            if received:
+                self._on_events(channel, received)
         if self._followers:
             with self._cond:
                 self._cond.notify_all()
 
-    # -- frames -----------------------------------------------------------------------
+    def _take_posted(self) -> None:
+        with self._posted_lock:
+            posted, self._posted = self._posted, []
+        for channel, events in posted:
+            self._on_events(channel, events)
 
-    def _on_frames(self, slot: Slot, frames: list[list[Any]]) -> None:
-        pending = slot.pending
-        for segs in frames:
+    # -- events -----------------------------------------------------------------------
+
+    def _on_events(self, channel: Channel, events: list[list[Any]]) -> None:
+        by_rank = self._by_rank
+        for segs in events:
             first = segs[0]
-            if first[0] == _RESULT:  # the hot path, without building a header tuple
-                future = pending.pop(_CALL_ID(first, 1)[0], None)
+            kind, call_id, rank = _ROUTE(first)
+            slot = by_rank.get(rank)
+            if slot is None or slot.channel is not channel:
+                if rank == protocol.MANY:  # e.g. EXITED for every rank of a lost node
+                    self._on_many(channel, segs)
+                continue  # otherwise an earlier incarnation's last words
+            if kind == _RESULT:  # the hot path
+                future = slot.pending.pop(call_id, None)
                 if future is not None:
-                    future._resolve_rank(slot.rank, segs[1:])
-                continue
-            if first[0] == _YIELD:  # an item of a streamed call; RESULT ends the stream
-                future = pending.get(_CALL_ID(first, 1)[0])
+                    future._resolve_rank(rank, segs[1:])
+            elif kind == _YIELD:  # an item of a streamed call; RESULT ends the stream
+                future = slot.pending.get(call_id)
                 if future is not None:
-                    future._yield_rank(slot.rank, segs[1:])  # type: ignore[attr-defined]
-                continue
-            head = wire.parse_header(first)
-            kind = head[0]
-            if kind == wire.ERROR:
-                future = pending.pop(head[1], None)
-                if future is not None:
-                    failure = RemoteFailure(*head[2])
-                    error = WorkerError(
-                        failure,
-                        rank=slot.rank,
-                        node=slot.node,
-                        pid=slot.pid,
-                        method=future.method,
-                    )
-                    future._fail_rank(slot.rank, chain_remote(error, failure))
-            elif kind == wire.READY:
-                slot.pid = head[2]
-                slot.methods = head[3]
-                slot.ready = True
-            elif kind == wire.INIT_ERROR:
-                slot.init_failure = RemoteFailure(*head[2])
+                    future._yield_rank(rank, segs[1:])  # type: ignore[attr-defined]
             else:
-                logger.error("rank %d sent an unknown message kind %r", slot.rank, kind)
+                self._on_control(slot, kind, call_id, protocol.parse(first)[3])
+
+    def _on_many(self, channel: Channel, segs: list[Any]) -> None:
+        """A message naming several ranks: handled once per rank it names."""
+        kind, call_id, ranks, extra = protocol.parse(segs[0])
+        for rank in ranks:
+            slot = self._by_rank.get(rank)
+            if slot is not None and slot.channel is channel:
+                self._on_control(slot, kind, call_id, extra)
+
+    def _on_control(self, slot: Slot, kind: int, call_id: int, extra: tuple) -> None:
+        if kind == protocol.ERROR:
+            future = slot.pending.pop(call_id, None)
+            if future is not None:
+                failure = RemoteFailure(*extra[0])
+                error = WorkerError(
+                    failure, rank=slot.rank, node=slot.node, pid=slot.pid, method=future.method
+                )
+                future._fail_rank(slot.rank, chain_remote(error, failure))
+        elif kind == protocol.READY:
+            slot.pid, slot.methods = extra
+            slot.ready = True
+        elif kind == protocol.INIT_ERROR:
+            slot.init_failure = RemoteFailure(*extra[0])
+        elif kind == protocol.EXITED:
+            if slot.alive:
+                failure = ProcessFailure.from_dict(extra[0])
+                if failure.pid is None and slot.pid is not None:
+                    failure = ProcessFailure(**{**failure.as_dict(), "pid": slot.pid,
+                                                "stderr_tail": failure.stderr_tail})
+                self.bury(slot, failure)
+                if self._on_death is not None:
+                    self._on_death(slot)
+        else:
+            logger.error("rank %d sent an unknown message kind %r", slot.rank, kind)
 
     # -- death ------------------------------------------------------------------------
 
-    def _drain(self, slot: Slot) -> None:
-        """Take in what a dead worker sent before it died: results first, then the death."""
-        for _ in range(10_000):
-            try:
-                frames = slot.conn.reader.recv_frames(block=False)
-            except wire.ConnectionLost:
-                return
-            if not frames:
-                return
-            self._on_frames(slot, frames)
-
-    def _declare_dead(self, slot: Slot) -> None:
-        if slot.dying:
-            return
-        slot.dying = True
-        self._drain(slot)
-        self._forget(slot)
-        handle = slot.handle
-        exitcode = handle.exitcode(_EXIT_WAIT)
-        if exitcode is None:
-            # The control stream ended but the process lives on: it is unusable; end it.
-            handle.kill()
-            exitcode = handle.exitcode(5.0)
-        self.bury(slot, exitcode)
-        if self._on_death is not None:
-            self._on_death(slot)
-
-    def bury(self, slot: Slot, exitcode: int | None) -> None:
+    def bury(self, slot: Slot, failure: ProcessFailure) -> None:
         """Record how a slot's process ended and fail every call pending on it."""
-        slot.handle.wait_output_closed(_OUTPUT_WAIT)
-        slot.failure = ProcessFailure(
-            rank=slot.rank,
-            node=slot.node,
-            pid=slot.pid,
-            exitcode=exitcode,
-            stderr_tail=slot.handle.stderr_tail(),
-        )
+        slot.failure = failure
         slot.alive = False  # after .failure is set: senders that see this fail on their own
         self.deaths += 1
         pending, slot.pending = slot.pending, {}
         for future in pending.values():
-            future._fail_rank(slot.rank, WorkerDied(slot.failure, method=future.method))
+            future._fail_rank(slot.rank, WorkerDied(failure, method=future.method))
 
     @staticmethod
     def fail_if_dead(slot: Slot, call_id: int, future: GroupFuture) -> None:
@@ -304,8 +303,10 @@ class Dispatcher:
             future._fail_rank(slot.rank, WorkerDied(failure, method=future.method))  # type: ignore[arg-type]
 
     def remove(self, slot: Slot) -> None:
+        """Stop routing the rank's events to ``slot`` (it is being replaced or stopped)."""
         self.deaths += 1
-        self._forget(slot)
+        if self._by_rank.get(slot.rank) is slot:
+            del self._by_rank[slot.rank]
         self._wakeup.wake()
 
     def close(
@@ -313,7 +314,8 @@ class Dispatcher:
     ) -> None:
         """Fail every pending call (e.g. with GroupClosed) and stop watching all slots."""
         for slot in slots:
-            self._forget(slot)
+            if self._by_rank.get(slot.rank) is slot:
+                del self._by_rank[slot.rank]
             pending, slot.pending = slot.pending, {}
             for future in pending.values():
                 future._fail_rank(slot.rank, error_factory(future.method, slot.rank))
@@ -323,11 +325,12 @@ class Dispatcher:
 
     def release(self) -> None:
         # Let a leader finish its last poll (close() woke it) before the fds go away.
-        if self._lead.acquire(timeout=5.0):
+        got = self._lead.acquire(timeout=5.0)
+        with self._posted_lock:
             self._released = True
+            self._posted = []
+        if got:
             self._lead.release()
-        else:
-            self._released = True
         if self._epoll:
             self._poller.close()
         self._wakeup.close()

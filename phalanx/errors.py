@@ -159,6 +159,7 @@ class ProcessFailure:
     pid: int | None
     exitcode: int | None  # negative: killed by that signal; None: unknown
     stderr_tail: tuple[str, ...] = ()
+    reason: str | None = None  # what the backend knows of the cause (Ray: "the node died")
 
     @property
     def signal(self) -> str | None:
@@ -166,7 +167,15 @@ class ProcessFailure:
 
     @property
     def cause(self) -> str:
-        return likely_cause(self.exitcode)
+        return self.reason or likely_cause(self.exitcode)
+
+    def as_dict(self) -> dict:
+        """Plain data, as a node side sends it in an EXITED message."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ProcessFailure:
+        return cls(**{**data, "stderr_tail": tuple(data.get("stderr_tail", ()))})
 
 
 class WorkerDied(PhalanxError):

@@ -12,6 +12,7 @@ a process group) are named here and implemented in :mod:`phalanx.bootstrap`.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 from collections.abc import Callable, Mapping, Sequence
@@ -34,24 +35,67 @@ ENV_NODE_SERVICE = "PHALANX_NODE_SERVICE"  # JSON NodeService, read once by the 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
+    """``nodes`` nodes; ``procs_per_node`` ranks on each (an int), or per node (a tuple, for
+    uneven layouts such as ``(2, 1)``). A tuple of equal counts is stored as the int."""
+
     nodes: int
-    procs_per_node: int
+    procs_per_node: int | tuple[int, ...]
 
     def __post_init__(self) -> None:
-        for name in ("nodes", "procs_per_node"):
-            value = getattr(self, name)
+        nodes, procs = self.nodes, self.procs_per_node
+        if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1:
+            raise ValueError(f"nodes must be a positive integer, got {nodes!r}")
+        counts = (procs,) * nodes if not isinstance(procs, (tuple, list)) else tuple(procs)
+        for value in counts:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                raise ValueError(
+                    f"procs_per_node must be a positive integer or a list of them, got {procs!r}"
+                )
+        if len(counts) != nodes:
+            raise ValueError(
+                f"procs_per_node={list(counts)} gives {len(counts)} nodes but nodes={nodes}"
+            )
+        uniform = all(c == counts[0] for c in counts)
+        object.__setattr__(self, "procs_per_node", counts[0] if uniform else counts)
+        object.__setattr__(self, "_counts", counts)
+        starts = [0]
+        for c in counts:
+            starts.append(starts[-1] + c)
+        object.__setattr__(self, "_starts", tuple(starts))
+
+    @classmethod
+    def of(cls, counts: Sequence[int]) -> Layout:
+        """The layout with ``counts[n]`` ranks on node ``n``."""
+        return cls(len(counts), tuple(counts))
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        """Ranks per node, one entry per node."""
+        return self._counts  # type: ignore[attr-defined]
+
+    @property
+    def uniform(self) -> bool:
+        return isinstance(self.procs_per_node, int)
 
     @property
     def world_size(self) -> int:
-        return self.nodes * self.procs_per_node
+        return self._starts[-1]  # type: ignore[attr-defined]
 
     def node_of(self, rank: int) -> int:
-        return rank // self.procs_per_node
+        if self.uniform:
+            return rank // self.procs_per_node  # type: ignore[operator]
+        return bisect.bisect_right(self._starts, rank) - 1  # type: ignore[attr-defined]
 
     def local_rank_of(self, rank: int) -> int:
-        return rank % self.procs_per_node
+        return rank - self._starts[self.node_of(rank)]  # type: ignore[attr-defined]
+
+    def ranks_of(self, node: int) -> range:
+        """The ranks on ``node``."""
+        starts = self._starts  # type: ignore[attr-defined]
+        return range(starts[node], starts[node + 1])
+
+    def local_world_size(self, node: int) -> int:
+        return self.counts[node]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +131,7 @@ def rank_env(layout: Layout, rank: int, master_addr: str, master_port: int) -> d
         "RANK": rank,
         "LOCAL_RANK": layout.local_rank_of(rank),
         "WORLD_SIZE": layout.world_size,
-        "LOCAL_WORLD_SIZE": layout.procs_per_node,
+        "LOCAL_WORLD_SIZE": layout.local_world_size(layout.node_of(rank)),
         "NODE_RANK": layout.node_of(rank),
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": master_port,
@@ -175,7 +219,8 @@ def jax_local_devices(layout: Layout, rank: int, launch: Launch) -> list[int] | 
         mine = tuple(range(len(mine)))
     if not mine:  # CPU: one device per process, as jax does under its cluster managers
         return [local_rank]
-    share = len(mine) // layout.procs_per_node  # an equal share of the node's GPUs
+    # an equal share of the node's GPUs
+    share = len(mine) // layout.local_world_size(layout.node_of(rank))
     if share == 0:
         return None  # fewer GPUs than processes: nothing sensible to pin
     return list(mine[local_rank * share : (local_rank + 1) * share])
@@ -355,7 +400,8 @@ def get_framework(name: str | None) -> Framework:
         raise ValueError(f"unknown framework {name!r}; expected one of {known}") from None
 
 
-def check_layout(framework: Framework, procs_per_node: int) -> None:
+def check_layout(framework: Framework, layout: Layout | int) -> None:
+    procs_per_node = layout.procs_per_node if isinstance(layout, Layout) else layout
     if framework.one_per_node and procs_per_node != 1:
         what = (
             "runs the function on node 0 over a cluster with one process per node"
@@ -369,18 +415,29 @@ def check_layout(framework: Framework, procs_per_node: int) -> None:
 
 
 def resolve_procs_per_node(
-    procs_per_node: int | str, framework: Framework, gpus: int, gpus_per_worker: int = 0
-) -> int:
+    procs_per_node: int | str | Sequence[int],
+    framework: Framework,
+    gpus: int | None,
+    gpus_per_worker: int = 0,
+) -> int | tuple[int, ...]:
     """``"auto"`` becomes the framework's count for a node with ``gpus`` GPUs, each worker
-    taking ``gpus_per_worker`` of them (or one)."""
+    taking ``gpus_per_worker`` of them (or one); ``gpus=None``: the backend cannot tell
+    before placing the ranks. A list (one count per node) becomes a tuple."""
     if procs_per_node == "auto":
         if framework.one_per_node:
             return 1
+        if gpus is None:
+            raise ValueError(
+                "procs_per_node='auto' needs each node's GPU count, which this backend learns "
+                "only once the ranks are placed; give a number of processes per node"
+            )
         per_worker = gpus_per_worker if isinstance(gpus_per_worker, int) else 1
         return framework.auto_procs(gpus // max(per_worker, 1))
     if isinstance(procs_per_node, str):
         raise ValueError(f"procs_per_node must be a positive integer or 'auto', "
                          f"got {procs_per_node!r}")
+    if isinstance(procs_per_node, (list, tuple)):
+        return tuple(procs_per_node)
     return procs_per_node
 
 

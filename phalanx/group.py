@@ -14,8 +14,8 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from phalanx import config, wire
-from phalanx.backends import Backend, WorkerSpec, create_backend
+from phalanx import config, protocol, wire
+from phalanx.backends import Backend, Boot, RankStart, create_backend
 from phalanx.dispatch import Dispatcher, Slot
 from phalanx.errors import (
     GroupClosed,
@@ -23,11 +23,11 @@ from phalanx.errors import (
     SerializationError,
     WorkerDied,
 )
-from phalanx.frameworks import merge_env, worker_env
+from phalanx.frameworks import Layout, check_layout, merge_env, worker_env
 from phalanx.futures import GroupFuture
 from phalanx.logs import OutputOptions
 from phalanx.meshcalls import MeshCalls, merge_common_kwargs
-from phalanx.placement import new_launch, place
+from phalanx.placement import check_node_gpus, new_launch, place
 from phalanx.selection import Workers, select_ranks
 from phalanx.startup import await_ready
 from phalanx.streaming import StreamCalls, StreamFuture
@@ -41,6 +41,11 @@ logger = logging.getLogger(__name__)
 
 
 _live_groups: weakref.WeakSet[WorkerGroup] = weakref.WeakSet()
+
+
+def _channels(slots: Sequence[Slot]) -> list:
+    """The distinct channels of ``slots`` (a node channel may carry several of them)."""
+    return list({id(s.channel): s.channel for s in slots}.values())
 
 
 @atexit.register
@@ -99,12 +104,12 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching):
         kwargs: Mapping[str, Any] | None = None,
         *,
         nodes: int = 1,
-        procs_per_node: int | str = 1,
+        procs_per_node: int | str | Sequence[int] = 1,
         env: Mapping[str, str] | None = None,
         rank_env: Mapping[int, Mapping[str, str]] | None = None,
         framework: str | None = None,
         gpus_per_worker: int = 0,
-        backend: str = "local",
+        backend: str | Backend = "local",
         concurrency: int = 1,
         start_timeout: float | None = None,
         echo_output: bool = True,
@@ -124,7 +129,9 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching):
             raise TypeError(f"kwargs must be a mapping, got {type(kwargs).__name__}")
         if not isinstance(concurrency, int) or isinstance(concurrency, bool) or concurrency < 1:
             raise ValueError(f"concurrency must be a positive integer, got {concurrency!r}")
-        self._placement = place(framework, nodes, procs_per_node, gpus_per_worker)
+        self._backend: Backend = create_backend(backend)  # checks the name; starts nothing
+        self._placement = place(framework, nodes, procs_per_node, gpus_per_worker,
+                                self._backend.gpus_per_node(nodes))
         self._layout = self._placement.layout
         output = OutputOptions.build(echo_output, collapse_output, log_ranks, log_dir,
                                      self.world_size)
@@ -148,17 +155,21 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching):
         self._progress = settings.progress
         self._target_name = getattr(target, "__qualname__", getattr(target, "__name__", "target"))
         try:
-            self._init_payload = wire.dumps((target, tuple(args), dict(kwargs or {})))
+            init_payload = wire.dumps((target, tuple(args), dict(kwargs or {})))
         except Exception as exc:
             raise SerializationError(
                 f"could not pickle the target or its constructor arguments: "
                 f"{type(exc).__name__}: {exc}",
                 stage="pickling the constructor arguments",
             ) from exc
-        self._init_options = {"concurrency": concurrency, "framework": framework}
+        self._boot = Boot(
+            payload=init_payload,
+            options={"concurrency": concurrency, "framework": framework},
+            sys_path=tuple(sys.path),
+            cwd=cwd,
+        )
         self._user_env = dict(env or {})
         self._rank_env = {r: dict(e) for r, e in (rank_env or {}).items()}
-        self._cwd = cwd or os.getcwd()
         self._call_ids = itertools.count(1)
         self._closed = False
         self._methods: list[str] | None = None
@@ -166,11 +177,10 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching):
         self._all_ranks = list(range(self.world_size))
         self._deaths_seen = -1  # dispatcher.deaths when every rank was last seen alive
         self._slots: list[Slot | None] = [None] * self.world_size
-        self._backend: Backend = create_backend(backend, output=output)  # checks the name
         self._dispatcher = Dispatcher(on_death=self._on_death)
         try:
-            self._launch = new_launch(self._placement, self._backend.rendezvous_address())
-            self._specs = [self._spec(rank) for rank in range(self.world_size)]
+            self._backend.open(output)
+            self._reserve()
             self._start_ranks(list(range(self.world_size)))
         except BaseException:
             self._closed = True
@@ -191,8 +201,14 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching):
         return self._layout.nodes
 
     @property
-    def procs_per_node(self) -> int:
+    def procs_per_node(self) -> int | tuple[int, ...]:
+        """Ranks per node: an int, or one count per node for an uneven layout."""
         return self._layout.procs_per_node
+
+    @property
+    def backend(self) -> str:
+        """The name of the backend the ranks run on (``"local"``, ``"ray"``)."""
+        return self._backend.name
 
     @property
     def framework(self) -> str | None:
@@ -210,33 +226,55 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching):
         """Public methods of the worker object (as reported by the workers at start-up)."""
         return list(self._methods or [])
 
-    def _spec(self, rank: int) -> WorkerSpec:
+    # -- start-up ---------------------------------------------------------------------
+
+    def _reserve(self) -> None:
+        """Have the backend find the nodes, then decide addresses and ports on them."""
+        nodes = self._backend.reserve(
+            self._layout, gpus_per_worker=self._placement.gpus_per_worker,
+            timeout=self._start_timeout,
+        )
+        layout = Layout.of([n.ranks for n in nodes])
+        if layout != self._layout:  # the backend placed the ranks itself (Ray)
+            check_layout(self._placement.framework, layout)
+            self._layout = layout
+        check_node_gpus(self._placement, nodes, simulated=self._backend.name == "local")
+        self._nodes = nodes
+        self._new_launch()
+
+    def _new_launch(self) -> None:
+        """Fresh ports (picked on the nodes) and every rank's variables."""
+        self._launch = new_launch(self._placement, self._nodes, self._backend.ports)
+        self._starts = [self._rank_start(rank) for rank in range(self.world_size)]
+
+    def _rank_start(self, rank: int) -> RankStart:
         generic = worker_env(self._placement.framework, self._layout, rank, self._launch)
-        env = merge_env(os.environ, generic, self._user_env, self._rank_env.get(rank))
-        return WorkerSpec(
+        env = merge_env({}, generic, self._user_env, self._rank_env.get(rank))
+        return RankStart(
             rank=rank,
             node=self._layout.node_of(rank),
             local_rank=self._layout.local_rank_of(rank),
             env=env,
-            cwd=self._cwd,
         )
-
-    # -- start-up ---------------------------------------------------------------------
 
     def _start_ranks(self, ranks: list[int]) -> None:
-        handles = self._backend.start([self._specs[r] for r in ranks])
-        slots = [Slot(h.rank, h.node, h) for h in handles]
-        init = wire.frame(
-            [wire.header(wire.INIT, 0, list(sys.path), self._init_options), *self._init_payload]
-        )
+        """Launch ``ranks`` (one batch per node) and wait until every one is ready. A rank
+        becomes visible to calls only once its INIT is on its way."""
+        by_node: dict[int, list[RankStart]] = {}
+        for rank in ranks:
+            by_node.setdefault(self._layout.node_of(rank), []).append(self._starts[rank])
+        slots: list[Slot] = []
         try:
+            for node, starts in by_node.items():
+                channels = self._backend.launch(self._nodes[node], starts, self._boot)
+                for channel in channels:
+                    for rank in channel.ranks:
+                        slot = Slot(rank, node, channel)
+                        slots.append(slot)
+                        self._dispatcher.add(slot)
+                    channel.attach(self._dispatcher)
             for slot in slots:
                 self._slots[slot.rank] = slot
-                self._dispatcher.add(slot)
-                try:
-                    slot.conn.send(init)
-                except wire.ConnectionLost:
-                    pass  # its death is reported below
             await_ready(
                 self._dispatcher,
                 slots,
@@ -324,22 +362,11 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching):
         """Register a call's futures and send it (``defer``: at the future's first wait;
         ``stream``: the workers stream items back, see :mod:`phalanx.streaming`)."""
         call_id = next(self._call_ids)
-        kind = wire.CALL
         if stream:
             group_future: GroupFuture = StreamFuture(method, ranks, self._dispatcher)
-            kind = wire.CALL_STREAM
         else:
             group_future = GroupFuture(method, ranks, self._dispatcher)
-        if len(payloads) == 1:
-            frames = [wire.call_frame(call_id, method, payloads[0], kind)] * len(ranks)
-        else:  # one frame per distinct payload (call_sharded repeats replicated slices)
-            built: dict[int, list[Any]] = {}
-            frames = []
-            for p in payloads:
-                frame = built.get(id(p))
-                if frame is None:
-                    frame = built[id(p)] = wire.call_frame(call_id, method, p, kind)
-                frames.append(frame)
+        frames = protocol.call_frames(call_id, ranks, method, payloads, stream)
         if defer:
             group_future._kickoff = functools.partial(
                 self._deliver, call_id, ranks, group_future, frames
@@ -355,10 +382,7 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching):
         for i, rank in enumerate(ranks):
             slot = slots[rank]
             slot.pending[call_id] = future  # type: ignore[union-attr]
-            try:
-                slot.conn.send(frames[i])  # type: ignore[union-attr]
-            except wire.ConnectionLost:
-                pass  # the dispatcher fails it with WorkerDied when it handles the death
+            slot.channel.send(frames[i])  # type: ignore[union-attr]
             if not slot.alive:  # type: ignore[union-attr]
                 self._dispatcher.fail_if_dead(slot, call_id, future)  # type: ignore[arg-type]
 
@@ -499,21 +523,21 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching):
         logger.info("recreated rank %d", rank)
 
     def restart(self) -> None:
-        """Replace every worker process, keeping the layout (pending calls fail)."""
+        """Replace every worker process, keeping the layout and the nodes (pending calls
+        fail)."""
         self._check_open()
         self._retire([s for s in self._slots if s is not None], grace=config.DEFAULT_TERM_GRACE)
-        self._launch = new_launch(self._placement, self._launch.master_addr)
-        self._specs = [self._spec(rank) for rank in range(self.world_size)]
+        self._new_launch()
         self._start_ranks(list(range(self.world_size)))
         logger.info("restarted %d workers", self.world_size)
 
     def _retire(self, slots: list[Slot], *, grace: float, force: bool = False) -> None:
         for slot in slots:
             self._dispatcher.remove(slot)
-        self._backend.stop([s.handle for s in slots], grace=grace, force=force)
+        self._backend.stop(_channels(slots), grace=grace, force=force)
         for slot in slots:
             if slot.alive or slot.pending:
-                self._dispatcher.bury(slot, slot.handle.exitcode(0))
+                self._dispatcher.bury(slot, slot.channel.exit_record(slot.rank))
 
     # -- shutdown ---------------------------------------------------------------------
 
@@ -553,14 +577,10 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching):
         # result nobody can receive any more, so they are terminated at once.
         idle = [s for s in slots if s.alive and not s.pending]
         if not force:
-            bye = wire.frame([wire.header(wire.SHUTDOWN, 0)])
             for slot in idle:
-                try:
-                    slot.conn.send(bye)
-                except wire.ConnectionLost:
-                    pass
+                slot.channel.send(protocol.shutdown_frame(slot.rank))
             remaining = max(0.0, deadline - time.monotonic())
-            self._backend.wait_exited([s.handle for s in idle], remaining)
+            self._backend.wait_exited(_channels(idle), remaining)
         self._dispatcher.close(
             lambda method, rank: GroupClosed(
                 f"the group was shut down while {method}() was pending on rank {rank}"
@@ -568,7 +588,7 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching):
             slots,
         )
         grace = min(config.DEFAULT_TERM_GRACE, max(0.0, deadline - time.monotonic()))
-        self._backend.stop([s.handle for s in slots], grace=grace, force=force)
+        self._backend.stop(_channels(slots), grace=grace, force=force)
         for slot in slots:
             slot.alive = False
         self._dispatcher.release()

@@ -1,7 +1,9 @@
-"""Deciding where a group's workers go before any starts: process counts, GPUs, ports.
+"""Deciding where a group's ranks go before any starts: process counts, GPUs, ports.
 
-The rules are pure (:mod:`phalanx.frameworks`); this module adds what needs the machine:
-whether a framework's package is installed, which GPUs are visible, which ports are free.
+The rules are pure (:mod:`phalanx.frameworks`). :func:`place` checks a request before any
+resource is taken; :func:`new_launch` turns the nodes a backend reserved, and the ports it
+picked on them, into the addresses every rank is told. What needs *this* machine (visible
+GPUs, free ports here) is used only by the node side of a backend that runs here.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ import importlib.util
 import os
 import secrets
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from phalanx.errors import FrameworkNotInstalled
 from phalanx.frameworks import (
@@ -23,8 +26,10 @@ from phalanx.frameworks import (
     get_framework,
     parse_visible_gpus,
     resolve_procs_per_node,
-    split_gpus,
 )
+
+if TYPE_CHECKING:
+    from phalanx.backends.base import Node
 
 NVIDIA_GPUS_DIR = "/proc/driver/nvidia/gpus"  # one entry per GPU the driver knows
 
@@ -63,66 +68,92 @@ def require_package(framework: Framework) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """The checked layout of a group: framework, ranks per node, devices."""
+    """The checked request of a group: framework, ranks per node, GPUs per rank."""
 
     framework: Framework
     layout: Layout
     gpus_per_worker: int
-    gpus: tuple[str, ...]
-    node_gpus: tuple[tuple[int, ...], ...] = ()
 
 
 def place(
     framework: str | None,
     nodes: int,
-    procs_per_node: int | str,
+    procs_per_node: int | str | Sequence[int],
     gpus_per_worker: int,
-    environ: Mapping[str, str] | None = None,
-    *,
-    one_machine: bool = True,
+    gpus_per_node: int | None,
 ) -> Placement:
     """Check the options and resolve ``"auto"``; every error before anything starts.
 
-    ``one_machine``: the nodes are simulated on this machine (the local backend), so they
-    split its GPUs between them rather than each having them all.
+    ``gpus_per_node`` is what the backend can tell of each node's GPUs before placing
+    ranks (None: nothing). A list of counts per node sets the number of nodes when
+    ``nodes`` is left at 1.
     """
     fw = get_framework(framework)
-    gpus = visible_gpus(environ)
-    node_gpus = split_gpus(len(gpus), nodes) if one_machine and nodes > 1 else ()
-    first_node = node_gpus[0] if node_gpus else tuple(range(len(gpus)))
-    procs = resolve_procs_per_node(procs_per_node, fw, len(first_node), gpus_per_worker)
+    if isinstance(procs_per_node, (list, tuple)) and nodes == 1:
+        nodes = len(procs_per_node)
+    procs = resolve_procs_per_node(procs_per_node, fw, gpus_per_node, gpus_per_worker)
     layout = Layout(nodes, procs)
-    check_layout(fw, procs)
-    note = f"; the {nodes} simulated nodes share this machine's {len(gpus)}" if node_gpus else ""
-    check_gpus(gpus_per_worker, procs, [gpus[i] for i in first_node], note)
+    check_layout(fw, layout)
+    check_gpus(gpus_per_worker, 0, ())  # the type of gpus_per_worker; counts: once placed
     require_package(fw)
-    return Placement(fw, layout, gpus_per_worker, gpus, node_gpus)
+    return Placement(fw, layout, gpus_per_worker)
 
 
-def new_launch(placement: Placement, master_addr: str) -> Launch:
-    """Fresh addresses and ports for one start of the group (each restart gets new ones)."""
-    nodes = placement.layout.nodes
-    node_addrs = (master_addr,) * nodes  # every simulated node of the local backend
-    taken: set[int] = set()
-    ports: dict[str, tuple[int, ...]] = {}
+def check_node_gpus(placement: Placement, nodes: Sequence[Node], simulated: bool) -> None:
+    """Enough GPUs on every node for ``gpus_per_worker`` (nodes whose backend assigns
+    devices itself are its business)."""
+    for node in nodes:
+        if node.gpus is None:
+            continue
+        note = (f"; the {len(nodes)} simulated nodes share this machine's GPUs"
+                if simulated and len(nodes) > 1 else "")
+        check_gpus(placement.gpus_per_worker, node.ranks, node.gpus, note)
 
-    def pick(host: str) -> int:
-        while True:
-            port = free_port(host)
-            if port not in taken:
-                taken.add(port)
-                return port
 
-    master_port = pick(master_addr)
-    for name in placement.framework.ports:
-        ports[name] = tuple(pick(node_addrs[n]) for n in range(nodes))
+def new_launch(
+    placement: Placement, nodes: Sequence[Node], ports: Callable[[Node, int], list[int]]
+) -> Launch:
+    """Addresses, ports (picked on each node) and devices for one start of the group; each
+    restart gets new ports."""
+    names = placement.framework.ports
+    picked = [ports(node, (1 if node.index == 0 else 0) + len(names)) for node in nodes]
+    master_port = picked[0][0]
+    by_name = {
+        name: tuple(picked[n][i + (1 if n == 0 else 0)] for n in range(len(nodes)))
+        for i, name in enumerate(names)
+    }
+    if any(node.gpus is None for node in nodes):  # the backend assigns devices (Ray)
+        visible: tuple[str, ...] = ()
+        node_gpus: tuple[tuple[int, ...], ...] = ()
+        gpus_per_worker = 0
+    else:
+        gpus_per_worker = placement.gpus_per_worker
+        if all(node.gpus == nodes[0].gpus for node in nodes):  # each has them all
+            visible, node_gpus = tuple(nodes[0].gpus), ()  # type: ignore[arg-type]
+        else:  # nodes with shares of their own (simulated nodes split one machine's GPUs)
+            visible = tuple(g for node in nodes for g in node.gpus)  # type: ignore[union-attr]
+            positions, first = [], 0
+            for node in nodes:
+                positions.append(tuple(range(first, first + len(node.gpus))))  # type: ignore[arg-type]
+                first += len(node.gpus)  # type: ignore[arg-type]
+            node_gpus = tuple(positions)
     return Launch(
-        master_addr=master_addr,
+        master_addr=nodes[0].address,
         master_port=master_port,
-        node_addrs=node_addrs,
-        ports=ports,
-        token=secrets.token_hex(16) if placement.framework.ports else "",
-        gpus_per_worker=placement.gpus_per_worker,
-        visible_gpus=placement.gpus,
-        node_gpus=placement.node_gpus,
+        node_addrs=tuple(node.address for node in nodes),
+        ports=by_name,
+        token=secrets.token_hex(16) if names else "",
+        gpus_per_worker=gpus_per_worker,
+        visible_gpus=visible,
+        node_gpus=node_gpus,
     )
+
+
+def pick_free_ports(host: str, count: int) -> list[int]:
+    """``count`` distinct ports free on this machine's ``host`` address now."""
+    taken: list[int] = []
+    while len(taken) < count:
+        port = free_port(host)
+        if port not in taken:
+            taken.append(port)
+    return taken

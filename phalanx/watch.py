@@ -62,4 +62,4 @@ class Watching:
         for rank in select_ranks(workers, alive):
             slot = self._slots[rank]
             if slot is not None and slot.alive:
-                slot.handle.send_signal(sig)
+                slot.channel.signal(rank, sig)

@@ -4,7 +4,7 @@ A *frame* is a list of byte segments sent as one unit::
 
     <u32 nseg><u64 body_len> <u64 len_0> ... <u64 len_{n-1}> <seg_0> ... <seg_{n-1}>
 
-Segment 0 is a small pickled header ``(kind, call_id, *extra)``; the remaining segments
+Segment 0 is a message header (:mod:`phalanx.protocol` owns those); the remaining segments
 are an optional payload: one pickle stream followed by its protocol-5 out-of-band buffers.
 Large numpy arrays and torch CPU tensors therefore travel as their own segments, handed to
 ``sendmsg`` as memoryviews and received in place into one preallocated buffer: the bytes are
@@ -16,7 +16,7 @@ sides reading while they write, so two peers sending to each other cannot deadlo
 
 The bytes travel over a :class:`Stream`: a pair of pipes between processes on one machine,
 a socket between machines. This module knows nothing of workers or groups; it only moves
-frames.
+frames, and never looks inside segment 0.
 """
 
 from __future__ import annotations
@@ -35,17 +35,6 @@ from phalanx.streams import MAX_SEGMENTS as _MAX_SEGMENTS
 from phalanx.streams import Stream, WakePipe
 
 logger = logging.getLogger(__name__)
-
-# Message kinds (first element of every header).
-CALL = 1  # controller -> worker: (CALL, call_id, method) + payload(args, kwargs)
-RESULT = 2  # worker -> controller: (RESULT, call_id) + payload(value)
-ERROR = 3  # worker -> controller: (ERROR, call_id, RemoteFailure-tuple)
-INIT = 4  # controller -> worker: (INIT, 0, sys_path, options) + payload(target, args, kwargs)
-READY = 5  # worker -> controller: (READY, 0, pid, method_names)
-INIT_ERROR = 6  # worker -> controller: (INIT_ERROR, 0, RemoteFailure-tuple)
-SHUTDOWN = 7  # controller -> worker: (SHUTDOWN, 0)
-CALL_STREAM = 8  # controller -> worker: as CALL, for a method whose items are streamed back
-YIELD = 9  # worker -> controller: (YIELD, call_id) + payload(item); RESULT then ends the stream
 
 _PREFIX = struct.Struct("<IQ")
 _LEN = struct.Struct("<Q")
@@ -134,46 +123,9 @@ def loads(segments: list[Any]) -> Any:
     return pickle.loads(segments[0], buffers=segments[1:])
 
 
-_HEAD = struct.Struct("<BQ")  # kind, call id
-HEAD_SIZE = _HEAD.size
-
-
-def header(kind: int, call_id: int, *extra: Any) -> bytes:
-    """Segment 0 of a frame: kind and call id packed, then the method name (CALL) or the
-    pickled extra fields (everything but RESULT, which has none)."""
-    head = _HEAD.pack(kind, call_id)
-    if kind == CALL or kind == CALL_STREAM:
-        (method,) = extra
-        return head + method.encode()
-    if not extra:
-        return head
-    return head + pickle.dumps(extra, protocol=5)
-
-
-def parse_header(segment: Any) -> tuple:
-    """Inverse of :func:`header`: ``(kind, call_id, *extra)``."""
-    kind, call_id = _HEAD.unpack_from(segment)
-    rest = bytes(segment[HEAD_SIZE:])
-    if kind == CALL or kind == CALL_STREAM:
-        return (kind, call_id, rest.decode())
-    if not rest:
-        return (kind, call_id)
-    return (kind, call_id, *pickle.loads(rest))
-
-
 _SMALL_FRAME = 64 * 1024
 _PREFIX_1 = struct.Struct("<IQQ")
 _PREFIX_2 = struct.Struct("<IQQQ")
-
-
-def result_frame(call_id: int, payload: list[Any], kind: int = RESULT) -> list[Any]:
-    """``frame([header(kind, call_id), *payload])``: a result, or a streamed item."""
-    return frame([_HEAD.pack(kind, call_id), *payload])
-
-
-def call_frame(call_id: int, method: str, payload: list[Any], kind: int = CALL) -> list[Any]:
-    """``frame([header(kind, call_id, method), *payload])``: a call, or a streamed call."""
-    return frame([_HEAD.pack(kind, call_id) + method.encode(), *payload])
 
 
 def frame(segments: list[Any]) -> list[Any]:

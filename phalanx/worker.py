@@ -34,7 +34,7 @@ from typing import Any
 
 import cloudpickle
 
-from phalanx import config, streams, wire
+from phalanx import config, protocol, streams, wire
 from phalanx.errors import RemoteFailure
 
 
@@ -118,6 +118,7 @@ def _failure(exc: BaseException, stage: str) -> RemoteFailure:
 
 
 _CALL_ID = struct.Struct("<Q").unpack_from
+_RANK = struct.Struct("<I").unpack_from
 _MISSING = object()
 _PLAIN_RESULTS = frozenset({type(None), int, float, str, bytes, bool, list, dict, tuple})
 
@@ -139,6 +140,7 @@ class WorkerRuntime:
         self._early_frames: list[list[Any]] = []  # calls that arrived together with INIT
         self._loop_lock = threading.Lock()
         self.bootstrap: Any = None  # phalanx.bootstrap.Bootstrap when a framework needs one
+        self.rank = 0  # from INIT's header; stamped on every reply
 
     # -- start-up ---------------------------------------------------------------------
 
@@ -150,9 +152,10 @@ class WorkerRuntime:
                 break
         segs = frames[0]
         self._early_frames = frames[1:]
-        kind, _, sys_path, options = wire.parse_header(segs[0])
-        if kind != wire.INIT:
+        kind, _, ranks, (sys_path, options) = protocol.parse(segs[0])
+        if kind != protocol.INIT:
             raise RuntimeError(f"expected INIT, got message kind {kind}")
+        self.rank = ranks[0]
         sys.path[:] = list(dict.fromkeys([*sys_path, *sys.path]))
         stage = "unpickling the target"
         try:
@@ -169,7 +172,7 @@ class WorkerRuntime:
                 self.obj = target(*args, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - reported to the controller
             failure = _failure(exc, stage)
-            self.conn.send(wire.frame([wire.header(wire.INIT_ERROR, 0, failure.as_tuple())]))
+            self.conn.send(protocol.init_error_frame(self.rank, failure.as_tuple()))
             return False
         concurrency = options.get("concurrency", 1)
         if concurrency > 1:
@@ -178,8 +181,7 @@ class WorkerRuntime:
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 concurrency, thread_name_prefix="phalanx-call"
             )
-        ready = wire.header(wire.READY, 0, os.getpid(), public_methods(self.obj))
-        self.conn.send(wire.frame([ready]))
+        self.conn.send(protocol.ready_frame(self.rank, os.getpid(), public_methods(self.obj)))
         return True
 
     def _start_framework(self, name: str) -> None:
@@ -209,17 +211,19 @@ class WorkerRuntime:
             poller.register(self.conn.read_fd, select.POLLIN)
             readable = poller.poll
         run = self._run_call if self._pool is None else self._submit_call
-        call, call_id, head_size = wire.CALL, _CALL_ID, wire.HEAD_SIZE
+        call, call_id, head_size = protocol.CALL, _CALL_ID, protocol.HEAD_SIZE
+        many = protocol.MANY
         frames, self._early_frames = self._early_frames, []
         while True:
             for segs in frames:
                 first = segs[0]
                 kind = first[0]
+                start = head_size if _RANK(first, 9)[0] != many else protocol.body_offset(first)
                 if kind == call:
-                    run(call_id(first, 1)[0], first[head_size:].decode(), segs)
-                elif kind == wire.CALL_STREAM:
-                    run(call_id(first, 1)[0], first[head_size:].decode(), segs, True)
-                elif kind == wire.SHUTDOWN:
+                    run(call_id(first, 1)[0], first[start:].decode(), segs)
+                elif kind == protocol.CALL_STREAM:
+                    run(call_id(first, 1)[0], first[start:].decode(), segs, True)
+                elif kind == protocol.SHUTDOWN:
                     return 0
             try:
                 if readable is None:
@@ -281,23 +285,24 @@ class WorkerRuntime:
             self._send_error(call_id, exc, stage)
             return
         del result
-        self.conn.send(wire.result_frame(call_id, payload))
+        self.conn.send(protocol.result_frame(call_id, self.rank, payload))
 
     def _stream(self, call_id: int, result: Any) -> None:
         """Send each item of a generator (sync or async) as it comes, then the end marker.
         Exceptions propagate to _run_call, which reports them with the stage reached."""
+        send, rank, dumps = self.conn.send, self.rank, wire.dumps_fast
         if inspect.isasyncgen(result):
             while True:
                 more, item = self._await(_anext(result))
                 if not more:
                     break
-                self.conn.send(wire.result_frame(call_id, wire.dumps_fast(item), wire.YIELD))
+                send(protocol.result_frame(call_id, rank, dumps(item), item=True))
         elif inspect.isgenerator(result):
             for item in result:
-                self.conn.send(wire.result_frame(call_id, wire.dumps_fast(item), wire.YIELD))
+                send(protocol.result_frame(call_id, rank, dumps(item), item=True))
         else:
-            self.conn.send(wire.result_frame(call_id, wire.dumps_fast(result), wire.YIELD))
-        self.conn.send(wire.result_frame(call_id, [wire._NONE]))
+            send(protocol.result_frame(call_id, rank, dumps(result), item=True))
+        send(protocol.end_of_stream_frame(call_id, rank))
 
     def _await(self, awaitable: Any) -> Any:
         import asyncio
@@ -317,7 +322,7 @@ class WorkerRuntime:
 
     def _send_error(self, call_id: int, exc: BaseException, stage: str) -> None:
         failure = _failure(exc, stage)
-        self.conn.send(wire.frame([wire.header(wire.ERROR, call_id, failure.as_tuple())]))
+        self.conn.send(protocol.error_frame(call_id, self.rank, failure.as_tuple()))
 
 
 async def _anext(agen: Any) -> tuple[bool, Any]:

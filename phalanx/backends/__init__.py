@@ -1,27 +1,47 @@
-"""Where workers run. Each backend starts worker processes and hands back, per rank, a
-connected :class:`~phalanx.wire.Connection` plus a way to learn how the process ended; the
-group, the dispatcher and the worker loop are the same for all of them.
+"""Where ranks run. A backend reserves nodes, launches one batch of ranks per node and hands
+the group a :class:`~phalanx.backends.base.Channel` per rank (or per node) that delivers
+events; the group, the dispatcher and the worker loop are the same for all of them.
+See :mod:`phalanx.backends.base` for the boundary.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import copy
 
-from phalanx.backends.base import Backend, WorkerHandle, WorkerSpec
+from phalanx.backends.base import Backend, Boot, Channel, EventSink, Node, RankStart
 
-if TYPE_CHECKING:
-    from phalanx.logs import OutputOptions
-
-BACKENDS = ("local",)
+BACKENDS = ("local", "ray")
 
 
-def create_backend(name: str, *, output: OutputOptions | None = None) -> Backend:
-    """Instantiate a backend by name; ``ValueError`` naming the known ones otherwise."""
-    if name == "local":
+def create_backend(spec: str | Backend) -> Backend:
+    """A fresh, unopened backend for one group: by name (``"local"``, ``"ray"``), or a copy
+    of a configured one (``px.RayBackend(...)``), so one configuration serves many groups.
+    ``ValueError`` naming the known backends otherwise."""
+    if isinstance(spec, Backend):
+        if spec.opened:
+            spec = type(spec)(**spec.settings())
+        return copy.copy(spec)
+    if spec == "local":
         from phalanx.backends.local import LocalBackend
 
-        return LocalBackend(output=output)
-    raise ValueError(f"unknown backend {name!r}; available: {', '.join(BACKENDS)}")
+        return LocalBackend()
+    if spec == "ray":
+        from phalanx.backends.ray import RayBackend
+
+        return RayBackend()
+    raise ValueError(
+        f"unknown backend {spec!r}; available: {', '.join(BACKENDS)} (or a backend object "
+        "such as px.RayBackend(...))"
+    )
 
 
-__all__ = ["BACKENDS", "Backend", "WorkerHandle", "WorkerSpec", "create_backend"]
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "Boot",
+    "Channel",
+    "EventSink",
+    "Node",
+    "RankStart",
+    "create_backend",
+]

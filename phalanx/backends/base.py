@@ -1,95 +1,208 @@
-"""The backend interface (template methods: public ``start``/``stop`` hold the shared checks,
-subclasses implement ``_start``/``_stop``)."""
+"""The backend boundary: nodes, channels and events.
+
+A backend is where ranks run. The group talks to it at the level of *nodes*:
+
+1. :meth:`Backend.reserve` finds the nodes for a layout (a simulated node on this machine, a
+   Ray node holding placement-group bundles, an agent's pod) and reports each one's
+   address, the devices phalanx may hand out there, and how many ranks landed on it.
+2. :meth:`Backend.ports` picks free ports *on* a node (for ``MASTER_PORT`` and framework
+   services): only the node knows which of its ports are free.
+3. :meth:`Backend.launch` starts one batch of ranks on one node. The group gives each rank
+   the variables phalanx and the user set; the node side layers them over its own base
+   environment, picks the working directory and whether the controller's ``sys.path``
+   means anything there. It returns :class:`Channel` objects, not processes.
+
+A channel carries the messages of one or more ranks (:mod:`phalanx.protocol`). Once
+attached to an :class:`EventSink` (the group's dispatcher) it names the descriptors to
+wait on and turns readiness into complete events -- READY, RESULT, ERROR, ..., and EXITED
+with the rank's whole failure record -- or posts events from a thread of its own (a
+watcher that learns of a death from Ray). Nothing a channel does in
+:meth:`Channel.receive` blocks: a death that needs waiting (for the last stderr lines, for
+Ray's account of it) is finished on a helper thread and posted.
+
+Transport errors stop here: :meth:`Channel.send` never raises for a lost connection; the
+loss arrives as an EXITED event for each rank the channel carried.
+
+Template methods (as torch elastic's ``PContext``): the public methods hold the checks and
+the cleanup on failure; backends implement the ``_``-prefixed ones.
+"""
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+import logging
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
-from phalanx import wire
+from phalanx.errors import ProcessFailure
+from phalanx.frameworks import Layout
+
+if TYPE_CHECKING:
+    from phalanx.logs import OutputOptions
+
+logger = logging.getLogger(__name__)
+
+
+class EventSink(Protocol):
+    """Where a channel delivers events (implemented by the dispatcher). Thread-safe."""
+
+    def watch(self, fd: int, channel: Channel) -> None:
+        """Call ``channel.receive(fd)`` whenever ``fd`` is readable."""
+
+    def unwatch(self, fd: int) -> None:
+        """Stop watching ``fd`` (before it is closed)."""
+
+    def post(self, channel: Channel, events: list[list[Any]]) -> None:
+        """Deliver events from another thread (a watcher's EXITED)."""
 
 
 @dataclasses.dataclass(frozen=True)
-class WorkerSpec:
-    """Everything needed to start one rank's process (pure data)."""
+class Node:
+    """One node of a group, as its backend reserved it."""
+
+    index: int
+    address: str  # how the other nodes reach it (node 0's is MASTER_ADDR)
+    ranks: int  # how many ranks run there
+    gpus: tuple[str, ...] | None = ()  # device ids phalanx may hand out there;
+    #                                    None: the backend assigns devices itself (Ray)
+    same_host: bool = True  # on the controller's machine: its cwd and sys.path apply
+    name: str = ""  # for messages: "127.0.0.1", "ray node 3f2a...", a pod name
+
+
+@dataclasses.dataclass(frozen=True)
+class RankStart:
+    """What the group decided for one rank: identity and the variables it sets."""
 
     rank: int
     node: int
     local_rank: int
-    env: Mapping[str, str]
-    cwd: str
+    env: Mapping[str, str]  # phalanx's and the user's variables, over the node's own
 
 
-class WorkerHandle(abc.ABC):
-    """A started worker process as the controller sees it."""
+@dataclasses.dataclass(frozen=True)
+class Boot:
+    """The same for every rank of a start: what INIT carries, and the user's cwd."""
 
-    rank: int
+    payload: list[Any]  # pickled (target, args, kwargs)
+    options: Mapping[str, Any]
+    sys_path: tuple[str, ...]  # the controller's, applied on nodes that share its files
+    cwd: str | None = None  # None: the node side decides (local: the controller's cwd)
+
+
+class Channel(abc.ABC):
+    """Carries the messages of some ranks of one node, and reports their deaths."""
+
+    ranks: tuple[int, ...]
     node: int
-    pid: int | None
-    conn: wire.Connection
-    death_fd: int | None  # readable once the process has exited; None if the backend has none
 
     @abc.abstractmethod
-    def exitcode(self, timeout: float = 0.0) -> int | None:
-        """Exit code once ended (negative: killed by that signal); None if still running."""
+    def attach(self, sink: EventSink) -> None:
+        """Start delivering this channel's events to ``sink``."""
 
     @abc.abstractmethod
-    def kill(self) -> None:
-        """SIGKILL the worker and everything it started."""
+    def receive(self, fd: int) -> list[list[Any]]:
+        """The events complete now on ``fd`` (watched through the sink); never blocks."""
 
     @abc.abstractmethod
-    def send_signal(self, sig: int) -> None:
-        """Deliver ``sig`` to the worker (and the processes of its process group)."""
+    def send(self, frame: list[Any]) -> None:
+        """Queue one frame; a lost connection is reported as EXITED, never raised here."""
 
     @abc.abstractmethod
-    def wait_output_closed(self, timeout: float) -> bool:
-        """Wait (bounded) until the worker's last output has been read."""
+    def signal(self, rank: int, sig: int) -> None:
+        """Deliver ``sig`` to the rank's process (and its process group)."""
 
     @abc.abstractmethod
-    def stderr_tail(self) -> tuple[str, ...]:
-        """The last lines the worker wrote to stderr."""
-
-
-class Backend(abc.ABC):
-    """Starts and stops the worker processes of one group."""
-
-    name = "abstract"
-
-    def start(self, specs: Sequence[WorkerSpec]) -> list[WorkerHandle]:
-        """Start one process per spec; each handle's connection is ready for INIT."""
-        if not specs:
-            raise ValueError("no workers to start")
-        handles: list[WorkerHandle] = []
-        try:
-            for spec in specs:
-                handles.append(self._start(spec))
-        except BaseException:
-            self.stop(handles, grace=0.0, force=True)
-            raise
-        return handles
-
-    def stop(self, handles: Sequence[WorkerHandle], *, grace: float, force: bool = False) -> None:
-        """SIGTERM, wait up to ``grace`` s, SIGKILL, reap; returns when none is alive."""
-        if handles:
-            self._stop(list(handles), grace=grace, force=force)
-        for handle in handles:
-            handle.conn.close()
-
-    def rendezvous_address(self) -> str:
-        """The address rank 0's node is reachable at (``MASTER_ADDR``)."""
-        return "127.0.0.1"
-
-    @abc.abstractmethod
-    def _start(self, spec: WorkerSpec) -> WorkerHandle: ...
-
-    @abc.abstractmethod
-    def _stop(self, handles: list[WorkerHandle], *, grace: float, force: bool) -> None: ...
-
-    @abc.abstractmethod
-    def wait_exited(self, handles: Sequence[WorkerHandle], timeout: float) -> None:
-        """Wait up to ``timeout`` for the processes to exit on their own."""
+    def exit_record(self, rank: int) -> ProcessFailure:
+        """How the rank's process ended, as known now (after :meth:`Backend.stop`)."""
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Release the backend's own resources (threads, descriptors)."""
+        """Release descriptors and threads (the processes are stopped by the backend)."""
+
+
+class Backend(abc.ABC):
+    """Reserves nodes and starts, signals and stops the ranks of one group on them."""
+
+    name = "abstract"
+    opened = False
+
+    def settings(self) -> dict[str, Any]:
+        """The constructor arguments this backend was configured with."""
+        return {}
+
+    def open(self, output: OutputOptions) -> None:
+        """Start what the backend needs to serve one group (threads, a Ray connection);
+        ``output`` says what happens to the ranks' stdout and stderr."""
+        if self.opened:
+            raise RuntimeError(f"this {self.name} backend already serves a group")
+        self.opened = True
+        self._open(output)
+
+    def gpus_per_node(self, nodes: int) -> int | None:
+        """GPUs each node offers, if known before the ranks are placed (for
+        ``procs_per_node="auto"``); None when only placement tells."""
+        return None
+
+    def reserve(self, layout: Layout, *, gpus_per_worker: int, timeout: float) -> list[Node]:
+        """Find nodes for ``layout`` (ranks per node in order); raises before any rank runs.
+
+        A backend that places ranks itself (Ray) may return another split of the same
+        number of ranks: the nodes as they really are.
+        """
+        nodes = self._reserve(layout, gpus_per_worker=gpus_per_worker, timeout=timeout)
+        if sum(n.ranks for n in nodes) != layout.world_size:  # pragma: no cover - a bug
+            raise RuntimeError(f"{self.name} reserved {nodes} for {layout.world_size} ranks")
+        return nodes
+
+    def launch(self, node: Node, ranks: Sequence[RankStart], boot: Boot) -> list[Channel]:
+        """Start ``ranks`` on ``node`` and send each its INIT; their channels, not attached.
+
+        If starting one fails, those already started are stopped before the error
+        propagates.
+        """
+        if not ranks:
+            raise ValueError("no ranks to launch")
+        channels: list[Channel] = []
+        try:
+            self._launch(node, list(ranks), boot, channels)
+        except BaseException:
+            self.stop(channels, grace=0.0, force=True)
+            raise
+        return channels
+
+    def stop(self, channels: Sequence[Channel], *, grace: float, force: bool = False) -> None:
+        """SIGTERM, wait up to ``grace`` s, SIGKILL, reap; returns when none is alive."""
+        if channels:
+            self._stop(list(channels), grace=grace, force=force)
+        for channel in channels:
+            channel.close()
+
+    @abc.abstractmethod
+    def _open(self, output: OutputOptions) -> None: ...
+
+    @abc.abstractmethod
+    def _reserve(self, layout: Layout, *, gpus_per_worker: int, timeout: float) -> list[Node]:
+        ...
+
+    @abc.abstractmethod
+    def ports(self, node: Node, count: int) -> list[int]:
+        """``count`` distinct ports free on ``node`` now."""
+
+    @abc.abstractmethod
+    def _launch(
+        self, node: Node, ranks: list[RankStart], boot: Boot, channels: list[Channel]
+    ) -> None:
+        """Start the ranks, appending each channel to ``channels`` as soon as it exists."""
+
+    @abc.abstractmethod
+    def _stop(self, channels: list[Channel], *, grace: float, force: bool) -> None: ...
+
+    @abc.abstractmethod
+    def wait_exited(self, channels: Sequence[Channel], timeout: float) -> None:
+        """Wait up to ``timeout`` for the ranks' processes to exit on their own."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release what the backend holds (threads, a placement group, a Ray it started)."""
+

@@ -1,76 +1,193 @@
-"""The local backend: workers are child processes of the controller on this machine.
+"""The local backend: ranks are child processes of the controller on this machine.
 
-``nodes > 1`` simulates several nodes (distinct ``NODE_RANK`` values) on one machine.
+``nodes > 1`` simulates several nodes (distinct ``NODE_RANK`` values) on one machine; they
+split its GPUs between them. This is also the node side a cluster agent runs: what only
+holds on this machine (the controller's environment and cwd, its visible GPUs, its free
+ports) is decided here, not above the backend line.
+
+Each rank has a :class:`LocalChannel`: its control pipes, and a pidfd whose readability is
+the death event. A death is finished on a short helper thread (reap, wait a moment for the
+last stderr lines) and posted as EXITED, so the dispatcher's pump never waits on it.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 from collections.abc import Sequence
+from typing import Any
 
-from phalanx import node, streams, wire
-from phalanx.backends.base import Backend, WorkerHandle, WorkerSpec
+from phalanx import node, protocol, streams, wire
+from phalanx.backends.base import Backend, Boot, Channel, EventSink, Node, RankStart
+from phalanx.errors import ProcessFailure
+from phalanx.frameworks import Layout, merge_env, split_gpus
 from phalanx.logs import LogPump, OutputOptions, OutputTap
+from phalanx.placement import pick_free_ports, visible_gpus
+
+_EXIT_WAIT = 1.0  # after end of stream, how long the process may take to finish exiting
+_OUTPUT_WAIT = 0.2  # how long to wait for a dead worker's last stderr lines
+_LOOPBACK = "127.0.0.1"
 
 
-class LocalWorker(WorkerHandle):
-    def __init__(self, spec: WorkerSpec, proc: node.LocalProcess, conn: wire.Connection,
+class LocalChannel(Channel):
+    """One local rank: its control pipes, its pidfd, its output tap."""
+
+    def __init__(self, start: RankStart, proc: node.LocalProcess, conn: wire.Connection,
                  tap: OutputTap) -> None:
-        self.rank = spec.rank
-        self.node = spec.node
-        self.pid = proc.pid
+        self.rank = start.rank
+        self.ranks = (start.rank,)
+        self.node = start.node
         self.proc = proc
         self.conn = conn
-        self.death_fd = proc.death_fd
         self._tap = tap
+        self._sink: EventSink | None = None
+        self._watched: list[int] = []
+        self._buried = False
+        self._lock = threading.Lock()
 
-    def exitcode(self, timeout: float = 0.0) -> int | None:
-        return self.proc.exitcode(timeout)
+    def attach(self, sink: EventSink) -> None:
+        self._sink = sink
+        self._watched = [self.conn.read_fd]
+        if self.proc.death_fd is not None:
+            self._watched.append(self.proc.death_fd)
+        for fd in self._watched:
+            sink.watch(fd, self)
 
-    def kill(self) -> None:
-        self.proc.signal_tree(signal.SIGKILL)
+    def receive(self, fd: int) -> list[list[Any]]:
+        if fd == self.conn.read_fd:
+            try:
+                return self.conn.reader.recv_frames(block=False)
+            except wire.ConnectionLost:
+                self._unwatch(fd)
+                if self.proc.death_fd is None:
+                    self._bury_later()
+                else:  # the stream ended but the process lives on: unusable, end it
+                    self.proc.signal_tree(signal.SIGKILL)
+                return []
+        # the pidfd: the process has exited; everything it sent is in the pipe
+        frames = self._drain()
+        self._bury_later()
+        return frames
 
-    def send_signal(self, sig: int) -> None:
+    def _drain(self) -> list[list[Any]]:
+        frames: list[list[Any]] = []
+        for _ in range(10_000):
+            try:
+                more = self.conn.reader.recv_frames(block=False)
+            except wire.ConnectionLost:
+                break
+            if not more:
+                break
+            frames += more
+        return frames
+
+    def _unwatch(self, fd: int) -> None:
+        if fd in self._watched and self._sink is not None:
+            self._watched.remove(fd)
+            self._sink.unwatch(fd)
+
+    def _bury_later(self) -> None:
+        with self._lock:
+            if self._buried:
+                return
+            self._buried = True
+        for fd in list(self._watched):
+            self._unwatch(fd)
+        threading.Thread(target=self._bury, name=f"phalanx-bury-{self.rank}", daemon=True).start()
+
+    def _bury(self) -> None:
+        code = self.proc.exitcode(_EXIT_WAIT)
+        if code is None:
+            self.proc.signal_tree(signal.SIGKILL)
+            code = self.proc.exitcode(5.0)
+        self._tap.wait_closed(_OUTPUT_WAIT)
+        failure = ProcessFailure(self.rank, self.node, self.proc.pid, code,
+                                 self._tap.stderr_tail())
+        if self._sink is not None:
+            self._sink.post(self, [protocol.exited_message(self.rank, failure.as_dict())])
+
+    def send(self, frame: list[Any]) -> None:
+        try:
+            self.conn.send(frame)
+        except wire.ConnectionLost:
+            pass  # its death arrives as EXITED
+
+    def signal(self, rank: int, sig: int) -> None:
         self.proc.signal_group(sig)
 
-    def wait_output_closed(self, timeout: float) -> bool:
-        return self._tap.wait_closed(timeout)
+    def exit_record(self, rank: int) -> ProcessFailure:
+        return ProcessFailure(self.rank, self.node, self.proc.pid, self.proc.exitcode(0),
+                              self._tap.stderr_tail())
 
-    def stderr_tail(self) -> tuple[str, ...]:
-        return self._tap.stderr_tail()
+    def close(self) -> None:
+        with self._lock:
+            self._buried = True  # stopped on purpose: the group records it
+        for fd in list(self._watched):
+            self._unwatch(fd)
+        self.conn.close()
+        self.proc.release()
 
 
 class LocalBackend(Backend):
     name = "local"
 
-    def __init__(self, *, output: OutputOptions | None = None) -> None:
+    def __init__(self) -> None:
+        self._gpus = visible_gpus()
+
+    def _open(self, output: OutputOptions) -> None:
         self._writer = wire.BacklogWriter()
         self._logs = LogPump(output)
 
-    def _start(self, spec: WorkerSpec) -> WorkerHandle:
-        proc = node.spawn_worker(spec.env, cwd=spec.cwd)
+    def gpus_per_node(self, nodes: int) -> int:
+        """GPUs each simulated node gets (they split this machine's)."""
+        return len(self._gpus) // nodes if nodes > 1 else len(self._gpus)
+
+    def _reserve(self, layout: Layout, *, gpus_per_worker: int, timeout: float) -> list[Node]:
+        shares = (split_gpus(len(self._gpus), layout.nodes) if layout.nodes > 1
+                  else (tuple(range(len(self._gpus))),))
+        return [
+            Node(index=n, address=_LOOPBACK, ranks=layout.counts[n],
+                 gpus=tuple(self._gpus[i] for i in shares[n]), name=f"simulated node {n}")
+            for n in range(layout.nodes)
+        ]
+
+    def ports(self, node: Node, count: int) -> list[int]:
+        return pick_free_ports(node.address, count)
+
+    def _launch(
+        self, node: Node, ranks: list[RankStart], boot: Boot, channels: list[Channel]
+    ) -> None:
+        cwd = boot.cwd or os.getcwd()
+        for start in ranks:
+            env = merge_env(os.environ, start.env, None, None)
+            channel = self._spawn(start, env, cwd)
+            channels.append(channel)
+            init = protocol.init_frame(start.rank, boot.sys_path, dict(boot.options),
+                                       boot.payload)
+            channel.send(init)
+
+    def _spawn(self, start: RankStart, env: dict[str, str], cwd: str) -> LocalChannel:
+        proc = node.spawn_worker(env, cwd=cwd)
         try:
-            tap = self._logs.attach(spec.rank, proc.stdout_fd, proc.stderr_fd)
-        except BaseException:  # e.g. its log file vanished: it has no handle to stop it by
+            tap = self._logs.attach(start.rank, proc.stdout_fd, proc.stderr_fd)
+        except BaseException:  # e.g. its log file vanished: it has no channel to stop it by
             node.stop_processes([proc], force=True)
             for fd in (proc.stdout_fd, proc.stderr_fd, proc.read_fd, proc.write_fd):
                 os.close(fd)
             proc.release()
             raise
         stream = streams.PipeStream(proc.read_fd, proc.write_fd, blocking_reads=False)
-        conn = wire.Connection(stream, self._writer)
-        return LocalWorker(spec, proc, conn, tap)
+        return LocalChannel(start, proc, wire.Connection(stream, self._writer), tap)
 
-    def _stop(self, handles: list[WorkerHandle], *, grace: float, force: bool) -> None:
-        procs = [h.proc for h in handles if isinstance(h, LocalWorker)]
+    def _stop(self, channels: list[Channel], *, grace: float, force: bool) -> None:
+        procs = [c.proc for c in channels if isinstance(c, LocalChannel)]
         node.stop_processes(procs, grace=grace, force=force)
-        for proc in procs:
-            proc.release()
 
-    def wait_exited(self, handles: Sequence[WorkerHandle], timeout: float) -> None:
-        node.wait_all_exit([h.proc for h in handles if isinstance(h, LocalWorker)], timeout)
+    def wait_exited(self, channels: Sequence[Channel], timeout: float) -> None:
+        node.wait_all_exit([c.proc for c in channels if isinstance(c, LocalChannel)], timeout)
 
     def close(self) -> None:
-        self._logs.stop()
-        self._writer.stop()
+        if self.opened:
+            self._logs.stop()
+            self._writer.stop()

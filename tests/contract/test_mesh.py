@@ -85,16 +85,20 @@ def test_a_permuted_layout_is_accepted_and_respected(make_group):
 def test_a_mesh_that_does_not_match_the_world_raises_before_any_process_starts(
     backend, monkeypatch, mesh
 ):
-    created = []
+    opened = []
     real_create = group_module.create_backend
-    monkeypatch.setattr(
-        group_module, "create_backend", lambda *a, **k: created.append(1) or real_create(*a, **k)
-    )
+
+    def create(*args, **kwargs):
+        created = real_create(*args, **kwargs)
+        monkeypatch.setattr(created, "open", lambda *a, **k: opened.append(1))
+        return created
+
+    monkeypatch.setattr(group_module, "create_backend", create)
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     with pytest.raises(ValueError) as info:
         WorkerGroup(Probe, procs_per_node=WORLD, mesh=mesh, backend=backend, echo_output=False)
     assert "mesh" in str(info.value) and "world size of 4" in str(info.value)
-    assert created == [], "a backend was created for a group whose mesh is invalid"
+    assert opened == [], "a backend was opened for a group whose mesh is invalid"
     after = {p.pid for p in psutil.Process().children(recursive=True)}
     assert after <= before and helpers.stray_children() == []
 
