@@ -3,8 +3,9 @@
 Layers (a module imports only from layers below its own)::
 
     api        __init__ (this file), cli, launch, spmd, group, meshcalls, streaming, watch
-    runtime    startup, dispatch, futures, backends/*, node, logs, placement, worker,
-               bootstrap
+    runtime    startup, dispatch, futures, backends/* (base: the node-level boundary;
+               local; ray, ray_actor), node, logs, placement, worker, bootstrap
+    protocol   protocol (the messages), handshake (proving the group's secret)
     transport  wire (framing, serialisation), streams (pipes, sockets)
     pure       errors, config, frameworks, selection, sharding, collapse, console
 
@@ -21,6 +22,7 @@ __version__ = "0.1.0"
 # Public name -> defining module. Loaded on first use, so that a worker process (which
 # imports phalanx.worker) does not pay for the controller's modules at start-up.
 _EXPORTS = {
+    "AuthenticationError": "phalanx.errors",
     "CallTimeout": "phalanx.errors",
     "FrameworkNotInstalled": "phalanx.errors",
     "GroupClosed": "phalanx.errors",
@@ -35,11 +37,13 @@ _EXPORTS = {
     "ShardedFuture": "phalanx.futures",
     "RankFuture": "phalanx.futures",
     "RankHealth": "phalanx.watch",
+    "RayBackend": "phalanx.backends.ray",
     "WorkerGroup": "phalanx.group",
     "spmd": "phalanx.spmd",
 }
 
 __all__ = [
+    "AuthenticationError",
     "CallTimeout",
     "FrameworkNotInstalled",
     "GroupClosed",
@@ -49,6 +53,7 @@ __all__ = [
     "ProcessFailure",
     "RankFuture",
     "RankHealth",
+    "RayBackend",
     "SerializationError",
     "ShardedFuture",
     "StartupError",
@@ -60,7 +65,9 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from phalanx.backends.ray import RayBackend
     from phalanx.errors import (
+        AuthenticationError,
         CallTimeout,
         FrameworkNotInstalled,
         GroupClosed,

@@ -12,6 +12,7 @@
      ├── GroupClosed                 the group was shut down (pending calls end with this)
      ├── SerializationError          the controller could not pickle a call's arguments (nothing
      │                               was sent) or could not unpickle a rank's result
+     ├── AuthenticationError         a peer failed to prove the group's secret (it is dropped)
      └── FrameworkNotInstalled       ``framework=`` names a framework whose package is missing
          (ImportError)               (raised before any process starts)
 
@@ -249,6 +250,10 @@ def chain_remote(error: WorkerError, failure: RemoteFailure) -> WorkerError:
     original: Any = failure.rebuild()
     error.__cause__ = original if original is not None else RemoteTraceback(failure.traceback)
     return error
+
+
+class AuthenticationError(PhalanxError):
+    """A peer connecting to the controller (or a node) did not prove the shared secret."""
 
 
 class FrameworkNotInstalled(PhalanxError, ImportError):

@@ -141,6 +141,8 @@ class WorkerRuntime:
         self._loop_lock = threading.Lock()
         self.bootstrap: Any = None  # phalanx.bootstrap.Bootstrap when a framework needs one
         self.rank = 0  # from INIT's header; stamped on every reply
+        # Send the exit status before exiting (where the controller is not the parent)
+        self.report_exit = False
 
     # -- start-up ---------------------------------------------------------------------
 
@@ -359,6 +361,9 @@ def _flush_and_exit(
 ) -> None:
     if runtime is not None:
         runtime.cleanup()
+        if runtime.report_exit:  # its controller cannot see the exit status itself
+            failure = {"rank": runtime.rank, "node": -1, "pid": os.getpid(), "exitcode": code}
+            conn.send(wire.frame(protocol.exited_message(runtime.rank, failure)))
     _drain(conn, wait)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -378,13 +383,9 @@ def _open_stream(spec: str) -> streams.Stream:
     raise ValueError(f"{config.ENV_FD}={spec!r}: expected pipe:R,W or socket:FD")
 
 
-def main() -> None:
-    stream = _open_stream(os.environ.pop(config.ENV_FD))
-    parent = int(os.environ.pop(config.ENV_PARENT_PID, "0"))
-    _install_parent_death_signal(parent)
-    _watch_for_hangup(stream)
-    conn = wire.Connection(stream, wire.BacklogWriter("phalanx-worker-writer"))
-    runtime = WorkerRuntime(conn)
+def run(conn: wire.Connection, runtime: WorkerRuntime) -> int:
+    """Build the user object and serve until SHUTDOWN or end of stream; the exit status.
+    ``sys.exit`` in user code ends the process here (after the framework's cleanup)."""
     try:
         if not runtime.initialise():
             _flush_and_exit(conn, 1, runtime=runtime)
@@ -397,7 +398,16 @@ def main() -> None:
         code = 128 + signal.SIGINT
     runtime.cleanup()
     _drain(conn)
-    sys.exit(code)
+    return code
+
+
+def main() -> None:
+    stream = _open_stream(os.environ.pop(config.ENV_FD))
+    parent = int(os.environ.pop(config.ENV_PARENT_PID, "0"))
+    _install_parent_death_signal(parent)
+    _watch_for_hangup(stream)
+    conn = wire.Connection(stream, wire.BacklogWriter("phalanx-worker-writer"))
+    sys.exit(run(conn, WorkerRuntime(conn)))
 
 
 if __name__ == "__main__":

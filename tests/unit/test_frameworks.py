@@ -78,6 +78,132 @@ def test_rank_env_rejects_ranks_outside_the_world(rank):
         rank_env(Layout(2, 2), rank, "127.0.0.1", 1)
 
 
+# -- uneven layouts -----------------------------------------------------------------------
+
+counts_lists = st.lists(st.integers(min_value=1, max_value=6), min_size=1, max_size=6)
+
+
+@settings(max_examples=200, deadline=None)
+@given(counts=counts_lists)
+def test_uneven_layouts_number_ranks_node_major(counts):
+    layout = Layout.of(counts)
+    assert layout.nodes == len(counts)
+    assert layout.counts == tuple(counts)
+    assert layout.world_size == sum(counts)
+    # node 0's ranks first, then node 1's, ... each node's a contiguous block
+    assert [r for n in range(layout.nodes) for r in layout.ranks_of(n)] == list(
+        range(layout.world_size)
+    )
+    for node in range(layout.nodes):
+        ranks = layout.ranks_of(node)
+        assert len(ranks) == layout.local_world_size(node) == counts[node]
+        for local, rank in enumerate(ranks):
+            assert layout.node_of(rank) == node
+            assert layout.local_rank_of(rank) == local
+
+
+@settings(max_examples=100, deadline=None)
+@given(counts=counts_lists)
+def test_rank_env_gives_each_node_its_own_local_world_size(counts):
+    layout = Layout.of(counts)
+    for rank in range(layout.world_size):
+        env = rank_env(layout, rank, "10.0.0.1", 29500)
+        node = layout.node_of(rank)
+        assert env["LOCAL_WORLD_SIZE"] == env["PHALANX_LOCAL_WORLD_SIZE"] == str(counts[node])
+        assert env["NODE_RANK"] == str(node)
+        assert env["LOCAL_RANK"] == str(layout.local_rank_of(rank))
+        assert env["WORLD_SIZE"] == str(sum(counts))
+    with pytest.raises(ValueError, match=str(layout.world_size)):
+        rank_env(layout, layout.world_size, "10.0.0.1", 29500)
+
+
+def test_rank_env_for_an_uneven_layout_of_two_then_one():
+    layout = Layout(nodes=2, procs_per_node=(2, 1))
+    envs = [rank_env(layout, r, "10.0.0.1", 29500) for r in range(3)]
+    assert [(e["RANK"], e["NODE_RANK"], e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"]) for e in envs] == [
+        ("0", "0", "0", "2"),
+        ("1", "0", "1", "2"),
+        ("2", "1", "0", "1"),
+    ]
+    assert all(e["WORLD_SIZE"] == "3" for e in envs)
+
+
+@settings(max_examples=100, deadline=None)
+@given(count=st.integers(min_value=1, max_value=8), nodes=st.integers(min_value=1, max_value=6))
+def test_equal_counts_normalise_to_the_int(count, nodes):
+    for procs in ((count,) * nodes, [count] * nodes):
+        layout = Layout(nodes, procs)
+        assert layout.procs_per_node == count
+        assert layout.uniform
+        assert layout == Layout(nodes, count) == Layout.of([count] * nodes)
+        assert layout.counts == (count,) * nodes
+    if nodes > 1:
+        uneven = Layout.of([count + 1] + [count] * (nodes - 1))
+        assert not uneven.uniform
+        assert uneven.procs_per_node == (count + 1, *(count,) * (nodes - 1))
+        assert uneven != Layout(nodes, count)
+
+
+@pytest.mark.parametrize(
+    "bad", [(0,), (2, 0), (1, -1), (True, 1), (1, False), (1.5, 1), ("2", 1), (None,)]
+)
+def test_uneven_layout_rejects_non_positive_integer_counts(bad):
+    with pytest.raises(ValueError, match="procs_per_node"):
+        Layout(len(bad), bad)
+    with pytest.raises(ValueError, match="procs_per_node"):
+        Layout.of(list(bad))
+
+
+@pytest.mark.parametrize(("nodes", "counts"), [(1, (1, 2)), (3, (1, 2)), (2, (3,))])
+def test_uneven_layout_needs_one_count_per_node(nodes, counts):
+    with pytest.raises(ValueError, match="nodes") as info:
+        Layout(nodes, counts)
+    assert "procs_per_node" in str(info.value)
+
+
+def test_layout_of_no_counts_is_no_layout():
+    with pytest.raises(ValueError, match="nodes"):
+        Layout.of([])
+
+
+def test_procs_per_node_lists_resolve_to_tuples():
+    for name in FRAMEWORKS:
+        assert resolve_procs_per_node([2, 1], get_framework(name), 4) == (2, 1)
+        assert resolve_procs_per_node((3,), get_framework(name), None) == (3,)
+
+
+@pytest.mark.parametrize("name", ["torch", "jax", None, "spmd"])
+def test_auto_needs_a_gpu_count(name):
+    with pytest.raises(ValueError, match="procs_per_node='auto'"):
+        resolve_procs_per_node("auto", get_framework(name), None)
+
+
+@pytest.mark.parametrize("name", ["tensorflow", "ray", "monarch"])
+def test_one_per_node_frameworks_resolve_auto_without_a_gpu_count(name):
+    assert resolve_procs_per_node("auto", get_framework(name), None) == 1
+
+
+@pytest.mark.parametrize("name", ["tensorflow", "ray", "monarch"])
+def test_one_per_node_frameworks_reject_uneven_layouts(name):
+    framework = get_framework(name)
+    check_layout(framework, Layout.of([1, 1, 1]))
+    with pytest.raises(ValueError, match="procs_per_node"):
+        check_layout(framework, Layout.of([1, 2]))
+
+
+@pytest.mark.parametrize("name", [None, "spmd", "torch", "jax"])
+def test_multi_process_frameworks_accept_uneven_layouts(name):
+    check_layout(get_framework(name), Layout.of([3, 1]))
+
+
+def test_jax_local_devices_share_each_nodes_gpus_by_its_own_count():
+    # separate machines of four GPUs each: two ranks on node 0, one on node 1
+    layout = Layout.of([2, 1])
+    launch = make_launch(visible_gpus=tuple("0123"))
+    got = [jax_local_devices(layout, rank, launch) for rank in range(3)]
+    assert got == [[0, 1], [2, 3], [0, 1, 2, 3]]
+
+
 def test_merge_env_layers_inherited_phalanx_user_then_rank():
     base = {"PATH": "/bin", "RANK": "stale", "A": "base", "PYTHONUNBUFFERED": "0"}
     generic = {"RANK": "1", "WORLD_SIZE": "2"}

@@ -1,5 +1,5 @@
 """Deciding where workers go before any starts: visible GPUs, installed packages, layout
-checks and fresh ports. No process is started."""
+checks, each node's GPUs and the ports picked on the nodes. No process is started."""
 
 from __future__ import annotations
 
@@ -10,9 +10,18 @@ import types
 import pytest
 
 from phalanx import placement
+from phalanx.backends.base import Node
 from phalanx.errors import FrameworkNotInstalled, PhalanxError
 from phalanx.frameworks import FRAMEWORKS, Layout, get_framework, gpu_env, worker_env
-from phalanx.placement import Placement, new_launch, place, require_package, visible_gpus
+from phalanx.placement import (
+    Placement,
+    check_node_gpus,
+    new_launch,
+    pick_free_ports,
+    place,
+    require_package,
+    visible_gpus,
+)
 
 PACKAGED = [name for name, fw in FRAMEWORKS.items() if fw.package is not None]
 
@@ -117,13 +126,13 @@ def test_plain_spmd_needs_no_package(monkeypatch, name):
     for package in ("torch", "jax"):
         missing(monkeypatch, package)
     require_package(get_framework(name))
-    assert place(name, 2, 2, 0, environ={}).layout == Layout(2, 2)
+    assert place(name, 2, 2, 0, None).layout == Layout(2, 2)
 
 
 def test_place_reports_a_missing_package_before_anything_starts(monkeypatch):
     missing(monkeypatch, "jax")
     with pytest.raises(FrameworkNotInstalled, match="jax"):
-        place(framework="jax", nodes=1, procs_per_node=1, gpus_per_worker=0, environ={})
+        place(framework="jax", nodes=1, procs_per_node=1, gpus_per_worker=0, gpus_per_node=None)
 
 
 # -- place ----------------------------------------------------------------------------------
@@ -131,65 +140,105 @@ def test_place_reports_a_missing_package_before_anything_starts(monkeypatch):
 
 def test_auto_procs_per_node_is_one_torch_process_per_visible_gpu(monkeypatch):
     installed(monkeypatch, "torch")
-    result = place("torch", 1, "auto", 1, environ={"CUDA_VISIBLE_DEVICES": "0,1,2"})
+    gpus = visible_gpus({"CUDA_VISIBLE_DEVICES": "0,1,2"})
+    result = place("torch", 1, "auto", 1, len(gpus))
     assert isinstance(result, Placement)
     assert result.framework is get_framework("torch")
     assert result.layout == Layout(nodes=1, procs_per_node=3)
-    assert result.gpus == ("0", "1", "2")
     assert result.gpus_per_worker == 1
+    # the GPUs themselves are the node's, as its backend reserved it
+    launch = new_launch(result, [Node(0, "127.0.0.1", 3, gpus)], CountingPorts())
+    assert launch.visible_gpus == ("0", "1", "2")
+    assert launch.gpus_per_worker == 1
 
 
 def test_auto_counts_gpus_per_worker(monkeypatch):
     installed(monkeypatch, "torch")
-    result = place("torch", 1, "auto", 2, environ={"CUDA_VISIBLE_DEVICES": "0,1,2,3"})
+    result = place("torch", 1, "auto", 2, 4)
     assert result.layout.procs_per_node == 2  # two workers of two GPUs each
+
+
+def test_auto_needs_the_gpu_count_of_a_node(monkeypatch):
+    installed(monkeypatch, "torch")
+    with pytest.raises(ValueError, match="procs_per_node='auto'"):
+        place("torch", 1, "auto", 1, None)  # the backend cannot tell before placing
 
 
 def test_simulated_nodes_split_the_machines_gpus(monkeypatch):
     installed(monkeypatch, "torch")
-    env = {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}
-    result = place("torch", 2, "auto", 1, environ=env)
+    machine = visible_gpus({"CUDA_VISIBLE_DEVICES": "4,5,6,7"})
+    result = place("torch", 2, "auto", 1, len(machine) // 2)  # each simulated node gets half
     assert result.layout == Layout(nodes=2, procs_per_node=2)  # 2 GPUs per simulated node
-    assert result.node_gpus == ((0, 1), (2, 3))
-    launch = new_launch(result, "127.0.0.1")
+    nodes = [
+        Node(0, "127.0.0.1", 2, machine[:2], name="simulated node 0"),
+        Node(1, "127.0.0.1", 2, machine[2:], name="simulated node 1"),
+    ]
+    check_node_gpus(result, nodes, simulated=True)  # enough: one GPU per worker
+    launch = new_launch(result, nodes, CountingPorts())
+    assert launch.visible_gpus == ("4", "5", "6", "7")
+    assert launch.node_gpus == ((0, 1), (2, 3))
     assert [gpu_env(i, launch, node) for node in (0, 1) for i in (0, 1)] == [
         {"CUDA_VISIBLE_DEVICES": d} for d in ("4", "5", "6", "7")
     ]
-    with pytest.raises(ValueError, match="simulated nodes share this machine's 4"):
-        place("torch", 2, 2, 2, environ=env)
+    greedy = place("torch", 2, 2, 2, 2)
+    with pytest.raises(ValueError, match="2 simulated nodes share this machine's GPUs") as info:
+        check_node_gpus(greedy, nodes, simulated=True)
+    assert "needs 4 GPUs" in str(info.value)
+    assert "2 are visible" in str(info.value)
 
 
 def test_auto_procs_per_node_counts_driver_gpus(monkeypatch, tmp_path):
     installed(monkeypatch, "jax")
     fake_driver_gpus(monkeypatch, tmp_path, 4)
-    assert place("jax", 1, "auto", 0, environ={}).layout.procs_per_node == 4
+    assert place("jax", 1, "auto", 0, len(visible_gpus({}))).layout.procs_per_node == 4
 
 
 @pytest.mark.parametrize("name", ["torch", "jax", None, "ray"])
 def test_auto_procs_per_node_is_one_without_gpus(monkeypatch, name):
     installed(monkeypatch, "torch", "jax", "ray")
-    assert place(name, 1, "auto", 0, environ={}).layout.procs_per_node == 1
+    assert place(name, 1, "auto", 0, len(visible_gpus({}))).layout.procs_per_node == 1
 
 
 @pytest.mark.parametrize("name", ["tensorflow", "ray", "monarch"])
-def test_one_per_node_frameworks_get_one_process_per_node_with_auto(monkeypatch, name):
+@pytest.mark.parametrize("gpus_per_node", [4, None])
+def test_one_per_node_frameworks_get_one_process_per_node_with_auto(
+    monkeypatch, name, gpus_per_node
+):
     installed(monkeypatch, get_framework(name).package)
-    result = place(name, 3, "auto", 0, environ={"CUDA_VISIBLE_DEVICES": "0,1,2,3"})
+    result = place(name, 3, "auto", 0, gpus_per_node)
     assert result.layout == Layout(nodes=3, procs_per_node=1)
 
 
 @pytest.mark.parametrize("name", ["tensorflow", "ray", "monarch"])
-def test_one_per_node_frameworks_reject_two_processes_per_node(monkeypatch, name):
+@pytest.mark.parametrize("procs_per_node", [2, [1, 2]])
+def test_one_per_node_frameworks_reject_two_processes_per_node(monkeypatch, name, procs_per_node):
     installed(monkeypatch, get_framework(name).package)
     with pytest.raises(ValueError, match="procs_per_node"):
-        place(name, 2, 2, 0, environ={})
+        place(name, 2, procs_per_node, 0, None)
 
 
 def test_too_few_gpus_is_an_error_before_start(monkeypatch):
     installed(monkeypatch, "torch")
+    result = place("torch", 1, 2, 2, 3)  # counts are checked once the nodes are known
+    node = Node(0, "127.0.0.1", 2, ("0", "1", "2"))
     with pytest.raises(ValueError, match="needs 4 GPUs") as info:
-        place("torch", 1, 2, 2, environ={"CUDA_VISIBLE_DEVICES": "0,1,2"})
+        check_node_gpus(result, [node], simulated=False)
     assert "3 are visible" in str(info.value)
+    assert "simulated" not in str(info.value)
+
+
+def test_check_node_gpus_counts_each_nodes_own_ranks_and_skips_backend_assigned_devices():
+    chosen = place(None, 1, [2, 1], 1, None)
+    check_node_gpus(chosen, [Node(0, "a", 2, ("0", "1")), Node(1, "b", 1, ("0",))], False)
+    check_node_gpus(chosen, [Node(0, "a", 2, None), Node(1, "b", 1, None)], False)
+    with pytest.raises(ValueError, match="needs 2 GPUs"):
+        check_node_gpus(chosen, [Node(0, "a", 2, ("0",)), Node(1, "b", 1, ("0",))], False)
+
+
+def test_a_list_of_counts_sets_the_number_of_nodes():
+    assert place(None, 1, [2, 1, 3], 0, None).layout == Layout.of([2, 1, 3])
+    assert place(None, 2, [2, 1], 0, None).layout == Layout(2, (2, 1))
+    assert place(None, 1, [2, 2], 0, None).layout == Layout(2, 2)  # even: the int
 
 
 @pytest.mark.parametrize(
@@ -199,6 +248,9 @@ def test_too_few_gpus_is_an_error_before_start(monkeypatch):
         ({"nodes": 0}, "nodes"),
         ({"procs_per_node": 0}, "procs_per_node"),
         ({"procs_per_node": "all"}, "procs_per_node"),
+        ({"procs_per_node": [2, 0]}, "procs_per_node"),
+        ({"procs_per_node": [2, "auto"]}, "procs_per_node"),
+        ({"nodes": 3, "procs_per_node": [1, 2]}, "nodes"),
         ({"gpus_per_worker": -1}, "gpus_per_worker"),
     ],
 )
@@ -206,20 +258,43 @@ def test_place_rejects_bad_options(kwargs, match):
     options = {"framework": None, "nodes": 1, "procs_per_node": 1, "gpus_per_worker": 0}
     options.update(kwargs)
     with pytest.raises(ValueError, match=match):
-        place(**options, environ={})
+        place(**options, gpus_per_node=None)
 
 
 # -- new_launch ------------------------------------------------------------------------------
 
 
-def placement_for(name: str | None, nodes: int, gpus_per_worker=0, gpus=()) -> Placement:
-    return Placement(get_framework(name), Layout(nodes, 1), gpus_per_worker, gpus)
+def placement_for(name: str | None, nodes: int, gpus_per_worker=0) -> Placement:
+    return Placement(get_framework(name), Layout(nodes, 1), gpus_per_worker)
+
+
+def nodes_on(*addresses: str, gpus=(), ranks=1) -> list[Node]:
+    return [Node(i, address, ranks, gpus) for i, address in enumerate(addresses)]
+
+
+class CountingPorts:
+    """A backend's ``ports``: hands out 20000, 20001, ... and records what was asked."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int]] = []
+        self.next = 20000
+
+    def __call__(self, node: Node, count: int) -> list[int]:
+        self.calls.append((node.index, count))
+        picked = list(range(self.next, self.next + count))
+        self.next += count
+        return picked
+
+
+def local_ports(node: Node, count: int) -> list[int]:
+    return pick_free_ports(node.address, count)
 
 
 @pytest.mark.parametrize("name", list(FRAMEWORKS))
 def test_new_launch_picks_distinct_ports_for_every_node(name):
     framework = get_framework(name)
-    launch = new_launch(placement_for(name, 3), "127.0.0.1")
+    launch = new_launch(placement_for(name, 3), nodes_on("127.0.0.1", "127.0.0.1", "127.0.0.1"),
+                        CountingPorts())
     assert launch.master_addr == "127.0.0.1"
     assert launch.node_addrs == ("127.0.0.1",) * 3  # one per node
     assert set(launch.ports) == set(framework.ports)
@@ -232,16 +307,98 @@ def test_new_launch_picks_distinct_ports_for_every_node(name):
     assert bool(launch.token) == bool(framework.ports)
 
 
+@pytest.mark.parametrize("name", list(FRAMEWORKS))
+def test_ports_are_picked_on_each_node_master_port_first(name):
+    names = get_framework(name).ports
+    ports = CountingPorts()
+    launch = new_launch(placement_for(name, 3), nodes_on("10.0.0.1", "10.0.0.2", "10.0.0.3"),
+                        ports)
+    # node 0 is asked for the master port and one per service; the others one per service
+    assert ports.calls == [(0, 1 + len(names)), (1, len(names)), (2, len(names))]
+    assert launch.master_port == 20000
+    node_firsts = [20001, 20001 + len(names), 20001 + 2 * len(names)]
+    for i, port_name in enumerate(names):
+        assert launch.ports[port_name] == tuple(first + i for first in node_firsts)
+        assert [launch.port(port_name, n) for n in range(3)] == list(launch.ports[port_name])
+
+
+def test_pick_free_ports_gives_distinct_ports_of_this_machine():
+    ports = pick_free_ports("127.0.0.1", 5)
+    assert len(ports) == 5
+    assert len(set(ports)) == 5
+    assert all(0 < port < 65536 for port in ports)
+    launch = new_launch(placement_for("jax", 1), nodes_on("127.0.0.1"), local_ports)
+    assert launch.master_port != launch.port("jax", 0)
+
+
+def test_master_addr_is_node_zeros_address():
+    chosen = placement_for("torch", 2)
+    launch = new_launch(chosen, nodes_on("10.0.0.7", "10.0.0.8"), CountingPorts())
+    assert launch.master_addr == "10.0.0.7"
+    assert launch.node_addrs == ("10.0.0.7", "10.0.0.8")
+    for rank in range(2):
+        env = worker_env(chosen.framework, chosen.layout, rank, launch)
+        assert env["MASTER_ADDR"] == "10.0.0.7"
+
+
 def test_every_restart_gets_a_new_token():
-    launches = [new_launch(placement_for("ray", 2), "127.0.0.1") for _ in range(2)]
+    launches = [
+        new_launch(placement_for("ray", 2), nodes_on("127.0.0.1", "127.0.0.1"), CountingPorts())
+        for _ in range(2)
+    ]
     assert all(len(launch.token) >= 16 for launch in launches)
     assert launches[0].token != launches[1].token
 
 
 def test_new_launch_carries_the_gpu_placement():
-    launch = new_launch(placement_for("torch", 1, 2, ("4", "5", "6", "7")), "127.0.0.1")
+    launch = new_launch(
+        placement_for("torch", 1, 2), nodes_on("127.0.0.1", gpus=("4", "5", "6", "7")),
+        CountingPorts(),
+    )
     assert launch.gpus_per_worker == 2
     assert launch.visible_gpus == ("4", "5", "6", "7")
+    assert launch.node_gpus == ()  # every node has them all
+
+
+def test_nodes_on_separate_machines_each_see_their_own_gpus():
+    launch = new_launch(
+        placement_for("torch", 2), nodes_on("10.0.0.1", "10.0.0.2", gpus=("0", "1")),
+        CountingPorts(),
+    )
+    assert launch.visible_gpus == ("0", "1")
+    assert launch.node_gpus == ()
+    assert launch.gpus_of(0) == launch.gpus_of(1) == (0, 1)
+    assert gpu_env(0, launch, 1) == {}  # without gpus_per_worker: the machine's GPUs
+
+
+def test_simulated_nodes_with_shares_of_one_machines_gpus():
+    nodes = [Node(0, "127.0.0.1", 1, ("0", "1")), Node(1, "127.0.0.1", 1, ("2", "3"))]
+    launch = new_launch(placement_for("torch", 2), nodes, CountingPorts())
+    assert launch.visible_gpus == ("0", "1", "2", "3")
+    assert launch.node_gpus == ((0, 1), (2, 3))
+    assert gpu_env(0, launch, 0) == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    assert gpu_env(0, launch, 1) == {"CUDA_VISIBLE_DEVICES": "2,3"}
+
+
+def test_backend_assigned_devices_leave_gpus_to_the_backend():
+    nodes = nodes_on("10.0.0.1", "10.0.0.2", gpus=None)
+    launch = new_launch(placement_for("torch", 2, gpus_per_worker=1), nodes, CountingPorts())
+    assert launch.visible_gpus == ()
+    assert launch.node_gpus == ()
+    assert launch.gpus_per_worker == 0
+    assert gpu_env(0, launch, 1) == {}
+
+
+def test_uneven_layout_gets_each_nodes_local_world_and_gpus():
+    chosen = place("torch", 1, [2, 1], 1, None)
+    nodes = [Node(0, "10.0.0.1", 2, ("0", "1")), Node(1, "10.0.0.2", 1, ("0", "1"))]
+    check_node_gpus(chosen, nodes, simulated=False)
+    launch = new_launch(chosen, nodes, CountingPorts())
+    envs = [worker_env(chosen.framework, chosen.layout, rank, launch) for rank in range(3)]
+    assert [env["NODE_RANK"] for env in envs] == ["0", "0", "1"]
+    assert [env["LOCAL_RANK"] for env in envs] == ["0", "1", "0"]
+    assert [env["LOCAL_WORLD_SIZE"] for env in envs] == ["2", "2", "1"]
+    assert [env["CUDA_VISIBLE_DEVICES"] for env in envs] == ["0", "1", "0"]
 
 
 @pytest.mark.parametrize("name", list(FRAMEWORKS))
@@ -249,7 +406,7 @@ def test_every_framework_environment_builds_from_a_fresh_launch(name):
     # the ports a framework's variables use are the ones new_launch picks for it
     nodes = 2
     chosen = placement_for(name, nodes)
-    launch = new_launch(chosen, "127.0.0.1")
+    launch = new_launch(chosen, nodes_on("127.0.0.1", "127.0.0.1"), local_ports)
     for rank in range(nodes):
         env = worker_env(chosen.framework, chosen.layout, rank, launch)
         assert env["MASTER_PORT"] == str(launch.master_port)

@@ -14,7 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from phalanx import streams, wire
+from phalanx import protocol, streams, wire
+from phalanx.protocol import CALL, RESULT, header, parse
 
 STREAM_KINDS = ["socket", "pipe"]
 
@@ -93,15 +94,15 @@ def segments_of(frame_segments: list) -> list[bytes]:
 
 
 def test_small_frame_round_trip(link):
-    segments = [wire.header(wire.CALL, 7, "train"), b"payload", b""]
+    segments = [header(CALL, 7, 3, "train"), b"payload", b""]
     link.write(as_bytes(wire.frame(segments)))
     (got,) = link.receive(1)
     assert segments_of(got) == segments
-    assert wire.parse_header(got[0]) == (wire.CALL, 7, "train")
+    assert parse(got[0]) == (CALL, 7, (3,), ("train",))
 
 
 def test_many_small_frames_arrive_in_one_receive(link):
-    frames = [wire.frame([wire.header(wire.RESULT, i), pickle.dumps(i)]) for i in range(200)]
+    frames = [wire.frame([header(RESULT, i, 0), pickle.dumps(i)]) for i in range(200)]
     link.write(b"".join(as_bytes(f) for f in frames))
     got = link.reader.recv_frames(block=False)
     assert len(got) == 200
@@ -125,15 +126,15 @@ def test_large_numpy_frame_round_trip_out_of_band(link):
     assert len(payload) >= 2, "the array's buffer must travel as its own segment"
     assert sum(memoryview(s).nbytes for s in payload[1:]) == array.nbytes
     assert len(payload[0]) < 4096, "the pickle stream must not embed the array's bytes"
-    small = wire.frame([wire.header(wire.RESULT, 1), b"after"])
-    data = as_bytes(wire.frame([wire.header(wire.CALL, 1, "m"), *payload])) + as_bytes(small)
+    small = wire.frame([header(RESULT, 1, 0), b"after"])
+    data = as_bytes(wire.frame([header(CALL, 1, 0, "m"), *payload])) + as_bytes(small)
     thread = link.write_in_thread(data)
     big, after = link.receive(2)
     thread.join(5)
     value = wire.loads(big[1:])
     assert value["tag"] == "big"
     np.testing.assert_array_equal(value["array"], array)
-    assert segments_of(after) == [wire.header(wire.RESULT, 1), b"after"]
+    assert segments_of(after) == [header(RESULT, 1, 0), b"after"]
 
 
 def test_connection_queues_what_a_slow_reader_cannot_take_yet(link):
@@ -142,10 +143,10 @@ def test_connection_queues_what_a_slow_reader_cannot_take_yet(link):
         conn = wire.Connection(link.a, writer)
         arrays = [np.full(300_000, i, dtype=np.float64) for i in range(4)]  # 2.4 MB each
         for i, array in enumerate(arrays):
-            conn.send(wire.frame([wire.header(wire.RESULT, i), *wire.dumps(array)]))
+            conn.send(protocol.result_frame(i, 2, wire.dumps(array)))
         got = link.receive(4)
         for i, frame in enumerate(got):
-            assert wire.parse_header(frame[0]) == (wire.RESULT, i)
+            assert parse(frame[0]) == (RESULT, i, (2,), ())
             np.testing.assert_array_equal(wire.loads(frame[1:]), arrays[i])
     finally:
         writer.stop()

@@ -1,0 +1,606 @@
+"""The Ray backend: ranks are Ray actors in a placement group; calls take phalanx's channel.
+
+Ray places the processes (one placement-group bundle per rank), keeps them, and reports how
+they died; phalanx does everything else as it does locally. Each actor
+(:mod:`phalanx.backends.ray_actor`) connects back to a listener of the controller's over
+TCP and proves a per-group secret handed to it through Ray, so a call costs what it costs
+locally instead of a Ray task's milliseconds (Ray's Compiled Graphs make the same move).
+
+Reservation (:meth:`RayBackend._reserve`): the placement group, ready within
+``start_timeout`` or a :class:`~phalanx.errors.StartupError` saying what was asked and
+what the cluster has (a request no node could ever hold fails at once); one actor per
+bundle, each asked where it landed. Ranks are numbered by node, then by bundle; the nodes
+are the Ray nodes as they are, so ``NODE_RANK``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and
+``MASTER_ADDR`` tell the truth on a real cluster.
+
+A rank's death reaches the group two ways, whichever comes first: its control stream ends
+(at once, on any node), or Ray reports the actor dead (with its account: node died, out of
+memory, killed). A stream that ends waits a moment for Ray's account; one that arrives
+later still replaces the record kept for the rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from phalanx import handshake, protocol, streams, wire
+from phalanx.backends import ray_session
+from phalanx.backends.base import Backend, Boot, Channel, EventSink, Node, RankStart
+from phalanx.errors import AuthenticationError, ProcessFailure, StartupError
+from phalanx.frameworks import Layout
+from phalanx.logs import LogPump, OutputOptions, OutputTap
+
+logger = logging.getLogger(__name__)
+
+STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+HANDSHAKE_TIMEOUT = 5.0  # seconds a connecting peer has to prove the secret
+CAUSE_WAIT = 0.03  # after a stream ends, how long to wait for Ray's account of the death
+_OUTPUT_WAIT = 0.2  # how long to wait for a dead rank's last stderr lines
+_KILL_WAIT = 10.0  # seconds for killed actors' processes to be reported gone
+
+
+def _check_resources(resources: Mapping[str, float] | None) -> dict[str, float] | None:
+    if resources is None:
+        return None
+    if not isinstance(resources, Mapping):
+        raise TypeError(f"resources_per_worker must be a dict such as {{'CPU': 1}}, "
+                        f"got {type(resources).__name__}")
+    for key, value in resources.items():
+        if not isinstance(key, str) or isinstance(value, bool) \
+                or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"resources_per_worker entries must be name -> non-negative "
+                             f"number, got {key!r}: {value!r}")
+    return dict(resources)
+
+
+def bundle_for(resources: Mapping[str, float] | None, gpus_per_worker: int) -> dict[str, float]:
+    """One rank's placement-group bundle (pure): the resources asked, else one CPU (and
+    ``gpus_per_worker`` GPUs)."""
+    bundle = dict(resources) if resources else {"CPU": 1.0}
+    if gpus_per_worker and "GPU" not in bundle:
+        bundle["GPU"] = float(gpus_per_worker)
+    return {k: float(v) for k, v in bundle.items() if v}
+
+
+def placement_problem(
+    bundles: Sequence[Mapping[str, float]], strategy: str, nodes: Sequence[Mapping[str, float]]
+) -> str | None:
+    """Why no amount of waiting could place ``bundles`` on a cluster whose nodes have
+    ``nodes`` total resources (pure); None when it could fit once resources free up."""
+
+    def fits(bundle: Mapping[str, float], node: Mapping[str, float]) -> bool:
+        return all(node.get(k, 0.0) >= v for k, v in bundle.items())
+
+    def total(items: Sequence[Mapping[str, float]]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for item in items:
+            for k, v in item.items():
+                out[k] = out.get(k, 0.0) + v
+        return out
+
+    if not nodes:
+        return "the cluster has no alive nodes"
+    for bundle in bundles:
+        if not any(fits(bundle, node) for node in nodes):
+            return f"no node can hold one bundle {dict(bundle)}"
+    need = total(bundles)
+    if strategy == "STRICT_PACK" and not any(fits(need, node) for node in nodes):
+        return f"STRICT_PACK needs {need} on one node and no node has that much"
+    if strategy == "STRICT_SPREAD":
+        able = sum(1 for node in nodes if fits(bundles[0], node))
+        if able < len(bundles):
+            return (f"STRICT_SPREAD needs {len(bundles)} distinct nodes that can each hold "
+                    f"{dict(bundles[0])}; the cluster has {able}")
+    if not fits(need, total(nodes)):
+        return f"the whole cluster has {total(nodes)}, less than the {need} asked"
+    return None
+
+
+def order_bundles(bundle_nodes: Sequence[str]) -> list[list[int]]:
+    """Bundle indices grouped by node (pure): nodes in the order of their first bundle,
+    bundles in index order -- the rank order."""
+    groups: dict[str, list[int]] = {}
+    for index, node_id in enumerate(bundle_nodes):
+        groups.setdefault(node_id, []).append(index)
+    return list(groups.values())
+
+
+def describe_ray_error(exc: BaseException) -> str:
+    """A one-line account of how Ray says an actor died."""
+    text = str(exc)
+    lowered = text.lower()
+    if "out of memory" in lowered or "oom" in lowered.split():
+        return "Ray reports the actor was killed for running out of memory"
+    if "node" in lowered and ("died" in lowered or "dead" in lowered or "removed" in lowered):
+        return "Ray reports the actor's node died"
+    if "ray.kill" in lowered:
+        return "Ray reports the actor was killed with ray.kill()"
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    return f"Ray reports: {type(exc).__name__}: {first[:300]}"
+
+
+@dataclasses.dataclass
+class _Bundle:
+    """One placement-group bundle, and the actor living in it now."""
+
+    index: int
+    node_id: str = ""
+    actor: Any = None
+    incarnation: int = 0
+    used: bool = False  # its actor has served (or been launched): the next needs a new one
+    info: dict = dataclasses.field(default_factory=dict)
+
+
+class RayChannel(Channel):
+    """One rank on Ray: its control stream (once the actor connected), its output tap,
+    and what Ray says about its actor."""
+
+    def __init__(self, backend: RayBackend, start: RankStart, bundle: _Bundle,
+                 same_host: bool) -> None:
+        self.rank = start.rank
+        self.ranks = (start.rank,)
+        self.node = start.node
+        self.incarnation = bundle.incarnation
+        self.actor = bundle.actor
+        self.pid: int | None = bundle.info.get("pid")
+        self.node_id = bundle.node_id
+        self.same_host = same_host
+        self.serve_ref: Any = None
+        self._backend = backend
+        self._lock = threading.Lock()
+        self._conn: wire.Connection | None = None
+        self._queued: list[list[Any]] = []
+        self._sink: EventSink | None = None
+        self._outputs: dict[int, int] = {}  # role -> socket fd, until both are in
+        self._tap: OutputTap | None = None
+        self._exitcode: int | None = None
+        self._reason: str | None = None
+        self._reason_known = threading.Event()
+        self._buried = False
+        self._closed = False
+
+    # -- connections (the acceptor thread) ---------------------------------------------
+
+    def connected(self, role: int, sock: socket.socket) -> None:
+        with self._lock:
+            if self._closed:
+                sock.close()
+                return
+            if role != handshake.ROLE_CONTROL:
+                self._outputs[role] = sock.detach()
+                if len(self._outputs) == 2:
+                    self._tap = self._backend._logs.attach(
+                        self.rank, self._outputs[handshake.ROLE_STDOUT],
+                        self._outputs[handshake.ROLE_STDERR])
+                return
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = wire.Connection(streams.SocketStream(sock), self._backend._writer)
+            self._conn = conn
+            for frame in self._queued:
+                conn.send(frame)
+            self._queued = []
+            if self._sink is not None:
+                self._sink.watch(conn.read_fd, self)
+
+    def attach(self, sink: EventSink) -> None:
+        with self._lock:
+            self._sink = sink
+            if self._conn is not None and not self._buried:
+                sink.watch(self._conn.read_fd, self)
+
+    # -- events ------------------------------------------------------------------------
+
+    def receive(self, fd: int) -> list[list[Any]]:
+        conn = self._conn
+        if conn is None:
+            return []
+        try:
+            frames = conn.reader.recv_frames(block=False)
+        except wire.ConnectionLost:
+            self._bury_later()
+            return []
+        for segs in frames:
+            if segs[0][0] == protocol.EXITED:  # the rank's own exit status, before it went
+                self._exitcode = protocol.parse(segs[0])[3][0].get("exitcode")
+        return [segs for segs in frames if segs[0][0] != protocol.EXITED]
+
+    def ray_reports(self, reason: str | None, exitcode: int | None = None) -> None:
+        """Ray's account of the actor's end (watcher thread): ``reason`` None when its
+        serve call returned normally."""
+        self._reason = reason
+        if exitcode is not None and self._exitcode is None:
+            self._exitcode = exitcode
+        self._reason_known.set()
+        if self._conn is None or reason is not None:
+            self._bury_later(wait_for_reason=False)
+        if reason is not None and self._buried and self._sink is not None:
+            # a later account replaces the record kept for the (already dead) rank
+            self._sink.post(self, [self._exited()])
+
+    def _bury_later(self, wait_for_reason: bool = True) -> None:
+        with self._lock:
+            if self._buried:
+                return
+            self._buried = True
+            if self._conn is not None and self._sink is not None:
+                self._sink.unwatch(self._conn.read_fd)
+        threading.Thread(target=self._bury, args=(wait_for_reason,),
+                         name=f"phalanx-bury-{self.rank}", daemon=True).start()
+
+    def _bury(self, wait_for_reason: bool) -> None:
+        if wait_for_reason:
+            self._reason_known.wait(CAUSE_WAIT)
+        if self._tap is not None:
+            self._tap.wait_closed(_OUTPUT_WAIT)
+        if self._sink is not None:
+            self._sink.post(self, [self._exited()])
+
+    def _exited(self) -> list[Any]:
+        return protocol.exited_message(self.rank, self.exit_record(self.rank).as_dict())
+
+    # -- control -----------------------------------------------------------------------
+
+    def send(self, frame: list[Any]) -> None:
+        with self._lock:
+            conn = self._conn
+            if conn is None:
+                if not self._buried:
+                    self._queued.append(frame)
+                return
+        try:
+            conn.send(frame)
+        except wire.ConnectionLost:
+            pass  # its death arrives as EXITED
+
+    def signal(self, rank: int, sig: int) -> None:
+        if self.pid is None:
+            return
+        if self.same_host:
+            try:
+                os.kill(self.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+            return
+        self._backend._remote_kill(self.node_id, self.pid, sig)
+
+    def exit_record(self, rank: int) -> ProcessFailure:
+        reason = self._reason
+        if reason is None and self._exitcode is None:
+            reason = ("its actor's process ended (killed, or its node failed); "
+                      "Ray had not said why yet")
+        tail = self._tap.stderr_tail() if self._tap is not None else ()
+        return ProcessFailure(self.rank, self.node, self.pid, self._exitcode, tail, reason)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._buried = True
+            conn, self._conn = self._conn, None
+            outputs, self._outputs = self._outputs, {}
+        if conn is not None:
+            if self._sink is not None:
+                self._sink.unwatch(conn.read_fd)
+            conn.close()
+        if self._tap is None:
+            for fd in outputs.values():
+                os.close(fd)
+
+
+class RayBackend(Backend):
+    """Run a group's ranks as Ray actors, one placement-group bundle each.
+
+    ``address``: None joins the Ray that ``ray.init()`` already connected or that
+    ``RAY_ADDRESS`` names, else starts a local Ray (stopped again once no group uses it);
+    ``"auto"`` or ``"host:port"`` joins that cluster. phalanx stops only what it started.
+    ``placement_strategy``: ``PACK``, ``SPREAD``, ``STRICT_PACK`` or ``STRICT_SPREAD``.
+    ``resources_per_worker``: one rank's bundle, e.g. ``{"CPU": 1}`` (the default) or
+    ``{"GPU": 1}``. ``runtime_env`` and ``namespace`` are used when phalanx connects to
+    Ray (``runtime_env`` also for every actor); actors are named
+    ``{name_prefix}-r{rank}-i{incarnation}`` (a fresh name per incarnation).
+    """
+
+    name = "ray"
+
+    def __init__(
+        self,
+        address: str | None = None,
+        placement_strategy: str = "PACK",
+        resources_per_worker: Mapping[str, float] | None = None,
+        runtime_env: Mapping[str, Any] | None = None,
+        namespace: str | None = None,
+        name_prefix: str | None = None,
+    ) -> None:
+        if address is not None and not isinstance(address, str):
+            raise TypeError(f"address must be a string or None, got {address!r}")
+        if isinstance(address, str) and address.startswith("ray://"):
+            raise ValueError(
+                f"address={address!r}: Ray Client addresses are not supported; run the "
+                "controller on a node of the cluster (address='auto')"
+            )
+        if placement_strategy not in STRATEGIES:
+            raise ValueError(f"placement_strategy must be one of {', '.join(STRATEGIES)}, "
+                             f"got {placement_strategy!r}")
+        if runtime_env is not None and not isinstance(runtime_env, Mapping):
+            raise TypeError(f"runtime_env must be a dict, got {type(runtime_env).__name__}")
+        self.address = address
+        self.placement_strategy = placement_strategy
+        self.resources_per_worker = _check_resources(resources_per_worker)
+        self.runtime_env = dict(runtime_env) if runtime_env is not None else None
+        self.namespace = namespace
+        self.name_prefix = name_prefix
+        self._bundles: list[_Bundle] = []
+        self._rank_bundle: list[int] = []
+        self._channels: dict[tuple[int, int], RayChannel] = {}
+        self._pg: Any = None
+        self._session: ray_session.Lease | None = None
+
+    def settings(self) -> dict[str, Any]:
+        return {
+            "address": self.address,
+            "placement_strategy": self.placement_strategy,
+            "resources_per_worker": self.resources_per_worker,
+            "runtime_env": self.runtime_env,
+            "namespace": self.namespace,
+            "name_prefix": self.name_prefix,
+        }
+
+    # -- opening -----------------------------------------------------------------------
+
+    def _open(self, output: OutputOptions) -> None:
+        self._session = ray_session.acquire(self.address, namespace=self.namespace,
+                                            runtime_env=self.runtime_env, min_cpus=output.world)
+        import ray
+
+        self._ray = ray
+        self._secret = secrets.token_bytes(32)
+        self._prefix = self.name_prefix or f"phalanx-{secrets.token_hex(4)}"
+        self._writer = wire.BacklogWriter()
+        self._logs = LogPump(output)
+        self._host = ray.util.get_node_ip_address()
+        self._listener = socket.create_server((self._host, 0), backlog=128)
+        self._port = self._listener.getsockname()[1]
+        self._stopping = False
+        self._watch_lock = threading.Lock()
+        self._watched: dict[Any, RayChannel] = {}
+        self._acceptor = threading.Thread(target=self._accept_loop, name="phalanx-ray-accept",
+                                          daemon=True)
+        self._acceptor.start()
+        self._watcher = threading.Thread(target=self._watch_loop, name="phalanx-ray-watch",
+                                         daemon=True)
+        self._watcher.start()
+
+    def _accept_loop(self) -> None:
+        while not self._stopping:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            try:
+                hello = handshake.accept(sock, self._secret, HANDSHAKE_TIMEOUT)
+            except AuthenticationError as exc:
+                logger.warning("refused a connection to the Ray group's listener: %s", exc)
+                sock.close()
+                continue
+            channel = self._channels.get((hello.rank, hello.incarnation))
+            if channel is None:
+                sock.close()
+                continue
+            channel.connected(hello.role, sock)
+
+    def _watch_loop(self) -> None:
+        """Learn from Ray how each serving actor ended."""
+        ray = self._ray
+        while not self._stopping:
+            with self._watch_lock:
+                refs = list(self._watched)
+            if not refs:
+                time.sleep(0.05)
+                continue
+            try:
+                done, _ = ray.wait(refs, num_returns=1, timeout=0.1, fetch_local=True)
+            except Exception:
+                if self._stopping:
+                    return
+                logger.exception("waiting on Ray actors failed")
+                time.sleep(0.1)
+                continue
+            for ref in done:
+                with self._watch_lock:
+                    channel = self._watched.pop(ref, None)
+                if channel is None:
+                    continue
+                try:
+                    code = ray.get(ref, timeout=5.0)
+                except Exception as exc:  # noqa: BLE001 - Ray's account of the death
+                    channel.ray_reports(describe_ray_error(exc))
+                else:
+                    channel.ray_reports(None, exitcode=code)
+
+    # -- reserving ---------------------------------------------------------------------
+
+    def _reserve(self, layout: Layout, *, gpus_per_worker: int, timeout: float) -> list[Node]:
+        ray = self._ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        deadline = time.monotonic() + timeout
+        bundle = bundle_for(self.resources_per_worker, gpus_per_worker)
+        bundles = [bundle] * layout.world_size
+        asked = (f"{layout.world_size} bundles of {bundle} with strategy "
+                 f"{self.placement_strategy}")
+        alive = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        problem = placement_problem(bundles, self.placement_strategy, alive)
+        if problem is not None:
+            raise StartupError(f"Ray cannot place {asked}: {problem} (cluster resources: "
+                               f"{ray.cluster_resources()})")
+        self._pg = placement_group(bundles, strategy=self.placement_strategy,
+                                   name=f"{self._prefix}-pg")
+        if not self._pg.wait(timeout_seconds=max(1, int(deadline - time.monotonic() + 0.999))):
+            remove_placement_group(self._pg)
+            self._pg = None
+            raise StartupError(
+                f"Ray did not place {asked} within {timeout:g} s (available now: "
+                f"{ray.available_resources()}; in total: {ray.cluster_resources()}); raise "
+                "start_timeout= or free resources"
+            )
+        table = ray.util.placement_group_table(self._pg)
+        bundle_nodes = [table["bundles_to_node_id"][i] for i in range(len(bundles))]
+        self._bundles = [_Bundle(i, node_id=bundle_nodes[i]) for i in range(len(bundles))]
+        for b in self._bundles:
+            self._new_actor(b)
+        infos = ray.get([b.actor.describe.remote() for b in self._bundles],
+                        timeout=max(0.1, deadline - time.monotonic()))
+        for b, info in zip(self._bundles, infos, strict=True):
+            b.info = info
+        nodes: list[Node] = []
+        self._rank_bundle = []
+        for index, group in enumerate(order_bundles(bundle_nodes)):
+            info = self._bundles[group[0]].info
+            self._rank_bundle += group
+            nodes.append(Node(index=index, address=info["address"], ranks=len(group),
+                              gpus=None, same_host=info["address"] == self._host,
+                              name=f"ray node {bundle_nodes[group[0]][:12]}"))
+        return nodes
+
+    def _new_actor(self, b: _Bundle) -> None:
+        ray = self._ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from phalanx.backends.ray_actor import RankActor
+
+        resources = dict(self._pg.bundle_specs[b.index])
+        cpus = resources.pop("CPU", 0.0)
+        gpus = resources.pop("GPU", 0.0)
+        b.incarnation += 1
+        b.used = False
+        rank = self._rank_bundle.index(b.index) if self._rank_bundle else b.index
+        options: dict[str, Any] = {
+            "num_cpus": cpus,
+            "num_gpus": gpus,
+            "resources": resources or None,
+            "max_restarts": 0,
+            "max_concurrency": 1,
+            "name": f"{self._prefix}-r{rank}-i{b.incarnation}",
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=self._pg, placement_group_bundle_index=b.index),
+        }
+        if self.namespace is not None:
+            options["namespace"] = self.namespace
+        if self.runtime_env is not None:
+            options["runtime_env"] = self.runtime_env
+        b.actor = ray.remote(RankActor).options(**options).remote()
+
+    def _live_bundle(self, rank: int) -> _Bundle:
+        """The rank's bundle with an actor that has not served yet (a fresh one if needed)."""
+        b = self._bundles[self._rank_bundle[rank]]
+        if b.used:
+            self._new_actor(b)
+            b.info = self._ray.get(b.actor.describe.remote(), timeout=60)
+        return b
+
+    def ports(self, node: Node, count: int) -> list[int]:
+        first = sum(n_ranks for n_ranks in self._node_sizes()[: node.index])
+        b = self._live_bundle(first)
+        return self._ray.get(b.actor.free_ports.remote(node.address, count), timeout=60)
+
+    def _node_sizes(self) -> list[int]:
+        sizes: dict[str, int] = {}
+        for index in self._rank_bundle:
+            node_id = self._bundles[index].node_id
+            sizes[node_id] = sizes.get(node_id, 0) + 1
+        return list(sizes.values())
+
+    # -- launching and stopping --------------------------------------------------------
+
+    def _launch(
+        self, node: Node, ranks: list[RankStart], boot: Boot, channels: list[Channel]
+    ) -> None:
+        sys_path = boot.sys_path if node.same_host else ()
+        cwd = boot.cwd or (os.getcwd() if node.same_host else None)
+        for start in ranks:
+            b = self._live_bundle(start.rank)
+            b.used = True
+            channel = RayChannel(self, start, b, node.same_host)
+            self._channels[(start.rank, b.incarnation)] = channel
+            channels.append(channel)
+            channel.send(protocol.init_frame(start.rank, sys_path, dict(boot.options),
+                                             boot.payload))
+            channel.serve_ref = b.actor.serve.remote(
+                self._host, self._port, self._secret, start.rank, b.incarnation,
+                dict(start.env), cwd)
+            with self._watch_lock:
+                self._watched[channel.serve_ref] = channel
+
+    def _stop(self, channels: list[Channel], *, grace: float, force: bool) -> None:
+        ray = self._ray
+        ours = [c for c in channels if isinstance(c, RayChannel)]
+        for channel in ours:
+            channel._buried = True  # stopped on purpose: the group records it
+            try:
+                ray.kill(channel.actor, no_restart=True)
+            except Exception as exc:  # noqa: BLE001 - already gone
+                logger.debug("ray.kill of rank %d: %s", channel.rank, exc)
+        refs = [c.serve_ref for c in ours if c.serve_ref is not None]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=_KILL_WAIT, fetch_local=False)
+        with self._watch_lock:
+            for ref in refs:
+                self._watched.pop(ref, None)
+        for channel in ours:
+            self._channels.pop((channel.rank, channel.incarnation), None)
+
+    def wait_exited(self, channels: Sequence[Channel], timeout: float) -> None:
+        refs = [c.serve_ref for c in channels
+                if isinstance(c, RayChannel) and c.serve_ref is not None]
+        if refs:
+            self._ray.wait(refs, num_returns=len(refs), timeout=timeout, fetch_local=False)
+
+    def _remote_kill(self, node_id: str, pid: int, sig: int) -> None:
+        """Signal a process on another node: a zero-CPU task pinned to that node."""
+        ray = self._ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        def deliver(pid: int, sig: int) -> None:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+        task = ray.remote(deliver).options(
+            num_cpus=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False))
+        ray.get(task.remote(pid, int(sig)), timeout=60)
+
+    def close(self) -> None:
+        if not self.opened or self._stopping:
+            return
+        self._stopping = True
+        self._listener.close()
+        ray = self._ray
+        try:
+            leftovers = [b.actor for b in self._bundles if b.actor is not None]
+            for actor in leftovers:
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
+            if self._pg is not None:
+                from ray.util.placement_group import remove_placement_group
+
+                remove_placement_group(self._pg)
+                self._pg = None
+        finally:
+            self._acceptor.join(timeout=5)
+            self._watcher.join(timeout=5)
+            self._logs.stop()
+            self._writer.stop()
+            if self._session is not None:
+                self._session.release()
+                self._session = None

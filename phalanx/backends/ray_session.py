@@ -1,0 +1,82 @@
+"""This process's connection to Ray, shared by every Ray-backed group in it.
+
+phalanx stops only what it started: a Ray the user connected (``ray.init()`` before the
+first group) is used and left alone; a connection phalanx made -- to the cluster that
+``address`` or ``RAY_ADDRESS`` names, or to a local Ray it started -- is closed once the
+last group using it has shut down.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_users = 0  # groups using a connection phalanx made
+_owned = False
+
+
+class Lease:
+    """One group's use of the connection; :meth:`release` it once."""
+
+    def __init__(self, owned: bool) -> None:
+        self._owned = owned
+        self._released = False
+
+    def release(self) -> None:
+        global _users, _owned
+        if self._released:
+            return
+        self._released = True
+        if not self._owned:
+            return
+        import ray
+
+        with _lock:
+            _users -= 1
+            if _users == 0 and _owned:
+                _owned = False
+                logger.info("disconnecting from the Ray phalanx connected to")
+                ray.shutdown()
+
+
+def acquire(
+    address: str | None,
+    *,
+    namespace: str | None,
+    runtime_env: Mapping[str, Any] | None,
+    min_cpus: int,
+) -> Lease:
+    """Use the current Ray connection, or make one. A local Ray started here gets at least
+    ``min_cpus`` CPUs, so that a group's one-CPU bundles fit on a small machine."""
+    global _users, _owned
+    try:
+        import ray
+    except ImportError as exc:
+        from phalanx.errors import FrameworkNotInstalled
+
+        raise FrameworkNotInstalled("ray", "ray", "pip install 'phalanx[ray]'") from exc
+    with _lock:
+        if ray.is_initialized():
+            if _owned:
+                _users += 1
+            return Lease(owned=_owned)
+        options: dict[str, Any] = {"namespace": namespace, "log_to_driver": True}
+        if runtime_env is not None:
+            options["runtime_env"] = dict(runtime_env)
+        if address is None and not os.environ.get("RAY_ADDRESS"):
+            # a local Ray of our own, without the dashboard (seconds of start-up)
+            options.update(num_cpus=max(os.cpu_count() or 1, min_cpus),
+                           include_dashboard=False)
+        else:
+            options["address"] = address
+        logger.info("connecting to Ray (%s)", address or os.environ.get("RAY_ADDRESS") or "local")
+        ray.init(**options)
+        _owned = True
+        _users = 1
+        return Lease(owned=True)
