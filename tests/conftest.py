@@ -1,4 +1,5 @@
-"""Suite-wide fixtures: the backend parameter, and the rule that no test leaves a process behind."""
+"""Suite-wide fixtures: the backend parameter, the rule that no test leaves a process behind,
+and the ranks' fault controls each backend supplies."""
 
 from __future__ import annotations
 
@@ -10,15 +11,41 @@ import pytest
 
 from tests import helpers
 
-# Adding a backend to the contract and fault suites is adding its name here.
-BACKENDS = ["local"]
+# Adding a backend to the contract and fault suites is adding its name here (and, if it
+# needs a cluster, starting it in the backend fixture below).
+BACKENDS = ["local", "ray"]
 
 _REAP_GRACE = 3.0  # seconds for processes that are already exiting to be reaped
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def backend(request) -> str:
+    if request.param == "ray":
+        pytest.importorskip("ray", reason="the ray backend needs ray (pip install 'phalanx[ray]')")
+        request.getfixturevalue("ray_cluster")
     return request.param
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One Ray test cluster for the whole run (three nodes on this machine), shared by every
+    test of the ray backend; each test module checks that it left no actor behind."""
+    from tests import raycluster
+
+    cluster = raycluster.start()
+    try:
+        yield cluster
+    finally:
+        raycluster.stop(cluster)
+
+
+@pytest.fixture
+def ranks(backend):
+    """Kill, stop and signal ranks the way the backend under test can: through the group's
+    own signal path (the backend's channel), never ``os.kill`` on a pid that may live on
+    another machine. ``reports_signal``: whether the backend learns the signal a rank died
+    of (a local child's exit status does; Ray reports a death, not its signal)."""
+    return helpers.RankControl(reports_signal=backend == "local")
 
 
 @pytest.fixture
@@ -72,9 +99,24 @@ def no_leftover_processes(request):
 
 @pytest.fixture(scope="module", autouse=True)
 def no_leftover_processes_per_module(request):
-    """Module-scoped groups must not leave processes behind either once torn down."""
+    """Module-scoped groups must not leave processes behind either once torn down (nor,
+    on Ray, actors or placement groups)."""
     yield
     _check_no_leftovers(f"module {request.module.__name__}")
+    if _ray_running():  # only the ray_cluster fixture connects this process to Ray
+        from tests import raycluster
+
+        leaked = raycluster.leftovers()
+        if leaked:
+            raycluster.clean()
+            pytest.fail(f"module {request.module.__name__} left on Ray: {leaked}", pytrace=False)
+
+
+def _ray_running() -> bool:
+    import sys
+
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
 
 
 @pytest.fixture(autouse=True, scope="session")

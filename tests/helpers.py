@@ -19,6 +19,9 @@ REPO = Path(__file__).resolve().parent.parent
 # Groups that deliberately outlive one test (module-scoped fixtures): their live workers
 # are not leftovers of the test that happens to be running.
 LONG_LIVED: list = []
+# Processes of the Ray test cluster (its daemons, and below them the actors' processes,
+# which the Ray leak check covers): they outlive every test by design.
+CLUSTER_ROOTS: set[int] = set()
 
 
 @contextlib.contextmanager
@@ -76,6 +79,11 @@ def stray_children() -> list[psutil.Process]:
     allowed: set[int] = set()
     for group in LONG_LIVED:
         allowed |= live_worker_pids(group)
+    for root in CLUSTER_ROOTS:
+        try:
+            allowed |= {root} | {p.pid for p in psutil.Process(root).children(recursive=True)}
+        except psutil.Error:
+            pass
     strays = []
     for child in psutil.Process().children(recursive=True):
         if child.pid not in allowed and pid_alive(child.pid):
@@ -127,3 +135,37 @@ def json_lines(text: str) -> list:
         if line.startswith(("{", "[")):
             out.append(json.loads(line))
     return out
+
+
+class RankControl:
+    """Faults for the contract suite, delivered through ``group.send_signal`` (the backend's
+    own path to a rank's process)."""
+
+    def __init__(self, reports_signal: bool) -> None:
+        self.reports_signal = reports_signal
+
+    def kill(self, group, rank: int, wait: bool = True) -> None:
+        """SIGKILL the rank; with ``wait``, until the group has noticed."""
+        import signal
+
+        group.send_signal(signal.SIGKILL, workers=[rank])
+        if wait:
+            assert wait_until(lambda: not group.health()[rank].alive, 10), \
+                f"rank {rank} still looks alive 10 s after SIGKILL"
+
+    def stop(self, group, rank: int) -> None:
+        import signal
+
+        group.send_signal(signal.SIGSTOP, workers=[rank])
+
+    def resume(self, group, rank: int) -> None:
+        import signal
+
+        group.send_signal(signal.SIGCONT, workers=[rank])
+
+    def signal(self, group, rank: int, sig: int) -> None:
+        group.send_signal(sig, workers=[rank])
+
+    def killed_signal(self, name: str = "SIGKILL") -> str | None:
+        """The signal name a WorkerDied reports for a rank this fixture killed."""
+        return name if self.reports_signal else None

@@ -129,9 +129,9 @@ def describe_ray_error(exc: BaseException) -> str:
 
 @dataclasses.dataclass
 class _Bundle:
-    """One placement-group bundle, and the actor living in it now."""
+    """One rank's place in the placement group (its bundle), and its actor now."""
 
-    index: int
+    index: int  # the placement-group bundle (a node's bundle holds all its ranks)
     node_id: str = ""
     actor: Any = None
     incarnation: int = 0
@@ -337,10 +337,14 @@ class RayBackend(Backend):
         self.namespace = namespace
         self.name_prefix = name_prefix
         self._bundles: list[_Bundle] = []
-        self._rank_bundle: list[int] = []
         self._channels: dict[tuple[int, int], RayChannel] = {}
         self._pg: Any = None
         self._session: ray_session.Lease | None = None
+        self._stopping = False
+        self._threads: list[threading.Thread] = []
+        self._listener: socket.socket | None = None
+        self._logs: LogPump | None = None
+        self._writer: wire.BacklogWriter | None = None
 
     def settings(self) -> dict[str, Any]:
         return {
@@ -370,12 +374,11 @@ class RayBackend(Backend):
         self._stopping = False
         self._watch_lock = threading.Lock()
         self._watched: dict[Any, RayChannel] = {}
-        self._acceptor = threading.Thread(target=self._accept_loop, name="phalanx-ray-accept",
-                                          daemon=True)
-        self._acceptor.start()
-        self._watcher = threading.Thread(target=self._watch_loop, name="phalanx-ray-watch",
-                                         daemon=True)
-        self._watcher.start()
+        for target, name in ((self._accept_loop, "phalanx-ray-accept"),
+                             (self._watch_loop, "phalanx-ray-watch")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
 
     def _accept_loop(self) -> None:
         while not self._stopping:
@@ -431,17 +434,23 @@ class RayBackend(Backend):
         from ray.util.placement_group import placement_group, remove_placement_group
 
         deadline = time.monotonic() + timeout
-        bundle = bundle_for(self.resources_per_worker, gpus_per_worker)
-        bundles = [bundle] * layout.world_size
-        asked = (f"{layout.world_size} bundles of {bundle} with strategy "
-                 f"{self.placement_strategy}")
+        per_rank = bundle_for(self.resources_per_worker, gpus_per_worker)
+        if layout.nodes == 1:  # Ray places every rank: one bundle each, the user's strategy
+            bundles = [per_rank] * layout.world_size
+            strategy = self.placement_strategy
+            pg_index = list(range(layout.world_size))
+        else:  # a layout asked for: one bundle per node, on distinct Ray nodes
+            bundles = [{k: v * n for k, v in per_rank.items()} for n in layout.counts]
+            strategy = "STRICT_SPREAD"
+            pg_index = [layout.node_of(r) for r in range(layout.world_size)]
+        self._per_rank = per_rank
+        asked = f"{len(bundles)} bundles {bundles[0]} (strategy {strategy})"
         alive = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-        problem = placement_problem(bundles, self.placement_strategy, alive)
+        problem = placement_problem(bundles, strategy, alive)
         if problem is not None:
             raise StartupError(f"Ray cannot place {asked}: {problem} (cluster resources: "
                                f"{ray.cluster_resources()})")
-        self._pg = placement_group(bundles, strategy=self.placement_strategy,
-                                   name=f"{self._prefix}-pg")
+        self._pg = placement_group(bundles, strategy=strategy, name=f"{self._prefix}-pg")
         if not self._pg.wait(timeout_seconds=max(1, int(deadline - time.monotonic() + 0.999))):
             remove_placement_group(self._pg)
             self._pg = None
@@ -451,36 +460,43 @@ class RayBackend(Backend):
                 "start_timeout= or free resources"
             )
         table = ray.util.placement_group_table(self._pg)
-        bundle_nodes = [table["bundles_to_node_id"][i] for i in range(len(bundles))]
-        self._bundles = [_Bundle(i, node_id=bundle_nodes[i]) for i in range(len(bundles))]
-        for b in self._bundles:
-            self._new_actor(b)
-        infos = ray.get([b.actor.describe.remote() for b in self._bundles],
+        node_of_bundle = [table["bundles_to_node_id"][i] for i in range(len(bundles))]
+        seats = [_Bundle(pg_index[r], node_id=node_of_bundle[pg_index[r]])
+                 for r in range(layout.world_size)]
+        if layout.nodes == 1:  # rank order: by node, then by bundle
+            order = [i for group in order_bundles(node_of_bundle) for i in group]
+            seats = [seats[i] for i in order]
+        self._bundles = seats
+        for rank, seat in enumerate(seats):
+            self._new_actor(seat, rank)
+        infos = ray.get([b.actor.describe.remote() for b in seats],
                         timeout=max(0.1, deadline - time.monotonic()))
-        for b, info in zip(self._bundles, infos, strict=True):
-            b.info = info
+        for seat, info in zip(seats, infos, strict=True):
+            seat.info = info
         nodes: list[Node] = []
-        self._rank_bundle = []
-        for index, group in enumerate(order_bundles(bundle_nodes)):
-            info = self._bundles[group[0]].info
-            self._rank_bundle += group
-            nodes.append(Node(index=index, address=info["address"], ranks=len(group),
-                              gpus=None, same_host=info["address"] == self._host,
-                              name=f"ray node {bundle_nodes[group[0]][:12]}"))
+        for seat in seats:
+            if nodes and seat.node_id == seats[sum(n.ranks for n in nodes) - 1].node_id:
+                last = nodes[-1]
+                nodes[-1] = dataclasses.replace(last, ranks=last.ranks + 1)
+                continue
+            address = seat.info["address"]
+            nodes.append(Node(index=len(nodes), address=address, ranks=1, gpus=None,
+                              same_host=address == self._host,
+                              name=f"ray node {seat.node_id[:12]}"))
+        self._first_rank = [sum(n.ranks for n in nodes[:i]) for i in range(len(nodes))]
         return nodes
 
-    def _new_actor(self, b: _Bundle) -> None:
+    def _new_actor(self, b: _Bundle, rank: int) -> None:
         ray = self._ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from phalanx.backends.ray_actor import RankActor
 
-        resources = dict(self._pg.bundle_specs[b.index])
+        resources = dict(self._per_rank)
         cpus = resources.pop("CPU", 0.0)
         gpus = resources.pop("GPU", 0.0)
         b.incarnation += 1
         b.used = False
-        rank = self._rank_bundle.index(b.index) if self._rank_bundle else b.index
         options: dict[str, Any] = {
             "num_cpus": cpus,
             "num_gpus": gpus,
@@ -499,23 +515,16 @@ class RayBackend(Backend):
 
     def _live_bundle(self, rank: int) -> _Bundle:
         """The rank's bundle with an actor that has not served yet (a fresh one if needed)."""
-        b = self._bundles[self._rank_bundle[rank]]
+        b = self._bundles[rank]
         if b.used:
-            self._new_actor(b)
+            self._new_actor(b, rank)
             b.info = self._ray.get(b.actor.describe.remote(), timeout=60)
         return b
 
     def ports(self, node: Node, count: int) -> list[int]:
-        first = sum(n_ranks for n_ranks in self._node_sizes()[: node.index])
+        first = self._first_rank[node.index]
         b = self._live_bundle(first)
         return self._ray.get(b.actor.free_ports.remote(node.address, count), timeout=60)
-
-    def _node_sizes(self) -> list[int]:
-        sizes: dict[str, int] = {}
-        for index in self._rank_bundle:
-            node_id = self._bundles[index].node_id
-            sizes[node_id] = sizes.get(node_id, 0) + 1
-        return list(sizes.values())
 
     # -- launching and stopping --------------------------------------------------------
 
@@ -582,25 +591,33 @@ class RayBackend(Backend):
         if not self.opened or self._stopping:
             return
         self._stopping = True
-        self._listener.close()
-        ray = self._ray
+        if self._listener is not None:
+            self._listener.close()
         try:
-            leftovers = [b.actor for b in self._bundles if b.actor is not None]
-            for actor in leftovers:
-                try:
-                    ray.kill(actor, no_restart=True)
-                except Exception:  # noqa: BLE001 - already gone
-                    pass
-            if self._pg is not None:
-                from ray.util.placement_group import remove_placement_group
-
-                remove_placement_group(self._pg)
-                self._pg = None
+            if self._session is not None:
+                self._release_cluster_side()
         finally:
-            self._acceptor.join(timeout=5)
-            self._watcher.join(timeout=5)
-            self._logs.stop()
-            self._writer.stop()
+            for thread in self._threads:
+                thread.join(timeout=5)
+            if self._logs is not None:
+                self._logs.stop()
+            if self._writer is not None:
+                self._writer.stop()
             if self._session is not None:
                 self._session.release()
                 self._session = None
+
+    def _release_cluster_side(self) -> None:
+        """Kill every actor this backend made and remove its placement group."""
+        ray = self._ray
+        for b in self._bundles:
+            if b.actor is not None:
+                try:
+                    ray.kill(b.actor, no_restart=True)
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
+        if self._pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self._pg)
+            self._pg = None

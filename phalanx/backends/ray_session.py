@@ -71,7 +71,8 @@ def acquire(
             options["runtime_env"] = dict(runtime_env)
         if address is None and not os.environ.get("RAY_ADDRESS"):
             # a local Ray of our own, without the dashboard (seconds of start-up)
-            options.update(num_cpus=max(os.cpu_count() or 1, min_cpus),
+            # ("local": ray.init() alone would join any Ray running on this machine)
+            options.update(address="local", num_cpus=max(os.cpu_count() or 1, min_cpus),
                            include_dashboard=False)
         else:
             options["address"] = address

@@ -1,0 +1,105 @@
+"""A real three-node Ray cluster on this machine (loopback addresses only) for the ray backend's tests.
+
+Ray's own test cluster (``ray.cluster_utils.Cluster``): a head node on 127.0.0.2 and two
+worker nodes on 127.0.0.3 and 127.0.0.4, each with its own raylet, so ranks on different
+nodes see different ``MASTER_ADDR``/``NODE_RANK`` values and a node can be removed.
+The test code reaches the workers the way it reaches a real cluster: ``PYTHONPATH`` in the
+job's runtime environment.
+"""
+
+from __future__ import annotations
+
+import time
+
+from tests.helpers import REPO
+
+CPUS_PER_NODE = 8  # logical CPUs: enough bundles for the contract suite's groups
+# (not 127.0.0.1: Ray rewrites that address to the machine's own when connecting)
+NODE_ADDRESSES = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
+
+
+def start():
+    import psutil
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from tests import helpers
+
+    before = {p.pid for p in psutil.Process().children()}
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": CPUS_PER_NODE, "include_dashboard": False,
+                        "node_ip_address": NODE_ADDRESSES[0]},
+    )
+    for address in NODE_ADDRESSES[1:]:
+        cluster.add_node(num_cpus=CPUS_PER_NODE, node_ip_address=address)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, _node_ip_address=NODE_ADDRESSES[0],
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}}, log_to_driver=True)
+    helpers.CLUSTER_ROOTS.update(p.pid for p in psutil.Process().children()
+                                 if p.pid not in before)
+    return cluster
+
+
+def stop(cluster) -> None:
+    import ray
+
+    from tests import helpers
+
+    ray.shutdown()
+    cluster.shutdown()
+    helpers.CLUSTER_ROOTS.clear()
+
+
+def add_node(cluster, address: str):
+    import psutil
+
+    from tests import helpers
+
+    before = {p.pid for p in psutil.Process().children()}
+    node = cluster.add_node(num_cpus=CPUS_PER_NODE, node_ip_address=address)
+    cluster.wait_for_nodes()
+    helpers.CLUSTER_ROOTS.update(p.pid for p in psutil.Process().children()
+                                 if p.pid not in before)
+    return node
+
+
+def _alive_actors() -> list[dict]:
+    """Live named actors (phalanx names every actor it makes)."""
+    import ray
+
+    return ray.util.list_named_actors(all_namespaces=True)
+
+
+def _live_placement_groups() -> list[str]:
+    import ray
+
+    table = ray.util.placement_group_table()
+    return [f"placement group {info.get('name') or pg_id} ({info['state']})"
+            for pg_id, info in table.items() if info.get("state") != "REMOVED"]
+
+
+def leftovers(wait: float = 5.0) -> list[str]:
+    """Actors not yet dead and placement groups not removed (waiting a moment: Ray
+    records a kill asynchronously)."""
+    deadline = time.monotonic() + wait
+    while True:
+        found = [f"actor {a['name']!r}" for a in _alive_actors()] + _live_placement_groups()
+        if not found or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.2)
+
+
+def clean() -> None:
+    """Remove what a failed test left, so that later tests start from an empty cluster."""
+    import ray
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    for actor in _alive_actors():
+        try:
+            ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
+        except Exception:  # noqa: BLE001 - gone meanwhile
+            pass
+    for pg_id, info in ray.util.placement_group_table().items():
+        if info.get("state") != "REMOVED":
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_id)))
