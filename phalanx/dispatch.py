@@ -14,6 +14,7 @@ channel that no longer carries that rank (an earlier incarnation) is dropped.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import select
 import struct
@@ -272,14 +273,15 @@ class Dispatcher:
         elif kind == protocol.INIT_ERROR:
             slot.init_failure = RemoteFailure(*extra[0])
         elif kind == protocol.EXITED:
-            if slot.alive:
-                failure = ProcessFailure.from_dict(extra[0])
-                if failure.pid is None and slot.pid is not None:
-                    failure = ProcessFailure(**{**failure.as_dict(), "pid": slot.pid,
-                                                "stderr_tail": failure.stderr_tail})
-                self.bury(slot, failure)
-                if self._on_death is not None:
-                    self._on_death(slot)
+            failure = ProcessFailure.from_dict(extra[0])
+            if failure.pid is None and slot.pid is not None:
+                failure = dataclasses.replace(failure, pid=slot.pid)
+            if not slot.alive:  # a fuller account of a death already reported
+                slot.failure = failure
+                return
+            self.bury(slot, failure)
+            if self._on_death is not None:
+                self._on_death(slot)
         else:
             logger.error("rank %d sent an unknown message kind %r", slot.rank, kind)
 

@@ -93,12 +93,13 @@ class LocalProcess:
             self.death_fd: int | None = os.pidfd_open(popen.pid)
         except (AttributeError, OSError):  # pre-5.3 kernels, other platforms
             self.death_fd = None
-        # The log pump owns the pipe descriptors: take our own copies, close Popen's.
         self._descendants: list = []  # psutil.Process objects seen before a graceful exit
-        self.stdout_fd = os.dup(popen.stdout.fileno())  # type: ignore[union-attr]
-        self.stderr_fd = os.dup(popen.stderr.fileno())  # type: ignore[union-attr]
-        popen.stdout.close()  # type: ignore[union-attr]
-        popen.stderr.close()  # type: ignore[union-attr]
+        self.stdout_fd = self.stderr_fd = -1
+        if popen.stdout is not None:  # piped: the log pump owns our copies, close Popen's
+            self.stdout_fd = os.dup(popen.stdout.fileno())
+            self.stderr_fd = os.dup(popen.stderr.fileno())  # type: ignore[union-attr]
+            popen.stdout.close()
+            popen.stderr.close()  # type: ignore[union-attr]
 
     def exitcode(self, timeout: float = 0.0) -> int | None:
         """Reap and return the exit code; None if still running after ``timeout``."""
@@ -206,18 +207,7 @@ def spawn_worker(env: Mapping[str, str], cwd: str | None = None) -> LocalProcess
     full_env = dict(env)
     full_env[config.ENV_FD] = f"pipe:{to_worker_r},{from_worker_w}"
     full_env[config.ENV_PARENT_PID] = str(os.getpid())
-
-    def start() -> subprocess.Popen:
-        return subprocess.Popen(
-            [sys.executable, "-c", _WORKER_BOOT.format(root=_PACKAGE_ROOT)],
-            env=full_env,
-            cwd=cwd,
-            pass_fds=child_fds,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            **_OWN_PROCESS_GROUP,
-        )
+    start = _starter(full_env, cwd, child_fds, subprocess.PIPE, subprocess.PIPE)
 
     def undo(popen: subprocess.Popen) -> None:
         popen.kill()
@@ -236,6 +226,42 @@ def spawn_worker(env: Mapping[str, str], cwd: str | None = None) -> LocalProcess
         for fd in child_fds:
             os.close(fd)
     return LocalProcess(popen, from_worker_r, to_worker_w)
+
+
+def _starter(
+    env: dict[str, str], cwd: str | None, fds: tuple[int, ...], stdout: int, stderr: int
+) -> Callable[[], subprocess.Popen]:
+    def start() -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-c", _WORKER_BOOT.format(root=_PACKAGE_ROOT)],
+            env=env,
+            cwd=cwd,
+            pass_fds=fds,
+            stdin=subprocess.DEVNULL,
+            stdout=stdout,
+            stderr=stderr,
+            **_OWN_PROCESS_GROUP,
+        )
+
+    return start
+
+
+def spawn_connected(
+    env: Mapping[str, str], cwd: str | None, control_fd: int, stdout_fd: int, stderr_fd: int
+) -> LocalProcess:
+    """Start a worker interpreter whose control stream and output are sockets already
+    connected to its controller (a node side that supervises ranks it does not talk to:
+    a Ray actor, an agent). The caller keeps its copies of the descriptors."""
+    full_env = dict(env)
+    full_env[config.ENV_FD] = f"socket:{control_fd}"
+    full_env[config.ENV_PARENT_PID] = str(os.getpid())
+    start = _starter(full_env, cwd, (control_fd,), stdout_fd, stderr_fd)
+
+    def undo(popen: subprocess.Popen) -> None:
+        popen.kill()
+        popen.wait()
+
+    return LocalProcess(_SpawnThread.get().run(start, undo), -1, -1)
 
 
 def stop_processes(

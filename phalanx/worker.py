@@ -141,8 +141,6 @@ class WorkerRuntime:
         self._loop_lock = threading.Lock()
         self.bootstrap: Any = None  # phalanx.bootstrap.Bootstrap when a framework needs one
         self.rank = 0  # from INIT's header; stamped on every reply
-        # Send the exit status before exiting (where the controller is not the parent)
-        self.report_exit = False
 
     # -- start-up ---------------------------------------------------------------------
 
@@ -361,9 +359,6 @@ def _flush_and_exit(
 ) -> None:
     if runtime is not None:
         runtime.cleanup()
-        if runtime.report_exit:  # its controller cannot see the exit status itself
-            failure = {"rank": runtime.rank, "node": -1, "pid": os.getpid(), "exitcode": code}
-            conn.send(wire.frame(protocol.exited_message(runtime.rank, failure)))
     _drain(conn, wait)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1,4 +1,4 @@
-"""A real three-node Ray cluster on this machine (loopback addresses only) for the ray backend's tests.
+"""A real three-node Ray cluster on this machine, on loopback addresses, for the ray tests.
 
 Ray's own test cluster (``ray.cluster_utils.Cluster``): a head node on 127.0.0.2 and two
 worker nodes on 127.0.0.3 and 127.0.0.4, each with its own raylet, so ranks on different
@@ -98,7 +98,7 @@ def clean() -> None:
     for actor in _alive_actors():
         try:
             ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
-        except Exception:  # noqa: BLE001 - gone meanwhile
+        except Exception:
             pass
     for pg_id, info in ray.util.placement_group_table().items():
         if info.get("state") != "REMOVED":

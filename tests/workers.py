@@ -55,6 +55,15 @@ class Probe:
     def cwd(self) -> str:
         return os.getcwd()
 
+    def ray_node(self) -> str:
+        """The address of the Ray node this rank runs on (ray backend)."""
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def print_once(self, text: str) -> None:
+        print(text, flush=True)
+
     def on_main_thread(self) -> bool:
         return threading.current_thread() is threading.main_thread()
 

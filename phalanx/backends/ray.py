@@ -42,7 +42,8 @@ logger = logging.getLogger(__name__)
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 HANDSHAKE_TIMEOUT = 5.0  # seconds a connecting peer has to prove the secret
-CAUSE_WAIT = 0.03  # after a stream ends, how long to wait for Ray's account of the death
+CAUSE_WAIT = 0.03  # after a stream ends, how long to wait for the actor's or Ray's account
+SIGNAL_TIMEOUT = 10.0  # seconds for a signal to be delivered through the rank's actor
 _OUTPUT_WAIT = 0.2  # how long to wait for a dead rank's last stderr lines
 _KILL_WAIT = 10.0  # seconds for killed actors' processes to be reported gone
 
@@ -114,17 +115,28 @@ def order_bundles(bundle_nodes: Sequence[str]) -> list[list[int]]:
 
 
 def describe_ray_error(exc: BaseException) -> str:
-    """A one-line account of how Ray says an actor died."""
-    text = str(exc)
+    """A one-line account of how Ray says an actor died (pure): the sentence of its message
+    that gives the reason, with the worker's exit type and detail when Ray has them."""
+    text = " ".join(str(exc).split())
     lowered = text.lower()
-    if "out of memory" in lowered or "oom" in lowered.split():
-        return "Ray reports the actor was killed for running out of memory"
-    if "node" in lowered and ("died" in lowered or "dead" in lowered or "removed" in lowered):
-        return "Ray reports the actor's node died"
-    if "ray.kill" in lowered:
-        return "Ray reports the actor was killed with ray.kill()"
-    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
-    return f"Ray reports: {type(exc).__name__}: {first[:300]}"
+    if "killed by `ray.kill`" in lowered or "killed by ray.kill" in lowered:
+        return "Ray: the actor was killed with ray.kill()"
+    if type(exc).__name__ == "OutOfMemoryError" or "due to memory pressure" in lowered:
+        return "Ray: the node ran out of memory and Ray's memory monitor killed the actor"
+    if "its node has died" in lowered or "node died" in lowered:
+        return "Ray: the actor's node died"
+    marker = lowered.find("the actor is dead because")
+    if marker >= 0:
+        sentence = text[marker:].split(". ", 1)[0]
+        detail = ""
+        kind = lowered.find("worker exit type:")
+        if kind >= 0:
+            detail = " (" + text[kind:].split(". ", 1)[0] + ")"
+        return f"Ray: {sentence[0].lower()}{sentence[1:]}{detail}"
+    if "unavailable" in lowered:
+        return "Ray: the actor is unreachable (its node may have failed)"
+    first = text.split(". ", 1)[0]
+    return f"Ray: {type(exc).__name__}: {first[:200]}"
 
 
 @dataclasses.dataclass
@@ -165,6 +177,7 @@ class RayChannel(Channel):
         self._reason: str | None = None
         self._reason_known = threading.Event()
         self._buried = False
+        self._posted = False  # an EXITED event went to the group
         self._closed = False
 
     # -- connections (the acceptor thread) ---------------------------------------------
@@ -203,25 +216,26 @@ class RayChannel(Channel):
         if conn is None:
             return []
         try:
-            frames = conn.reader.recv_frames(block=False)
+            return conn.reader.recv_frames(block=False)
         except wire.ConnectionLost:
             self._bury_later()
             return []
-        for segs in frames:
-            if segs[0][0] == protocol.EXITED:  # the rank's own exit status, before it went
-                self._exitcode = protocol.parse(segs[0])[3][0].get("exitcode")
-        return [segs for segs in frames if segs[0][0] != protocol.EXITED]
 
-    def ray_reports(self, reason: str | None, exitcode: int | None = None) -> None:
-        """Ray's account of the actor's end (watcher thread): ``reason`` None when its
-        serve call returned normally."""
-        self._reason = reason
-        if exitcode is not None and self._exitcode is None:
-            self._exitcode = exitcode
+    def ray_reports(self, reason: str | None, served: dict | None = None) -> None:
+        """How the rank ended (watcher thread): ``served`` is what the actor's ``serve``
+        returned (the rank's pid and exit status); ``reason`` Ray's account when the
+        actor itself died."""
+        with self._lock:
+            if served is not None:
+                self.pid = served.get("pid", self.pid)
+                self._exitcode = served.get("exitcode")
+            self._reason = reason
+            late = self._posted and not self._closed
+            never_connected = self._conn is None
         self._reason_known.set()
-        if self._conn is None or reason is not None:
+        if never_connected:
             self._bury_later(wait_for_reason=False)
-        if reason is not None and self._buried and self._sink is not None:
+        elif late and self._sink is not None:
             # a later account replaces the record kept for the (already dead) rank
             self._sink.post(self, [self._exited()])
 
@@ -240,8 +254,11 @@ class RayChannel(Channel):
             self._reason_known.wait(CAUSE_WAIT)
         if self._tap is not None:
             self._tap.wait_closed(_OUTPUT_WAIT)
+        with self._lock:
+            event = self._exited()
+            self._posted = True
         if self._sink is not None:
-            self._sink.post(self, [self._exited()])
+            self._sink.post(self, [event])
 
     def _exited(self) -> list[Any]:
         return protocol.exited_message(self.rank, self.exit_record(self.rank).as_dict())
@@ -261,21 +278,16 @@ class RayChannel(Channel):
             pass  # its death arrives as EXITED
 
     def signal(self, rank: int, sig: int) -> None:
-        if self.pid is None:
-            return
-        if self.same_host:
-            try:
-                os.kill(self.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-            return
-        self._backend._remote_kill(self.node_id, self.pid, sig)
+        """Through the actor, which runs beside the rank on its node (any node)."""
+        try:
+            self._backend._ray.get(self.actor.signal.remote(int(sig)), timeout=SIGNAL_TIMEOUT)
+        except Exception as exc:  # noqa: BLE001 - the actor is gone: so is the rank
+            logger.debug("signal %s to rank %d not delivered: %s", sig, self.rank, exc)
 
     def exit_record(self, rank: int) -> ProcessFailure:
         reason = self._reason
         if reason is None and self._exitcode is None:
-            reason = ("its actor's process ended (killed, or its node failed); "
-                      "Ray had not said why yet")
+            reason = "its control connection closed; Ray had not said why yet"
         tail = self._tap.stderr_tail() if self._tap is not None else ()
         return ProcessFailure(self.rank, self.node, self.pid, self._exitcode, tail, reason)
 
@@ -421,11 +433,11 @@ class RayBackend(Backend):
                 if channel is None:
                     continue
                 try:
-                    code = ray.get(ref, timeout=5.0)
+                    served = ray.get(ref, timeout=5.0)
                 except Exception as exc:  # noqa: BLE001 - Ray's account of the death
                     channel.ray_reports(describe_ray_error(exc))
                 else:
-                    channel.ray_reports(None, exitcode=code)
+                    channel.ray_reports(None, served)
 
     # -- reserving ---------------------------------------------------------------------
 
@@ -469,8 +481,17 @@ class RayBackend(Backend):
         self._bundles = seats
         for rank, seat in enumerate(seats):
             self._new_actor(seat, rank)
-        infos = ray.get([b.actor.describe.remote() for b in seats],
-                        timeout=max(0.1, deadline - time.monotonic()))
+        try:
+            infos = ray.get([b.actor.describe.remote() for b in seats],
+                            timeout=max(0.1, deadline - time.monotonic()))
+        except ray.exceptions.GetTimeoutError:
+            raise StartupError(
+                f"Ray did not start the {len(seats)} actors within {timeout:g} s; raise "
+                "start_timeout= (or PHALANX_START_TIMEOUT) on a busy cluster"
+            ) from None
+        except ray.exceptions.RayError as exc:
+            raise StartupError(f"a rank's actor could not start: {describe_ray_error(exc)}",
+                               rank=0) from exc
         for seat, info in zip(seats, infos, strict=True):
             seat.info = info
         nodes: list[Node] = []
@@ -490,7 +511,7 @@ class RayBackend(Backend):
         ray = self._ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from phalanx.backends.ray_actor import RankActor
+        from phalanx.backends.ray_actor import CONCURRENCY, RankActor
 
         resources = dict(self._per_rank)
         cpus = resources.pop("CPU", 0.0)
@@ -502,7 +523,7 @@ class RayBackend(Backend):
             "num_gpus": gpus,
             "resources": resources or None,
             "max_restarts": 0,
-            "max_concurrency": 1,
+            "max_concurrency": CONCURRENCY,
             "name": f"{self._prefix}-r{rank}-i{b.incarnation}",
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
                 placement_group=self._pg, placement_group_bundle_index=b.index),
@@ -552,6 +573,12 @@ class RayBackend(Backend):
         ours = [c for c in channels if isinstance(c, RayChannel)]
         for channel in ours:
             channel._buried = True  # stopped on purpose: the group records it
+        # the actors stop their ranks' process trees (SIGTERM, grace, SIGKILL), then go
+        stops = [c.actor.stop.remote(0.0 if force else grace) for c in ours]
+        if stops:
+            ray.wait(stops, num_returns=len(stops), timeout=grace + _KILL_WAIT,
+                     fetch_local=False)
+        for channel in ours:
             try:
                 ray.kill(channel.actor, no_restart=True)
             except Exception as exc:  # noqa: BLE001 - already gone
@@ -571,27 +598,15 @@ class RayBackend(Backend):
         if refs:
             self._ray.wait(refs, num_returns=len(refs), timeout=timeout, fetch_local=False)
 
-    def _remote_kill(self, node_id: str, pid: int, sig: int) -> None:
-        """Signal a process on another node: a zero-CPU task pinned to that node."""
-        ray = self._ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        def deliver(pid: int, sig: int) -> None:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-
-        task = ray.remote(deliver).options(
-            num_cpus=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False))
-        ray.get(task.remote(pid, int(sig)), timeout=60)
-
     def close(self) -> None:
         if not self.opened or self._stopping:
             return
         self._stopping = True
         if self._listener is not None:
+            try:  # wakes the acceptor thread blocked in accept() (close alone does not)
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             self._listener.close()
         try:
             if self._session is not None:

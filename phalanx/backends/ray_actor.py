@@ -1,31 +1,35 @@
 """The node side of the Ray backend: what runs inside each rank's Ray actor.
 
-The actor is generic (it imports no user code). The controller first asks it where it
-landed (:meth:`RankActor.describe`) and for free ports on its node; then
-:meth:`RankActor.serve` turns the actor into a phalanx rank for the rest of its life:
+The actor is generic (it imports no user code) and supervises its rank the way a node
+does locally. The controller first asks it where it landed (:meth:`RankActor.describe`)
+and for free ports on its node; then :meth:`RankActor.serve`:
 
-1. it connects three TCP streams back to the controller -- stdout, stderr, control -- each
+1. connects three TCP streams back to the controller -- stdout, stderr, control -- each
    proving the group's secret (:mod:`phalanx.handshake`);
-2. file descriptors 1 and 2 become the output streams, so everything the rank and its
-   subprocesses print reaches the controller's output pump once, prefixed with the rank
-   (Ray's own log forwarding then has nothing of it to repeat);
-3. it sets the rank's environment (and cwd) and runs the ordinary worker loop
-   (:func:`phalanx.worker.run`) over the control stream: INIT imports user code only then.
+2. starts the rank's process (:func:`phalanx.node.spawn_connected`) with the rank's
+   environment over the actor's own (Ray's ``CUDA_VISIBLE_DEVICES`` included), its control
+   stream on the control socket and its stdout/stderr on the output sockets: the rank
+   talks to the controller directly, at phalanx's speed, and everything it and its
+   subprocesses print reaches the controller's output pump once (Ray's log forwarding
+   never sees it);
+3. waits for it and returns its exit status, which is how the controller learns that a
+   rank died of SIGSEGV or ``os._exit(3)`` -- Ray itself only says that a worker died.
 
-Calls therefore travel over phalanx's own channel at phalanx's speed; Ray places the
-process, keeps it alive and reports how it died.
+The rank dies with its actor (``PR_SET_PDEATHSIG``), so ``ray.kill`` and a lost node take
+it along; :meth:`stop` and :meth:`signal` run beside ``serve`` (a threaded actor) and
+reach the rank's whole process tree, as on the local backend.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-import sys
 from collections.abc import Mapping
 
-from phalanx import handshake, streams, wire
+from phalanx import handshake
 
 CONNECT_TIMEOUT = 30.0  # seconds for the actor to reach the controller and prove the secret
+CONCURRENCY = 4  # serve, plus stop / signal / describe beside it
 
 
 def _connect(address: str, port: int, secret: bytes, hello: handshake.Hello) -> socket.socket:
@@ -36,7 +40,10 @@ def _connect(address: str, port: int, secret: bytes, hello: handshake.Hello) -> 
 
 
 class RankActor:
-    """One rank's process, placed by Ray in its placement-group bundle."""
+    """One rank's place in Ray: placed in its bundle, supervising the rank's process."""
+
+    def __init__(self) -> None:
+        self._proc = None
 
     def describe(self) -> dict:
         """Where this actor runs: node address and id, pid, the GPUs Ray gave it."""
@@ -70,37 +77,37 @@ class RankActor:
         incarnation: int,
         env: Mapping[str, str],
         cwd: str | None,
-    ) -> int:
-        """Be rank ``rank`` until SHUTDOWN, the controller's loss, or ``sys.exit``."""
-        from phalanx import worker
+    ) -> dict:
+        """Run rank ``rank`` until its process ends; its pid and exit status."""
+        from phalanx import node
 
         def hello(role: int) -> handshake.Hello:
             return handshake.Hello(role, rank, incarnation)
 
-        out = _connect(address, port, secret, hello(handshake.ROLE_STDOUT))
-        err = _connect(address, port, secret, hello(handshake.ROLE_STDERR))
-        control = _connect(address, port, secret, hello(handshake.ROLE_CONTROL))
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.dup2(out.fileno(), 1)
-        os.dup2(err.fileno(), 2)
-        out.close()
-        err.close()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
-            except (AttributeError, ValueError):
-                pass
-        os.environ.update(env)
-        if cwd:
-            os.chdir(cwd)
-        stream = streams.SocketStream(control)
-        worker._watch_for_hangup(stream)  # the controller gone: this rank goes too
-        conn = wire.Connection(stream, wire.BacklogWriter("phalanx-worker-writer"))
-        runtime = worker.WorkerRuntime(conn)
-        runtime.report_exit = True
-        code = worker.run(conn, runtime)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        conn.close()
-        return code
+        sockets = [_connect(address, port, secret, hello(role)) for role in
+                   (handshake.ROLE_STDOUT, handshake.ROLE_STDERR, handshake.ROLE_CONTROL)]
+        out, err, control = sockets
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
+        try:
+            proc = node.spawn_connected(full_env, cwd, control.fileno(), out.fileno(),
+                                        err.fileno())
+        finally:
+            for sock in sockets:
+                sock.close()  # the rank holds its own copies
+        self._proc = proc
+        code = proc.exitcode(None)
+        node.stop_processes([proc], force=True)  # what it left in its process group
+        proc.release()
+        return {"pid": proc.pid, "exitcode": code}
+
+    def stop(self, grace: float) -> None:
+        """SIGTERM the rank's process tree, SIGKILL after ``grace`` s, reap."""
+        from phalanx import node
+
+        if self._proc is not None:
+            node.stop_processes([self._proc], grace=grace, force=grace <= 0)
+
+    def signal(self, sig: int) -> None:
+        """Deliver ``sig`` to the rank's process group, as a terminal would."""
+        if self._proc is not None:
+            self._proc.signal_group(sig)

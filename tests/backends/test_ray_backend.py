@@ -1,0 +1,231 @@
+"""The ray backend on a real three-node Ray cluster (``ray.cluster_utils.Cluster`` on
+127.0.0.2-4): placement, the truth of the rendezvous variables per node, real gloo
+collectives across Ray nodes, deaths with Ray's account of them, and nothing left behind.
+The contract suite (tests/contract) runs on this backend too; this file holds what only
+Ray has."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+import phalanx as px
+from phalanx import StartupError, WorkerDied
+from tests import helpers, raycluster
+from tests.workers import Probe
+
+ray = pytest.importorskip("ray", reason="the ray backend needs ray (pip install 'phalanx[ray]')")
+
+
+@pytest.fixture(autouse=True)
+def cluster(ray_cluster):
+    return ray_cluster
+
+
+def where(group) -> list[dict]:
+    """Each rank's rendezvous variables and the Ray node it really runs on."""
+    names = ("RANK", "NODE_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
+             "MASTER_ADDR", "MASTER_PORT")
+    envs = group.call("env", *names)
+    nodes = group.call("ray_node")
+    return [{**env, "node_ip": node} for env, node in zip(envs, nodes, strict=True)]
+
+
+def test_a_layout_puts_each_node_of_ranks_on_its_own_ray_node():
+    with px.WorkerGroup(Probe, procs_per_node=[2, 1], backend="ray",
+                        echo_output=False) as group:
+        assert (group.nodes, group.procs_per_node, group.world_size) == (2, (2, 1), 3)
+        ranks = where(group)
+    assert [r["RANK"] for r in ranks] == ["0", "1", "2"]
+    assert [r["NODE_RANK"] for r in ranks] == ["0", "0", "1"]
+    assert [r["LOCAL_RANK"] for r in ranks] == ["0", "1", "0"]
+    assert [r["LOCAL_WORLD_SIZE"] for r in ranks] == ["2", "2", "1"]
+    assert ranks[0]["node_ip"] == ranks[1]["node_ip"] != ranks[2]["node_ip"]
+    assert {r["MASTER_ADDR"] for r in ranks} == {ranks[0]["node_ip"]}  # rank 0's node
+    assert all(r["node_ip"] in raycluster.NODE_ADDRESSES for r in ranks)
+    assert len({r["MASTER_PORT"] for r in ranks}) == 1
+
+
+@pytest.mark.parametrize(
+    ("strategy", "distinct_nodes"),
+    [("PACK", {1}), ("STRICT_PACK", {1}), ("SPREAD", {2, 3}), ("STRICT_SPREAD", {3})],
+)
+def test_placement_strategies_place_ranks_where_ray_puts_the_bundles(strategy, distinct_nodes):
+    backend = px.RayBackend(placement_strategy=strategy)
+    with px.WorkerGroup(Probe, procs_per_node=3, backend=backend,
+                        echo_output=False) as group:
+        ranks = where(group)
+        assert group.nodes in distinct_nodes
+    ips = [r["node_ip"] for r in ranks]
+    assert len(set(ips)) in distinct_nodes
+    # ranks are numbered node by node: a node's ranks are contiguous, NODE_RANK ascending
+    node_ranks = [int(r["NODE_RANK"]) for r in ranks]
+    assert node_ranks == sorted(node_ranks)
+    for a, b in itertools.pairwise(ranks):
+        assert (a["node_ip"] == b["node_ip"]) == (a["NODE_RANK"] == b["NODE_RANK"])
+        assert {a["MASTER_ADDR"], b["MASTER_ADDR"]} == {ips[0]}
+
+
+def all_reduce() -> dict:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    value = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(value)
+    return {"rank": dist.get_rank(), "sum": value.item(), "node": os.environ["NODE_RANK"]}
+
+
+@pytest.mark.slow
+def test_gloo_all_reduce_across_ray_nodes():
+    pytest.importorskip("torch", reason="torch is not installed (pip install torch==2.13.0)")
+    results = px.spmd(all_reduce, nodes=2, procs_per_node=1, framework="torch",
+                      backend="ray", echo_output=False)()
+    assert results == [{"rank": 0, "sum": 3.0, "node": "0"}, {"rank": 1, "sum": 3.0, "node": "1"}]
+
+
+def test_a_request_no_node_can_hold_fails_at_once_saying_what_was_asked():
+    backend = px.RayBackend(resources_per_worker={"CPU": 100})
+    started = time.monotonic()
+    with pytest.raises(StartupError) as info:
+        px.WorkerGroup(Probe, procs_per_node=2, backend=backend, echo_output=False)
+    assert time.monotonic() - started < 5
+    message = str(info.value)
+    assert "'CPU': 100.0" in message and "no node can hold" in message
+    assert "cluster resources" in message
+
+
+def test_a_request_the_busy_cluster_cannot_hold_fails_within_start_timeout():
+    hog = px.RayBackend(resources_per_worker={"CPU": raycluster.CPUS_PER_NODE},
+                        placement_strategy="STRICT_SPREAD")
+    with px.WorkerGroup(Probe, procs_per_node=3, backend=hog, echo_output=False):
+        started = time.monotonic()
+        with pytest.raises(StartupError) as info:
+            px.WorkerGroup(Probe, procs_per_node=1, backend="ray", echo_output=False,
+                           start_timeout=2)
+        elapsed = time.monotonic() - started
+    assert 1.5 < elapsed < 8
+    assert "within 2 s" in str(info.value) and "start_timeout" in str(info.value)
+
+
+def test_recreate_starts_a_fresh_actor_in_the_same_bundle(ranks):
+    with px.WorkerGroup(Probe, procs_per_node=[1, 1], backend="ray",
+                        echo_output=False) as group:
+        before = where(group)
+        old_pid = group.call_one(1, "pid")
+        ranks.kill(group, 1)
+        with pytest.raises(WorkerDied):
+            group.call_one(1, "pid")
+        group.recreate(1)
+        assert group.call_one(1, "pid") != old_pid
+        assert where(group) == before  # same node, same variables
+        names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True))
+        assert [n.rsplit("-", 2)[-2:] for n in names] == [["r0", "i1"], ["r1", "i2"]]
+
+
+def test_an_actor_killed_through_ray_fails_its_call_with_rays_account():
+    with px.WorkerGroup(Probe, procs_per_node=2, backend="ray", echo_output=False) as group:
+        future = group.call_async("sleep", 30, workers=[1])
+        time.sleep(0.3)
+        name = next(a for a in ray.util.list_named_actors(all_namespaces=True)
+                    if a["name"].endswith("-r1-i1"))
+        started = time.monotonic()
+        ray.kill(ray.get_actor(name["name"], namespace=name["namespace"]))
+        with pytest.raises(WorkerDied) as info:
+            future.result(timeout=10)
+        assert time.monotonic() - started < 2
+        assert info.value.rank == 1
+        assert "ray.kill" in info.value.cause
+        assert group.health()[0].alive and not group.health()[1].alive
+
+
+@pytest.mark.slow
+def test_a_removed_node_fails_the_calls_of_its_ranks(cluster):
+    extra = raycluster.add_node(cluster, "127.0.0.5")
+    try:
+        backend = px.RayBackend(resources_per_worker={"CPU": 1, "node:127.0.0.5": 0.001})
+        with px.WorkerGroup(Probe, procs_per_node=1, backend=backend,
+                            echo_output=False) as group:
+            assert group.call("ray_node") == ["127.0.0.5"]
+            future = group.call_async("sleep", 60)
+            time.sleep(0.3)
+            started = time.monotonic()
+            cluster.remove_node(extra)
+            extra = None
+            with pytest.raises(WorkerDied) as info:
+                future.result(timeout=30)
+            assert time.monotonic() - started < 10
+            assert info.value.rank == 0
+    finally:
+        if extra is not None:
+            cluster.remove_node(extra)
+
+
+def test_rank_output_is_shown_once_with_its_rank_prefix(capfd):
+    with px.WorkerGroup(Probe, procs_per_node=2, backend="ray", collapse_output=False) as g:
+        g.call_one(1, "print_once", "a line from a ray rank")
+    time.sleep(1.5)  # Ray's own log forwarding would have repeated it by now
+    out = capfd.readouterr()
+    text = out.out + out.err
+    assert text.count("a line from a ray rank") == 1
+    assert "[rank 1] a line from a ray rank" in text
+
+
+def test_shutdown_leaves_no_actor_and_no_placement_group():
+    group = px.WorkerGroup(Probe, procs_per_node=3, backend="ray", echo_output=False)
+    assert len(ray.util.list_named_actors(all_namespaces=True)) == 3
+    group.shutdown()
+    assert raycluster.leftovers() == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"placement_strategy": "CLUSTERED"}, "placement_strategy must be one of"),
+        ({"resources_per_worker": {"CPU": -1}}, "non-negative"),
+        ({"resources_per_worker": ["CPU"]}, "must be a dict"),
+        ({"address": "ray://head:10001"}, "Ray Client addresses are not supported"),
+    ],
+)
+def test_bad_ray_options_are_refused_before_anything_starts(kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        px.RayBackend(**kwargs)
+
+
+@pytest.mark.slow
+def test_without_a_running_ray_a_local_one_is_started_and_stopped(tmp_path):
+    """A controller in a process of its own (this one is connected to the test cluster):
+    backend='ray' with no Ray running starts one, and leaves nothing once shut down."""
+    script = helpers.write_script(tmp_path, """
+        import json, phalanx as px, ray
+        from tests.workers import Probe
+        with px.WorkerGroup(Probe, procs_per_node=2, backend="ray", echo_output=False) as g:
+            out = {"ranks": g.call("rank"), "connected": ray.is_initialized()}
+        out["after"] = ray.is_initialized()
+        print(json.dumps(out))
+    """)
+    env = helpers.script_env()
+    env.pop("RAY_ADDRESS", None)
+    import subprocess
+
+    done = subprocess.run([sys.executable, str(script)], cwd=str(tmp_path), env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert helpers.json_lines(done.stdout)[-1] == {"ranks": [0, 1], "connected": True,
+                                                    "after": False}
+
+
+def test_signals_reach_a_rank_on_another_node(ranks):
+    with px.WorkerGroup(Probe, procs_per_node=[1, 1], backend="ray",
+                        echo_output=False) as group:
+        future = group.call_async("sleep", 30, workers=[1])
+        time.sleep(0.3)
+        ranks.signal(group, 1, signal.SIGINT)
+        with pytest.raises(px.WorkerError) as info:
+            future.result(timeout=10)
+        assert info.value.exc_type == "KeyboardInterrupt"
