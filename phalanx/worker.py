@@ -396,7 +396,16 @@ def run(conn: wire.Connection, runtime: WorkerRuntime) -> int:
     return code
 
 
+def _default_signals() -> None:
+    """Start as a fresh Python program would, whatever the node side ignored or blocked (a
+    Ray worker's threads block signals, and the mask and ignored signals survive exec)."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def main() -> None:
+    _default_signals()
     stream = _open_stream(os.environ.pop(config.ENV_FD))
     parent = int(os.environ.pop(config.ENV_PARENT_PID, "0"))
     _install_parent_death_signal(parent)

@@ -92,7 +92,12 @@ def stray_children() -> list[psutil.Process]:
 
 
 def script_env() -> dict[str, str]:
+    """The environment of a controller script: this checkout importable, no progress bar,
+    and the Ray test cluster's address when one runs (so backend="ray" joins it)."""
     env = dict(os.environ)
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        env["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["PHALANX_PROGRESS"] = "0"
     return env

@@ -56,10 +56,13 @@ class Probe:
         return os.getcwd()
 
     def ray_node(self) -> str:
-        """The address of the Ray node this rank runs on (ray backend)."""
-        import ray
+        """The address of the Ray node this rank runs on (ray backend), read off the
+        command line of that node's raylet, independently of what phalanx says."""
+        import psutil
 
-        return ray.util.get_node_ip_address()
+        raylet = psutil.Process(int(os.environ["RAY_RAYLET_PID"])).cmdline()
+        return next(arg.split("=", 1)[1] for arg in raylet
+                    if arg.startswith("--node_ip_address="))
 
     def print_once(self, text: str) -> None:
         print(text, flush=True)

@@ -27,6 +27,11 @@ def cluster(ray_cluster):
     return ray_cluster
 
 
+@pytest.fixture
+def ranks():
+    return helpers.RankControl(reports_signal=True)
+
+
 def where(group) -> list[dict]:
     """Each rank's rendezvous variables and the Ray node it really runs on."""
     names = ("RANK", "NODE_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
@@ -98,6 +103,15 @@ def test_a_request_no_node_can_hold_fails_at_once_saying_what_was_asked():
     message = str(info.value)
     assert "'CPU': 100.0" in message and "no node can hold" in message
     assert "cluster resources" in message
+
+
+def test_gpus_come_from_ray_and_a_cluster_without_them_is_told_at_once():
+    with pytest.raises(StartupError, match=r"no node can hold one bundle .*'GPU': 1.0"):
+        px.WorkerGroup(Probe, procs_per_node=2, gpus_per_worker=1, backend="ray",
+                       echo_output=False)
+    with pytest.raises(ValueError, match="auto"):
+        px.WorkerGroup(Probe, procs_per_node="auto", framework="torch", backend="ray",
+                       echo_output=False)
 
 
 def test_a_request_the_busy_cluster_cannot_hold_fails_within_start_timeout():

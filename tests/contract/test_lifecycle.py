@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
@@ -14,7 +13,7 @@ from tests import helpers
 from tests.workers import FailsOnceFlagged, Probe
 
 
-def test_health_reports_every_rank(make_group):
+def test_health_reports_every_rank(make_group, ranks):
     group = make_group(Probe, nodes=2, procs_per_node=1)
     pids = group.call("pid")
     health = group.health()
@@ -28,19 +27,18 @@ def test_health_reports_every_rank(make_group):
     future.result(timeout=10)
     assert [h.calls_in_flight for h in group.health()] == [0, 0]
 
-    os.kill(pids[0], signal.SIGKILL)
+    ranks.kill(group, 0)
     assert helpers.wait_dead(pids[0])
-    assert helpers.wait_until(lambda: not group.health()[0].alive, 3)
     dead = group.health()[0]
     assert (dead.alive, dead.exitcode, dead.pid) == (False, -signal.SIGKILL, pids[0])
     assert group.health()[1].alive
 
 
-def test_recreate_replaces_a_killed_rank_with_the_same_identity(make_group):
+def test_recreate_replaces_a_killed_rank_with_the_same_identity(make_group, ranks):
     group = make_group(Probe, args=("ctor-arg",), procs_per_node=2, env={"USER_VAR": "u"})
     before = group.call("env", "RANK", "MASTER_PORT", "USER_VAR")
     old = group.call("pid")
-    os.kill(old[1], signal.SIGKILL)
+    ranks.kill(group, 1, wait=False)
     with pytest.raises(WorkerDied):
         group.call("pid", timeout=10)
     group.recreate(1)
@@ -220,11 +218,11 @@ def test_shutdown_leaves_no_worker_or_grandchild_alive(make_group):
     assert helpers.wait_dead(pids + grandchildren, 2)
 
 
-def test_a_killed_worker_does_not_leave_its_children_running(make_group):
+def test_a_killed_worker_does_not_leave_its_children_running(make_group, ranks):
     group = make_group(Probe, procs_per_node=2)
     pid = group.call_one(1, "pid")
     grandchild = group.call_one(1, "spawn_sleeper")
-    os.kill(pid, signal.SIGKILL)
+    ranks.kill(group, 1, wait=False)
     group.recreate(1)
     group.shutdown()
     assert helpers.wait_dead([pid, grandchild], 2)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 
 import psutil
@@ -331,12 +329,11 @@ def test_a_worker_error_inside_call_sharded_fails_fast_with_its_rank(make_group)
     group.shutdown(timeout=0.2)  # the other ranks are still sleeping: do not wait for them
 
 
-def test_a_killed_rank_makes_call_sharded_raise_worker_died_at_once(make_group):
+def test_a_killed_rank_makes_call_sharded_raise_worker_died_at_once(make_group, ranks):
     group = make_group(MeshProbe, procs_per_node=WORLD, mesh=MESH)
     pid = group.call_one(3, "pid")
-    os.kill(pid, signal.SIGKILL)
+    ranks.kill(group, 3)
     assert helpers.wait_dead(pid)
-    assert helpers.wait_until(lambda: not group.health()[3].alive, 3)
     started = time.monotonic()
     with pytest.raises(WorkerDied) as info:
         group.call_sharded("note", ["a", "b"], in_sharded_axes=["dp"], replicate_on_axes=["tp"])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 
@@ -18,14 +17,16 @@ def group(make_group):
     return make_group(Probe, procs_per_node=3)
 
 
-def kill(group, rank: int) -> int:
-    """SIGKILL one rank and wait until the group has noticed (the kernel publishes an exit
-    to waiters a moment after the process is gone)."""
-    pid = group.call_one(rank, "pid")
-    os.kill(pid, signal.SIGKILL)
-    assert helpers.wait_dead(pid)
-    assert helpers.wait_until(lambda: not group.health()[rank].alive, 3)
-    return pid
+@pytest.fixture
+def kill(ranks):
+    def kill(group, rank: int) -> int:
+        """SIGKILL one rank (through the backend) and wait until the group has noticed."""
+        pid = group.call_one(rank, "pid")
+        ranks.kill(group, rank)
+        assert helpers.wait_dead(pid)
+        return pid
+
+    return kill
 
 
 def test_ready_and_any_skip_a_killed_rank(group):
@@ -63,9 +64,9 @@ def test_calling_a_dead_rank_raises_worker_died_at_once(group):
     assert group.call("rank", workers=[0, 2]) == [0, 2]
 
 
-def test_a_call_racing_a_fresh_death_fails_promptly(group):
-    pid = group.call_one(2, "pid")
-    os.kill(pid, signal.SIGKILL)  # the controller has not noticed yet
+def test_a_call_racing_a_fresh_death_fails_promptly(group, ranks):
+    group.call_one(2, "pid")
+    ranks.kill(group, 2, wait=False)  # the controller has not noticed yet
     started = time.monotonic()
     with pytest.raises(WorkerDied) as info:
         group.call("sleep", 0.0, timeout=10)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import time
 
 import pytest
@@ -94,12 +93,12 @@ def test_each_item_must_arrive_within_the_timeout(group):
     time.sleep(0.8)  # let the generator finish before the next test uses rank 0
 
 
-def test_a_worker_killed_mid_stream_raises_worker_died(make_group, backend):
+def test_a_worker_killed_mid_stream_raises_worker_died(make_group, backend, ranks):
     group = make_group(Streamer, procs_per_node=1, backend=backend, echo_output=False)
-    (pid,) = group.call("pid")
+    group.call("pid")
     iterator = iter(group.call_stream("first_then_hang", 30.0))
     assert next(iterator) == (0, "first")
-    os.kill(pid, signal.SIGKILL)
+    ranks.kill(group, 0, wait=False)
     with pytest.raises(WorkerDied) as info:
         next(iterator)
     assert info.value.signal == "SIGKILL"

@@ -52,10 +52,10 @@ def pair(make_group):
     return group, group.call("pid")
 
 
-def test_a_stopped_worker_times_out_and_resumes(pair):
-    group, pids = pair
+def test_a_stopped_worker_times_out_and_resumes(pair, ranks):
+    group, _ = pair
     future = group.call_async("sleep", 0.3, value="finished", workers=[1])
-    os.kill(pids[1], signal.SIGSTOP)
+    ranks.stop(group, 1)
     try:
         started = time.monotonic()
         with pytest.raises(CallTimeout) as info:
@@ -64,19 +64,19 @@ def test_a_stopped_worker_times_out_and_resumes(pair):
         assert info.value.pending_ranks == [1]
         assert group.call("rank", workers=[0], timeout=5) == [0]  # the others are unaffected
     finally:
-        os.kill(pids[1], signal.SIGCONT)
+        ranks.resume(group, 1)
     assert future.result(timeout=10) == ["finished"]
     assert group.call("rank", timeout=10) == [0, 1]
 
 
-def test_a_stopped_worker_that_is_killed_is_reported_dead(pair):
-    group, pids = pair
+def test_a_stopped_worker_that_is_killed_is_reported_dead(pair, ranks):
+    group, _ = pair
     future = group.call_async("sleep", 0.3)
-    os.kill(pids[0], signal.SIGSTOP)
+    ranks.stop(group, 0)
     with pytest.raises(CallTimeout) as info:
         future.result(timeout=0.5)
     assert info.value.pending_ranks == [0]
-    os.kill(pids[0], signal.SIGKILL)
+    ranks.kill(group, 0, wait=False)
     with pytest.raises(WorkerDied) as info:
         future.result(timeout=5)
     assert (info.value.rank, info.value.signal) == (0, "SIGKILL")
@@ -84,11 +84,11 @@ def test_a_stopped_worker_that_is_killed_is_reported_dead(pair):
     assert group.call("rank", timeout=10) == [0, 1]
 
 
-def test_a_worker_killed_while_a_large_argument_is_in_transit(pair):
-    group, pids = pair
+def test_a_worker_killed_while_a_large_argument_is_in_transit(pair, ranks):
+    group, _ = pair
     array = np.ones(32 * 1024 * 1024 // 8)  # 32 MiB: more than the socket buffers hold
     future = group.call_async("array_summary", array)
-    os.kill(pids[1], signal.SIGKILL)
+    ranks.kill(group, 1, wait=False)
     with pytest.raises(WorkerDied) as info:
         future.result(timeout=10)
     assert info.value.rank == 1
@@ -110,11 +110,11 @@ def test_worker_died_carries_the_last_stderr_lines(pair):
     assert "code 3" in died.cause
 
 
-def test_sigkill_mid_call_fails_fast_and_suggests_out_of_memory(pair):
-    group, pids = pair
+def test_sigkill_mid_call_fails_fast_and_suggests_out_of_memory(pair, ranks):
+    group, _ = pair
     future = group.call_async("sleep", 5)
     time.sleep(0.1)
-    os.kill(pids[1], signal.SIGKILL)
+    ranks.kill(group, 1, wait=False)
     started = time.monotonic()
     with pytest.raises(WorkerDied) as info:
         future.result(timeout=10)
