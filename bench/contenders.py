@@ -1,4 +1,4 @@
-"""The three contenders behind one interface, each driving one group of ``Bench`` workers.
+"""The contenders behind one interface, each driving one group of ``Bench`` workers.
 
 Every contender holds at most one running group at a time: ``start(n)`` returns once the
 constructor has returned on every worker, ``stop()`` once every worker process is gone.
@@ -57,12 +57,15 @@ class Contender:
 
 class PhalanxContender(Contender):
     name = "phalanx"
+    backend = "local"
 
     def __init__(self) -> None:
         self.group: phalanx.WorkerGroup | None = None
 
     def start(self, n: int) -> None:
-        self.group = phalanx.WorkerGroup(Bench, procs_per_node=n, echo_output=False)
+        self.group = phalanx.WorkerGroup(
+            Bench, procs_per_node=n, echo_output=False, backend=self.backend
+        )
 
     def stop(self) -> None:
         group, self.group = self.group, None
@@ -105,6 +108,32 @@ class PhalanxContender(Contender):
             raise RuntimeError("the call returned although its worker was killed")
         group.recreate(0)
         return elapsed
+
+
+class PhalanxRayContender(PhalanxContender):
+    """phalanx on its Ray backend (a placement group, one actor per rank, the rank a child
+    of its actor); ``ray.init`` has been called by the runner, so the group joins that Ray.
+    W5 kills the rank's own process (``call_one(0, "pid")``), not its actor."""
+
+    name = "phalanx-ray"
+    backend = "ray"
+
+    def stop(self) -> None:
+        """Shut the group down and wait until its ranks and their actors are gone."""
+        group, self.group = self.group, None
+        if group is None:
+            return
+        procs = []
+        for health in group.health():
+            try:
+                rank = psutil.Process(health.pid)  # type: ignore[arg-type]
+                procs += [rank, rank.parent()]  # the rank and the actor that runs it
+            except (psutil.Error, ValueError, TypeError):
+                pass
+        group.shutdown()
+        _, alive = psutil.wait_procs([p for p in procs if p is not None], timeout=30)
+        if alive:
+            raise RuntimeError(f"processes {[p.pid for p in alive]} outlived shutdown()")
 
 
 class PipePoolContender(Contender):
@@ -229,8 +258,11 @@ class RayContender(Contender):
         return elapsed
 
 
+RAY_NAMES = ("ray", "phalanx-ray")  # contenders that need Ray up (phase 2)
+
+
 def make_contenders(with_ray: bool) -> list[Contender]:
-    contenders: list[Contender] = [PhalanxContender(), PipePoolContender()]
+    """Phase 1: phalanx and pipe_pool; phase 2 (``with_ray``, Ray up): ray and phalanx-ray."""
     if with_ray:
-        contenders.append(RayContender())
-    return contenders
+        return [RayContender(), PhalanxRayContender()]
+    return [PhalanxContender(), PipePoolContender()]

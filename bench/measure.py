@@ -10,7 +10,7 @@ from functools import partial
 
 import numpy as np
 
-from bench.contenders import Contender
+from bench.contenders import RAY_NAMES, Contender
 from bench.launcher import w8_launcher
 from bench.sharded import w7_sharded
 from bench.util import (
@@ -30,7 +30,8 @@ MIB = 2**20
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """How many trials of what; ``ray`` trials are fewer because each takes much longer."""
+    """How many trials of what; ``ray`` and ``phalanx-ray`` trials (``*_ray_trials``) are
+    fewer because each takes much longer."""
 
     quick: bool
     w1_trials: dict[int, int]  # workers -> trials
@@ -66,10 +67,11 @@ def make_plan(quick: bool) -> Plan:
 
 
 def _schedule(contenders: Sequence[Contender], trials: int, ray_trials: int | None = None):
-    """(trial, contender) pairs: trial by trial, in an order that changes; ray runs
-    ``ray_trials`` trials (default: as many as the others)."""
+    """(trial, contender) pairs: trial by trial, in an order that changes; ray and
+    phalanx-ray run ``ray_trials`` trials (default: as many as the others)."""
     counts = {
-        c.name: trials if c.name != "ray" or ray_trials is None else ray_trials for c in contenders
+        c.name: ray_trials if c.name in RAY_NAMES and ray_trials is not None else trials
+        for c in contenders
     }
     for trial in range(max(counts.values(), default=0)):
         active = [c for c in contenders if trial < counts[c.name]]
@@ -249,7 +251,8 @@ def w5_death(contenders: Sequence[Contender], plan: Plan, errors: Errors) -> lis
 def w6_leftovers(contenders: Sequence[Contender], plan: Plan, errors: Errors) -> list[Row]:
     """Descendants of this process that a group started, still alive after its shutdown.
 
-    Ray is left out: its actor processes belong to raylet, not to this process."""
+    Ray and phalanx-ray are left out: their actor processes belong to raylet, not to this
+    process."""
     n = plan.w6_workers
     row = Row(
         "W6.leftover",
@@ -259,7 +262,7 @@ def w6_leftovers(contenders: Sequence[Contender], plan: Plan, errors: Errors) ->
         agg="max",
     )
     row.extra = {"started": {}, "left": {}}
-    subjects = [c for c in contenders if c.name != "ray"]
+    subjects = [c for c in contenders if c.name not in RAY_NAMES]
 
     def trial(c: Contender) -> None:
         before = set(descendants(recursive=False))

@@ -12,15 +12,22 @@ from typing import Any
 from bench.util import Errors, Row
 
 BASE, SUBJECT = "pipe_pool", "phalanx"
+RAY_BASE, RAY_SUBJECT = "ray", "phalanx-ray"
+RATIOS = [(SUBJECT, BASE), (RAY_SUBJECT, RAY_BASE)]  # table columns, when both were run
 
 
 @dataclasses.dataclass(frozen=True)
 class Target:
     name: str
     key: str  # the Row it reads
-    measure: str  # "ratio": phalanx / pipe_pool; "value": phalanx's own value
+    measure: str  # "ratio": subject / base; "value": subject's own value
     op: str  # "<=", "<", ">=", "=="
     limit: float
+    subject: str = SUBJECT
+    base: str = BASE
+
+    def contenders(self) -> list[str]:
+        return [self.subject, self.base] if self.measure == "ratio" else [self.subject]
 
 
 TARGETS = [
@@ -33,26 +40,60 @@ TARGETS = [
     Target("W4 broadcast not slower than pipe_pool", "W4.seconds", "ratio", "<=", 1.0),
     Target("W7 call_sharded <= 1.2x plain call (2x2 mesh)", "W7.ratio", "value", "<=", 1.2),
     Target("W8 phalanx run not slower than torchrun", "W8.ratio", "value", "<=", 1.0),
+    Target(
+        "W2@4 phalanx-ray latency <= 0.1x raw ray actors",
+        "W2.noop.4",
+        "ratio",
+        "<=",
+        0.1,
+        RAY_SUBJECT,
+        RAY_BASE,
+    ),
+    Target(
+        "W3 phalanx-ray throughput >= 10x raw ray actors",
+        "W3.pipelined",
+        "ratio",
+        ">=",
+        10.0,
+        RAY_SUBJECT,
+        RAY_BASE,
+    ),
+    Target(
+        "W1@4 phalanx-ray startup <= 1.2x raw ray actors",
+        "W1.startup.4",
+        "ratio",
+        "<=",
+        1.2,
+        RAY_SUBJECT,
+        RAY_BASE,
+    ),
+    Target("W5 phalanx-ray death detection <= 50 ms", "W5.kill", "value", "<=", 50.0, RAY_SUBJECT),
 ]
 _OPS = {"<=": operator.le, "<": operator.lt, ">=": operator.ge, "==": operator.eq}
 
 
-def ratio(row: Row) -> float | None:
-    subject, base = row.value(SUBJECT), row.value(BASE)
-    if subject is None or base is None or base == 0:
+def ratio(row: Row, subject: str = SUBJECT, base: str = BASE) -> float | None:
+    top, bottom = row.value(subject), row.value(base)
+    if top is None or bottom is None or bottom == 0:
         return None
-    return subject / base
+    return top / bottom
 
 
-def evaluate(rows: Sequence[Row]) -> list[dict[str, Any]]:
+def evaluate(rows: Sequence[Row], contenders: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """Every target's verdict: SKIP where its row or (with ``contenders``, the names that
+    were run) one of its contenders is missing, N/A where they ran but gave no value."""
     by_key = {row.key: row for row in rows}
     results = []
     for target in TARGETS:
         row = by_key.get(target.key)
+        run = contenders is None or all(c in contenders for c in target.contenders())
         measured = None
-        if row is not None:
-            measured = ratio(row) if target.measure == "ratio" else row.value(SUBJECT)
-        if row is None:
+        if row is not None and run:
+            if target.measure == "ratio":
+                measured = ratio(row, target.subject, target.base)
+            else:
+                measured = row.value(target.subject)
+        if row is None or not run:
             verdict = "SKIP"
         elif measured is None:
             verdict = "N/A"
@@ -81,7 +122,10 @@ def fmt(value: float | None) -> str:
 
 def table(rows: Sequence[Row], contenders: Sequence[str], errors: Errors) -> str:
     failed = {(e["workload"].split("@")[0], e["contender"]) for e in errors.items}
-    head = ["workload", "unit", *contenders, f"{SUBJECT} / {BASE}"]
+    # phalanx / pipe_pool stays the last column; phalanx-ray / ray before it, when both ran
+    pairs = [(s, b) for s, b in reversed(RATIOS) if s in contenders and b in contenders]
+    pairs = pairs or [(SUBJECT, BASE)]
+    head = ["workload", "unit", *contenders, *(f"{s} / {b}" for s, b in pairs)]
     body = []
     for row in rows:
         cells = [row.label, f"{row.unit} ({row.better} better)"]
@@ -89,8 +133,9 @@ def table(rows: Sequence[Row], contenders: Sequence[str], errors: Errors) -> str
             value = row.value(name)
             broken = (row.key.split(".")[0], name) in failed
             cells.append("ERR" if value is None and broken else fmt(value))
-        r = ratio(row)
-        cells.append("-" if r is None else f"{r:.2f}x")
+        for s, b in pairs:
+            r = ratio(row, s, b)
+            cells.append("-" if r is None else f"{r:.2f}x")
         body.append(cells)
     widths = [max(len(line[i]) for line in [head, *body]) for i in range(len(head))]
 
@@ -104,6 +149,7 @@ def table(rows: Sequence[Row], contenders: Sequence[str], errors: Errors) -> str
 
 
 def targets_text(results: Sequence[dict[str, Any]]) -> str:
+    width = max((len(t["name"]) for t in results), default=0)
     lines = []
     for t in results:
         measured = t["measured"]
@@ -113,7 +159,7 @@ def targets_text(results: Sequence[dict[str, Any]]) -> str:
             shown = f"measured {measured:.2f}x"
         else:
             shown = f"measured {fmt(measured)}"
-        lines.append(f"  {t['verdict']:<4}  {t['name']:<44} {shown}")
+        lines.append(f"  {t['verdict']:<4}  {t['name']:<{width}} {shown}")
     return "\n".join(lines)
 
 
@@ -129,6 +175,7 @@ def write_json(path: Path, payload: dict[str, Any], rows: Sequence[Row]) -> None
             "values": {name: row.value(name) for name in row.raw},
             "raw": row.raw,
             "ratio_phalanx_over_pipe_pool": ratio(row),
+            "ratio_phalanx_ray_over_ray": ratio(row, RAY_SUBJECT, RAY_BASE),
             **({"extra": row.extra} if row.extra else {}),
         }
         for row in rows

@@ -1,4 +1,5 @@
-"""Benchmark phalanx against a minimal pipe pool and ray, side by side.
+"""Benchmark phalanx against a minimal pipe pool and ray (phalanx's Ray backend against raw
+ray actors), side by side.
 
     python -m bench.run [--quick] [--json PATH] [--only W1,W2,...] [--no-ray]
 
@@ -30,7 +31,7 @@ from bench.util import (
 )
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "latest.json"
-RAY_CPUS = 32  # ray schedules 1 CPU per actor by default; the largest group is 16 actors
+RAY_CPUS = 32  # 1 CPU per actor (phalanx-ray: per bundle); W2@16 holds 16 + 16 at once
 RAY_WORKLOADS = ("W1", "W2", "W3", "W4", "W5")  # W6 counts our own descendants: not ray's
 
 
@@ -61,6 +62,7 @@ def start_ray(errors: Errors) -> tuple[Any, dict[str, Any]]:
     info["version"] = ray.__version__
     try:
         ray.init(
+            address="local",  # a Ray of our own, never one already running on the machine
             num_cpus=RAY_CPUS,
             include_dashboard=False,
             log_to_driver=False,
@@ -99,12 +101,12 @@ def run(args: argparse.Namespace) -> int:
     names += [c.name for c in local]
     rows += run_phase(local, args.workloads, plan, errors, timings)
     cpu_at_end = cpu_snapshot()
-    # Phase 2: ray alone, on the same workloads.
+    # Phase 2: Ray up; raw ray actors and phalanx's Ray backend, on the same workloads.
     if want_ray:
         ray, ray_info = start_ray(errors)
         if ray is not None:
             try:
-                remote = errors.attempt("setup", "ray", lambda: make_contenders(True)[2:]) or []
+                remote = errors.attempt("setup", "ray", lambda: make_contenders(True)) or []
                 names += [c.name for c in remote]
                 ray_workloads = [w for w in args.workloads if w in RAY_WORKLOADS]
                 rows = merge_rows(rows, run_phase(remote, ray_workloads, plan, errors, timings))
@@ -113,10 +115,10 @@ def run(args: argparse.Namespace) -> int:
     leftovers = leftover_processes(before)
     total = clock() - t_start
 
-    results = report.evaluate(rows)
+    results = report.evaluate(rows, names)
     print()
     print(report.table(rows, names, errors))
-    print("\ntargets (phalanx vs pipe_pool):")
+    print("\ntargets:")
     print(report.targets_text(results))
     if errors.items:
         print(f"\n{len(errors.items)} error(s):")
@@ -185,7 +187,12 @@ def merge_rows(first: list[Row], second: list[Row]) -> list[Row]:
         if row.key in by_key:
             for contender, values in row.raw.items():
                 by_key[row.key].raw.setdefault(contender, []).extend(values)
-            by_key[row.key].extra.update(row.extra)
+            extra = by_key[row.key].extra
+            for name, value in row.extra.items():  # e.g. W2's calls_per_batch: keep both
+                if isinstance(value, dict) and isinstance(extra.get(name), dict):
+                    extra[name] = {**extra[name], **value}
+                else:
+                    extra[name] = value
         else:
             merged.append(row)
     return merged

@@ -180,6 +180,10 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching):
         self._dispatcher = Dispatcher(on_death=self._on_death)
         try:
             self._backend.open(output)
+            # Exit handlers run last-registered first: ours must run before those of what
+            # the backend may have started just now (Ray's disconnects from the cluster).
+            atexit.unregister(_shutdown_at_exit)
+            atexit.register(_shutdown_at_exit)
             self._reserve()
             self._start_ranks(list(range(self.world_size)))
         except BaseException:

@@ -486,8 +486,9 @@ class RayBackend(Backend):
                             timeout=max(0.1, deadline - time.monotonic()))
         except ray.exceptions.GetTimeoutError:
             raise StartupError(
-                f"Ray did not start the {len(seats)} actors within {timeout:g} s; raise "
-                "start_timeout= (or PHALANX_START_TIMEOUT) on a busy cluster"
+                f"ranks {list(range(len(seats)))} did not become ready within {timeout:g} s: "
+                "Ray had not started their actors yet; raise start_timeout= (or "
+                "PHALANX_START_TIMEOUT) on a busy cluster", rank=0,
             ) from None
         except ray.exceptions.RayError as exc:
             raise StartupError(f"a rank's actor could not start: {describe_ray_error(exc)}",

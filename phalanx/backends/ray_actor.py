@@ -39,6 +39,34 @@ def _connect(address: str, port: int, secret: bytes, hello: handshake.Hello) -> 
     return sock
 
 
+def _become_subreaper() -> None:
+    """Orphans of the rank's process tree (``setsid`` grandchildren of a rank that exited)
+    become this actor's children instead of init's, so :func:`_kill_orphans` finds them."""
+    import ctypes
+
+    pr_set_child_subreaper = 36
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_child_subreaper, 1, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: orphans are left to init
+        pass
+
+
+def _kill_orphans() -> None:
+    """SIGKILL and reap every process left below this actor (it starts none of its own)."""
+    import psutil
+
+    try:
+        left = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return
+    for proc in left:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(left, timeout=5)
+
+
 class RankActor:
     """One rank's place in Ray: placed in its bundle, supervising the rank's process."""
 
@@ -84,6 +112,7 @@ class RankActor:
         def hello(role: int) -> handshake.Hello:
             return handshake.Hello(role, rank, incarnation)
 
+        _become_subreaper()
         sockets = [_connect(address, port, secret, hello(role)) for role in
                    (handshake.ROLE_STDOUT, handshake.ROLE_STDERR, handshake.ROLE_CONTROL)]
         out, err, control = sockets
@@ -98,6 +127,7 @@ class RankActor:
         code = proc.exitcode(None)
         node.stop_processes([proc], force=True)  # what it left in its process group
         proc.release()
+        _kill_orphans()  # what left its group too (reparented to this actor, a subreaper)
         return {"pid": proc.pid, "exitcode": code}
 
     def stop(self, grace: float) -> None:

@@ -29,7 +29,7 @@ def kill(ranks):
     return kill
 
 
-def test_ready_and_any_skip_a_killed_rank(group):
+def test_ready_and_any_skip_a_killed_rank(group, kill):
     kill(group, 0)
     assert group.call("rank", workers="ready") == [1, 2]
     assert group.call("rank", workers="any") == [1]
@@ -39,14 +39,14 @@ def test_ready_and_any_skip_a_killed_rank(group):
     assert group.call("rank", workers=[2]) == [2]
 
 
-def test_any_with_no_live_rank_raises(make_group):
+def test_any_with_no_live_rank_raises(make_group, kill):
     group = make_group(Probe)
     kill(group, 0)
     with pytest.raises(GroupClosed):
         group.call("rank", workers="any")
 
 
-def test_calling_a_dead_rank_raises_worker_died_at_once(group):
+def test_calling_a_dead_rank_raises_worker_died_at_once(group, kill):
     pid = kill(group, 1)
     assert [h.alive for h in group.health()] == [True, False, True]
     for call in (
