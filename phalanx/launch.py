@@ -262,6 +262,7 @@ def _say(text: str) -> None:
 
 def _start(options: RunOptions, restart: int, signals: _Signals) -> Any:
     """The group for one attempt; None if a signal interrupted its start."""
+    from phalanx.backends.local import LocalBackend
     from phalanx.group import WorkerGroup
     from phalanx.placement import place
 
@@ -271,7 +272,8 @@ def _start(options: RunOptions, restart: int, signals: _Signals) -> Any:
     signals.starting = True
     try:
         world = place(options.framework, options.nodes, options.procs_per_node,
-                      options.gpus_per_worker).layout.world_size
+                      options.gpus_per_worker,
+                      LocalBackend().gpus_per_node(options.nodes)).layout.world_size
         if "OMP_NUM_THREADS" not in os.environ and world > 1:  # as torchrun: ranks share cores
             env["OMP_NUM_THREADS"] = "1"
         return WorkerGroup(

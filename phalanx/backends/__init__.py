@@ -6,8 +6,6 @@ See :mod:`phalanx.backends.base` for the boundary.
 
 from __future__ import annotations
 
-import copy
-
 from phalanx.backends.base import Backend, Boot, Channel, EventSink, Node, RankStart
 
 BACKENDS = ("local", "ray")
@@ -18,9 +16,7 @@ def create_backend(spec: str | Backend) -> Backend:
     of a configured one (``px.RayBackend(...)``), so one configuration serves many groups.
     ``ValueError`` naming the known backends otherwise."""
     if isinstance(spec, Backend):
-        if spec.opened:
-            spec = type(spec)(**spec.settings())
-        return copy.copy(spec)
+        return type(spec)(**spec.settings())
     if spec == "local":
         from phalanx.backends.local import LocalBackend
 

@@ -536,11 +536,12 @@ class RayBackend(Backend):
         b.actor = ray.remote(RankActor).options(**options).remote()
 
     def _live_bundle(self, rank: int) -> _Bundle:
-        """The rank's bundle with an actor that has not served yet (a fresh one if needed)."""
+        """The rank's bundle with an actor that has not served yet: a new one (a fresh
+        name, the same bundle, so the same node) once the previous one has served. Not
+        waited for: the first call to it waits for it to start."""
         b = self._bundles[rank]
         if b.used:
             self._new_actor(b, rank)
-            b.info = self._ray.get(b.actor.describe.remote(), timeout=60)
         return b
 
     def ports(self, node: Node, count: int) -> list[int]:

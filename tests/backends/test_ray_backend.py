@@ -243,3 +243,24 @@ def test_signals_reach_a_rank_on_another_node(ranks):
         with pytest.raises(px.WorkerError) as info:
             future.result(timeout=10)
         assert info.value.exc_type == "KeyboardInterrupt"
+
+
+@pytest.mark.slow
+def test_jax_processes_rendezvous_across_ray_nodes():
+    pytest.importorskip("jax", reason="jax is not installed (pip install 'phalanx[jax]')")
+    from tests.frameworks.test_jax import allgather_process_ids
+
+    results = px.spmd(allgather_process_ids, nodes=2, framework="jax", backend="ray",
+                      echo_output=False)()
+    assert [r["index"] for r in results] == [0, 1]
+    assert all(r["gathered"] == [0, 10] for r in results)
+
+
+@pytest.mark.slow
+def test_tensorflow_workers_reduce_across_ray_nodes():
+    pytest.importorskip("tensorflow", reason="tensorflow is not installed")
+    from tests.frameworks.test_tensorflow import strategy_all_reduce
+
+    results = px.spmd(strategy_all_reduce, nodes=2, framework="tensorflow", backend="ray",
+                      echo_output=False, env={"TF_CPP_MIN_LOG_LEVEL": "2"}, timeout=120)()
+    assert [(r["task"], r["node"], r["sum"]) for r in results] == [(0, 0, 3.0), (1, 1, 3.0)]
