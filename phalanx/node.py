@@ -13,6 +13,8 @@ import logging
 import os
 import queue
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -244,6 +246,64 @@ def _starter(
         )
 
     return start
+
+
+# Variables the interpreter or the dynamic loader read when a process starts: a rank whose
+# environment changes one of them cannot use a process started ahead of time.
+_READ_AT_START = ("LD_", "PYTHON", "MALLOC_")
+
+
+class PrestartedWorker:
+    """A worker interpreter started before its rank is known (its imports done meanwhile),
+    waiting on a Unix socket for its assignment; it exits if that socket closes first."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self.env = dict(env)
+        self._sock, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        full_env = dict(env)
+        full_env.setdefault("PYTHONUNBUFFERED", "1")
+        full_env[config.ENV_FD] = f"handoff:{child.fileno()}"
+        full_env[config.ENV_PARENT_PID] = str(os.getpid())
+        start = _starter(full_env, None, (child.fileno(),), subprocess.DEVNULL,
+                         subprocess.DEVNULL)
+
+        def undo(popen: subprocess.Popen) -> None:
+            popen.kill()
+            popen.wait()
+
+        try:
+            self.proc = LocalProcess(_SpawnThread.get().run(start, undo), -1, -1)
+        finally:
+            child.close()
+
+    def fits(self, env: Mapping[str, str]) -> bool:
+        """Whether a rank with ``env`` can use this process (nothing read at start-up
+        changes)."""
+        return not any(
+            key.startswith(_READ_AT_START) and self.env.get(key) != value
+            for key, value in env.items()
+            if key != "PYTHONUNBUFFERED"
+        )
+
+    def assign(self, env: Mapping[str, str], cwd: str | None, control_fd: int, stdout_fd: int,
+               stderr_fd: int) -> LocalProcess:
+        """Make it the rank: its variables, cwd and connected sockets (the caller keeps its
+        copies of the descriptors)."""
+        import json
+
+        data = json.dumps({"env": dict(env), "cwd": cwd}).encode()
+        socket.send_fds(self._sock, [struct.pack("<I", len(data)) + data[:4096]],
+                        [control_fd, stdout_fd, stderr_fd])
+        if len(data) > 4096:
+            self._sock.sendall(data[4096:])
+        self._sock.close()
+        return self.proc
+
+    def discard(self) -> None:
+        """Not needed after all: it exits when its socket closes; reap it."""
+        self._sock.close()
+        stop_processes([self.proc], grace=1.0)
+        self.proc.release()
 
 
 def spawn_connected(

@@ -366,7 +366,8 @@ def _flush_and_exit(
 
 
 def _open_stream(spec: str) -> streams.Stream:
-    """``pipe:R,W`` (local backend) or ``socket:FD`` (a connected socket)."""
+    """``pipe:R,W`` (local backend), ``socket:FD`` (a connected socket), or ``handoff:FD``
+    (started ahead of time: wait on that Unix socket for the rank's assignment)."""
     kind, _, fds = spec.partition(":")
     numbers = [int(fd) for fd in fds.split(",")]
     for fd in numbers:
@@ -375,7 +376,41 @@ def _open_stream(spec: str) -> streams.Stream:
         return streams.PipeStream(numbers[0], numbers[1], blocking_reads=True)
     if kind == "socket":
         return streams.SocketStream(socket.socket(fileno=numbers[0]))
-    raise ValueError(f"{config.ENV_FD}={spec!r}: expected pipe:R,W or socket:FD")
+    if kind == "handoff":
+        return _take_assignment(socket.socket(fileno=numbers[0]))
+    raise ValueError(f"{config.ENV_FD}={spec!r}: expected pipe:R,W, socket:FD or handoff:FD")
+
+
+def _take_assignment(sock: socket.socket) -> streams.Stream:
+    """Become a rank: receive its environment, cwd and connected sockets (control, stdout,
+    stderr) from the node side that started this process early (see
+    :func:`phalanx.node.prestart_worker`). Its end closing first means: not needed, exit."""
+    import json
+
+    head, fds, _, _ = socket.recv_fds(sock, 1 << 16, 3)
+    if not head:
+        os._exit(0)
+    size = struct.unpack_from("<I", head)[0]
+    data = bytearray(head[4:])
+    while len(data) < size:
+        more = sock.recv(size - len(data))
+        if not more:
+            os._exit(0)
+        data += more
+    sock.close()
+    assignment = json.loads(data)
+    control, out, err = fds
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    os.close(out)
+    os.close(err)
+    os.environ.update(assignment["env"])
+    if assignment.get("cwd"):
+        os.chdir(assignment["cwd"])
+    os.set_inheritable(control, False)
+    return streams.SocketStream(socket.socket(fileno=control))
 
 
 def run(conn: wire.Connection, runtime: WorkerRuntime) -> int:
@@ -406,9 +441,9 @@ def _default_signals() -> None:
 
 def main() -> None:
     _default_signals()
-    stream = _open_stream(os.environ.pop(config.ENV_FD))
     parent = int(os.environ.pop(config.ENV_PARENT_PID, "0"))
     _install_parent_death_signal(parent)
+    stream = _open_stream(os.environ.pop(config.ENV_FD))
     _watch_for_hangup(stream)
     conn = wire.Connection(stream, wire.BacklogWriter("phalanx-worker-writer"))
     sys.exit(run(conn, WorkerRuntime(conn)))

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from collections.abc import Mapping
+from typing import Any
 
 from phalanx import handshake
 
@@ -71,7 +73,22 @@ class RankActor:
     """One rank's place in Ray: placed in its bundle, supervising the rank's process."""
 
     def __init__(self) -> None:
+        _become_subreaper()
         self._proc = None
+        # The rank's interpreter starts now, beside the constructor (which returns at
+        # once), while the controller is still placing the other actors: by the time this
+        # rank is assigned its imports are done.
+        self._spare: Any = None  # a phalanx.node.PrestartedWorker
+        self._spare_thread = threading.Thread(target=self._prestart, daemon=True)
+        self._spare_thread.start()
+
+    def _prestart(self) -> None:
+        from phalanx import node
+
+        try:
+            self._spare = node.PrestartedWorker({**os.environ, "PYTHONUNBUFFERED": "1"})
+        except OSError:  # serve() starts one the ordinary way
+            self._spare = None
 
     def describe(self) -> dict:
         """Where this actor runs: node address and id, pid, the GPUs Ray gave it."""
@@ -112,14 +129,20 @@ class RankActor:
         def hello(role: int) -> handshake.Hello:
             return handshake.Hello(role, rank, incarnation)
 
-        _become_subreaper()
         sockets = [_connect(address, port, secret, hello(role)) for role in
                    (handshake.ROLE_STDOUT, handshake.ROLE_STDERR, handshake.ROLE_CONTROL)]
         out, err, control = sockets
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
+        self._spare_thread.join()
+        spare, self._spare = self._spare, None
         try:
-            proc = node.spawn_connected(full_env, cwd, control.fileno(), out.fileno(),
-                                        err.fileno())
+            if spare is not None and spare.proc.alive() and spare.fits(full_env):
+                proc = spare.assign(env, cwd, control.fileno(), out.fileno(), err.fileno())
+            else:
+                if spare is not None:
+                    spare.discard()
+                proc = node.spawn_connected(full_env, cwd, control.fileno(), out.fileno(),
+                                            err.fileno())
         finally:
             for sock in sockets:
                 sock.close()  # the rank holds its own copies
