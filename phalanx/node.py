@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TypeVar
 
 from phalanx import config
@@ -231,7 +231,11 @@ def spawn_worker(env: Mapping[str, str], cwd: str | None = None) -> LocalProcess
 
 
 def _starter(
-    env: dict[str, str], cwd: str | None, fds: tuple[int, ...], stdout: int, stderr: int
+    env: dict[str, str],
+    cwd: str | None,
+    fds: tuple[int, ...],
+    stdout: int | None,
+    stderr: int | None,
 ) -> Callable[[], subprocess.Popen]:
     def start() -> subprocess.Popen:
         return subprocess.Popen(
@@ -264,8 +268,8 @@ class PrestartedWorker:
         full_env.setdefault("PYTHONUNBUFFERED", "1")
         full_env[config.ENV_FD] = f"handoff:{child.fileno()}"
         full_env[config.ENV_PARENT_PID] = str(os.getpid())
-        start = _starter(full_env, None, (child.fileno(),), subprocess.DEVNULL,
-                         subprocess.DEVNULL)
+        # until it is assigned, what it prints goes where its starter's output goes
+        start = _starter(full_env, None, (child.fileno(),), None, None)
 
         def undo(popen: subprocess.Popen) -> None:
             popen.kill()
@@ -285,15 +289,16 @@ class PrestartedWorker:
             if key != "PYTHONUNBUFFERED"
         )
 
-    def assign(self, env: Mapping[str, str], cwd: str | None, control_fd: int, stdout_fd: int,
-               stderr_fd: int) -> LocalProcess:
-        """Make it the rank: its variables, cwd and connected sockets (the caller keeps its
-        copies of the descriptors)."""
+    def assign(self, env: Mapping[str, str], cwd: str | None, control: Sequence[int],
+               stdout_fd: int, stderr_fd: int) -> LocalProcess:
+        """Make it the rank: its variables, cwd, control stream (a socket, or a pair of
+        pipes: read end, write end) and output (the caller keeps its copies of the
+        descriptors)."""
         import json
 
-        data = json.dumps({"env": dict(env), "cwd": cwd}).encode()
+        data = json.dumps({"env": dict(env), "cwd": cwd, "control": len(control)}).encode()
         socket.send_fds(self._sock, [struct.pack("<I", len(data)) + data[:4096]],
-                        [control_fd, stdout_fd, stderr_fd])
+                        [*control, stdout_fd, stderr_fd])
         if len(data) > 4096:
             self._sock.sendall(data[4096:])
         self._sock.close()
@@ -307,15 +312,20 @@ class PrestartedWorker:
 
 
 def spawn_connected(
-    env: Mapping[str, str], cwd: str | None, control_fd: int, stdout_fd: int, stderr_fd: int
+    env: Mapping[str, str],
+    cwd: str | None,
+    control: Sequence[int],
+    stdout_fd: int,
+    stderr_fd: int,
 ) -> LocalProcess:
-    """Start a worker interpreter whose control stream and output are sockets already
-    connected to its controller (a node side that supervises ranks it does not talk to:
-    a Ray actor, an agent). The caller keeps its copies of the descriptors."""
+    """Start a worker interpreter whose control stream (a socket, or a pair of pipes: read
+    end, write end) and output already reach its controller (a node side that supervises
+    ranks it does not talk to: a Ray actor, an agent). The caller keeps its copies."""
     full_env = dict(env)
-    full_env[config.ENV_FD] = f"socket:{control_fd}"
+    full_env[config.ENV_FD] = (f"socket:{control[0]}" if len(control) == 1
+                               else f"pipe:{control[0]},{control[1]}")
     full_env[config.ENV_PARENT_PID] = str(os.getpid())
-    start = _starter(full_env, cwd, (control_fd,), stdout_fd, stderr_fd)
+    start = _starter(full_env, cwd, tuple(control), stdout_fd, stderr_fd)
 
     def undo(popen: subprocess.Popen) -> None:
         popen.kill()

@@ -387,7 +387,7 @@ def _take_assignment(sock: socket.socket) -> streams.Stream:
     :func:`phalanx.node.prestart_worker`). Its end closing first means: not needed, exit."""
     import json
 
-    head, fds, _, _ = socket.recv_fds(sock, 1 << 16, 3)
+    head, fds, _, _ = socket.recv_fds(sock, 1 << 16, 4)
     if not head:
         os._exit(0)
     size = struct.unpack_from("<I", head)[0]
@@ -399,7 +399,8 @@ def _take_assignment(sock: socket.socket) -> streams.Stream:
         data += more
     sock.close()
     assignment = json.loads(data)
-    control, out, err = fds
+    count = assignment["control"]  # 1: a socket; 2: pipes (read end, write end)
+    control, (out, err) = fds[:count], fds[count:]
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(out, 1)
@@ -409,8 +410,11 @@ def _take_assignment(sock: socket.socket) -> streams.Stream:
     os.environ.update(assignment["env"])
     if assignment.get("cwd"):
         os.chdir(assignment["cwd"])
-    os.set_inheritable(control, False)
-    return streams.SocketStream(socket.socket(fileno=control))
+    for fd in control:
+        os.set_inheritable(fd, False)
+    if count == 2:
+        return streams.PipeStream(control[0], control[1], blocking_reads=True)
+    return streams.SocketStream(socket.socket(fileno=control[0]))
 
 
 def run(conn: wire.Connection, runtime: WorkerRuntime) -> int:

@@ -13,10 +13,11 @@ bundle, each asked where it landed. Ranks are numbered by node, then by bundle; 
 are the Ray nodes as they are, so ``NODE_RANK``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and
 ``MASTER_ADDR`` tell the truth on a real cluster.
 
-A rank's death reaches the group two ways, whichever comes first: its control stream ends
-(at once, on any node), or Ray reports the actor dead (with its account: node died, out of
-memory, killed). A stream that ends waits a moment for Ray's account; one that arrives
-later still replaces the record kept for the rank.
+A rank's death reaches the group as soon as its control stream ends (at once, on any
+node). The bury waits a moment for the rank's actor to report the exit status of the
+process it supervises (or for Ray's account when the actor itself died: ray.kill, a lost
+node, Ray's memory monitor); an account that arrives later still replaces the record kept
+for the rank. The pure placement rules live in :mod:`phalanx.backends.ray_placement`.
 """
 
 from __future__ import annotations
@@ -34,109 +35,25 @@ from typing import Any
 from phalanx import handshake, protocol, streams, wire
 from phalanx.backends import ray_session
 from phalanx.backends.base import Backend, Boot, Channel, EventSink, Node, RankStart
+from phalanx.backends.ray_placement import (
+    STRATEGIES,
+    bundle_for,
+    check_resources,
+    describe_ray_error,
+    order_bundles,
+    placement_problem,
+)
 from phalanx.errors import AuthenticationError, ProcessFailure, StartupError
 from phalanx.frameworks import Layout
 from phalanx.logs import LogPump, OutputOptions, OutputTap
 
 logger = logging.getLogger(__name__)
 
-STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 HANDSHAKE_TIMEOUT = 5.0  # seconds a connecting peer has to prove the secret
 CAUSE_WAIT = 0.03  # after a stream ends, how long to wait for the actor's or Ray's account
 SIGNAL_TIMEOUT = 10.0  # seconds for a signal to be delivered through the rank's actor
 _OUTPUT_WAIT = 0.2  # how long to wait for a dead rank's last stderr lines
 _KILL_WAIT = 10.0  # seconds for killed actors' processes to be reported gone
-
-
-def _check_resources(resources: Mapping[str, float] | None) -> dict[str, float] | None:
-    if resources is None:
-        return None
-    if not isinstance(resources, Mapping):
-        raise TypeError(f"resources_per_worker must be a dict such as {{'CPU': 1}}, "
-                        f"got {type(resources).__name__}")
-    for key, value in resources.items():
-        if not isinstance(key, str) or isinstance(value, bool) \
-                or not isinstance(value, (int, float)) or value < 0:
-            raise ValueError(f"resources_per_worker entries must be name -> non-negative "
-                             f"number, got {key!r}: {value!r}")
-    return dict(resources)
-
-
-def bundle_for(resources: Mapping[str, float] | None, gpus_per_worker: int) -> dict[str, float]:
-    """One rank's placement-group bundle (pure): the resources asked, else one CPU (and
-    ``gpus_per_worker`` GPUs)."""
-    bundle = dict(resources) if resources else {"CPU": 1.0}
-    if gpus_per_worker and "GPU" not in bundle:
-        bundle["GPU"] = float(gpus_per_worker)
-    return {k: float(v) for k, v in bundle.items() if v}
-
-
-def placement_problem(
-    bundles: Sequence[Mapping[str, float]], strategy: str, nodes: Sequence[Mapping[str, float]]
-) -> str | None:
-    """Why no amount of waiting could place ``bundles`` on a cluster whose nodes have
-    ``nodes`` total resources (pure); None when it could fit once resources free up."""
-
-    def fits(bundle: Mapping[str, float], node: Mapping[str, float]) -> bool:
-        return all(node.get(k, 0.0) >= v for k, v in bundle.items())
-
-    def total(items: Sequence[Mapping[str, float]]) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for item in items:
-            for k, v in item.items():
-                out[k] = out.get(k, 0.0) + v
-        return out
-
-    if not nodes:
-        return "the cluster has no alive nodes"
-    for bundle in bundles:
-        if not any(fits(bundle, node) for node in nodes):
-            return f"no node can hold one bundle {dict(bundle)}"
-    need = total(bundles)
-    if strategy == "STRICT_PACK" and not any(fits(need, node) for node in nodes):
-        return f"STRICT_PACK needs {need} on one node and no node has that much"
-    if strategy == "STRICT_SPREAD":
-        able = sum(1 for node in nodes if fits(bundles[0], node))
-        if able < len(bundles):
-            return (f"STRICT_SPREAD needs {len(bundles)} distinct nodes that can each hold "
-                    f"{dict(bundles[0])}; the cluster has {able}")
-    if not fits(need, total(nodes)):
-        return f"the whole cluster has {total(nodes)}, less than the {need} asked"
-    return None
-
-
-def order_bundles(bundle_nodes: Sequence[str]) -> list[list[int]]:
-    """Bundle indices grouped by node (pure): nodes in the order of their first bundle,
-    bundles in index order -- the rank order."""
-    groups: dict[str, list[int]] = {}
-    for index, node_id in enumerate(bundle_nodes):
-        groups.setdefault(node_id, []).append(index)
-    return list(groups.values())
-
-
-def describe_ray_error(exc: BaseException) -> str:
-    """A one-line account of how Ray says an actor died (pure): the sentence of its message
-    that gives the reason, with the worker's exit type and detail when Ray has them."""
-    text = " ".join(str(exc).split())
-    lowered = text.lower()
-    if "killed by `ray.kill`" in lowered or "killed by ray.kill" in lowered:
-        return "Ray: the actor was killed with ray.kill()"
-    if type(exc).__name__ == "OutOfMemoryError" or "due to memory pressure" in lowered:
-        return "Ray: the node ran out of memory and Ray's memory monitor killed the actor"
-    if "its node has died" in lowered or "node died" in lowered:
-        return "Ray: the actor's node died"
-    marker = lowered.find("the actor is dead because")
-    if marker >= 0:
-        sentence = text[marker:].split(". ", 1)[0]
-        detail = ""
-        kind = lowered.find("worker exit type:")
-        if kind >= 0:
-            detail = " (" + text[kind:].split(". ", 1)[0] + ")"
-        return f"Ray: {sentence[0].lower()}{sentence[1:]}{detail}"
-    if "unavailable" in lowered:
-        return "Ray: the actor is unreachable (its node may have failed)"
-    first = text.split(". ", 1)[0]
-    return f"Ray: {type(exc).__name__}: {first[:200]}"
 
 
 @dataclasses.dataclass
@@ -151,20 +68,31 @@ class _Bundle:
     info: dict = dataclasses.field(default_factory=dict)
 
 
+def _hand_over_pipes(sock: socket.socket) -> tuple[int, int]:
+    """For a rank connected over a Unix socket (same machine): make its control pipes, send
+    the rank's ends through the socket, close it; the controller's ends (read, write)."""
+    to_rank_r, to_rank_w = os.pipe()
+    from_rank_r, from_rank_w = os.pipe()
+    try:
+        socket.send_fds(sock, [b"p"], [to_rank_r, from_rank_w])
+    finally:
+        os.close(to_rank_r)
+        os.close(from_rank_w)
+        sock.close()
+    return from_rank_r, to_rank_w
+
+
 class RayChannel(Channel):
     """One rank on Ray: its control stream (once the actor connected), its output tap,
     and what Ray says about its actor."""
 
-    def __init__(self, backend: RayBackend, start: RankStart, bundle: _Bundle,
-                 same_host: bool) -> None:
+    def __init__(self, backend: RayBackend, start: RankStart, bundle: _Bundle) -> None:
         self.rank = start.rank
         self.ranks = (start.rank,)
         self.node = start.node
         self.incarnation = bundle.incarnation
         self.actor = bundle.actor
-        self.pid: int | None = bundle.info.get("pid")
-        self.node_id = bundle.node_id
-        self.same_host = same_host
+        self.pid: int | None = None  # the rank's process (READY says it; so does serve)
         self.serve_ref: Any = None
         self._backend = backend
         self._lock = threading.Lock()
@@ -195,13 +123,26 @@ class RayChannel(Channel):
                         self._outputs[handshake.ROLE_STDERR])
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = wire.Connection(streams.SocketStream(sock), self._backend._writer)
-            self._conn = conn
-            for frame in self._queued:
-                conn.send(frame)
-            self._queued = []
-            if self._sink is not None:
-                self._sink.watch(conn.read_fd, self)
+            self._adopt(streams.SocketStream(sock))
+
+    def connected_pipes(self, read_fd: int, write_fd: int) -> None:
+        """The control stream of a rank on this machine: a pair of pipes."""
+        with self._lock:
+            if self._closed:
+                os.close(read_fd)
+                os.close(write_fd)
+                return
+            self._adopt(streams.PipeStream(read_fd, write_fd, blocking_reads=False))
+
+    def _adopt(self, stream: streams.Stream) -> None:
+        """Take ``stream`` as the control stream (lock held): flush what was queued."""
+        conn = wire.Connection(stream, self._backend._writer)
+        self._conn = conn
+        for frame in self._queued:
+            conn.send(frame)
+        self._queued = []
+        if self._sink is not None:
+            self._sink.watch(conn.read_fd, self)
 
     def attach(self, sink: EventSink) -> None:
         with self._lock:
@@ -344,7 +285,7 @@ class RayBackend(Backend):
             raise TypeError(f"runtime_env must be a dict, got {type(runtime_env).__name__}")
         self.address = address
         self.placement_strategy = placement_strategy
-        self.resources_per_worker = _check_resources(resources_per_worker)
+        self.resources_per_worker = check_resources(resources_per_worker)
         self.runtime_env = dict(runtime_env) if runtime_env is not None else None
         self.namespace = namespace
         self.name_prefix = name_prefix
@@ -354,7 +295,7 @@ class RayBackend(Backend):
         self._session: ray_session.Lease | None = None
         self._stopping = False
         self._threads: list[threading.Thread] = []
-        self._listener: socket.socket | None = None
+        self._listeners: list[socket.socket] = []
         self._logs: LogPump | None = None
         self._writer: wire.BacklogWriter | None = None
 
@@ -381,8 +322,20 @@ class RayBackend(Backend):
         self._writer = wire.BacklogWriter()
         self._logs = LogPump(output)
         self._host = ray.util.get_node_ip_address()
-        self._listener = socket.create_server((self._host, 0), backlog=128)
-        self._port = self._listener.getsockname()[1]
+        tcp = socket.create_server((self._host, 0), backlog=128)
+        self._port = tcp.getsockname()[1]
+        self._listeners = [tcp]
+        # Ranks on this machine connect over a Unix socket instead (a name in the abstract
+        # namespace: nothing on disk to clean up; elsewhere it does not exist): a call's
+        # round trip costs less than over TCP loopback.
+        self._local_name = f"phalanx-{secrets.token_hex(8)}"
+        try:
+            local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            local.bind("\0" + self._local_name)
+            local.listen(128)
+            self._listeners.append(local)
+        except OSError:  # no abstract namespace (not Linux): TCP for everyone
+            self._local_name = ""
         self._stopping = False
         self._watch_lock = threading.Lock()
         self._watched: dict[Any, RayChannel] = {}
@@ -393,10 +346,13 @@ class RayBackend(Backend):
             self._threads.append(thread)
 
     def _accept_loop(self) -> None:
+        import select
+
         while not self._stopping:
             try:
-                sock, _ = self._listener.accept()
-            except OSError:
+                ready, _, _ = select.select(self._listeners, [], [])
+                sock, _ = ready[0].accept()
+            except (OSError, ValueError):
                 return  # closed
             try:
                 hello = handshake.accept(sock, self._secret, HANDSHAKE_TIMEOUT)
@@ -408,7 +364,10 @@ class RayBackend(Backend):
             if channel is None:
                 sock.close()
                 continue
-            channel.connected(hello.role, sock)
+            if hello.role == handshake.ROLE_CONTROL and sock.family == socket.AF_UNIX:
+                channel.connected_pipes(*_hand_over_pipes(sock))
+            else:
+                channel.connected(hello.role, sock)
 
     def _watch_loop(self) -> None:
         """Learn from Ray how each serving actor ended."""
@@ -559,13 +518,14 @@ class RayBackend(Backend):
         for start in ranks:
             b = self._live_bundle(start.rank)
             b.used = True
-            channel = RayChannel(self, start, b, node.same_host)
+            channel = RayChannel(self, start, b)
             self._channels[(start.rank, b.incarnation)] = channel
             channels.append(channel)
             channel.send(protocol.init_frame(start.rank, sys_path, dict(boot.options),
                                              boot.payload))
             channel.serve_ref = b.actor.serve.remote(
-                self._host, self._port, self._secret, start.rank, b.incarnation,
+                (self._host, self._port, self._local_name), self._secret, start.rank,
+                b.incarnation,
                 dict(start.env), cwd)
             with self._watch_lock:
                 self._watched[channel.serve_ref] = channel
@@ -604,12 +564,12 @@ class RayBackend(Backend):
         if not self.opened or self._stopping:
             return
         self._stopping = True
-        if self._listener is not None:
-            try:  # wakes the acceptor thread blocked in accept() (close alone does not)
-                self._listener.shutdown(socket.SHUT_RDWR)
+        for listener in self._listeners:
+            try:  # wakes the acceptor thread blocked on it (close alone does not)
+                listener.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-            self._listener.close()
+            listener.close()
         try:
             if self._session is not None:
                 self._release_cluster_side()

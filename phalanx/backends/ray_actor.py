@@ -4,8 +4,9 @@ The actor is generic (it imports no user code) and supervises its rank the way a
 does locally. The controller first asks it where it landed (:meth:`RankActor.describe`)
 and for free ports on its node; then :meth:`RankActor.serve`:
 
-1. connects three TCP streams back to the controller -- stdout, stderr, control -- each
-   proving the group's secret (:mod:`phalanx.handshake`);
+1. connects three streams back to the controller -- stdout, stderr, control -- each
+   proving the group's secret (:mod:`phalanx.handshake`): over TCP, or over a Unix socket
+   when the controller runs on the same machine;
 2. starts the rank's process (:func:`phalanx.node.spawn_connected`) with the rank's
    environment over the actor's own (Ray's ``CUDA_VISIBLE_DEVICES`` included), its control
    stream on the control socket and its stdout/stderr on the output sockets: the rank
@@ -34,11 +35,37 @@ CONNECT_TIMEOUT = 30.0  # seconds for the actor to reach the controller and prov
 CONCURRENCY = 4  # serve, plus stop / signal / describe beside it
 
 
-def _connect(address: str, port: int, secret: bytes, hello: handshake.Hello) -> socket.socket:
-    sock = socket.create_connection((address, port), timeout=CONNECT_TIMEOUT)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+def _connect(
+    controller: tuple[str, int, str], secret: bytes, hello: handshake.Hello
+) -> socket.socket:
+    """To the controller: its Unix socket when it runs on this machine, else over TCP."""
+    address, port, local_name = controller
+    sock = None
+    if local_name:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect("\0" + local_name)
+        except OSError:  # another machine (or no abstract namespace)
+            sock.close()
+            sock = None
+    if sock is None:
+        sock = socket.create_connection((address, port), timeout=CONNECT_TIMEOUT)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     handshake.connect(sock, secret, hello, CONNECT_TIMEOUT)
     return sock
+
+
+def _control_stream(sock: socket.socket) -> tuple[int, ...]:
+    """The rank's control stream: over a Unix socket the controller hands over a pair of
+    pipes instead (read end, write end), which wake a sleeping reader once per message where
+    a socket wakes it twice -- the local backend's speed for ranks on the controller's
+    machine. Over TCP, the socket itself."""
+    if sock.family != socket.AF_UNIX:
+        return (sock.fileno(),)
+    _, fds, _, _ = socket.recv_fds(sock, 1, 2)
+    if len(fds) != 2:
+        raise ConnectionError("the controller did not hand over the rank's pipes")
+    return tuple(fds)
 
 
 def _become_subreaper() -> None:
@@ -115,8 +142,7 @@ class RankActor:
 
     def serve(
         self,
-        address: str,
-        port: int,
+        controller: tuple[str, int, str],
         secret: bytes,
         rank: int,
         incarnation: int,
@@ -129,23 +155,26 @@ class RankActor:
         def hello(role: int) -> handshake.Hello:
             return handshake.Hello(role, rank, incarnation)
 
-        sockets = [_connect(address, port, secret, hello(role)) for role in
+        sockets = [_connect(controller, secret, hello(role)) for role in
                    (handshake.ROLE_STDOUT, handshake.ROLE_STDERR, handshake.ROLE_CONTROL)]
-        out, err, control = sockets
+        out, err, control_socket = sockets
+        control = _control_stream(control_socket)
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
         self._spare_thread.join()
         spare, self._spare = self._spare, None
         try:
             if spare is not None and spare.proc.alive() and spare.fits(full_env):
-                proc = spare.assign(env, cwd, control.fileno(), out.fileno(), err.fileno())
+                proc = spare.assign(env, cwd, control, out.fileno(), err.fileno())
             else:
                 if spare is not None:
                     spare.discard()
-                proc = node.spawn_connected(full_env, cwd, control.fileno(), out.fileno(),
-                                            err.fileno())
+                proc = node.spawn_connected(full_env, cwd, control, out.fileno(), err.fileno())
         finally:
             for sock in sockets:
                 sock.close()  # the rank holds its own copies
+            if len(control) == 2:
+                for fd in control:
+                    os.close(fd)
         self._proc = proc
         code = proc.exitcode(None)
         node.stop_processes([proc], force=True)  # what it left in its process group

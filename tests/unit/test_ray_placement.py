@@ -6,7 +6,12 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from phalanx.backends.ray import bundle_for, describe_ray_error, order_bundles, placement_problem
+from phalanx.backends.ray_placement import (
+    bundle_for,
+    describe_ray_error,
+    order_bundles,
+    placement_problem,
+)
 
 NODE = {"CPU": 4.0, "memory": 1e9}
 
