@@ -32,16 +32,18 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from phalanx import handshake, protocol, streams, wire
+from phalanx import console, handshake, protocol, streams, wire
 from phalanx.backends import ray_session
 from phalanx.backends.base import Backend, Boot, Channel, EventSink, Node, RankStart
 from phalanx.backends.ray_placement import (
     STRATEGIES,
+    TRANSPORTS,
     bundle_for,
     check_resources,
     describe_ray_error,
     order_bundles,
     placement_problem,
+    relays,
 )
 from phalanx.errors import AuthenticationError, ProcessFailure, StartupError
 from phalanx.frameworks import Layout
@@ -247,6 +249,72 @@ class RayChannel(Channel):
                 os.close(fd)
 
 
+class RelayChannel(RayChannel):
+    """A rank whose streams the controller cannot receive directly (a Ray Client driver):
+    its actor holds them, and two threads here move their bytes with Ray calls. The
+    control stream still ends in a local socket watched by the dispatcher, so every
+    message, death and record is handled exactly as for a direct rank."""
+
+    _POLL = 0.5  # seconds a poll call waits on the actor for something to carry
+
+    def __init__(self, backend: RayBackend, start: RankStart, bundle: _Bundle) -> None:
+        super().__init__(backend, start, bundle)
+        mine, self._far = socket.socketpair()
+        out_r, self._out_w = os.pipe()
+        err_r, self._err_w = os.pipe()
+        self._tap = backend._logs.attach(self.rank, out_r, err_r)
+        with self._lock:
+            self._adopt(streams.SocketStream(mine))
+
+    def start_relay(self) -> None:
+        for target, name in ((self._downstream, "down"), (self._upstream, "up")):
+            threading.Thread(target=target, name=f"phalanx-relay-{name}-{self.rank}",
+                             daemon=True).start()
+
+    def _downstream(self) -> None:
+        """Controller -> rank: what the group sent, in order."""
+        seq = 0
+        while True:
+            try:
+                data = self._far.recv(1 << 20)
+            except OSError:
+                return
+            if not data:
+                return
+            self.actor.deliver.remote(seq, data)
+            seq += 1
+
+    def _upstream(self) -> None:
+        """Rank -> controller: its messages and output, until its streams end."""
+        ray = self._backend._ray
+        try:
+            while not self._closed:
+                try:
+                    items = ray.get(self.actor.poll.remote(self._POLL), timeout=60)
+                except Exception as exc:  # noqa: BLE001 - the actor is gone: so is the rank
+                    logger.debug("relay of rank %d ends: %s", self.rank, exc)
+                    return
+                for stream, data in items:
+                    if stream < 0:
+                        return
+                    if stream == 0:
+                        self._far.sendall(data)
+                    else:
+                        os.write(self._out_w if stream == 1 else self._err_w, data)
+        except OSError:
+            return
+        finally:
+            for fd in (self._out_w, self._err_w):
+                os.close(fd)
+            # the dispatcher sees the control stream end (shutdown, not just close: the
+            # downstream thread's pending recv would keep the socket open)
+            try:
+                self._far.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._far.close()
+
+
 class RayBackend(Backend):
     """Run a group's ranks as Ray actors, one placement-group bundle each.
 
@@ -258,6 +326,9 @@ class RayBackend(Backend):
     ``{"GPU": 1}``. ``runtime_env`` and ``namespace`` are used when phalanx connects to
     Ray (``runtime_env`` also for every actor); actors are named
     ``{name_prefix}-r{rank}-i{incarnation}`` (a fresh name per incarnation).
+    ``transport``: ``"direct"`` (each rank connects back to this process), ``"ray"`` (calls
+    travel as Ray calls through each rank's actor: for a controller the cluster cannot
+    reach), or ``"auto"``: direct, except for a Ray Client (``ray://``) address.
     """
 
     name = "ray"
@@ -270,14 +341,13 @@ class RayBackend(Backend):
         runtime_env: Mapping[str, Any] | None = None,
         namespace: str | None = None,
         name_prefix: str | None = None,
+        transport: str = "auto",
     ) -> None:
         if address is not None and not isinstance(address, str):
             raise TypeError(f"address must be a string or None, got {address!r}")
-        if isinstance(address, str) and address.startswith("ray://"):
-            raise ValueError(
-                f"address={address!r}: Ray Client addresses are not supported; run the "
-                "controller on a node of the cluster (address='auto')"
-            )
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, "
+                             f"got {transport!r}")
         if placement_strategy not in STRATEGIES:
             raise ValueError(f"placement_strategy must be one of {', '.join(STRATEGIES)}, "
                              f"got {placement_strategy!r}")
@@ -289,6 +359,8 @@ class RayBackend(Backend):
         self.runtime_env = dict(runtime_env) if runtime_env is not None else None
         self.namespace = namespace
         self.name_prefix = name_prefix
+        self.transport = transport
+        self._relayed = relays(address, transport)
         self._bundles: list[_Bundle] = []
         self._channels: dict[tuple[int, int], RayChannel] = {}
         self._pg: Any = None
@@ -307,6 +379,7 @@ class RayBackend(Backend):
             "runtime_env": self.runtime_env,
             "namespace": self.namespace,
             "name_prefix": self.name_prefix,
+            "transport": self.transport,
         }
 
     # -- opening -----------------------------------------------------------------------
@@ -321,13 +394,32 @@ class RayBackend(Backend):
         self._prefix = self.name_prefix or f"phalanx-{secrets.token_hex(4)}"
         self._writer = wire.BacklogWriter()
         self._logs = LogPump(output)
-        self._host = ray.util.get_node_ip_address()
-        tcp = socket.create_server((self._host, 0), backlog=128)
+        self._watch_lock = threading.Lock()
+        self._watched: dict[Any, RayChannel] = {}
+        self._host, self._port, self._local_name = "", 0, ""
+        if self._relayed:
+            console.notice("phalanx: calls to this group go through Ray's own calls (the "
+                           "cluster cannot connect back to a Ray Client driver): same "
+                           "results, Ray's speed")
+        else:
+            self._listen(ray.util.get_node_ip_address())
+        loops = [(self._watch_loop, "phalanx-ray-watch")]
+        if self._listeners:
+            loops.append((self._accept_loop, "phalanx-ray-accept"))
+        for target, name in loops:
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _listen(self, host: str) -> None:
+        """Where this group's ranks connect: TCP on ``host`` (the address the cluster
+        knows this node by), and a Unix socket for ranks on this machine (a name in the
+        abstract namespace: nothing on disk to clean up, and it does not exist elsewhere):
+        it lets the controller hand them pipes, which cost less per call than TCP."""
+        self._host = host
+        tcp = socket.create_server((host, 0), backlog=128)
         self._port = tcp.getsockname()[1]
         self._listeners = [tcp]
-        # Ranks on this machine connect over a Unix socket instead (a name in the abstract
-        # namespace: nothing on disk to clean up; elsewhere it does not exist): a call's
-        # round trip costs less than over TCP loopback.
         self._local_name = f"phalanx-{secrets.token_hex(8)}"
         try:
             local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -336,14 +428,6 @@ class RayBackend(Backend):
             self._listeners.append(local)
         except OSError:  # no abstract namespace (not Linux): TCP for everyone
             self._local_name = ""
-        self._stopping = False
-        self._watch_lock = threading.Lock()
-        self._watched: dict[Any, RayChannel] = {}
-        for target, name in ((self._accept_loop, "phalanx-ray-accept"),
-                             (self._watch_loop, "phalanx-ray-watch")):
-            thread = threading.Thread(target=target, name=name, daemon=True)
-            thread.start()
-            self._threads.append(thread)
 
     def _accept_loop(self) -> None:
         import select
@@ -518,15 +602,18 @@ class RayBackend(Backend):
         for start in ranks:
             b = self._live_bundle(start.rank)
             b.used = True
-            channel = RayChannel(self, start, b)
+            channel = (RelayChannel if self._relayed else RayChannel)(self, start, b)
             self._channels[(start.rank, b.incarnation)] = channel
             channels.append(channel)
             channel.send(protocol.init_frame(start.rank, sys_path, dict(boot.options),
                                              boot.payload))
-            channel.serve_ref = b.actor.serve.remote(
-                (self._host, self._port, self._local_name), self._secret, start.rank,
-                b.incarnation,
-                dict(start.env), cwd)
+            if isinstance(channel, RelayChannel):
+                channel.serve_ref = b.actor.serve_relayed.remote(dict(start.env), cwd)
+                channel.start_relay()
+            else:
+                channel.serve_ref = b.actor.serve.remote(
+                    (self._host, self._port, self._local_name), self._secret, start.rank,
+                    b.incarnation, dict(start.env), cwd)
             with self._watch_lock:
                 self._watched[channel.serve_ref] = channel
 

@@ -96,6 +96,64 @@ def _kill_orphans() -> None:
     psutil.wait_procs(left, timeout=5)
 
 
+class _Relay:
+    """The actor's ends of a relayed rank's streams, and what they wrote meanwhile."""
+
+    def __init__(self, ends: list[socket.socket]) -> None:
+        self._ends = ends
+        self._outbox: list[tuple[int, bytes]] = []
+        self._cond = threading.Condition()
+        self._ended = False
+        self._next = 0
+        self._early: dict[int, bytes] = {}
+        self._in_lock = threading.Lock()
+
+    def start(self) -> None:
+        threading.Thread(target=self._read, name="phalanx-relay", daemon=True).start()
+
+    def _read(self) -> None:
+        import select
+
+        open_ends = {end.fileno(): (i, end) for i, end in enumerate(self._ends)}
+        while open_ends:
+            ready, _, _ = select.select(list(open_ends), [], [])
+            for fd in ready:
+                index, end = open_ends[fd]
+                try:
+                    data = end.recv(1 << 20)
+                except OSError:
+                    data = b""
+                if not data:
+                    del open_ends[fd]
+                    continue
+                with self._cond:
+                    self._outbox.append((index, data))
+                    self._cond.notify_all()
+        with self._cond:
+            self._ended = True
+            self._cond.notify_all()
+
+    def deliver(self, seq: int, data: bytes) -> None:
+        with self._in_lock:
+            self._early[seq] = data
+            while self._next in self._early:
+                chunk = self._early.pop(self._next)
+                self._next += 1
+                try:
+                    self._ends[0].sendall(chunk)
+                except OSError:  # the rank is gone; its death is reported by serve
+                    pass
+
+    def poll(self, timeout: float) -> list[tuple[int, bytes]]:
+        with self._cond:
+            if not self._outbox and not self._ended:
+                self._cond.wait(timeout)
+            out, self._outbox = self._outbox, []
+            if not out and self._ended:
+                return [(-1, b"")]
+            return out
+
+
 class RankActor:
     """One rank's place in Ray: placed in its bundle, supervising the rank's process."""
 
@@ -106,6 +164,8 @@ class RankActor:
         # once), while the controller is still placing the other actors: by the time this
         # rank is assigned its imports are done.
         self._spare: Any = None  # a phalanx.node.PrestartedWorker
+        self._relay_ready = threading.Event()
+        self._relay: Any = None
         self._spare_thread = threading.Thread(target=self._prestart, daemon=True)
         self._spare_thread.start()
 
@@ -150,7 +210,6 @@ class RankActor:
         cwd: str | None,
     ) -> dict:
         """Run rank ``rank`` until its process ends; its pid and exit status."""
-        from phalanx import node
 
         def hello(role: int) -> handshake.Hello:
             return handshake.Hello(role, rank, incarnation)
@@ -159,28 +218,73 @@ class RankActor:
                    (handshake.ROLE_STDOUT, handshake.ROLE_STDERR, handshake.ROLE_CONTROL)]
         out, err, control_socket = sockets
         control = _control_stream(control_socket)
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
-        self._spare_thread.join()
-        spare, self._spare = self._spare, None
         try:
-            if spare is not None and spare.proc.alive() and spare.fits(full_env):
-                proc = spare.assign(env, cwd, control, out.fileno(), err.fileno())
-            else:
-                if spare is not None:
-                    spare.discard()
-                proc = node.spawn_connected(full_env, cwd, control, out.fileno(), err.fileno())
+            proc = self._start_rank(env, cwd, control, out.fileno(), err.fileno())
         finally:
             for sock in sockets:
                 sock.close()  # the rank holds its own copies
             if len(control) == 2:
                 for fd in control:
                     os.close(fd)
+        return self._supervise(proc)
+
+    def _start_rank(self, env: Mapping[str, str], cwd: str | None, control: tuple[int, ...],
+                    out: int, err: int) -> Any:
+        """The rank's process: the interpreter started early if it fits, else a new one."""
+        from phalanx import node
+
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
+        self._spare_thread.join()
+        spare, self._spare = self._spare, None
+        if spare is not None and spare.proc.alive() and spare.fits(full_env):
+            proc = spare.assign(env, cwd, control, out, err)
+        else:
+            if spare is not None:
+                spare.discard()
+            proc = node.spawn_connected(full_env, cwd, control, out, err)
         self._proc = proc
+        return proc
+
+    def _supervise(self, proc: Any) -> dict:
+        """Wait for the rank's process; stop what it left; its pid and exit status."""
+        from phalanx import node
+
         code = proc.exitcode(None)
         node.stop_processes([proc], force=True)  # what it left in its process group
         proc.release()
         _kill_orphans()  # what left its group too (reparented to this actor, a subreaper)
         return {"pid": proc.pid, "exitcode": code}
+
+    # -- relayed through Ray calls (the controller cannot be reached from here) -----------
+
+    def serve_relayed(self, env: Mapping[str, str], cwd: str | None) -> dict:
+        """As :meth:`serve`, for a controller this node cannot connect to (a Ray Client
+        driver): the rank's streams end here, and the controller moves their bytes with
+        :meth:`deliver` and :meth:`poll`. Same messages, Ray's speed."""
+        pairs = [socket.socketpair() for _ in range(3)]  # control, stdout, stderr
+        self._relay = _Relay([mine for mine, _ in pairs])
+        self._relay_ready.set()
+        try:
+            proc = self._start_rank(env, cwd, (pairs[0][1].fileno(),), pairs[1][1].fileno(),
+                                    pairs[2][1].fileno())
+        finally:
+            for _, theirs in pairs:
+                theirs.close()
+        self._relay.start()
+        return self._supervise(proc)
+
+    def deliver(self, seq: int, data: bytes) -> None:
+        """Bytes from the controller for the rank's control stream, in ``seq`` order
+        (Ray may run two calls of a threaded actor out of order)."""
+        self._relay_ready.wait(CONNECT_TIMEOUT)
+        self._relay.deliver(seq, data)
+
+    def poll(self, timeout: float) -> list[tuple[int, bytes]]:
+        """What the rank wrote since the last poll, as ``(stream, bytes)`` (0: control,
+        1: stdout, 2: stderr), waiting up to ``timeout`` s for something; ``(-1, b"")``
+        once every stream has ended."""
+        self._relay_ready.wait(CONNECT_TIMEOUT)
+        return self._relay.poll(timeout)
 
     def stop(self, grace: float) -> None:
         """SIGTERM the rank's process tree, SIGKILL after ``grace`` s, reap."""

@@ -8,6 +8,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+TRANSPORTS = ("auto", "direct", "ray")
+
+
+def relays(address: str | None, transport: str) -> bool:
+    """Whether calls travel as Ray calls (pure): asked for, or a Ray Client driver, which
+    the cluster's nodes cannot connect back to."""
+    if transport == "auto":
+        return isinstance(address, str) and address.startswith("ray://")
+    return transport == "ray"
 
 
 def check_resources(resources: Mapping[str, float] | None) -> dict[str, float] | None:

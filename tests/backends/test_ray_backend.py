@@ -203,7 +203,6 @@ def test_shutdown_leaves_no_actor_and_no_placement_group():
         ({"placement_strategy": "CLUSTERED"}, "placement_strategy must be one of"),
         ({"resources_per_worker": {"CPU": -1}}, "non-negative"),
         ({"resources_per_worker": ["CPU"]}, "must be a dict"),
-        ({"address": "ray://head:10001"}, "Ray Client addresses are not supported"),
     ],
 )
 def test_bad_ray_options_are_refused_before_anything_starts(kwargs, message):
@@ -264,3 +263,38 @@ def test_tensorflow_workers_reduce_across_ray_nodes():
     results = px.spmd(strategy_all_reduce, nodes=2, framework="tensorflow", backend="ray",
                       echo_output=False, env={"TF_CPP_MIN_LOG_LEVEL": "2"}, timeout=120)()
     assert [(r["task"], r["node"], r["sum"]) for r in results] == [(0, 0, 3.0), (1, 1, 3.0)]
+
+
+def test_calls_relayed_through_ray_behave_as_direct_ones(capfd, ranks):
+    """transport="ray" (what a Ray Client driver gets): the same results, errors, output
+    and deaths, carried by Ray calls through each rank's actor."""
+    backend = px.RayBackend(transport="ray")
+    with px.WorkerGroup(Probe, procs_per_node=2, backend=backend, collapse_output=False) as g:
+        assert g.call("rank") == [0, 1]
+        assert g.map("add", [1, 2], b=[10, 20]) == [11, 22]
+        assert [len(s) for s in g.call("make_array", 100_000)] == [100_000] * 2
+        with pytest.raises(px.WorkerError) as info:
+            g.call_one(1, "raise_value_error", "relayed")
+        assert info.value.rank == 1 and "relayed" in info.value.traceback
+        g.call_one(0, "print_once", "a relayed line")
+        future = g.call_async("sleep", 30, workers=[1])
+        time.sleep(0.3)
+        ranks.kill(g, 1, wait=False)
+        with pytest.raises(WorkerDied) as died:
+            future.result(timeout=10)
+        assert died.value.signal == "SIGKILL"
+        g.recreate(1)
+        assert g.call("rank") == [0, 1]
+    out = capfd.readouterr()
+    assert (out.out + out.err).count("[rank 0] a relayed line") == 1
+    assert "go through Ray's own calls" in out.err
+    assert raycluster.leftovers() == []
+
+
+def test_a_ray_client_address_chooses_relayed_calls():
+    from phalanx.backends.ray_placement import relays
+
+    assert relays("ray://head:10001", "auto") and relays(None, "ray")
+    assert not relays("auto", "auto") and not relays("ray://head:10001", "direct")
+    with pytest.raises(ValueError, match="transport must be one of"):
+        px.RayBackend(transport="grpc")
