@@ -91,6 +91,11 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching):
     and jax, otherwise one). ``gpus_per_worker`` gives each rank its own
     ``CUDA_VISIBLE_DEVICES`` block, by local rank.
 
+    ``backend`` says where the ranks run: ``"local"`` (child processes of this one; ``nodes``
+    simulates several nodes), ``"ray"`` or a configured ``px.RayBackend(...)`` (Ray actors
+    in a placement group; see :mod:`phalanx.backends.ray`). ``procs_per_node`` may be a list
+    with one count per node (an uneven layout such as ``[2, 1]``).
+
     Worker output is echoed prefixed with its rank (``echo_output``); identical lines from
     several ranks within a moment are shown once as ``[ranks 0-3] ...`` (``collapse_output``);
     ``log_ranks`` shows only those ranks' lines; ``log_dir`` also writes every rank's
