@@ -2,7 +2,8 @@
 
 Layers (a module imports only from layers below its own)::
 
-    api        __init__ (this file), cli, launch, spmd, group, meshcalls, streaming, watch
+    api        __init__ (this file), cli, launch, spmd, group, meshcalls, streaming, watch,
+               methods
     runtime    startup, dispatch, futures, backends/* (base: the node-level boundary;
                local; ray, ray_actor), node, logs, placement, worker, bootstrap
     protocol   protocol (the messages), handshake (proving the group's secret)

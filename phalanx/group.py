@@ -27,6 +27,7 @@ from phalanx.frameworks import Layout, check_layout, merge_env, worker_env
 from phalanx.futures import GroupFuture
 from phalanx.logs import OutputOptions
 from phalanx.meshcalls import MeshCalls, merge_common_kwargs
+from phalanx.methods import MethodProxy
 from phalanx.placement import check_node_gpus, new_launch, place
 from phalanx.selection import Workers, select_ranks
 from phalanx.startup import await_ready
@@ -52,29 +53,6 @@ def _channels(slots: Sequence[Slot]) -> list:
 def _shutdown_at_exit() -> None:
     for group in list(_live_groups):
         group.shutdown()
-
-
-class _MethodProxy:
-    """``group.train.call(batch)`` reads as ``group.call("train", batch)``."""
-
-    def __init__(self, group: WorkerGroup, method: str) -> None:
-        self._group = group
-        self._method = method
-
-    def call(self, *args: Any, **kwargs: Any) -> list[Any]:
-        return self._group.call(self._method, *args, **kwargs)
-
-    def call_async(self, *args: Any, **kwargs: Any) -> GroupFuture:
-        return self._group.call_async(self._method, *args, **kwargs)
-
-    def map(self, *args: Any, **kwargs: Any) -> list[Any]:
-        return self._group.map(self._method, *args, **kwargs)
-
-    def map_async(self, *args: Any, **kwargs: Any) -> GroupFuture:
-        return self._group.map_async(self._method, *args, **kwargs)
-
-    def call_one(self, rank: int, *args: Any, **kwargs: Any) -> Any:
-        return self._group.call_one(rank, self._method, *args, **kwargs)
 
 
 class WorkerGroup(MeshCalls, StreamCalls, Watching):
@@ -508,10 +486,10 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching):
         )
         return self._send(method, ranks, payloads, defer=True).result(timeout)
 
-    def __getattr__(self, name: str) -> _MethodProxy:
+    def __getattr__(self, name: str) -> MethodProxy:
         methods = self.__dict__.get("_methods")
         if methods is not None and name in methods:
-            return _MethodProxy(self, name)
+            return MethodProxy(self, name)
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
     def _on_death(self, slot: Slot) -> None:
