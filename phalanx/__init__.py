@@ -5,7 +5,8 @@ Layers (a module imports only from layers below its own)::
     api        __init__ (this file), cli, launch, spmd, group, meshcalls, streaming, watch,
                methods
     runtime    startup, dispatch, futures, backends/* (base: the node-level boundary;
-               local; ray, ray_actor), node, logs, placement, worker, bootstrap
+               local; ray, ray_actor, ray_session; ray_placement is pure), node, logs,
+               placement, worker, bootstrap
     protocol   protocol (the messages), handshake (proving the group's secret)
     transport  wire (framing, serialisation), streams (pipes, sockets)
     pure       errors, config, frameworks, selection, sharding, collapse, console

@@ -16,6 +16,14 @@ DEFAULT_TERM_GRACE = 3.0  # seconds between SIGTERM and SIGKILL when stopping on
 STDERR_TAIL_LINES = 20  # lines of a dead worker's stderr quoted in WorkerDied
 COLLAPSE_WINDOW = 0.2  # seconds a worker line waits for identical lines from other ranks
 ORPHAN_GRACE = 1.0  # seconds a worker waits for its main thread after losing the controller
+EXIT_WAIT = 1.0  # after its control stream ended, how long a process may take to exit
+OUTPUT_WAIT = 0.2  # how long a death waits for the rank's last stderr lines
+HANDSHAKE_TIMEOUT = 5.0  # seconds a peer connecting to the controller has to prove the secret
+CONNECT_TIMEOUT = 30.0  # seconds a rank's node side has to reach the controller
+# Ray backend
+RAY_CAUSE_WAIT = 0.03  # after a rank's stream ends, how long to wait for how it ended
+RAY_SIGNAL_TIMEOUT = 10.0  # seconds for a signal to reach a rank through its actor
+RAY_KILL_WAIT = 10.0  # seconds for killed actors to be reported gone
 
 # Set by the controller for each worker (the framework-agnostic names are in frameworks.py).
 ENV_FD = "PHALANX_FD"  # file descriptor of the worker's control socket

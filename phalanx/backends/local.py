@@ -18,15 +18,13 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from phalanx import node, protocol, streams, wire
+from phalanx import config, node, protocol, streams, wire
 from phalanx.backends.base import Backend, Boot, Channel, EventSink, Node, RankStart
 from phalanx.errors import ProcessFailure
 from phalanx.frameworks import Layout, merge_env, split_gpus
 from phalanx.logs import LogPump, OutputOptions, OutputTap
 from phalanx.placement import pick_free_ports, visible_gpus
 
-_EXIT_WAIT = 1.0  # after end of stream, how long the process may take to finish exiting
-_OUTPUT_WAIT = 0.2  # how long to wait for a dead worker's last stderr lines
 _LOOPBACK = "127.0.0.1"
 
 
@@ -97,11 +95,11 @@ class LocalChannel(Channel):
         threading.Thread(target=self._bury, name=f"phalanx-bury-{self.rank}", daemon=True).start()
 
     def _bury(self) -> None:
-        code = self.proc.exitcode(_EXIT_WAIT)
+        code = self.proc.exitcode(config.EXIT_WAIT)
         if code is None:
             self.proc.signal_tree(signal.SIGKILL)
             code = self.proc.exitcode(5.0)
-        self._tap.wait_closed(_OUTPUT_WAIT)
+        self._tap.wait_closed(config.OUTPUT_WAIT)
         failure = ProcessFailure(self.rank, self.node, self.proc.pid, code,
                                  self._tap.stderr_tail())
         if self._sink is not None:

@@ -32,7 +32,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from phalanx import console, handshake, protocol, streams, wire
+from phalanx import config, console, handshake, protocol, streams, wire
 from phalanx.backends import ray_session
 from phalanx.backends.base import Backend, Boot, Channel, EventSink, Node, RankStart
 from phalanx.backends.ray_placement import (
@@ -51,11 +51,6 @@ from phalanx.logs import LogPump, OutputOptions, OutputTap
 
 logger = logging.getLogger(__name__)
 
-HANDSHAKE_TIMEOUT = 5.0  # seconds a connecting peer has to prove the secret
-CAUSE_WAIT = 0.03  # after a stream ends, how long to wait for the actor's or Ray's account
-SIGNAL_TIMEOUT = 10.0  # seconds for a signal to be delivered through the rank's actor
-_OUTPUT_WAIT = 0.2  # how long to wait for a dead rank's last stderr lines
-_KILL_WAIT = 10.0  # seconds for killed actors' processes to be reported gone
 
 
 @dataclasses.dataclass
@@ -194,9 +189,9 @@ class RayChannel(Channel):
 
     def _bury(self, wait_for_reason: bool) -> None:
         if wait_for_reason:
-            self._reason_known.wait(CAUSE_WAIT)
+            self._reason_known.wait(config.RAY_CAUSE_WAIT)
         if self._tap is not None:
-            self._tap.wait_closed(_OUTPUT_WAIT)
+            self._tap.wait_closed(config.OUTPUT_WAIT)
         with self._lock:
             event = self._exited()
             self._posted = True
@@ -223,7 +218,8 @@ class RayChannel(Channel):
     def signal(self, rank: int, sig: int) -> None:
         """Through the actor, which runs beside the rank on its node (any node)."""
         try:
-            self._backend._ray.get(self.actor.signal.remote(int(sig)), timeout=SIGNAL_TIMEOUT)
+            self._backend._ray.get(self.actor.signal.remote(int(sig)),
+                                   timeout=config.RAY_SIGNAL_TIMEOUT)
         except Exception as exc:  # noqa: BLE001 - the actor is gone: so is the rank
             logger.debug("signal %s to rank %d not delivered: %s", sig, self.rank, exc)
 
@@ -439,7 +435,7 @@ class RayBackend(Backend):
             except (OSError, ValueError):
                 return  # closed
             try:
-                hello = handshake.accept(sock, self._secret, HANDSHAKE_TIMEOUT)
+                hello = handshake.accept(sock, self._secret, config.HANDSHAKE_TIMEOUT)
             except AuthenticationError as exc:
                 logger.warning("refused a connection to the Ray group's listener: %s", exc)
                 sock.close()
@@ -625,7 +621,7 @@ class RayBackend(Backend):
         # the actors stop their ranks' process trees (SIGTERM, grace, SIGKILL), then go
         stops = [c.actor.stop.remote(0.0 if force else grace) for c in ours]
         if stops:
-            ray.wait(stops, num_returns=len(stops), timeout=grace + _KILL_WAIT,
+            ray.wait(stops, num_returns=len(stops), timeout=grace + config.RAY_KILL_WAIT,
                      fetch_local=False)
         for channel in ours:
             try:
@@ -634,7 +630,7 @@ class RayBackend(Backend):
                 logger.debug("ray.kill of rank %d: %s", channel.rank, exc)
         refs = [c.serve_ref for c in ours if c.serve_ref is not None]
         if refs:
-            ray.wait(refs, num_returns=len(refs), timeout=_KILL_WAIT, fetch_local=False)
+            ray.wait(refs, num_returns=len(refs), timeout=config.RAY_KILL_WAIT, fetch_local=False)
         with self._watch_lock:
             for ref in refs:
                 self._watched.pop(ref, None)

@@ -29,9 +29,8 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from phalanx import handshake
+from phalanx import config, handshake
 
-CONNECT_TIMEOUT = 30.0  # seconds for the actor to reach the controller and prove the secret
 CONCURRENCY = 4  # serve, plus stop / signal / describe beside it
 
 
@@ -49,9 +48,9 @@ def _connect(
             sock.close()
             sock = None
     if sock is None:
-        sock = socket.create_connection((address, port), timeout=CONNECT_TIMEOUT)
+        sock = socket.create_connection((address, port), timeout=config.CONNECT_TIMEOUT)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    handshake.connect(sock, secret, hello, CONNECT_TIMEOUT)
+    handshake.connect(sock, secret, hello, config.CONNECT_TIMEOUT)
     return sock
 
 
@@ -276,14 +275,14 @@ class RankActor:
     def deliver(self, seq: int, data: bytes) -> None:
         """Bytes from the controller for the rank's control stream, in ``seq`` order
         (Ray may run two calls of a threaded actor out of order)."""
-        self._relay_ready.wait(CONNECT_TIMEOUT)
+        self._relay_ready.wait(config.CONNECT_TIMEOUT)
         self._relay.deliver(seq, data)
 
     def poll(self, timeout: float) -> list[tuple[int, bytes]]:
         """What the rank wrote since the last poll, as ``(stream, bytes)`` (0: control,
         1: stdout, 2: stderr), waiting up to ``timeout`` s for something; ``(-1, b"")``
         once every stream has ended."""
-        self._relay_ready.wait(CONNECT_TIMEOUT)
+        self._relay_ready.wait(config.CONNECT_TIMEOUT)
         return self._relay.poll(timeout)
 
     def stop(self, grace: float) -> None:
