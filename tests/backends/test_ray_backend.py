@@ -298,3 +298,22 @@ def test_a_ray_client_address_chooses_relayed_calls():
     assert not relays("auto", "auto") and not relays("ray://head:10001", "direct")
     with pytest.raises(ValueError, match="transport must be one of"):
         px.RayBackend(transport="grpc")
+
+
+@pytest.mark.slow
+def test_single_controller_frameworks_run_on_node_zero_of_the_ray_nodes():
+    """framework="monarch": node 0's function attaches to a worker loop on each Ray node;
+    framework="ray": a Ray of the group's own spans its Ray nodes (head on node 0)."""
+    pytest.importorskip("monarch", reason="monarch is not installed (pip install torchmonarch)")
+    from tests.frameworks.test_monarch import spawn_actors_on_every_node
+    from tests.frameworks.test_ray import use_the_cluster
+
+    (monarch,) = px.spmd(spawn_actors_on_every_node, nodes=2, framework="monarch",
+                         backend="ray", echo_output=False, timeout=120)()
+    assert monarch["rank"] == 0 and monarch["ranks"] == [0, 1]
+    assert {a.split("//")[1].split(":")[0] for a in monarch["allocator"]} <= set(
+        raycluster.NODE_ADDRESSES)
+    (inner,) = px.spmd(use_the_cluster, nodes=2, framework="ray", backend="ray",
+                       echo_output=False, timeout=120)()
+    assert inner["squares"] == [0, 1, 4, 9] and inner["nodes"] == 2
+    assert inner["address"].split(":")[0] in raycluster.NODE_ADDRESSES
