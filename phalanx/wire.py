@@ -29,8 +29,6 @@ import struct
 import threading
 from typing import Any
 
-import cloudpickle
-
 from phalanx.streams import MAX_SEGMENTS as _MAX_SEGMENTS
 from phalanx.streams import Stream, WakePipe
 
@@ -57,6 +55,9 @@ def dumps(obj: Any) -> list[Any]:
     Classes and functions from ``__main__``, notebooks and closures are pickled by value;
     contiguous buffers (numpy, torch CPU tensors) are returned as memoryviews, not copied.
     """
+    import cloudpickle  # here, not at the top: a worker whose calls carry only plain data
+    #                     never pays for importing it (~15 ms of every worker's start-up)
+
     buffers: list[pickle.PickleBuffer] = []
     stream = cloudpickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
     if not buffers:

@@ -32,8 +32,6 @@ import traceback
 import types
 from typing import Any
 
-import cloudpickle
-
 from phalanx import config, protocol, streams, wire
 from phalanx.errors import RemoteFailure
 
@@ -111,6 +109,8 @@ def _failure(exc: BaseException, stage: str) -> RemoteFailure:
     except Exception:  # noqa: BLE001 - a broken __str__ must not lose the report
         message = f"<unprintable {type(exc).__name__}>"
     try:
+        import cloudpickle  # only when reporting an exception (see wire.dumps)
+
         pickled: bytes | None = cloudpickle.dumps(exc, protocol=5)
     except Exception:  # noqa: BLE001 - unpicklable exceptions travel as text only
         pickled = None
