@@ -48,7 +48,13 @@ def _connect(
             sock.close()
             sock = None
     if sock is None:
-        sock = socket.create_connection((address, port), timeout=config.CONNECT_TIMEOUT)
+        try:
+            sock = socket.create_connection((address, port), timeout=config.CONNECT_TIMEOUT)
+        except OSError as exc:
+            raise ConnectionError(
+                f"could not connect back to the controller at {address}:{port} ({exc}); a "
+                "controller the cluster cannot reach needs RayBackend(transport='ray')"
+            ) from exc
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     handshake.connect(sock, secret, hello, config.CONNECT_TIMEOUT)
     return sock

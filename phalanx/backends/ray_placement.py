@@ -90,6 +90,11 @@ def describe_ray_error(exc: BaseException) -> str:
     that gives the reason, with the worker's exit type and detail when Ray has them."""
     text = " ".join(str(exc).split())
     lowered = text.lower()
+    unreachable = lowered.find("could not connect back to the controller")
+    if unreachable >= 0:  # the rank's node cannot reach this process: say how to go on
+        hint = "transport='ray')"
+        end = lowered.find(hint, unreachable)
+        return "the rank " + text[unreachable:end + len(hint) if end >= 0 else None]
     if "killed by `ray.kill`" in lowered or "killed by ray.kill" in lowered:
         return "Ray: the actor was killed with ray.kill()"
     if type(exc).__name__ == "OutOfMemoryError" or "due to memory pressure" in lowered:

@@ -82,3 +82,21 @@ def test_rays_accounts_become_one_line():
     text = describe_ray_error(worker)
     assert text.startswith("Ray: the actor is dead because its worker process has died")
     assert "SYSTEM_ERROR" in text and "memory" not in text.split("(", 1)[0]
+
+
+class RayTaskError(Exception):
+    pass
+
+
+def test_a_rank_that_cannot_reach_the_controller_is_told_how_to_go_on():
+    error = RayTaskError(
+        "ray::RankActor.serve() (pid=7, ip=10.0.0.2)\n  File \"x.py\", line 1\n"
+        "ConnectionError: could not connect back to the controller at 10.0.0.9:4444 "
+        "([Errno 111] Connection refused); a controller the cluster cannot reach needs "
+        "RayBackend(transport='ray')"
+    )
+    assert describe_ray_error(error) == (
+        "the rank could not connect back to the controller at 10.0.0.9:4444 ([Errno 111] "
+        "Connection refused); a controller the cluster cannot reach needs "
+        "RayBackend(transport='ray')"
+    )
