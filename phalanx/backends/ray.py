@@ -520,20 +520,12 @@ class RayBackend(Backend):
         self._bundles = seats
         for rank, seat in enumerate(seats):
             self._new_actor(seat, rank)
-        try:
-            infos = ray.get([b.actor.describe.remote() for b in seats],
-                            timeout=max(0.1, deadline - time.monotonic()))
-        except ray.exceptions.GetTimeoutError:
-            raise StartupError(
-                f"ranks {list(range(len(seats)))} did not become ready within {timeout:g} s: "
-                "Ray had not started their actors yet; raise start_timeout= (or "
-                "PHALANX_START_TIMEOUT) on a busy cluster", rank=0,
-            ) from None
-        except ray.exceptions.RayError as exc:
-            raise StartupError(f"a rank's actor could not start: {describe_ray_error(exc)}",
-                               rank=0) from exc
-        for seat, info in zip(seats, infos, strict=True):
-            seat.info = info
+        # Where each rank is comes from the placement group itself: nothing waits here for
+        # the actors to start (the first call to each does), so their starts overlap.
+        addresses = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        for seat in seats:
+            seat.info = {"address": addresses[seat.node_id]}
+        self._start_timeout = timeout
         nodes: list[Node] = []
         for seat in seats:
             if nodes and seat.node_id == seats[sum(n.ranks for n in nodes) - 1].node_id:
@@ -584,9 +576,23 @@ class RayBackend(Backend):
         return b
 
     def ports(self, node: Node, count: int) -> list[int]:
-        first = self._first_rank[node.index]
-        b = self._live_bundle(first)
-        return self._ray.get(b.actor.free_ports.remote(node.address, count), timeout=60)
+        """Asked of the node's first actor (the first thing that waits for it to start)."""
+        ray = self._ray
+        b = self._live_bundle(self._first_rank[node.index])
+        try:
+            return ray.get(b.actor.free_ports.remote(node.address, count),
+                           timeout=self._start_timeout)
+        except ray.exceptions.GetTimeoutError:
+            first = self._first_rank[node.index]
+            raise StartupError(
+                f"ranks {list(range(first, first + node.ranks))} did not become ready within "
+                f"{self._start_timeout:g} s: Ray had not started the actor of rank {first}; "
+                "raise start_timeout= (or PHALANX_START_TIMEOUT) on a busy cluster",
+                rank=first,
+            ) from None
+        except ray.exceptions.RayError as exc:
+            raise StartupError(f"a rank's actor could not start: {describe_ray_error(exc)}",
+                               rank=self._first_rank[node.index]) from exc
 
     # -- launching and stopping --------------------------------------------------------
 
