@@ -87,7 +87,10 @@ class Dispatcher:
 
     def watch(self, fd: int, channel: Channel) -> None:
         self._by_fd[fd] = channel
-        self._poller.register(fd, select.POLLIN)
+        try:
+            self._poller.register(fd, select.POLLIN)
+        except FileExistsError:  # the number of a descriptor closed without unwatch()
+            self._poller.modify(fd, select.POLLIN)
         self._wakeup.wake()  # a leader blocked in poll() must pick up the new descriptor
 
     def unwatch(self, fd: int) -> None:
