@@ -126,13 +126,18 @@ def call_frames(
 ) -> list[list[Any]]:
     """One call frame per rank: ``payloads`` holds one payload for all, or one per rank
     (a payload object repeated in the list is the same bytes, framed for each rank)."""
-    head = (CALL_STREAM if stream else CALL, call_id)
+    kind = CALL_STREAM if stream else CALL
     name = method.encode()
     pack = _HEAD.pack
     frame = wire.frame
     if len(payloads) == 1:
         (payload,) = payloads
-        return [frame([pack(*head, rank) + name, *payload]) for rank in ranks]
+        prefix = wire.small_frame_prefix(HEAD_SIZE + len(name), payload)
+        if prefix is not None:  # the usual call: frame it once, stamp each rank's header
+            tail = name + payload[0]
+            return [[prefix + pack(kind, call_id, rank) + tail] for rank in ranks]
+        return [frame([pack(kind, call_id, rank) + name, *payload]) for rank in ranks]
+    head = (kind, call_id)
     return [frame([pack(*head, rank) + name, *p]) for rank, p in zip(ranks, payloads, strict=True)]
 
 

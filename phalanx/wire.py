@@ -129,6 +129,16 @@ _PREFIX_1 = struct.Struct("<IQQ")
 _PREFIX_2 = struct.Struct("<IQQQ")
 
 
+def small_frame_prefix(head_size: int, payload: list[Any]) -> bytes | None:
+    """The bytes :func:`frame` puts before ``head + payload[0]`` when that frame is small
+    and made of ``bytes`` (a header of ``head_size`` bytes, one pickle); None otherwise.
+    Lets a caller frame the same payload under many headers without re-framing it."""
+    if len(payload) != 1 or type(payload[0]) is not bytes or len(payload[0]) >= _SMALL_FRAME:
+        return None
+    size = len(payload[0])
+    return _PREFIX_2.pack(2, 16 + head_size + size, head_size, size)
+
+
 def frame(segments: list[Any]) -> list[Any]:
     """Prefix ``segments`` with the frame header; the result goes to ``Connection.send``.
 
