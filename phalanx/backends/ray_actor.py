@@ -1,8 +1,8 @@
 """The node side of the Ray backend: what runs inside each rank's Ray actor.
 
 The actor is generic (it imports no user code) and supervises its rank the way a node
-does locally. The controller first asks it where it landed (:meth:`RankActor.describe`)
-and for free ports on its node; then :meth:`RankActor.serve`:
+does locally. The controller asks the first actor of each node for free ports on it; then
+:meth:`RankActor.serve`:
 
 1. connects three streams back to the controller -- stdout, stderr, control -- each
    proving the group's secret (:mod:`phalanx.handshake`): over TCP, or over a Unix socket
@@ -31,7 +31,7 @@ from typing import Any
 
 from phalanx import config, handshake
 
-CONCURRENCY = 4  # serve, plus stop / signal / describe beside it
+CONCURRENCY = 4  # serve, plus stop / signal / the relay's calls beside it
 
 
 def _connect(
@@ -181,23 +181,6 @@ class RankActor:
             self._spare = node.PrestartedWorker({**os.environ, "PYTHONUNBUFFERED": "1"})
         except OSError:  # serve() starts one the ordinary way
             self._spare = None
-
-    def describe(self) -> dict:
-        """Where this actor runs: node address and id, pid, the GPUs Ray gave it."""
-        import ray
-
-        context = ray.get_runtime_context()
-        try:
-            gpus = [str(g) for g in context.get_accelerator_ids().get("GPU", [])]
-        except AttributeError:  # older Ray
-            gpus = [str(g) for g in ray.get_gpu_ids()]
-        return {
-            "address": ray.util.get_node_ip_address(),
-            "node_id": context.get_node_id(),
-            "pid": os.getpid(),
-            "hostname": socket.gethostname(),
-            "gpus": gpus,
-        }
 
     def free_ports(self, host: str, count: int) -> list[int]:
         """``count`` distinct ports free on this node now."""
