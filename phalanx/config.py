@@ -21,7 +21,9 @@ OUTPUT_WAIT = 0.2  # how long a death waits for the rank's last stderr lines
 HANDSHAKE_TIMEOUT = 5.0  # seconds a peer connecting to the controller has to prove the secret
 CONNECT_TIMEOUT = 30.0  # seconds a rank's node side has to reach the controller
 # Ray backend
-RAY_CAUSE_WAIT = 0.03  # after a rank's stream ends, how long to wait for how it ended
+# After a rank's stream ends, the longest wait for how it ended (its actor reports the exit
+# status within a few ms; the wait only runs out when that is slow, e.g. on a loaded node)
+RAY_CAUSE_WAIT = 0.25
 RAY_SIGNAL_TIMEOUT = 10.0  # seconds for a signal to reach a rank through its actor
 RAY_KILL_WAIT = 10.0  # seconds for killed actors to be reported gone
 
