@@ -206,20 +206,9 @@ def spawn_worker(env: Mapping[str, str], cwd: str | None = None) -> LocalProcess
     to_worker_r, to_worker_w = os.pipe()
     from_worker_r, from_worker_w = os.pipe()
     child_fds = (to_worker_r, from_worker_w)
-    full_env = dict(env)
-    full_env[config.ENV_FD] = f"pipe:{to_worker_r},{from_worker_w}"
-    full_env[config.ENV_PARENT_PID] = str(os.getpid())
-    start = _starter(full_env, cwd, child_fds, subprocess.PIPE, subprocess.PIPE)
-
-    def undo(popen: subprocess.Popen) -> None:
-        popen.kill()
-        popen.wait()
-        for stream in (popen.stdout, popen.stderr):
-            if stream is not None:
-                stream.close()
-
     try:
-        popen = _SpawnThread.get().run(start, undo)
+        popen = _spawn(env, cwd, f"pipe:{to_worker_r},{from_worker_w}", child_fds,
+                       subprocess.PIPE, subprocess.PIPE)
     except BaseException:
         os.close(to_worker_w)
         os.close(from_worker_r)
@@ -230,17 +219,24 @@ def spawn_worker(env: Mapping[str, str], cwd: str | None = None) -> LocalProcess
     return LocalProcess(popen, from_worker_r, to_worker_w)
 
 
-def _starter(
-    env: dict[str, str],
+def _spawn(
+    env: Mapping[str, str],
     cwd: str | None,
+    fd_spec: str,
     fds: tuple[int, ...],
     stdout: int | None,
     stderr: int | None,
-) -> Callable[[], subprocess.Popen]:
+) -> subprocess.Popen:
+    """A worker interpreter, forked on the spawn thread, told where its control stream is
+    (``fd_spec``, see :func:`phalanx.worker._open_stream`) and whose child it is."""
+    full_env = dict(env)
+    full_env[config.ENV_FD] = fd_spec
+    full_env[config.ENV_PARENT_PID] = str(os.getpid())
+
     def start() -> subprocess.Popen:
         return subprocess.Popen(
             [sys.executable, "-c", _WORKER_BOOT.format(root=_PACKAGE_ROOT)],
-            env=env,
+            env=full_env,
             cwd=cwd,
             pass_fds=fds,
             stdin=subprocess.DEVNULL,
@@ -249,7 +245,16 @@ def _starter(
             **_OWN_PROCESS_GROUP,
         )
 
-    return start
+    return _SpawnThread.get().run(start, _undo_spawn)
+
+
+def _undo_spawn(popen: subprocess.Popen) -> None:
+    """A process started while its starter was interrupted: nobody will use it."""
+    popen.kill()
+    popen.wait()
+    for stream in (popen.stdout, popen.stderr):
+        if stream is not None:
+            stream.close()
 
 
 # Variables the interpreter or the dynamic loader read when a process starts: a rank whose
@@ -264,19 +269,11 @@ class PrestartedWorker:
     def __init__(self, env: Mapping[str, str]) -> None:
         self.env = dict(env)
         self._sock, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        full_env = dict(env)
-        full_env.setdefault("PYTHONUNBUFFERED", "1")
-        full_env[config.ENV_FD] = f"handoff:{child.fileno()}"
-        full_env[config.ENV_PARENT_PID] = str(os.getpid())
-        # until it is assigned, what it prints goes where its starter's output goes
-        start = _starter(full_env, None, (child.fileno(),), None, None)
-
-        def undo(popen: subprocess.Popen) -> None:
-            popen.kill()
-            popen.wait()
-
         try:
-            self.proc = LocalProcess(_SpawnThread.get().run(start, undo), -1, -1)
+            # until it is assigned, what it prints goes where its starter's output goes
+            popen = _spawn({"PYTHONUNBUFFERED": "1", **env}, None,
+                           f"handoff:{child.fileno()}", (child.fileno(),), None, None)
+            self.proc = LocalProcess(popen, -1, -1)
         finally:
             child.close()
 
@@ -321,17 +318,9 @@ def spawn_connected(
     """Start a worker interpreter whose control stream (a socket, or a pair of pipes: read
     end, write end) and output already reach its controller (a node side that supervises
     ranks it does not talk to: a Ray actor, an agent). The caller keeps its copies."""
-    full_env = dict(env)
-    full_env[config.ENV_FD] = (f"socket:{control[0]}" if len(control) == 1
-                               else f"pipe:{control[0]},{control[1]}")
-    full_env[config.ENV_PARENT_PID] = str(os.getpid())
-    start = _starter(full_env, cwd, tuple(control), stdout_fd, stderr_fd)
-
-    def undo(popen: subprocess.Popen) -> None:
-        popen.kill()
-        popen.wait()
-
-    return LocalProcess(_SpawnThread.get().run(start, undo), -1, -1)
+    spec = (f"socket:{control[0]}" if len(control) == 1
+            else f"pipe:{control[0]},{control[1]}")
+    return LocalProcess(_spawn(env, cwd, spec, tuple(control), stdout_fd, stderr_fd), -1, -1)
 
 
 def stop_processes(
