@@ -63,11 +63,17 @@ class SocketStream(Stream):
         return self.sock.sendmsg(segments[:MAX_SEGMENTS], (), socket.MSG_DONTWAIT)
 
     def close(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
+        close_socket(self.sock)
+
+
+def close_socket(sock: socket.socket) -> None:
+    """Shut down, then close: the peer sees the end, and a thread of ours blocked in
+    ``recv``/``accept`` on it wakes (``close`` alone does neither while one is blocked)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
 
 
 class PipeStream(Stream):

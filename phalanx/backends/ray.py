@@ -23,6 +23,7 @@ for the rank. The pure placement rules live in :mod:`phalanx.backends.ray_placem
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import secrets
@@ -62,7 +63,6 @@ class _Bundle:
     actor: Any = None
     incarnation: int = 0
     used: bool = False  # its actor has served (or been launched): the next needs a new one
-    info: dict = dataclasses.field(default_factory=dict)
 
 
 def _hand_over_pipes(sock: socket.socket) -> tuple[int, int]:
@@ -302,13 +302,9 @@ class RelayChannel(RayChannel):
         finally:
             for fd in (self._out_w, self._err_w):
                 os.close(fd)
-            # the dispatcher sees the control stream end (shutdown, not just close: the
-            # downstream thread's pending recv would keep the socket open)
-            try:
-                self._far.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            self._far.close()
+            # the dispatcher sees the control stream end (the downstream thread's pending
+            # recv would keep a merely closed socket open)
+            streams.close_socket(self._far)
 
 
 class RayBackend(Backend):
@@ -523,20 +519,16 @@ class RayBackend(Backend):
         # Where each rank is comes from the placement group itself: nothing waits here for
         # the actors to start (the first call to each does), so their starts overlap.
         addresses = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
-        for seat in seats:
-            seat.info = {"address": addresses[seat.node_id]}
         self._start_timeout = timeout
         nodes: list[Node] = []
-        for seat in seats:
-            if nodes and seat.node_id == seats[sum(n.ranks for n in nodes) - 1].node_id:
-                last = nodes[-1]
-                nodes[-1] = dataclasses.replace(last, ranks=last.ranks + 1)
-                continue
-            address = seat.info["address"]
-            nodes.append(Node(index=len(nodes), address=address, ranks=1, gpus=None,
-                              same_host=address == self._host,
-                              name=f"ray node {seat.node_id[:12]}"))
-        self._first_rank = [sum(n.ranks for n in nodes[:i]) for i in range(len(nodes))]
+        self._first_rank = []
+        for node_id, group in itertools.groupby(range(len(seats)),
+                                                key=lambda r: seats[r].node_id):
+            ranks = list(group)
+            address = addresses[node_id]
+            self._first_rank.append(ranks[0])
+            nodes.append(Node(index=len(nodes), address=address, ranks=len(ranks), gpus=None,
+                              same_host=address == self._host))
         return nodes
 
     def _new_actor(self, b: _Bundle, rank: int) -> None:
@@ -654,11 +646,7 @@ class RayBackend(Backend):
             return
         self._stopping = True
         for listener in self._listeners:
-            try:  # wakes the acceptor thread blocked on it (close alone does not)
-                listener.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            listener.close()
+            streams.close_socket(listener)  # wakes the acceptor thread blocked on it
         try:
             if self._session is not None:
                 self._release_cluster_side()
