@@ -225,7 +225,7 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching):
         if layout != self._layout:  # the backend placed the ranks itself (Ray)
             check_layout(self._placement.framework, layout)
             self._layout = layout
-        check_node_gpus(self._placement, nodes, simulated=self._backend.name == "local")
+        check_node_gpus(self._placement, nodes)
         self._nodes = nodes
         self._new_launch()
 

@@ -99,15 +99,15 @@ def place(
     return Placement(fw, layout, gpus_per_worker)
 
 
-def check_node_gpus(placement: Placement, nodes: Sequence[Node], simulated: bool) -> None:
+def check_node_gpus(placement: Placement, nodes: Sequence[Node]) -> None:
     """Enough GPUs on every node for ``gpus_per_worker`` (nodes whose backend assigns
-    devices itself are its business)."""
+    devices itself are its business). Nodes at one address are simulated on one machine
+    and share its GPUs, which the message says."""
+    shared = len({node.address for node in nodes}) < len(nodes)
+    note = f"; the {len(nodes)} simulated nodes share this machine's GPUs" if shared else ""
     for node in nodes:
-        if node.gpus is None:
-            continue
-        note = (f"; the {len(nodes)} simulated nodes share this machine's GPUs"
-                if simulated and len(nodes) > 1 else "")
-        check_gpus(placement.gpus_per_worker, node.ranks, node.gpus, note)
+        if node.gpus is not None:
+            check_gpus(placement.gpus_per_worker, node.ranks, node.gpus, note)
 
 
 def new_launch(

@@ -67,7 +67,6 @@ class Node:
     gpus: tuple[str, ...] | None = ()  # device ids phalanx may hand out there;
     #                                    None: the backend assigns devices itself (Ray)
     same_host: bool = True  # on the controller's machine: its cwd and sys.path apply
-    name: str = ""  # for messages: "127.0.0.1", "ray node 3f2a...", a pod name
 
 
 @dataclasses.dataclass(frozen=True)

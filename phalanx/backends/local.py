@@ -146,7 +146,7 @@ class LocalBackend(Backend):
                   else (tuple(range(len(self._gpus))),))
         return [
             Node(index=n, address=_LOOPBACK, ranks=layout.counts[n],
-                 gpus=tuple(self._gpus[i] for i in shares[n]), name=f"simulated node {n}")
+                 gpus=tuple(self._gpus[i] for i in shares[n]))
             for n in range(layout.nodes)
         ]
 

@@ -170,10 +170,10 @@ def test_simulated_nodes_split_the_machines_gpus(monkeypatch):
     result = place("torch", 2, "auto", 1, len(machine) // 2)  # each simulated node gets half
     assert result.layout == Layout(nodes=2, procs_per_node=2)  # 2 GPUs per simulated node
     nodes = [
-        Node(0, "127.0.0.1", 2, machine[:2], name="simulated node 0"),
-        Node(1, "127.0.0.1", 2, machine[2:], name="simulated node 1"),
+        Node(0, "127.0.0.1", 2, machine[:2]),
+        Node(1, "127.0.0.1", 2, machine[2:]),
     ]
-    check_node_gpus(result, nodes, simulated=True)  # enough: one GPU per worker
+    check_node_gpus(result, nodes)  # enough: one GPU per worker
     launch = new_launch(result, nodes, CountingPorts())
     assert launch.visible_gpus == ("4", "5", "6", "7")
     assert launch.node_gpus == ((0, 1), (2, 3))
@@ -182,7 +182,7 @@ def test_simulated_nodes_split_the_machines_gpus(monkeypatch):
     ]
     greedy = place("torch", 2, 2, 2, 2)
     with pytest.raises(ValueError, match="2 simulated nodes share this machine's GPUs") as info:
-        check_node_gpus(greedy, nodes, simulated=True)
+        check_node_gpus(greedy, nodes)
     assert "needs 4 GPUs" in str(info.value)
     assert "2 are visible" in str(info.value)
 
@@ -222,17 +222,17 @@ def test_too_few_gpus_is_an_error_before_start(monkeypatch):
     result = place("torch", 1, 2, 2, 3)  # counts are checked once the nodes are known
     node = Node(0, "127.0.0.1", 2, ("0", "1", "2"))
     with pytest.raises(ValueError, match="needs 4 GPUs") as info:
-        check_node_gpus(result, [node], simulated=False)
+        check_node_gpus(result, [node])
     assert "3 are visible" in str(info.value)
     assert "simulated" not in str(info.value)
 
 
 def test_check_node_gpus_counts_each_nodes_own_ranks_and_skips_backend_assigned_devices():
     chosen = place(None, 1, [2, 1], 1, None)
-    check_node_gpus(chosen, [Node(0, "a", 2, ("0", "1")), Node(1, "b", 1, ("0",))], False)
-    check_node_gpus(chosen, [Node(0, "a", 2, None), Node(1, "b", 1, None)], False)
+    check_node_gpus(chosen, [Node(0, "a", 2, ("0", "1")), Node(1, "b", 1, ("0",))])
+    check_node_gpus(chosen, [Node(0, "a", 2, None), Node(1, "b", 1, None)])
     with pytest.raises(ValueError, match="needs 2 GPUs"):
-        check_node_gpus(chosen, [Node(0, "a", 2, ("0",)), Node(1, "b", 1, ("0",))], False)
+        check_node_gpus(chosen, [Node(0, "a", 2, ("0",)), Node(1, "b", 1, ("0",))])
 
 
 def test_a_list_of_counts_sets_the_number_of_nodes():
@@ -392,7 +392,7 @@ def test_backend_assigned_devices_leave_gpus_to_the_backend():
 def test_uneven_layout_gets_each_nodes_local_world_and_gpus():
     chosen = place("torch", 1, [2, 1], 1, None)
     nodes = [Node(0, "10.0.0.1", 2, ("0", "1")), Node(1, "10.0.0.2", 1, ("0", "1"))]
-    check_node_gpus(chosen, nodes, simulated=False)
+    check_node_gpus(chosen, nodes)
     launch = new_launch(chosen, nodes, CountingPorts())
     envs = [worker_env(chosen.framework, chosen.layout, rank, launch) for rank in range(3)]
     assert [env["NODE_RANK"] for env in envs] == ["0", "0", "1"]
