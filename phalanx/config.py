@@ -8,17 +8,27 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 from collections.abc import Mapping
 
 DEFAULT_START_TIMEOUT = 120.0  # seconds for every worker to construct its object
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0  # seconds for cleanup and a graceful exit before SIGKILL
 DEFAULT_TERM_GRACE = 3.0  # seconds between SIGTERM and SIGKILL when stopping one worker
 STDERR_TAIL_LINES = 20  # lines of a dead worker's stderr quoted in WorkerDied
+STDERR_TAIL_LINE_BYTES = 500  # of each quoted line; the rest is replaced by a count
+STDERR_TAIL_CHARS = 4000  # the whole quote, at most (older lines are dropped first)
 COLLAPSE_WINDOW = 0.2  # seconds a worker line waits for identical lines from other ranks
+COLLAPSE_MAX_LINE = 64 * 1024  # longer lines are shown at once, never held for collapsing
+# A longer worker line is shown (with its rank prefix) in pieces of at most this many bytes
+# as it arrives, so the controller holds about this much per stream; log files get it whole.
+MAX_LINE_BYTES = 1024 * 1024
 ORPHAN_GRACE = 1.0  # seconds a worker waits for its main thread after losing the controller
 EXIT_WAIT = 1.0  # after its control stream ended, how long a process may take to exit
 OUTPUT_WAIT = 0.2  # how long a death waits for the rank's last stderr lines
 HANDSHAKE_TIMEOUT = 5.0  # seconds a peer connecting to the controller has to prove the secret
+SPAWN_TIMEOUT = 30.0  # seconds for the node supervisor to report a new worker's pid
+STACKS_TIMEOUT = 1.0  # seconds a rank has to dump its threads' stacks
+CLEANUP_WAIT = 5.0  # seconds for a rank's keeper to end what the rank left running
 CONNECT_TIMEOUT = 30.0  # seconds a rank's node side has to reach the controller
 # Ray backend
 # After a rank's stream ends, the longest wait for how it ended (its actor reports the exit
@@ -29,7 +39,9 @@ RAY_KILL_WAIT = 10.0  # seconds for killed actors to be reported gone
 
 # Set by the controller for each worker (the framework-agnostic names are in frameworks.py).
 ENV_FD = "PHALANX_FD"  # file descriptor of the worker's control socket
-ENV_PARENT_PID = "PHALANX_PARENT_PID"  # the controller's pid, re-checked after PDEATHSIG
+ENV_PARENT_PID = "PHALANX_PARENT_PID"  # the parent's pid, re-checked after PDEATHSIG
+ENV_STACKS_FD = "PHALANX_STACKS_FD"  # file the worker dumps its threads' stacks into
+STACKS_SIGNAL = signal.SIGRTMIN + 3  # asks for that dump (SIGUSR1/2 are the frameworks')
 
 # Read from the controller's environment.
 ENV_START_TIMEOUT = "PHALANX_START_TIMEOUT"

@@ -229,13 +229,14 @@ class _Signals:
 
 
 def _kill_children() -> None:
-    """SIGKILL this process's phalanx workers (and their process groups)."""
+    """SIGKILL this process's phalanx workers (and their process groups): children of the
+    node supervisor's keepers, on the local backend."""
     import psutil
 
     from phalanx.node import is_worker_command
 
     try:
-        children = psutil.Process().children()
+        children = psutil.Process().children(recursive=True)
     except psutil.Error:
         return
     for child in children:

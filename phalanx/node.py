@@ -115,7 +115,7 @@ class LocalProcess:
 
     def signal_tree(self, sig: int) -> None:
         """Send ``sig`` to the worker and everything in its session's process group."""
-        _signal_descendants(self.pid, sig)
+        signal_descendants(self.pid, sig)
         try:
             os.killpg(self.pid, sig)  # the worker leads its own process group
         except (ProcessLookupError, PermissionError):
@@ -162,7 +162,7 @@ class LocalProcess:
             self.death_fd = None
 
 
-def _signal_descendants(pid: int, sig: int) -> None:
+def signal_descendants(pid: int, sig: int) -> None:
     """Signal the descendants that left the worker's process group (e.g. via setsid)."""
     try:
         import psutil
@@ -191,6 +191,16 @@ _OWN_PROCESS_GROUP: dict = (
 # (sys.path edits, a notebook's cwd): put the package's parent first, then run the worker.
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _WORKER_BOOT = "import sys; sys.path.insert(0, {root!r}); from phalanx.worker import main; main()"
+
+
+def worker_argv() -> list[str]:
+    """The command line of a worker interpreter."""
+    return [sys.executable, "-c", _WORKER_BOOT.format(root=_PACKAGE_ROOT)]
+
+
+def spawn_thread() -> _SpawnThread:
+    """The thread every process this one starts is forked from (see :class:`_SpawnThread`)."""
+    return _SpawnThread.get()
 
 
 def is_worker_command(cmdline: list[str]) -> bool:
@@ -235,7 +245,7 @@ def _spawn(
 
     def start() -> subprocess.Popen:
         return subprocess.Popen(
-            [sys.executable, "-c", _WORKER_BOOT.format(root=_PACKAGE_ROOT)],
+            worker_argv(),
             env=full_env,
             cwd=cwd,
             pass_fds=fds,
@@ -348,6 +358,11 @@ def stop_processes(
     for proc in procs:
         if proc.exitcode(10.0) is None:  # pragma: no cover - SIGKILL cannot be ignored
             logger.error("worker pid %s did not exit after SIGKILL", proc.pid)
+    deadline = time.monotonic() + config.CLEANUP_WAIT
+    for proc in procs:
+        cleaned = getattr(proc, "wait_cleaned", None)
+        if cleaned is not None and not cleaned(max(0.0, deadline - time.monotonic())):
+            logger.error("what worker pid %s started was not all ended in time", proc.pid)
 
 
 def wait_all_exit(procs: Iterable[LocalProcess], timeout: float) -> list[LocalProcess]:

@@ -48,6 +48,19 @@ def _install_parent_death_signal(parent_pid: int) -> None:
         os._exit(1)  # the controller died before the signal was armed
 
 
+def arm_stack_dumps() -> None:
+    """Dump every thread's stack into the file the node side gave us on
+    ``config.STACKS_SIGNAL``: from the C signal handler, so it works whatever the threads
+    are doing (see :mod:`phalanx.stacks`)."""
+    fd = os.environ.pop(config.ENV_STACKS_FD, None)
+    if fd is None:
+        return
+    import faulthandler
+
+    os.set_inheritable(int(fd), False)
+    faulthandler.register(config.STACKS_SIGNAL, file=int(fd), all_threads=True, chain=False)
+
+
 def _watch_for_hangup(stream: streams.Stream) -> None:
     """Exit when the controller's end of the stream closes, even if user code never returns."""
 
@@ -445,6 +458,7 @@ def _default_signals() -> None:
 
 def main() -> None:
     _default_signals()
+    arm_stack_dumps()
     parent = int(os.environ.pop(config.ENV_PARENT_PID, "0"))
     _install_parent_death_signal(parent)
     stream = _open_stream(os.environ.pop(config.ENV_FD))

@@ -71,7 +71,16 @@ def kill_quietly(pid: int, sig: int) -> None:
 
 
 def live_worker_pids(group) -> set[int]:
-    return {h.pid for h in group.health() if h.alive and h.pid is not None}
+    """A live group's worker processes, and on the local backend its node supervisor with
+    the keepers it forked for them."""
+    pids = {h.pid for h in group.health() if h.alive and h.pid is not None}
+    supervisor = getattr(group._backend, "supervisor_pid", None)
+    if supervisor is not None:
+        try:
+            pids |= {supervisor} | {p.pid for p in psutil.Process(supervisor).children()}
+        except psutil.Error:
+            pass
+    return pids
 
 
 def stray_children() -> list[psutil.Process]:

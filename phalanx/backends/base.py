@@ -111,6 +111,11 @@ class Channel(abc.ABC):
     def signal(self, rank: int, sig: int) -> None:
         """Deliver ``sig`` to the rank's process (and its process group)."""
 
+    def stacks(self, rank: int, timeout: float) -> str:
+        """Every thread's Python stack of the rank's process now (see
+        :mod:`phalanx.stacks`), or a line saying why there is none."""
+        return "(no stack: this backend cannot take one)"
+
     @abc.abstractmethod
     def exit_record(self, rank: int) -> ProcessFailure:
         """How the rank's process ended, as known now (after :meth:`Backend.stop`)."""

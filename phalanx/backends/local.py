@@ -24,6 +24,8 @@ from phalanx.errors import ProcessFailure
 from phalanx.frameworks import Layout, merge_env, split_gpus
 from phalanx.logs import LogPump, OutputOptions, OutputTap
 from phalanx.placement import pick_free_ports, visible_gpus
+from phalanx.stacks import StackFile
+from phalanx.supervisor import SupervisedProcess, Supervisor
 
 _LOOPBACK = "127.0.0.1"
 
@@ -31,14 +33,15 @@ _LOOPBACK = "127.0.0.1"
 class LocalChannel(Channel):
     """One local rank: its control pipes, its pidfd, its output tap."""
 
-    def __init__(self, start: RankStart, proc: node.LocalProcess, conn: wire.Connection,
-                 tap: OutputTap) -> None:
+    def __init__(self, start: RankStart, proc: SupervisedProcess, conn: wire.Connection,
+                 tap: OutputTap, stack_file: StackFile) -> None:
         self.rank = start.rank
         self.ranks = (start.rank,)
         self.node = start.node
         self.proc = proc
         self.conn = conn
         self._tap = tap
+        self._stack_file = stack_file
         self._sink: EventSink | None = None
         self._watched: list[int] = []
         self._buried = False
@@ -63,7 +66,9 @@ class LocalChannel(Channel):
                 else:  # the stream ended but the process lives on: unusable, end it
                     self.proc.signal_tree(signal.SIGKILL)
                 return []
-        # the pidfd: the process has exited; everything it sent is in the pipe
+        if self.proc.exitcode(0) is None:  # the status pipe brought the pid, not the end
+            return []
+        # the process has exited; everything it sent is in the pipe
         frames = self._drain()
         self._bury_later()
         return frames
@@ -114,6 +119,9 @@ class LocalChannel(Channel):
     def signal(self, rank: int, sig: int) -> None:
         self.proc.signal_group(sig)
 
+    def stacks(self, rank: int, timeout: float) -> str:
+        return self._stack_file.take(self.proc.pid, timeout)
+
     def exit_record(self, rank: int) -> ProcessFailure:
         return ProcessFailure(self.rank, self.node, self.proc.pid, self.proc.exitcode(0),
                               self._tap.stderr_tail())
@@ -125,6 +133,7 @@ class LocalChannel(Channel):
             self._unwatch(fd)
         self.conn.close()
         self.proc.release()
+        self._stack_file.close()
 
 
 class LocalBackend(Backend):
@@ -136,6 +145,7 @@ class LocalBackend(Backend):
     def _open(self, output: OutputOptions) -> None:
         self._writer = wire.BacklogWriter()
         self._logs = LogPump(output)
+        self._supervisor = Supervisor()
 
     def gpus_per_node(self, nodes: int) -> int:
         """GPUs each simulated node gets (they split this machine's)."""
@@ -149,6 +159,11 @@ class LocalBackend(Backend):
                  gpus=tuple(self._gpus[i] for i in shares[n]))
             for n in range(layout.nodes)
         ]
+
+    @property
+    def supervisor_pid(self) -> int | None:
+        """The node supervisor's pid, once the backend is open."""
+        return self._supervisor.pid if self.opened else None
 
     def ports(self, node: Node, count: int) -> list[int]:
         return pick_free_ports(node.address, count)
@@ -166,7 +181,12 @@ class LocalBackend(Backend):
             channel.send(init)
 
     def _spawn(self, start: RankStart, env: dict[str, str], cwd: str) -> LocalChannel:
-        proc = node.spawn_worker(env, cwd=cwd)
+        stack_file = StackFile()
+        try:
+            proc = self._supervisor.spawn(env, cwd, stacks_fd=stack_file.fd)
+        except BaseException:
+            stack_file.close()
+            raise
         try:
             tap = self._logs.attach(start.rank, proc.stdout_fd, proc.stderr_fd)
         except BaseException:  # e.g. its log file vanished: it has no channel to stop it by
@@ -174,9 +194,10 @@ class LocalBackend(Backend):
             for fd in (proc.stdout_fd, proc.stderr_fd, proc.read_fd, proc.write_fd):
                 os.close(fd)
             proc.release()
+            stack_file.close()
             raise
         stream = streams.PipeStream(proc.read_fd, proc.write_fd, blocking_reads=False)
-        return LocalChannel(start, proc, wire.Connection(stream, self._writer), tap)
+        return LocalChannel(start, proc, wire.Connection(stream, self._writer), tap, stack_file)
 
     def _stop(self, channels: list[Channel], *, grace: float, force: bool) -> None:
         procs = [c.proc for c in channels if isinstance(c, LocalChannel)]
@@ -187,5 +208,6 @@ class LocalBackend(Backend):
 
     def close(self) -> None:
         if self.opened:
+            self._supervisor.close()
             self._logs.stop()
             self._writer.stop()

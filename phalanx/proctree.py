@@ -1,0 +1,135 @@
+"""Process trees on Linux, read from ``/proc``: who descends from whom, and killing a
+subtree until nothing of it is left.
+
+A process that should outlive none of what it started makes itself a *child subreaper*
+(:func:`become_subreaper`): whatever its descendants orphan (a double fork, a ``setsid``
+daemon whose parent exited) is re-parented to it instead of to init, so everything it ever
+started stays below it and :func:`kill_descendants` finds it. The node supervisor, the
+per-rank keepers it forks and the Ray rank actor all do this.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _prctl(option: int, value: int) -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def become_subreaper() -> bool:
+    """Adopt this process's orphaned descendants; False where the system cannot."""
+    return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> bool:
+    """Have the kernel send ``sig`` to this process when its parent exits."""
+    return _prctl(_PR_SET_PDEATHSIG, int(sig))
+
+
+def parent_table() -> dict[int, tuple[int, str]]:
+    """Every process now: pid -> (parent pid, state letter, e.g. ``Z`` for a zombie)."""
+    table = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # exited meanwhile
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+        fields = stat[stat.rfind(b")") + 2:].split(b" ", 2)
+        table[int(name)] = (int(fields[1]), fields[0].decode())
+    return table
+
+
+def descendants(root: int, table: dict[int, tuple[int, str]] | None = None) -> list[int]:
+    """The pids below ``root`` that are still running (zombies left out), parents first."""
+    table = parent_table() if table is None else table
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, queue = [], [root]
+    while queue:
+        for child in children.get(queue.pop(), ()):
+            queue.append(child)
+            if table[child][1] != "Z":
+                found.append(child)
+    return found
+
+
+def reap_children() -> list[tuple[int, int]]:
+    """Reap every child that has exited, without blocking: ``(pid, wait status)`` each."""
+    reaped = []
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return reaped
+        if pid == 0:
+            return reaped
+        reaped.append((pid, status))
+
+
+def kill_descendants(timeout: float = 5.0) -> list[tuple[int, int]]:
+    """SIGKILL everything below this process (a subreaper) and reap it, over and over,
+    until nothing is left or ``timeout`` passes; what was reaped, as ``(pid, status)``."""
+    if not sys.platform.startswith("linux"):  # pragma: no cover - no /proc
+        return reap_children()
+    me = os.getpid()
+    deadline = time.monotonic() + timeout
+    reaped = []
+    while True:
+        left = descendants(me)
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        reaped += reap_children()
+        if not left:
+            return reaped
+        if time.monotonic() >= deadline:
+            logger.error("processes %s survived SIGKILL for %.1f s", left, timeout)
+            return reaped
+        time.sleep(0.002)
+
+
+def state(pid: int) -> str | None:
+    """The state letter of ``pid`` (``R``, ``S``, ``T`` stopped, ``Z`` zombie...), None if
+    it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rfind(b")") + 2:][:1].decode()
+
+
+def catches(pid: int, sig: int) -> bool:
+    """Whether ``pid`` has a handler installed for ``sig`` (from ``/proc/PID/status``)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
