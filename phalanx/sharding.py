@@ -26,37 +26,73 @@ from typing import Any
 import numpy as np
 
 
+class UnknownAxisError(ValueError, KeyError):
+    """An axis name the sharding does not have.
+
+    A ``ValueError`` as in NeMo-RL's ``get_ranks`` / ``get_axis_index``, and a ``KeyError``
+    as its ``get_axis_size`` raises, so an ``except`` written for either still catches it.
+    """
+
+    __str__ = ValueError.__str__  # KeyError's would quote the whole message
+
+
+class NonIntegerLayoutError(ValueError, TypeError):
+    """A layout (or a replacement rank) that is not made of integer ranks.
+
+    A ``ValueError`` as NeMo-RL raises for fractional ranks, and a ``TypeError`` as it raises
+    (through numpy) for a layout of strings or other non-numbers.
+    """
+
+
 class NamedSharding:
     """An N-dimensional arrangement of ranks with named axes.
+
+    Error messages begin with NeMo-RL's exact wording (tests matching on them pass) and may
+    add detail after it.
 
     >>> s = NamedSharding([[0, 1], [2, 3]], ["dp", "tp"])
     >>> s.shape, s.get_worker_coords(2), s.get_ranks(dp=1).layout.tolist()
     ({'dp': 2, 'tp': 2}, {'dp': 1, 'tp': 0}, [2, 3])
+    >>> s
+    NamedSharding(shape=(2, 2), names=['dp', 'tp'], layout=[[0 1]
+     [2 3]])
     """
 
     def __init__(self, layout: Sequence[Any] | np.ndarray, names: Sequence[str]) -> None:
         try:
             array = np.array(layout)
         except ValueError as exc:  # ragged nesting
-            raise ValueError(f"layout is not a regular N-d array of ranks: {exc}") from None
-        if array.dtype == object or not np.issubdtype(array.dtype, np.number):
-            raise ValueError(f"layout must hold integer ranks, got dtype {array.dtype}")
+            raise ValueError(
+                f"Could not create NumPy array from layout: {exc} "
+                "(the layout must be a regular N-d nesting of integer ranks)"
+            ) from None
         if not np.issubdtype(array.dtype, np.integer):
-            if not np.all(np.mod(array, 1) == 0):
-                bad = array[np.mod(array, 1) != 0].tolist()
-                raise ValueError(f"layout must hold integer ranks, got {bad[:5]}")
+            if not np.issubdtype(array.dtype, np.floating):
+                raise NonIntegerLayoutError(
+                    f"Layout must contain only integer rank IDs. Got dtype {array.dtype}."
+                )
+            fractional = np.mod(array, 1) != 0  # NaN and inf count as fractional too
+            if fractional.any():
+                raise NonIntegerLayoutError(
+                    "Layout must contain only integer rank IDs. "
+                    f"Got {array[fractional].tolist()[:5]}."
+                )
             array = array.astype(np.int64)
         self._names = [str(n) for n in names]
         if array.ndim != len(self._names):
             raise ValueError(
-                f"layout has {array.ndim} dimensions but {len(self._names)} names were given: "
-                f"{self._names}"
+                f"Number of dimensions in layout ({array.ndim}) "
+                f"must match the number of names ({len(self._names)}). "
+                f"The layout has shape {array.shape}; the names are {self._names}."
             )
         if len(set(self._names)) != len(self._names):
-            raise ValueError(f"axis names must be distinct, got {self._names}")
+            raise ValueError(f"Axis names must be distinct, got {self._names}")
         values, counts = np.unique(array, return_counts=True)
         if (counts > 1).any():
-            raise ValueError(f"ranks appear more than once in the layout: {values[counts > 1]}")
+            raise ValueError(
+                f"Duplicate ranks found in layout: {values[counts > 1].tolist()}. "
+                "Each rank must appear exactly once."
+            )
         self._layout = array
         self._axis = {name: i for i, name in enumerate(self._names)}
         self._coords = {
@@ -111,15 +147,66 @@ class NamedSharding:
     def _check_axes(self, axes: Iterable[str]) -> None:
         for name in axes:
             if name not in self._axis:
-                raise ValueError(f"unknown axis {name!r}; the axes are {self._names}")
+                # '{name}', not {name!r}: NeMo-RL's exact text, whatever quotes repr picks.
+                raise UnknownAxisError(
+                    f"Invalid axis name: '{name}'. Valid names are: {self._names}"
+                )
 
     # -- lookups ----------------------------------------------------------------------
 
     def get_worker_coords(self, worker_id: int) -> dict[str, int]:
         coords = self._coords.get(int(worker_id)) if _is_int(worker_id) else None
         if coords is None:
-            raise ValueError(f"rank {worker_id!r} is not in this sharding's layout")
+            if _is_int(worker_id):
+                detail = f"The layout holds {self._describe_ranks()}."
+            else:
+                detail = f"Worker IDs are integers, got {type(worker_id).__name__} {worker_id!r}."
+            raise ValueError(f"Worker ID {worker_id} not found in sharding layout. {detail}")
         return dict(coords)
+
+    def contains_worker_id(self, worker_id: int) -> bool:
+        """True when ``worker_id`` is in the layout (when :meth:`get_worker_coords` finds it)."""
+        return _is_int(worker_id) and int(worker_id) in self._coords
+
+    def replace_worker_id(self, old_id: int, new_id: int) -> bool:
+        """Put ``new_id`` in ``old_id``'s place, in place; False (and no change) when
+        ``old_id`` is not in the layout.
+
+        As in NeMo-RL, for a replacement worker taking over a dead one's slot:
+        ``get_worker_coords(new_id)`` then gives what ``get_worker_coords(old_id)`` gave.
+        Unlike NeMo-RL, a ``new_id`` already elsewhere in the layout raises instead of
+        leaving a rank twice. Equality and hash follow the new layout: do not replace ranks
+        of a sharding used as a dict key or set member, nor of a group's ``sharding`` (the
+        group keeps plans and dp leaders computed from it).
+        """
+        if not self.contains_worker_id(old_id):
+            return False
+        if not _is_int(new_id):
+            raise NonIntegerLayoutError(
+                "Layout must contain only integer rank IDs. "
+                f"Cannot replace worker ID {old_id} with {type(new_id).__name__} {new_id!r}."
+            )
+        old, new = int(old_id), int(new_id)
+        if new == old:
+            return True
+        if new in self._coords:
+            raise ValueError(
+                f"Duplicate ranks found in layout: [{new}]. Cannot replace worker ID {old} "
+                f"with {new}: {new} is already at {self._coords[new]}."
+            )
+        info = np.iinfo(self._layout.dtype)
+        if not info.min <= new <= info.max:  # e.g. a uint8 layout given by the user
+            int64 = np.iinfo(np.int64)
+            if not int64.min <= new <= int64.max:
+                raise NonIntegerLayoutError(
+                    "Layout must contain only integer rank IDs. "
+                    f"Worker ID {new} does not fit in a 64-bit integer."
+                )
+            self._layout = self._layout.astype(np.int64)
+        coords = self._coords.pop(old)
+        self._layout[tuple(coords[name] for name in self._names)] = new
+        self._coords[new] = coords
+        return True
 
     def get_ranks(self, **coords: int) -> NamedSharding | int:
         """The sub-sharding over the axes not named, or the rank when every axis is named."""
@@ -127,9 +214,13 @@ class NamedSharding:
         index: list[Any] = [slice(None)] * self.ndim
         for name, value in coords.items():
             size = self.get_axis_size(name)
-            if not _is_int(value) or not 0 <= value < size:
+            if not _is_int(value):
                 raise IndexError(
-                    f"index {value!r} is out of range for axis {name!r} of size {size}"
+                    f"Index {value!r} for axis '{name}' with size {size} is not an integer"
+                )
+            if not 0 <= value < size:
+                raise IndexError(
+                    f"Index {value} is out of bounds for axis '{name}' with size {size}"
                 )
             index[self._axis[name]] = value
         sub = self._layout[tuple(index)]
@@ -153,6 +244,15 @@ class NamedSharding:
         """True when ``coords`` is 0 on every axis in ``axes`` (missing axes count as 0)."""
         return all(coords.get(axis, 0) == 0 for axis in axes)
 
+    def _describe_ranks(self) -> str:
+        ranks = self.ranks
+        if not ranks:
+            return "no ranks"
+        if ranks == list(range(ranks[0], ranks[-1] + 1)):
+            return f"ranks {ranks[0]}..{ranks[-1]}"
+        shown = ", ".join(map(str, ranks[:8]))
+        return f"ranks {shown}{', ...' if len(ranks) > 8 else ''}"
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, NamedSharding):
             return NotImplemented
@@ -162,8 +262,9 @@ class NamedSharding:
         return hash((tuple(self._names), self._layout.tobytes(), self._layout.shape))
 
     def __repr__(self) -> str:
-        shape = tuple(int(n) for n in self._layout.shape)
-        return f"NamedSharding(shape={shape}, names={self._names}, layout={self._layout.tolist()})"
+        # NeMo-RL's text: "(4)" for one axis, not "(4,)", and numpy's str() of the layout.
+        shape = ", ".join(str(n) for n in self._layout.shape)
+        return f"NamedSharding(shape=({shape}), names={self._names}, layout={self._layout})"
 
 
 def _is_int(value: object) -> bool:
@@ -286,8 +387,8 @@ def sharding_for(mesh: NamedSharding | Mapping[str, int], world_size: int) -> Na
     sharding = mesh if isinstance(mesh, NamedSharding) else NamedSharding.from_mesh(mesh)
     if sharding.ranks != list(range(world_size)):
         raise ValueError(
-            f"mesh {sharding!r} must hold every rank 0..{world_size - 1} exactly once "
+            f"mesh {sharding.shape} with layout {sharding.layout.tolist()} must hold every "
+            f"rank 0..{world_size - 1} exactly once "
             f"(it has {sharding.size} ranks for a world size of {world_size})"
         )
     return sharding
-

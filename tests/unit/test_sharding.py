@@ -4,16 +4,27 @@ and against a brute-force reference on random meshes."""
 from __future__ import annotations
 
 import itertools
+import pickle
+import re
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phalanx.sharding import NamedSharding, plan_sharded_call, take, validate_sharded_value
+from phalanx.sharding import (
+    NamedSharding,
+    NonIntegerLayoutError,
+    UnknownAxisError,
+    plan_sharded_call,
+    take,
+    validate_sharded_value,
+)
 
 # Row-major dp=2, tp=2: dp=0 -> [0, 1], dp=1 -> [2, 3].
 DP_TP = NamedSharding([[0, 1], [2, 3]], ["dp", "tp"])
+# NeMo-RL's own test fixture: dp=1, pp=2, tp=4.
+NEMO = NamedSharding([[[0, 1, 2, 3], [4, 5, 6, 7]]], ["dp", "pp", "tp"])
 
 
 def mesh3() -> NamedSharding:
@@ -153,6 +164,237 @@ def test_is_axis_zero():
     assert NamedSharding.is_axis_zero({"dp": 1}, ["tp", "pp"])  # missing axes count as 0
     assert NamedSharding.is_axis_zero({"dp": 1}, [])
     assert DP_TP.is_axis_zero(DP_TP.get_worker_coords(1), ["dp"])
+
+
+# -- NeMo-RL compatibility: error wording, exception types, repr --------------------------
+
+
+def raises_starting_with(exc_type, opening):
+    """pytest.raises matched as a NeMo-RL test matches, plus: the message *starts* there."""
+
+    class Check:
+        def __enter__(self):
+            self.ctx = pytest.raises(exc_type, match=re.escape(opening))
+            self.info = self.ctx.__enter__()
+            return self.info
+
+        def __exit__(self, *exc):
+            handled = self.ctx.__exit__(*exc)
+            assert str(self.info.value).startswith(opening), str(self.info.value)
+            return handled
+
+    return Check()
+
+
+@pytest.mark.parametrize(
+    "layout, names, exc_type, opening",
+    [
+        (
+            [[0, 1], [2, 3]],
+            ["dp", "pp", "tp"],
+            ValueError,
+            "Number of dimensions in layout (2) must match the number of names (3).",
+        ),
+        (
+            [0, 1, 2, 3],
+            ["dp", "tp"],
+            ValueError,
+            "Number of dimensions in layout (1) must match the number of names (2).",
+        ),
+        (
+            [[0, 1.5], [2, 3]],
+            ["dp", "pp"],
+            ValueError,
+            "Layout must contain only integer rank IDs.",
+        ),
+        ([[0, np.nan]], ["dp", "pp"], ValueError, "Layout must contain only integer rank IDs."),
+        ([["a", "b"]], ["dp", "pp"], TypeError, "Layout must contain only integer rank IDs."),
+        ([[0, None]], ["dp", "pp"], TypeError, "Layout must contain only integer rank IDs."),
+        ([[0, 1j]], ["dp", "pp"], TypeError, "Layout must contain only integer rank IDs."),
+        ([[0, 1], [2, 0]], ["dp", "pp"], ValueError, "Duplicate ranks found in layout: [0]"),
+        ([[0, 1], [1, 0]], ["dp", "pp"], ValueError, "Duplicate ranks found in layout: [0, 1]"),
+        (
+            [[0, 1], [2]],
+            ["dp", "pp"],
+            ValueError,
+            "Could not create NumPy array from layout: ",
+        ),
+    ],
+)
+def test_layout_errors_open_with_nemo_rl_wording(layout, names, exc_type, opening):
+    with raises_starting_with(exc_type, opening):
+        NamedSharding(layout, names)
+
+
+def test_non_integer_layouts_raise_both_value_error_and_type_error():
+    # NeMo-RL raises ValueError for fractional ranks and (through numpy) TypeError for strings.
+    assert issubclass(NonIntegerLayoutError, ValueError)
+    assert issubclass(NonIntegerLayoutError, TypeError)
+    with pytest.raises(NonIntegerLayoutError):
+        NamedSharding([[0, 1.5]], ["dp", "tp"])
+    with pytest.raises(NonIntegerLayoutError):
+        NamedSharding([["a", "b"]], ["dp", "tp"])
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda s: s.get_ranks(xx=0),
+        lambda s: s.get_ranks(dp=0, xx=0),
+        lambda s: s.get_axis_index("xx"),
+        lambda s: s.get_axis_size("xx"),
+        lambda s: s.get_ranks_by_coord(xx=0),
+    ],
+)
+def test_invalid_axis_name_is_nemo_rl_wording(call):
+    with raises_starting_with(ValueError, "Invalid axis name: 'xx'") as info:
+        call(NEMO)
+    assert str(info.value) == "Invalid axis name: 'xx'. Valid names are: ['dp', 'pp', 'tp']"
+
+
+def test_invalid_axis_name_is_also_the_key_error_of_nemo_rls_get_axis_size():
+    assert issubclass(UnknownAxisError, ValueError)
+    assert issubclass(UnknownAxisError, KeyError)
+    with pytest.raises(KeyError) as info:
+        NEMO.get_axis_size("xx")
+    assert str(info.value).startswith("Invalid axis name: 'xx'")  # not quoted like a KeyError
+    again = pickle.loads(pickle.dumps(info.value))
+    assert type(again) is UnknownAxisError and str(again) == str(info.value)
+
+
+@pytest.mark.parametrize("axis, index, size", [("pp", 2, 2), ("tp", 4, 4), ("pp", -1, 2)])
+def test_index_out_of_bounds_is_nemo_rl_wording(axis, index, size):
+    opening = f"Index {index} is out of bounds for axis '{axis}'"
+    with raises_starting_with(IndexError, opening) as info:
+        NEMO.get_ranks(**{axis: index})
+    assert str(info.value) == f"{opening} with size {size}"
+    with raises_starting_with(IndexError, "Index 2 is out of bounds for axis 'pp'"):
+        NEMO.get_ranks(pp=np.int64(2))
+
+
+def test_non_integer_index_is_an_index_error():
+    with pytest.raises(IndexError, match=re.escape("Index 0.5 for axis 'pp'")):
+        NEMO.get_ranks(pp=0.5)
+
+
+@pytest.mark.parametrize("worker_id", [4, -1, 100, np.int64(4)])
+def test_worker_not_found_is_nemo_rl_wording(worker_id):
+    with raises_starting_with(
+        ValueError, f"Worker ID {int(worker_id)} not found in sharding layout."
+    ):
+        DP_TP.get_worker_coords(worker_id)
+    with raises_starting_with(ValueError, "Worker ID 8 not found in sharding layout."):
+        NEMO.get_worker_coords(8)
+
+
+def test_worker_not_found_details_say_what_the_layout_holds():
+    with pytest.raises(ValueError) as info:
+        DP_TP.get_worker_coords(4)
+    assert str(info.value).endswith("The layout holds ranks 0..3.")
+    with pytest.raises(ValueError) as info:
+        NamedSharding([[10, 30]], ["dp", "tp"]).get_worker_coords(20)
+    assert str(info.value).endswith("The layout holds ranks 10, 30.")
+    with raises_starting_with(ValueError, "Worker ID 1 not found in sharding layout.") as info:
+        DP_TP.get_worker_coords("1")
+    assert "Worker IDs are integers, got str '1'" in str(info.value)
+
+
+def test_repr_is_nemo_rls_with_numpy_printing_the_layout():
+    text = repr(NEMO)
+    assert text == (
+        "NamedSharding(shape=(1, 2, 4), names=['dp', 'pp', 'tp'], "
+        "layout=[[[0 1 2 3]\n  [4 5 6 7]]])"
+    )
+    # The substrings NeMo-RL's own test_repr checks.
+    for part in ("NamedSharding", "shape=(1, 2, 4)", "names=['dp', 'pp', 'tp']", "layout="):
+        assert part in text
+    assert "[[[0 1 2 3]" in text and "[4 5 6 7]]]" in text
+    assert text == (
+        f"NamedSharding(shape=(1, 2, 4), names=['dp', 'pp', 'tp'], "
+        f"layout={np.array([[[0, 1, 2, 3], [4, 5, 6, 7]]])}"
+        ")"
+    )
+
+
+def test_repr_of_one_axis_and_of_integral_floats():
+    # NeMo-RL joins the sizes: "(3)", not Python's "(3,)".
+    assert repr(NamedSharding([3, 1, 2], ["tp"])) == (
+        "NamedSharding(shape=(3), names=['tp'], layout=[3 1 2])"
+    )
+    assert repr(NamedSharding([[0.0, 1.0]], ["dp", "tp"])).endswith("layout=[[0 1]])")
+
+
+# -- contains_worker_id / replace_worker_id ---------------------------------------------
+
+
+def test_contains_worker_id():
+    assert all(NEMO.contains_worker_id(r) for r in range(8))
+    assert NEMO.contains_worker_id(np.int64(7))
+    for absent in (8, -1, 100, "0", 0.5, None):
+        assert not NEMO.contains_worker_id(absent)
+
+
+def test_replace_worker_id_takes_over_the_slot_in_place():
+    s = mesh3()
+    before = s.get_worker_coords(5)
+    assert s.replace_worker_id(5, 42) is True
+    assert s.get_worker_coords(42) == before == {"dp": 1, "pp": 0, "tp": 1}
+    assert s.contains_worker_id(42) and not s.contains_worker_id(5)
+    assert s.get_ranks(dp=1, pp=0, tp=1) == 42
+    assert s.get_ranks_by_coord(dp=1, pp=0) == [4, 42]
+    assert s.ranks == [0, 1, 2, 3, 4, 6, 7, 42]
+    np.testing.assert_array_equal(s.layout, [[[0, 1], [2, 3]], [[4, 42], [6, 7]]])
+    with raises_starting_with(ValueError, "Worker ID 5 not found in sharding layout."):
+        s.get_worker_coords(5)
+    assert s == NamedSharding([[[0, 1], [2, 3]], [[4, 42], [6, 7]]], ["dp", "pp", "tp"])
+
+
+def test_replace_worker_id_leaves_earlier_sub_shardings_alone():
+    s = mesh3()
+    sub = s.get_ranks(dp=0)
+    s.replace_worker_id(0, 99)
+    assert sub == NamedSharding([[0, 1], [2, 3]], ["pp", "tp"])
+
+
+def test_replace_missing_worker_id_returns_false_and_changes_nothing():
+    s = mesh3()
+    assert s.replace_worker_id(8, 9) is False
+    assert s.replace_worker_id("1", 9) is False
+    assert s.replace_worker_id(8, 3) is False  # nothing to replace, so no duplicate either
+    assert s == mesh3()
+
+
+def test_replace_worker_id_with_itself_is_a_no_op():
+    s = mesh3()
+    assert s.replace_worker_id(3, 3) is True
+    assert s == mesh3()
+
+
+def test_replace_with_a_rank_already_in_the_layout_raises_and_changes_nothing():
+    s = mesh3()
+    with raises_starting_with(ValueError, "Duplicate ranks found in layout: [3]") as info:
+        s.replace_worker_id(5, 3)
+    assert "Cannot replace worker ID 5 with 3" in str(info.value)
+    assert s == mesh3()
+    assert s.get_worker_coords(5) == {"dp": 1, "pp": 0, "tp": 1}
+
+
+@pytest.mark.parametrize("new_id", [1.5, "9", None, True])
+def test_replace_with_a_non_integer_raises_and_changes_nothing(new_id):
+    s = mesh3()
+    with raises_starting_with(NonIntegerLayoutError, "Layout must contain only integer rank IDs."):
+        s.replace_worker_id(5, new_id)
+    assert s == mesh3()
+
+
+def test_replace_widens_a_narrow_integer_layout():
+    s = NamedSharding(np.array([[0, 1], [2, 3]], dtype=np.uint8), ["dp", "tp"])
+    assert s.replace_worker_id(1, 1000) and s.replace_worker_id(2, -7)
+    np.testing.assert_array_equal(s.layout, [[0, 1000], [-7, 3]])
+    assert s.get_worker_coords(1000) == {"dp": 0, "tp": 1}
+    with raises_starting_with(NonIntegerLayoutError, "Layout must contain only integer rank IDs."):
+        s.replace_worker_id(0, 2**64)
+    np.testing.assert_array_equal(s.layout, [[0, 1000], [-7, 3]])
 
 
 def test_plan_shards_on_dp_and_replicates_on_tp():
@@ -351,3 +593,54 @@ def test_partial_coordinates_match_brute_force(data):
         sub = s.get_ranks(**coords)
         assert sub.names == [n for n in s.names if n not in coords]
         assert sorted(sub.layout.ravel().tolist()) == expected
+
+
+@st.composite
+def replacements(draw):
+    """A sharding, one of its ranks, and an id not in it."""
+    s = draw(meshes())
+    old = draw(st.sampled_from(s.ranks))
+    new = draw(st.integers(-(2**63), 2**63 - 1).filter(lambda r: r not in s.ranks))
+    return s, old, new
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=replacements())
+def test_replace_then_contains(case):
+    s, old, new = case
+    coords = {r: s.get_worker_coords(r) for r in s.ranks}
+    assert s.replace_worker_id(old, new)
+    assert s.contains_worker_id(new) and not s.contains_worker_id(old)
+    assert s.get_worker_coords(new) == coords[old]
+    assert s.get_ranks(**coords[old]) == new
+    for rank, where in coords.items():
+        if rank != old:
+            assert s.get_worker_coords(rank) == where
+    assert sorted(s.ranks) == sorted({*coords} - {old} | {new})
+    rebuilt = NamedSharding(s.layout, s.names)  # still a valid layout: each rank once
+    assert rebuilt == s and hash(rebuilt) == hash(s)
+    assert not s.replace_worker_id(old, new)  # gone now
+    assert s.replace_worker_id(new, old)  # and back
+    assert s.get_worker_coords(old) == coords[old]
+    assert {r: s.get_worker_coords(r) for r in s.ranks} == coords
+
+
+@settings(max_examples=200, deadline=None)
+@given(s=meshes(), worker_id=st.integers(-3, 70))
+def test_contains_agrees_with_get_worker_coords(s, worker_id):
+    if s.contains_worker_id(worker_id):
+        assert worker_id in s.ranks
+        s.get_worker_coords(worker_id)
+    else:
+        assert worker_id not in s.ranks
+        with raises_starting_with(
+            ValueError, f"Worker ID {worker_id} not found in sharding layout."
+        ):
+            s.get_worker_coords(worker_id)
+
+
+@settings(max_examples=100, deadline=None)
+@given(s=meshes())
+def test_repr_embeds_numpys_printing_of_the_layout(s):
+    sizes = ", ".join(str(n) for n in s.shape.values())
+    assert repr(s) == f"NamedSharding(shape=({sizes}), names={s.names}, layout={s.layout})"
