@@ -41,6 +41,7 @@ _EXPORTS = {
     "RankHealth": "phalanx.watch",
     "RayBackend": "phalanx.backends.ray",
     "WorkerGroup": "phalanx.group",
+    "breakpoint": "phalanx.debug",
     "spmd": "phalanx.spmd",
 }
 
@@ -63,11 +64,13 @@ __all__ = [
     "WorkerError",
     "WorkerGroup",
     "__version__",
+    "breakpoint",
     "spmd",
 ]
 
 if TYPE_CHECKING:
     from phalanx.backends.ray import RayBackend
+    from phalanx.debug import breakpoint
     from phalanx.errors import (
         AuthenticationError,
         CallTimeout,

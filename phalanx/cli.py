@@ -1,4 +1,5 @@
-"""The ``phalanx`` command line: ``phalanx run`` (a torchrun-like launcher)."""
+"""The ``phalanx`` command line: ``phalanx run`` (a torchrun-like launcher) and ``phalanx
+debug`` (attach to a rank stopped in ``px.breakpoint()``)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,30 @@ examples:
   phalanx run -n 4 train.py --lr 0.1
   phalanx run -n 2 --nodes 2 --framework torch --max-restarts 3 --log-dir logs train.py
   phalanx run -n auto --framework jax -m mypkg.train
+"""
+
+
+DEBUG_DESCRIPTION = """\
+Attach this terminal to a rank stopped in px.breakpoint(), or list the ranks waiting for a
+debugger. With no argument, attaches when exactly one rank waits and lists them otherwise.
+The session is pdb's: 'c' lets the rank run on, 'q' raises BdbQuit where it stopped;
+Ctrl-D or Ctrl-C detaches, and the rank continues.
+"""
+
+DEBUG_EPILOG = """\
+ranks register in $PHALANX_DEBUG_DIR, else /tmp/phalanx-debug-<uid> (a directory only you
+can read); records of processes that are gone are removed. Attach on the rank's host.
+
+exit status:
+  0        the session ended (or the listing was shown)
+  1        no rank is waiting, the one named is not, or it refused the connection
+  2        bad command line
+
+examples:
+  phalanx debug            # attach to the only waiting rank, or list them
+  phalanx debug 3          # attach to rank 3
+  phalanx debug --pid 4242 # attach to one process (several groups, or no RANK variable)
+  phalanx debug --list
 """
 
 
@@ -134,6 +159,25 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the program every rank runs")
     run.add_argument("args", nargs=argparse.REMAINDER, metavar="...",
                      help="arguments for the program")
+    debug = commands.add_parser(
+        "debug",
+        help="attach to a rank stopped in px.breakpoint(), or list the ranks waiting",
+        description=DEBUG_DESCRIPTION,
+        epilog=DEBUG_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    which = debug.add_mutually_exclusive_group()
+    which.add_argument("rank", nargs="?", type=_non_negative,
+                       help="the rank to attach to (default: the only one waiting)")
+    which.add_argument("--pid", type=_positive, metavar="PID",
+                       help="attach to the waiting process PID")
+    which.add_argument("-l", "--list", action="store_true",
+                       help="only list the waiting ranks: rank, pid, host, group (its "
+                            "MASTER_ADDR:MASTER_PORT), how long it has waited, where it "
+                            "stopped")
+    debug.add_argument("--dir", metavar="DIR",
+                       help="where ranks register (default: $PHALANX_DEBUG_DIR, else "
+                            "/tmp/phalanx-debug-<uid>)")
     return parser
 
 
@@ -163,6 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("phalanx.group").setLevel(logging.ERROR)
     if options.command == "run":
         return _run(parser, options)
+    if options.command == "debug":
+        return _debug(options)
     parser.error(f"unknown command {options.command!r}")  # pragma: no cover - argparse checks
     return USAGE_ERROR  # pragma: no cover
 
@@ -196,6 +242,34 @@ def _run(parser: argparse.ArgumentParser, options: argparse.Namespace) -> int:
     except (PhalanxError, OSError) as exc:  # a missing framework, an unwritable log dir
         parser.exit(1, f"phalanx run: {exc}\n")
     return USAGE_ERROR  # pragma: no cover
+
+
+def _debug(options: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from phalanx import debug
+    from phalanx.errors import PhalanxError
+
+    directory = Path(options.dir) if options.dir else debug.default_dir()
+    try:
+        records = debug.waiting_ranks(directory)
+        wants_list = options.list or (
+            options.rank is None and options.pid is None and len(records) > 1
+        )
+        if wants_list:
+            if not records:
+                print(f"no rank is waiting for a debugger (in {directory})")
+            else:
+                print(debug.describe_waiting(records))
+                where = f" --dir {options.dir}" if options.dir else ""
+                print(f"\nattach with: phalanx debug RANK{where}  (or --pid PID)")
+            return 0
+        record = debug.choose(records, options.rank, options.pid, directory)
+        debug.attach(record, sys.stdout, sys.stderr)
+    except (PhalanxError, OSError) as exc:  # nothing to attach to, an unsafe directory
+        print(f"phalanx debug: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

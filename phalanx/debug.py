@@ -1,0 +1,560 @@
+"""A remote debugger on one rank: ``px.breakpoint()`` in the rank, ``phalanx debug`` to attach.
+
+A rank that calls :func:`breakpoint` stops there and waits for a debugger; the user attaches
+from another terminal, so the session is not interleaved with the other ranks' output (and
+the rank's stdin, which phalanx does not connect, is not needed)::
+
+    rank: px.breakpoint()                         terminal: phalanx debug [RANK | --pid PID]
+    listen on 127.0.0.1, ephemeral port
+    write DIR/<pid>-<port>.json (0600) ---------> read the records, drop stale ones
+    "[phalanx] rank R ... is waiting" on stderr
+    accept <------------------------------------- connect, send "<token>\\n"
+    hmac.compare_digest(token)  ----- "ok\\n" --> (or "refused: ...\\n", and keep waiting)
+    remove the record, close the listener
+    pdb on the connection: its output as text,
+    a NUL byte each time it waits for a line ---> print up to the NUL; input(prompt)
+    read one line  <----------------------------- "<line>\\n"
+    continue / quit / EOF: close  --------------> the session is over: exit 0
+
+Who may attach: the records live in a per-user directory (``PHALANX_DEBUG_DIR``, else
+``/tmp/phalanx-debug-<uid>``) that must be a directory of ours, kept at mode 0700; each record
+holds a random token that the client must send before the rank reads anything else from it.
+The socket listens on the loopback interface only, so attaching happens on the rank's host.
+
+How the session ends:
+
+- ``continue`` with no breakpoint set: the rank runs on. With breakpoints set, the session
+  stays open until the rank stops again, at one of them or at its next ``px.breakpoint()``;
+- ``quit``: ``bdb.BdbQuit`` is raised where the rank stopped, as pdb does;
+- the client goes away (Ctrl-D or Ctrl-C in ``phalanx debug``, a closed terminal): pdb reads
+  end of file, which here means "clear the breakpoints and continue", never "abort the rank";
+  writes to a dead connection are dropped instead of raising into user code.
+
+The fixed default directory (not ``$XDG_RUNTIME_DIR``) is deliberate: ranks started by Ray
+or a batch system often lack the session variables of the user's terminal, and both sides
+must find the same directory.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import dataclasses
+import hmac
+import json
+import os
+import pdb
+import secrets
+import socket
+import stat
+import sys
+import time
+import types
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TextIO
+
+from phalanx.errors import PhalanxError
+
+ENV_DEBUG_DIR = "PHALANX_DEBUG_DIR"  # where ranks register while they wait for a debugger
+TOKEN_TIMEOUT = 5.0  # seconds a connecting client has to send the token
+CONNECT_TIMEOUT = 5.0  # seconds `phalanx debug` waits for a rank to accept and answer
+INPUT_MARKER = b"\0"  # rank -> client: "pdb now waits for one line of input"
+_TOKEN_LINE_LIMIT = 256  # bytes; a longer first line is not a token
+_START_TIME_SLACK = 1.0  # seconds; a pid whose process started later than recorded was reused
+_RANK_VARS = ("RANK", "PHALANX_RANK")
+
+
+class DebuggerUnavailable(PhalanxError):
+    """``phalanx debug`` cannot attach: no rank waits, not the one named, or it refused."""
+
+
+def default_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """Where ranks register: ``$PHALANX_DEBUG_DIR``, else ``/tmp/phalanx-debug-<uid>``."""
+    env = os.environ if environ is None else environ
+    chosen = env.get(ENV_DEBUG_DIR)
+    return Path(chosen) if chosen else Path("/tmp") / f"phalanx-debug-{os.getuid()}"
+
+
+def private_dir(path: Path, *, create: bool) -> bool:
+    """Make sure ``path`` is a directory only this user can use (mode 0700, tightened if
+    needed); create it when ``create``. False when it does not exist (and was not created).
+    Raises ``PermissionError`` for a path another user owns or that is not a directory: a
+    directory someone else controls could collect the tokens."""
+    if create:
+        with contextlib.suppress(FileExistsError):
+            path.mkdir(mode=0o700, parents=True)
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise PermissionError(
+            f"{path} is not a directory of user {os.getuid()}; debugger records need a "
+            f"private one: point {ENV_DEBUG_DIR} at a directory of yours"
+        )
+    if info.st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return True
+
+
+def _process_start(pid: int) -> float | None:
+    """When process ``pid`` started (seconds since the epoch), None if it does not exist."""
+    import psutil  # a dependency of phalanx, imported here: user code rarely calls this
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class WaitingRank:
+    """The record a rank stopped in :func:`breakpoint` leaves for ``phalanx debug``."""
+
+    rank: int | None  # None outside a phalanx group (no RANK / PHALANX_RANK)
+    pid: int
+    host: str
+    port: int  # on 127.0.0.1
+    token: str
+    group: str | None  # the group's rendezvous address (MASTER_ADDR:MASTER_PORT), if any
+    process_start: float  # tells a live rank from a reused pid
+    since: float  # time.time() when it started waiting
+    file: str
+    line: int
+    function: str
+
+    @property
+    def who(self) -> str:
+        rank = "?" if self.rank is None else self.rank
+        return f"rank {rank} (pid {self.pid})"
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line} in {self.function}"
+
+    @property
+    def on_this_host(self) -> bool:
+        return self.host == socket.gethostname()
+
+    def is_stale(self) -> bool:
+        """True when the process that wrote the record is gone (only known on its host)."""
+        if not self.on_this_host:
+            return False
+        started = _process_start(self.pid)
+        return started is None or abs(started - self.process_start) > _START_TIME_SLACK
+
+    def file_name(self) -> str:
+        return f"{self.pid}-{self.port}.json"
+
+    def write(self, directory: Path) -> Path:
+        """Publish the record atomically, readable by this user only."""
+        path = directory / self.file_name()
+        partial = directory / f".{self.file_name()}.partial"
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(dataclasses.asdict(self), f)
+        os.replace(partial, path)
+        return path
+
+    @classmethod
+    def read(cls, path: Path) -> WaitingRank:
+        """Raises ``OSError`` or ``ValueError`` for a record that is unreadable or malformed."""
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: not a record")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise ValueError(f"{path}: {exc}") from None
+
+
+def waiting_ranks(directory: Path) -> list[WaitingRank]:
+    """The ranks waiting for a debugger, oldest first; records of processes that are gone
+    are deleted on the way, malformed ones ignored."""
+    if not private_dir(directory, create=False):
+        return []
+    found = []
+    for path in sorted(directory.glob("*.json")):
+        try:
+            record = WaitingRank.read(path)
+        except (OSError, ValueError):
+            continue
+        if record.is_stale():
+            path.unlink(missing_ok=True)
+        else:
+            found.append(record)
+    return sorted(found, key=lambda r: (r.since, r.pid))
+
+
+# -- the rank's side -------------------------------------------------------------------------
+
+
+def _rank_from_env() -> int | None:
+    for name in _RANK_VARS:
+        with contextlib.suppress(KeyError, ValueError):
+            return int(os.environ[name])
+    return None
+
+
+def _group_from_env() -> str | None:
+    addr, port = os.environ.get("PHALANX_MASTER_ADDR"), os.environ.get("PHALANX_MASTER_PORT")
+    return f"{addr}:{port}" if addr and port else None
+
+
+def _attach_hint(record: WaitingRank, directory: Path) -> str:
+    target = f" {record.rank}" if record.rank is not None else f" --pid {record.pid}"
+    if directory != default_dir({}):
+        target += f" --dir {directory}"
+    return f"phalanx debug{target}"
+
+
+def breakpoint(*, timeout: float | None = None) -> bool:
+    """Stop this rank in pdb, served to ``phalanx debug`` from another terminal.
+
+    Writes a record for ``phalanx debug`` into the per-user debug directory, says on stderr
+    that the rank waits, and blocks until a debugger attaches -- or, with ``timeout``, until
+    that many seconds passed (then returns False and the code runs on). Once attached, the
+    session starts at the caller's next line, as with the built-in ``breakpoint()``; it can
+    also be that: ``PYTHONBREAKPOINT=phalanx.breakpoint``.
+
+    Returns True when a debugger attached.
+    """
+    if timeout is not None and not timeout >= 0:
+        raise ValueError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
+    caller = sys._getframe(1)
+    active = getattr(sys.gettrace(), "__self__", None)
+    if isinstance(active, _RankPdb) and not active.connection.closed:
+        # still attached (the user continued with breakpoints set): stop in that session,
+        # with tracing off meanwhile so that it does not stop inside set_trace itself
+        sys.settrace(None)
+        active.set_trace(caller)
+        return True
+    directory = default_dir()
+    private_dir(directory, create=True)
+    connection = None
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4)
+        token = secrets.token_hex(32)
+        record = WaitingRank(
+            rank=_rank_from_env(), pid=os.getpid(), host=socket.gethostname(),
+            port=listener.getsockname()[1], token=token, group=_group_from_env(),
+            process_start=_process_start(os.getpid()) or 0.0, since=time.time(),
+            file=caller.f_code.co_filename, line=caller.f_lineno,
+            function=caller.f_code.co_name,
+        )
+        path = record.write(directory)
+        try:
+            # The one line the user needs to act on; it travels with the rank's stderr to
+            # the controller's terminal (prefixed with the rank), not through logging, which
+            # a worker process has not configured.
+            sys.stderr.write(f"[phalanx] {record.who} is waiting for a debugger at "
+                             f"{record.where}: run '{_attach_hint(record, directory)}' to "
+                             f"attach\n")
+            sys.stderr.flush()
+            deadline = None if timeout is None else time.monotonic() + timeout
+            connection = _accept(listener, token.encode(), deadline)
+        finally:
+            path.unlink(missing_ok=True)
+    if connection is None:
+        sys.stderr.write(f"[phalanx] {record.who}: no debugger attached within {timeout:g} s; "
+                         f"continuing\n")
+        sys.stderr.flush()
+        return False
+    debugger = _RankPdb(_Connection(connection), record.who)
+    debugger.set_trace(caller)
+    return True  # nothing may run in this frame after set_trace: it would be traced too
+
+
+def _accept(listener: socket.socket, token: bytes, deadline: float | None
+            ) -> socket.socket | None:
+    """The first connection that sends ``token``, or None once ``deadline`` passed."""
+    while True:
+        if deadline is None:
+            listener.settimeout(None)
+        else:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            listener.settimeout(remaining)
+        try:
+            connection, _ = listener.accept()
+        except TimeoutError:
+            return None
+        if _authenticate(connection, token):
+            connection.settimeout(None)
+            connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return connection
+        connection.close()
+
+
+def _authenticate(connection: socket.socket, token: bytes) -> bool:
+    """Read the client's first line and compare it with the token; answer either way. (The
+    client sends nothing else before the answer, so no byte of the session is read here.)"""
+    connection.settimeout(TOKEN_TIMEOUT)
+    try:
+        received, _ = _read_line(connection)
+        accepted = hmac.compare_digest(received.strip(), token)
+        connection.sendall(b"ok\n" if accepted else b"refused: wrong token\n")
+    except OSError:  # a client that vanished or stalled: wait for the next one
+        return False
+    return accepted
+
+
+def _read_line(sock: socket.socket) -> tuple[bytes, bytes]:
+    """The first line (at most ``_TOKEN_LINE_LIMIT`` bytes, without its newline) and the
+    bytes received after it."""
+    received = b""
+    while b"\n" not in received and len(received) < _TOKEN_LINE_LIMIT:
+        chunk = sock.recv(_TOKEN_LINE_LIMIT)
+        if not chunk:
+            break
+        received += chunk
+    line, _, rest = received.partition(b"\n")
+    return line, rest
+
+
+class _Connection:
+    """pdb's stdin and stdout: text over the debugger's socket. A peer that went away reads
+    as end of file and swallows writes, so that user code never sees a socket error."""
+
+    encoding = "utf-8"
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock: socket.socket | None = sock
+        self._output: list[str] = []
+        self._input = b""
+
+    @property
+    def closed(self) -> bool:
+        return self._sock is None
+
+    def isatty(self) -> bool:
+        return False
+
+    def write(self, text: str) -> int:
+        if self._sock is not None:
+            self._output.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self._send(b"")
+
+    def readline(self) -> str:
+        self._send(INPUT_MARKER)
+        while self._sock is not None and b"\n" not in self._input:
+            try:
+                chunk = self._sock.recv(65536)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self.close()
+            self._input += chunk
+        line, newline, self._input = self._input.partition(b"\n")
+        return (line + newline).decode("utf-8", "replace")
+
+    def close(self) -> None:
+        self._send(b"")
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+            self._sock.close()
+            self._sock = None
+
+    def _send(self, suffix: bytes) -> None:
+        text, self._output = "".join(self._output), []
+        if self._sock is None or not (text or suffix):
+            return
+        # a NUL in the text would end the client's prompt early
+        data = text.replace("\0", "\\0").encode("utf-8", "replace") + suffix
+        try:
+            self._sock.sendall(data)
+        except OSError:
+            self.close()
+
+
+class _RankPdb(pdb.Pdb):
+    """pdb over a :class:`_Connection`, closing it when the session ends (see the module
+    docstring), leaving the rank's signal handlers alone and never stopping in phalanx."""
+
+    def __init__(self, connection: _Connection, who: str) -> None:
+        super().__init__(stdin=connection, stdout=connection, skip=["phalanx", "phalanx.*"],
+                         nosigint=True, readrc=False)
+        self.connection = connection
+        self._who = who
+        self._farewell: str | None = None
+
+    def set_continue(self) -> None:
+        super().set_continue()
+        if not self.breaks:
+            self._farewell = f"{self._who} continues."
+
+    def set_quit(self) -> None:
+        super().set_quit()
+        self._farewell = f"{self._who} quits the debugger: BdbQuit is raised where it stopped."
+
+    def do_EOF(self, arg: str) -> bool:
+        """The client went away: let the rank run on."""
+        self.clear_all_breaks()
+        return self.do_continue(arg)
+
+    def do_interact(self, arg: str) -> None:
+        # code.interact reads sys.stdin and writes sys.stdout: the rank's, not the session's
+        saved = sys.stdin, sys.stdout
+        sys.stdin = sys.stdout = self.connection  # type: ignore[assignment]
+        try:
+            super().do_interact(arg)
+        finally:
+            sys.stdin, sys.stdout = saved
+
+    def interaction(self, frame: types.FrameType | None, traceback: Any) -> None:
+        super().interaction(frame, traceback)
+        if self._farewell is not None:
+            self.message(self._farewell)
+            self.connection.close()
+
+
+# -- the client's side (`phalanx debug`) -------------------------------------------------------
+
+
+def describe_waiting(records: list[WaitingRank], now: float | None = None) -> str:
+    """A table of the waiting ranks, for ``phalanx debug --list``."""
+    now = time.time() if now is None else now
+    rows = [("RANK", "PID", "HOST", "GROUP", "WAITING", "WHERE")]
+    for r in records:
+        rank = "?" if r.rank is None else str(r.rank)
+        rows.append((rank, str(r.pid), r.host, r.group or "-", _duration(now - r.since),
+                     r.where))
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row[:5], widths, strict=True))
+        + "  " + row[5]
+        for row in rows
+    )
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m"
+
+
+def choose(records: list[WaitingRank], rank: int | None, pid: int | None,
+           directory: Path) -> WaitingRank:
+    """The record to attach to: the one with ``pid``, with ``rank``, or the only one."""
+    if not records:
+        raise DebuggerUnavailable(
+            f"no rank is waiting for a debugger (records are read from {directory}; a rank "
+            f"waits after calling px.breakpoint(), with the same {ENV_DEBUG_DIR})"
+        )
+    if pid is not None:
+        matches = [r for r in records if r.pid == pid]
+        wanted = f"pid {pid}"
+    elif rank is not None:
+        matches = [r for r in records if r.rank == rank]
+        wanted = f"rank {rank}"
+    else:
+        matches = records
+        wanted = "a rank"
+    waiting = ", ".join(r.who for r in records)
+    if not matches:
+        raise DebuggerUnavailable(f"{wanted} is not waiting for a debugger (waiting: {waiting})")
+    if len(matches) > 1:
+        raise DebuggerUnavailable(
+            f"{len(matches)} processes match {wanted} ({', '.join(r.who for r in matches)}): "
+            f"choose one with --pid"
+        )
+    record = matches[0]
+    if not record.on_this_host:
+        raise DebuggerUnavailable(
+            f"{record.who} waits on host {record.host}, and debuggers attach over its "
+            f"loopback interface: run phalanx debug there"
+        )
+    return record
+
+
+def attach(record: WaitingRank, out: TextIO, err: TextIO) -> None:
+    """Bridge this terminal to the rank's pdb until the session ends or the user detaches
+    (end of input or Ctrl-C: the rank continues)."""
+    try:
+        sock = socket.create_connection(("127.0.0.1", record.port), timeout=CONNECT_TIMEOUT)
+    except OSError as exc:
+        raise DebuggerUnavailable(
+            f"{record.who} does not answer on 127.0.0.1:{record.port} ({exc}): another "
+            f"debugger may have attached first, or it stopped waiting"
+        ) from exc
+    with sock:
+        try:
+            sock.sendall(record.token.encode() + b"\n")
+            line, session_start = _read_line(sock)  # pdb's output may follow in one packet
+        except OSError as exc:
+            raise DebuggerUnavailable(f"{record.who} dropped the connection: {exc}") from exc
+        reply = line.decode("utf-8", "replace").strip()
+        if reply != "ok":
+            raise DebuggerUnavailable(f"{record.who} refused the debugger: {reply or 'no reply'}")
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        err.write(f"attached to {record.who}, stopped at {record.where} "
+                  f"(Ctrl-D or Ctrl-C detaches and lets it continue)\n")
+        err.flush()
+        _bridge(sock, _Relay(sock, out, session_start), record, err)
+
+
+def _bridge(sock: socket.socket, relay: _Relay, record: WaitingRank, err: TextIO) -> None:
+    with contextlib.suppress(ImportError):
+        import readline  # noqa: F401 - line editing and history for input()
+    try:
+        while True:
+            prompt = relay.next_prompt()
+            if prompt is None:
+                return  # the rank ended the session
+            line = input(prompt)
+            sock.sendall(line.encode("utf-8", "replace") + b"\n")
+    except (EOFError, KeyboardInterrupt):
+        err.write(f"\ndetached from {record.who}; it continues\n")
+    except OSError:
+        err.write(f"\nthe connection to {record.who} was lost\n")
+    err.flush()
+
+
+class _Relay:
+    """Copies the rank's output to the terminal, holding back the line pdb's prompt is on
+    until the rank asks for input, so that ``input()`` can show it (and readline redraw it)."""
+
+    def __init__(self, sock: socket.socket, out: TextIO, unread: bytes = b"") -> None:
+        self._sock = sock
+        self._out = out
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._unread = unread
+        self._partial_line = ""
+
+    def next_prompt(self) -> str | None:
+        """Show output until the rank waits for a line (return its prompt) or the session
+        ended (return None)."""
+        while True:
+            text, marker, rest = self._unread.partition(INPUT_MARKER)
+            self._unread = rest
+            self._show(self._decoder.decode(text))
+            if marker:
+                prompt, self._partial_line = self._partial_line, ""
+                return prompt
+            try:
+                self._unread = self._sock.recv(65536)
+            except OSError:
+                self._unread = b""
+            if not self._unread:
+                self._show(self._decoder.decode(b"", final=True))
+                if self._partial_line:
+                    self._out.write(self._partial_line + "\n")
+                    self._out.flush()
+                return None
+
+    def _show(self, text: str) -> None:
+        complete, newline, self._partial_line = (self._partial_line + text).rpartition("\n")
+        if newline:
+            self._out.write(complete + newline)
+            self._out.flush()
