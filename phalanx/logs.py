@@ -4,6 +4,14 @@ One thread per group reads every worker pipe (``poll``), forwards complete lines
 :mod:`phalanx.console` (collapsing identical lines from several ranks, see
 :mod:`phalanx.collapse`), optionally writes them to per-rank files, and keeps the last lines
 of each worker's stderr, which :class:`~phalanx.errors.WorkerDied` quotes.
+
+Whatever a worker writes, the controller's share stays small. A line longer than
+``config.MAX_LINE_BYTES`` is shown as it arrives, in pieces of at most that size, each
+prefixed with the rank like a line of its own (log files still get its bytes unchanged), so
+a stream never holds more than about one piece; such lines are not held for collapsing.
+The stderr tail cuts each line to ``config.STDERR_TAIL_LINE_BYTES`` and keeps
+``config.STDERR_TAIL_CHARS`` at most. Each turn of the reader takes at most one pipe's worth
+(``_READ_SIZE``) from each ready pipe, so one rank's flood does not delay the others.
 """
 
 from __future__ import annotations
@@ -20,12 +28,13 @@ from collections.abc import Sequence
 from typing import BinaryIO
 
 from phalanx import config, console
-from phalanx.collapse import LineCollapser
+from phalanx.collapse import LineCollapser, format_ranks
 from phalanx.streams import WakePipe
 
 logger = logging.getLogger(__name__)
 
 _QUIET_MS = 200  # once stopping, pipes silent this long are given up on
+_READ_SIZE = 65536  # a pipe's capacity: one read per ready pipe per turn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,15 +88,67 @@ def log_path(directory: pathlib.Path, rank: int, name: str) -> pathlib.Path:
     return directory / f"rank-{rank}.{name}.log"
 
 
-class _Stream:
-    __slots__ = ("closed", "echo", "fd", "file", "is_stderr", "partial", "rank", "tail")
+def _char_start(data: bytes | bytearray, index: int) -> int:
+    """``index`` (< ``len(data)``) moved back to the start of the UTF-8 character it falls
+    in, so that cutting there splits no character (invalid UTF-8: at most 3 bytes back)."""
+    stop = max(0, index - 3)
+    while index > stop and data[index] & 0xC0 == 0x80:
+        index -= 1
+    return index
 
-    def __init__(self, fd: int, rank: int, is_stderr: bool, tail: collections.deque,
-                 echo: bool, file: BinaryIO | None):
+
+class _StderrTail:
+    """The last lines of one worker's stderr, as :class:`~phalanx.errors.WorkerDied` quotes
+    them: at most ``STDERR_TAIL_LINES`` lines and ``STDERR_TAIL_CHARS`` characters, each line
+    cut to ``STDERR_TAIL_LINE_BYTES``. Filled by the reader thread, read by whoever reports
+    the worker's death."""
+
+    def __init__(self) -> None:
+        self._lines: collections.deque[str] = collections.deque()
+        self._chars = 0
+        self._head = b""  # the start of the line being received
+        self._size = 0  # its length so far
+        self._lock = threading.Lock()
+
+    def add(self, piece: bytes | bytearray, final: bool) -> None:
+        """The next piece of the current line; ``final``: its last piece."""
+        limit = config.STDERR_TAIL_LINE_BYTES
+        room = limit + 4 - len(self._head)  # a few bytes more, to cut between characters
+        if room > 0:
+            self._head += piece[:room]
+        self._size += len(piece)
+        if not final:
+            return
+        head, size = self._head, self._size
+        self._head, self._size = b"", 0
+        if size > limit:
+            cut = _char_start(head, limit)
+            line = head[:cut].decode("utf-8", errors="replace") + f" ... [{size - cut} bytes cut]"
+        else:
+            line = head.decode("utf-8", errors="replace")
+        with self._lock:
+            self._lines.append(line)
+            self._chars += len(line)
+            while (len(self._lines) > config.STDERR_TAIL_LINES
+                   or self._chars > config.STDERR_TAIL_CHARS):
+                self._chars -= len(self._lines.popleft())
+
+    def lines(self) -> tuple[str, ...]:
+        with self._lock:
+            return tuple(self._lines)
+
+
+class _Stream:
+    __slots__ = ("buffer", "closed", "continued", "echo", "fd", "file", "is_stderr", "rank",
+                 "tail")
+
+    def __init__(self, fd: int, rank: int, tail: _StderrTail | None, echo: bool,
+                 file: BinaryIO | None):
         self.fd = fd
         self.rank = rank
-        self.is_stderr = is_stderr
-        self.partial = b""
+        self.is_stderr = tail is not None
+        self.buffer = bytearray()  # the line being received: up to a piece and one read
+        self.continued = False  # pieces of that line were passed on already
         self.tail = tail
         self.closed = threading.Event()
         self.echo = echo
@@ -97,7 +158,7 @@ class _Stream:
 class OutputTap:
     """What one worker process wrote: its stderr tail, and whether its pipes have closed."""
 
-    def __init__(self, streams: list[_Stream], tail: collections.deque) -> None:
+    def __init__(self, streams: list[_Stream], tail: _StderrTail) -> None:
         self._streams = streams
         self._tail = tail
 
@@ -109,7 +170,7 @@ class OutputTap:
         return True
 
     def stderr_tail(self) -> tuple[str, ...]:
-        return tuple(self._tail)
+        return self._tail.lines()
 
 
 class LogPump:
@@ -130,12 +191,11 @@ class LogPump:
 
     def attach(self, rank: int, stdout_fd: int, stderr_fd: int) -> OutputTap:
         """Start reading one worker's pipes (the pump owns and closes the descriptors)."""
-        tail: collections.deque = collections.deque(maxlen=config.STDERR_TAIL_LINES)
+        tail = _StderrTail()
         echo = self._options.shows(rank)
         streams = [
-            _Stream(stdout_fd, rank, False, collections.deque(maxlen=0), echo,
-                    self._open_log(rank, "stdout")),
-            _Stream(stderr_fd, rank, True, tail, echo, self._open_log(rank, "stderr")),
+            _Stream(stdout_fd, rank, None, echo, self._open_log(rank, "stdout")),
+            _Stream(stderr_fd, rank, tail, echo, self._open_log(rank, "stderr")),
         ]
         for stream in streams:
             os.set_blocking(stream.fd, False)
@@ -212,35 +272,66 @@ class LogPump:
                     self._close(stream)
 
     def _read(self, stream: _Stream) -> bool:
-        """Forward complete lines; False at end of file."""
+        """Pass on complete lines, and pieces of overlong ones; False at end of file."""
         try:
-            data = os.read(stream.fd, 65536)
+            data = os.read(stream.fd, _READ_SIZE)
         except BlockingIOError:
             return True
         except OSError:
             data = b""
         if not data:
-            if stream.partial:
-                self._emit(stream, stream.partial)
-                stream.partial = b""
+            if stream.buffer or stream.continued:
+                self._end_line(stream)  # the last line had no newline
             return False
-        data = stream.partial + data
-        *lines, stream.partial = data.split(b"\n")
+        *lines, rest = data.split(b"\n")
         for line in lines:
-            self._emit(stream, line)
+            if stream.buffer or stream.continued or len(line) > config.MAX_LINE_BYTES:
+                stream.buffer += line
+                self._end_line(stream)
+            else:
+                self._emit(stream, line, final=True)
+        stream.buffer += rest
+        self._emit_pieces(stream)
         return True
 
-    def _emit(self, stream: _Stream, raw: bytes) -> None:
-        if stream.file is not None:
+    def _emit_pieces(self, stream: _Stream) -> None:
+        """Pass on the received part of a line too long to hold, a piece at a time (the
+        buffer is appended to and cut from the front: no copy is as long as the line)."""
+        buffer, limit = stream.buffer, config.MAX_LINE_BYTES
+        while len(buffer) > limit:
+            cut = _char_start(buffer, limit)
+            self._emit(stream, buffer[:cut], final=False)
+            del buffer[:cut]
+
+    def _end_line(self, stream: _Stream) -> None:
+        self._emit_pieces(stream)
+        line, stream.buffer = stream.buffer, bytearray()
+        self._emit(stream, line, final=True)
+
+    def _emit(self, stream: _Stream, raw: bytes | bytearray, final: bool) -> None:
+        """Pass on a whole line, or a piece of a long one (``final``: the line ends here)."""
+        if stream.file is not None:  # the bytes as written: pieces join up again
             try:
-                stream.file.write(raw + b"\n")
+                stream.file.write(raw + b"\n" if final else raw)
             except (OSError, ValueError) as exc:  # a full disk must not stop the output pump
                 logger.warning("cannot write rank %d's log file: %s", stream.rank, exc)
-        line = raw.decode("utf-8", errors="replace").rstrip("\r")
-        if stream.is_stderr:
-            stream.tail.append(line)
-        if stream.echo:
-            self._show(self._collapser.add(stream.rank, line, stream.is_stderr, time.monotonic()))
+        continued, stream.continued = stream.continued, not final
+        if final and raw.endswith(b"\r"):
+            raw = raw.rstrip(b"\r")
+        if stream.tail is not None:
+            stream.tail.add(raw, final)
+        if not stream.echo:
+            return
+        if continued and final and not raw:
+            return  # the long line ended exactly at a cut: nothing left to show
+        text = raw.decode("utf-8", errors="replace")
+        if final and not continued and len(text) <= config.COLLAPSE_MAX_LINE:
+            self._show(self._collapser.add(stream.rank, text, stream.is_stderr, time.monotonic()))
+            return
+        # Too long to hold while waiting for identical lines: shown now, after the lines
+        # held so far (which keeps every rank's lines in order).
+        self._show(self._collapser.flush())
+        console.write_line(f"[{format_ranks([stream.rank])}]", text, stderr=stream.is_stderr)
 
     @staticmethod
     def _show(lines: list) -> None:
