@@ -28,6 +28,9 @@ OUTPUT_WAIT = 0.2  # how long a death waits for the rank's last stderr lines
 HANDSHAKE_TIMEOUT = 5.0  # seconds a peer connecting to the controller has to prove the secret
 SPAWN_TIMEOUT = 30.0  # seconds for the node supervisor to report a new worker's pid
 STACKS_TIMEOUT = 1.0  # seconds a rank has to dump its threads' stacks
+STACKS_ON_TIMEOUT = 1.0  # a CallTimeout of at least this many seconds carries stacks
+DEFAULT_HEARTBEAT_TIMEOUT = 180.0  # seconds of silence before a rank is unresponsive
+DEFAULT_STRAGGLER_WARNING = 120.0  # seconds after a call's first answer to name late ranks
 CLEANUP_WAIT = 5.0  # seconds for a rank's keeper to end what the rank left running
 CONNECT_TIMEOUT = 30.0  # seconds a rank's node side has to reach the controller
 # Ray backend

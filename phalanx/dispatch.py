@@ -1,12 +1,14 @@
 """The controller's event pump: routes the events of every channel to futures, and turns a
 rank's EXITED event into ``WorkerDied`` for every call pending on it.
 
-There is no background thread. Whichever thread waits on a future becomes the *leader*
-and polls every descriptor the group's channels asked it to watch (leader/followers); other
-waiting threads sleep on a condition until the leader completes their future or steps down.
-A result therefore reaches the waiting thread with no thread hand-off. Events that a
-backend learns on a thread of its own (a death being finished, Ray's account of one) are
-posted and wake the leader through a self-pipe.
+Whichever thread waits on a future becomes the *leader* and polls every descriptor the
+group's channels asked it to watch (leader/followers); other waiting threads sleep on a
+condition until the leader completes their future or steps down. A result therefore
+reaches the waiting thread with no thread hand-off. Only while futures with done-callbacks
+(or awaited ones) are pending and no thread waits does the group's watchdog thread lead
+(:meth:`Dispatcher.pump_in_background`), stepping down as soon as a thread comes to wait.
+Events that a backend learns on a thread of its own (a death being finished, Ray's account
+of one) are posted and wake the leader through a self-pipe.
 
 Every event names its rank in its header (:mod:`phalanx.protocol`); an event from a
 channel that no longer carries that rank (an earlier incarnation) is dropped.
@@ -27,9 +29,9 @@ from phalanx import protocol, streams
 from phalanx.errors import (
     ProcessFailure,
     RemoteFailure,
-    WorkerDied,
     WorkerError,
     chain_remote,
+    death_error,
 )
 
 if TYPE_CHECKING:
@@ -41,6 +43,7 @@ logger = logging.getLogger(__name__)
 _ROUTE = struct.Struct("<BQI").unpack_from  # kind, call id, rank
 _RESULT = protocol.RESULT
 _YIELD = protocol.YIELD
+_HEARTBEAT = protocol.HEARTBEAT
 
 
 class Slot:
@@ -57,6 +60,10 @@ class Slot:
         self.methods: list[str] = []
         self.init_failure: RemoteFailure | None = None
         self.failure: ProcessFailure | None = None
+        self.started = time.monotonic()  # when its launch began
+        self.seen = self.started  # when it last gave a sign of life (any message)
+        self.timings: dict[str, float] = {}  # its start-up, as READY tells it
+        self.unresponsive = False  # declared so by the watchdog (and being killed)
 
     def settled_start(self) -> bool:
         return self.ready or self.init_failure is not None or not self.alive
@@ -81,6 +88,12 @@ class Dispatcher:
         self._posted_lock = threading.Lock()
         self._on_death = on_death
         self._released = False
+        self._background: set[GroupFuture] = set()  # pending futures with done-callbacks
+        self._background_leads = False
+        self.background_wanted = threading.Event()  # wakes the watchdog to lead
+        # rank -> every thread's stack, for errors that say where late ranks are (set by
+        # the group: taking stacks is the backend's business)
+        self.stacks_of: Callable[[list[int]], dict[int, str]] = lambda ranks: {}
         self.deaths = 0  # incremented on every death and removal: a cheap change counter
 
     # -- the sink channels deliver to (any thread) ------------------------------------
@@ -141,6 +154,8 @@ class Dispatcher:
             cond = self._cond
             with cond:
                 self._followers += 1
+                if self._background_leads:
+                    self._wakeup.wake()  # the watchdog leads: have it step down
                 try:
                     while True:
                         if is_done():
@@ -180,6 +195,41 @@ class Dispatcher:
             if self._followers:  # one of them may lead now, or its future completed
                 with self._cond:
                     self._cond.notify_all()
+
+    # -- completing futures nobody waits on ----------------------------------------------
+
+    def watch_future(self, future: GroupFuture, on: bool) -> None:
+        """Keep delivering to ``future`` (it has done-callbacks) even if no thread waits."""
+        if on:
+            self._background.add(future)
+            self.background_wanted.set()
+        else:
+            self._background.discard(future)
+
+    def has_background_work(self) -> bool:
+        return bool(self._background) and not self._released
+
+    def pump_in_background(self, timeout: float, stop: Callable[[], bool]) -> bool:
+        """Lead for up to ``timeout`` s while futures with callbacks are pending, if no
+        thread leads now (else False); step down when a thread comes to wait (it leads
+        then)."""
+        if not self._lead.acquire(False):
+            return False
+        self._background_leads = True
+        try:
+            deadline = time.monotonic() + timeout
+            while self._background and not self._followers and not stop():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._pump(remaining)
+        finally:
+            self._background_leads = False
+            self._lead.release()
+            if self._followers:
+                with self._cond:
+                    self._cond.notify_all()
+        return True
 
     def poll_now(self) -> None:
         """Process what has already arrived, without blocking (no-op if another thread pumps)."""
@@ -234,6 +284,7 @@ class Dispatcher:
 
     def _on_events(self, channel: Channel, events: list[list[Any]]) -> None:
         by_rank = self._by_rank
+        now = time.monotonic()
         for segs in events:
             first = segs[0]
             kind, call_id, rank = _ROUTE(first)
@@ -242,6 +293,7 @@ class Dispatcher:
                 if rank == protocol.MANY:  # e.g. EXITED for every rank of a lost node
                     self._on_many(channel, segs)
                 continue  # otherwise an earlier incarnation's last words
+            slot.seen = now
             if kind == _RESULT:  # the hot path
                 future = slot.pending.pop(call_id, None)
                 if future is not None:
@@ -250,6 +302,8 @@ class Dispatcher:
                 future = slot.pending.get(call_id)
                 if future is not None:
                     future._yield_rank(rank, segs[1:])  # type: ignore[attr-defined]
+            elif kind == _HEARTBEAT:
+                pass
             else:
                 self._on_control(slot, kind, call_id, protocol.parse(first)[3])
 
@@ -271,7 +325,8 @@ class Dispatcher:
                 )
                 future._fail_rank(slot.rank, chain_remote(error, failure))
         elif kind == protocol.READY:
-            slot.pid, slot.methods = extra
+            slot.pid, slot.methods, slot.timings = extra
+            slot.timings["total"] = time.monotonic() - slot.started
             slot.ready = True
         elif kind == protocol.INIT_ERROR:
             slot.init_failure = RemoteFailure(*extra[0])
@@ -280,7 +335,7 @@ class Dispatcher:
             if failure.pid is None and slot.pid is not None:
                 failure = dataclasses.replace(failure, pid=slot.pid)
             if not slot.alive:  # a fuller account of a death already reported
-                slot.failure = failure
+                slot.failure = failure.merged(slot.failure)
                 return
             self.bury(slot, failure)
             if self._on_death is not None:
@@ -297,7 +352,7 @@ class Dispatcher:
         self.deaths += 1
         pending, slot.pending = slot.pending, {}
         for future in pending.values():
-            future._fail_rank(slot.rank, WorkerDied(failure, method=future.method))
+            future._fail_rank(slot.rank, death_error(failure, future.method))
 
     @staticmethod
     def fail_if_dead(slot: Slot, call_id: int, future: GroupFuture) -> None:
@@ -305,7 +360,7 @@ class Dispatcher:
         if not slot.alive:
             slot.pending.pop(call_id, None)
             failure = slot.failure
-            future._fail_rank(slot.rank, WorkerDied(failure, method=future.method))  # type: ignore[arg-type]
+            future._fail_rank(slot.rank, death_error(failure, future.method))  # type: ignore[arg-type]
 
     def remove(self, slot: Slot) -> None:
         """Stop routing the rank's events to ``slot`` (it is being replaced or stopped)."""

@@ -26,8 +26,13 @@ Every error survives pickling (they cross process boundaries in user code too).
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import signal
+import traceback
+import types
 from typing import Any
+
+from phalanx.dumps import innermost_user_frames
 
 
 def _rebuild(cls: type, args: tuple, state: dict) -> BaseException:
@@ -65,6 +70,18 @@ class RemoteFailure:
     stage: str  # "running the method", "unpickling the arguments", "pickling the result", ...
     pickled: bytes | None  # the exception itself, when it could be pickled
 
+    @classmethod
+    def from_exception(
+        cls, exc: BaseException, stage: str, tb: types.TracebackType | None
+    ) -> RemoteFailure:
+        """The worker's report of ``exc``, its traceback shown from ``tb`` on."""
+        try:
+            message = str(exc)
+        except Exception:  # noqa: BLE001 - a broken __str__ must not lose the report
+            message = f"<unprintable {type(exc).__name__}>"
+        text = _format_traceback(exc, tb)
+        return cls(type(exc).__name__, message, text, stage, _pickle_exception(exc))
+
     def as_tuple(self) -> tuple:
         return dataclasses.astuple(self)
 
@@ -72,8 +89,6 @@ class RemoteFailure:
         """The original exception with the remote traceback as its cause, or None."""
         if self.pickled is None:
             return None
-        import pickle
-
         try:
             exc = pickle.loads(self.pickled)
         except Exception:  # noqa: BLE001 - any failure to rebuild means "keep the text only"
@@ -82,6 +97,79 @@ class RemoteFailure:
             return None
         exc.__cause__ = RemoteTraceback(self.traceback)
         return exc
+
+
+class _WithoutInit:
+    """Pickles as ``_rebuild(cls, args, attributes)``: the exception comes back without its
+    ``__init__`` being called, as phalanx's own errors do."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def __reduce__(self) -> tuple:
+        return (_rebuild, (type(self.exc), self.exc.args, dict(vars(self.exc))))
+
+
+def _pickle_exception(exc: BaseException) -> bytes | None:
+    """``exc`` pickled so that the controller can rebuild it; None when it cannot be.
+
+    Pickle rebuilds an exception as ``cls(*exc.args)``, which fails when ``__init__`` takes
+    other arguments than it passes on (``E(a, b)`` calling ``super().__init__(f"{a}-{b}")``),
+    and fails only when unpickled. So each way is checked by unpickling it here, where the
+    classes are the controller's own (imported, or cloudpickled by value from its
+    ``__main__`` and mapped back to the originals there); the second way restores ``args``
+    and the attributes without calling ``__init__``.
+    """
+    import cloudpickle  # only when reporting an exception (see wire.dumps)
+
+    for candidate in (exc, _WithoutInit(exc)):
+        try:
+            pickled = cloudpickle.dumps(candidate, protocol=5)
+            if isinstance(pickle.loads(pickled), BaseException):
+                return pickled
+        except Exception:  # noqa: BLE001 - try the next way; at worst the text travels alone
+            continue
+    return None
+
+
+# What cloudpickle (3.1 on) writes as the file name of code it pickles by value: the
+# functions and classes of the user's __main__, closures, classes defined in functions.
+_SHIPPED_CODE = "<dynamic-code>"
+
+
+def _format_traceback(exc: BaseException, tb: types.TracebackType | None) -> str:
+    """``traceback.format_exception`` of ``exc`` from ``tb`` on, where frames of code shipped
+    by value name their real file, from the ``__file__`` that cloudpickle ships with their
+    globals, so that they read as in a local traceback: path, line number, source line."""
+    report = traceback.TracebackException(type(exc), exc, tb, compact=True)
+    pending = [(report, exc, tb)]
+    seen: set[int] = set()
+    while pending:  # the exception, then its chain (__cause__, __context__, groups)
+        part, raised, frames_tb = pending.pop()
+        if id(part) in seen:
+            continue
+        seen.add(id(part))
+        frames = [frame for frame, _ in traceback.walk_tb(frames_tb)]
+        if len(frames) == len(part.stack):  # unless sys.tracebacklimit cut it short
+            for i, frame in enumerate(frames):
+                path = frame.f_globals.get("__file__")
+                if frame.f_code.co_filename == _SHIPPED_CODE and isinstance(path, str):
+                    part.stack[i] = _in_file(part.stack[i], path)
+        linked = [(part.__cause__, raised.__cause__), (part.__context__, raised.__context__)]
+        groups = getattr(part, "exceptions", None) or (), getattr(raised, "exceptions", ())
+        linked += zip(*groups, strict=False)
+        for linked_part, linked_exc in linked:
+            if linked_part is not None and linked_exc is not None:
+                pending.append((linked_part, linked_exc, linked_exc.__traceback__))
+    return "".join(report.format())
+
+
+def _in_file(summary: traceback.FrameSummary, path: str) -> traceback.FrameSummary:
+    moved = traceback.FrameSummary(path, summary.lineno, summary.name)  # reads the line
+    for position in ("end_lineno", "colno", "end_colno"):  # Python 3.11 on
+        if hasattr(summary, position):
+            setattr(moved, position, getattr(summary, position))
+    return moved
 
 
 class WorkerError(PhalanxError):
@@ -161,6 +249,8 @@ class ProcessFailure:
     exitcode: int | None  # negative: killed by that signal; None: unknown
     stderr_tail: tuple[str, ...] = ()
     reason: str | None = None  # what the backend knows of the cause (Ray: "the node died")
+    silent_for: float | None = None  # set when it was killed for giving no sign of life
+    stack: str | None = None  # its threads' stacks when that happened, if they could be taken
 
     @property
     def signal(self) -> str | None:
@@ -173,6 +263,19 @@ class ProcessFailure:
     def as_dict(self) -> dict:
         """Plain data, as a node side sends it in an EXITED message."""
         return dataclasses.asdict(self)
+
+    def merged(self, earlier: ProcessFailure | None) -> ProcessFailure:
+        """This later account of a death, keeping what an earlier one knew and it does not
+        (why the rank was killed, its stack)."""
+        if earlier is None:
+            return self
+        return dataclasses.replace(
+            self,
+            reason=earlier.reason or self.reason,
+            silent_for=self.silent_for if self.silent_for is not None else earlier.silent_for,
+            stack=self.stack or earlier.stack,
+            stderr_tail=self.stderr_tail or earlier.stderr_tail,
+        )
 
     @classmethod
     def from_dict(cls, data: dict) -> ProcessFailure:
@@ -192,6 +295,10 @@ class WorkerDied(PhalanxError):
             f"rank {failure.rank} (node {failure.node}, pid {failure.pid}) died{during}: "
             f"{failure.cause}"
         )
+        if failure.stack:
+            where = innermost_user_frames(failure.stack)
+            if where:
+                text += "\nwhere it was:\n  " + "\n  ".join(where)
         if failure.stderr_tail:
             text += "\nlast lines of its stderr:\n  " + "\n  ".join(failure.stderr_tail)
         super().__init__(text)
@@ -204,6 +311,24 @@ class WorkerDied(PhalanxError):
         self.stderr_tail = failure.stderr_tail
         self.cause = failure.cause
         self.method = method
+
+
+class WorkerUnresponsive(WorkerDied):
+    """A rank gave no sign of life for ``heartbeat_timeout`` seconds (stopped, deadlocked
+    with the GIL held, stuck in a C call): phalanx killed it so that it cannot come back
+    half-alive. ``.silent_for`` says how long it was silent; ``.stack`` holds its threads'
+    stacks when it was declared unresponsive (or why they could not be taken)."""
+
+    def __init__(self, failure: ProcessFailure, *, method: str | None = None) -> None:
+        super().__init__(failure, method=method)
+        self.silent_for = failure.silent_for
+        self.stack = failure.stack
+
+
+def death_error(failure: ProcessFailure, method: str | None = None) -> WorkerDied:
+    """The error for calls pending on a rank that ended this way."""
+    kind = WorkerUnresponsive if failure.silent_for is not None else WorkerDied
+    return kind(failure, method=method)
 
 
 class StartupError(PhalanxError):
@@ -222,14 +347,20 @@ class StartupError(PhalanxError):
 class CallTimeout(PhalanxError, TimeoutError):
     """A call's ``timeout`` passed before every selected rank answered."""
 
-    def __init__(self, method: str, timeout: float, pending_ranks: list[int]) -> None:
-        super().__init__(
-            f"{method}() did not finish within {timeout:g} s on ranks {pending_ranks}; "
-            "the call keeps running there (use group.stacks() or a larger timeout=)"
-        )
+    def __init__(self, method: str, timeout: float, pending_ranks: list[int],
+                 stacks: dict[int, str] | None = None) -> None:
+        text = (f"{method}() did not finish within {timeout:g} s on ranks {pending_ranks}; "
+                "the call keeps running there (see group.stacks(), or pass a larger timeout=)")
+        where = {rank: innermost_user_frames(dump) for rank, dump in (stacks or {}).items()}
+        if any(where.values()):
+            text += "\nwhere the late ranks are:" + "".join(
+                f"\n  rank {rank}: " + "; ".join(frames)
+                for rank, frames in sorted(where.items()) if frames)
+        super().__init__(text)
         self.method = method
         self.timeout = timeout
         self.pending_ranks = pending_ranks
+        self.stacks = stacks or {}  # rank -> every thread's stack when the timeout passed
 
 
 class GroupClosed(PhalanxError):

@@ -503,7 +503,9 @@ def merge_env(
     """Layer the environments: inherited, then phalanx's, then the user's global, then per rank.
 
     Values must be strings (as ``os.environ`` requires); anything else is a clear error
-    before any process starts.
+    before any process starts. So is a user variable that would change one phalanx sets
+    (``RANK``, ``MASTER_PORT``, ``CUDA_VISIBLE_DEVICES``...): the ranks would disagree
+    with each other, or with the controller, about who they are and where to meet.
     """
     env = dict(base)
     env.setdefault("PYTHONUNBUFFERED", "1")  # so worker output streams line by line
@@ -515,5 +517,12 @@ def merge_env(
                     f"{label} entries must be str -> str, got {key!r}: {value!r} "
                     f"({type(value).__name__})"
                 )
-            env[key] = value
+        clash = sorted(k for k, v in (source or {}).items() if k in generic and generic[k] != v)
+        if clash:
+            raise ValueError(
+                f"{label} sets {', '.join(clash)}, which phalanx sets itself for each rank "
+                f"(here {', '.join(f'{k}={generic[k]!r}' for k in clash)}); leave "
+                f"{'it' if len(clash) == 1 else 'them'} out (GPUs: use gpus_per_worker=)"
+            )
+        env.update(source or {})
     return env

@@ -7,6 +7,12 @@ does the receiving, which is what keeps a call's round trip close to a raw pipe'
 A group future *fails fast*: its first failing rank makes ``result()`` raise at once,
 without waiting for the other ranks of that call.
 
+Futures fit the ecosystem: ``add_done_callback``; ``as_concurrent()`` gives a
+``concurrent.futures.Future`` for ``concurrent.futures.wait``/``as_completed``; ``await``
+needs no thread. While callbacks are pending and no thread waits, the group's watchdog
+thread drives the dispatcher, so results still arrive; callbacks run on whichever thread
+received the completing message, and must not block.
+
 Per-rank state lives in flat lists inside the group future (a call in flight costs two
 small objects, not one per rank): pipelining tens of thousands of calls stays cheap for the
 allocator and the garbage collector. Results are unpickled on first access.
@@ -15,16 +21,20 @@ allocator and the garbage collector. Results are unpickled on first access.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import pickle
 from collections.abc import Callable, Generator, Iterator
 from typing import TYPE_CHECKING, Any
 
+from phalanx import config
 from phalanx.errors import CallTimeout, SerializationError
+from phalanx.options import check_seconds
 
 if TYPE_CHECKING:
     from phalanx.dispatch import Dispatcher
 
 _loads = pickle.loads
+logger = logging.getLogger(__name__)
 
 
 class _Pending:
@@ -46,6 +56,7 @@ class GroupFuture:
     """
 
     __slots__ = (
+        "_callbacks",
         "_cancelled",
         "_decoded",
         "_dispatcher",
@@ -75,6 +86,7 @@ class GroupFuture:
         # For synchronous calls the group defers the sends to the first wait (see
         # Dispatcher.wait); anything that looks at the future sends them first.
         self._kickoff: Callable[[], None] | None = None
+        self._callbacks: list[Callable[[GroupFuture], Any]] | None = None
 
     # -- completion (dispatcher side) -------------------------------------------------
 
@@ -91,6 +103,8 @@ class GroupFuture:
         if self._values[i] is _PENDING:
             self._values[i] = segments
             self._remaining -= 1
+            if self._remaining == 0 and self._callbacks is not None:
+                self._settle()
 
     def _fail_rank(self, rank: int, error: BaseException) -> None:
         i = self._index(rank)
@@ -103,6 +117,18 @@ class GroupFuture:
         self._remaining -= 1
         if self._failed < 0:
             self._failed = i
+            if self._callbacks is not None:
+                self._settle()
+
+    def _settle(self) -> None:
+        """Run the done-callbacks, once."""
+        callbacks, self._callbacks = self._callbacks, None
+        self._dispatcher.watch_future(self, False)
+        for callback in callbacks or ():
+            try:
+                callback(self)
+            except Exception:
+                logger.exception("a done-callback of %s() raised", self.method)
 
     # -- state ------------------------------------------------------------------------
 
@@ -114,6 +140,10 @@ class GroupFuture:
     def futures(self) -> list[RankFuture]:
         """The per-rank futures, in rank order."""
         return [RankFuture(self, i) for i in range(len(self._ranks))]
+
+    def _late_ranks(self) -> list[int]:
+        """The ranks that have not answered yet."""
+        return [r for r, v in zip(self._ranks, self._values, strict=True) if v is _PENDING]
 
     def _settled(self) -> bool:
         return self._remaining == 0 or self._failed >= 0 or self._cancelled
@@ -151,12 +181,17 @@ class GroupFuture:
             kickoff()
 
     def _wait(self, is_done: Callable[[], bool], timeout: float | None) -> None:
+        if timeout is not None:
+            check_seconds(timeout)
         kickoff, self._kickoff = self._kickoff, None
         if kickoff is None and is_done():
             return
         if not self._dispatcher.wait(is_done, timeout, kickoff):
-            pending = [r for r, v in zip(self._ranks, self._values, strict=True) if v is _PENDING]
-            raise CallTimeout(self.method, timeout or 0.0, pending)
+            pending = self._late_ranks()
+            # where the late ranks are, unless the caller polls with short timeouts
+            stacks = (self._dispatcher.stacks_of(pending)
+                      if timeout is not None and timeout >= config.STACKS_ON_TIMEOUT else None)
+            raise CallTimeout(self.method, timeout or 0.0, pending, stacks)
 
     # -- user side --------------------------------------------------------------------
 
@@ -205,6 +240,8 @@ class GroupFuture:
         if self._remaining == 0 or self._failed >= 0:
             return False
         self._cancelled = True
+        if self._callbacks is not None:
+            self._settle()
         return True
 
     def cancelled(self) -> bool:
@@ -224,12 +261,26 @@ class GroupFuture:
                 left.remove(i)
                 yield RankFuture(self, i)
 
-    def __await__(self) -> Generator[Any, None, list[Any]]:
-        import asyncio
-
+    def add_done_callback(self, fn: Callable[[GroupFuture], Any]) -> None:
+        """Call ``fn(future)`` once the future is done (every rank answered, one failed, or
+        it was cancelled); at once if it already is. Results arrive even if no thread
+        waits (see the module docstring)."""
         self._kick()
-        loop = asyncio.get_running_loop()
-        return (yield from loop.run_in_executor(None, self.result).__await__())
+        if self._settled():
+            fn(self)
+            return
+        if self._callbacks is None:
+            self._callbacks = []
+            self._dispatcher.watch_future(self, True)
+        self._callbacks.append(fn)
+
+    def as_concurrent(self) -> concurrent.futures.Future:
+        """A ``concurrent.futures.Future`` that completes with this one (for
+        ``concurrent.futures.wait`` and ``as_completed``); cancelling it cancels this."""
+        return _bridge(self)
+
+    def __await__(self) -> Generator[Any, None, list[Any]]:
+        return _await(self)
 
     def __len__(self) -> int:
         return len(self._ranks)
@@ -264,8 +315,9 @@ class RankFuture:
         group, i = self._group, self._i
         try:
             group._wait(lambda: group._is_done(i), timeout)
-        except CallTimeout:
-            raise CallTimeout(group.method, timeout or 0.0, [self.rank]) from None
+        except CallTimeout as exc:
+            stacks = {self.rank: exc.stacks[self.rank]} if self.rank in exc.stacks else None
+            raise CallTimeout(group.method, timeout or 0.0, [self.rank], stacks) from None
 
     def result(self, timeout: float | None = None) -> Any:
         """The rank's return value; raises its error, or CallTimeout after ``timeout`` s."""
@@ -312,17 +364,64 @@ class ShardedFuture:
     def cancel(self) -> bool:
         return self._future.cancel()
 
+    def cancelled(self) -> bool:
+        return self._future.cancelled()
+
     @property
     def futures(self) -> list[RankFuture]:
         """Per-rank futures of every called rank (dummy calls included), in rank order."""
         return self._future.futures
 
-    def __await__(self) -> Generator[Any, None, list[Any]]:
-        import asyncio
+    def add_done_callback(self, fn: Callable[[ShardedFuture], Any]) -> None:
+        """Call ``fn(future)`` once this call is done (see
+        :meth:`GroupFuture.add_done_callback`)."""
+        self._future.add_done_callback(lambda _: fn(self))
 
-        self._future._kick()
-        loop = asyncio.get_running_loop()
-        return (yield from loop.run_in_executor(None, self.result).__await__())
+    def as_concurrent(self) -> concurrent.futures.Future:
+        """A ``concurrent.futures.Future`` that completes with this one."""
+        return _bridge(self)
+
+    def __await__(self) -> Generator[Any, None, list[Any]]:
+        return _await(self)
 
     def __repr__(self) -> str:
         return f"<ShardedFuture called={self.called_ranks} results from={self.result_ranks}>"
+
+
+def _bridge(future: GroupFuture | ShardedFuture) -> concurrent.futures.Future:
+    bridge: concurrent.futures.Future = concurrent.futures.Future()
+
+    def done(_: Any) -> None:
+        if future.cancelled():
+            bridge.cancel()
+            return
+        if not bridge.set_running_or_notify_cancel():
+            return
+        try:
+            bridge.set_result(future.result())
+        except BaseException as exc:  # noqa: BLE001 - handed to the bridge's waiters
+            bridge.set_exception(exc)
+
+    bridge.add_done_callback(lambda b: b.cancelled() and future.cancel())
+    future.add_done_callback(done)
+    return bridge
+
+
+def _await(future: GroupFuture | ShardedFuture) -> Generator[Any, None, list[Any]]:
+    """``await future`` on the running event loop, with no thread parked per awaiter."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+
+    def wake(_: Any) -> None:
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(lambda: waiter.done() or waiter.set_result(None))
+
+    future.add_done_callback(wake)
+    try:
+        yield from waiter.__await__()
+    except asyncio.CancelledError:
+        future.cancel()
+        raise
+    return future.result()

@@ -21,18 +21,21 @@ from phalanx.errors import (
     GroupClosed,
     PhalanxError,
     SerializationError,
-    WorkerDied,
+    death_error,
 )
 from phalanx.frameworks import Layout, check_layout, merge_env, worker_env
 from phalanx.futures import GroupFuture
 from phalanx.logs import OutputOptions
 from phalanx.meshcalls import MeshCalls, merge_common_kwargs
 from phalanx.methods import MethodProxy
+from phalanx.options import check_count, check_seconds
 from phalanx.placement import check_node_gpus, new_launch, place
+from phalanx.replace import Replacing, _channels
 from phalanx.selection import Workers, select_ranks
 from phalanx.startup import await_ready
 from phalanx.streaming import StreamCalls, StreamFuture
 from phalanx.watch import Watching
+from phalanx.watchdog import Watchdog
 
 if TYPE_CHECKING:
     from phalanx.sharding import NamedSharding
@@ -44,9 +47,9 @@ logger = logging.getLogger(__name__)
 _live_groups: weakref.WeakSet[WorkerGroup] = weakref.WeakSet()
 
 
-def _channels(slots: Sequence[Slot]) -> list:
-    """The distinct channels of ``slots`` (a node channel may carry several of them)."""
-    return list({id(s.channel): s.channel for s in slots}.values())
+def _heartbeat_interval(timeout: float | None) -> float | None:
+    """How often ranks send a heartbeat: a few times per timeout, at most every 5 s."""
+    return None if timeout is None else min(5.0, max(0.01, timeout / 5))
 
 
 @atexit.register
@@ -55,7 +58,7 @@ def _shutdown_at_exit() -> None:
         group.shutdown()
 
 
-class WorkerGroup(MeshCalls, StreamCalls, Watching):
+class WorkerGroup(MeshCalls, StreamCalls, Watching, Replacing):
     """A group of worker processes, each holding one instance of ``target``.
 
     ``target`` is a class (or any picklable callable returning the worker object), or a
@@ -78,6 +81,12 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching):
     several ranks within a moment are shown once as ``[ranks 0-3] ...`` (``collapse_output``);
     ``log_ranks`` shows only those ranks' lines; ``log_dir`` also writes every rank's
     output to ``rank-N.stdout.log`` / ``rank-N.stderr.log`` there.
+
+    Supervision: every rank sends a heartbeat from a thread of its own; one silent for
+    ``heartbeat_timeout`` seconds (stopped, or stuck in a C call holding the GIL) is
+    declared unresponsive: its calls fail with :class:`WorkerUnresponsive` and it is killed
+    (None: never). When some ranks answered a call ``straggler_warning`` seconds ago and
+    others have not, the late ranks and where their code is are logged (None: never).
     """
 
     def __init__(
@@ -102,6 +111,8 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching):
         cwd: str | None = None,
         mesh: NamedSharding | Mapping[str, int] | None = None,
         dp_axis: str = "dp",
+        heartbeat_timeout: float | None = config.DEFAULT_HEARTBEAT_TIMEOUT,
+        straggler_warning: float | None = config.DEFAULT_STRAGGLER_WARNING,
     ) -> None:
         settings = config.Settings.from_env()
         if not (callable(target) or isinstance(target, types.ModuleType)):
@@ -110,8 +121,12 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching):
             raise TypeError(f"args must be a tuple or list, got {type(args).__name__}")
         if kwargs is not None and not isinstance(kwargs, Mapping):
             raise TypeError(f"kwargs must be a mapping, got {type(kwargs).__name__}")
-        if not isinstance(concurrency, int) or isinstance(concurrency, bool) or concurrency < 1:
-            raise ValueError(f"concurrency must be a positive integer, got {concurrency!r}")
+        check_count(concurrency, "concurrency")
+        check_count(nodes, "nodes")
+        self._heartbeat_timeout = check_seconds(heartbeat_timeout, "heartbeat_timeout",
+                                                allow_zero=False)
+        self._straggler_warning = check_seconds(straggler_warning, "straggler_warning",
+                                                allow_zero=False)
         self._backend: Backend = create_backend(backend)  # checks the name; starts nothing
         self._placement = place(framework, nodes, procs_per_node, gpus_per_worker,
                                 self._backend.gpus_per_node(nodes))
@@ -132,9 +147,9 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching):
             self._dp_leaders = dp_leaders(self._sharding, dp_axis)
         for rank in range(self.world_size):  # type errors in env now, before any resource
             merge_env({}, {}, env, (rank_env or {}).get(rank))
-        self._start_timeout = settings.start_timeout if start_timeout is None else start_timeout
-        if self._start_timeout <= 0:
-            raise ValueError(f"start_timeout must be positive, got {self._start_timeout!r}")
+        self._start_timeout = check_seconds(
+            settings.start_timeout if start_timeout is None else start_timeout,
+            "start_timeout", allow_zero=False)
         self._progress = settings.progress
         self._target_name = getattr(target, "__qualname__", getattr(target, "__name__", "target"))
         try:
@@ -147,7 +162,8 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching):
             ) from exc
         self._boot = Boot(
             payload=init_payload,
-            options={"concurrency": concurrency, "framework": framework},
+            options={"concurrency": concurrency, "framework": framework,
+                     "heartbeat": _heartbeat_interval(self._heartbeat_timeout)},
             sys_path=tuple(sys.path),
             cwd=cwd,
         )
@@ -161,6 +177,8 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching):
         self._deaths_seen = -1  # dispatcher.deaths when every rank was last seen alive
         self._slots: list[Slot | None] = [None] * self.world_size
         self._dispatcher = Dispatcher(on_death=self._on_death)
+        self._dispatcher.stacks_of = self._stacks_of
+        self._watchdog: Watchdog | None = None
         try:
             self._backend.open(output)
             # Exit handlers run last-registered first: ours must run before those of what
@@ -168,9 +186,15 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching):
             atexit.unregister(_shutdown_at_exit)
             atexit.register(_shutdown_at_exit)
             self._reserve()
+            self._watchdog = Watchdog(
+                self._dispatcher, self._live_slots, self._take_stacks,
+                heartbeat_timeout=self._heartbeat_timeout,
+                straggler_warning=self._straggler_warning)
             self._start_ranks(list(range(self.world_size)))
         except BaseException:
             self._closed = True
+            if self._watchdog is not None:
+                self._watchdog.stop()
             self._dispatcher.release()
             self._backend.close()
             raise
@@ -244,9 +268,10 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching):
             env=env,
         )
 
-    def _start_ranks(self, ranks: list[int]) -> None:
-        """Launch ``ranks`` (one batch per node) and wait until every one is ready. A rank
-        becomes visible to calls only once its INIT is on its way."""
+    def _start_ranks(self, ranks: list[int], timeout: float | None = None) -> None:
+        """Launch ``ranks`` (one batch per node) and wait until every one is ready (within
+        ``timeout``, default ``start_timeout``). A rank becomes visible to calls only once
+        its INIT is on its way."""
         by_node: dict[int, list[RankStart]] = {}
         for rank in ranks:
             by_node.setdefault(self._layout.node_of(rank), []).append(self._starts[rank])
@@ -265,7 +290,7 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching):
             await_ready(
                 self._dispatcher,
                 slots,
-                timeout=self._start_timeout,
+                timeout=self._start_timeout if timeout is None else timeout,
                 progress=self._progress,
                 target_name=self._target_name,
             )
@@ -298,7 +323,7 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching):
         if workers == "all" and self._dispatcher.deaths == self._deaths_seen:
             return self._all_ranks  # no rank died since every rank was last known alive
         if type(workers) is list and workers and self._all_usable(workers):
-            return workers  # live ranks, valid and in increasing order: nothing to resolve
+            return list(workers)  # live, valid, increasing; a copy: the caller may change theirs
         if workers in ("ready", "any"):
             self._dispatcher.poll_now()  # learn of deaths that already happened
         alive = [s is not None and s.alive for s in self._slots]
@@ -308,7 +333,7 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching):
         for r in ranks:
             slot = self._slots[r]
             if slot is None or not slot.alive:
-                raise WorkerDied(slot.failure if slot is not None else None)  # type: ignore[arg-type]
+                raise death_error(slot.failure if slot is not None else None)  # type: ignore[arg-type]
         if workers == "any" and not ranks:
             raise GroupClosed("workers='any': no rank of this group is alive")
         return ranks
@@ -408,6 +433,8 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching):
 
         ``rank0_only_axes`` (with a mesh) keeps only the ranks at coordinate 0 on those axes.
         """
+        if timeout is not None:
+            check_seconds(timeout)
         self._check_method(method)
         ranks = self._select(workers, rank0_only_axes)
         payload = self._encode(args, kwargs)
@@ -481,6 +508,8 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching):
         **kwarg_lists: Sequence[Any],
     ) -> list[Any]:
         """Call ``method`` with one item of each list per rank; results in rank order."""
+        if timeout is not None:
+            check_seconds(timeout)
         ranks, payloads = self._map_payloads(
             method, arg_lists, workers, rank0_only_axes, common_kwargs, kwarg_lists
         )
@@ -495,36 +524,6 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching):
     def _on_death(self, slot: Slot) -> None:
         if not self._closed and slot.ready and slot.failure is not None:
             logger.warning("rank %d (pid %s) died: %s", slot.rank, slot.pid, slot.failure.cause)
-
-    # -- replacing workers ------------------------------------------------------------
-
-    def recreate(self, rank: int) -> None:
-        """Start a fresh process for ``rank`` (stopping the old one if it still runs), with the
-        same environment and constructor arguments."""
-        self._check_open()
-        (rank,) = select_ranks([rank], [True] * self.world_size)
-        old = self._slots[rank]
-        if old is not None:
-            self._retire([old], grace=config.DEFAULT_TERM_GRACE)
-        self._start_ranks([rank])
-        logger.info("recreated rank %d", rank)
-
-    def restart(self) -> None:
-        """Replace every worker process, keeping the layout and the nodes (pending calls
-        fail)."""
-        self._check_open()
-        self._retire([s for s in self._slots if s is not None], grace=config.DEFAULT_TERM_GRACE)
-        self._new_launch()
-        self._start_ranks(list(range(self.world_size)))
-        logger.info("restarted %d workers", self.world_size)
-
-    def _retire(self, slots: list[Slot], *, grace: float, force: bool = False) -> None:
-        for slot in slots:
-            self._dispatcher.remove(slot)
-        self._backend.stop(_channels(slots), grace=grace, force=force)
-        for slot in slots:
-            if slot.alive or slot.pending:
-                self._dispatcher.bury(slot, slot.channel.exit_record(slot.rank))
 
     # -- shutdown ---------------------------------------------------------------------
 
@@ -545,6 +544,7 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching):
         """
         if self._closed:
             return
+        check_seconds(timeout, "shutdown timeout")
         deadline = time.monotonic() + timeout
         try:
             if cleanup is not None and not force:
@@ -559,6 +559,8 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching):
         slots = [s for s in self._slots if s is not None]
         self._closed = True
         _live_groups.discard(self)
+        if self._watchdog is not None:
+            self._watchdog.stop()
         # Idle workers are asked to exit and given until the deadline (atexit handlers,
         # framework cleanup); workers still busy with a call would only finish work whose
         # result nobody can receive any more, so they are terminated at once.

@@ -1,12 +1,12 @@
-"""Starting, watching and stopping worker processes on this machine.
+"""Starting, watching and stopping worker processes on the machine they run on.
 
-Used by the local backend (and, later, by each cluster agent for its node). A worker is a
-fresh interpreter running :mod:`phalanx.worker` in its own process group (so a terminal's
-Ctrl-C reaches the controller only, and the worker's whole process tree can be signalled), with a
-pair of control pipes, piped stdout/stderr, and a pidfd whose readability *is* the death
-event.
+A worker is a fresh interpreter running :mod:`phalanx.worker` in its own process group (so
+a terminal's Ctrl-C reaches the controller only, and the worker's whole process tree can be
+signalled). Local ranks are started by the node supervisor (:mod:`phalanx.supervisor`),
+through the same interpreter command line; a Ray rank actor starts its rank here
+(:func:`spawn_connected`, :class:`PrestartedWorker`) and supervises it as
+:class:`LocalProcess`, with a pidfd whose readability *is* the death event.
 """
-
 from __future__ import annotations
 
 import logging
@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TypeVar
 
-from phalanx import config
+from phalanx import config, proctree
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -163,19 +163,17 @@ class LocalProcess:
 
 
 def signal_descendants(pid: int, sig: int) -> None:
-    """Signal the descendants that left the worker's process group (e.g. via setsid)."""
-    try:
-        import psutil
-    except ImportError:  # pragma: no cover - psutil is a core dependency
+    """Signal the descendants that left the worker's process group (e.g. via setsid).
+
+    Read from /proc, not with psutil: importing psutil while the interpreter exits (a
+    group shut down by its atexit handler) would clear Python's note of an unhandled
+    Ctrl-C, and the script would exit with status 1 instead of dying of SIGINT."""
+    if not sys.platform.startswith("linux"):  # pragma: no cover
         return
-    try:
-        children = psutil.Process(pid).children(recursive=True)
-    except psutil.Error:
-        return
-    for child in children:
+    for child in proctree.descendants(pid):
         try:
-            child.send_signal(sig)
-        except psutil.Error:
+            os.kill(child, sig)
+        except (ProcessLookupError, PermissionError):
             pass
 
 
@@ -210,25 +208,6 @@ def is_worker_command(cmdline: list[str]) -> bool:
     )
 
 
-def spawn_worker(env: Mapping[str, str], cwd: str | None = None) -> LocalProcess:
-    """Start a worker interpreter (:func:`phalanx.worker.main`) with ``env`` and a pair of
-    control pipes."""
-    to_worker_r, to_worker_w = os.pipe()
-    from_worker_r, from_worker_w = os.pipe()
-    child_fds = (to_worker_r, from_worker_w)
-    try:
-        popen = _spawn(env, cwd, f"pipe:{to_worker_r},{from_worker_w}", child_fds,
-                       subprocess.PIPE, subprocess.PIPE)
-    except BaseException:
-        os.close(to_worker_w)
-        os.close(from_worker_r)
-        raise
-    finally:
-        for fd in child_fds:
-            os.close(fd)
-    return LocalProcess(popen, from_worker_r, to_worker_w)
-
-
 def _spawn(
     env: Mapping[str, str],
     cwd: str | None,
@@ -236,12 +215,17 @@ def _spawn(
     fds: tuple[int, ...],
     stdout: int | None,
     stderr: int | None,
+    stacks_fd: int | None = None,
 ) -> subprocess.Popen:
     """A worker interpreter, forked on the spawn thread, told where its control stream is
-    (``fd_spec``, see :func:`phalanx.worker._open_stream`) and whose child it is."""
+    (``fd_spec``, see :func:`phalanx.worker._open_stream`), whose child it is, and where to
+    dump its stacks (see :mod:`phalanx.stacks`)."""
     full_env = dict(env)
     full_env[config.ENV_FD] = fd_spec
     full_env[config.ENV_PARENT_PID] = str(os.getpid())
+    if stacks_fd is not None:
+        full_env[config.ENV_STACKS_FD] = str(stacks_fd)
+        fds = (*fds, stacks_fd)
 
     def start() -> subprocess.Popen:
         return subprocess.Popen(
@@ -276,13 +260,14 @@ class PrestartedWorker:
     """A worker interpreter started before its rank is known (its imports done meanwhile),
     waiting on a Unix socket for its assignment; it exits if that socket closes first."""
 
-    def __init__(self, env: Mapping[str, str]) -> None:
+    def __init__(self, env: Mapping[str, str], stacks_fd: int | None = None) -> None:
         self.env = dict(env)
         self._sock, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             # until it is assigned, what it prints goes where its starter's output goes
             popen = _spawn({"PYTHONUNBUFFERED": "1", **env}, None,
-                           f"handoff:{child.fileno()}", (child.fileno(),), None, None)
+                           f"handoff:{child.fileno()}", (child.fileno(),), None, None,
+                           stacks_fd)
             self.proc = LocalProcess(popen, -1, -1)
         finally:
             child.close()
@@ -324,13 +309,15 @@ def spawn_connected(
     control: Sequence[int],
     stdout_fd: int,
     stderr_fd: int,
+    stacks_fd: int | None = None,
 ) -> LocalProcess:
     """Start a worker interpreter whose control stream (a socket, or a pair of pipes: read
     end, write end) and output already reach its controller (a node side that supervises
     ranks it does not talk to: a Ray actor, an agent). The caller keeps its copies."""
     spec = (f"socket:{control[0]}" if len(control) == 1
             else f"pipe:{control[0]},{control[1]}")
-    return LocalProcess(_spawn(env, cwd, spec, tuple(control), stdout_fd, stderr_fd), -1, -1)
+    return LocalProcess(_spawn(env, cwd, spec, tuple(control), stdout_fd, stderr_fd, stacks_fd),
+                        -1, -1)
 
 
 def stop_processes(

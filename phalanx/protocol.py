@@ -16,11 +16,12 @@ Message kinds (payload = the segments after the header: a pickle and its buffers
                          CALL         method                payload (args, kwargs)
                          CALL_STREAM  method                payload (args, kwargs)
                          SHUTDOWN
-    rank -> controller   READY        (pid, method_names)
+    rank -> controller   READY        (pid, method_names, start-up timings)
                          INIT_ERROR   (RemoteFailure tuple)
                          RESULT                             payload value
                          YIELD                              payload item (RESULT ends the stream)
                          ERROR        (RemoteFailure tuple)
+                         HEARTBEAT                          a sign of life, sent from a thread
     node side -> ctrl    EXITED       (ProcessFailure fields)  the rank's process ended
 
 ``EXITED`` is what the node side of a backend (the local backend's process watcher, a Ray
@@ -48,6 +49,7 @@ RESULT = 2
 YIELD = 9
 ERROR = 3
 EXITED = 10
+HEARTBEAT = 11
 
 MANY = 0xFFFFFFFF  # rank field of a message for several ranks (their list follows)
 
@@ -149,8 +151,12 @@ def shutdown_frame(rank: int | Sequence[int]) -> list[Any]:
 # -- ranks -> controller ------------------------------------------------------------------
 
 
-def ready_frame(rank: int, pid: int, methods: list[str]) -> list[Any]:
-    return wire.frame([header(READY, 0, rank, pid, methods)])
+def ready_frame(rank: int, pid: int, methods: list[str], timings: dict[str, float]) -> list[Any]:
+    return wire.frame([header(READY, 0, rank, pid, methods, timings)])
+
+
+def heartbeat_frame(rank: int) -> list[Any]:
+    return wire.frame([_HEAD.pack(HEARTBEAT, 0, rank)])
 
 
 def init_error_frame(rank: int, failure: tuple) -> list[Any]:

@@ -7,7 +7,7 @@ import time
 from phalanx import config
 from phalanx.console import Progress
 from phalanx.dispatch import Dispatcher, Slot
-from phalanx.errors import StartupError, WorkerDied
+from phalanx.errors import StartupError, death_error
 
 
 def await_ready(
@@ -69,7 +69,7 @@ def startup_error(slot: Slot) -> StartupError:
         return error
     if slot.failure is None:  # pragma: no cover - a dead slot always has its record
         raise RuntimeError(f"rank {slot.rank} failed without a failure record")
-    died = WorkerDied(slot.failure)
+    died = death_error(slot.failure)
     error = StartupError(f"rank {slot.rank} died during start-up: {died}", rank=slot.rank)
     error.__cause__ = died
     return error

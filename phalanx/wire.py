@@ -22,6 +22,8 @@ frames, and never looks inside segment 0.
 from __future__ import annotations
 
 import collections
+import functools
+import io
 import logging
 import pickle
 import select
@@ -55,14 +57,40 @@ def dumps(obj: Any) -> list[Any]:
     Classes and functions from ``__main__``, notebooks and closures are pickled by value;
     contiguous buffers (numpy, torch CPU tensors) are returned as memoryviews, not copied.
     """
-    import cloudpickle  # here, not at the top: a worker whose calls carry only plain data
-    #                     never pays for importing it (~15 ms of every worker's start-up)
-
     buffers: list[pickle.PickleBuffer] = []
-    stream = cloudpickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    with io.BytesIO() as file:
+        _pickler()(file, protocol=5, buffer_callback=buffers.append).dump(obj)
+        stream = file.getvalue()
     if not buffers:
         return [stream]
     return [stream, *(b.raw() for b in buffers)]
+
+
+@functools.cache
+def _pickler() -> type:
+    """cloudpickle's pickler, keeping the file name of code it ships by value.
+
+    cloudpickle replaces it with ``<dynamic-code>`` (for reproducible pickles); kept, the
+    ranks' tracebacks and stack dumps name the user's script and line, as local ones do.
+    Imported on first use: a worker whose calls carry only plain data never pays for
+    importing cloudpickle (~15 ms of every worker's start-up).
+    """
+    import types
+
+    import cloudpickle
+
+    base = cloudpickle.Pickler
+    reduce_code = base.dispatch_table[types.CodeType]
+
+    def keep_filename(code: types.CodeType) -> tuple:
+        rebuild, args = reduce_code(code)
+        return rebuild, tuple(code.co_filename if isinstance(a, str) and a == "<dynamic-code>"
+                              else a for a in args)
+
+    return type("Pickler", (base,), {
+        "dispatch_table": collections.ChainMap({types.CodeType: keep_filename},
+                                               base.dispatch_table),
+    })
 
 
 _PLAIN_TYPES = frozenset({int, float, str, bytes, bool, type(None)})

@@ -28,7 +28,6 @@ import struct
 import sys
 import threading
 import time
-import traceback
 import types
 from typing import Any
 
@@ -59,6 +58,36 @@ def arm_stack_dumps() -> None:
 
     os.set_inheritable(int(fd), False)
     faulthandler.register(config.STACKS_SIGNAL, file=int(fd), all_threads=True, chain=False)
+
+
+def _beat(conn: wire.Connection, rank: int, interval: float) -> None:
+    """Send HEARTBEAT every ``interval`` s from a thread of its own: the controller hears
+    nothing while the process is stopped or a C call holds the GIL."""
+
+    def beat() -> None:
+        frame = protocol.heartbeat_frame(rank)
+        while True:
+            time.sleep(interval)
+            try:
+                conn.send(frame)
+            except wire.ConnectionLost:
+                return
+
+    threading.Thread(target=beat, name="phalanx-heartbeat", daemon=True).start()
+
+
+def _process_age() -> float:
+    """Seconds since this process was created (the kernel counts in clock ticks)."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            stat = f.read()
+        ticks = int(stat[stat.rfind(b")") + 2:].split()[19])
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return 0.0
+
+
+_STARTED = (time.monotonic(), 0.0)  # when main() began, and how long the process had lived
 
 
 def _watch_for_hangup(stream: streams.Stream) -> None:
@@ -116,18 +145,7 @@ def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
 
 
 def _failure(exc: BaseException, stage: str) -> RemoteFailure:
-    text = "".join(traceback.format_exception(type(exc), exc, _user_frames(exc.__traceback__)))
-    try:
-        message = str(exc)
-    except Exception:  # noqa: BLE001 - a broken __str__ must not lose the report
-        message = f"<unprintable {type(exc).__name__}>"
-    try:
-        import cloudpickle  # only when reporting an exception (see wire.dumps)
-
-        pickled: bytes | None = cloudpickle.dumps(exc, protocol=5)
-    except Exception:  # noqa: BLE001 - unpicklable exceptions travel as text only
-        pickled = None
-    return RemoteFailure(type(exc).__name__, message, text, stage, pickled)
+    return RemoteFailure.from_exception(exc, stage, _user_frames(exc.__traceback__))
 
 
 _CALL_ID = struct.Struct("<Q").unpack_from
@@ -163,26 +181,36 @@ class WorkerRuntime:
             frames = self.conn.reader.recv_frames()
             if frames:
                 break
+        clock = time.monotonic
+        timings = {"interpreter": _STARTED[1], "waiting": clock() - _STARTED[0]}
         segs = frames[0]
         self._early_frames = frames[1:]
         kind, _, ranks, (sys_path, options) = protocol.parse(segs[0])
         if kind != protocol.INIT:
             raise RuntimeError(f"expected INIT, got message kind {kind}")
         self.rank = ranks[0]
+        if options.get("heartbeat"):
+            _beat(self.conn, self.rank, options["heartbeat"])
         sys.path[:] = list(dict.fromkeys([*sys_path, *sys.path]))
         stage = "unpickling the target"
         try:
             framework = options.get("framework")
             if framework not in (None, "spmd"):
                 stage = f"starting the {framework} framework"
+                began = clock()
                 self._start_framework(framework)
+                timings["framework"] = clock() - began
                 stage = "unpickling the target"
+            began = clock()
             target, args, kwargs = wire.loads(segs[1:])
+            timings["import"] = clock() - began
             stage = "constructing the worker object"
+            began = clock()
             if isinstance(target, types.ModuleType):
                 self.obj = target
             else:
                 self.obj = target(*args, **kwargs)
+            timings["constructor"] = clock() - began
         except BaseException as exc:  # noqa: BLE001 - reported to the controller
             failure = _failure(exc, stage)
             self.conn.send(protocol.init_error_frame(self.rank, failure.as_tuple()))
@@ -194,7 +222,8 @@ class WorkerRuntime:
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 concurrency, thread_name_prefix="phalanx-call"
             )
-        self.conn.send(protocol.ready_frame(self.rank, os.getpid(), public_methods(self.obj)))
+        self.conn.send(protocol.ready_frame(self.rank, os.getpid(), public_methods(self.obj),
+                                            timings))
         return True
 
     def _start_framework(self, name: str) -> None:
@@ -457,6 +486,8 @@ def _default_signals() -> None:
 
 
 def main() -> None:
+    global _STARTED
+    _STARTED = (time.monotonic(), _process_age())
     _default_signals()
     arm_stack_dumps()
     parent = int(os.environ.pop(config.ENV_PARENT_PID, "0"))

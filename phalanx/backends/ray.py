@@ -223,6 +223,14 @@ class RayChannel(Channel):
         except Exception as exc:  # noqa: BLE001 - the actor is gone: so is the rank
             logger.debug("signal %s to rank %d not delivered: %s", sig, self.rank, exc)
 
+    def stacks(self, rank: int, timeout: float) -> str:
+        """Taken by the actor, on the rank's node."""
+        try:
+            return self._backend._ray.get(self.actor.stacks.remote(timeout),
+                                          timeout=timeout + config.RAY_SIGNAL_TIMEOUT)
+        except Exception as exc:  # noqa: BLE001 - the actor is gone, or too slow to answer
+            return f"(no stack: its Ray actor did not answer: {type(exc).__name__}: {exc})"
+
     def exit_record(self, rank: int) -> ProcessFailure:
         reason = self._reason
         if reason is None and self._exitcode is None:

@@ -163,8 +163,11 @@ class RankActor:
     """One rank's place in Ray: placed in its bundle, supervising the rank's process."""
 
     def __init__(self) -> None:
+        from phalanx.stacks import StackFile
+
         _become_subreaper()
         self._proc = None
+        self._stack_file = StackFile()  # the rank dumps its stacks here on request
         # The rank's interpreter starts now, beside the constructor (which returns at
         # once), while the controller is still placing the other actors: by the time this
         # rank is assigned its imports are done.
@@ -178,7 +181,8 @@ class RankActor:
         from phalanx import node
 
         try:
-            self._spare = node.PrestartedWorker({**os.environ, "PYTHONUNBUFFERED": "1"})
+            self._spare = node.PrestartedWorker({**os.environ, "PYTHONUNBUFFERED": "1"},
+                                                stacks_fd=self._stack_file.fd)
         except OSError:  # serve() starts one the ordinary way
             self._spare = None
 
@@ -229,7 +233,8 @@ class RankActor:
         else:
             if spare is not None:
                 spare.discard()
-            proc = node.spawn_connected(full_env, cwd, control, out, err)
+            proc = node.spawn_connected(full_env, cwd, control, out, err,
+                                        stacks_fd=self._stack_file.fd)
         self._proc = proc
         return proc
 
@@ -280,6 +285,12 @@ class RankActor:
 
         if self._proc is not None:
             node.stop_processes([self._proc], grace=grace, force=grace <= 0)
+
+    def stacks(self, timeout: float) -> str:
+        """Every thread's stack of the rank's process (see :mod:`phalanx.stacks`)."""
+        if self._proc is None:
+            return "(no stack: the rank's process has not started)"
+        return self._stack_file.take(self._proc.pid, timeout)
 
     def signal(self, sig: int) -> None:
         """Deliver ``sig`` to the rank's process group, as a terminal would."""

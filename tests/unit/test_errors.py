@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import threading
 
 import cloudpickle
 import pytest
@@ -140,3 +141,84 @@ def test_unrebuildable_remote_exception_still_carries_the_traceback():
         error = chain_remote(WorkerError(failure, rank=0, node=0, pid=1, method="m"), failure)
         assert isinstance(error.__cause__, RemoteTraceback)
         assert "ValueError: bad value" in error.__cause__.text
+
+
+class TwoArguments(Exception):
+    """Pickle alone cannot rebuild it: it would call ``TwoArguments("a-2")``."""
+
+    def __init__(self, a, b):
+        super().__init__(f"{a}-{b}")
+        self.a = a
+        self.b = b
+
+
+def _raised(exc: Exception) -> RemoteFailure:
+    try:
+        raise exc
+    except Exception as raised:
+        return RemoteFailure.from_exception(raised, "running the method", raised.__traceback__)
+
+
+def _defined_here() -> type:
+    """An exception class that cloudpickle pickles by value, like one from ``__main__``."""
+
+    class LocalTwoArguments(Exception):
+        def __init__(self, a, b):
+            super().__init__(f"{a}-{b}")
+            self.a = a
+            self.b = b
+
+    return LocalTwoArguments
+
+
+@pytest.mark.parametrize("cls", [TwoArguments, _defined_here()],
+                         ids=["by-reference", "by-value"])
+def test_an_exception_whose_init_takes_two_arguments_is_rebuilt(cls):
+    failure = _raised(cls("a", 2))
+    assert (failure.exc_type, failure.message) == (cls.__name__, "a-2")
+    with pytest.raises(cls) as info:
+        raise failure.rebuild()
+    rebuilt = info.value
+    assert type(rebuilt) is cls
+    assert rebuilt.args == ("a-2",) and (rebuilt.a, rebuilt.b) == ("a", 2)
+    assert isinstance(rebuilt.__cause__, RemoteTraceback)
+    assert f"{cls.__name__}: a-2" in rebuilt.__cause__.text
+
+
+def test_an_exception_that_pickles_normally_is_rebuilt_through_its_init():
+    failure = _raised(OSError(2, "No such file", "/missing"))
+    rebuilt = failure.rebuild()
+    assert type(rebuilt) is FileNotFoundError
+    assert (rebuilt.errno, rebuilt.filename) == (2, "/missing")
+
+
+def test_an_exception_that_cannot_be_pickled_travels_as_text():
+    error = TwoArguments("a", 2)
+    error.lock = threading.Lock()
+    failure = _raised(error)
+    assert failure.pickled is None and failure.rebuild() is None
+    assert "TwoArguments: a-2" in failure.traceback
+
+
+def test_code_pickled_by_value_shows_its_file_line_and_source():
+    def lookup():
+        return {}["missing"]
+
+    def fail():
+        try:
+            lookup()
+        except KeyError as exc:
+            raise TwoArguments("a", 2) from exc
+
+    shipped = cloudpickle.loads(cloudpickle.dumps(fail))  # nested: pickled by value
+    try:
+        shipped()
+    except TwoArguments as exc:
+        text = RemoteFailure.from_exception(exc, "running the method", exc.__traceback__).traceback
+    assert "<dynamic-code>" not in text
+    raise_line = fail.__code__.co_firstlineno + 4
+    lookup_line = lookup.__code__.co_firstlineno + 1
+    assert f'File "{__file__}", line {raise_line}, in fail\n' in text
+    assert '    raise TwoArguments("a", 2) from exc\n' in text
+    assert f'File "{__file__}", line {lookup_line}, in lookup\n' in text
+    assert '    return {}["missing"]\n' in text

@@ -1,0 +1,135 @@
+"""Replacing ranks of a running group: ``recreate`` (with re-admission) and ``restart``."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from phalanx import config
+from phalanx.errors import PhalanxError, StartupError
+from phalanx.options import check_seconds
+from phalanx.selection import select_ranks
+
+if TYPE_CHECKING:
+    from phalanx.backends import Backend, RankStart
+    from phalanx.dispatch import Dispatcher, Slot
+    from phalanx.frameworks import Layout
+    from phalanx.futures import GroupFuture
+
+logger = logging.getLogger(__name__)
+
+READMIT_ENV = "PHALANX_READMIT"  # "1" in the environment of a rank started to be re-admitted
+
+
+def _channels(slots: Sequence[Slot]) -> list:
+    """The distinct channels of ``slots`` (a node channel may carry several of them)."""
+    return list({id(s.channel): s.channel for s in slots}.values())
+
+
+class Replacing:
+    """Mixin of :class:`~phalanx.group.WorkerGroup`: replacing rank processes."""
+
+    _slots: list[Slot | None]
+    _starts: list[RankStart]
+    _layout: Layout
+    _backend: Backend
+    _dispatcher: Dispatcher
+    _start_timeout: float
+    _check_open: Callable[[], None]
+    _check_method: Callable[[str], None]
+    _new_launch: Callable[[], None]
+    _start_ranks: Callable[..., None]
+    _send: Callable[..., GroupFuture]
+    world_size: int
+
+    def recreate(
+        self,
+        ranks: int | Sequence[int],
+        *,
+        timeout: float | None = None,
+        readmit: str | None = None,
+    ) -> None:
+        """Start a fresh process for each of ``ranks`` (stopping the old one if it still
+        runs), with the same constructor arguments.
+
+        The fresh ranks must be ready within ``timeout`` seconds (default: the group's
+        ``start_timeout``), else :class:`StartupError` (and they are stopped): a rank whose
+        constructor waits for peers that will not come fails then, not minutes later.
+
+        ``readmit`` re-forms a collective group (torch.distributed, ...) around the fresh
+        ranks. They start on a new rendezvous (fresh ``MASTER_PORT``), with
+        ``PHALANX_READMIT=1`` in their environment: their constructor should not join a
+        collective group then. Once they are up, the method named by ``readmit`` is called
+        on every live rank at once, fresh ones included, with the new rendezvous (a dict
+        of the variables every rank shares, e.g. ``MASTER_ADDR``, ``MASTER_PORT``,
+        ``WORLD_SIZE``), within ``timeout`` too; it should leave the old group and join the
+        new one, e.g. ``dist.destroy_process_group(); os.environ.update(rendezvous);
+        dist.init_process_group("gloo")``.
+        """
+        self._check_open()
+        timeout = check_seconds(timeout, allow_zero=False)
+        if timeout is None:
+            timeout = self._start_timeout
+        if readmit is not None:
+            if not isinstance(readmit, str):
+                raise TypeError(f"readmit must be a method name, got {readmit!r}")
+            self._check_method(readmit)
+        fresh = select_ranks([ranks] if isinstance(ranks, int) else ranks,
+                             [True] * self.world_size)
+        if not fresh:
+            raise ValueError("recreate() needs at least one rank")
+        old = [s for s in (self._slots[r] for r in fresh) if s is not None]
+        if old:
+            self._retire(old, grace=config.DEFAULT_TERM_GRACE)
+        if readmit is not None:
+            self._new_launch()  # a new rendezvous: the old one may still be held
+            for rank in fresh:
+                start = self._starts[rank]
+                self._starts[rank] = type(start)(
+                    rank=start.rank, node=start.node, local_rank=start.local_rank,
+                    env={**start.env, READMIT_ENV: "1"})
+        self._start_ranks(fresh, timeout=timeout)
+        if readmit is not None:
+            self._readmit(readmit, timeout)
+        logger.info("recreated ranks %s%s", fresh, f" (re-admitted by {readmit}())"
+                    if readmit else "")
+
+    def rendezvous(self) -> dict[str, str]:
+        """The variables every rank got with the same value (``MASTER_ADDR``,
+        ``MASTER_PORT``, ``WORLD_SIZE``, ...): the group's current rendezvous."""
+        envs = [dict(start.env) for start in self._starts]
+        shared = envs[0]
+        for env in envs[1:]:
+            shared = {k: v for k, v in shared.items() if env.get(k) == v}
+        shared.pop(READMIT_ENV, None)
+        return shared
+
+    def _readmit(self, method: str, timeout: float) -> None:
+        rendezvous = self.rendezvous()
+        alive = [r for r, s in enumerate(self._slots) if s is not None and s.alive]
+        future = self._send(method, alive, [self._encode((rendezvous,), {})])  # type: ignore[attr-defined]
+        try:
+            future.result(timeout)
+        except PhalanxError as exc:
+            raise StartupError(
+                f"re-admission failed: {method}() on ranks {alive} did not complete within "
+                f"{timeout:g} s: {exc}",
+            ) from exc
+
+    def restart(self) -> None:
+        """Replace every worker process, keeping the layout and the nodes (pending calls
+        fail)."""
+        self._check_open()
+        self._retire([s for s in self._slots if s is not None], grace=config.DEFAULT_TERM_GRACE)
+        self._new_launch()
+        self._start_ranks(list(range(self.world_size)))
+        logger.info("restarted %d workers", self.world_size)
+
+    def _retire(self, slots: list[Slot], *, grace: float, force: bool = False) -> None:
+        for slot in slots:
+            self._dispatcher.remove(slot)
+        self._backend.stop(_channels(slots), grace=grace, force=force)
+        for slot in slots:
+            if slot.alive or slot.pending:
+                self._dispatcher.bury(slot, slot.channel.exit_record(slot.rank))
