@@ -3,13 +3,15 @@
 Layers (a module imports only from layers below its own)::
 
     api        __init__ (this file), cli, launch, spmd, group, meshcalls, streaming, watch,
-               methods
-    runtime    startup, dispatch, futures, backends/* (base: the node-level boundary;
-               local; ray, ray_actor, ray_session; ray_placement is pure), node, logs,
-               placement, worker, bootstrap
+               replace, methods
+    runtime    startup, dispatch, futures, watchdog, backends/* (base: the
+               node-level boundary; local; ray, ray_actor, ray_session; ray_placement is
+               pure), node, supervisor (the node supervisor and its per-rank keepers),
+               proctree, stacks, logs, placement, worker, bootstrap, debug
     protocol   protocol (the messages), handshake (proving the group's secret)
     transport  wire (framing, serialisation), streams (pipes, sockets)
-    pure       errors, config, frameworks, selection, sharding, collapse, console
+    pure       errors, config, options, frameworks, selection, sharding, collapse, dumps,
+               console
 
 The pure layer does no process or socket I/O and is tested without spawning anything.
 """
@@ -34,6 +36,9 @@ _EXPORTS = {
     "StartupError": "phalanx.errors",
     "WorkerDied": "phalanx.errors",
     "WorkerError": "phalanx.errors",
+    "WorkerUnresponsive": "phalanx.errors",
+    "StackReport": "phalanx.watch",
+    "StartupReport": "phalanx.watch",
     "GroupFuture": "phalanx.futures",
     "NamedSharding": "phalanx.sharding",
     "ShardedFuture": "phalanx.futures",
@@ -59,10 +64,13 @@ __all__ = [
     "RayBackend",
     "SerializationError",
     "ShardedFuture",
+    "StackReport",
     "StartupError",
+    "StartupReport",
     "WorkerDied",
     "WorkerError",
     "WorkerGroup",
+    "WorkerUnresponsive",
     "__version__",
     "breakpoint",
     "spmd",
@@ -82,12 +90,13 @@ if TYPE_CHECKING:
         StartupError,
         WorkerDied,
         WorkerError,
+        WorkerUnresponsive,
     )
     from phalanx.futures import GroupFuture, RankFuture, ShardedFuture
     from phalanx.group import WorkerGroup
     from phalanx.sharding import NamedSharding
     from phalanx.spmd import spmd
-    from phalanx.watch import RankHealth
+    from phalanx.watch import RankHealth, StackReport, StartupReport
 
 
 def __getattr__(name: str) -> Any:

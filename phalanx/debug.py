@@ -54,7 +54,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
-from phalanx.errors import PhalanxError
+from phalanx.errors import DebuggerUnavailable
 
 ENV_DEBUG_DIR = "PHALANX_DEBUG_DIR"  # where ranks register while they wait for a debugger
 TOKEN_TIMEOUT = 5.0  # seconds a connecting client has to send the token
@@ -63,10 +63,6 @@ INPUT_MARKER = b"\0"  # rank -> client: "pdb now waits for one line of input"
 _TOKEN_LINE_LIMIT = 256  # bytes; a longer first line is not a token
 _START_TIME_SLACK = 1.0  # seconds; a pid whose process started later than recorded was reused
 _RANK_VARS = ("RANK", "PHALANX_RANK")
-
-
-class DebuggerUnavailable(PhalanxError):
-    """``phalanx debug`` cannot attach: no rank waits, not the one named, or it refused."""
 
 
 def default_dir(environ: Mapping[str, str] | None = None) -> Path:

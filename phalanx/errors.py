@@ -7,14 +7,20 @@
      │                               died or did not report ready within ``start_timeout``
      ├── WorkerError                 user code (or (un)pickling in the worker) raised during a call
      ├── WorkerDied                  the worker process exited or was killed; also raised at once
-     │                               for a call to a rank already known dead
+     │    │                          for a call to a rank already known dead
+     │    └── WorkerUnresponsive     silent past ``heartbeat_timeout`` (stopped, stuck holding
+     │                               the GIL): killed; carries how long and its stacks
      ├── CallTimeout (TimeoutError)  a call's ``timeout`` passed before every rank answered
      ├── GroupClosed                 the group was shut down (pending calls end with this)
      ├── SerializationError          the controller could not pickle a call's arguments (nothing
      │                               was sent) or could not unpickle a rank's result
      ├── AuthenticationError         a peer failed to prove the group's secret (it is dropped)
+     ├── DebuggerUnavailable         ``phalanx debug`` found no waiting rank to attach to
      └── FrameworkNotInstalled       ``framework=`` names a framework whose package is missing
          (ImportError)               (raised before any process starts)
+
+    UnknownAxisError (ValueError, KeyError)      NamedSharding: no axis of that name
+    NonIntegerLayoutError (ValueError, TypeError) NamedSharding: ranks that are not integers
 
 ``WorkerError`` keeps the remote exception as its ``__cause__`` when it can be rebuilt in the
 controller; that exception's own cause is a :class:`RemoteTraceback` holding the worker's
@@ -398,3 +404,25 @@ class FrameworkNotInstalled(PhalanxError, ImportError):
         self.framework = framework
         self.package = package
         self.install = install
+
+
+class DebuggerUnavailable(PhalanxError):
+    """``phalanx debug`` cannot attach: no rank waits, not the one named, or it refused."""
+
+
+class UnknownAxisError(ValueError, KeyError):
+    """An axis name the sharding does not have.
+
+    A ``ValueError`` as in NeMo-RL's ``get_ranks`` / ``get_axis_index``, and a ``KeyError``
+    as its ``get_axis_size`` raises, so an ``except`` written for either still catches it.
+    """
+
+    __str__ = ValueError.__str__  # KeyError's would quote the whole message
+
+
+class NonIntegerLayoutError(ValueError, TypeError):
+    """A layout (or a replacement rank) that is not made of integer ranks.
+
+    A ``ValueError`` as NeMo-RL raises for fractional ranks, and a ``TypeError`` as it raises
+    (through numpy) for a layout of strings or other non-numbers.
+    """

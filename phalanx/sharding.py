@@ -25,23 +25,7 @@ from typing import Any
 
 import numpy as np
 
-
-class UnknownAxisError(ValueError, KeyError):
-    """An axis name the sharding does not have.
-
-    A ``ValueError`` as in NeMo-RL's ``get_ranks`` / ``get_axis_index``, and a ``KeyError``
-    as its ``get_axis_size`` raises, so an ``except`` written for either still catches it.
-    """
-
-    __str__ = ValueError.__str__  # KeyError's would quote the whole message
-
-
-class NonIntegerLayoutError(ValueError, TypeError):
-    """A layout (or a replacement rank) that is not made of integer ranks.
-
-    A ``ValueError`` as NeMo-RL raises for fractional ranks, and a ``TypeError`` as it raises
-    (through numpy) for a layout of strings or other non-numbers.
-    """
+from phalanx.errors import NonIntegerLayoutError, UnknownAxisError
 
 
 class NamedSharding:
