@@ -168,6 +168,7 @@ def test_every_builder_round_trips_through_the_wire():
         protocol.result_frame(12, 2, wire.dumps("item"), item=True),
         protocol.end_of_stream_frame(12, 2),
         protocol.error_frame(13, 2, failure),
+        protocol.heartbeat_frame(2),
     ]
     got = transmit(*frames)
     heads = [parse(f[0]) for f in got]
@@ -183,11 +184,12 @@ def test_every_builder_round_trips_through_the_wire():
         (YIELD, 12, (2,), ()),
         (RESULT, 12, (2,), ()),
         (ERROR, 13, (2,), (failure,)),
+        (protocol.HEARTBEAT, 0, (2,), ()),
     ]
     assert wire.loads(got[0][1:]) == ("T", (1,), {})
     assert wire.loads(got[1][1:]) == ((3,), {})
     assert wire.loads(got[2][1:]) == ((), {})
-    assert [len(got[i]) for i in (3, 4, 5, 6, 10)] == [1] * 5  # no payload
+    assert [len(got[i]) for i in (3, 4, 5, 6, 10, 11)] == [1] * 6  # no payload
     assert wire.loads(got[7][1:]) == {"loss": 0.5}
     assert wire.loads(got[8][1:]) == "item"
     assert wire.loads(got[9][1:]) is None  # the end of a stream is a RESULT of None
