@@ -3,7 +3,7 @@
 Layers (a module imports only from layers below its own)::
 
     api        __init__ (this file), cli, launch, spmd, group, meshcalls, streaming, watch,
-               replace, methods
+               lifecycle, methods
     runtime    startup, dispatch, futures, watchdog, backends/* (base: the
                node-level boundary; local; ray, ray_actor, ray_session; ray_placement is
                pure), node, supervisor (the node supervisor and its per-rank keepers),

@@ -8,7 +8,6 @@ import itertools
 import logging
 import os
 import sys
-import time
 import types
 import weakref
 from collections.abc import Mapping, Sequence
@@ -19,18 +18,17 @@ from phalanx.backends import Backend, Boot, RankStart, create_backend
 from phalanx.dispatch import Dispatcher, Slot
 from phalanx.errors import (
     GroupClosed,
-    PhalanxError,
     SerializationError,
     death_error,
 )
 from phalanx.frameworks import Layout, check_layout, merge_env, worker_env
 from phalanx.futures import GroupFuture
+from phalanx.lifecycle import Lifecycle
 from phalanx.logs import OutputOptions
 from phalanx.meshcalls import MeshCalls, merge_common_kwargs
 from phalanx.methods import MethodProxy
 from phalanx.options import check_count, check_seconds
 from phalanx.placement import check_node_gpus, new_launch, place
-from phalanx.replace import Replacing, _channels
 from phalanx.selection import Workers, select_ranks
 from phalanx.startup import await_ready
 from phalanx.streaming import StreamCalls, StreamFuture
@@ -58,7 +56,7 @@ def _shutdown_at_exit() -> None:
         group.shutdown()
 
 
-class WorkerGroup(MeshCalls, StreamCalls, Watching, Replacing):
+class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle):
     """A group of worker processes, each holding one instance of ``target``.
 
     ``target`` is a class (or any picklable callable returning the worker object), or a
@@ -297,6 +295,10 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching, Replacing):
         except BaseException:
             self._retire(slots, grace=0.0, force=True)  # they stay known as dead ranks
             raise
+        if logger.isEnabledFor(logging.DEBUG):
+            for slot in slots:
+                logger.debug("rank %d start-up (s): %s", slot.rank, ", ".join(
+                    f"{k} {v:.3f}" for k, v in slot.timings.items()))
         if self._methods is None:
             self._methods = slots[0].methods
             self._method_set = frozenset(self._methods)
@@ -521,74 +523,12 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching, Replacing):
             return MethodProxy(self, name)
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
+    def _unregister(self) -> None:
+        _live_groups.discard(self)
+
     def _on_death(self, slot: Slot) -> None:
         if not self._closed and slot.ready and slot.failure is not None:
             logger.warning("rank %d (pid %s) died: %s", slot.rank, slot.pid, slot.failure.cause)
-
-    # -- shutdown ---------------------------------------------------------------------
-
-    def shutdown(
-        self,
-        cleanup: str | None = None,
-        timeout: float = config.DEFAULT_SHUTDOWN_TIMEOUT,
-        force: bool = False,
-    ) -> None:
-        """Stop every worker: optional ``cleanup`` method on all live ranks, a graceful exit
-        within ``timeout``, then SIGTERM and SIGKILL of each worker's process tree.
-
-        Idle workers exit on their own (running their atexit handlers); workers still busy
-        with a call are terminated at once, since its result could not be delivered.
-
-        Idempotent. Pending calls end with :class:`GroupClosed`. On return no process the
-        group started is alive.
-        """
-        if self._closed:
-            return
-        check_seconds(timeout, "shutdown timeout")
-        deadline = time.monotonic() + timeout
-        try:
-            if cleanup is not None and not force:
-                try:
-                    self.call(cleanup, workers="ready", timeout=timeout)
-                except PhalanxError as exc:
-                    logger.warning("cleanup method %r failed: %s", cleanup, exc)
-        finally:
-            self._teardown(deadline, force)
-
-    def _teardown(self, deadline: float, force: bool) -> None:
-        slots = [s for s in self._slots if s is not None]
-        self._closed = True
-        _live_groups.discard(self)
-        if self._watchdog is not None:
-            self._watchdog.stop()
-        # Idle workers are asked to exit and given until the deadline (atexit handlers,
-        # framework cleanup); workers still busy with a call would only finish work whose
-        # result nobody can receive any more, so they are terminated at once.
-        idle = [s for s in slots if s.alive and not s.pending]
-        if not force:
-            for slot in idle:
-                slot.channel.send(protocol.shutdown_frame(slot.rank))
-            remaining = max(0.0, deadline - time.monotonic())
-            self._backend.wait_exited(_channels(idle), remaining)
-        self._dispatcher.close(
-            lambda method, rank: GroupClosed(
-                f"the group was shut down while {method}() was pending on rank {rank}"
-            ),
-            slots,
-        )
-        grace = min(config.DEFAULT_TERM_GRACE, max(0.0, deadline - time.monotonic()))
-        self._backend.stop(_channels(slots), grace=grace, force=force)
-        for slot in slots:
-            slot.alive = False
-        self._dispatcher.release()
-        self._backend.close()
-        logger.info("shut down %d workers of %s", self.world_size, self._target_name)
-
-    def __enter__(self) -> WorkerGroup:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.shutdown()
 
     def __repr__(self) -> str:
         layout = self.__dict__.get("_layout")

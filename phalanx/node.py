@@ -2,10 +2,12 @@
 
 A worker is a fresh interpreter running :mod:`phalanx.worker` in its own process group (so
 a terminal's Ctrl-C reaches the controller only, and the worker's whole process tree can be
-signalled). Local ranks are started by the node supervisor (:mod:`phalanx.supervisor`),
-through the same interpreter command line; a Ray rank actor starts its rank here
-(:func:`spawn_connected`, :class:`PrestartedWorker`) and supervises it as
-:class:`LocalProcess`, with a pidfd whose readability *is* the death event.
+signalled). Every worker is started by a node supervisor (:mod:`phalanx.supervisor`), which
+returns it as a :class:`~phalanx.supervisor.SupervisedProcess`: the local backend's
+controller runs one for its ranks, each Ray rank actor one for its rank. This module holds
+what is common to both: the worker's command line, the one thread every ``Popen`` comes
+from, a worker started before its rank is known (:class:`PrestartedWorker`), and stopping
+workers with escalation.
 """
 from __future__ import annotations
 
@@ -83,85 +85,6 @@ class _SpawnThread:
                 done.put((False, exc))
 
 
-class LocalProcess:
-    """One worker process on this machine, and the controller's end of its control socket."""
-
-    def __init__(self, popen: subprocess.Popen, read_fd: int, write_fd: int) -> None:
-        self.popen = popen
-        self.pid = popen.pid
-        self.read_fd = read_fd  # the controller's ends of the control pipes
-        self.write_fd = write_fd
-        try:
-            self.death_fd: int | None = os.pidfd_open(popen.pid)
-        except (AttributeError, OSError):  # pre-5.3 kernels, other platforms
-            self.death_fd = None
-        self._descendants: list = []  # psutil.Process objects seen before a graceful exit
-        self.stdout_fd = self.stderr_fd = -1
-        if popen.stdout is not None:  # piped: the log pump owns our copies, close Popen's
-            self.stdout_fd = os.dup(popen.stdout.fileno())
-            self.stderr_fd = os.dup(popen.stderr.fileno())  # type: ignore[union-attr]
-            popen.stdout.close()
-            popen.stderr.close()  # type: ignore[union-attr]
-
-    def exitcode(self, timeout: float = 0.0) -> int | None:
-        """Reap and return the exit code; None if still running after ``timeout``."""
-        try:
-            return self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def signal_tree(self, sig: int) -> None:
-        """Send ``sig`` to the worker and everything in its session's process group."""
-        signal_descendants(self.pid, sig)
-        try:
-            os.killpg(self.pid, sig)  # the worker leads its own process group
-        except (ProcessLookupError, PermissionError):
-            pass
-        if self.popen.returncode is None:
-            try:
-                self.popen.send_signal(sig)
-            except ProcessLookupError:
-                pass
-
-    def signal_group(self, sig: int) -> None:
-        """Send ``sig`` to the worker's process group, as a terminal would to a foreground
-        job (its own child processes included)."""
-        try:
-            os.killpg(self.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-    def remember_descendants(self) -> None:
-        """Note the worker's descendants now: once it exits they are orphans that no longer
-        show up as its children (and those that left its process group escape killpg)."""
-        try:
-            import psutil
-
-            found = psutil.Process(self.pid).children(recursive=True)
-        except Exception:  # noqa: BLE001 - psutil.Error: the worker is already gone
-            return
-        known = {p.pid for p in self._descendants}
-        self._descendants += [p for p in found if p.pid not in known]
-
-    def kill_remembered(self) -> None:
-        for child in self._descendants:
-            try:
-                if child.is_running():  # compares start times: safe against pid reuse
-                    child.kill()
-            except Exception:  # noqa: BLE001 - psutil.Error: it exited meanwhile
-                pass
-        self._descendants = []
-
-    def release(self) -> None:
-        """Close the pidfd (the control pipes belong to their Connection)."""
-        if self.death_fd is not None:
-            os.close(self.death_fd)
-            self.death_fd = None
-
-
 def signal_descendants(pid: int, sig: int) -> None:
     """Signal the descendants that left the worker's process group (e.g. via setsid).
 
@@ -176,14 +99,6 @@ def signal_descendants(pid: int, sig: int) -> None:
         except (ProcessLookupError, PermissionError):
             pass
 
-
-# Each worker leads its own process group (so its whole tree can be signalled, and a
-# terminal's Ctrl-C reaches the controller only) but stays in the controller's session: a
-# new session would also put it in a new scheduler autogroup, which on Linux makes every
-# controller <-> worker wake-up cross CPUs and costs tens of microseconds per call.
-_OWN_PROCESS_GROUP: dict = (
-    {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
-)
 
 # The worker must find phalanx even when the controller imported it from a path of its own
 # (sys.path edits, a notebook's cwd): put the package's parent first, then run the worker.
@@ -206,49 +121,6 @@ def is_worker_command(cmdline: list[str]) -> bool:
     return len(cmdline) == 3 and cmdline[1] == "-c" and "from phalanx.worker import main" in (
         cmdline[2]
     )
-
-
-def _spawn(
-    env: Mapping[str, str],
-    cwd: str | None,
-    fd_spec: str,
-    fds: tuple[int, ...],
-    stdout: int | None,
-    stderr: int | None,
-    stacks_fd: int | None = None,
-) -> subprocess.Popen:
-    """A worker interpreter, forked on the spawn thread, told where its control stream is
-    (``fd_spec``, see :func:`phalanx.worker._open_stream`), whose child it is, and where to
-    dump its stacks (see :mod:`phalanx.stacks`)."""
-    full_env = dict(env)
-    full_env[config.ENV_FD] = fd_spec
-    full_env[config.ENV_PARENT_PID] = str(os.getpid())
-    if stacks_fd is not None:
-        full_env[config.ENV_STACKS_FD] = str(stacks_fd)
-        fds = (*fds, stacks_fd)
-
-    def start() -> subprocess.Popen:
-        return subprocess.Popen(
-            worker_argv(),
-            env=full_env,
-            cwd=cwd,
-            pass_fds=fds,
-            stdin=subprocess.DEVNULL,
-            stdout=stdout,
-            stderr=stderr,
-            **_OWN_PROCESS_GROUP,
-        )
-
-    return _SpawnThread.get().run(start, _undo_spawn)
-
-
-def _undo_spawn(popen: subprocess.Popen) -> None:
-    """A process started while its starter was interrupted: nobody will use it."""
-    popen.kill()
-    popen.wait()
-    for stream in (popen.stdout, popen.stderr):
-        if stream is not None:
-            stream.close()
 
 
 # Variables the interpreter or the dynamic loader read when a process starts: a rank whose
@@ -301,23 +173,6 @@ class PrestartedWorker:
         self._sock.close()
         stop_processes([self.proc], grace=1.0)
         self.proc.release()
-
-
-def spawn_connected(
-    env: Mapping[str, str],
-    cwd: str | None,
-    control: Sequence[int],
-    stdout_fd: int,
-    stderr_fd: int,
-    stacks_fd: int | None = None,
-) -> LocalProcess:
-    """Start a worker interpreter whose control stream (a socket, or a pair of pipes: read
-    end, write end) and output already reach its controller (a node side that supervises
-    ranks it does not talk to: a Ray actor, an agent). The caller keeps its copies."""
-    spec = (f"socket:{control[0]}" if len(control) == 1
-            else f"pipe:{control[0]},{control[1]}")
-    return LocalProcess(_spawn(env, cwd, spec, tuple(control), stdout_fd, stderr_fd, stacks_fd),
-                        -1, -1)
 
 
 def stop_processes(

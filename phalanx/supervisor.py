@@ -11,11 +11,18 @@ process of its own, started by the controller for its group's local ranks, that
 - when the controller goes away (its pidfd turns readable, or the request socket closes:
   SIGKILL, SIGTERM, a crash or a clean exit alike), kills every process below it and exits.
 
+A supervisor killed outright cannot clean up (Ray, for one, SIGKILLs the direct children of
+an actor that exits); its keepers then learn of its death from ``PR_SET_PDEATHSIG``
+(SIGTERM, caught) and each ends its rank's whole tree, all of which is below it.
+
 The controller sends one message per rank to start (JSON, plus the descriptors the rank
 gets) over a ``SOCK_SEQPACKET`` socket. Nothing else passes through the supervisor: control
-pipes, output, signals and the status pipe go straight between the controller and the rank.
+streams, output, signals and the status pipe go straight between the controller and the
+rank.
 
-The same code is what a cluster agent runs for its node.
+"The controller" is whoever started the supervisor: the group's controller process for its
+local ranks, or a Ray rank actor for its rank (then the actor's death, however it comes,
+ends the rank's whole tree). The same code is what a cluster agent runs for its node.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from phalanx import config, proctree
@@ -47,6 +54,10 @@ _BOOT = "import sys; sys.path.insert(0, {root!r}); from phalanx.supervisor impor
 
 def main() -> None:
     """The supervisor process: serve start requests until the controller goes away."""
+    # Started from a thread of a Ray worker, this process inherits its blocked signals:
+    # a keeper must receive the SIGTERM that says the supervisor died.
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the controller's
     sock = socket.socket(fileno=int(os.environ.pop(_ENV_SOCKET)))
     parent = int(os.environ.pop(config.ENV_PARENT_PID, "0"))
@@ -96,6 +107,7 @@ def _reap(keepers: set[int]) -> None:
 
 
 def _fork_keeper(request: bytes, fds: list[int], sock: socket.socket, controller: int) -> int:
+    supervisor = os.getpid()
     pid = os.fork()
     if pid == 0:  # the keeper
         code = 1
@@ -103,7 +115,7 @@ def _fork_keeper(request: bytes, fds: list[int], sock: socket.socket, controller
             sock.close()
             if controller >= 0:
                 os.close(controller)
-            code = _keep(json.loads(request), fds)
+            code = _keep(json.loads(request), fds, supervisor)
         finally:
             os._exit(code)
     for fd in fds:
@@ -111,10 +123,13 @@ def _fork_keeper(request: bytes, fds: list[int], sock: socket.socket, controller
     return pid
 
 
-def _keep(request: dict[str, Any], fds: list[int]) -> int:
+def _keep(request: dict[str, Any], fds: list[int], supervisor: int) -> int:
     """Start one rank, report its pid and exit status, then end what it left behind."""
     proctree.become_subreaper()
-    proctree.die_with_parent(signal.SIGKILL)
+    signal.signal(signal.SIGTERM, _orphaned)
+    proctree.die_with_parent(signal.SIGTERM)
+    if os.getppid() != supervisor:  # it died before the signal was armed
+        return 1
     status = fds[request["status"]]
     env = dict(request["env"])
     for key, template in request["fd_env"].items():
@@ -140,6 +155,13 @@ def _keep(request: dict[str, Any], fds: list[int]) -> int:
     _report(status, status=code)
     proctree.kill_descendants()
     return 0
+
+
+def _orphaned(signum: int, frame: Any) -> None:
+    """The supervisor died without ending us (SIGKILLed): end the rank's tree, all of which
+    is below this keeper, and go."""
+    proctree.kill_descendants()
+    os._exit(1)
 
 
 def _report(fd: int, **record: Any) -> None:
@@ -185,24 +207,58 @@ class Supervisor:
         cwd: str | None,
         *,
         stacks_fd: int | None = None,
+        stream: tuple[str, Sequence[int]] | None = None,
+        output: tuple[int, int] | None = None,
     ) -> SupervisedProcess:
-        """Start a worker interpreter (:func:`phalanx.worker.main`) with ``env``, control
-        pipes and piped output; returns at once (its pid arrives on the status pipe)."""
+        """Start a worker interpreter (:func:`phalanx.worker.main`) with ``env`` in ``cwd``;
+        returns at once (its pid arrives on the status pipe).
+
+        Its control stream is a pair of pipes made here, unless ``stream`` hands over one
+        already made: ``(spec, fds)``, a :func:`phalanx.worker._open_stream` spec in which
+        ``{i}`` stands for ``fds[i]`` (``"socket:{0}"``, ``"pipe:{0},{1}"``: read end,
+        write end, or ``"handoff:{0}"`` for a process started before its rank is known).
+        Its stdout and stderr are pipes made here, unless ``output`` names descriptors.
+        The caller keeps its copies of what it hands over; the returned process holds our
+        ends of what was made here (-1 for what was handed over).
+        """
         from phalanx import node
 
-        pipes = [os.pipe() for _ in range(5)]  # to worker, from worker, stdout, stderr, status
-        (to_r, to_w), (from_r, from_w), (out_r, out_w), (err_r, err_w), (st_r, st_w) = pipes
-        theirs = [to_r, from_w, out_w, err_w, st_w]
-        fd_env = {config.ENV_FD: "pipe:{0},{1}"}
+        made: list[int] = []  # every pipe end made here, until it is sent or kept
+
+        def pipe() -> tuple[int, int]:
+            ends = os.pipe()
+            made.extend(ends)
+            return ends
+
+        try:
+            read_fd = write_fd = stdout_fd = stderr_fd = -1
+            if stream is None:
+                (to_r, write_fd), (read_fd, from_w) = pipe(), pipe()
+                spec, control = "pipe:{0},{1}", [to_r, from_w]
+            else:
+                spec, control = stream[0], list(stream[1])
+                spec.format(*control)  # a spec naming a descriptor not handed over fails here
+            if output is None:
+                (stdout_fd, out_w), (stderr_fd, err_w) = pipe(), pipe()
+                output = (out_w, err_w)
+            status_fd, status_w = pipe()
+        except BaseException:
+            for fd in made:
+                os.close(fd)
+            raise
+        n = len(control)  # the rank's descriptors: control..., stdout, stderr, status, stacks
+        theirs = [*control, *output, status_w]
+        fd_env = {config.ENV_FD: spec}
+        passed = list(range(n))
         if stacks_fd is not None:
             theirs.append(stacks_fd)
-            fd_env[config.ENV_STACKS_FD] = "{5}"
+            fd_env[config.ENV_STACKS_FD] = "{%d}" % (n + 3)
+            passed.append(n + 3)
         request = {
-            "argv": node.worker_argv(), "env": dict(env), "cwd": cwd,
-            "pass": [0, 1] + ([5] if stacks_fd is not None else []),
-            "stdout": 2, "stderr": 3, "status": 4, "fd_env": fd_env,
+            "argv": node.worker_argv(), "env": dict(env), "cwd": cwd, "pass": passed,
+            "stdout": n, "stderr": n + 1, "status": n + 2, "fd_env": fd_env,
         }
-        mine = (to_w, from_r, out_r, err_r, st_r)
+        mine = [fd for fd in (read_fd, write_fd, stdout_fd, stderr_fd, status_fd) if fd >= 0]
         try:
             with self._lock:
                 socket.send_fds(self._sock, [json.dumps(request).encode()], theirs)
@@ -211,9 +267,10 @@ class Supervisor:
                 os.close(fd)
             raise OSError(f"the node supervisor (pid {self.pid}) is gone: {exc}") from exc
         finally:
-            for fd in theirs[:5]:
-                os.close(fd)
-        return SupervisedProcess(st_r, from_r, to_w, out_r, err_r)
+            for fd in made:
+                if fd not in mine:
+                    os.close(fd)
+        return SupervisedProcess(status_fd, read_fd, write_fd, stdout_fd, stderr_fd)
 
     def close(self, timeout: float = 5.0) -> None:
         """End the supervisor; it kills whatever is still below it first."""
@@ -232,10 +289,12 @@ def _undo_start(popen: subprocess.Popen) -> None:
 
 
 class SupervisedProcess:
-    """One worker started by the node supervisor, as the controller sees it.
+    """One worker started by the node supervisor, as its starter (the controller, or a Ray
+    rank actor) sees it.
 
-    Same interface as :class:`phalanx.node.LocalProcess`; its status pipe is the death
-    event: it turns readable with the exit record (after the pid record, read on the way).
+    Its status pipe is the death event: it turns readable with the exit record (after the
+    pid record, read on the way), and reads end of file once the keeper has ended what the
+    worker left behind (:meth:`wait_cleaned`).
     """
 
     def __init__(self, status_fd: int, read_fd: int, write_fd: int, stdout_fd: int,
@@ -347,12 +406,6 @@ class SupervisedProcess:
             os.killpg(pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
-
-    def remember_descendants(self) -> None:
-        """Nothing to do: the keeper ends what the worker leaves behind."""
-
-    def kill_remembered(self) -> None:
-        """Nothing to do: the keeper ends what the worker leaves behind."""
 
     def release(self) -> None:
         with self._lock:

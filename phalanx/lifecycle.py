@@ -1,13 +1,15 @@
-"""Replacing ranks of a running group: ``recreate`` (with re-admission) and ``restart``."""
+"""A running group's ranks replaced (``recreate`` with re-admission, ``restart``) and
+stopped (``shutdown``)."""
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Self
 
-from phalanx import config
-from phalanx.errors import PhalanxError, StartupError
+from phalanx import config, protocol
+from phalanx.errors import GroupClosed, PhalanxError, StartupError
 from phalanx.options import check_seconds
 from phalanx.selection import select_ranks
 
@@ -22,13 +24,13 @@ logger = logging.getLogger(__name__)
 READMIT_ENV = "PHALANX_READMIT"  # "1" in the environment of a rank started to be re-admitted
 
 
-def _channels(slots: Sequence[Slot]) -> list:
+def channels_of(slots: Sequence[Slot]) -> list:
     """The distinct channels of ``slots`` (a node channel may carry several of them)."""
     return list({id(s.channel): s.channel for s in slots}.values())
 
 
-class Replacing:
-    """Mixin of :class:`~phalanx.group.WorkerGroup`: replacing rank processes."""
+class Lifecycle:
+    """Mixin of :class:`~phalanx.group.WorkerGroup`: replacing and stopping rank processes."""
 
     _slots: list[Slot | None]
     _starts: list[RankStart]
@@ -41,6 +43,10 @@ class Replacing:
     _new_launch: Callable[[], None]
     _start_ranks: Callable[..., None]
     _send: Callable[..., GroupFuture]
+    _unregister: Callable[[], None]
+    _closed: bool
+    _watchdog: Any
+    _target_name: str
     world_size: int
 
     def recreate(
@@ -129,7 +135,72 @@ class Replacing:
     def _retire(self, slots: list[Slot], *, grace: float, force: bool = False) -> None:
         for slot in slots:
             self._dispatcher.remove(slot)
-        self._backend.stop(_channels(slots), grace=grace, force=force)
+        self._backend.stop(channels_of(slots), grace=grace, force=force)
         for slot in slots:
             if slot.alive or slot.pending:
                 self._dispatcher.bury(slot, slot.channel.exit_record(slot.rank))
+
+    # -- shutdown ---------------------------------------------------------------------
+
+    def shutdown(
+        self,
+        cleanup: str | None = None,
+        timeout: float = config.DEFAULT_SHUTDOWN_TIMEOUT,
+        force: bool = False,
+    ) -> None:
+        """Stop every worker: optional ``cleanup`` method on all live ranks, a graceful exit
+        within ``timeout``, then SIGTERM and SIGKILL of each worker's process tree.
+
+        Idle workers exit on their own (running their atexit handlers); workers still busy
+        with a call are terminated at once, since its result could not be delivered.
+
+        Idempotent. Pending calls end with :class:`GroupClosed`. On return no process the
+        group started is alive.
+        """
+        if self._closed:
+            return
+        check_seconds(timeout, "shutdown timeout")
+        deadline = time.monotonic() + timeout
+        try:
+            if cleanup is not None and not force:
+                try:
+                    self.call(cleanup, workers="ready", timeout=timeout)
+                except PhalanxError as exc:
+                    logger.warning("cleanup method %r failed: %s", cleanup, exc)
+        finally:
+            self._teardown(deadline, force)
+
+    def _teardown(self, deadline: float, force: bool) -> None:
+        slots = [s for s in self._slots if s is not None]
+        self._closed = True
+        self._unregister()
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        # Idle workers are asked to exit and given until the deadline (atexit handlers,
+        # framework cleanup); workers still busy with a call would only finish work whose
+        # result nobody can receive any more, so they are terminated at once.
+        idle = [s for s in slots if s.alive and not s.pending]
+        if not force:
+            for slot in idle:
+                slot.channel.send(protocol.shutdown_frame(slot.rank))
+            remaining = max(0.0, deadline - time.monotonic())
+            self._backend.wait_exited(channels_of(idle), remaining)
+        self._dispatcher.close(
+            lambda method, rank: GroupClosed(
+                f"the group was shut down while {method}() was pending on rank {rank}"
+            ),
+            slots,
+        )
+        grace = min(config.DEFAULT_TERM_GRACE, max(0.0, deadline - time.monotonic()))
+        self._backend.stop(channels_of(slots), grace=grace, force=force)
+        for slot in slots:
+            slot.alive = False
+        self._dispatcher.release()
+        self._backend.close()
+        logger.info("shut down %d workers of %s", self.world_size, self._target_name)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
