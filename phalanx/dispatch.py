@@ -62,6 +62,7 @@ class Slot:
         self.failure: ProcessFailure | None = None
         self.started = time.monotonic()  # when its launch began
         self.seen = self.started  # when it last gave a sign of life (any message)
+        self.heard = False  # whether it has said anything yet (silence counts from then)
         self.timings: dict[str, float] = {}  # its start-up, as READY tells it
         self.unresponsive = False  # declared so by the watchdog (and being killed)
 
@@ -294,6 +295,7 @@ class Dispatcher:
                     self._on_many(channel, segs)
                 continue  # otherwise an earlier incarnation's last words
             slot.seen = now
+            slot.heard = True
             if kind == _RESULT:  # the hot path
                 future = slot.pending.pop(call_id, None)
                 if future is not None:

@@ -181,7 +181,7 @@ class GroupFuture:
             kickoff()
 
     def _wait(self, is_done: Callable[[], bool], timeout: float | None) -> None:
-        if timeout is not None:
+        if timeout is not None and not (type(timeout) is float and timeout >= 0):
             check_seconds(timeout)
         kickoff, self._kickoff = self._kickoff, None
         if kickoff is None and is_done():
@@ -204,6 +204,8 @@ class GroupFuture:
 
     def result(self, timeout: float | None = None) -> list[Any]:
         """Every rank's value in rank order; raises the first failure at once."""
+        if timeout is not None:
+            check_seconds(timeout)
         if self._kickoff is not None or not (self._remaining == 0 or self._failed >= 0):
             self._wait(self._settled, timeout)
         if self._cancelled:
@@ -225,6 +227,8 @@ class GroupFuture:
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The first failure, or None once every rank succeeded."""
+        if timeout is not None:
+            check_seconds(timeout)
         self._wait(self._settled, timeout)
         if self._cancelled:
             raise concurrent.futures.CancelledError(f"{self.method}() was cancelled")
@@ -321,6 +325,8 @@ class RankFuture:
 
     def result(self, timeout: float | None = None) -> Any:
         """The rank's return value; raises its error, or CallTimeout after ``timeout`` s."""
+        if timeout is not None:
+            check_seconds(timeout)
         self._wait(timeout)
         error = self._group._error(self._i)
         if error is not None:

@@ -266,7 +266,8 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle):
             env=env,
         )
 
-    def _start_ranks(self, ranks: list[int], timeout: float | None = None) -> None:
+    def _start_ranks(self, ranks: list[int], timeout: float | None = None,
+                     limit: str | None = None) -> None:
         """Launch ``ranks`` (one batch per node) and wait until every one is ready (within
         ``timeout``, default ``start_timeout``). A rank becomes visible to calls only once
         its INIT is on its way."""
@@ -291,6 +292,7 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle):
                 timeout=self._start_timeout if timeout is None else timeout,
                 progress=self._progress,
                 target_name=self._target_name,
+                limit=limit,
             )
         except BaseException:
             self._retire(slots, grace=0.0, force=True)  # they stay known as dead ranks

@@ -75,6 +75,7 @@ class Lifecycle:
         """
         self._check_open()
         timeout = check_seconds(timeout, allow_zero=False)
+        given = timeout is not None
         if timeout is None:
             timeout = self._start_timeout
         if readmit is not None:
@@ -95,7 +96,8 @@ class Lifecycle:
                 self._starts[rank] = type(start)(
                     rank=start.rank, node=start.node, local_rank=start.local_rank,
                     env={**start.env, READMIT_ENV: "1"})
-        self._start_ranks(fresh, timeout=timeout)
+        self._start_ranks(fresh, timeout=timeout,
+                          limit="recreate(timeout=)" if given else None)
         if readmit is not None:
             self._readmit(readmit, timeout)
         logger.info("recreated ranks %s%s", fresh, f" (re-admitted by {readmit}())"

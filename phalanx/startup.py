@@ -17,9 +17,11 @@ def await_ready(
     timeout: float,
     progress: bool | None,
     target_name: str,
+    limit: str | None = None,
 ) -> None:
     """Return once every slot is ready; raise :class:`StartupError` at the first failure
-    (a constructor that raised, a worker that died) or when ``timeout`` passes."""
+    (a constructor that raised, a worker that died) or when ``timeout`` passes (``limit``
+    names the setting that gave it, for the message)."""
     bar = Progress(f"starting {len(slots)} workers", len(slots), enabled=progress)
     deadline = time.monotonic() + timeout
 
@@ -42,10 +44,11 @@ def await_ready(
                 return
             if time.monotonic() >= deadline:
                 late = [s.rank for s in slots if not s.ready]
+                limit = limit or f"start_timeout= (or {config.ENV_START_TIMEOUT})"
                 raise StartupError(
                     f"ranks {late} did not become ready within {timeout:g} s; raise "
-                    f"start_timeout= (or {config.ENV_START_TIMEOUT}) if {target_name}() is "
-                    "slow to construct",
+                    f"{limit} if {target_name}() is slow to construct, or see what it "
+                    "waits for",
                     rank=late[0],
                 )
     finally:

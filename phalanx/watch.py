@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from phalanx import config
 from phalanx.dumps import format_report
+from phalanx.options import check_seconds
 from phalanx.selection import Workers, select_ranks
 
 if TYPE_CHECKING:
@@ -131,6 +132,7 @@ class Watching:
         them with a header per rank). A rank that cannot dump (stopped with SIGSTOP, still
         starting) gets a line saying why."""
         self._check_open()
+        timeout = check_seconds(timeout, "stacks timeout", allow_zero=False)
         self._dispatcher.poll_now()
         alive = [s is not None and s.alive for s in self._slots]
         slots = [self._slots[r] for r in select_ranks(ranks, alive)]

@@ -97,7 +97,10 @@ class Watchdog:
     def _check_silence(self, now: float) -> None:
         limit = self.heartbeat_timeout
         for slot in self._slots():
-            if slot.alive and not slot.unresponsive and now - slot.seen > limit:  # type: ignore[operator]
+            # A rank is judged from its first message on: before that it is starting (an
+            # interpreter on a slow disk), which start_timeout bounds.
+            if (slot.alive and slot.heard and not slot.unresponsive
+                    and now - slot.seen > limit):  # type: ignore[operator]
                 self._declare_unresponsive(slot, now - slot.seen)
 
     def _declare_unresponsive(self, slot: Slot, silent: float) -> None:

@@ -66,12 +66,12 @@ def _beat(conn: wire.Connection, rank: int, interval: float) -> None:
 
     def beat() -> None:
         frame = protocol.heartbeat_frame(rank)
-        while True:
-            time.sleep(interval)
+        while True:  # the first at once: the controller judges silence from then on
             try:
                 conn.send(frame)
             except wire.ConnectionLost:
                 return
+            time.sleep(interval)
 
     threading.Thread(target=beat, name="phalanx-heartbeat", daemon=True).start()
 

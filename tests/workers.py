@@ -297,3 +297,111 @@ class MeshProbe(Probe):
     def note(self, *args, **kwargs):
         self.log.append((args, kwargs))
         return my_rank(), args, kwargs
+
+
+# ------------------------------------------------------------- supervision and process trees
+
+
+class Supervised(Probe):
+    """A Probe that can wedge itself beyond the heartbeat thread's reach and start a tree of
+    subprocesses in every way a worker may (for the supervision and process-tree tests)."""
+
+    def whoami(self) -> int:
+        return my_rank()
+
+    def deadlock_holding_gil(self) -> None:
+        """Lock a plain mutex twice from a C call that keeps the GIL (``PyDLL``): no thread
+        of this process runs Python again."""
+        import ctypes
+
+        libc = ctypes.PyDLL(None)
+        mutex = ctypes.create_string_buffer(64)  # zeroed: PTHREAD_MUTEX_INITIALIZER
+        libc.pthread_mutex_lock(mutex)
+        libc.pthread_mutex_lock(mutex)
+
+    def busy(self, seconds: float) -> int:
+        """Pure Python for ``seconds`` (the GIL changes hands every few ms)."""
+        deadline = time.monotonic() + seconds
+        spins = 0
+        while time.monotonic() < deadline:
+            spins += 1
+        return spins
+
+    def spawn_tree(self) -> dict[str, int]:
+        """Start a sleeper in this process group, one in a new session, one orphaned by a
+        shell and one double-forked into its own session; their pids by kind."""
+        same_group = subprocess.Popen(["sleep", "1000"])
+        new_session = subprocess.Popen(["sleep", "1001"], start_new_session=True)
+        shell = subprocess.run(
+            "sleep 1002 </dev/null >/dev/null 2>&1 & echo $!", shell=True,
+            capture_output=True, text=True, check=True, timeout=10)
+        self.children += [same_group, new_session]
+        return {
+            "same_group": same_group.pid,
+            "new_session": new_session.pid,
+            "shell_background": int(shell.stdout.strip()),
+            "double_fork": _double_fork(["sleep", "1003"]),
+        }
+
+
+def _double_fork(argv: list[str]) -> int:
+    """Run ``argv`` as a grandchild in a session of its own whose parent has exited (a
+    classic daemon); its pid, once it runs ``argv``."""
+    read_fd, write_fd = os.pipe()
+    child = os.fork()
+    if child == 0:  # only async-signal-safe calls from here to exec
+        try:
+            os.close(read_fd)
+            os.setsid()
+            grandchild = os.fork()
+            if grandchild == 0:  # the write end closes on exec: EOF says "exec'd"
+                devnull = os.open(os.devnull, os.O_RDWR)
+                for fd in (0, 1, 2):
+                    os.dup2(devnull, fd)
+                os.execvp(argv[0], argv)
+            os.write(write_fd, str(grandchild).encode())
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    os.waitpid(child, 0)
+    with os.fdopen(read_fd, "rb") as pipe:
+        return int(pipe.read())
+
+
+class IgnoresTerm(Supervised):
+    """A Supervised worker that ignores SIGTERM (only SIGKILL ends it)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+class TorchReadmit:
+    """A torch.distributed rank that can be re-admitted into a new gloo group: it joins the
+    group in its constructor unless it was started to be re-admitted (``PHALANX_READMIT``)."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        if os.environ.get("PHALANX_READMIT") != "1":
+            dist.init_process_group("gloo")
+
+    def readmit(self, rendezvous: dict) -> int:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.update(rendezvous)
+        dist.init_process_group("gloo")
+        return dist.get_rank()
+
+    def all_reduce(self, value: float) -> float:
+        import torch
+        import torch.distributed as dist
+
+        tensor = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(tensor)
+        return float(tensor.item())
+
+    def pid(self) -> int:
+        return os.getpid()

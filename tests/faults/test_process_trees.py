@@ -1,0 +1,208 @@
+"""No process a rank starts outlives it (local backend).
+
+Each rank starts four sleepers (``Supervised.spawn_tree``): one in its own process group,
+one in a new session, one a shell put in the background and then exited (an orphan), one
+double-forked into a session of its own (a classic daemon). Whatever ends the rank -- the
+controller SIGKILLed or SIGTERMed, ``shutdown()``, the rank's own death, ``recreate()`` --
+every one of them must be gone within two seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import time
+
+import psutil
+import pytest
+
+from tests import helpers
+from tests.workers import IgnoresTerm, Supervised
+
+GONE_WITHIN = 2.0  # seconds, the promise
+# What the checks wait before failing: the promise plus slack for a loaded CI machine
+# (the failure message reports the time it really took).
+WAIT = GONE_WITHIN + 1.0
+KINDS = {"same_group": "1000", "new_session": "1001", "shell_background": "1002",
+         "double_fork": "1003"}
+WORKER_CLASSES = [Supervised, IgnoresTerm]
+
+
+@pytest.fixture(scope="module")
+def backend() -> str:
+    """Process trees are the local backend's (Ray's actors are covered elsewhere)."""
+    return "local"
+
+
+class Tracked:
+    """Processes a test must see gone; whatever is left is SIGKILLed on exit, so that a
+    failing test leaks nothing (psutil refuses to signal a pid that was reused)."""
+
+    def __init__(self) -> None:
+        self.procs: dict[int, tuple[str, psutil.Process]] = {}
+
+    def add(self, pid: int, label: str) -> None:
+        try:
+            self.procs[pid] = (label, psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pytest.fail(f"{label} (pid {pid}) was gone before the test could check it")
+
+    def add_trees(self, trees: list[dict[str, int]], ranks: list[int] | None = None) -> None:
+        """The sleepers of ``spawn_tree`` on each rank, checked to be what they claim."""
+        for rank, tree in zip(ranks or range(len(trees)), trees, strict=True):
+            assert sorted(tree) == sorted(KINDS)
+            for kind, pid in tree.items():
+                label = f"rank {rank}'s {kind} sleeper"
+                self.add(pid, label)
+                proc = self.procs[pid][1]
+                # a shell's background job may be reported just before its exec
+                assert helpers.wait_until(
+                    lambda p=proc, k=kind: p.cmdline() == ["sleep", KINDS[k]], 5), \
+                    f"{label} runs {proc.cmdline()}"
+
+    def _running(self) -> list[tuple[str, psutil.Process]]:
+        running = []
+        for label, proc in self.procs.values():
+            try:
+                if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                    running.append((label, proc))
+            except psutil.NoSuchProcess:
+                pass
+        return running
+
+    def alive(self) -> list[str]:
+        return [f"{label} (pid {proc.pid})" for label, proc in self._running()]
+
+    def assert_gone(self, since: float, what: str) -> None:
+        helpers.wait_until(lambda: not self.alive(), WAIT, interval=0.01)
+        took = time.monotonic() - since
+        left = self.alive()
+        assert not left, f"{len(left)} process(es) outlived {what} by {took:.1f} s " \
+                         f"(must be < {GONE_WITHIN:g} s): {left}"
+        assert took < WAIT, f"{what}: took {took:.1f} s (must be < {GONE_WITHIN:g} s)"
+
+    def kill_all(self) -> None:
+        # zombies are left out: one whose parent died waits for this machine's init to
+        # reap it, which may take a while, and it is harmless meanwhile
+        procs = [proc for _, proc in self._running()]
+        for proc in procs:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(procs, timeout=3)
+
+
+@pytest.fixture
+def tracked():
+    tracked = Tracked()
+    try:
+        yield tracked
+    finally:
+        tracked.kill_all()
+
+
+# ---------------------------------------------------------------- controller killed
+
+
+def start_controller(tmp_path, worker_class: type):
+    script = helpers.write_script(tmp_path, f"""
+        import json, time
+        import phalanx as px
+        from tests import helpers
+        from tests.workers import {worker_class.__name__} as Worker
+
+        group = px.WorkerGroup(Worker, procs_per_node=2, echo_output=False)
+        trees = group.call("spawn_tree", timeout=30)
+        own = sorted(helpers.live_worker_pids(group))  # ranks, supervisor, keepers
+        print(json.dumps({{"trees": trees, "own": own}}), flush=True)
+        time.sleep(60)
+    """)
+    return helpers.start_script(script)
+
+
+@pytest.mark.parametrize("worker_class", WORKER_CLASSES, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=lambda s: s.name)
+def test_nothing_outlives_a_killed_controller(tmp_path, tracked, sig, worker_class):
+    controller = start_controller(tmp_path, worker_class)
+    try:
+        ready, _, _ = select.select([controller.stdout], [], [], 60)
+        assert ready, "the controller script did not start its workers"
+        line = controller.stdout.readline()
+        assert line, f"the controller script failed:\n{controller.stderr.read()}"
+        report = json.loads(line)
+        tracked.add_trees(report["trees"])
+        for pid in report["own"]:
+            tracked.add(pid, f"phalanx process {pid} of the controller")
+        assert len(report["own"]) >= 3  # two ranks and their supervisor at least
+
+        os.kill(controller.pid, sig)
+        killed = time.monotonic()
+        controller.wait(10)
+        tracked.assert_gone(killed, f"the controller's {sig.name}")
+    finally:
+        if controller.poll() is None:
+            controller.kill()
+            controller.wait(10)
+        controller.stdout.close()
+        controller.stderr.close()
+
+
+# ------------------------------------------------------------------ inside the group
+
+
+@pytest.mark.parametrize("worker_class", WORKER_CLASSES, ids=lambda c: c.__name__)
+def test_nothing_outlives_shutdown(make_group, tracked, worker_class):
+    group = make_group(worker_class, procs_per_node=2)
+    tracked.add_trees(group.call("spawn_tree", timeout=30))
+    for pid in helpers.live_worker_pids(group):
+        tracked.add(pid, f"phalanx process {pid}")
+    started = time.monotonic()
+    group.shutdown(timeout=5)
+    assert time.monotonic() - started < 5
+    tracked.assert_gone(started, "shutdown()")
+
+
+def test_nothing_outlives_shutdown_of_a_busy_rank_that_ignores_sigterm(make_group, tracked):
+    group = make_group(IgnoresTerm, procs_per_node=2)
+    tracked.add_trees(group.call("spawn_tree", timeout=30))
+    for health in group.health():
+        tracked.add(health.pid, f"rank {health.rank}")
+    future = group.call_async("sleep", 60, workers=[1])
+    time.sleep(0.2)
+    started = time.monotonic()
+    group.shutdown(timeout=1)
+    assert future.done()
+    tracked.assert_gone(started, "shutdown(timeout=1) of a busy rank ignoring SIGTERM")
+
+
+@pytest.mark.parametrize("worker_class", WORKER_CLASSES, ids=lambda c: c.__name__)
+def test_a_dead_ranks_descendants_go_with_it(make_group, tracked, worker_class):
+    group = make_group(worker_class, procs_per_node=2)
+    trees = group.call("spawn_tree", timeout=30)
+    tracked.add_trees(trees[1:], ranks=[1])
+    pid = group.health()[1].pid
+    tracked.add(pid, "rank 1")
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    tracked.assert_gone(killed, "rank 1's SIGKILL")
+    # ... while the group lives on, rank 0 with its own subprocesses
+    assert group.call("whoami", workers=[0], timeout=10) == [0]
+    assert all(helpers.pid_alive(p) for p in trees[0].values())
+
+
+@pytest.mark.parametrize("worker_class", WORKER_CLASSES, ids=lambda c: c.__name__)
+def test_recreate_leaves_nothing_of_the_old_rank(make_group, tracked, worker_class):
+    group = make_group(worker_class, procs_per_node=2)
+    trees = group.call("spawn_tree", timeout=30)
+    tracked.add_trees(trees[1:], ranks=[1])
+    tracked.add(group.health()[1].pid, "old rank 1")
+    started = time.monotonic()
+    group.recreate(1, timeout=30)
+    # an idle rank that ignores SIGTERM is SIGKILLed after the term grace (3 s)
+    took = time.monotonic() - started
+    tracked.assert_gone(time.monotonic(), f"recreate(1) (which took {took:.1f} s)")
+    assert group.call("whoami", timeout=10) == [0, 1]
+    assert all(helpers.pid_alive(p) for p in trees[0].values())
