@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psutil
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -22,6 +24,43 @@ LONG_LIVED: list = []
 # Processes of the Ray test cluster (its daemons, and below them the actors' processes,
 # which the Ray leak check covers): they outlive every test by design.
 CLUSTER_ROOTS: set[int] = set()
+
+
+# The optional packages tests may need (the import name), and how a user installs each.
+EXTRAS = {
+    "torch": "pip install 'phalanx[torch]'",
+    "ray": "pip install 'phalanx[ray]'",
+    "jax": "pip install 'phalanx[jax]'",
+    "tensorflow": "pip install 'phalanx[tensorflow]'",
+    "monarch": "pip install 'phalanx[monarch]' (the torchmonarch package)",
+}
+
+
+def installed(package: str) -> bool:
+    """Whether ``package`` can be imported, decided the way phalanx decides it (find_spec,
+    which does not import the package: importing torch or ray takes seconds)."""
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _missing_reason(package: str) -> str:
+    install = EXTRAS.get(package.partition(".")[0], f"pip install {package}")
+    return f"{package} is not installed ({install})"
+
+
+def requires(package: str) -> None:
+    """Skip the running test, with the reason, when the optional ``package`` is missing."""
+    __tracebackhide__ = True  # report the test's line, not this one
+    if not installed(package):
+        pytest.skip(_missing_reason(package))
+
+
+def needs(package: str) -> pytest.MarkDecorator:
+    """A marker that skips a test, with the reason, when the optional ``package`` is
+    missing: ``@helpers.needs("torch")``. Checked at collection, without importing it."""
+    return pytest.mark.skipif(not installed(package), reason=_missing_reason(package))
 
 
 @contextlib.contextmanager

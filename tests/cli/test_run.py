@@ -11,7 +11,6 @@ leftover check cannot see them once the launcher has exited.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import signal
@@ -712,8 +711,7 @@ def test_bad_command_line_exits_2_without_starting_anything(tmp_path, args, mess
 
 @pytest.mark.slow
 def test_torch_framework_all_reduce(tmp_path):
-    if importlib.util.find_spec("torch") is None:  # not imported here: it is slow
-        pytest.skip("torch is not installed")
+    helpers.requires("torch")
     write(tmp_path, "allreduce.py", """\
         import torch
         import torch.distributed as dist
@@ -784,6 +782,7 @@ def test_a_thread_pool_left_open_does_not_keep_the_rank_alive(tmp_path):
     assert "[ranks 0-1] result 42" in result.stdout.splitlines(), describe(result)
 
 
+@helpers.needs("ray")  # `phalanx run --framework ray` checks that the package is installed
 def test_a_signal_while_the_group_starts_stops_the_start(tmp_path, launch):
     # A fake `ray` on PATH stands in for a framework service that is slow to come up.
     bin_dir = tmp_path / "bin"

@@ -40,6 +40,7 @@ def test_simulated_nodes_split_the_machines_gpus(make_group, monkeypatch, machin
     assert seen == ["0,1", "2,3", "4,5", "6,7"]  # no device is given to two ranks
 
 
+@helpers.needs("torch")
 def test_auto_procs_per_node_is_one_torch_rank_per_gpu(make_group, monkeypatch, machine_gpus):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
     group = make_group(Probe, procs_per_node="auto", framework="torch", gpus_per_worker=1)
@@ -49,6 +50,7 @@ def test_auto_procs_per_node_is_one_torch_rank_per_gpu(make_group, monkeypatch, 
     ]
 
 
+@helpers.needs("torch")
 def test_auto_procs_per_node_without_gpus_is_one(make_group, monkeypatch, machine_gpus):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert make_group(Probe, procs_per_node="auto", framework="torch").world_size == 1

@@ -389,7 +389,8 @@ def test_backend_assigned_devices_leave_gpus_to_the_backend():
     assert gpu_env(0, launch, 1) == {}
 
 
-def test_uneven_layout_gets_each_nodes_local_world_and_gpus():
+def test_uneven_layout_gets_each_nodes_local_world_and_gpus(monkeypatch):
+    installed(monkeypatch, "torch")
     chosen = place("torch", 1, [2, 1], 1, None)
     nodes = [Node(0, "10.0.0.1", 2, ("0", "1")), Node(1, "10.0.0.2", 1, ("0", "1"))]
     check_node_gpus(chosen, nodes)
