@@ -17,14 +17,16 @@ import queue
 import signal
 import socket
 import struct
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from phalanx import config, proctree
+
+if TYPE_CHECKING:
+    from phalanx.supervisor import SupervisedProcess, Supervisor
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -130,17 +132,22 @@ _READ_AT_START = ("LD_", "PYTHON", "MALLOC_")
 
 class PrestartedWorker:
     """A worker interpreter started before its rank is known (its imports done meanwhile),
-    waiting on a Unix socket for its assignment; it exits if that socket closes first."""
+    under ``supervisor``, waiting on a Unix socket for its assignment; it exits if that
+    socket closes first."""
 
-    def __init__(self, env: Mapping[str, str], stacks_fd: int | None = None) -> None:
+    def __init__(self, supervisor: Supervisor, env: Mapping[str, str],
+                 stacks_fd: int | None = None) -> None:
         self.env = dict(env)
         self._sock, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             # until it is assigned, what it prints goes where its starter's output goes
-            popen = _spawn({"PYTHONUNBUFFERED": "1", **env}, None,
-                           f"handoff:{child.fileno()}", (child.fileno(),), None, None,
-                           stacks_fd)
-            self.proc = LocalProcess(popen, -1, -1)
+            self.proc = supervisor.spawn({"PYTHONUNBUFFERED": "1", **env}, None,
+                                         stacks_fd=stacks_fd,
+                                         stream=("handoff:{0}", (child.fileno(),)),
+                                         output=(1, 2))
+        except BaseException:
+            self._sock.close()
+            raise
         finally:
             child.close()
 
@@ -154,7 +161,7 @@ class PrestartedWorker:
         )
 
     def assign(self, env: Mapping[str, str], cwd: str | None, control: Sequence[int],
-               stdout_fd: int, stderr_fd: int) -> LocalProcess:
+               stdout_fd: int, stderr_fd: int) -> SupervisedProcess:
         """Make it the rank: its variables, cwd, control stream (a socket, or a pair of
         pipes: read end, write end) and output (the caller keeps its copies of the
         descriptors)."""
@@ -176,17 +183,14 @@ class PrestartedWorker:
 
 
 def stop_processes(
-    procs: Iterable[LocalProcess], *, grace: float = config.DEFAULT_TERM_GRACE, force: bool = False
+    procs: Iterable[SupervisedProcess], *, grace: float = config.DEFAULT_TERM_GRACE,
+    force: bool = False,
 ) -> None:
-    """SIGTERM every process tree, wait up to ``grace`` s, SIGKILL what is left, reap all.
-
-    With ``force`` it goes straight to SIGKILL. Also kills what dead workers left behind in
-    their process groups. Returns once every worker is reaped.
+    """SIGTERM every process tree, wait up to ``grace`` s, SIGKILL what is left; returns
+    once every worker has exited and its keeper has ended what it left behind (or
+    ``config.CLEANUP_WAIT`` has passed). With ``force`` it goes straight to SIGKILL.
     """
     procs = list(procs)
-    for proc in procs:
-        if proc.alive():
-            proc.remember_descendants()
     if not force:
         for proc in procs:
             if proc.alive():
@@ -196,25 +200,17 @@ def stop_processes(
             proc.exitcode(max(0.0, deadline - time.monotonic()))
     for proc in procs:
         proc.signal_tree(signal.SIGKILL)
-        proc.kill_remembered()
     for proc in procs:
         if proc.exitcode(10.0) is None:  # pragma: no cover - SIGKILL cannot be ignored
             logger.error("worker pid %s did not exit after SIGKILL", proc.pid)
     deadline = time.monotonic() + config.CLEANUP_WAIT
     for proc in procs:
-        cleaned = getattr(proc, "wait_cleaned", None)
-        if cleaned is not None and not cleaned(max(0.0, deadline - time.monotonic())):
+        if not proc.wait_cleaned(max(0.0, deadline - time.monotonic())):
             logger.error("what worker pid %s started was not all ended in time", proc.pid)
 
 
-def wait_all_exit(procs: Iterable[LocalProcess], timeout: float) -> list[LocalProcess]:
+def wait_all_exit(procs: Iterable[SupervisedProcess], timeout: float) -> list[SupervisedProcess]:
     """Wait up to ``timeout`` for the processes to exit on their own; returns those still alive."""
     deadline = time.monotonic() + timeout
-    alive = []
-    procs = list(procs)
-    for proc in procs:
-        proc.remember_descendants()
-    for proc in procs:
-        if proc.exitcode(max(0.0, deadline - time.monotonic())) is None:
-            alive.append(proc)
-    return alive
+    return [proc for proc in procs
+            if proc.exitcode(max(0.0, deadline - time.monotonic())) is None]

@@ -47,6 +47,8 @@ logger = logging.getLogger(__name__)
 _ENV_SOCKET = "PHALANX_SUPERVISOR_FD"
 _MAX_REQUEST = 1 << 20
 _MAX_FDS = 16
+# It needs the standard library and phalanx only: without ``site`` (-S) it starts ~10 ms
+# sooner, which a Ray rank waits for (its interpreter is started by the supervisor).
 _BOOT = "import sys; sys.path.insert(0, {root!r}); from phalanx.supervisor import main; main()"
 
 # --------------------------------------------------------------------------- node side
@@ -54,10 +56,12 @@ _BOOT = "import sys; sys.path.insert(0, {root!r}); from phalanx.supervisor impor
 
 def main() -> None:
     """The supervisor process: serve start requests until the controller goes away."""
-    # Started from a thread of a Ray worker, this process inherits its blocked signals:
-    # a keeper must receive the SIGTERM that says the supervisor died.
+    # Started from a thread of a Ray worker, this process inherits its blocked and ignored
+    # signals: a keeper must receive the SIGTERM that says the supervisor died, and wait
+    # for its rank (an ignored SIGCHLD would reap it unseen).
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    for sig in (signal.SIGTERM, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the controller's
     sock = socket.socket(fileno=int(os.environ.pop(_ENV_SOCKET)))
     parent = int(os.environ.pop(config.ENV_PARENT_PID, "0"))
@@ -69,7 +73,7 @@ def main() -> None:
         poller.register(controller, select.POLLIN)
     except (AttributeError, OSError):  # gone already, or an old kernel: EOF tells alone
         controller = -1
-    keepers: set[int] = set()
+    keepers: dict[int, int] = {}  # pid -> pidfd (-1 without one)
     try:
         if parent and os.getppid() != parent:
             return
@@ -84,22 +88,40 @@ def main() -> None:
                     return
                 if not request:
                     return
-                keepers.add(_fork_keeper(request, fds, sock, controller))
-            _reap(keepers)
+                pid = _fork_keeper(request, fds, sock, controller)
+                keepers[pid] = _watch(poller, pid)
+            _reap(keepers, poller)
     finally:
         proctree.kill_descendants()
 
 
-def _reap(keepers: set[int]) -> None:
+def _watch(poller: select.poll, pid: int) -> int:
+    """A pidfd for a keeper, polled: it is reaped as soon as it exits, so that nobody
+    waiting for it (its pid is the rank's parent) waits for the next timeout of the poll."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # an old kernel: reaped within the poll's timeout
+        return -1
+    poller.register(pidfd, select.POLLIN)
+    return pidfd
+
+
+def _reap(keepers: dict[int, int], poller: select.poll) -> None:
     """Reap keepers that ended; a keeper killed before its cleanup leaves orphans here."""
     killed = False
     for pid, status in proctree.reap_children():
-        if pid in keepers:
-            keepers.discard(pid)
-            killed |= os.WIFSIGNALED(status)
+        pidfd = keepers.pop(pid, None)
+        if pidfd is None:
+            continue
+        if pidfd >= 0:
+            poller.unregister(pidfd)
+            os.close(pidfd)
+        killed |= os.WIFSIGNALED(status)
     if killed:  # its rank and what the rank started were re-parented to us: end them
-        for pid in proctree.descendants(os.getpid()):
-            if pid not in keepers:
+        me, table = os.getpid(), proctree.parent_table()
+        orphans = [pid for pid, (ppid, _) in table.items() if ppid == me and pid not in keepers]
+        for orphan in orphans:  # not the other keepers' ranks, which live on
+            for pid in (orphan, *proctree.descendants(orphan, table)):
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -187,7 +209,7 @@ class Supervisor:
 
         def start() -> subprocess.Popen:
             return subprocess.Popen(
-                [sys.executable, "-c", _BOOT.format(root=root)], env=env,
+                [sys.executable, "-S", "-c", _BOOT.format(root=root)], env=env,
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, process_group=0,
             )
 
@@ -252,7 +274,7 @@ class Supervisor:
         passed = list(range(n))
         if stacks_fd is not None:
             theirs.append(stacks_fd)
-            fd_env[config.ENV_STACKS_FD] = "{%d}" % (n + 3)
+            fd_env[config.ENV_STACKS_FD] = f"{{{n + 3}}}"
             passed.append(n + 3)
         request = {
             "argv": node.worker_argv(), "env": dict(env), "cwd": cwd, "pass": passed,

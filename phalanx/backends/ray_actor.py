@@ -1,23 +1,30 @@
 """The node side of the Ray backend: what runs inside each rank's Ray actor.
 
 The actor is generic (it imports no user code) and supervises its rank the way a node
-does locally. The controller asks the first actor of each node for free ports on it; then
-:meth:`RankActor.serve`:
+does locally: through a node supervisor of its own (:mod:`phalanx.supervisor`), started
+with the actor. The controller asks the first actor of each node for free ports on it;
+then :meth:`RankActor.serve`:
 
 1. connects three streams back to the controller -- stdout, stderr, control -- each
    proving the group's secret (:mod:`phalanx.handshake`): over TCP, or over a Unix socket
    when the controller runs on the same machine;
-2. starts the rank's process (:func:`phalanx.node.spawn_connected`) with the rank's
-   environment over the actor's own (Ray's ``CUDA_VISIBLE_DEVICES`` included), its control
-   stream on the control socket and its stdout/stderr on the output sockets: the rank
+2. hands the rank's process its environment over the actor's own (Ray's
+   ``CUDA_VISIBLE_DEVICES`` included), its control stream and its stdout/stderr: the rank
    talks to the controller directly, at phalanx's speed, and everything it and its
    subprocesses print reaches the controller's output pump once (Ray's log forwarding
    never sees it);
 3. waits for it and returns its exit status, which is how the controller learns that a
    rank died of SIGSEGV or ``os._exit(3)`` -- Ray itself only says that a worker died.
 
-The rank dies with its actor (``PR_SET_PDEATHSIG``), so ``ray.kill`` and a lost node take
-it along; :meth:`stop` and :meth:`signal` run beside ``serve`` (a threaded actor) and
+The rank's process is started early, while the controller is still placing the other
+actors (:class:`phalanx.node.PrestartedWorker`), under the supervisor, which is started
+first on the same thread: by the time the rank is assigned its imports are done.
+
+Process tree: actor -> supervisor -> keeper -> rank -> whatever the rank starts. The
+keeper ends everything the rank left behind when the rank exits; the supervisor ends
+everything below it when the actor dies (``ray.kill``, the controller's death, a lost
+node: its parent is gone), and a keeper whose supervisor was SIGKILLed ends its rank's
+tree itself. :meth:`stop` and :meth:`signal` run beside ``serve`` (a threaded actor) and
 reach the rank's whole process tree, as on the local backend.
 """
 
@@ -71,34 +78,6 @@ def _control_stream(sock: socket.socket) -> tuple[int, ...]:
     if len(fds) != 2:
         raise ConnectionError("the controller did not hand over the rank's pipes")
     return tuple(fds)
-
-
-def _become_subreaper() -> None:
-    """Orphans of the rank's process tree (``setsid`` grandchildren of a rank that exited)
-    become this actor's children instead of init's, so :func:`_kill_orphans` finds them."""
-    import ctypes
-
-    pr_set_child_subreaper = 36
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_child_subreaper, 1, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: orphans are left to init
-        pass
-
-
-def _kill_orphans() -> None:
-    """SIGKILL and reap every process left below this actor (it starts none of its own)."""
-    import psutil
-
-    try:
-        left = psutil.Process().children(recursive=True)
-    except psutil.Error:
-        return
-    for proc in left:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(left, timeout=5)
 
 
 class _Relay:
@@ -165,25 +144,28 @@ class RankActor:
     def __init__(self) -> None:
         from phalanx.stacks import StackFile
 
-        _become_subreaper()
-        self._proc = None
+        self._proc: Any = None  # a phalanx.supervisor.SupervisedProcess
         self._stack_file = StackFile()  # the rank dumps its stacks here on request
-        # The rank's interpreter starts now, beside the constructor (which returns at
-        # once), while the controller is still placing the other actors: by the time this
-        # rank is assigned its imports are done.
+        self._supervisor: Any = None  # a phalanx.supervisor.Supervisor
         self._spare: Any = None  # a phalanx.node.PrestartedWorker
         self._relay_ready = threading.Event()
         self._relay: Any = None
+        # The supervisor, then the rank's interpreter under it, start now, beside the
+        # constructor (which returns at once), while the controller is still placing the
+        # other actors: by the time this rank is assigned its imports are done.
         self._spare_thread = threading.Thread(target=self._prestart, daemon=True)
         self._spare_thread.start()
 
     def _prestart(self) -> None:
         from phalanx import node
+        from phalanx.supervisor import Supervisor
 
         try:
-            self._spare = node.PrestartedWorker({**os.environ, "PYTHONUNBUFFERED": "1"},
+            self._supervisor = Supervisor()
+            self._spare = node.PrestartedWorker(self._supervisor,
+                                                {**os.environ, "PYTHONUNBUFFERED": "1"},
                                                 stacks_fd=self._stack_file.fd)
-        except OSError:  # serve() starts one the ordinary way
+        except OSError:  # serve() tries again, and fails with the reason
             self._spare = None
 
     def free_ports(self, host: str, count: int) -> list[int]:
@@ -222,8 +204,9 @@ class RankActor:
 
     def _start_rank(self, env: Mapping[str, str], cwd: str | None, control: tuple[int, ...],
                     out: int, err: int) -> Any:
-        """The rank's process: the interpreter started early if it fits, else a new one."""
-        from phalanx import node
+        """The rank's process: the interpreter started early if it fits, else a new one
+        (under the same supervisor)."""
+        from phalanx.supervisor import Supervisor
 
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
         self._spare_thread.join()
@@ -233,19 +216,20 @@ class RankActor:
         else:
             if spare is not None:
                 spare.discard()
-            proc = node.spawn_connected(full_env, cwd, control, out, err,
-                                        stacks_fd=self._stack_file.fd)
+            if self._supervisor is None:
+                self._supervisor = Supervisor()
+            spec = "socket:{0}" if len(control) == 1 else "pipe:{0},{1}"
+            proc = self._supervisor.spawn(full_env, cwd, stacks_fd=self._stack_file.fd,
+                                          stream=(spec, control), output=(out, err))
         self._proc = proc
         return proc
 
     def _supervise(self, proc: Any) -> dict:
-        """Wait for the rank's process; stop what it left; its pid and exit status."""
-        from phalanx import node
-
+        """Wait for the rank's process, and for its keeper to end what it left behind;
+        its pid and exit status."""
         code = proc.exitcode(None)
-        node.stop_processes([proc], force=True)  # what it left in its process group
+        proc.wait_cleaned(config.CLEANUP_WAIT)
         proc.release()
-        _kill_orphans()  # what left its group too (reparented to this actor, a subreaper)
         return {"pid": proc.pid, "exitcode": code}
 
     # -- relayed through Ray calls (the controller cannot be reached from here) -----------

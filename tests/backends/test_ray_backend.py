@@ -7,17 +7,20 @@ Ray has."""
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 
+import psutil
 import pytest
 
 import phalanx as px
 from phalanx import StartupError, WorkerDied
 from tests import helpers, raycluster
-from tests.workers import Probe
+from tests.workers import Probe, Supervised
 
 ray = pytest.importorskip("ray", reason="the ray backend needs ray (pip install 'phalanx[ray]')")
 
@@ -323,3 +326,190 @@ def test_single_controller_frameworks_run_on_node_zero_of_the_ray_nodes():
                        echo_output=False, timeout=120)()
     assert inner["squares"] == [0, 1, 4, 9] and inner["nodes"] == 2
     assert inner["address"].split(":")[0] in raycluster.NODE_ADDRESSES
+
+
+# ------------------------------------------- nothing a Ray rank starts outlives it
+#
+# Each rank starts sleepers in every way a worker may (``Supervised.spawn_tree``: in its
+# process group, in a new session, orphaned by a shell, double-forked into a session of
+# its own). Whatever ends the rank -- shutdown(), its own death, its actor's death, the
+# controller's death -- they must all be gone within two seconds, as on the local backend:
+# the rank runs under a node supervisor started by its actor (actor -> supervisor ->
+# keeper -> rank).
+
+GONE_WITHIN = 2.0  # seconds, the promise
+WAIT = GONE_WITHIN + 1.0  # what a check waits: slack for a loaded machine
+
+
+class Tracked:
+    """Processes a test must see gone; whatever is left is SIGKILLed when the test ends, so
+    that a failing test leaks nothing (psutil refuses to signal a pid that was reused)."""
+
+    def __init__(self) -> None:
+        self.procs: dict[int, tuple[str, psutil.Process]] = {}
+
+    def add(self, pid: int, label: str) -> None:
+        try:
+            self.procs[pid] = (label, psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pytest.fail(f"{label} (pid {pid}) was gone before the test could check it")
+
+    def add_trees(self, trees: list[dict[str, int]], ranks: list[int]) -> None:
+        for rank, tree in zip(ranks, trees, strict=True):
+            for kind, pid in tree.items():
+                self.add(pid, f"rank {rank}'s {kind} sleeper")
+
+    def add_rank(self, pid: int, rank: int) -> None:
+        """The rank's process, its keeper and its actor's supervisor (checked to be so)."""
+        self.add(pid, f"rank {rank}")
+        keeper = psutil.Process(pid).parent()
+        supervisor = keeper.parent()
+        assert "phalanx.supervisor" in " ".join(supervisor.cmdline()), \
+            f"rank {rank} does not run under a node supervisor: {supervisor.cmdline()}"
+        assert keeper.cmdline() == supervisor.cmdline()  # a fork of it
+        self.add(keeper.pid, f"rank {rank}'s keeper")
+        self.add(supervisor.pid, f"rank {rank}'s supervisor")
+
+    def alive(self, which: Callable[[str], bool] = lambda label: True) -> list[str]:
+        running = []
+        for label, proc in self.procs.values():
+            if not which(label):
+                continue
+            try:  # a zombie has ended; an orphan's may wait a while for its reaper
+                if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                    running.append(f"{label} (pid {proc.pid})")
+            except psutil.NoSuchProcess:
+                pass
+        return running
+
+    def assert_gone(self, since: float, what: str,
+                    which: Callable[[str], bool] = lambda label: True) -> None:
+        """Those ``which`` accepts (by label) are gone within the promise."""
+        helpers.wait_until(lambda: not self.alive(which), WAIT, interval=0.01)
+        took = time.monotonic() - since
+        left = self.alive(which)
+        assert not left, f"{len(left)} process(es) outlived {what} by {took:.1f} s " \
+                         f"(must be < {GONE_WITHIN:g} s): {left}"
+        assert took < WAIT, f"{what}: took {took:.1f} s (must be < {GONE_WITHIN:g} s)"
+
+    def kill_all(self) -> None:
+        procs = [proc for _, proc in self.procs.values() if proc.is_running()]
+        for proc in procs:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(procs, timeout=3)
+
+
+@pytest.fixture
+def tracked():
+    tracked = Tracked()
+    try:
+        yield tracked
+    finally:
+        tracked.kill_all()
+
+
+def start_tracked(tracked: Tracked, ranks: int = 2):
+    """A Ray group of ``Supervised`` ranks, each with its sleepers, all tracked."""
+    group = px.WorkerGroup(Supervised, procs_per_node=ranks, backend="ray", echo_output=False)
+    try:
+        tracked.add_trees(group.call("spawn_tree", timeout=30), list(range(ranks)))
+        for rank, pid in enumerate(group.call("pid")):
+            tracked.add_rank(pid, rank)
+    except BaseException:
+        group.shutdown(timeout=5)
+        raise
+    return group
+
+
+def test_nothing_a_ray_rank_started_outlives_shutdown(tracked):
+    group = start_tracked(tracked)
+    started = time.monotonic()
+    group.shutdown(timeout=5)
+    tracked.assert_gone(started, "shutdown()")
+
+
+def test_nothing_a_killed_ray_rank_started_outlives_it(tracked):
+    group = start_tracked(tracked)
+    try:
+        started = time.monotonic()
+        group.send_signal(signal.SIGKILL, workers=[0])
+        # its actor, and the supervisor under it, serve the next incarnation
+        tracked.assert_gone(started, "rank 0's SIGKILL",
+                            lambda label: label.startswith("rank 0") and "supervisor" not in label)
+        # ... while the group lives on, rank 1 with its own subprocesses
+        assert group.call("whoami", workers=[1], timeout=10) == [1]
+        assert len(tracked.alive(lambda label: label.startswith("rank 1"))) == 7
+    finally:
+        group.shutdown(timeout=5)
+
+
+def test_nothing_a_ray_rank_started_outlives_its_actor(tracked):
+    group = start_tracked(tracked)
+    try:
+        started = time.monotonic()
+        ray.kill(group._backend._bundles[1].actor)  # rank 1's
+        tracked.assert_gone(started, "ray.kill of rank 1's actor",
+                            lambda label: label.startswith("rank 1"))
+        assert len(tracked.alive(lambda label: label.startswith("rank 0"))) == 7
+        assert group.call("whoami", workers=[0], timeout=10) == [0]
+    finally:
+        group.shutdown(timeout=5)
+
+
+def test_recreate_leaves_nothing_of_the_old_ray_rank(tracked):
+    group = start_tracked(tracked)
+    try:
+        started = time.monotonic()
+        group.recreate(1, timeout=60)
+        took = time.monotonic() - started
+        tracked.assert_gone(time.monotonic(), f"recreate(1) (which took {took:.1f} s)",
+                            lambda label: label.startswith("rank 1"))
+        assert group.call("whoami", timeout=10) == [0, 1]
+        assert len(tracked.alive(lambda label: label.startswith("rank 0"))) == 7
+    finally:
+        group.shutdown(timeout=5)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=lambda s: s.name)
+def test_nothing_a_ray_rank_started_outlives_a_killed_controller(tmp_path, tracked, sig):
+    script = helpers.write_script(tmp_path, """
+        import json, time
+        import phalanx as px
+        from tests.workers import Supervised
+
+        group = px.WorkerGroup(Supervised, procs_per_node=2, backend="ray", echo_output=False)
+        trees = group.call("spawn_tree", timeout=30)
+        print(json.dumps({"trees": trees, "ranks": group.call("pid")}), flush=True)
+        time.sleep(120)
+    """)
+    import select
+    import subprocess
+
+    controller = subprocess.Popen([sys.executable, str(script)], cwd=str(tmp_path),
+                                  env=helpers.script_env(), stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+    try:
+        ready, _, _ = select.select([controller.stdout], [], [], 90)
+        assert ready, "the controller script did not start its ranks within 90 s"
+        line = controller.stdout.readline()
+        assert line, f"the controller script failed:\n{controller.stderr.read()[-3000:]}"
+        report = json.loads(line)
+        tracked.add_trees(report["trees"], [0, 1])
+        for rank, pid in enumerate(report["ranks"]):
+            tracked.add_rank(pid, rank)
+        os.kill(controller.pid, sig)
+        killed = time.monotonic()
+        controller.wait(10)
+        tracked.assert_gone(killed, f"the controller's {sig.name}")
+        # Ray ends the dead job's actors and placement group on its own
+        assert helpers.wait_until(lambda: raycluster.leftovers() == [], 20), \
+            raycluster.leftovers()
+    finally:
+        if controller.poll() is None:
+            controller.kill()
+            controller.wait(10)
+        controller.stdout.close()
+        controller.stderr.close()
