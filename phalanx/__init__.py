@@ -19,7 +19,10 @@ The pure layer does no process or socket I/O and is tested without spawning anyt
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+
+# typing.TYPE_CHECKING without importing typing: the node supervisor imports this package,
+# and its start is on a rank's critical path.
+TYPE_CHECKING = False
 
 __version__ = "0.1.0"
 
@@ -99,7 +102,7 @@ if TYPE_CHECKING:
     from phalanx.watch import RankHealth, StackReport, StartupReport
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'phalanx' has no attribute {name!r}")

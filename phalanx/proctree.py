@@ -10,13 +10,10 @@ per-rank keepers it forks and the Ray rank actor all do this.
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import sys
 import time
-
-logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -107,7 +104,10 @@ def kill_descendants(timeout: float = 5.0) -> list[tuple[int, int]]:
         if not left:
             return reaped
         if time.monotonic() >= deadline:
-            logger.error("processes %s survived SIGKILL for %.1f s", left, timeout)
+            import logging  # only here: the node supervisor imports this module at start
+
+            logging.getLogger(__name__).error("processes %s survived SIGKILL for %.1f s",
+                                              left, timeout)
             return reaped
         time.sleep(0.002)
 

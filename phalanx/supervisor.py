@@ -15,7 +15,7 @@ A supervisor killed outright cannot clean up (Ray, for one, SIGKILLs the direct 
 an actor that exits); its keepers then learn of its death from ``PR_SET_PDEATHSIG``
 (SIGTERM, caught) and each ends its rank's whole tree, all of which is below it.
 
-The controller sends one message per rank to start (JSON, plus the descriptors the rank
+The controller sends one message per rank to start (marshalled, plus the descriptors the rank
 gets) over a ``SOCK_SEQPACKET`` socket. Nothing else passes through the supervisor: control
 streams, output, signals and the status pipe go straight between the controller and the
 rank.
@@ -27,8 +27,8 @@ ends the rank's whole tree). The same code is what a cluster agent runs for its 
 
 from __future__ import annotations
 
-import json
 import logging
+import marshal
 import os
 import select
 import signal
@@ -40,158 +40,14 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from phalanx import config, proctree
+from phalanx import config
+from phalanx.keeper import ENV_SOCKET
 
 logger = logging.getLogger(__name__)
 
-_ENV_SOCKET = "PHALANX_SUPERVISOR_FD"
-_MAX_REQUEST = 1 << 20
-_MAX_FDS = 16
 # It needs the standard library and phalanx only: without ``site`` (-S) it starts ~10 ms
 # sooner, which a Ray rank waits for (its interpreter is started by the supervisor).
-_BOOT = "import sys; sys.path.insert(0, {root!r}); from phalanx.supervisor import main; main()"
-
-# --------------------------------------------------------------------------- node side
-
-
-def main() -> None:
-    """The supervisor process: serve start requests until the controller goes away."""
-    # Started from a thread of a Ray worker, this process inherits its blocked and ignored
-    # signals: a keeper must receive the SIGTERM that says the supervisor died, and wait
-    # for its rank (an ignored SIGCHLD would reap it unseen).
-    signal.pthread_sigmask(signal.SIG_SETMASK, set())
-    for sig in (signal.SIGTERM, signal.SIGCHLD):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the controller's
-    sock = socket.socket(fileno=int(os.environ.pop(_ENV_SOCKET)))
-    parent = int(os.environ.pop(config.ENV_PARENT_PID, "0"))
-    proctree.become_subreaper()
-    poller = select.poll()
-    poller.register(sock.fileno(), select.POLLIN)
-    try:
-        controller = os.pidfd_open(parent)
-        poller.register(controller, select.POLLIN)
-    except (AttributeError, OSError):  # gone already, or an old kernel: EOF tells alone
-        controller = -1
-    keepers: dict[int, int] = {}  # pid -> pidfd (-1 without one)
-    try:
-        if parent and os.getppid() != parent:
-            return
-        while True:
-            events = dict(poller.poll(1000))
-            if controller in events:
-                return
-            if sock.fileno() in events:
-                try:
-                    request, fds, _, _ = socket.recv_fds(sock, _MAX_REQUEST, _MAX_FDS)
-                except OSError:
-                    return
-                if not request:
-                    return
-                pid = _fork_keeper(request, fds, sock, controller)
-                keepers[pid] = _watch(poller, pid)
-            _reap(keepers, poller)
-    finally:
-        proctree.kill_descendants()
-
-
-def _watch(poller: select.poll, pid: int) -> int:
-    """A pidfd for a keeper, polled: it is reaped as soon as it exits, so that nobody
-    waiting for it (its pid is the rank's parent) waits for the next timeout of the poll."""
-    try:
-        pidfd = os.pidfd_open(pid)
-    except (AttributeError, OSError):  # an old kernel: reaped within the poll's timeout
-        return -1
-    poller.register(pidfd, select.POLLIN)
-    return pidfd
-
-
-def _reap(keepers: dict[int, int], poller: select.poll) -> None:
-    """Reap keepers that ended; a keeper killed before its cleanup leaves orphans here."""
-    killed = False
-    for pid, status in proctree.reap_children():
-        pidfd = keepers.pop(pid, None)
-        if pidfd is None:
-            continue
-        if pidfd >= 0:
-            poller.unregister(pidfd)
-            os.close(pidfd)
-        killed |= os.WIFSIGNALED(status)
-    if killed:  # its rank and what the rank started were re-parented to us: end them
-        me, table = os.getpid(), proctree.parent_table()
-        orphans = [pid for pid, (ppid, _) in table.items() if ppid == me and pid not in keepers]
-        for orphan in orphans:  # not the other keepers' ranks, which live on
-            for pid in (orphan, *proctree.descendants(orphan, table)):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-
-
-def _fork_keeper(request: bytes, fds: list[int], sock: socket.socket, controller: int) -> int:
-    supervisor = os.getpid()
-    pid = os.fork()
-    if pid == 0:  # the keeper
-        code = 1
-        try:
-            sock.close()
-            if controller >= 0:
-                os.close(controller)
-            code = _keep(json.loads(request), fds, supervisor)
-        finally:
-            os._exit(code)
-    for fd in fds:
-        os.close(fd)
-    return pid
-
-
-def _keep(request: dict[str, Any], fds: list[int], supervisor: int) -> int:
-    """Start one rank, report its pid and exit status, then end what it left behind."""
-    proctree.become_subreaper()
-    signal.signal(signal.SIGTERM, _orphaned)
-    proctree.die_with_parent(signal.SIGTERM)
-    if os.getppid() != supervisor:  # it died before the signal was armed
-        return 1
-    status = fds[request["status"]]
-    env = dict(request["env"])
-    for key, template in request["fd_env"].items():
-        env[key] = template.format(*fds)
-    env[config.ENV_PARENT_PID] = str(os.getpid())
-    try:
-        proc = subprocess.Popen(
-            request["argv"], env=env, cwd=request["cwd"],
-            pass_fds=[fds[i] for i in request["pass"]], stdin=subprocess.DEVNULL,
-            stdout=fds[request["stdout"]], stderr=fds[request["stderr"]], process_group=0,
-        )
-    except (OSError, ValueError, subprocess.SubprocessError) as exc:
-        _report(status, error=f"{type(exc).__name__}: {exc}")
-        return 1
-    for fd in fds:
-        if fd != status:
-            os.close(fd)
-    _report(status, pid=proc.pid)
-    while True:
-        pid, code = os.waitpid(-1, 0)  # adopted orphans that exit are reaped here too
-        if pid == proc.pid:
-            break
-    _report(status, status=code)
-    proctree.kill_descendants()
-    return 0
-
-
-def _orphaned(signum: int, frame: Any) -> None:
-    """The supervisor died without ending us (SIGKILLed): end the rank's tree, all of which
-    is below this keeper, and go."""
-    proctree.kill_descendants()
-    os._exit(1)
-
-
-def _report(fd: int, **record: Any) -> None:
-    try:
-        os.write(fd, json.dumps(record).encode() + b"\n")
-    except OSError:  # the controller is gone: the supervisor ends us all
-        pass
-
+_BOOT = "import sys; sys.path.insert(0, {root!r}); from phalanx.keeper import main; main()"
 
 # --------------------------------------------------------------------------- controller side
 
@@ -203,7 +59,7 @@ class Supervisor:
         from phalanx import node
 
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        env = {**os.environ, _ENV_SOCKET: str(theirs.fileno()),
+        env = {**os.environ, ENV_SOCKET: str(theirs.fileno()),
                config.ENV_PARENT_PID: str(os.getpid())}
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -283,7 +139,7 @@ class Supervisor:
         mine = [fd for fd in (read_fd, write_fd, stdout_fd, stderr_fd, status_fd) if fd >= 0]
         try:
             with self._lock:
-                socket.send_fds(self._sock, [json.dumps(request).encode()], theirs)
+                socket.send_fds(self._sock, [marshal.dumps(request)], theirs)
         except OSError as exc:
             for fd in mine:
                 os.close(fd)
@@ -358,16 +214,16 @@ class SupervisedProcess:
                     self._code = 127 if self._pid is None else -signal.SIGKILL
                 return
             *lines, self._buffer = (self._buffer + data).split(b"\n")
-            for line in lines:
-                record = json.loads(line)
-                if "pid" in record:
-                    self._pid = record["pid"]
-                elif "error" in record:
-                    self._error = record["error"]
-                    logger.error("could not start a worker: %s", self._error)
+            for line in lines:  # see keeper._report
+                what, _, value = line.decode(errors="replace").partition(" ")
+                if what == "pid":
+                    self._pid = int(value)
+                elif what == "error":
+                    self._error = value
+                    logger.error("could not start a worker: %s", value)
                     self._code = 127
-                elif "status" in record:
-                    self._code = os.waitstatus_to_exitcode(record["status"])
+                elif what == "status":
+                    self._code = os.waitstatus_to_exitcode(int(value))
 
     def _until(self, done: Any, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout

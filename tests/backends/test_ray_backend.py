@@ -364,7 +364,7 @@ class Tracked:
         self.add(pid, f"rank {rank}")
         keeper = psutil.Process(pid).parent()
         supervisor = keeper.parent()
-        assert "phalanx.supervisor" in " ".join(supervisor.cmdline()), \
+        assert "phalanx.keeper" in " ".join(supervisor.cmdline()), \
             f"rank {rank} does not run under a node supervisor: {supervisor.cmdline()}"
         assert keeper.cmdline() == supervisor.cmdline()  # a fork of it
         self.add(keeper.pid, f"rank {rank}'s keeper")
