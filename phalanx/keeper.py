@@ -22,7 +22,6 @@ _MAX_REQUEST = 1 << 20
 _MAX_FDS = 16
 
 
-
 def main() -> None:
     """The supervisor process: serve start requests until the controller goes away."""
     # Started from a thread of a Ray worker, this process inherits its blocked and ignored
