@@ -10,7 +10,7 @@ Layers (a module imports only from layers below its own)::
                proctree, stacks, logs, placement, worker, bootstrap, debug
     protocol   protocol (the messages), handshake (proving the group's secret)
     transport  wire (framing, serialisation), streams (pipes, sockets)
-    pure       errors, config, options, frameworks, selection, sharding, collapse, dumps,
+    pure       errors, config, options, frameworks, elastic, selection, sharding, collapse, dumps,
                console
 
 The pure layer does no process or socket I/O and is tested without spawning anything.

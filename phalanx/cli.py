@@ -18,8 +18,10 @@ USAGE_ERROR = 2
 RUN_DESCRIPTION = """\
 Run a Python script (or -m module) on every rank of a group of local worker processes,
 like torchrun. Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK,
-MASTER_ADDR, MASTER_PORT (and PHALANX_* equivalents) plus what --framework adds, before
-the script is imported. Output lines are prefixed with their rank; identical lines from
+MASTER_ADDR, MASTER_PORT (and PHALANX_* equivalents), torchrun's GROUP_RANK, ROLE_*,
+TORCHELASTIC_* variables (so is_torchelastic_launched() is true and a rank's @record
+writes its TORCHELASTIC_ERROR_FILE), plus what --framework adds, before the script is
+imported. Output lines are prefixed with their rank; identical lines from
 several ranks are shown once as "[ranks 0-3] ...".
 """
 
@@ -153,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: 10)")
     run.add_argument("--start-timeout", type=_seconds, default=None, metavar="SECONDS",
                      help="seconds for every rank (and its framework) to start (default: 120)")
+    run.add_argument("--role", default="default",
+                     help="the workers' role, as torchrun's --role: ROLE_NAME (default: "
+                          "default)")
     run.add_argument("-m", "--module", action="store_true",
                      help="run the target as a module (python -m), not a script path")
     run.add_argument("target", metavar="script.py | module",
@@ -234,6 +239,7 @@ def _run(parser: argparse.ArgumentParser, options: argparse.Namespace) -> int:
         collapse=not options.no_collapse,
         grace=options.grace,
         start_timeout=options.start_timeout,
+        role=options.role,
     )
     try:
         return launch.run(run_options)

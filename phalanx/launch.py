@@ -9,6 +9,7 @@ by SIGKILL after a grace period. ``max_restarts`` restarts the whole group after
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from phalanx import config, console
+from phalanx.elastic import elastic_env, error_file, read_error_file
 from phalanx.errors import PhalanxError, StartupError, WorkerDied, WorkerError, likely_cause
 from phalanx.frameworks import RESTART_VARS
 
@@ -93,6 +95,8 @@ class RunOptions:
     collapse: bool = True
     grace: float = 10.0  # seconds between forwarding SIGINT/SIGTERM and SIGKILL
     start_timeout: float | None = None
+    role: str = "default"  # torchrun's --role: ROLE_NAME
+    run_id: str | None = None  # TORCHELASTIC_RUN_ID (None: a fresh one)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,7 +265,7 @@ def _say(text: str) -> None:
         pass
 
 
-def _start(options: RunOptions, restart: int, signals: _Signals) -> Any:
+def _start(options: RunOptions, restart: int, signals: _Signals, run: _Run) -> Any:
     """The group for one attempt; None if a signal interrupted its start."""
     from phalanx.backends.local import LocalBackend
     from phalanx.group import WorkerGroup
@@ -272,11 +276,17 @@ def _start(options: RunOptions, restart: int, signals: _Signals) -> Any:
         return None
     signals.starting = True
     try:
-        world = place(options.framework, options.nodes, options.procs_per_node,
-                      options.gpus_per_worker,
-                      LocalBackend().gpus_per_node(options.nodes)).layout.world_size
-        if "OMP_NUM_THREADS" not in os.environ and world > 1:  # as torchrun: ranks share cores
+        layout = place(options.framework, options.nodes, options.procs_per_node,
+                       options.gpus_per_worker,
+                       LocalBackend().gpus_per_node(options.nodes)).layout
+        if "OMP_NUM_THREADS" not in os.environ and layout.world_size > 1:  # as torchrun
             env["OMP_NUM_THREADS"] = "1"
+        common, per_rank = elastic_env(
+            layout, run_id=run.run_id, max_restarts=options.max_restarts, restart=restart,
+            role=options.role, error_dir=run.attempt_dir(restart))
+        env.update(common)
+        for variables in per_rank.values():  # torch's @record writes there; it makes no dirs
+            os.makedirs(os.path.dirname(variables["TORCHELASTIC_ERROR_FILE"]), exist_ok=True)
         return WorkerGroup(
             ScriptRunner,
             args=(options.target, options.args, options.is_module),
@@ -285,6 +295,7 @@ def _start(options: RunOptions, restart: int, signals: _Signals) -> Any:
             framework=options.framework,
             gpus_per_worker=options.gpus_per_worker,
             env=env,
+            rank_env=per_rank,
             collapse_output=options.collapse,
             log_ranks=options.ranks,
             log_dir=options.log_dir,
@@ -296,9 +307,10 @@ def _start(options: RunOptions, restart: int, signals: _Signals) -> Any:
         signals.starting = False
 
 
-def _attempt(options: RunOptions, restart: int, signals: _Signals) -> Failure | None:
+def _attempt(options: RunOptions, restart: int, signals: _Signals,
+             run: _Run) -> Failure | None:
     try:
-        group = _start(options, restart, signals)
+        group = _start(options, restart, signals, run)
     except StartupError as exc:
         return None if signals.received is not None else failure_from(exc)
     if group is None:
@@ -321,7 +333,47 @@ def _attempt(options: RunOptions, restart: int, signals: _Signals) -> Failure | 
         signals.group = None
         # a finished program's rank may still be running threads and atexit handlers
         group.shutdown(timeout=config.DEFAULT_SHUTDOWN_TIMEOUT if failure is None else 2.0)
-    return failure
+    return None if failure is None else _with_error_file(failure, run.attempt_dir(restart))
+
+
+def _with_error_file(failure: Failure, attempt_dir: str) -> Failure:
+    """The failure, with what the rank's ``@record`` wrote (torch.distributed.elastic's
+    error file) when the report has no traceback of its own."""
+    if failure.rank is None or failure.traceback:
+        return failure
+    record = read_error_file(error_file(attempt_dir, failure.rank))
+    if record is None:
+        return failure
+    message, stack = record
+    return dataclasses.replace(failure, summary=f"{failure.summary}; it recorded: {message}",
+                               traceback=stack)
+
+
+class _Run:
+    """What one ``phalanx run`` keeps across its attempts: the run id, and the directory the
+    ranks' error files go to, as torchrun lays them out: ``<run id>/attempt_<n>/<rank>/
+    error.json`` under ``--log-dir`` (kept if a rank wrote one), else in a temporary
+    directory removed at the end."""
+
+    def __init__(self, options: RunOptions) -> None:
+        import tempfile
+        import uuid
+
+        self.run_id = options.run_id or uuid.uuid4().hex
+        if options.log_dir is not None:
+            self.root, self._temporary = os.path.join(options.log_dir, self.run_id), False
+        else:
+            self.root, self._temporary = tempfile.mkdtemp(prefix="phalanx-run-"), True
+
+    def attempt_dir(self, restart: int) -> str:
+        return os.path.join(self.root, f"attempt_{restart}")
+
+    def close(self) -> None:
+        """Remove the error files' directory if temporary, or if no rank wrote one."""
+        import shutil
+
+        if self._temporary or not any(files for _, _, files in os.walk(self.root)):
+            shutil.rmtree(self.root, ignore_errors=True)
 
 
 def _outcome(group: Any, rank_future: Any) -> Failure | None:
@@ -342,9 +394,10 @@ def _outcome(group: Any, rank_future: Any) -> Failure | None:
 def run(options: RunOptions) -> int:
     """Run the program on every rank; returns the exit status for the launcher."""
     attempts = options.max_restarts + 1
-    with _Signals(options.grace) as signals:
+    run_state = _Run(options)
+    with _Signals(options.grace) as signals, contextlib.closing(run_state):
         for attempt in range(attempts):
-            failure = _attempt(options, attempt, signals)
+            failure = _attempt(options, attempt, signals, run_state)
             if signals.received is not None:
                 console.notice(f"phalanx run: stopped by {signal.Signals(signals.received).name}")
                 return 128 + signals.received
