@@ -10,7 +10,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from phalanx import __version__
+from phalanx import __version__, runflags
 from phalanx.frameworks import FRAMEWORKS
 
 USAGE_ERROR = 2
@@ -77,7 +77,9 @@ def _number(value: str, convert: type, minimum: float, what: str) -> float:
 
 
 def _procs(value: str) -> int | str:
-    return value if value == "auto" else _number(value, int, 1, "a positive integer or 'auto'")
+    if value in ("auto", "cpu", "gpu"):
+        return value
+    return _number(value, int, 1, "a positive integer, 'auto', 'cpu' or 'gpu'")
 
 
 def _positive(value: str) -> int:
@@ -126,9 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=RUN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    run.add_argument("-n", "--nproc-per-node", type=_procs, default=1, metavar="N",
-                     help="worker processes per node, or 'auto': one per GPU for torch and "
-                          "jax, otherwise 1 (default: 1)")
+    pet = os.environ.get
+    run.add_argument("-n", "--nproc-per-node", "--nproc_per_node", dest="nproc_per_node",
+                     type=_procs, default=_procs(pet("PET_NPROC_PER_NODE", "1")), metavar="N",
+                     help="worker processes per node, or as torchrun: 'cpu' (one per core), "
+                          "'gpu' (one per GPU), 'auto' (one per GPU, else one per core) "
+                          "(default: 1)")
     run.add_argument("--nodes", type=_positive, default=1, metavar="K",
                      help="nodes, simulated on this machine with distinct NODE_RANKs "
                           "(default: 1); world size = K x N")
@@ -138,11 +143,14 @@ def build_parser() -> argparse.ArgumentParser:
                           "variables only); ray and monarch run the script on node 0 only")
     run.add_argument("--gpus-per-worker", type=_non_negative, default=0, metavar="G",
                      help="give each rank G GPUs of its node via CUDA_VISIBLE_DEVICES")
-    run.add_argument("--max-restarts", type=_non_negative, default=0, metavar="R",
+    run.add_argument("--max-restarts", "--max_restarts", dest="max_restarts",
+                     type=_non_negative, default=_non_negative(pet("PET_MAX_RESTARTS", "0")),
+                     metavar="R",
                      help="restart the whole group up to R times after a failure; ranks see "
                           "the restart count in PHALANX_RESTART_COUNT (and "
                           "TORCHELASTIC_RESTART_COUNT) (default: 0)")
-    run.add_argument("--log-dir", metavar="DIR",
+    run.add_argument("--log-dir", "--log_dir", dest="log_dir",
+                     default=pet("PET_LOG_DIR"), metavar="DIR",
                      help="also write each rank's output to DIR/rank-N.stdout.log and "
                           "DIR/rank-N.stderr.log")
     run.add_argument("--ranks", type=parse_ranks, metavar="LIST",
@@ -155,15 +163,17 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: 10)")
     run.add_argument("--start-timeout", type=_seconds, default=None, metavar="SECONDS",
                      help="seconds for every rank (and its framework) to start (default: 120)")
-    run.add_argument("--role", default="default",
+    run.add_argument("--role", default=pet("PET_ROLE", "default"),
                      help="the workers' role, as torchrun's --role: ROLE_NAME (default: "
                           "default)")
     run.add_argument("-m", "--module", action="store_true",
+                     default=pet("PET_MODULE", "0").lower() in ("1", "true"),
                      help="run the target as a module (python -m), not a script path")
     run.add_argument("target", metavar="script.py | module",
                      help="the program every rank runs")
     run.add_argument("args", nargs=argparse.REMAINDER, metavar="...",
                      help="arguments for the program")
+    runflags.add_torchrun_arguments(run)
     debug = commands.add_parser(
         "debug",
         help="attach to a rank stopped in px.breakpoint(), or list the ranks waiting",
@@ -186,8 +196,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_target(target: str, is_module: bool) -> str | None:
+def _check_target(target: str, is_module: bool, no_python: bool = False) -> str | None:
     """Why the program cannot be run, checked before any process starts; None if fine."""
+    if no_python:
+        import shutil
+
+        found = shutil.which(target) if os.sep not in target else (
+            target if os.access(target, os.X_OK) and os.path.isfile(target) else None)
+        return None if found else f"no executable command {target!r} (--no-python)"
     if is_module:
         # Only the top-level package is looked up: finding a submodule would import (run)
         # its parent packages here in the launcher. A missing submodule fails on the ranks.
@@ -219,27 +235,55 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(parser: argparse.ArgumentParser, options: argparse.Namespace) -> int:
-    from phalanx import launch
+    from phalanx import console, launch
     from phalanx.errors import PhalanxError
+    from phalanx.placement import visible_gpus
 
-    problem = _check_target(options.target, options.module)
+    no_python = options.no_python and not options.run_path  # --run-path wins, as in torchrun
+    problem = (_check_target(options.target, options.module, no_python)
+               or runflags.check_nnodes(options.nnodes)
+               or (None if options.node_rank == 0 else
+                   f"--node-rank {options.node_rank}: with one node it must be 0")
+               or (None if options.rdzv_backend in runflags.RDZV_BACKENDS else
+                   f"--rdzv-backend {options.rdzv_backend!r} is not supported: use "
+                   f"{' or '.join(runflags.RDZV_BACKENDS)}"))
     if problem is not None:
         parser.exit(USAGE_ERROR, f"phalanx run: {problem}\n")
+    try:
+        procs = runflags.procs_per_node(str(options.nproc_per_node), len(visible_gpus()),
+                                        os.cpu_count() or 1)
+    except ValueError as exc:
+        parser.exit(USAGE_ERROR, f"phalanx run: {exc}\n")
+    if options.nproc_per_node == "auto" and options.framework in ("torch", "jax"):
+        procs = "auto"  # the framework's own count: one rank per GPU, else 1
+    for notice in runflags.no_effect_notices(options):
+        console.notice(notice)
+    if options.master_addr or options.master_port:
+        console.notice("phalanx run: with one node, phalanx chooses MASTER_ADDR and a free "
+                       "MASTER_PORT itself (the ranks get them as usual)")
+    ranks = options.ranks
+    if ranks is None and options.local_ranks_filter:
+        try:
+            ranks = parse_ranks(options.local_ranks_filter)
+        except argparse.ArgumentTypeError as exc:
+            parser.exit(USAGE_ERROR, f"phalanx run: --local-ranks-filter: {exc}\n")
     run_options = launch.RunOptions(
         target=options.target,
         args=tuple(options.args),
         is_module=options.module,
         nodes=options.nodes,
-        procs_per_node=options.nproc_per_node,
+        procs_per_node=procs,
         framework=options.framework,
         gpus_per_worker=options.gpus_per_worker,
         max_restarts=options.max_restarts,
         log_dir=options.log_dir,
-        ranks=options.ranks,
+        ranks=ranks,
         collapse=not options.no_collapse,
-        grace=options.grace,
+        grace=options.grace if options.shutdown_timeout is None else options.shutdown_timeout,
         start_timeout=options.start_timeout,
         role=options.role,
+        run_id=options.rdzv_id,
+        no_python=no_python,
     )
     try:
         return launch.run(run_options)

@@ -32,14 +32,18 @@ FAILED = 1  # exit status for a failure without a code of its own (an exception)
 class ScriptRunner:
     """The worker object of ``phalanx run``: runs the user's program as ``__main__``."""
 
-    def __init__(self, target: str, args: Sequence[str], is_module: bool) -> None:
+    def __init__(self, target: str, args: Sequence[str], is_module: bool,
+                 no_python: bool = False) -> None:
         self.target = target
         self.args = list(args)
         self.is_module = is_module
+        self.no_python = no_python
 
     def run(self) -> int:
         """Run the program; its exit status (``sys.exit(n)`` gives ``n``; an exception
         propagates to the controller with its traceback)."""
+        if self.no_python:
+            return self._run_command()
         import runpy
 
         from phalanx.worker import exit_code_of  # the rank's own process: already imported
@@ -63,6 +67,18 @@ class ScriptRunner:
         sys.stdout.flush()
         sys.stderr.flush()
         return status
+
+
+    def _run_command(self) -> int:
+        """``--no-python``: the target is a command (a shell script, a binary) run as this
+        rank's child, in its process group, so forwarded signals reach it; its status as
+        a shell gives it (128 + N when signal N ended it)."""
+        import subprocess
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        code = subprocess.run([self.target, *self.args], check=False).returncode
+        return signal_status(code)
 
 
 def _join_program_threads() -> None:
@@ -97,6 +113,7 @@ class RunOptions:
     start_timeout: float | None = None
     role: str = "default"  # torchrun's --role: ROLE_NAME
     run_id: str | None = None  # TORCHELASTIC_RUN_ID (None: a fresh one)
+    no_python: bool = False  # the target is a command, not a Python program
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,7 +306,7 @@ def _start(options: RunOptions, restart: int, signals: _Signals, run: _Run) -> A
             os.makedirs(os.path.dirname(variables["TORCHELASTIC_ERROR_FILE"]), exist_ok=True)
         return WorkerGroup(
             ScriptRunner,
-            args=(options.target, options.args, options.is_module),
+            args=(options.target, options.args, options.is_module, options.no_python),
             nodes=options.nodes,
             procs_per_node=options.procs_per_node,
             framework=options.framework,

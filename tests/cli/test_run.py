@@ -671,9 +671,11 @@ open(f"started-{os.environ['RANK']}", "w").close()
         (["nosuch.py"], "phalanx run: no such file: 'nosuch.py'"),
         (["-m", "no_such_module_xyz"], "phalanx run: no module named 'no_such_module_xyz'"),
         (["-n", "0", "marker.py"],
-         "argument -n/--nproc-per-node: expected a positive integer or 'auto', got '0'"),
+         "argument -n/--nproc-per-node/--nproc_per_node: expected a positive integer, 'auto', "
+         "'cpu' or 'gpu', got '0'"),
         (["-n", "lots", "marker.py"],
-         "argument -n/--nproc-per-node: expected a positive integer or 'auto', got 'lots'"),
+         "argument -n/--nproc-per-node/--nproc_per_node: expected a positive integer, 'auto', "
+         "'cpu' or 'gpu', got 'lots'"),
         (["--ranks", "x", "marker.py"],
          "argument --ranks: expected ranks such as 0,2 or 0-3, got 'x'"),
         (["--framework", "nosuch", "marker.py"], "argument --framework: invalid choice"),
