@@ -258,9 +258,6 @@ def _run(parser: argparse.ArgumentParser, options: argparse.Namespace) -> int:
         procs = "auto"  # the framework's own count: one rank per GPU, else 1
     for notice in runflags.no_effect_notices(options):
         console.notice(notice)
-    if options.master_addr or options.master_port:
-        console.notice("phalanx run: with one node, phalanx chooses MASTER_ADDR and a free "
-                       "MASTER_PORT itself (the ranks get them as usual)")
     ranks = options.ranks
     if ranks is None and options.local_ranks_filter:
         try:
@@ -284,6 +281,8 @@ def _run(parser: argparse.ArgumentParser, options: argparse.Namespace) -> int:
         role=options.role,
         run_id=options.rdzv_id,
         no_python=no_python,
+        master_addr=options.master_addr,
+        master_port=options.master_port,
     )
     try:
         return launch.run(run_options)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import itertools
 import logging
@@ -85,6 +86,9 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle):
     declared unresponsive: its calls fail with :class:`WorkerUnresponsive` and it is killed
     (None: never). When some ranks answered a call ``straggler_warning`` seconds ago and
     others have not, the late ranks and where their code is are logged (None: never).
+
+    ``master_addr`` / ``master_port`` fix the rendezvous the ranks get as ``MASTER_ADDR`` /
+    ``MASTER_PORT`` (default: node 0's address and a port free there, new on each restart).
     """
 
     def __init__(
@@ -111,6 +115,8 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle):
         dp_axis: str = "dp",
         heartbeat_timeout: float | None = config.DEFAULT_HEARTBEAT_TIMEOUT,
         straggler_warning: float | None = config.DEFAULT_STRAGGLER_WARNING,
+        master_addr: str | None = None,
+        master_port: int | None = None,
     ) -> None:
         settings = config.Settings.from_env()
         if not (callable(target) or isinstance(target, types.ModuleType)):
@@ -121,6 +127,12 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle):
             raise TypeError(f"kwargs must be a mapping, got {type(kwargs).__name__}")
         check_count(concurrency, "concurrency")
         check_count(nodes, "nodes")
+        if master_port is not None and not 0 < check_count(master_port, "master_port") < 65536:
+            raise ValueError(f"master_port must be a port number (1-65535), got {master_port}")
+        if master_addr is not None and not (isinstance(master_addr, str) and master_addr):
+            raise TypeError(f"master_addr must be a host name or address, got {master_addr!r}")
+        self._rendezvous_given = ((master_addr, master_port)
+                                  if master_addr is not None or master_port is not None else None)
         self._heartbeat_timeout = check_seconds(heartbeat_timeout, "heartbeat_timeout",
                                                 allow_zero=False)
         self._straggler_warning = check_seconds(straggler_warning, "straggler_warning",
@@ -253,7 +265,12 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle):
 
     def _new_launch(self) -> None:
         """Fresh ports (picked on the nodes) and every rank's variables."""
-        self._launch = new_launch(self._placement, self._nodes, self._backend.ports)
+        launch = new_launch(self._placement, self._nodes, self._backend.ports)
+        if self._rendezvous_given:  # the user's MASTER_ADDR / MASTER_PORT, kept on restarts
+            addr, port = self._rendezvous_given
+            launch = dataclasses.replace(launch, master_addr=addr or launch.master_addr,
+                                         master_port=port or launch.master_port)
+        self._launch = launch
         self._starts = [self._rank_start(rank) for rank in range(self.world_size)]
 
     def _rank_start(self, rank: int) -> RankStart:

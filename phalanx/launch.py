@@ -114,6 +114,8 @@ class RunOptions:
     role: str = "default"  # torchrun's --role: ROLE_NAME
     run_id: str | None = None  # TORCHELASTIC_RUN_ID (None: a fresh one)
     no_python: bool = False  # the target is a command, not a Python program
+    master_addr: str | None = None  # torchrun's --master-addr / --master-port (None: chosen)
+    master_port: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,6 +319,8 @@ def _start(options: RunOptions, restart: int, signals: _Signals, run: _Run) -> A
             log_ranks=options.ranks,
             log_dir=options.log_dir,
             start_timeout=options.start_timeout,
+            master_addr=options.master_addr,
+            master_port=options.master_port,
         )
     except (ValueError, TypeError) as exc:
         raise BadOptions(str(exc)) from exc

@@ -74,10 +74,11 @@ def add_torchrun_arguments(run: argparse.ArgumentParser,
                           help="this launcher's node (0 with one node)")
     torchrun.add_argument("--master-addr", "--master_addr", dest="master_addr",
                           default=_pet(env, "master_addr", None), metavar="HOST",
-                          help="node 0's address (one node: phalanx chooses it)")
+                          help="node 0's address, the ranks' MASTER_ADDR (default: chosen)")
     torchrun.add_argument("--master-port", "--master_port", dest="master_port", type=int,
                           default=_pet(env, "master_port", None), metavar="PORT",
-                          help="the rendezvous port (one node: phalanx picks a free one)")
+                          help="the ranks' MASTER_PORT (default: a free port, new on each "
+                               "restart)")
     torchrun.add_argument("--standalone", action="store_true",
                           default=_pet_flag(env, "standalone"),
                           help="one node with a local rendezvous: what phalanx does anyway")

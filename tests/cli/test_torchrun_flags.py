@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -127,3 +128,31 @@ def test_run_path_takes_precedence_over_no_python(show):
     result = phalanx_run(show, "--run-path", "--no-python", "show.py")
     assert result.returncode == 0, result.stderr
     assert len(envs(show)) == 1
+
+
+def test_the_master_address_and_port_given_are_the_ranks_rendezvous(tmp_path):
+    helpers.requires("torch")
+    from phalanx.placement import pick_free_ports
+
+    (port,) = pick_free_ports("127.0.0.1", 1)
+    (tmp_path / "reduce.py").write_text(textwrap.dedent("""\
+        import os
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        print("sum", int(total.item()), os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
+    """))
+    result = phalanx_run(tmp_path, "--nproc_per_node", "2", "--master_addr", "localhost",
+                         "--master-port", str(port), "reduce.py")
+    assert result.returncode == 0, result.stderr
+    assert f"sum 2 localhost {port}" in result.stdout
+
+
+def test_a_bad_master_port_is_refused_before_anything_starts(show):
+    result = phalanx_run(show, "--master-port", "70000", "show.py")
+    assert result.returncode == 2
+    assert "master_port must be a port number (1-65535), got 70000" in result.stderr
+    assert not envs(show)

@@ -134,3 +134,22 @@ def test_bad_env_leaves_no_threads_or_descriptors_behind(backend):
         with pytest.raises(TypeError):
             WorkerGroup(Probe, env={"N": 1}, backend=backend, echo_output=False)
     assert helpers.wait_until(lambda: count() == before, 2.0), (before, count())
+
+
+def test_a_given_rendezvous_is_every_ranks_and_survives_a_restart(make_group):
+    from phalanx.placement import pick_free_ports
+
+    (port,) = pick_free_ports("127.0.0.1", 1)
+    group = make_group(Probe, procs_per_node=2, master_port=port, master_addr="localhost")
+    expected = {"MASTER_ADDR": "localhost", "MASTER_PORT": str(port)}
+    assert group.call("env", "MASTER_ADDR", "MASTER_PORT") == [expected, expected]
+    group.restart()
+    assert group.call("env", "MASTER_ADDR", "MASTER_PORT") == [expected, expected]
+
+
+@pytest.mark.parametrize(("kwargs", "error"), [({"master_port": 0}, ValueError),
+                                               ({"master_port": "29500"}, TypeError),
+                                               ({"master_addr": ""}, TypeError)])
+def test_a_bad_rendezvous_is_refused_before_anything_starts(kwargs, error):
+    with pytest.raises(error, match="master_"):
+        WorkerGroup(Probe, **kwargs)
