@@ -134,9 +134,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="worker processes per node, or as torchrun: 'cpu' (one per core), "
                           "'gpu' (one per GPU), 'auto' (one per GPU, else one per core) "
                           "(default: 1)")
+    run.add_argument("--backend", choices=("local", "ray"), default="local",
+                     help="where the ranks run: local processes (default), or the actors of "
+                          "a Ray cluster, driven from this terminal")
+    run.add_argument("--address", metavar="ADDR",
+                     help="with --backend ray: the cluster to join ('auto', 'host:port', "
+                          "'ray://...'; default: RAY_ADDRESS, else a local Ray)")
     run.add_argument("--nodes", type=_positive, default=1, metavar="K",
-                     help="nodes, simulated on this machine with distinct NODE_RANKs "
-                          "(default: 1); world size = K x N")
+                     help="nodes: simulated on this machine with distinct NODE_RANKs, or "
+                          "distinct Ray nodes with --backend ray (default: 1); world size = "
+                          "K x N")
     frameworks = sorted(name for name in FRAMEWORKS if name is not None)
     run.add_argument("--framework", choices=frameworks, default="spmd",
                      help="environment to set up on every rank (default: spmd, the generic "
@@ -241,6 +248,8 @@ def _run(parser: argparse.ArgumentParser, options: argparse.Namespace) -> int:
 
     no_python = options.no_python and not options.run_path  # --run-path wins, as in torchrun
     problem = (_check_target(options.target, options.module, no_python)
+               or (None if options.address is None or options.backend == "ray" else
+                   "--address names a Ray cluster: use it with --backend ray")
                or runflags.check_nnodes(options.nnodes)
                or (None if options.node_rank == 0 else
                    f"--node-rank {options.node_rank}: with one node it must be 0")
@@ -283,6 +292,8 @@ def _run(parser: argparse.ArgumentParser, options: argparse.Namespace) -> int:
         no_python=no_python,
         master_addr=options.master_addr,
         master_port=options.master_port,
+        backend=options.backend,
+        address=options.address,
     )
     try:
         return launch.run(run_options)

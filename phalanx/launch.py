@@ -33,15 +33,21 @@ class ScriptRunner:
     """The worker object of ``phalanx run``: runs the user's program as ``__main__``."""
 
     def __init__(self, target: str, args: Sequence[str], is_module: bool,
-                 no_python: bool = False) -> None:
+                 no_python: bool = False, path: str | None = None) -> None:
         self.target = target
         self.args = list(args)
         self.is_module = is_module
         self.no_python = no_python
+        # the script's absolute path as the launcher found it: a rank on another node (Ray)
+        # does not start in the launcher's directory
+        self.path = path
 
     def run(self) -> int:
         """Run the program; its exit status (``sys.exit(n)`` gives ``n``; an exception
         propagates to the controller with its traceback)."""
+        error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if error_file:  # torch's @record writes there, and makes no directories
+            os.makedirs(os.path.dirname(error_file), exist_ok=True)
         if self.no_python:
             return self._run_command()
         import runpy
@@ -52,7 +58,7 @@ class ScriptRunner:
             sys.argv = [self.target, *self.args]  # runpy sets argv[0] to the module's file
             sys.path.insert(0, os.getcwd())
         else:
-            path = os.path.abspath(self.target)
+            path = self.path or os.path.abspath(self.target)
             sys.argv = [self.target, *self.args]
             sys.path.insert(0, os.path.dirname(path))
         try:
@@ -116,6 +122,8 @@ class RunOptions:
     no_python: bool = False  # the target is a command, not a Python program
     master_addr: str | None = None  # torchrun's --master-addr / --master-port (None: chosen)
     master_port: int | None = None
+    backend: str = "local"  # or "ray": every rank of a Ray cluster, from this terminal
+    address: str | None = None  # the Ray cluster's (None: RAY_ADDRESS, or a local Ray)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,9 +292,18 @@ def _say(text: str) -> None:
         pass
 
 
+def _backend(options: RunOptions) -> Any:
+    if options.backend == "ray":
+        from phalanx.backends.ray import RayBackend
+
+        return RayBackend(address=options.address)
+    from phalanx.backends.local import LocalBackend
+
+    return LocalBackend()
+
+
 def _start(options: RunOptions, restart: int, signals: _Signals, run: _Run) -> Any:
     """The group for one attempt; None if a signal interrupted its start."""
-    from phalanx.backends.local import LocalBackend
     from phalanx.group import WorkerGroup
     from phalanx.placement import place
 
@@ -295,20 +312,19 @@ def _start(options: RunOptions, restart: int, signals: _Signals, run: _Run) -> A
         return None
     signals.starting = True
     try:
+        backend = _backend(options)
         layout = place(options.framework, options.nodes, options.procs_per_node,
-                       options.gpus_per_worker,
-                       LocalBackend().gpus_per_node(options.nodes)).layout
+                       options.gpus_per_worker, backend.gpus_per_node(options.nodes)).layout
         if "OMP_NUM_THREADS" not in os.environ and layout.world_size > 1:  # as torchrun
             env["OMP_NUM_THREADS"] = "1"
         common, per_rank = elastic_env(
             layout, run_id=run.run_id, max_restarts=options.max_restarts, restart=restart,
             role=options.role, error_dir=run.attempt_dir(restart))
         env.update(common)
-        for variables in per_rank.values():  # torch's @record writes there; it makes no dirs
-            os.makedirs(os.path.dirname(variables["TORCHELASTIC_ERROR_FILE"]), exist_ok=True)
         return WorkerGroup(
             ScriptRunner,
-            args=(options.target, options.args, options.is_module, options.no_python),
+            args=(options.target, options.args, options.is_module, options.no_python,
+                  None if options.is_module else os.path.abspath(options.target)),
             nodes=options.nodes,
             procs_per_node=options.procs_per_node,
             framework=options.framework,
@@ -321,6 +337,7 @@ def _start(options: RunOptions, restart: int, signals: _Signals, run: _Run) -> A
             start_timeout=options.start_timeout,
             master_addr=options.master_addr,
             master_port=options.master_port,
+            backend=backend,
         )
     except (ValueError, TypeError) as exc:
         raise BadOptions(str(exc)) from exc
