@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from phalanx import __version__, runflags
 from phalanx.frameworks import FRAMEWORKS
+from phalanx.runflags import parse_ranks
 
 USAGE_ERROR = 2
 
@@ -92,25 +93,6 @@ def _non_negative(value: str) -> int:
 
 def _seconds(value: str) -> float:
     return _number(value, float, 0, "a number of seconds >= 0")
-
-
-def parse_ranks(value: str) -> tuple[int, ...]:
-    """``"0,2,4-6"`` -> ``(0, 2, 4, 5, 6)``."""
-    ranks: list[int] = []
-    try:
-        for part in value.split(","):
-            first, sep, last = part.strip().partition("-")
-            if sep:
-                ranks.extend(range(int(first), int(last) + 1))
-            else:
-                ranks.append(int(first))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected ranks such as 0,2 or 0-3, got {value!r}"
-        ) from None
-    if not ranks or min(ranks) < 0:
-        raise argparse.ArgumentTypeError(f"expected ranks such as 0,2 or 0-3, got {value!r}")
-    return tuple(sorted(set(ranks)))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -267,12 +249,7 @@ def _run(parser: argparse.ArgumentParser, options: argparse.Namespace) -> int:
         procs = "auto"  # the framework's own count: one rank per GPU, else 1
     for notice in runflags.no_effect_notices(options):
         console.notice(notice)
-    ranks = options.ranks
-    if ranks is None and options.local_ranks_filter:
-        try:
-            ranks = parse_ranks(options.local_ranks_filter)
-        except argparse.ArgumentTypeError as exc:
-            parser.exit(USAGE_ERROR, f"phalanx run: --local-ranks-filter: {exc}\n")
+    ranks = options.ranks if options.ranks is not None else options.local_ranks_filter
     run_options = launch.RunOptions(
         target=options.target,
         args=tuple(options.args),

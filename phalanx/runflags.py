@@ -50,6 +50,25 @@ _NO_EFFECT = (
 )
 
 
+def parse_ranks(value: str) -> tuple[int, ...]:
+    """``"0,2,4-6"`` -> ``(0, 2, 4, 5, 6)``."""
+    ranks: list[int] = []
+    try:
+        for part in value.split(","):
+            first, sep, last = part.strip().partition("-")
+            if sep:
+                ranks.extend(range(int(first), int(last) + 1))
+            else:
+                ranks.append(int(first))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected ranks such as 0,2 or 0-3, got {value!r}"
+        ) from None
+    if not ranks or min(ranks) < 0:
+        raise argparse.ArgumentTypeError(f"expected ranks such as 0,2 or 0-3, got {value!r}")
+    return tuple(sorted(set(ranks)))
+
+
 def _pet(environ: Mapping[str, str], dest: str, default: Any) -> Any:
     """torchrun's environment default for a flag: ``PET_<DEST>``."""
     return environ.get(f"PET_{dest.upper()}", default)
@@ -100,8 +119,8 @@ def add_torchrun_arguments(run: argparse.ArgumentParser,
                           help="run the script with runpy.run_path: what phalanx does anyway "
                                "(overrides --no-python, as in torchrun)")
     torchrun.add_argument("--local-ranks-filter", "--local_ranks_filter",
-                          dest="local_ranks_filter", default=_pet(env, "local_ranks_filter",
-                                                                  None), metavar="LIST",
+                          dest="local_ranks_filter", type=parse_ranks,
+                          default=_pet(env, "local_ranks_filter", None), metavar="LIST",
                           help="show only these local ranks' output (as --ranks on one node)")
     torchrun.add_argument("--shutdown-timeout", "--shutdown_timeout", dest="shutdown_timeout",
                           type=float, default=_pet(env, "shutdown_timeout", None),

@@ -129,3 +129,15 @@ def _quiet_progress_bar():
         os.environ.pop("PHALANX_PROGRESS", None)
     else:
         os.environ["PHALANX_PROGRESS"] = old
+
+
+@pytest.fixture
+def tracked():
+    """Processes the test must see gone (tests/trees.py); what is left is SIGKILLed."""
+    from tests.trees import Tracked
+
+    tracked = Tracked()
+    try:
+        yield tracked
+    finally:
+        tracked.kill_all()

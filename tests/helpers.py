@@ -180,6 +180,21 @@ def start_script(path: Path) -> subprocess.Popen:
     )
 
 
+@contextlib.contextmanager
+def running_script(path: Path):
+    """:func:`start_script`; on the way out the controller is ended (if it still runs) and
+    its pipes closed, however the test went."""
+    controller = start_script(path)
+    try:
+        yield controller
+    finally:
+        if controller.poll() is None:
+            controller.kill()
+            controller.wait(10)
+        controller.stdout.close()
+        controller.stderr.close()
+
+
 def json_lines(text: str) -> list:
     """The JSON documents a script printed, one per line, ignoring other output."""
     out = []

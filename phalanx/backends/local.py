@@ -1,13 +1,15 @@
-"""The local backend: ranks are child processes of the controller on this machine.
+"""The local backend: ranks are processes on this machine, started for the controller by
+its node supervisor (:mod:`phalanx.supervisor`).
 
 ``nodes > 1`` simulates several nodes (distinct ``NODE_RANK`` values) on one machine; they
 split its GPUs between them. This is also the node side a cluster agent runs: what only
 holds on this machine (the controller's environment and cwd, its visible GPUs, its free
 ports) is decided here, not above the backend line.
 
-Each rank has a :class:`LocalChannel`: its control pipes, and a pidfd whose readability is
-the death event. A death is finished on a short helper thread (reap, wait a moment for the
-last stderr lines) and posted as EXITED, so the dispatcher's pump never waits on it.
+Each rank has a :class:`LocalChannel`: its control pipes, and the status pipe from its
+keeper, whose exit record is the death event. A death is finished on a short helper thread
+(the exit status, a moment for the last stderr lines) and posted as EXITED, so the
+dispatcher's pump never waits on it.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ _LOOPBACK = "127.0.0.1"
 
 
 class LocalChannel(Channel):
-    """One local rank: its control pipes, its pidfd, its output tap."""
+    """One local rank: its control pipes, its keeper's status pipe, its output tap."""
 
     def __init__(self, start: RankStart, proc: SupervisedProcess, conn: wire.Connection,
                  tap: OutputTap, stack_file: StackFile) -> None:

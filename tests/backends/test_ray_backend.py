@@ -12,7 +12,6 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
 
 import psutil
 import pytest
@@ -20,6 +19,7 @@ import pytest
 import phalanx as px
 from phalanx import StartupError, WorkerDied
 from tests import helpers, raycluster
+from tests.trees import Tracked
 from tests.workers import Probe, Supervised
 
 ray = pytest.importorskip("ray", reason="the ray backend needs ray (pip install 'phalanx[ray]')")
@@ -337,78 +337,16 @@ def test_single_controller_frameworks_run_on_node_zero_of_the_ray_nodes():
 # the rank runs under a node supervisor started by its actor (actor -> supervisor ->
 # keeper -> rank).
 
-GONE_WITHIN = 2.0  # seconds, the promise
-WAIT = GONE_WITHIN + 1.0  # what a check waits: slack for a loaded machine
-
-
-class Tracked:
-    """Processes a test must see gone; whatever is left is SIGKILLed when the test ends, so
-    that a failing test leaks nothing (psutil refuses to signal a pid that was reused)."""
-
-    def __init__(self) -> None:
-        self.procs: dict[int, tuple[str, psutil.Process]] = {}
-
-    def add(self, pid: int, label: str) -> None:
-        try:
-            self.procs[pid] = (label, psutil.Process(pid))
-        except psutil.NoSuchProcess:
-            pytest.fail(f"{label} (pid {pid}) was gone before the test could check it")
-
-    def add_trees(self, trees: list[dict[str, int]], ranks: list[int]) -> None:
-        for rank, tree in zip(ranks, trees, strict=True):
-            for kind, pid in tree.items():
-                self.add(pid, f"rank {rank}'s {kind} sleeper")
-
-    def add_rank(self, pid: int, rank: int) -> None:
-        """The rank's process, its keeper and its actor's supervisor (checked to be so)."""
-        self.add(pid, f"rank {rank}")
-        keeper = psutil.Process(pid).parent()
-        supervisor = keeper.parent()
-        assert "phalanx.keeper" in " ".join(supervisor.cmdline()), \
-            f"rank {rank} does not run under a node supervisor: {supervisor.cmdline()}"
-        assert keeper.cmdline() == supervisor.cmdline()  # a fork of it
-        self.add(keeper.pid, f"rank {rank}'s keeper")
-        self.add(supervisor.pid, f"rank {rank}'s supervisor")
-
-    def alive(self, which: Callable[[str], bool] = lambda label: True) -> list[str]:
-        running = []
-        for label, proc in self.procs.values():
-            if not which(label):
-                continue
-            try:  # a zombie has ended; an orphan's may wait a while for its reaper
-                if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
-                    running.append(f"{label} (pid {proc.pid})")
-            except psutil.NoSuchProcess:
-                pass
-        return running
-
-    def assert_gone(self, since: float, what: str,
-                    which: Callable[[str], bool] = lambda label: True) -> None:
-        """Those ``which`` accepts (by label) are gone within the promise."""
-        helpers.wait_until(lambda: not self.alive(which), WAIT, interval=0.01)
-        took = time.monotonic() - since
-        left = self.alive(which)
-        assert not left, f"{len(left)} process(es) outlived {what} by {took:.1f} s " \
-                         f"(must be < {GONE_WITHIN:g} s): {left}"
-        assert took < WAIT, f"{what}: took {took:.1f} s (must be < {GONE_WITHIN:g} s)"
-
-    def kill_all(self) -> None:
-        procs = [proc for _, proc in self.procs.values() if proc.is_running()]
-        for proc in procs:
-            try:
-                proc.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(procs, timeout=3)
-
-
-@pytest.fixture
-def tracked():
-    tracked = Tracked()
-    try:
-        yield tracked
-    finally:
-        tracked.kill_all()
+def track_rank(tracked: Tracked, pid: int, rank: int) -> None:
+    """The rank's process, its keeper and its actor's supervisor (checked to be so)."""
+    tracked.add(pid, f"rank {rank}")
+    keeper = psutil.Process(pid).parent()
+    supervisor = keeper.parent()
+    assert "phalanx.keeper" in " ".join(supervisor.cmdline()), \
+        f"rank {rank} does not run under a node supervisor: {supervisor.cmdline()}"
+    assert keeper.cmdline() == supervisor.cmdline()  # a fork of it
+    tracked.add(keeper.pid, f"rank {rank}'s keeper")
+    tracked.add(supervisor.pid, f"rank {rank}'s supervisor")
 
 
 def start_tracked(tracked: Tracked, ranks: int = 2):
@@ -417,7 +355,7 @@ def start_tracked(tracked: Tracked, ranks: int = 2):
     try:
         tracked.add_trees(group.call("spawn_tree", timeout=30), list(range(ranks)))
         for rank, pid in enumerate(group.call("pid")):
-            tracked.add_rank(pid, rank)
+            track_rank(tracked, pid, rank)
     except BaseException:
         group.shutdown(timeout=5)
         raise
@@ -486,12 +424,8 @@ def test_nothing_a_ray_rank_started_outlives_a_killed_controller(tmp_path, track
         time.sleep(120)
     """)
     import select
-    import subprocess
 
-    controller = subprocess.Popen([sys.executable, str(script)], cwd=str(tmp_path),
-                                  env=helpers.script_env(), stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)
-    try:
+    with helpers.running_script(script) as controller:
         ready, _, _ = select.select([controller.stdout], [], [], 90)
         assert ready, "the controller script did not start its ranks within 90 s"
         line = controller.stdout.readline()
@@ -499,7 +433,7 @@ def test_nothing_a_ray_rank_started_outlives_a_killed_controller(tmp_path, track
         report = json.loads(line)
         tracked.add_trees(report["trees"], [0, 1])
         for rank, pid in enumerate(report["ranks"]):
-            tracked.add_rank(pid, rank)
+            track_rank(tracked, pid, rank)
         os.kill(controller.pid, sig)
         killed = time.monotonic()
         controller.wait(10)
@@ -507,9 +441,3 @@ def test_nothing_a_ray_rank_started_outlives_a_killed_controller(tmp_path, track
         # Ray ends the dead job's actors and placement group on its own
         assert helpers.wait_until(lambda: raycluster.leftovers() == [], 20), \
             raycluster.leftovers()
-    finally:
-        if controller.poll() is None:
-            controller.kill()
-            controller.wait(10)
-        controller.stdout.close()
-        controller.stderr.close()

@@ -52,8 +52,7 @@ def test_ctrl_c_exits_as_python_does(tmp_path, case):
         import phalanx as px
         from tests.workers import Probe
     """ + SCRIPTS[case])
-    controller = helpers.start_script(script)
-    try:
+    with helpers.running_script(script) as controller:
         ready, _, _ = select.select([controller.stdout], [], [], 30)
         assert ready and controller.stdout.readline().strip() == "ready", controller.stderr.read()
         controller.send_signal(signal.SIGINT)
@@ -61,9 +60,3 @@ def test_ctrl_c_exits_as_python_does(tmp_path, case):
         stderr = controller.stderr.read()
         assert status == -signal.SIGINT, f"exit status {status}, not killed by SIGINT:\n{stderr}"
         assert "KeyboardInterrupt" in stderr
-    finally:
-        if controller.poll() is None:
-            controller.kill()
-            controller.wait(10)
-        controller.stdout.close()
-        controller.stderr.close()

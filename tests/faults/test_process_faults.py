@@ -29,8 +29,7 @@ def test_workers_exit_when_the_controller_is_sigkilled(backend, tmp_path, nodes)
         print(json.dumps(group.call("pid")), flush=True)
         time.sleep(60)
     """)
-    controller = helpers.start_script(script)
-    try:
+    with helpers.running_script(script) as controller:
         ready, _, _ = select.select([controller.stdout], [], [], 30)
         assert ready, "the controller script did not start its workers"
         pids = json.loads(controller.stdout.readline())
@@ -38,12 +37,6 @@ def test_workers_exit_when_the_controller_is_sigkilled(backend, tmp_path, nodes)
         os.kill(controller.pid, signal.SIGKILL)
         controller.wait(10)
         assert helpers.wait_dead(pids, 2), "workers outlived their SIGKILLed controller"
-    finally:
-        if controller.poll() is None:
-            controller.kill()
-            controller.wait(10)
-        controller.stdout.close()
-        controller.stderr.close()
 
 
 @pytest.fixture

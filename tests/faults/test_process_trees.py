@@ -15,18 +15,11 @@ import select
 import signal
 import time
 
-import psutil
 import pytest
 
 from tests import helpers
 from tests.workers import IgnoresTerm, Supervised
 
-GONE_WITHIN = 2.0  # seconds, the promise
-# What the checks wait before failing: the promise plus slack for a loaded CI machine
-# (the failure message reports the time it really took).
-WAIT = GONE_WITHIN + 1.0
-KINDS = {"same_group": "1000", "new_session": "1001", "shell_background": "1002",
-         "double_fork": "1003"}
 WORKER_CLASSES = [Supervised, IgnoresTerm]
 
 
@@ -36,79 +29,12 @@ def backend() -> str:
     return "local"
 
 
-class Tracked:
-    """Processes a test must see gone; whatever is left is SIGKILLed on exit, so that a
-    failing test leaks nothing (psutil refuses to signal a pid that was reused)."""
-
-    def __init__(self) -> None:
-        self.procs: dict[int, tuple[str, psutil.Process]] = {}
-
-    def add(self, pid: int, label: str) -> None:
-        try:
-            self.procs[pid] = (label, psutil.Process(pid))
-        except psutil.NoSuchProcess:
-            pytest.fail(f"{label} (pid {pid}) was gone before the test could check it")
-
-    def add_trees(self, trees: list[dict[str, int]], ranks: list[int] | None = None) -> None:
-        """The sleepers of ``spawn_tree`` on each rank, checked to be what they claim."""
-        for rank, tree in zip(ranks or range(len(trees)), trees, strict=True):
-            assert sorted(tree) == sorted(KINDS)
-            for kind, pid in tree.items():
-                label = f"rank {rank}'s {kind} sleeper"
-                self.add(pid, label)
-                proc = self.procs[pid][1]
-                # a shell's background job may be reported just before its exec
-                assert helpers.wait_until(
-                    lambda p=proc, k=kind: p.cmdline() == ["sleep", KINDS[k]], 5), \
-                    f"{label} runs {proc.cmdline()}"
-
-    def _running(self) -> list[tuple[str, psutil.Process]]:
-        running = []
-        for label, proc in self.procs.values():
-            try:
-                if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
-                    running.append((label, proc))
-            except psutil.NoSuchProcess:
-                pass
-        return running
-
-    def alive(self) -> list[str]:
-        return [f"{label} (pid {proc.pid})" for label, proc in self._running()]
-
-    def assert_gone(self, since: float, what: str) -> None:
-        helpers.wait_until(lambda: not self.alive(), WAIT, interval=0.01)
-        took = time.monotonic() - since
-        left = self.alive()
-        assert not left, f"{len(left)} process(es) outlived {what} by {took:.1f} s " \
-                         f"(must be < {GONE_WITHIN:g} s): {left}"
-        assert took < WAIT, f"{what}: took {took:.1f} s (must be < {GONE_WITHIN:g} s)"
-
-    def kill_all(self) -> None:
-        # zombies are left out: one whose parent died waits for this machine's init to
-        # reap it, which may take a while, and it is harmless meanwhile
-        procs = [proc for _, proc in self._running()]
-        for proc in procs:
-            try:
-                proc.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(procs, timeout=3)
-
-
-@pytest.fixture
-def tracked():
-    tracked = Tracked()
-    try:
-        yield tracked
-    finally:
-        tracked.kill_all()
-
-
 # ---------------------------------------------------------------- controller killed
 
 
-def start_controller(tmp_path, worker_class: type):
-    script = helpers.write_script(tmp_path, f"""
+def controller_script(tmp_path, worker_class: type):
+    """The controller: two ranks with their sleepers; it prints their pids, then waits."""
+    return helpers.write_script(tmp_path, f"""
         import json, time
         import phalanx as px
         from tests import helpers
@@ -120,14 +46,12 @@ def start_controller(tmp_path, worker_class: type):
         print(json.dumps({{"trees": trees, "own": own}}), flush=True)
         time.sleep(60)
     """)
-    return helpers.start_script(script)
 
 
 @pytest.mark.parametrize("worker_class", WORKER_CLASSES, ids=lambda c: c.__name__)
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=lambda s: s.name)
 def test_nothing_outlives_a_killed_controller(tmp_path, tracked, sig, worker_class):
-    controller = start_controller(tmp_path, worker_class)
-    try:
+    with helpers.running_script(controller_script(tmp_path, worker_class)) as controller:
         ready, _, _ = select.select([controller.stdout], [], [], 60)
         assert ready, "the controller script did not start its workers"
         line = controller.stdout.readline()
@@ -142,12 +66,6 @@ def test_nothing_outlives_a_killed_controller(tmp_path, tracked, sig, worker_cla
         killed = time.monotonic()
         controller.wait(10)
         tracked.assert_gone(killed, f"the controller's {sig.name}")
-    finally:
-        if controller.poll() is None:
-            controller.kill()
-            controller.wait(10)
-        controller.stdout.close()
-        controller.stderr.close()
 
 
 # ------------------------------------------------------------------ inside the group

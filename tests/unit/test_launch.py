@@ -6,9 +6,9 @@ import argparse
 
 import pytest
 
-from phalanx.cli import parse_ranks
 from phalanx.errors import ProcessFailure, RemoteFailure, WorkerDied, WorkerError
 from phalanx.launch import Failure, failure_from, format_report, shell_status, signal_status
+from phalanx.runflags import parse_ranks
 
 
 @pytest.mark.parametrize(("code", "status"), [(0, 0), (3, 3), (255, 255), (-1, 255),
