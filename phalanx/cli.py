@@ -10,7 +10,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from phalanx import __version__, runflags
+from phalanx import __version__, runflags, runreport
 from phalanx.frameworks import FRAMEWORKS
 from phalanx.runflags import parse_ranks
 
@@ -29,9 +29,10 @@ several ranks are shown once as "[ranks 0-3] ...".
 RUN_EPILOG = """\
 exit status:
   0        every rank finished (returned or called sys.exit(0))
-  N        the first failing rank's status: its sys.exit(N) code, 1 for an uncaught
-           exception, 128+S when signal S killed it; a root-cause report (the rank, its
-           exit code or signal, its Python traceback) is printed at the end
+  1        a rank failed, however it failed, as with torchrun; a root-cause report (the
+           rank, its node, its exit code or signal, its Python traceback) is printed at
+           the end. With --exit-code rank: that rank's own status instead (its
+           sys.exit(N) code, 1 for an uncaught exception, 128+S when signal S killed it)
   128+S    the launcher itself got SIGINT/SIGTERM (S), which it forwarded to every rank
            (then SIGKILL after --grace seconds, or at once on a second signal)
   2        bad command line
@@ -152,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: 10)")
     run.add_argument("--start-timeout", type=_seconds, default=None, metavar="SECONDS",
                      help="seconds for every rank (and its framework) to start (default: 120)")
+    run.add_argument("--exit-code", choices=runreport.EXIT_CODES, default="torchrun",
+                     help="the status to exit with when a rank fails: torchrun's 1 "
+                          "(default), or the failing rank's own")
     run.add_argument("--role", default=pet("PET_ROLE", "default"),
                      help="the workers' role, as torchrun's --role: ROLE_NAME (default: "
                           "default)")
@@ -271,6 +275,7 @@ def _run(parser: argparse.ArgumentParser, options: argparse.Namespace) -> int:
         master_port=options.master_port,
         backend=options.backend,
         address=options.address,
+        exit_code=options.exit_code,
     )
     try:
         return launch.run(run_options)

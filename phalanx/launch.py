@@ -3,7 +3,8 @@
 Each rank's worker runs the script as ``__main__`` with the framework's environment set.
 The launcher waits for every rank, stops the whole group at the first failure, prints a
 root-cause report (the first failing rank, its exit code or signal, its Python traceback)
-and exits with that rank's code. SIGINT and SIGTERM are forwarded to every rank, followed
+and exits as torchrun does, with 1 (or that rank's own status, see
+:mod:`phalanx.runreport`). SIGINT and SIGTERM are forwarded to every rank, followed
 by SIGKILL after a grace period. ``max_restarts`` restarts the whole group after a failure.
 """
 
@@ -21,13 +22,19 @@ from typing import Any
 
 from phalanx import config, console
 from phalanx.elastic import elastic_env, error_file, read_error_file
-from phalanx.errors import PhalanxError, StartupError, WorkerDied, WorkerError, likely_cause
+from phalanx.errors import PhalanxError, StartupError, WorkerDied
 from phalanx.frameworks import RESTART_VARS
+from phalanx.runreport import (
+    FAILED,
+    Failure,
+    exit_status,
+    failure_from,
+    format_report,
+    shell_status,
+    signal_status,
+)
 
 logger = logging.getLogger(__name__)
-
-FAILED = 1  # exit status for a failure without a code of its own (an exception)
-
 
 class ScriptRunner:
     """The worker object of ``phalanx run``: runs the user's program as ``__main__``."""
@@ -124,73 +131,7 @@ class RunOptions:
     master_port: int | None = None
     backend: str = "local"  # or "ray": every rank of a Ray cluster, from this terminal
     address: str | None = None  # the Ray cluster's (None: RAY_ADDRESS, or a local Ray)
-
-
-@dataclasses.dataclass(frozen=True)
-class Failure:
-    """The first rank that failed, and how."""
-
-    rank: int | None
-    node: int | None
-    pid: int | None
-    status: int
-    summary: str
-    traceback: str | None = None
-    stderr_tail: tuple[str, ...] = ()
-
-
-def signal_status(exitcode: int) -> int:
-    """A process exit code as a shell reports it (killed by signal N: 128 + N)."""
-    return 128 - exitcode if exitcode < 0 else exitcode
-
-
-def shell_status(code: int) -> int:
-    """The status the launcher exits with for a rank's ``sys.exit(code)``: what the OS would
-    make of it (``-1`` -> 255), except that a failing code never becomes 0 (``256`` -> 1)."""
-    if code == 0:
-        return 0
-    return code & 0xFF or FAILED
-
-
-def failure_from(exc: BaseException) -> Failure:
-    if isinstance(exc, WorkerError):
-        message = getattr(exc, "message", "")
-        summary = f"raised {exc.exc_type}" + (f": {message}" if message else "") + (
-            f" while {exc.stage}" if exc.stage != "running the method" else ""
-        )
-        return Failure(exc.rank, exc.node, exc.pid, FAILED, summary, exc.traceback)
-    if isinstance(exc, WorkerDied):
-        status = FAILED if exc.exitcode is None else signal_status(exc.exitcode)
-        return Failure(exc.rank, exc.node, exc.pid, status, likely_cause(exc.exitcode),
-                       None, exc.stderr_tail)
-    if isinstance(exc, StartupError):
-        first_line = str(exc).split("\n", 1)[0]  # the traceback follows in the report
-        return Failure(exc.rank, None, None, FAILED, f"could not start: {first_line}",
-                       exc.traceback)
-    return Failure(None, None, None, FAILED, f"{type(exc).__name__}: {exc}")
-
-
-def format_report(failure: Failure, attempts: int = 1) -> str:
-    """The root-cause report printed when a run fails (pure)."""
-    rule = "=" * 72
-    if failure.rank is None:
-        who = "the group"
-    else:
-        where = ", ".join(
-            part for part in (
-                None if failure.node is None else f"node {failure.node}",
-                None if failure.pid is None else f"pid {failure.pid}",
-            ) if part
-        )
-        who = f"rank {failure.rank}" + (f" ({where})" if where else "")
-    lines = [rule, "phalanx run failed" + (f" after {attempts} attempts" if attempts > 1 else ""),
-             f"root cause: {who} {failure.summary}", f"exit status: {failure.status}"]
-    if failure.traceback:
-        lines += ["", failure.traceback.rstrip()]
-    if failure.stderr_tail:
-        lines += ["", "last lines of its stderr:", *("  " + line for line in failure.stderr_tail)]
-    lines.append(rule)
-    return "\n".join(lines)
+    exit_code: str = "torchrun"  # or "rank": exit with the failing rank's own status
 
 
 class BadOptions(ValueError):
@@ -448,6 +389,7 @@ def run(options: RunOptions) -> int:
                     f"restarting the group (restart {attempt + 1} of {options.max_restarts})"
                 )
                 continue
-            console.notice(format_report(failure, attempts))
-            return failure.status
+            status = exit_status(failure, options.exit_code)
+            console.notice(format_report(failure, attempts, status))
+            return status
     return FAILED  # pragma: no cover - the loop always returns

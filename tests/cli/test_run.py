@@ -306,7 +306,7 @@ def test_exception_in_one_rank_stops_all_and_reports_its_traceback(tmp_path):
     assert_gone(pids)
 
 
-def test_sys_exit_code_of_a_rank_is_the_exit_status(tmp_path):
+def test_a_rank_exit_code_fails_the_run_and_is_the_status_with_exit_code_rank(tmp_path):
     write(tmp_path, "exit3.py", """\
         import os
         import sys
@@ -320,12 +320,15 @@ def test_sys_exit_code_of_a_rank_is_the_exit_status(tmp_path):
         time.sleep(30)
     """)
     result = phalanx(tmp_path, "run", "-n", "2", "exit3.py")
-    assert result.returncode == 3, describe(result)
+    assert result.returncode == 1, describe(result)  # torchrun's status for any failure
     pids = barrier_pids(tmp_path)
     report = report_lines(result.stderr)
     assert report[1] == f"root cause: rank 1 (node 0, pid {pids[1]}) exited with code 3"
-    assert report[2] == "exit status: 3"
+    assert report[2] == "exit status: 1"
     assert_gone(pids)
+    own = phalanx(tmp_path, "run", "-n", "2", "--exit-code", "rank", "exit3.py")
+    assert own.returncode == 3, describe(own)
+    assert report_lines(own.stderr)[2] == "exit status: 3"
 
 
 @pytest.mark.parametrize(("code", "status"), [("-1", 255), ("256", 1), ("True", 1)])
@@ -337,7 +340,7 @@ def test_exit_codes_outside_0_255_still_fail_with_a_shell_status(tmp_path, code,
         if os.environ["RANK"] == "1":
             sys.exit({code})
     """)
-    result = phalanx(tmp_path, "run", "-n", "2", "odd_exit.py")
+    result = phalanx(tmp_path, "run", "-n", "2", "--exit-code", "rank", "odd_exit.py")
     assert result.returncode == status, describe(result)
     assert report_lines(result.stderr)[2] == f"exit status: {status}"
 
@@ -357,7 +360,7 @@ def test_sys_exit_with_a_message_prints_it_and_fails(tmp_path):
     assert "exited with code 1" in result.stderr
 
 
-def test_rank_killed_by_a_signal_exits_128_plus_the_signal(tmp_path):
+def test_rank_killed_by_a_signal_reports_it_and_exit_code_rank_gives_128_plus_it(tmp_path):
     write(tmp_path, "suicide.py", """\
         import os
         import signal
@@ -372,7 +375,7 @@ def test_rank_killed_by_a_signal_exits_128_plus_the_signal(tmp_path):
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(30)
     """)
-    result = phalanx(tmp_path, "run", "-n", "2", "suicide.py")
+    result = phalanx(tmp_path, "run", "-n", "2", "--exit-code", "rank", "suicide.py")
     assert result.returncode == 137, describe(result)
     pids = barrier_pids(tmp_path)
     report = report_lines(result.stderr)
@@ -409,7 +412,8 @@ def test_max_restarts_restarts_the_group_until_it_succeeds(tmp_path):
 
 def test_max_restarts_exhausted_reports_the_attempts(tmp_path):
     write(tmp_path, "flaky.py", RESTARTS)
-    result = phalanx(tmp_path, "run", "-n", "2", "--max-restarts", "1", "flaky.py")
+    result = phalanx(tmp_path, "run", "-n", "2", "--max-restarts", "1", "--exit-code", "rank",
+                     "flaky.py")
     assert result.returncode == 5, describe(result)
     assert ranks_saying(result.stdout, "restart 1 torchelastic 1") == [0, 1]
     assert ranks_saying(result.stdout, "restart 2 torchelastic 2") == []

@@ -54,7 +54,7 @@ def test_a_failing_rank_on_ray_is_the_root_cause_and_the_exit_status(tmp_path):
         if os.environ["RANK"] == "1":
             sys.exit(5)
     """))
-    result = phalanx_run(tmp_path, "-n", "2", "fail.py")
+    result = phalanx_run(tmp_path, "-n", "2", "--exit-code", "rank", "fail.py")
     assert result.returncode == 5, result.stderr
     assert "root cause: rank 1" in result.stderr
     assert "exited with code 5" in result.stderr

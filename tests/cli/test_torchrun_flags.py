@@ -119,7 +119,8 @@ def test_no_python_runs_a_command_on_every_rank_with_its_variables(tmp_path):
     result = phalanx_run(tmp_path, "-n", "2", "--no_python", "./job.sh", "0")
     assert result.returncode == 0, result.stderr
     assert "shell rank 0 of 2" in result.stdout and "shell rank 1 of 2" in result.stdout
-    failed = phalanx_run(tmp_path, "-n", "1", "--no-python", "./job.sh", "3")
+    failed = phalanx_run(tmp_path, "-n", "1", "--no-python", "--exit-code", "rank", "./job.sh",
+                         "3")
     assert failed.returncode == 3
     assert "root cause: rank 0" in failed.stderr
 

@@ -7,8 +7,15 @@ import argparse
 import pytest
 
 from phalanx.errors import ProcessFailure, RemoteFailure, WorkerDied, WorkerError
-from phalanx.launch import Failure, failure_from, format_report, shell_status, signal_status
 from phalanx.runflags import parse_ranks
+from phalanx.runreport import (
+    Failure,
+    exit_status,
+    failure_from,
+    format_report,
+    shell_status,
+    signal_status,
+)
 
 
 @pytest.mark.parametrize(("code", "status"), [(0, 0), (3, 3), (255, 255), (-1, 255),
@@ -68,3 +75,20 @@ def test_a_failed_start_is_reported_once_with_its_traceback():
     assert "root cause: rank 1 could not start: rank 1 failed while starting the ray " \
            "framework: RuntimeError: boom" in report
     assert report.count("Traceback ...") == 1
+
+
+@pytest.mark.parametrize(("status", "exit_code", "expected"),
+                         [(3, "torchrun", 1), (137, "torchrun", 1), (3, "rank", 3),
+                          (137, "rank", 137)])
+def test_the_launcher_exits_1_like_torchrun_unless_asked_for_the_rank_status(
+        status, exit_code, expected):
+    failure = Failure(1, 0, 42, status, "exited")
+    assert exit_status(failure, exit_code) == expected
+    assert format_report(failure, status=expected).splitlines()[3] == f"exit status: {expected}"
+
+
+def test_a_failure_crosses_between_launchers_unchanged():
+    failure = Failure(3, 1, 42, 137, "killed by SIGKILL", None, ("oom",), seen=12.5)
+    assert Failure.from_dict(failure.to_dict()) == failure
+    with pytest.raises(ValueError, match="unknown fields"):
+        Failure.from_dict({**failure.to_dict(), "evil": 1})
