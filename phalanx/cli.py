@@ -9,10 +9,14 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from phalanx import __version__, runflags, runreport
 from phalanx.frameworks import FRAMEWORKS
 from phalanx.runflags import parse_ranks
+
+if TYPE_CHECKING:
+    from phalanx.multinode import JobOptions
 
 USAGE_ERROR = 2
 
@@ -236,24 +240,23 @@ def _run(parser: argparse.ArgumentParser, options: argparse.Namespace) -> int:
     problem = (_check_target(options.target, options.module, no_python)
                or (None if options.address is None or options.backend == "ray" else
                    "--address names a Ray cluster: use it with --backend ray")
-               or runflags.check_nnodes(options.nnodes)
-               or (None if options.node_rank == 0 else
-                   f"--node-rank {options.node_rank}: with one node it must be 0")
                or (None if options.rdzv_backend in runflags.RDZV_BACKENDS else
                    f"--rdzv-backend {options.rdzv_backend!r} is not supported: use "
                    f"{' or '.join(runflags.RDZV_BACKENDS)}"))
+    try:
+        job = None if problem else _job(options)
+        gpus = len(visible_gpus())
+        procs = runflags.procs_per_node(str(options.nproc_per_node), gpus, os.cpu_count() or 1)
+    except ValueError as exc:
+        problem = problem or str(exc)
     if problem is not None:
         parser.exit(USAGE_ERROR, f"phalanx run: {problem}\n")
-    try:
-        procs = runflags.procs_per_node(str(options.nproc_per_node), len(visible_gpus()),
-                                        os.cpu_count() or 1)
-    except ValueError as exc:
-        parser.exit(USAGE_ERROR, f"phalanx run: {exc}\n")
     if options.nproc_per_node == "auto" and options.framework in ("torch", "jax"):
-        procs = "auto"  # the framework's own count: one rank per GPU, else 1
-    for notice in runflags.no_effect_notices(options):
+        # the framework's own count: one rank per GPU, else 1 (every launcher says its own)
+        procs = "auto" if job is None else max(gpus, 1)
+    for notice in runflags.no_effect_notices(options) + runflags.no_effect_conf(
+            options.rdzv_conf):
         console.notice(notice)
-    ranks = options.ranks if options.ranks is not None else options.local_ranks_filter
     run_options = launch.RunOptions(
         target=options.target,
         args=tuple(options.args),
@@ -264,7 +267,8 @@ def _run(parser: argparse.ArgumentParser, options: argparse.Namespace) -> int:
         gpus_per_worker=options.gpus_per_worker,
         max_restarts=options.max_restarts,
         log_dir=options.log_dir,
-        ranks=ranks,
+        ranks=options.ranks,
+        local_ranks=options.local_ranks_filter,
         collapse=not options.no_collapse,
         grace=options.grace if options.shutdown_timeout is None else options.shutdown_timeout,
         start_timeout=options.start_timeout,
@@ -276,6 +280,7 @@ def _run(parser: argparse.ArgumentParser, options: argparse.Namespace) -> int:
         backend=options.backend,
         address=options.address,
         exit_code=options.exit_code,
+        job=job,
     )
     try:
         return launch.run(run_options)
@@ -284,6 +289,31 @@ def _run(parser: argparse.ArgumentParser, options: argparse.Namespace) -> int:
     except (PhalanxError, OSError) as exc:  # a missing framework, an unwritable log dir
         parser.exit(1, f"phalanx run: {exc}\n")
     return USAGE_ERROR  # pragma: no cover
+
+
+def _job(options: argparse.Namespace) -> JobOptions | None:
+    """The job this launcher joins with ``--nnodes N`` (N > 1), else None; ValueError
+    when its options cannot work."""
+    from phalanx.multinode import JobOptions
+
+    low, high = runflags.parse_nnodes(options.nnodes)
+    if high == 1:
+        if options.node_rank != 0:
+            raise ValueError(f"--node-rank {options.node_rank}: with one node it must be 0")
+        return None
+    problem = runflags.several_nodes_problem(options, (low, high))
+    if problem is not None:
+        raise ValueError(problem)
+    static = options.rdzv_backend == "static"
+    if static:
+        port = options.master_port or runflags.STATIC_PORT
+        address = (runflags.endpoint(options.rdzv_endpoint, port) if options.rdzv_endpoint
+                   else (options.master_addr or runflags.STATIC_ADDR, port))
+    else:
+        address = runflags.endpoint(options.rdzv_endpoint, runflags.C10D_PORT)
+    conf = options.rdzv_conf
+    return JobOptions(low, high, options.node_rank if static else None, static, address,
+                      join_timeout=conf["join_timeout"], last_call=conf["last_call_timeout"])
 
 
 def _debug(options: argparse.Namespace) -> int:

@@ -141,6 +141,47 @@ def rank_env(layout: Layout, rank: int, master_addr: str, master_port: int) -> d
     return env
 
 
+@dataclasses.dataclass(frozen=True)
+class WorldPart:
+    """One node of a bigger world, run by a group of its own: what ``phalanx run`` does with
+    one launcher per node. The group's ranks are node ``node``'s ranks of ``world``: they get
+    the world's ``RANK``, ``WORLD_SIZE``, ``NODE_RANK`` and the job's rendezvous, and their
+    output is shown under their world rank. Calls, health and errors keep the group's own
+    numbering (0 .. its size - 1), which is the ranks' ``LOCAL_RANK``."""
+
+    world: Layout
+    node: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.world, Layout):
+            raise TypeError(f"world must be a Layout, got {self.world!r}")
+        if not (isinstance(self.node, int) and 0 <= self.node < self.world.nodes):
+            raise ValueError(f"node must be in 0..{self.world.nodes - 1}, got {self.node!r}")
+
+    @property
+    def first_rank(self) -> int:
+        return self.world.ranks_of(self.node).start
+
+    @property
+    def size(self) -> int:
+        return self.world.counts[self.node]
+
+    def check(self, framework: Framework, layout: Layout) -> None:
+        """Why a group of ``layout`` running ``framework`` cannot be this part, if it cannot."""
+        if layout.counts != (self.size,):
+            raise ValueError(f"a group running node {self.node} of {list(self.world.counts)} "
+                             f"must have one node of {self.size} ranks, not {list(layout.counts)}")
+        if framework.env is not _no_env or framework.ports or framework.service is not None \
+                or framework.single_controller:
+            raise ValueError(f"framework={framework.name!r} needs one controller for the whole "
+                             "world; a group running one node of it can use the generic "
+                             "variables (spmd) or torch")
+
+    def rank_env(self, rank: int, master_addr: str, master_port: int) -> dict[str, str]:
+        """The world's generic variables for the group's rank ``rank``."""
+        return rank_env(self.world, self.first_rank + rank, master_addr, master_port)
+
+
 # -- framework descriptions ---------------------------------------------------------------
 
 

@@ -22,7 +22,7 @@ from phalanx.errors import (
     SerializationError,
     death_error,
 )
-from phalanx.frameworks import Layout, check_layout, merge_env, worker_env
+from phalanx.frameworks import Layout, WorldPart, check_layout, merge_env, worker_env
 from phalanx.futures import GroupFuture
 from phalanx.lifecycle import Lifecycle
 from phalanx.logs import OutputOptions
@@ -89,6 +89,8 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle):
 
     ``master_addr`` / ``master_port`` fix the rendezvous the ranks get as ``MASTER_ADDR`` /
     ``MASTER_PORT`` (default: node 0's address and a port free there, new on each restart).
+    ``part_of`` makes the group one node of a bigger world whose other nodes other groups
+    run (see :class:`~phalanx.frameworks.WorldPart`); it needs both.
     """
 
     def __init__(
@@ -117,6 +119,7 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle):
         straggler_warning: float | None = config.DEFAULT_STRAGGLER_WARNING,
         master_addr: str | None = None,
         master_port: int | None = None,
+        part_of: WorldPart | None = None,
     ) -> None:
         settings = config.Settings.from_env()
         if not (callable(target) or isinstance(target, types.ModuleType)):
@@ -141,8 +144,17 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle):
         self._placement = place(framework, nodes, procs_per_node, gpus_per_worker,
                                 self._backend.gpus_per_node(nodes))
         self._layout = self._placement.layout
+        self._part_of = part_of
+        if part_of is not None:
+            if not isinstance(part_of, WorldPart):
+                raise TypeError(f"part_of must be a WorldPart, got {part_of!r}")
+            if master_addr is None or master_port is None:
+                raise ValueError("a group running part of a bigger world (part_of=) needs the "
+                                 "world's master_addr and master_port")
+            part_of.check(self._placement.framework, self._layout)
         output = OutputOptions.build(echo_output, collapse_output, log_ranks, log_dir,
-                                     self.world_size)
+                                     self.world_size,
+                                     0 if part_of is None else part_of.first_rank)
         if rank_env is not None:
             bad = [r for r in rank_env if not (isinstance(r, int) and 0 <= r < self.world_size)]
             if bad:
@@ -275,6 +287,9 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle):
 
     def _rank_start(self, rank: int) -> RankStart:
         generic = worker_env(self._placement.framework, self._layout, rank, self._launch)
+        if self._part_of is not None:  # the world's RANK, WORLD_SIZE, NODE_RANK
+            generic.update(self._part_of.rank_env(rank, self._launch.master_addr,
+                                                  self._launch.master_port))
         env = merge_env({}, generic, self._user_env, self._rank_env.get(rank))
         return RankStart(
             rank=rank,

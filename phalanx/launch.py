@@ -17,8 +17,9 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from phalanx import config, console
 from phalanx.elastic import elastic_env, error_file, read_error_file
@@ -33,6 +34,9 @@ from phalanx.runreport import (
     shell_status,
     signal_status,
 )
+
+if TYPE_CHECKING:
+    from phalanx.multinode import JobRound
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +125,7 @@ class RunOptions:
     max_restarts: int = 0
     log_dir: str | None = None
     ranks: tuple[int, ...] | None = None  # shown ranks
+    local_ranks: tuple[int, ...] | None = None  # shown local ranks (torchrun's filter)
     collapse: bool = True
     grace: float = 10.0  # seconds between forwarding SIGINT/SIGTERM and SIGKILL
     start_timeout: float | None = None
@@ -132,6 +137,7 @@ class RunOptions:
     backend: str = "local"  # or "ray": every rank of a Ray cluster, from this terminal
     address: str | None = None  # the Ray cluster's (None: RAY_ADDRESS, or a local Ray)
     exit_code: str = "torchrun"  # or "rank": exit with the failing rank's own status
+    job: Any = None  # a multinode.JobOptions: one launcher per node (None: this one only)
 
 
 class BadOptions(ValueError):
@@ -156,6 +162,7 @@ class _Signals:
         self.group: Any = None
         self.running: set[int] = set()  # ranks whose program has not finished
         self.starting = False
+        self.stopped = False  # told to stop by the job (another node failed)
         self._timer: threading.Timer | None = None
         self._previous: dict[int, Any] = {}
 
@@ -173,6 +180,17 @@ class _Signals:
     def _handle(self, signum: int, frame: object) -> None:
         first = self.received is None
         self.received = self.received or signum
+        self._forward(signum, first, f"got {signal.Signals(signum).name}, forwarded it to "
+                                     "the running ranks")
+
+    def stop(self, why: str) -> None:
+        """Another node's failure ends this attempt: stop this node's ranks as a first
+        SIGTERM would (callable from any thread)."""
+        first = not self.stopped
+        self.stopped = True
+        self._forward(signal.SIGTERM, first, f"{why}; sent SIGTERM to this node's ranks")
+
+    def _forward(self, signum: int, first: bool, notice: str) -> None:
         if self.starting:
             _kill_children()  # the start sees its workers die and stops what it started
             return
@@ -186,8 +204,7 @@ class _Signals:
             group.send_signal(signum, workers=sorted(self.running))
         except PhalanxError:
             return
-        _say(f"phalanx run: got {signal.Signals(signum).name}, forwarded it to the running "
-             f"ranks (SIGKILL in {self.grace:g} s)")
+        _say(f"phalanx run: {notice} (SIGKILL in {self.grace:g} s)")
         self._timer = threading.Timer(self.grace, self._kill, args=(group,))
         self._timer.daemon = True
         self._timer.start()
@@ -243,41 +260,54 @@ def _backend(options: RunOptions) -> Any:
     return LocalBackend()
 
 
-def _start(options: RunOptions, restart: int, signals: _Signals, run: _Run) -> Any:
-    """The group for one attempt; None if a signal interrupted its start."""
+def _start(options: RunOptions, restart: int, signals: _Signals, run: _Run,
+           job: JobRound | None = None) -> Any:
+    """The group for one attempt (of this node's ranks, in a ``job`` of several
+    launchers); None if a signal or the job stopped its start."""
+    from phalanx.frameworks import WorldPart
     from phalanx.group import WorkerGroup
     from phalanx.placement import place
 
     env = {name: str(restart) for name in RESTART_VARS}
-    if signals.received is not None:
+    if signals.received is not None or signals.stopped:
         return None
     signals.starting = True
     try:
         backend = _backend(options)
-        layout = place(options.framework, options.nodes, options.procs_per_node,
-                       options.gpus_per_worker, backend.gpus_per_node(options.nodes)).layout
+        if job is None:
+            layout = place(options.framework, options.nodes, options.procs_per_node,
+                           options.gpus_per_worker, backend.gpus_per_node(options.nodes)).layout
+            mine = range(layout.world_size)
+        else:
+            layout = job.part.world
+            mine = layout.ranks_of(job.part.node)
         if "OMP_NUM_THREADS" not in os.environ and layout.world_size > 1:  # as torchrun
             env["OMP_NUM_THREADS"] = "1"
         common, per_rank = elastic_env(
             layout, run_id=run.run_id, max_restarts=options.max_restarts, restart=restart,
             role=options.role, error_dir=run.attempt_dir(restart))
         env.update(common)
+        shown = [r - mine.start for r in mine if options.ranks is None or r in options.ranks]
+        if options.local_ranks is not None:
+            shown = [r - mine.start for r in mine
+                     if layout.local_rank_of(r) in options.local_ranks and r - mine.start in shown]
         return WorkerGroup(
             ScriptRunner,
             args=(options.target, options.args, options.is_module, options.no_python,
                   None if options.is_module else os.path.abspath(options.target)),
-            nodes=options.nodes,
-            procs_per_node=options.procs_per_node,
+            nodes=options.nodes if job is None else 1,
+            procs_per_node=options.procs_per_node if job is None else len(mine),
             framework=options.framework,
             gpus_per_worker=options.gpus_per_worker,
             env=env,
-            rank_env=per_rank,
+            rank_env={r - mine.start: per_rank[r] for r in mine},
             collapse_output=options.collapse,
-            log_ranks=options.ranks,
+            log_ranks=None if len(shown) == len(mine) else shown,
             log_dir=options.log_dir,
             start_timeout=options.start_timeout,
-            master_addr=options.master_addr,
-            master_port=options.master_port,
+            master_addr=options.master_addr if job is None else job.master_addr,
+            master_port=options.master_port if job is None else job.master_port,
+            part_of=None if job is None else WorldPart(job.part.world, job.part.node),
             backend=backend,
         )
     except (ValueError, TypeError) as exc:
@@ -287,9 +317,23 @@ def _start(options: RunOptions, restart: int, signals: _Signals, run: _Run) -> A
 
 
 def _attempt(options: RunOptions, restart: int, signals: _Signals,
-             run: _Run) -> Failure | None:
+             run: _Run, job: JobRound | None = None) -> Failure | None:
+    """Run one attempt; how it failed (ranks and nodes as the world numbers them), or
+    None if it succeeded or a signal or the job stopped it."""
+    failure = _run_group(options, restart, signals, run, job)
+    if failure is None:
+        return None
+    if job is not None and failure.rank is not None:  # the world's rank and node
+        failure = dataclasses.replace(failure, rank=job.part.first_rank + failure.rank,
+                                      node=job.part.node)
+    failure = dataclasses.replace(failure, seen=time.time())
+    return _with_error_file(failure, run.attempt_dir(restart))
+
+
+def _run_group(options: RunOptions, restart: int, signals: _Signals, run: _Run,
+               job: JobRound | None) -> Failure | None:
     try:
-        group = _start(options, restart, signals, run)
+        group = _start(options, restart, signals, run, job)
     except StartupError as exc:
         return None if signals.received is not None else failure_from(exc)
     if group is None:
@@ -299,7 +343,7 @@ def _attempt(options: RunOptions, restart: int, signals: _Signals,
         ranks = [0] if group.single_controller else list(range(group.world_size))
         signals.running = set(ranks)
         signals.group = group  # from here a signal is forwarded to the running ranks
-        if signals.received is not None:  # it came in before the group was known
+        if signals.received is not None or signals.stopped:  # before the group was known
             return None
         for rank_future in group.call_async("run", workers=ranks):
             signals.running.discard(rank_future.rank)
@@ -312,7 +356,7 @@ def _attempt(options: RunOptions, restart: int, signals: _Signals,
         signals.group = None
         # a finished program's rank may still be running threads and atexit handlers
         group.shutdown(timeout=config.DEFAULT_SHUTDOWN_TIMEOUT if failure is None else 2.0)
-    return None if failure is None else _with_error_file(failure, run.attempt_dir(restart))
+    return failure
 
 
 def _with_error_file(failure: Failure, attempt_dir: str) -> Failure:
@@ -334,13 +378,13 @@ class _Run:
     error.json`` under ``--log-dir`` (kept if a rank wrote one), else in a temporary
     directory removed at the end."""
 
-    def __init__(self, options: RunOptions) -> None:
+    def __init__(self, run_id: str | None, log_dir: str | None) -> None:
         import tempfile
         import uuid
 
-        self.run_id = options.run_id or uuid.uuid4().hex
-        if options.log_dir is not None:
-            self.root, self._temporary = os.path.join(options.log_dir, self.run_id), False
+        self.run_id = run_id or uuid.uuid4().hex
+        if log_dir is not None:
+            self.root, self._temporary = os.path.join(log_dir, self.run_id), False
         else:
             self.root, self._temporary = tempfile.mkdtemp(prefix="phalanx-run-"), True
 
@@ -372,8 +416,12 @@ def _outcome(group: Any, rank_future: Any) -> Failure | None:
 
 def run(options: RunOptions) -> int:
     """Run the program on every rank; returns the exit status for the launcher."""
+    if options.job is not None:  # one launcher per node: this node's ranks, in the job
+        from phalanx.multinode import run_node
+
+        return run_node(options)
     attempts = options.max_restarts + 1
-    run_state = _Run(options)
+    run_state = _Run(options.run_id, options.log_dir)
     with _Signals(options.grace) as signals, contextlib.closing(run_state):
         for attempt in range(attempts):
             failure = _attempt(options, attempt, signals, run_state)

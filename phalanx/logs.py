@@ -46,6 +46,7 @@ class OutputOptions:
     ranks: frozenset[int] | None = None  # shown ranks; None: all
     log_dir: pathlib.Path | None = None
     world: int = 1
+    first_rank: int = 0  # the rank shown for the group's rank 0 (one node of a bigger job)
 
     @classmethod
     def build(
@@ -55,6 +56,7 @@ class OutputOptions:
         ranks: Sequence[int] | None,
         log_dir: str | os.PathLike[str] | None,
         world: int,
+        first_rank: int = 0,
     ) -> OutputOptions:
         """Check the user's options (before anything starts) and create ``log_dir``."""
         shown = None
@@ -72,13 +74,13 @@ class OutputOptions:
             directory = pathlib.Path(log_dir)
             try:
                 directory.mkdir(parents=True, exist_ok=True)
-                for rank in range(world):  # every file can be written, before any start
-                    for name in ("stdout", "stderr"):
+                for rank in range(first_rank, first_rank + world):  # every file can be
+                    for name in ("stdout", "stderr"):                   # written, up front
                         open(log_path(directory, rank, name), "ab").close()
             except OSError as exc:
                 raise ValueError(f"log_dir={str(log_dir)!r} cannot be written: {exc}") from None
         window = config.COLLAPSE_WINDOW if collapse else 0.0
-        return cls(bool(echo), window, shown, directory, world)
+        return cls(bool(echo), window, shown, directory, world, first_rank)
 
     def shows(self, rank: int) -> bool:
         return self.echo and (self.ranks is None or rank in self.ranks)
@@ -190,12 +192,14 @@ class LogPump:
         self._thread.start()
 
     def attach(self, rank: int, stdout_fd: int, stderr_fd: int) -> OutputTap:
-        """Start reading one worker's pipes (the pump owns and closes the descriptors)."""
+        """Start reading one worker's pipes (the pump owns and closes the descriptors).
+        Lines and log files carry the rank as shown (``first_rank`` added)."""
         tail = _StderrTail()
         echo = self._options.shows(rank)
+        shown = rank + self._options.first_rank
         streams = [
-            _Stream(stdout_fd, rank, None, echo, self._open_log(rank, "stdout")),
-            _Stream(stderr_fd, rank, tail, echo, self._open_log(rank, "stderr")),
+            _Stream(stdout_fd, shown, None, echo, self._open_log(shown, "stdout")),
+            _Stream(stderr_fd, shown, tail, echo, self._open_log(shown, "stderr")),
         ]
         for stream in streams:
             os.set_blocking(stream.fd, False)

@@ -19,6 +19,9 @@ from collections.abc import Mapping
 from typing import Any
 
 RDZV_BACKENDS = ("static", "c10d")
+STATIC_ADDR, STATIC_PORT = "127.0.0.1", 29500  # torchrun's --master-addr/--master-port
+C10D_PORT = 29400  # torchrun's port for a c10d --rdzv-endpoint without one
+RDZV_CONF = {"join_timeout": 600.0, "last_call_timeout": 30.0}  # honoured, with defaults
 
 # torchrun flags that change nothing for phalanx: (dest, spellings, takes a value, why)
 _NO_EFFECT = (
@@ -28,8 +31,6 @@ _NO_EFFECT = (
      "every rank is a fresh interpreter"),
     ("event_log_handler", ("--event-log-handler", "--event_log_handler"), True,
      "torch.distributed.elastic's event log is not used"),
-    ("rdzv_conf", ("--rdzv-conf", "--rdzv_conf"), True,
-     "the rendezvous needs no configuration"),
     ("redirects", ("-r", "--redirects"), True,
      "--log-dir already writes every rank's output to files"),
     ("tee", ("-t", "--tee"), True,
@@ -86,11 +87,13 @@ def add_torchrun_arguments(run: argparse.ArgumentParser,
         "torchrun's flags", "accepted as torchrun takes them, with their PET_* environment "
                             "defaults; flags that change nothing here print a notice")
     torchrun.add_argument("--nnodes", default=_pet(env, "nnodes", "1"), metavar="N|MIN:MAX",
-                          help="nodes that each run a launcher (only 1 so far: --nodes "
-                               "simulates several on this machine)")
+                          help="nodes, each running a launcher of its own, that form one "
+                               "world (MIN:MAX with --rdzv-backend c10d: start with MIN, "
+                               "admit up to MAX)")
     torchrun.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int,
                           default=int(_pet(env, "node_rank", 0)), metavar="I",
-                          help="this launcher's node (0 with one node)")
+                          help="this launcher's node, 0..N-1 (static rendezvous; node 0 "
+                               "hosts the job)")
     torchrun.add_argument("--master-addr", "--master_addr", dest="master_addr",
                           default=_pet(env, "master_addr", None), metavar="HOST",
                           help="node 0's address, the ranks' MASTER_ADDR (default: chosen)")
@@ -106,7 +109,14 @@ def add_torchrun_arguments(run: argparse.ArgumentParser,
                           help=f"rendezvous backend: {' or '.join(RDZV_BACKENDS)}")
     torchrun.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint",
                           default=_pet(env, "rdzv_endpoint", ""), metavar="HOST:PORT",
-                          help="the rendezvous endpoint (one node: not needed)")
+                          help="where the launchers meet (c10d: required with several "
+                               f"nodes, port {C10D_PORT} by default; static: "
+                               "--master-addr:--master-port)")
+    torchrun.add_argument("--rdzv-conf", "--rdzv_conf", dest="rdzv_conf", type=rdzv_conf,
+                          default=rdzv_conf(_pet(env, "rdzv_conf", "")), metavar="K=V,...",
+                          help="join_timeout (s to wait for the nodes, default 600) and "
+                               "last_call_timeout (c10d MIN:MAX: s to wait for more nodes "
+                               "once MIN joined, default 30); other keys change nothing")
     torchrun.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id",
                           default=_pet(env, "rdzv_id", None), metavar="ID",
                           help="the job's id: TORCHELASTIC_RUN_ID (default: a fresh one)")
@@ -145,19 +155,91 @@ def no_effect_notices(options: argparse.Namespace) -> list[str]:
     return notices
 
 
-def check_nnodes(value: str) -> str | None:
-    """Why ``--nnodes`` cannot be honoured; None if it can."""
-    low, _, high = value.partition(":")
+def parse_nnodes(value: str) -> tuple[int, int]:
+    """torchrun's ``--nnodes``: ``N`` or ``MIN:MAX`` -> ``(MIN, MAX)``."""
+    low, _, high = str(value).partition(":")
     try:
-        counts = [int(low), int(high or low)]
+        counts = (int(low), int(high or low))
     except ValueError:
-        return f"--nnodes expects N or MIN:MAX, got {value!r}"
-    if min(counts) < 1 or counts[0] > counts[1]:
-        return f"--nnodes expects N or MIN:MAX with 1 <= MIN <= MAX, got {value!r}"
-    if counts != [1, 1]:
-        return (f"--nnodes {value}: a launcher per node is not supported yet; run one "
-                "launcher, with --nodes K to simulate K nodes on this machine")
+        raise ValueError(f"--nnodes expects N or MIN:MAX, got {value!r}") from None
+    if counts[0] < 1 or counts[0] > counts[1]:
+        raise ValueError(f"--nnodes expects N or MIN:MAX with 1 <= MIN <= MAX, got {value!r}")
+    return counts
+
+
+def rdzv_conf(value: str) -> dict[str, Any]:
+    """torchrun's ``--rdzv-conf key=value,...``: the timeouts phalanx honours as floats,
+    other keys kept as given (they change nothing; a notice says so)."""
+    conf: dict[str, Any] = dict(RDZV_CONF)
+    for item in filter(None, (part.strip() for part in str(value).split(","))):
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise argparse.ArgumentTypeError(f"--rdzv-conf expects key=value,..., got {item!r}")
+        if key in RDZV_CONF:
+            try:
+                conf[key] = float(text)
+            except ValueError:
+                raise argparse.ArgumentTypeError(
+                    f"--rdzv-conf {key} expects seconds, got {text!r}") from None
+            if conf[key] <= 0:
+                raise argparse.ArgumentTypeError(f"--rdzv-conf {key} must be > 0, got {text}")
+        else:
+            conf[key] = text
+    return conf
+
+
+def endpoint(value: str, default_port: int) -> tuple[str, int]:
+    """``host:port`` (or ``host``, or ``[v6]:port``) -> ``(host, port)``."""
+    host, port = value, default_port
+    if value.startswith("["):
+        host, _, rest = value[1:].partition("]")
+        if rest.startswith(":"):
+            port = _port(rest[1:], value)
+    elif value.count(":") == 1:
+        host, _, text = value.partition(":")
+        port = _port(text, value)
+    if not host:
+        raise ValueError(f"expected HOST:PORT, got {value!r}")
+    return host, port
+
+
+def _port(text: str, whole: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = 0
+    if not 0 < port < 65536:
+        raise ValueError(f"expected HOST:PORT with a port in 1-65535, got {whole!r}")
+    return port
+
+
+def several_nodes_problem(options: argparse.Namespace, nnodes: tuple[int, int]) -> str | None:
+    """Why one launcher per node cannot run with these options; None if it can."""
+    low, high = nnodes
+    if options.backend != "local":
+        return ("--nnodes: with --backend ray one launcher drives every node; use --nodes K "
+                "instead")
+    if options.nodes != 1:
+        return "--nnodes runs one launcher per node; --nodes (several in one launcher) must be 1"
+    if options.standalone:
+        return "--standalone is for one node; drop it with --nnodes > 1"
+    if options.framework not in ("spmd", "torch"):
+        return (f"--framework {options.framework} needs one controller for the whole world; "
+                "with --nnodes use spmd or torch, or run one launcher with --nodes K")
+    if options.rdzv_backend == "static":
+        if low != high:
+            return (f"--nnodes {low}:{high} needs --rdzv-backend c10d (a static rendezvous "
+                    "has a fixed number of nodes)")
+        if not 0 <= options.node_rank < high:
+            return f"--node-rank {options.node_rank} is outside 0..{high - 1} (--nnodes {high})"
+    elif not options.rdzv_endpoint:
+        return "--rdzv-backend c10d with several nodes needs --rdzv-endpoint HOST:PORT"
     return None
+
+
+def no_effect_conf(conf: dict[str, Any]) -> list[str]:
+    return [f"phalanx run: --rdzv-conf {key} has no effect here" for key in conf
+            if key not in RDZV_CONF]
 
 
 def procs_per_node(value: str, gpus: int, cpus: int) -> int | str:

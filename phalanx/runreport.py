@@ -87,12 +87,13 @@ def exit_status(failure: Failure, exit_code: str = "torchrun") -> int:
     return failure.status if exit_code == "rank" else FAILED
 
 
-def format_report(failure: Failure, attempts: int = 1, status: int | None = None) -> str:
+def format_report(failure: Failure, attempts: int = 1, status: int | None = None,
+                  whole: str = "the group") -> str:
     """The root-cause report printed when a run fails; ``status`` is the launcher's exit
-    status (default: the rank's own)."""
+    status (default: the rank's own); ``whole`` names what failed when no rank or node did."""
     rule = "=" * 72
     if failure.rank is None:
-        who = "the group" if failure.node is None else f"node {failure.node}"
+        who = whole if failure.node is None else f"node {failure.node}"
     else:
         where = ", ".join(
             part for part in (
