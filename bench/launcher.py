@@ -4,12 +4,17 @@ Both launch the same trivial script on 4 local ranks (it prints its rank) and ex
 wall time of the whole command is measured, interpreter starts included: what a user waits
 for each time they launch a job. Runs alternate; medians are compared. Needs torch (for
 torchrun); without it the torchrun row is left out.
+
+The two-node case starts two launchers at once on this machine (``--nnodes 2 --node-rank
+I --master-addr 127.0.0.1 --master-port P``, static rendezvous, 2 ranks each) and measures
+until both have exited, for phalanx and for torchrun with the same flags.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -46,9 +51,64 @@ def w8_launcher(contenders: Sequence[Contender], plan: object, errors: Errors) -
             for row, command in commands if trial % 2 == 0 else commands[::-1]:
                 errors.attempt("W8", "phalanx",
                                lambda row=row, command=command: _time(row, command, script, env))
+    _ratio(ratio, ours, theirs)
+    rows = [ours, theirs, ratio] if theirs.raw else [ours]
+    return rows + _two_nodes(trials, errors)
+
+
+def _two_nodes(trials: int, errors: Errors) -> list[Row]:
+    ours = Row("W8.nodes.phalanx", "W8 two launchers (--nnodes 2, static) x 2 ranks, start to "
+               "exit", "s", "lower")
+    theirs = Row("W8.nodes.torchrun", "W8 two torchruns, the same flags", "s", "lower")
+    ratio = Row("W8.nodes.ratio", "W8 two nodes: phalanx run / torchrun", "x", "lower")
+    commands = [(ours, [sys.executable, "-m", "phalanx", "run"])]
+    if importlib.util.find_spec("torch") is not None:
+        commands.append((theirs, [sys.executable, "-m", "torch.distributed.run"]))
+    with tempfile.TemporaryDirectory() as directory:
+        script = Path(directory) / "trivial.py"
+        script.write_text(SCRIPT)
+        env = {**os.environ, "PHALANX_PROGRESS": "0"}
+        for trial in range(trials):
+            for row, command in commands if trial % 2 == 0 else commands[::-1]:
+                errors.attempt("W8", "phalanx", lambda row=row, command=command: _time_nodes(
+                    row, command, script, env))
+    _ratio(ratio, ours, theirs)
+    return [ours, theirs, ratio] if theirs.raw else [ours]
+
+
+def _ratio(ratio: Row, ours: Row, theirs: Row) -> None:
     if ours.raw.get("phalanx") and theirs.raw.get("phalanx"):
         ratio.add("phalanx", median(ours.raw["phalanx"]) / median(theirs.raw["phalanx"]))
-    return [ours, theirs, ratio] if theirs.raw else [ours]
+
+
+def _time_nodes(row: Row, command: list[str], script: Path, env: dict[str, str]) -> None:
+    settle()
+    port = free_port()
+    started = time.perf_counter()
+    launchers = [subprocess.Popen(
+        [*command, "--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1",
+         "--master-port", str(port), "--nproc-per-node", "2", str(script)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        cwd=script.parent) for node in (1, 0)]
+    try:
+        outputs = [launcher.communicate(timeout=120) for launcher in launchers]
+    finally:
+        for launcher in launchers:
+            launcher.kill()
+            launcher.wait()
+    elapsed = time.perf_counter() - started
+    if any(launcher.returncode for launcher in launchers) or sum(
+            out.count("rank") for out, _ in outputs) < 4:
+        raise RuntimeError(f"{command[2]} two nodes exited "
+                           f"{[launcher.returncode for launcher in launchers]}: "
+                           f"{outputs[-1][1][-500:]}")
+    row.add("phalanx", elapsed)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _time(row: Row, command: list[str], script: Path, env: dict[str, str]) -> None:

@@ -307,6 +307,8 @@ def _job(options: argparse.Namespace) -> JobOptions | None:
     static = options.rdzv_backend == "static"
     if static:
         port = options.master_port or runflags.STATIC_PORT
+        if not 0 < port < 65536:
+            raise ValueError(f"--master-port expects a port in 1-65535, got {port}")
         address = (runflags.endpoint(options.rdzv_endpoint, port) if options.rdzv_endpoint
                    else (options.master_addr or runflags.STATIC_ADDR, port))
     else:

@@ -33,6 +33,7 @@ import threading
 import time
 from typing import Any
 
+from phalanx.errors import PhalanxError
 from phalanx.placement import free_port
 from phalanx.roster import Member, Roster, layout_counts, root_cause
 from phalanx.runreport import Failure
@@ -50,7 +51,7 @@ def describe(failure: Failure) -> str:
     return f"rank {failure.rank} (node {failure.node})"
 
 
-class JobError(Exception):
+class JobError(PhalanxError):
     """The launchers could not form or keep the job (a join refused, a host gone)."""
 
 
@@ -332,7 +333,7 @@ class JobHost:
         if isinstance(number, int):
             name = signal.Signals(number).name if number in signal.valid_signals() else number
             return Failure(None, node, None, 128 + number,
-                           f"its launcher was stopped by {name}", seen=time.time()), number
+                           f"was stopped: its launcher got {name}", seen=time.time()), number
         data = message.get("failure")
         if message.get("stopped") or not isinstance(data, dict):
             return None, None

@@ -99,7 +99,16 @@ def test_the_local_ranks_filter_shows_only_those_ranks(show):
 @pytest.mark.parametrize(
     ("args", "message"),
     [(["--rdzv-backend", "etcd"], "--rdzv-backend 'etcd' is not supported: use static or c10d"),
-     (["--nnodes", "2"], "--nnodes 2: a launcher per node is not supported yet"),
+     (["--nnodes", "2:3"], "--nnodes 2:3 needs --rdzv-backend c10d"),
+     (["--nnodes", "2", "--node-rank", "2"], "--node-rank 2 is outside 0..1 (--nnodes 2)"),
+     (["--nnodes", "2", "--rdzv-backend", "c10d"], "c10d with several nodes needs "
+                                                    "--rdzv-endpoint HOST:PORT"),
+     (["--nnodes", "2", "--backend", "ray"], "with --backend ray one launcher drives every"),
+     (["--nnodes", "2", "--nodes", "2"], "--nodes (several in one launcher) must be 1"),
+     (["--nnodes", "2", "--standalone"], "--standalone is for one node"),
+     (["--nnodes", "2", "--framework", "jax"], "--framework jax needs one controller"),
+     (["--nnodes", "2", "--rdzv-conf", "join_timeout=x"], "join_timeout expects seconds"),
+     (["--nnodes", "2", "--master-port", "70000"], "port"),
      (["--nnodes", "3:2"], "--nnodes expects N or MIN:MAX with 1 <= MIN <= MAX"),
      (["--node-rank", "1"], "--node-rank 1: with one node it must be 0"),
      (["--no-python", "no-such-command-xyz"], "no executable command 'no-such-command-xyz'")],
