@@ -157,9 +157,9 @@ def no_effect_notices(options: argparse.Namespace) -> list[str]:
 
 def parse_nnodes(value: str) -> tuple[int, int]:
     """torchrun's ``--nnodes``: ``N`` or ``MIN:MAX`` -> ``(MIN, MAX)``."""
-    low, _, high = str(value).partition(":")
+    low, colon, high = str(value).partition(":")
     try:
-        counts = (int(low), int(high or low))
+        counts = (int(low), int(high if colon else low))
     except ValueError:
         raise ValueError(f"--nnodes expects N or MIN:MAX, got {value!r}") from None
     if counts[0] < 1 or counts[0] > counts[1]:
