@@ -22,7 +22,7 @@ USAGE_ERROR = 2
 
 RUN_DESCRIPTION = """\
 Run a Python script (or -m module) on every rank of a group of local worker processes,
-like torchrun. Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK,
+like torchrun (with --nnodes N, one launcher per node forms one world). Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK,
 MASTER_ADDR, MASTER_PORT (and PHALANX_* equivalents), torchrun's GROUP_RANK, ROLE_*,
 TORCHELASTIC_* variables (so is_torchelastic_launched() is true and a rank's @record
 writes its TORCHELASTIC_ERROR_FILE), plus what --framework adds, before the script is
@@ -37,14 +37,19 @@ exit status:
            rank, its node, its exit code or signal, its Python traceback) is printed at
            the end. With --exit-code rank: that rank's own status instead (its
            sys.exit(N) code, 1 for an uncaught exception, 128+S when signal S killed it)
+           With --nnodes: on every launcher, also when another node's rank failed, a node
+           never joined, or node 0's launcher was lost
   128+S    the launcher itself got SIGINT/SIGTERM (S), which it forwarded to every rank
-           (then SIGKILL after --grace seconds, or at once on a second signal)
+           (then SIGKILL after --grace seconds, or at once on a second signal); with
+           --nnodes, every launcher of the job
   2        bad command line
 
 examples:
   phalanx run -n 4 train.py --lr 0.1
   phalanx run -n 2 --nodes 2 --framework torch --max-restarts 3 --log-dir logs train.py
   phalanx run -n auto --framework jax -m mypkg.train
+  phalanx run --nnodes 2 --node-rank 0 --master-addr node0 -n 2 train.py   # on node0
+  phalanx run --nnodes 2 --node-rank 1 --master-addr node0 -n 2 train.py   # on node1
 """
 
 

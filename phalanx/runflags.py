@@ -96,11 +96,14 @@ def add_torchrun_arguments(run: argparse.ArgumentParser,
                                "hosts the job)")
     torchrun.add_argument("--master-addr", "--master_addr", dest="master_addr",
                           default=_pet(env, "master_addr", None), metavar="HOST",
-                          help="node 0's address, the ranks' MASTER_ADDR (default: chosen)")
+                          help="node 0's address, the ranks' MASTER_ADDR (default: chosen); "
+                               "with --nnodes > 1, where node 0's launcher hosts the job "
+                               "(default: 127.0.0.1)")
     torchrun.add_argument("--master-port", "--master_port", dest="master_port", type=int,
                           default=_pet(env, "master_port", None), metavar="PORT",
                           help="the ranks' MASTER_PORT (default: a free port, new on each "
-                               "restart)")
+                               "restart); with --nnodes > 1, the job's port on node 0 "
+                               "(default: 29500)")
     torchrun.add_argument("--standalone", action="store_true",
                           default=_pet_flag(env, "standalone"),
                           help="one node with a local rendezvous: what phalanx does anyway")
