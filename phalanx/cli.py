@@ -22,13 +22,15 @@ USAGE_ERROR = 2
 
 RUN_DESCRIPTION = """\
 Run a Python script (or -m module) on every rank of a group of local worker processes,
-like torchrun (with --nnodes N, one launcher per node forms one world). Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK,
-MASTER_ADDR, MASTER_PORT (and PHALANX_* equivalents), torchrun's GROUP_RANK, ROLE_*,
-TORCHELASTIC_* variables (so is_torchelastic_launched() is true and a rank's @record
-writes its TORCHELASTIC_ERROR_FILE), plus what --framework adds, before the script is
-imported. Output lines are prefixed with their rank; identical lines from
-several ranks are shown once as "[ranks 0-3] ...".
+like torchrun (with --nnodes N, one launcher per node forms one world). Each rank gets
+RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR, MASTER_PORT (and
+PHALANX_* equivalents), torchrun's GROUP_RANK, ROLE_*, TORCHELASTIC_* variables (so
+is_torchelastic_launched() is true and a rank's @record writes its
+TORCHELASTIC_ERROR_FILE), plus what --framework adds, before the script is imported.
+Output lines are prefixed with their rank; identical lines from several ranks are shown
+once as "[ranks 0-3] ...".
 """
+
 
 RUN_EPILOG = """\
 exit status:

@@ -197,21 +197,25 @@ class JobHost:
 
     def _serve(self) -> None:
         spec = self._spec
-        attempt, previous = 0, None
+        attempt, previous, notice = 0, None, None
         while not self._closing:
             members = self._gather(time.monotonic() + spec.join_timeout)
             if members is None:
                 return
-            self._begin(attempt, members, previous)
-            failures, stopped_by = self._watch(attempt, members)
+            self._begin(attempt, members, previous, notice)
+            failures, stopped_by, grown = self._watch(attempt, members)
             cause = root_cause(failures)
+            if cause is None and grown:  # re-form the world with the newcomers, as torchrun
+                previous, notice = None, (f"a node joined; restarting every node as "
+                                          f"{len(self._roster)} nodes")
+                continue
             if cause is None:
                 self._end(None, attempt + 1)
                 return
             if stopped_by is not None or attempt >= spec.max_restarts:
                 self._end(cause, attempt + 1, stopped_by)
                 return
-            previous, attempt = cause, attempt + 1
+            previous, notice, attempt = cause, None, attempt + 1
 
     def _gather(self, deadline: float) -> list[Member] | None:
         """Wait until a round can start; None if the job ended meanwhile (timed out)."""
@@ -249,29 +253,32 @@ class JobHost:
                 self._join(key, peer, message)
         return True
 
-    def _join(self, key: int, peer: str, message: dict[str, Any]) -> None:
+    def _join(self, key: int, peer: str, message: dict[str, Any]) -> bool:
+        """Admit a launcher to the next round; whether it was admitted."""
         spec = self._spec
         wanted = message.get("run_id")
         if wanted not in (None, spec.run_id):
             self._refuse(key, f"this job's run id is {spec.run_id!r}, not {wanted!r} "
                               "(--rdzv-id)")
-            return
+            return False
         try:
             member = Member(key, int(message["node_rank"]) if spec.static else None,
                             int(message["nproc"]), str(message.get("where") or peer),
                             hosting=message.get("nonce") == self._nonce)
         except (KeyError, TypeError, ValueError):
             self._refuse(key, "a malformed join")
-            return
+            return False
         reason = self._roster.join(member, time.monotonic())
         if reason is not None:
             self._refuse(key, reason)
+        return reason is None
 
     def _refuse(self, key: int, reason: str) -> None:
         self._send(key, {"type": "refused", "reason": reason})
         self._drop(key)
 
-    def _begin(self, attempt: int, members: list[Member], previous: Failure | None) -> None:
+    def _begin(self, attempt: int, members: list[Member], previous: Failure | None,
+               notice: str | None = None) -> None:
         spec = self._spec
         try:
             master_port = free_port(spec.master_addr)
@@ -284,17 +291,20 @@ class JobHost:
                 "master_port": master_port, "run_id": spec.run_id,
                 "max_restarts": spec.max_restarts,
                 "previous": None if previous is None else previous.to_dict(),
+                "notice": notice,
             })
         logger.info("job %s attempt %d: %d nodes", spec.run_id, attempt, len(members))
 
-    def _watch(self, attempt: int, members: list[Member]) -> tuple[list[Failure], int | None]:
+    def _watch(self, attempt: int, members: list[Member],
+               ) -> tuple[list[Failure], int | None, bool]:
         """Run one round to its end: every member reported, or was lost. The failures seen,
-        and the signal that stopped a launcher (no restart after that)."""
+        the signal that stopped a launcher (no restart after that), and whether a node
+        joined meanwhile (c10d below MAX nodes: the round stops to re-form the world)."""
         node_of = {m.key: node for node, m in enumerate(members)}
         pending = set(node_of)
         failures: list[Failure] = []
         stopped_by: int | None = None
-        stopping = False
+        stopping = grown = False
         while pending:
             kind, key, data = self._events.get()
             if kind == "close":
@@ -309,7 +319,7 @@ class JobHost:
             elif kind == "message":
                 peer, message = data
                 if message["type"] == "join":  # for the next round, if there is one
-                    self._join(key, peer, message)
+                    grown = self._join(key, peer, message) or grown
                 elif (message["type"] == "done" and message.get("attempt") == attempt
                       and key in pending):
                     pending.discard(key)
@@ -318,12 +328,12 @@ class JobHost:
                         failures.append(failure)
                     if number is not None and stopped_by is None:
                         stopped_by = number
-            if (failures or stopped_by is not None) and not stopping:
+            if (failures or stopped_by is not None or grown) and not stopping:
                 stopping = True
-                cause = f"{describe(failures[-1])} failed" if failures else "stopped"
+                cause = f"{describe(failures[-1])} failed" if failures else "a node joined"
                 for other in pending:
                     self._send(other, {"type": "stop", "attempt": attempt, "cause": cause})
-        return failures, stopped_by
+        return failures, stopped_by, grown
 
     @staticmethod
     def _outcome(node: int, message: dict[str, Any]) -> tuple[Failure | None, int | None]:

@@ -220,6 +220,8 @@ def _follow(options: RunOptions, job: JobOptions, member: JobMember, signals: _S
                 console.notice(f"phalanx run: {exc}")
                 return 128 + signals.received if signals.received else FAILED
             if message["type"] == "interrupted":  # a signal between rounds ends the job
+                if current["attempt"] < 0:  # not in the job yet: leaving is enough
+                    return 128 + (signals.received or signal.SIGTERM)
                 member.report({"type": "done", "attempt": current["attempt"],
                                "signal": signals.received})
                 return _stopped_by_signal(member, signals)
@@ -231,6 +233,8 @@ def _follow(options: RunOptions, job: JobOptions, member: JobMember, signals: _S
             if message.get("previous") is not None and round_.attempt > 0:
                 _restart_notice(Failure.from_dict(message["previous"]), round_.attempt,
                                 int(message.get("max_restarts", options.max_restarts)))
+            elif message.get("notice") and current["attempt"] >= 0:
+                console.notice(f"phalanx run: {message['notice']}")
             current["attempt"], current["stop_seen"] = round_.attempt, None
             signals.stopped = False
             failure = _attempt(options, round_.attempt, signals, run_state, round_)
