@@ -287,6 +287,10 @@ def _start(options: RunOptions, restart: int, signals: _Signals, run: _Run,
             layout, run_id=run.run_id, max_restarts=options.max_restarts, restart=restart,
             role=options.role, error_dir=run.attempt_dir(restart))
         env.update(common)
+        outside = sorted(r for r in options.ranks or () if r >= layout.world_size)
+        if outside:
+            raise ValueError(f"--ranks names ranks {outside} outside "
+                             f"0..{layout.world_size - 1}")
         shown = [r - mine.start for r in mine if options.ranks is None or r in options.ranks]
         if options.local_ranks is not None:
             shown = [r - mine.start for r in mine
