@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -69,6 +70,64 @@ def test_the_same_variables_as_torchrun_with_the_same_values(tmp_path):
         assert {k: mine[k] for k in same} == same
         assert mine["TORCHELASTIC_ERROR_FILE"].endswith(f"/{mine['RANK']}/error.json")
     assert our_envs[0]["TORCHELASTIC_RUN_ID"] == our_envs[1]["TORCHELASTIC_RUN_ID"]
+
+
+def run_nodes(launcher: list[str], directory: Path, nodes: int = 2,
+              procs: int = 2) -> tuple[list[int], list[dict], str]:
+    """``launcher --nnodes 2 --node-rank I ...`` once per node, at the same time, on this
+    machine: every launcher's status, the ranks' variables, the launchers' stderr."""
+    with socket.socket() as sock:  # a free port for the job's rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "PHALANX_PROGRESS": "0"}
+    env["PYTHONPATH"] = os.pathsep.join([str(helpers.REPO), env.get("PYTHONPATH", "")])
+    launchers = [subprocess.Popen(
+        [*launcher, "--nnodes", str(nodes), "--node-rank", str(node), "--master-addr",
+         "127.0.0.1", "--master-port", str(port), "--nproc-per-node", str(procs), "show.py"],
+        cwd=directory, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for node in reversed(range(nodes))]
+    try:
+        errs = [launcher.communicate(timeout=120)[1] for launcher in launchers]
+    finally:
+        for launcher in launchers:
+            launcher.kill()
+            launcher.wait()
+    envs = [json.loads(path.read_text()) for path in directory.glob("env-*.json")]
+    return ([launcher.returncode for launcher in launchers],
+            sorted(envs, key=lambda e: int(e["RANK"])), "\n".join(errs))
+
+
+def test_two_launchers_as_two_nodes_give_torchrun_s_variables(tmp_path):
+    ours, theirs = tmp_path / "phalanx", tmp_path / "torchrun"
+    for directory in (ours, theirs):
+        directory.mkdir()
+        (directory / "show.py").write_text(PRINT_ENV)
+    statuses, torch_envs, err = run_nodes(torchrun(), theirs)
+    assert statuses == [0, 0], err
+    statuses, our_envs, err = run_nodes(phalanx_run(), ours)
+    assert statuses == [0, 0], err
+    assert sorted(p.name for p in ours.glob("touched-*")) == [f"touched-{r}" for r in range(4)]
+    assert len(our_envs) == len(torch_envs) == 4
+    for mine, reference in zip(our_envs, torch_envs, strict=True):
+        assert sorted(mine) == sorted(reference)
+        same = {k: v for k, v in reference.items() if k not in DIFFERENT}
+        assert {k: mine[k] for k in same} == same  # GROUP_RANK, ROLE_RANK, LOCAL_RANK...
+    assert len({e["TORCHELASTIC_RUN_ID"] for e in our_envs}) == 1  # one job
+    assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in our_envs}) == 1
+
+
+@pytest.mark.parametrize("ending", ["pass", "raise ValueError('no data')", "sys.exit(3)",
+                                    "os._exit(4)"])
+def test_the_exit_status_is_torchrun_s(tmp_path, ending):
+    ours, theirs = tmp_path / "phalanx", tmp_path / "torchrun"
+    for directory in (ours, theirs):
+        directory.mkdir()
+        (directory / "end.py").write_text(
+            f"import os, sys\nif os.environ['RANK'] == '1':\n    {ending}\n")
+    expected, _, err = run([*torchrun(), "--nproc-per-node", "2", "end.py"], theirs)
+    status, _, err = run([*phalanx_run(), "--nproc-per-node", "2", "end.py"], ours)
+    assert status == expected, err
+    assert (status == 0) == (ending == "pass")
 
 
 def test_a_program_sees_that_it_was_launched_by_torchelastic(tmp_path):
