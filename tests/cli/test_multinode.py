@@ -577,3 +577,23 @@ def test_each_node_logs_its_ranks_under_their_world_ranks(tmp_path, launchers):
         for rank in mine:
             assert (directory / f"rank-{rank}.stdout.log").read_text() == f"out of rank {rank}\n"
             assert (directory / f"rank-{rank}.stderr.log").read_text() == f"err of rank {rank}\n"
+
+
+def test_a_c10d_node_joining_a_running_world_below_max_re_forms_it(tmp_path, launchers):
+    """As torchrun's agents: the running ranks stop (no restart spent) and every node
+    starts again in a world that includes the newcomer."""
+    sleeper = script(tmp_path, "sleeper.py", SLEEPER)
+    port = free_port()
+    first = [c10d(launchers, name, port, "2:3", "--rdzv-conf", "last_call_timeout=0.5",
+                  "-n", "1", sleeper) for name in ("a", "b")]
+    before = launchers.rank_pids(2)
+    for rank in before:
+        (tmp_path / f"pid-{rank}").unlink()
+    late = c10d(launchers, "c", port, "2:3", "-n", "1", sleeper)
+    after = launchers.rank_pids(3)
+    assert not set(before.values()) & set(after.values())  # every rank started again
+    for launcher in (*first, late):
+        assert launcher.returncode is None, launcher.describe()
+    for launcher in first:
+        assert "a node joined; restarting every node as 3 nodes" in launcher.stderr
+    assert "rank 2 sleeping" in late.stdout, late.describe()
