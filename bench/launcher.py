@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from statistics import median
 
@@ -43,17 +43,23 @@ def w8_launcher(contenders: Sequence[Contender], plan: object, errors: Errors) -
     if importlib.util.find_spec("torch") is not None:
         commands.append((theirs, [sys.executable, "-m", "torch.distributed.run",
                                   f"--nproc-per-node={RANKS}"]))
+    _alternate(trials, errors, commands, _time)
+    _ratio(ratio, ours, theirs)
+    rows = [ours, theirs, ratio] if theirs.raw else [ours]
+    return rows + _two_nodes(trials, errors)
+
+
+def _alternate(trials: int, errors: Errors, commands: list[tuple[Row, list[str]]],
+               timer: Callable[[Row, list[str], Path, dict[str, str]], None]) -> None:
+    """Time each command ``trials`` times on the trivial script, alternating their order."""
     with tempfile.TemporaryDirectory() as directory:
         script = Path(directory) / "trivial.py"
         script.write_text(SCRIPT)
         env = {**os.environ, "PHALANX_PROGRESS": "0"}
         for trial in range(trials):
             for row, command in commands if trial % 2 == 0 else commands[::-1]:
-                errors.attempt("W8", "phalanx",
-                               lambda row=row, command=command: _time(row, command, script, env))
-    _ratio(ratio, ours, theirs)
-    rows = [ours, theirs, ratio] if theirs.raw else [ours]
-    return rows + _two_nodes(trials, errors)
+                errors.attempt("W8", "phalanx", lambda row=row, command=command: timer(
+                    row, command, script, env))
 
 
 def _two_nodes(trials: int, errors: Errors) -> list[Row]:
@@ -64,14 +70,7 @@ def _two_nodes(trials: int, errors: Errors) -> list[Row]:
     commands = [(ours, [sys.executable, "-m", "phalanx", "run"])]
     if importlib.util.find_spec("torch") is not None:
         commands.append((theirs, [sys.executable, "-m", "torch.distributed.run"]))
-    with tempfile.TemporaryDirectory() as directory:
-        script = Path(directory) / "trivial.py"
-        script.write_text(SCRIPT)
-        env = {**os.environ, "PHALANX_PROGRESS": "0"}
-        for trial in range(trials):
-            for row, command in commands if trial % 2 == 0 else commands[::-1]:
-                errors.attempt("W8", "phalanx", lambda row=row, command=command: _time_nodes(
-                    row, command, script, env))
+    _alternate(trials, errors, commands, _time_nodes)
     _ratio(ratio, ours, theirs)
     return [ours, theirs, ratio] if theirs.raw else [ours]
 
