@@ -196,6 +196,14 @@ class JobHost:
     # -- the job --------------------------------------------------------------------
 
     def _serve(self) -> None:
+        try:
+            self._rounds()
+        except Exception as exc:  # a bug here must not leave every launcher waiting
+            logger.exception("the job's host failed")
+            self._end(Failure(None, None, None, 1, f"failed: its host broke down: "
+                              f"{type(exc).__name__}: {exc}", seen=time.time()), 0)
+
+    def _rounds(self) -> None:
         spec = self._spec
         attempt, previous, notice = 0, None, None
         while not self._closing:
