@@ -31,10 +31,12 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "AuthenticationError": "phalanx.errors",
     "CallTimeout": "phalanx.errors",
+    "ClusterBackend": "phalanx.backends.cluster",
     "FrameworkNotInstalled": "phalanx.errors",
     "GroupClosed": "phalanx.errors",
     "PhalanxError": "phalanx.errors",
     "ProcessFailure": "phalanx.errors",
+    "QuorumTimeout": "phalanx.errors",
     "SerializationError": "phalanx.errors",
     "StartupError": "phalanx.errors",
     "WorkerDied": "phalanx.errors",
@@ -56,12 +58,14 @@ _EXPORTS = {
 __all__ = [
     "AuthenticationError",
     "CallTimeout",
+    "ClusterBackend",
     "FrameworkNotInstalled",
     "GroupClosed",
     "GroupFuture",
     "NamedSharding",
     "PhalanxError",
     "ProcessFailure",
+    "QuorumTimeout",
     "RankFuture",
     "RankHealth",
     "RayBackend",
@@ -80,6 +84,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from phalanx.backends.cluster import ClusterBackend
     from phalanx.backends.ray import RayBackend
     from phalanx.debug import breakpoint
     from phalanx.errors import (
@@ -89,6 +94,7 @@ if TYPE_CHECKING:
         GroupClosed,
         PhalanxError,
         ProcessFailure,
+        QuorumTimeout,
         SerializationError,
         StartupError,
         WorkerDied,

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from phalanx import __version__, runflags, runreport
+from phalanx import __version__, k8s, runflags, runreport
 from phalanx.frameworks import FRAMEWORKS
 from phalanx.runflags import parse_ranks
 
@@ -178,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("args", nargs=argparse.REMAINDER, metavar="...",
                      help="arguments for the program")
     runflags.add_torchrun_arguments(run)
+    _add_agent(commands)
+    k8s.add_parser(commands)
     debug = commands.add_parser(
         "debug",
         help="attach to a rank stopped in px.breakpoint(), or list the ranks waiting",
@@ -198,6 +200,61 @@ def build_parser() -> argparse.ArgumentParser:
                        help="where ranks register (default: $PHALANX_DEBUG_DIR, else "
                             "/tmp/phalanx-debug-<uid>)")
     return parser
+
+
+AGENT_DESCRIPTION = """\
+Serve this node's ranks to controllers that use px.ClusterBackend(hosts=[...]). Every
+controller must prove the shared token (--token-file, or $PHALANX_TOKEN) before anything
+it sends is read; the agent listens on loopback unless --host says otherwise. When a
+controller goes away (its connection ends, or it is silent for --heartbeat-timeout
+seconds) its ranks are stopped, with everything they started, and the agent waits for the
+next one. --http-port serves /health and /metrics (Prometheus text) over plain HTTP.
+"""
+
+
+def _add_agent(commands: argparse._SubParsersAction) -> None:
+    from phalanx.agent import DEFAULT_PORT
+
+    agent = commands.add_parser(
+        "agent", help="serve this node's ranks to a controller's ClusterBackend",
+        description=AGENT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    agent.add_argument("--host", default="127.0.0.1",
+                       help="the address to listen on (default: 127.0.0.1; 0.0.0.0 in a pod)")
+    agent.add_argument("--port", type=_port, default=DEFAULT_PORT,
+                       help=f"the control port (default: {DEFAULT_PORT})")
+    agent.add_argument("--http-port", type=_port, default=None, metavar="PORT",
+                       help="the /health and /metrics port (default: --port + 1)")
+    agent.add_argument("--no-http", action="store_true", help="serve no HTTP")
+    agent.add_argument("--token-file", metavar="FILE",
+                       help="the shared token (default: $PHALANX_TOKEN)")
+    agent.add_argument("--heartbeat-timeout", type=_seconds, default=30.0, metavar="SECONDS",
+                       help="a controller silent this long is gone (default: 30)")
+    agent.add_argument("--max-frame-mib", type=_positive, default=1024, metavar="MIB",
+                       help="refuse frames larger than this from a controller (default: 1024)")
+    agent.add_argument("-v", "--verbose", action="store_true", help="log every connection")
+
+
+def _port(value: str) -> int:
+    port = _number(value, int, 0, "a port number (0-65535)")
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number (0-65535), got {value!r}")
+    return port
+
+
+def _agent(options: argparse.Namespace) -> int:
+    from phalanx import agent
+
+    logging.getLogger("phalanx").setLevel(logging.INFO if options.verbose else logging.WARNING)
+    try:
+        token = agent.read_token(options.token_file)
+    except ValueError as exc:
+        print(f"phalanx agent: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    http_port = None if options.no_http else (
+        options.http_port if options.http_port is not None else options.port + 1)
+    return agent.run(options.host, options.port, token, http_port=http_port,
+                     heartbeat_timeout=options.heartbeat_timeout,
+                     max_frame=options.max_frame_mib << 20)
 
 
 def _check_target(target: str, is_module: bool, no_python: bool = False) -> str | None:
@@ -234,6 +291,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(parser, options)
     if options.command == "debug":
         return _debug(options)
+    if options.command == "agent":
+        return _agent(options)
+    if options.command == "k8s":
+        return k8s.main(options)
     parser.error(f"unknown command {options.command!r}")  # pragma: no cover - argparse checks
     return USAGE_ERROR  # pragma: no cover
 

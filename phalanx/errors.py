@@ -393,6 +393,21 @@ class AuthenticationError(PhalanxError):
     """A peer connecting to the controller (or a node) did not prove the shared secret."""
 
 
+class QuorumTimeout(PhalanxError, TimeoutError):
+    """Fewer node agents than the quorum answered in time; names those that did and not."""
+
+    def __init__(self, wanted: int, answered: list[str], missing: dict[str, str],
+                 timeout: float) -> None:
+        self.wanted, self.answered, self.missing = wanted, list(answered), dict(missing)
+        super().__init__(
+            f"only {len(answered)} of the {wanted} agents needed answered within {timeout:g} "
+            f"s; answered: {', '.join(answered) or 'none'}; missing: "
+            + ", ".join(f"{host} ({why})" for host, why in missing.items()))
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.wanted, self.answered, self.missing, 0.0))
+
+
 class FrameworkNotInstalled(PhalanxError, ImportError):
     """``framework=`` names a framework whose Python package cannot be imported here."""
 

@@ -414,13 +414,17 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle):
             group_future: GroupFuture = StreamFuture(method, ranks, self._dispatcher)
         else:
             group_future = GroupFuture(method, ranks, self._dispatcher)
-        frames = protocol.call_frames(call_id, ranks, method, payloads, stream)
-        if defer:
-            group_future._kickoff = functools.partial(
-                self._deliver, call_id, ranks, group_future, frames
-            )
+        if len(payloads) == 1 and len(ranks) > 1 and self._backend.shared_links:
+            # one frame per node connection (an agent's), whatever its number of ranks
+            deliver = functools.partial(self._deliver_shared, call_id, ranks, group_future,
+                                        method, payloads[0], stream)
         else:
-            self._deliver(call_id, ranks, group_future, frames)
+            frames = protocol.call_frames(call_id, ranks, method, payloads, stream)
+            deliver = functools.partial(self._deliver, call_id, ranks, group_future, frames)
+        if defer:
+            group_future._kickoff = deliver
+        else:
+            deliver()
         return group_future
 
     def _deliver(
@@ -433,6 +437,25 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle):
             slot.channel.send(frames[i])  # type: ignore[union-attr]
             if not slot.alive:  # type: ignore[union-attr]
                 self._dispatcher.fail_if_dead(slot, call_id, future)  # type: ignore[arg-type]
+
+    def _deliver_shared(self, call_id: int, ranks: list[int], future: GroupFuture,
+                        method: str, payload: list[Any], stream: bool) -> None:
+        """The same payload to ``ranks``: once per link shared by several of them."""
+        by_link: dict[Any, list[int]] = {}
+        for rank in ranks:
+            by_link.setdefault(self._slots[rank].channel.link, []).append(rank)  # type: ignore[union-attr]
+        for link, on_link in by_link.items():
+            if link is None or len(on_link) == 1:
+                frames = protocol.call_frames(call_id, on_link, method, [payload], stream)
+                self._deliver(call_id, on_link, future, frames)
+                continue
+            for rank in on_link:
+                self._slots[rank].pending[call_id] = future  # type: ignore[union-attr]
+            link.send(protocol.call_frame(call_id, on_link, method, payload, stream))
+            for rank in on_link:
+                slot = self._slots[rank]
+                if not slot.alive:  # type: ignore[union-attr]
+                    self._dispatcher.fail_if_dead(slot, call_id, future)  # type: ignore[arg-type]
 
     def call_async(
         self,

@@ -64,8 +64,10 @@ def _read(sock: socket.socket, size: int, deadline: float) -> bytes:
     return bytes(data)
 
 
-def connect(sock: socket.socket, secret: bytes, hello: Hello, timeout: float) -> None:
-    """The connecting side: introduce itself, check the acceptor's proof, prove its own."""
+def connect(sock: socket.socket, secret: bytes, hello: Hello, timeout: float,
+            peer: str = "the controller") -> None:
+    """The connecting side: introduce itself, check the acceptor's proof (``peer`` names
+    the acceptor in errors), prove its own."""
     deadline = time.monotonic() + timeout
     nonce = secrets.token_bytes(32)
     greeting = _HELLO.pack(MAGIC, hello.role, hello.rank, hello.incarnation, nonce)
@@ -74,7 +76,8 @@ def connect(sock: socket.socket, secret: bytes, hello: Hello, timeout: float) ->
     reply = _read(sock, 32 + _DIGEST, deadline)
     their_nonce, proof = reply[:32], reply[32:]
     if not hmac.compare_digest(proof, _mac(secret, b"acceptor", greeting, their_nonce)):
-        raise AuthenticationError("the controller could not prove the group's secret")
+        raise AuthenticationError(f"{peer} could not prove the shared secret (a wrong "
+                                  "token or secret on one side)")
     sock.sendall(_mac(secret, b"connector", greeting, their_nonce))
     sock.settimeout(None)
 
@@ -82,10 +85,12 @@ def connect(sock: socket.socket, secret: bytes, hello: Hello, timeout: float) ->
 def accept(sock: socket.socket, secret: bytes, timeout: float) -> Hello:
     """The accepting side: read the greeting, prove the secret, check the peer's proof."""
     deadline = time.monotonic() + timeout
-    greeting = _read(sock, _HELLO.size, deadline)
-    magic, role, rank, incarnation, _ = _HELLO.unpack(greeting)
+    magic = _read(sock, len(MAGIC), deadline)  # a stranger is told apart at once
     if magic != MAGIC:
-        raise AuthenticationError("the peer does not speak the phalanx protocol")
+        raise AuthenticationError(f"the peer does not speak the phalanx protocol (it sent "
+                                  f"{magic!r})")
+    greeting = magic + _read(sock, _HELLO.size - len(MAGIC), deadline)
+    _, role, rank, incarnation, _ = _HELLO.unpack(greeting)
     nonce = secrets.token_bytes(32)
     sock.sendall(nonce + _mac(secret, b"acceptor", greeting, nonce))
     proof = _read(sock, _DIGEST, deadline)

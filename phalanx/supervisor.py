@@ -166,6 +166,9 @@ def _undo_start(popen: subprocess.Popen) -> None:
     popen.wait()
 
 
+_SLICE = 0.1  # seconds: the longest a status wait sleeps before looking again
+
+
 class SupervisedProcess:
     """One worker started by the node supervisor, as its starter (the controller, or a Ray
     rank actor) sees it.
@@ -229,7 +232,9 @@ class SupervisedProcess:
         deadline = None if timeout is None else time.monotonic() + timeout
         left = timeout
         while not done() and not self._ended and self.death_fd is not None:
-            self._read(left)  # at least once, even with no time to wait
+            # at least once, even with no time to wait; in slices, as another thread may
+            # take what arrives (the relay's death watch) and leave this one waiting
+            self._read(_SLICE if left is None else min(left, _SLICE))
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 self._read(0)

@@ -48,6 +48,10 @@ class ConnectionLost(Exception):
     """The peer closed the stream or the socket failed (internal, never reaches users)."""
 
 
+class FrameTooLarge(ConnectionLost):
+    """A peer announced a frame over the reader's limit: the stream cannot go on."""
+
+
 # --------------------------------------------------------------------------- serialisation
 
 
@@ -209,6 +213,7 @@ class FrameReader:
         self._chunk = bytearray(_RECV_CHUNK)
         # A large frame being received in place: (buffer, bytes filled, segment lengths).
         self._big: tuple[bytearray, int, tuple[int, ...]] | None = None
+        self.limit: int | None = None  # the largest frame body accepted (None: any)
 
     def recv_frames(self, block: bool = True) -> list[list[Any]]:
         """Receive once and return every frame now complete (possibly none).
@@ -247,6 +252,11 @@ class FrameReader:
         mv = memoryview(buf)  # buf is never resized while this view lives
         while size - pos >= _PREFIX_SIZE:
             nseg, body = _unpack_prefix(buf, pos)
+            if self.limit is not None and (body > self.limit or not 0 < 8 * nseg <= body):
+                raise FrameTooLarge(
+                    f"a frame of {body} bytes in {nseg} segments (the limit is {self.limit} "
+                    "bytes)" if body > self.limit else f"a malformed frame header ({nseg} "
+                    f"segments in {body} bytes)")
             start = pos + _PREFIX_SIZE
             end = start + body
             if end > size:

@@ -94,6 +94,9 @@ class Channel(abc.ABC):
 
     ranks: tuple[int, ...]
     node: int
+    # The connection this channel shares with the other ranks of its node (an agent's),
+    # if any: a frame for several of them goes through it once (``link.send(frame)``).
+    link: Any = None
 
     @abc.abstractmethod
     def attach(self, sink: EventSink) -> None:
@@ -130,6 +133,7 @@ class Backend(abc.ABC):
 
     name = "abstract"
     opened = False
+    shared_links = False  # whether its channels may share a link (see Channel.link)
 
     def settings(self) -> dict[str, Any]:
         """The constructor arguments this backend was configured with."""

@@ -1,0 +1,79 @@
+"""The messages between a controller and a node agent, besides the ranks' own.
+
+One authenticated connection per node (:mod:`phalanx.handshake`) carries, as
+:mod:`phalanx.wire` frames with :mod:`phalanx.protocol` headers:
+
+- the ranks' messages, unchanged: INIT, CALL (once per node with ``rank = MANY`` when the
+  same payload goes to several of its ranks), SHUTDOWN one way; READY, RESULT, ERROR,
+  HEARTBEAT... and EXITED the other;
+- the node's own, below, whose ``call_id`` is a request id the reply carries back::
+
+    controller -> agent  LAUNCH    (starts, sys_path, options, cwd)  payload (target, ...)
+                         STOP      (ranks, grace, force)
+                         SIGNAL    (rank, signal)                    no reply
+                         STACKS    (rank, timeout)
+                         PORTS     (count,)
+                         WAIT      (ranks, timeout)
+                         PING                                        no reply
+    agent -> controller  WELCOME   (node facts: host, gpus, machine, pid, version)
+                         REPLY     (ok, value)                       to a request id
+                         OUTPUT    (stream,)                         payload: bytes, rank
+                         OUTPUT_END (stream,)                        the rank's stream ended
+                         PING                                        no reply
+
+An EXITED from an agent carries the rank's launch (its incarnation) as ``call_id``, so a
+death reported late is never taken for that of the rank started after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from phalanx import protocol, wire
+
+LAUNCH = 64
+STOP = 65
+SIGNAL = 66
+STACKS = 67
+PORTS = 68
+WAIT = 69
+PING = 70
+WELCOME = 80
+REPLY = 81
+OUTPUT = 82
+OUTPUT_END = 83
+
+STDOUT, STDERR = 1, 2
+
+
+def request(kind: int, request_id: int, *fields: Any, payload: Sequence[Any] = ()) -> list[Any]:
+    """A request to the agent (or a message with plain fields, ``request_id`` 0)."""
+    return wire.frame([protocol.header(kind, request_id, 0, *fields), *payload])
+
+
+def reply(request_id: int, ok: bool, value: Any) -> list[Any]:
+    """The agent's answer to request ``request_id``: a value, or (not ok) an error text."""
+    return wire.frame([protocol.header(REPLY, request_id, 0, ok, value)])
+
+
+def output(rank: int, stream: int, data: bytes) -> list[Any]:
+    return wire.frame([protocol.header(OUTPUT, 0, rank, stream), data])
+
+
+def output_end(rank: int, stream: int) -> list[Any]:
+    return wire.frame([protocol.header(OUTPUT_END, 0, rank, stream)])
+
+
+def ping() -> list[Any]:
+    return wire.frame([protocol.header(PING, 0, 0)])
+
+
+def exited(rank: int, incarnation: int, failure: dict[str, Any]) -> list[Any]:
+    """The agent's report that a rank's process ended (an EXITED naming its launch)."""
+    return wire.frame([protocol.header(protocol.EXITED, incarnation, rank, failure)])
+
+
+def is_node_message(kind: int) -> bool:
+    """Whether a message kind is the node's own (not a rank's)."""
+    return kind >= LAUNCH

@@ -1,0 +1,534 @@
+"""The cluster backend: ranks run on nodes (hosts, Kubernetes pods) served by ``phalanx agent``.
+
+``ClusterBackend(hosts=["10.0.0.5:32300", ...], token=...)`` connects to every listed
+agent, proving the shared token both ways (:mod:`phalanx.handshake`), and waits until
+``quorum`` of them (default: all) have answered -- past ``quorum_timeout`` it raises
+:class:`~phalanx.errors.QuorumTimeout` naming who answered and who did not, and never goes
+on with fewer. Node ``i`` of the group is the ``i``-th agent that answered, in the order
+the hosts were listed.
+
+One connection per node (an :class:`AgentLink`) carries every rank of that node: a call
+whose payload is the same for several of them crosses it once (``rank = MANY``; the agent
+hands it to each), and their replies, output and deaths come back over it
+(:mod:`phalanx.agentwire`). Each rank still has a channel of its own
+(:class:`AgentRankChannel`), so the group sees them exactly as local ranks. A node lost --
+its agent killed, its connection cut, or silent past ``heartbeat_timeout`` -- fails every
+call pending on its ranks at once, naming the node and the agent.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from phalanx import agentwire, config, handshake, protocol, streams, wire
+from phalanx.backends.base import Backend, Boot, Channel, EventSink, Node, RankStart
+from phalanx.errors import AuthenticationError, PhalanxError, ProcessFailure, QuorumTimeout
+from phalanx.frameworks import Layout
+from phalanx.logs import LogPump, OutputOptions, OutputTap
+
+logger = logging.getLogger(__name__)
+
+REQUEST_TIMEOUT = 60.0  # seconds for an agent to answer a request that does not wait
+CONNECT_RETRY = 0.5  # seconds between attempts to reach an agent that is not up yet
+
+
+def parse_host(entry: str) -> tuple[str, int]:
+    """``"host:port"`` (or ``"[v6]:port"``) -> ``(host, port)``; ValueError naming it."""
+    host, sep, port = str(entry).rpartition(":")
+    host = host.strip("[]")
+    try:
+        number = int(port)
+    except ValueError:
+        number = 0
+    if not sep or not host or not 0 < number < 65536:
+        raise ValueError(f"hosts entries must be 'host:port', got {entry!r}")
+    return host, number
+
+
+class AgentRankChannel(Channel):
+    """One rank on an agent's node: its messages travel on the node's :class:`AgentLink`."""
+
+    def __init__(self, link: AgentLink, start: RankStart, incarnation: int,
+                 logs: LogPump) -> None:
+        self.rank = start.rank
+        self.ranks = (start.rank,)
+        self.node = start.node
+        self.link = link
+        self.incarnation = incarnation
+        self.pid: int | None = None
+        self._exitcode: int | None = None
+        self._reason: str | None = None
+        self._sink: EventSink | None = None
+        self._early: list[list[Any]] = []
+        self._lock = threading.Lock()
+        self._buried = self._closed = False
+        out_r, self._out_w = os.pipe()
+        err_r, self._err_w = os.pipe()
+        self._writers = {agentwire.STDOUT: self._out_w, agentwire.STDERR: self._err_w}
+        self._tap: OutputTap = logs.attach(start.rank, out_r, err_r)
+
+    # -- from the link's reader thread ------------------------------------------------
+
+    def deliver(self, events: list[list[Any]]) -> None:
+        with self._lock:
+            if self._sink is None:
+                self._early.extend(events)
+                return
+            sink = self._sink
+        sink.post(self, events)
+
+    def output(self, stream: int, data: bytes | None) -> None:
+        """Bytes the rank wrote (None: that stream ended), into the local output pump."""
+        with self._lock:
+            fd = self._writers.get(stream)
+            if fd is None:
+                return
+            if data is None:
+                del self._writers[stream]
+        if data is None:
+            os.close(fd)
+            return
+        try:
+            os.write(fd, data)
+        except OSError:  # the pump stopped reading: the group is closing
+            pass
+
+    def exited(self, failure: dict[str, Any] | None, reason: str | None = None) -> None:
+        """The agent reported the rank's end, or (``failure`` None) its node was lost."""
+        with self._lock:
+            if self._buried:
+                return
+            self._buried = True
+            if failure is not None:
+                self.pid = failure.get("pid") or self.pid
+                self._exitcode = failure.get("exitcode")
+            self._reason = reason
+        threading.Thread(target=self._bury, name=f"phalanx-bury-{self.rank}",
+                         daemon=True).start()
+
+    def _bury(self) -> None:
+        if self._reason is not None:  # no more output will come: end the streams here
+            for stream in list(self._writers):
+                self.output(stream, None)
+        self._tap.wait_closed(config.OUTPUT_WAIT)
+        event = protocol.exited_message(self.rank, self.exit_record(self.rank).as_dict())
+        self.deliver([event])
+
+    # -- the group's side -------------------------------------------------------------
+
+    def attach(self, sink: EventSink) -> None:
+        with self._lock:
+            self._sink = sink
+            early, self._early = self._early, []
+        if early:
+            sink.post(self, early)
+
+    def receive(self, fd: int) -> list[list[Any]]:
+        return []  # never watched: the link posts this rank's events
+
+    def send(self, frame: list[Any]) -> None:
+        self.link.send(frame)
+
+    def signal(self, rank: int, sig: int) -> None:
+        self.link.send(agentwire.request(agentwire.SIGNAL, 0, self.rank, int(sig)))
+
+    def stacks(self, rank: int, timeout: float) -> str:
+        try:
+            return self.link.request(agentwire.STACKS, self.rank, timeout,
+                                     timeout=timeout + REQUEST_TIMEOUT)
+        except PhalanxError as exc:
+            return f"(no stack: {exc})"
+
+    def exit_record(self, rank: int) -> ProcessFailure:
+        return ProcessFailure(self.rank, self.node, self.pid, self._exitcode,
+                              self._tap.stderr_tail(), self._reason)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = self._buried = True
+            writers, self._writers = list(self._writers.values()), {}
+        for fd in writers:
+            os.close(fd)
+        self.link.forget(self)
+
+
+class AgentLink:
+    """The connection to one node's agent: requests, and the node's ranks' events."""
+
+    def __init__(self, index: int, host: str, port: int, sock: socket.socket,
+                 welcome: dict[str, Any], writer: wire.BacklogWriter, max_frame: int) -> None:
+        self.index, self.host, self.port = index, host, port
+        self.welcome = welcome
+        self.where = f"node {index} (agent at {host}:{port})"
+        self._conn = wire.Connection(streams.SocketStream(sock), writer)
+        self._conn.reader.limit = max_frame
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._replies: dict[int, list[Any]] = {}  # request id -> [Event, ok, value]
+        self._channels: dict[int, AgentRankChannel] = {}  # rank -> its current channel
+        self.lost_reason: str | None = None
+        self.heard = time.monotonic()
+        self._reader = threading.Thread(target=self._read, name=f"phalanx-agent-{index}",
+                                        daemon=True)
+        self._reader.start()
+
+    # -- sending ----------------------------------------------------------------------
+
+    def send(self, frame: list[Any]) -> None:
+        try:
+            self._conn.send(frame)
+        except wire.ConnectionLost as exc:
+            self.lose(f"its connection failed ({exc})")
+
+    def request(self, kind: int, *fields: Any, payload: Sequence[Any] = (),
+                timeout: float = REQUEST_TIMEOUT) -> Any:
+        """Ask the agent and wait for its answer; PhalanxError when it fails or is lost."""
+        request_id = next(self._ids)
+        waiter = [threading.Event(), False, None]
+        with self._lock:
+            if self.lost_reason is not None:
+                raise PhalanxError(f"lost {self.where}: {self.lost_reason}")
+            self._replies[request_id] = waiter
+        self.send(agentwire.request(kind, request_id, *fields, payload=payload))
+        if not waiter[0].wait(timeout):
+            with self._lock:
+                self._replies.pop(request_id, None)
+            raise PhalanxError(f"{self.where} did not answer within {timeout:g} s")
+        if not waiter[1]:
+            raise PhalanxError(f"{self.where}: {waiter[2]}")
+        return waiter[2]
+
+    # -- receiving (its own thread) ---------------------------------------------------
+
+    def _read(self) -> None:
+        reader = self._conn.reader
+        try:
+            while True:
+                frames = reader.recv_frames(block=True)
+                self.heard = time.monotonic()
+                self._route(frames)
+        except wire.FrameTooLarge as exc:
+            self.lose(f"it sent {exc}")
+        except wire.ConnectionLost as exc:
+            self.lose(f"its connection ended ({exc})")
+        except Exception as exc:
+            logger.exception("reading from %s failed", self.where)
+            self.lose(f"reading from it failed: {type(exc).__name__}: {exc}")
+
+    def _route(self, frames: list[list[Any]]) -> None:
+        batches: dict[AgentRankChannel, list[list[Any]]] = {}
+        for segs in frames:
+            kind, call_id, rank = protocol.unpack_head(segs[0])
+            if kind == protocol.RESULT or kind == protocol.YIELD or kind == protocol.HEARTBEAT:
+                channel = self._channels.get(rank)
+                if channel is not None:
+                    batches.setdefault(channel, []).append(segs)
+                continue
+            _, _, _, extra = protocol.parse(segs[0])
+            if kind == agentwire.REPLY:
+                self._answer(call_id, *extra)
+            elif kind == agentwire.OUTPUT or kind == agentwire.OUTPUT_END:
+                channel = self._channels.get(rank)
+                if channel is not None:
+                    data = bytes(segs[1]) if kind == agentwire.OUTPUT else None
+                    channel.output(extra[0], data)
+            elif kind == protocol.EXITED:
+                channel = self._channels.get(rank)
+                if channel is not None and channel.incarnation == call_id:
+                    channel.exited(extra[0])
+            elif kind == agentwire.PING or kind == agentwire.WELCOME:
+                pass
+            else:
+                channel = self._channels.get(rank)
+                if channel is not None:
+                    batches.setdefault(channel, []).append(segs)
+        for channel, events in batches.items():
+            channel.deliver(events)
+
+    def _answer(self, request_id: int, ok: bool, value: Any) -> None:
+        with self._lock:
+            waiter = self._replies.pop(request_id, None)
+        if waiter is not None:
+            waiter[1], waiter[2] = ok, value
+            waiter[0].set()
+
+    # -- ranks ------------------------------------------------------------------------
+
+    def adopt(self, channel: AgentRankChannel) -> None:
+        with self._lock:
+            self._channels[channel.rank] = channel
+            lost = self.lost_reason
+        if lost is not None:
+            channel.exited(None, f"lost {self.where}: {lost}")
+
+    def forget(self, channel: AgentRankChannel) -> None:
+        with self._lock:
+            if self._channels.get(channel.rank) is channel:
+                del self._channels[channel.rank]
+
+    def lose(self, reason: str) -> None:
+        """The node is gone: every pending request fails, every rank on it is dead."""
+        with self._lock:
+            if self.lost_reason is not None:
+                return
+            self.lost_reason = reason
+            waiters, self._replies = list(self._replies.values()), {}
+            channels = list(self._channels.values())
+        logger.warning("lost %s: %s", self.where, reason)
+        for waiter in waiters:
+            waiter[1], waiter[2] = False, f"lost it: {reason}"
+            waiter[0].set()
+        for channel in channels:
+            channel.exited(None, f"lost {self.where}: {reason}")
+        self._conn.close()
+
+    def close(self) -> None:
+        """End the connection: the agent stops whatever of ours still runs there."""
+        with self._lock:
+            self.lost_reason = self.lost_reason or "the group closed it"
+        self._conn.close()
+        self._reader.join(5.0)
+
+
+class ClusterBackend(Backend):
+    """Ranks on nodes served by ``phalanx agent`` (see the module's docstring).
+
+    ``hosts``: ``"host:port"`` of each agent. ``token`` (or ``token_file``, or
+    ``$PHALANX_TOKEN``): the shared secret the agents were started with. ``quorum``: how
+    many agents must answer before the group starts (default: all); ``quorum_timeout``:
+    how long to wait for them. ``heartbeat_timeout``: a node silent this long is lost.
+    ``max_frame``: the largest frame accepted from an agent.
+    """
+
+    name = "cluster"
+    shared_links = True
+
+    def __init__(self, hosts: Sequence[str], token: str | bytes | None = None, *,
+                 token_file: str | None = None, quorum: int | None = None,
+                 quorum_timeout: float = 300.0,
+                 heartbeat_timeout: float = config.DEFAULT_HEARTBEAT_TIMEOUT,
+                 max_frame: int = 1 << 30) -> None:
+        if isinstance(hosts, str) or not hosts:
+            raise ValueError(f"hosts must be a non-empty list of 'host:port', got {hosts!r}")
+        self.hosts = [f"{h}:{p}" for h, p in map(parse_host, hosts)]
+        if len(set(self.hosts)) != len(self.hosts):
+            raise ValueError(f"hosts lists an agent twice: {self.hosts}")
+        if token is not None and token_file is not None:
+            raise ValueError("give token or token_file, not both")
+        from phalanx.agent import read_token
+
+        self.token = token
+        self.token_file = token_file
+        if token is not None:
+            secret = token.encode() if isinstance(token, str) else bytes(token)
+            self._secret = read_token(None, {"PHALANX_TOKEN": secret.decode("latin-1")})
+        else:
+            self._secret = read_token(token_file)
+        if quorum is not None and not (isinstance(quorum, int) and 1 <= quorum <= len(hosts)):
+            raise ValueError(f"quorum must be an integer in 1..{len(hosts)}, got {quorum!r}")
+        self.quorum = quorum
+        if not quorum_timeout > 0:
+            raise ValueError(f"quorum_timeout must be > 0 seconds, got {quorum_timeout!r}")
+        self.quorum_timeout = quorum_timeout
+        self.heartbeat_timeout = heartbeat_timeout
+        self.max_frame = max_frame
+        self._links: list[AgentLink] = []
+        self._incarnations = itertools.count(1)
+        self._stopping = threading.Event()
+
+    def settings(self) -> dict[str, Any]:
+        return {"hosts": list(self.hosts), "token": self.token, "token_file": self.token_file,
+                "quorum": self.quorum, "quorum_timeout": self.quorum_timeout,
+                "heartbeat_timeout": self.heartbeat_timeout, "max_frame": self.max_frame}
+
+    # -- connecting -------------------------------------------------------------------
+
+    def _open(self, output: OutputOptions) -> None:
+        self._writer = wire.BacklogWriter("phalanx-cluster-writer")
+        self._logs = LogPump(output)
+        try:
+            self._links = self._connect_quorum()
+        except BaseException:
+            self.close()
+            raise
+        machine = _machine()
+        for link in self._links:
+            link.same_host = link.welcome.get("machine") == machine  # type: ignore[attr-defined]
+        threading.Thread(target=self._heartbeats, name="phalanx-cluster-heartbeat",
+                         daemon=True).start()
+
+    def _connect_quorum(self) -> list[AgentLink]:
+        wanted = self.quorum or len(self.hosts)
+        deadline = time.monotonic() + self.quorum_timeout
+        answered: dict[int, tuple[socket.socket, dict[str, Any]]] = {}
+        errors: dict[int, str] = {}
+        failure: list[BaseException] = []
+        done = threading.Condition()
+
+        def connect(index: int) -> None:
+            host, port = parse_host(self.hosts[index])
+            while not self._stopping.is_set():
+                try:
+                    result = self._connect_one(host, port, deadline)
+                except AuthenticationError as exc:
+                    with done:
+                        failure.append(AuthenticationError(f"agent {host}:{port}: {exc}"))
+                        done.notify_all()
+                    return
+                except OSError as exc:
+                    with done:
+                        errors[index] = str(exc)
+                    if time.monotonic() + CONNECT_RETRY >= deadline:
+                        return
+                    time.sleep(CONNECT_RETRY)
+                    continue
+                with done:
+                    if len(answered) >= wanted:  # the quorum was reached without it
+                        result[0].close()
+                    else:
+                        answered[index] = result
+                    done.notify_all()
+                return
+
+        threads = [threading.Thread(target=connect, args=(i,), daemon=True,
+                                    name="phalanx-cluster-connect")
+                   for i in range(len(self.hosts))]
+        for thread in threads:
+            thread.start()
+        with done:
+            while len(answered) < wanted and not failure:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                done.wait(remaining)
+            enough = len(answered) >= wanted
+            self._stopping.set()  # the others stop trying
+        for thread in threads:
+            thread.join(config.CONNECT_TIMEOUT + 1)
+        self._stopping.clear()
+        if failure or not enough:
+            for sock, _ in answered.values():
+                sock.close()
+            if failure:
+                raise failure[0]
+            names = [self.hosts[i] for i in sorted(answered)]
+            missing = {self.hosts[i]: errors.get(i, "no answer") for i in
+                       range(len(self.hosts)) if i not in answered}
+            raise QuorumTimeout(wanted, names, missing, self.quorum_timeout)
+        return [AgentLink(node, *parse_host(self.hosts[i]), *answered[i], self._writer,
+                          self.max_frame) for node, i in enumerate(sorted(answered))]
+
+    def _connect_one(self, host: str, port: int,
+                     deadline: float) -> tuple[socket.socket, dict[str, Any]]:
+        timeout = max(0.1, min(config.CONNECT_TIMEOUT, deadline - time.monotonic()))
+        sock = socket.create_connection((host, port), timeout=timeout)
+        try:
+            handshake.connect(sock, self._secret, handshake.Hello(handshake.ROLE_CONTROL, 0, 0),
+                              timeout, peer=f"the agent at {host}:{port}")
+            sock.settimeout(timeout)
+            reader = wire.FrameReader(streams.SocketStream(sock))
+            reader.limit = 1 << 20
+            frames: list[list[Any]] = []
+            while not frames:
+                frames = reader.recv_frames(block=True)
+            kind, _, _, extra = protocol.parse(frames[0][0])
+            if kind != agentwire.WELCOME:
+                raise OSError(f"the agent at {host}:{port} did not introduce itself")
+            sock.settimeout(None)
+            return sock, extra[0]
+        except (OSError, wire.ConnectionLost) as exc:
+            sock.close()
+            if isinstance(exc, OSError):
+                raise
+            raise OSError(f"the agent at {host}:{port} closed the connection") from None
+        except BaseException:
+            sock.close()
+            raise
+
+    def _heartbeats(self) -> None:
+        interval = max(0.05, min(5.0, self.heartbeat_timeout / 5))
+        while not self._stopping.wait(interval):
+            now = time.monotonic()
+            for link in self._links:
+                if link.lost_reason is not None:
+                    continue
+                if now - link.heard > self.heartbeat_timeout:
+                    link.lose(f"it was silent for {now - link.heard:.0f} s")
+                else:
+                    link.send(agentwire.ping())
+
+    # -- nodes ------------------------------------------------------------------------
+
+    def _reserve(self, layout: Layout, *, gpus_per_worker: int, timeout: float) -> list[Node]:
+        if layout.nodes > len(self._links):
+            raise ValueError(f"nodes={layout.nodes} but {len(self._links)} agents answered "
+                             f"({', '.join(self.hosts)})")
+        return [Node(index=n, address=link.welcome.get("address") or link.host,
+                     ranks=layout.counts[n], gpus=tuple(link.welcome.get("gpus") or ()),
+                     same_host=link.same_host)  # type: ignore[attr-defined]
+                for n, link in enumerate(self._links[:layout.nodes])]
+
+    def ports(self, node: Node, count: int) -> list[int]:
+        return list(self._links[node.index].request(agentwire.PORTS, count))
+
+    def _launch(
+        self, node: Node, ranks: list[RankStart], boot: Boot, channels: list[Channel]
+    ) -> None:
+        link = self._links[node.index]
+        starts = []
+        for start in ranks:
+            channel = AgentRankChannel(link, start, next(self._incarnations), self._logs)
+            channels.append(channel)
+            starts.append((start.rank, start.node, channel.incarnation, dict(start.env)))
+        for channel in channels:
+            link.adopt(channel)  # type: ignore[arg-type]
+        same = node.same_host
+        pids = link.request(agentwire.LAUNCH, starts, list(boot.sys_path) if same else [],
+                            dict(boot.options), (boot.cwd or os.getcwd()) if same else None,
+                            payload=boot.payload)
+        for channel, pid in zip(channels, pids, strict=False):
+            channel.pid = pid or None  # type: ignore[attr-defined]
+
+    def _stop(self, channels: list[Channel], *, grace: float, force: bool) -> None:
+        for link, ranks in _by_link(channels).items():
+            try:
+                link.request(agentwire.STOP, ranks, grace, force,
+                             timeout=grace + config.CLEANUP_WAIT + REQUEST_TIMEOUT)
+            except PhalanxError as exc:
+                logger.debug("stopping ranks %s: %s", ranks, exc)
+
+    def wait_exited(self, channels: Sequence[Channel], timeout: float) -> None:
+        for link, ranks in _by_link(channels).items():
+            try:
+                link.request(agentwire.WAIT, ranks, timeout, timeout=timeout + REQUEST_TIMEOUT)
+            except PhalanxError:
+                pass
+
+    def close(self) -> None:
+        self._stopping.set()
+        for link in self._links:
+            link.close()
+        if self.opened:
+            self._logs.stop()
+            self._writer.stop()
+
+
+def _by_link(channels: Sequence[Channel]) -> dict[AgentLink, list[int]]:
+    groups: dict[AgentLink, list[int]] = {}
+    for channel in channels:
+        if isinstance(channel, AgentRankChannel):
+            groups.setdefault(channel.link, []).append(channel.rank)
+    return groups
+
+
+def _machine() -> str:
+    from phalanx.agent import machine_id
+
+    return machine_id()

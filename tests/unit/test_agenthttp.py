@@ -1,0 +1,299 @@
+"""The agent's probe and metrics port: AgentMetrics alone, and HealthServer over real sockets
+on 127.0.0.1."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import socket
+import threading
+import time
+
+import pytest
+
+from phalanx.agenthttp import METRICS_CONTENT_TYPE, AgentMetrics, HealthServer
+
+GAUGES = ["ranks_alive", "controllers_connected"]
+COUNTERS = ["controllers_total", "calls_total", "received_bytes_total", "sent_bytes_total",
+            "restarts_total", "auth_failures_total"]
+
+
+@pytest.fixture
+def serve():
+    """Start HealthServers on a free loopback port; each is closed when the test ends."""
+    servers: list[HealthServer] = []
+
+    def make(health=lambda: {}, metrics=None, **kwargs) -> HealthServer:
+        server = HealthServer("127.0.0.1", 0, metrics or AgentMetrics(), health, **kwargs)
+        servers.append(server)
+        server.start()
+        return server
+
+    yield make
+    for server in servers:
+        server.close()
+
+
+def request(server: HealthServer, path: str, method: str = "GET", body: bytes | None = None):
+    host, port = server.address
+    conn = http.client.HTTPConnection(host, port, timeout=5)
+    try:
+        conn.request(method, path, body=body)
+        response = conn.getresponse()
+        return response.status, response.headers, response.read()
+    finally:
+        conn.close()
+
+
+def parse_exposition(text: str) -> dict[str, dict]:
+    """{name: {"help": ..., "type": ..., "value": float}} from Prometheus text."""
+    assert text.endswith("\n")
+    metrics: dict[str, dict] = {}
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            name, help_text = line[len("# HELP "):].split(" ", 1)
+            metrics.setdefault(name, {})["help"] = help_text
+        elif line.startswith("# TYPE "):
+            name, kind = line[len("# TYPE "):].split(" ")
+            metrics.setdefault(name, {})["type"] = kind
+        else:
+            name, value = line.split(" ")
+            assert "value" not in metrics.setdefault(name, {}), f"two samples of {name}"
+            metrics[name]["value"] = float(value)
+    return metrics
+
+
+# -- /health ----------------------------------------------------------------------------
+
+
+def test_health_ok_includes_the_health_fields(serve):
+    server = serve(lambda: {"ranks": 4, "node": "n0"})
+    status, headers, body = request(server, "/health")
+    assert status == 200
+    assert headers["Content-Type"] == "application/json"
+    assert json.loads(body) == {"status": "ok", "ranks": 4, "node": "n0"}
+
+
+def test_health_503_when_health_reports_not_ok(serve):
+    server = serve(lambda: {"ok": False, "reason": "no controller"})
+    status, _, body = request(server, "/health")
+    assert status == 503
+    report = json.loads(body)
+    assert report["status"] == "unhealthy"
+    assert report["reason"] == "no controller"
+
+
+def test_health_503_when_health_raises(serve):
+    def broken() -> dict:
+        raise RuntimeError("supervisor gone")
+
+    status, _, body = request(serve(broken), "/health")
+    assert status == 503
+    report = json.loads(body)
+    assert report["status"] == "unhealthy"
+    assert "RuntimeError: supervisor gone" in report["error"]
+
+
+def test_health_503_when_health_returns_no_dict(serve):
+    status, _, body = request(serve(lambda: None), "/health")
+    assert status == 503
+    assert json.loads(body)["status"] == "unhealthy"
+
+
+def test_health_ignores_query_and_head_has_no_body(serve):
+    server = serve(lambda: {"ranks": 1})
+    assert request(server, "/health?verbose=1")[0] == 200
+    status, headers, body = request(server, "/health", method="HEAD")
+    assert status == 200
+    assert int(headers["Content-Length"]) > 0
+    assert body == b""
+
+
+# -- /metrics ---------------------------------------------------------------------------
+
+
+def test_metrics_lists_every_metric_with_help_type_and_value(serve):
+    metrics = AgentMetrics()
+    metrics.set("ranks_alive", 8)
+    metrics.inc("controllers_connected")
+    for i, name in enumerate(COUNTERS):
+        metrics.inc(name, i + 1)
+    metrics.inc("received_bytes_total", 0.5)
+    status, headers, body = request(serve(metrics=metrics), "/metrics")
+    assert status == 200
+    assert headers["Content-Type"] == METRICS_CONTENT_TYPE
+    parsed = parse_exposition(body.decode())
+    expected = {"ranks_alive": 8, "controllers_connected": 1,
+                **{name: i + 1 for i, name in enumerate(COUNTERS)}}
+    expected["received_bytes_total"] += 0.5
+    assert set(parsed) == {"phalanx_agent_" + name for name in expected}
+    for name, value in expected.items():
+        entry = parsed["phalanx_agent_" + name]
+        assert entry["help"]
+        assert entry["type"] == ("gauge" if name in GAUGES else "counter")
+        assert entry["value"] == value, name
+
+
+def test_no_gauge_shares_a_family_name_with_a_counter():
+    # Parsers name a counter's family without "_total"; a gauge of that name would merge
+    # with it (prometheus_client reads "controllers" and "controllers_total" as one name).
+    families = [name.removesuffix("_total") for name in COUNTERS] + GAUGES
+    assert len(set(families)) == len(families)
+    rendered = parse_exposition(AgentMetrics().render())
+    assert set(rendered) == {"phalanx_agent_" + name for name in GAUGES + COUNTERS}
+
+
+def test_metrics_parse_with_prometheus_client():
+    parser = pytest.importorskip("prometheus_client.parser")
+    metrics = AgentMetrics()
+    metrics.set("ranks_alive", 3)
+    metrics.inc("calls_total", 7)
+    families = {f.name: f for f in parser.text_string_to_metric_families(metrics.render())}
+    assert len(families) == len(GAUGES) + len(COUNTERS)
+    # The parser names a counter's family without its "_total" suffix.
+    assert families["phalanx_agent_ranks_alive"].type == "gauge"
+    assert families["phalanx_agent_ranks_alive"].samples[0].value == 3
+    assert families["phalanx_agent_calls"].type == "counter"
+    assert families["phalanx_agent_calls"].samples[0].value == 7
+
+
+# -- other requests ---------------------------------------------------------------------
+
+
+def test_unknown_path_is_404(serve):
+    server = serve()
+    assert request(server, "/")[0] == 404
+    assert request(server, "/healthz")[0] == 404
+
+
+def test_other_methods_are_405(serve):
+    server = serve()
+    status, headers, _ = request(server, "/health", method="POST", body=b"{}")
+    assert status == 405
+    assert headers["Allow"] == "GET, HEAD"
+    assert request(server, "/metrics", method="DELETE")[0] == 405
+
+
+def test_silent_client_does_not_block_another_request(serve):
+    server = serve(request_timeout=30)
+    silent = socket.create_connection(server.address)
+    try:
+        started = time.monotonic()
+        assert request(server, "/health")[0] == 200
+        assert time.monotonic() - started < 2
+    finally:
+        silent.close()
+
+
+def test_silent_client_is_dropped_after_the_request_timeout(serve):
+    server = serve(request_timeout=0.2)
+    with socket.create_connection(server.address) as silent:
+        silent.settimeout(5)
+        started = time.monotonic()
+        assert silent.recv(1024) == b""  # closed by the server
+        assert time.monotonic() - started < 3
+
+
+def test_oversized_request_line_is_refused(serve):
+    server = serve()
+    with socket.create_connection(server.address) as conn:
+        conn.settimeout(5)
+        conn.sendall(b"GET /" + b"a" * 70_000 + b" HTTP/1.0\r\n\r\n")
+        try:
+            answer = conn.recv(1024)
+        except ConnectionResetError:  # the server closed with our excess unread
+            answer = b""
+        assert answer == b"" or answer.startswith(b"HTTP/1.0 414")
+    assert request(server, "/health")[0] == 200
+
+
+def test_requests_are_not_logged_at_info(serve, caplog):
+    server = serve()
+    with caplog.at_level(logging.DEBUG, logger="phalanx.agenthttp"):
+        request(server, "/health")
+        request(server, "/nowhere")
+    noisy = [r for r in caplog.records if r.levelno >= logging.INFO]
+    assert noisy == []
+    assert any("/health" in r.getMessage() for r in caplog.records)
+
+
+# -- binding and lifecycle --------------------------------------------------------------
+
+
+def test_port_zero_reports_the_chosen_port(serve):
+    server = serve()
+    host, port = server.address
+    assert host == "127.0.0.1"
+    assert port > 0
+
+
+def test_port_in_use_raises_oserror_naming_the_address(serve):
+    taken = serve()
+    host, port = taken.address
+    with pytest.raises(OSError, match=f"{host}:{port}.*in use"):
+        HealthServer(host, port, AgentMetrics(), dict)
+
+
+def test_close_is_idempotent_and_needs_no_start():
+    unstarted = HealthServer("127.0.0.1", 0, AgentMetrics(), dict)
+    unstarted.close()
+    unstarted.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        unstarted.start()
+
+    server = HealthServer("127.0.0.1", 0, AgentMetrics(), dict)
+    server.start()
+    address = server.address
+    server.close()
+    server.close()
+    with pytest.raises(OSError):
+        socket.create_connection(address, timeout=1).close()
+
+
+# -- AgentMetrics -----------------------------------------------------------------------
+
+
+def test_unknown_metric_name_raises_keyerror_listing_the_names():
+    metrics = AgentMetrics()
+    for call in (lambda: metrics.inc("calls"), lambda: metrics.set("calls", 1),
+                 lambda: metrics.value("calls")):
+        with pytest.raises(KeyError, match="calls_total"):
+            call()
+
+
+def test_set_on_a_counter_raises_valueerror():
+    metrics = AgentMetrics()
+    with pytest.raises(ValueError, match="counter"):
+        metrics.set("calls_total", 3)
+    metrics.set("ranks_alive", 3)
+    assert metrics.value("ranks_alive") == 3
+
+
+def test_counters_only_go_up_gauges_both_ways():
+    metrics = AgentMetrics()
+    with pytest.raises(ValueError, match="cannot go down"):
+        metrics.inc("restarts_total", -1)
+    metrics.inc("controllers_connected", 2)
+    metrics.inc("controllers_connected", -1)
+    assert metrics.value("controllers_connected") == 1
+
+
+def test_concurrent_inc_adds_up_exactly():
+    metrics = AgentMetrics()
+    threads_n, per_thread = 8, 5_000
+    barrier = threading.Barrier(threads_n)
+
+    def work() -> None:
+        barrier.wait()
+        for _ in range(per_thread):
+            metrics.inc("calls_total")
+            metrics.inc("sent_bytes_total", 3)
+
+    threads = [threading.Thread(target=work) for _ in range(threads_n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert metrics.value("calls_total") == threads_n * per_thread
+    assert metrics.value("sent_bytes_total") == 3 * threads_n * per_thread
