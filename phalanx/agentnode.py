@@ -123,6 +123,7 @@ class Session:
             frames = self._conn.reader.recv_frames(block=False)
         except wire.ConnectionLost as exc:
             self.reason = self.reason or f"the controller's connection ended ({exc})"
+            self._closing = True
             return False
         for segs in frames:
             self._count("received_bytes_total", sum(memoryview(s).nbytes for s in segs))

@@ -13,17 +13,35 @@ from tests import helpers
 
 # Adding a backend to the contract and fault suites is adding its name here (and, if it
 # needs a cluster, starting it in the backend fixture below).
-BACKENDS = ["local", "ray"]
+BACKENDS = ["local", "ray", "cluster"]
 
 _REAP_GRACE = 3.0  # seconds for processes that are already exiting to be reaped
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
-def backend(request) -> str:
+def backend(request):
+    """The backend's name, or for the cluster backend a configured ``ClusterBackend``."""
     if request.param == "ray":
         pytest.importorskip("ray", reason="the ray backend needs ray (pip install 'phalanx[ray]')")
         request.getfixturevalue("ray_cluster")
+    if request.param == "cluster":
+        return request.getfixturevalue("agent_cluster").backend()
     return request.param
+
+
+@pytest.fixture(scope="session")
+def agent_cluster():
+    """Three ``phalanx agent`` daemons on 127.0.0.2-4, for every test of the cluster
+    backend; each test module checks that it left nothing running under them."""
+    from tests import agentcluster
+
+    agents = agentcluster.start()
+    helpers.CLUSTER_ROOTS.update(proc.pid for proc in agents.procs)
+    try:
+        yield agents
+    finally:
+        helpers.CLUSTER_ROOTS.difference_update(proc.pid for proc in agents.procs)
+        agentcluster.stop(agents)
 
 
 @pytest.fixture(scope="session")
@@ -45,7 +63,8 @@ def ranks(backend):
     own signal path (the backend's channel), never ``os.kill`` on a pid that may live on
     another machine. ``reports_signal``: whether the backend learns the signal a rank died
     of (a local child's exit status does; Ray reports a death, not its signal)."""
-    return helpers.RankControl(reports_signal=backend == "local")
+    return helpers.RankControl(reports_signal=getattr(backend, "name", backend) in
+                               ("local", "cluster"))
 
 
 @pytest.fixture
@@ -103,6 +122,13 @@ def no_leftover_processes_per_module(request):
     on Ray, actors or placement groups)."""
     yield
     _check_no_leftovers(f"module {request.module.__name__}")
+    from tests import agentcluster
+
+    if agentcluster.running is not None:
+        left = agentcluster.leftovers(agentcluster.running)
+        if left:
+            pytest.fail(f"module {request.module.__name__} left under the agents: {left}",
+                        pytrace=False)
     if _ray_running():  # only the ray_cluster fixture connects this process to Ray
         from tests import raycluster
 

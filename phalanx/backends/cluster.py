@@ -343,6 +343,19 @@ class ClusterBackend(Backend):
         self._incarnations = itertools.count(1)
         self._stopping = threading.Event()
 
+    def __repr__(self) -> str:
+        parts = [repr(self.hosts)]
+        if self.token is not None:
+            parts.append("token=<hidden>")
+        elif self.token_file is not None:
+            parts.append(f"token_file={self.token_file!r}")
+        if self.quorum is not None:
+            parts.append(f"quorum={self.quorum}")
+        return f"px.ClusterBackend({', '.join(parts)})"
+
+    def __str__(self) -> str:
+        return self.name
+
     def settings(self) -> dict[str, Any]:
         return {"hosts": list(self.hosts), "token": self.token, "token_file": self.token_file,
                 "quorum": self.quorum, "quorum_timeout": self.quorum_timeout,
