@@ -10,6 +10,7 @@ from functools import partial
 
 import numpy as np
 
+from bench.cluster import w9_cluster
 from bench.contenders import RAY_NAMES, Contender
 from bench.launcher import w8_launcher
 from bench.sharded import w7_sharded
@@ -291,4 +292,5 @@ WORKLOADS: dict[str, Callable[[Sequence[Contender], Plan, Errors], list[Row]]] =
     "W6": w6_leftovers,
     "W7": w7_sharded,
     "W8": w8_launcher,
+    "W9": w9_cluster,
 }

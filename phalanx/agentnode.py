@@ -71,6 +71,7 @@ class Session:
         self._lock = threading.Lock()
         self._launched: list[tuple[int, _Rank]] = []  # from request threads, to register
         self._closing = False
+        self._outbox: list[Any] | None = None
         self.ended = threading.Event()
         self.reason = ""
 
@@ -96,6 +97,7 @@ class Session:
                 wait = min(next_ping, *(r.exit_by for r in self._ranks.values()
                                         if r.exitcode is not None), heard +
                            self._heartbeat_timeout) - now
+                self._outbox = []  # what this pass sends the controller: one write
                 for fd, _ in self._poller.poll(max(0, int(wait * 1000)) + 1):
                     what, rank = self._by_fd.get(fd, ("gone", None))
                     if what == "controller":
@@ -112,6 +114,7 @@ class Session:
                         self._died(rank)  # type: ignore[arg-type]
                 self._register_launched()
                 self._report_deaths()
+                self._flush()
         except Exception:  # a bug must not leave the controller's ranks running
             logger.exception("an agent session failed")
             self.reason = self.reason or "the agent's session failed"
@@ -133,18 +136,16 @@ class Session:
                 continue
             if kind in (protocol.CALL, protocol.CALL_STREAM):
                 self._count("calls_total", len(ranks))
+            # a rank reads a call or a shutdown for several ranks as its own: same bytes
+            shared = len(ranks) == 1 or kind in (protocol.CALL, protocol.CALL_STREAM,
+                                                 protocol.SHUTDOWN)
+            same = wire.frame(list(segs)) if shared else None
             for rank in ranks:
                 target = self._ranks.get(rank)
                 if target is None or target.exitcode is not None:
                     continue  # its EXITED is on its way
-                if len(ranks) == 1:
-                    frame = wire.frame(list(segs))
-                elif kind in (protocol.CALL, protocol.CALL_STREAM):
-                    frame = protocol.call_frame(call_id, rank, extra[0], list(segs[1:]),
-                                                stream=kind == protocol.CALL_STREAM)
-                else:
-                    frame = wire.frame([protocol.header(kind, call_id, rank, *extra),
-                                        *segs[1:]])
+                frame = same if same is not None else wire.frame(
+                    [protocol.header(kind, call_id, rank, *extra), *segs[1:]])
                 try:
                     target.conn.send(frame)
                 except wire.ConnectionLost:
@@ -158,7 +159,21 @@ class Session:
             self._unwatch(rank.conn.read_fd)
             return
         for segs in frames:
-            self._send(wire.frame(list(segs)))
+            self._queue(wire.frame(list(segs)))
+
+    def _queue(self, frame: list[Any]) -> None:
+        """Send ``frame`` with the rest of this pass (relay thread only)."""
+        if self._outbox is None:
+            self._send(frame)
+        else:
+            self._outbox.extend(frame)
+
+    def _flush(self) -> None:
+        outbox, self._outbox = self._outbox, None
+        if outbox:
+            if all(type(s) is bytes for s in outbox):
+                outbox = [b"".join(outbox)]
+            self._send(outbox)
 
     def _output(self, fd: int, rank: _Rank) -> None:
         try:
@@ -167,12 +182,12 @@ class Session:
             data = b""
         stream = rank.outputs.get(fd, agentwire.STDOUT)
         if data:
-            self._send(agentwire.output(rank.rank, stream, data))
+            self._queue(agentwire.output(rank.rank, stream, data))
             return
         self._unwatch(fd)
         os.close(fd)
         rank.outputs.pop(fd, None)
-        self._send(agentwire.output_end(rank.rank, stream))
+        self._queue(agentwire.output_end(rank.rank, stream))
 
     def _died(self, rank: _Rank) -> None:
         code = rank.proc.exitcode(0)
@@ -196,7 +211,7 @@ class Session:
             self._forget(rank)
             failure = {"rank": rank.rank, "node": rank.node, "pid": rank.proc.pid,
                        "exitcode": rank.exitcode, "stderr_tail": (), "reason": None}
-            self._send(agentwire.exited(rank.rank, rank.incarnation, failure))
+            self._queue(agentwire.exited(rank.rank, rank.incarnation, failure))
             self._count("ranks_alive", -1)
 
     # -- requests ---------------------------------------------------------------------

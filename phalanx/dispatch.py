@@ -115,10 +115,19 @@ class Dispatcher:
                 pass
 
     def post(self, channel: Channel, events: list[list[Any]]) -> None:
+        self.post_all([(channel, events)])
+
+    def deliver(self, channel: Channel, events: list[list[Any]]) -> None:
+        """From inside a channel's ``receive()`` (the pumping thread): handle events of
+        another channel now (a node's link reads for each of its ranks' channels)."""
+        self._on_events(channel, events)
+
+    def post_all(self, batches: list[tuple[Channel, list[list[Any]]]]) -> None:
+        """Deliver the events of several channels with one wake-up (a node's link)."""
         with self._posted_lock:
             if self._released:
                 return
-            self._posted.append((channel, events))
+            self._posted.extend(batches)
         self._wakeup.wake()
         if self._followers:  # no leader may be polling: let a follower take the lead
             with self._cond:
@@ -245,7 +254,8 @@ class Dispatcher:
                     self._cond.notify_all()
 
     def _pump(self, timeout: float | None) -> None:
-        if self._released:
+        if self._released:  # nothing left to read: a waiter is answered by another thread
+            time.sleep(0.01 if timeout is None else min(timeout, 0.01))
             return
         if self._posted:
             self._take_posted()

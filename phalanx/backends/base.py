@@ -32,7 +32,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from phalanx.errors import ProcessFailure
@@ -55,6 +55,17 @@ class EventSink(Protocol):
 
     def post(self, channel: Channel, events: list[list[Any]]) -> None:
         """Deliver events from another thread (a watcher's EXITED)."""
+
+    def post_all(self, batches: list[tuple[Channel, list[list[Any]]]]) -> None:
+        """:meth:`post` for several channels at once (one wake-up)."""
+
+    def deliver(self, channel: Channel, events: list[list[Any]]) -> None:
+        """Only from inside a watched channel's ``receive()``: handle another channel's
+        events now (a connection shared by several channels)."""
+
+    def wait(self, is_done: Callable[[], bool], timeout: float | None) -> bool:
+        """Wait until ``is_done()`` (or ``timeout``), receiving meanwhile: how a thread waits
+        for an answer that arrives on a watched descriptor. Never from ``receive()``."""
 
 
 @dataclasses.dataclass(frozen=True)

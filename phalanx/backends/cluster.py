@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import select
 import socket
 import threading
 import time
@@ -77,12 +78,16 @@ class AgentRankChannel(Channel):
     # -- from the link's reader thread ------------------------------------------------
 
     def deliver(self, events: list[list[Any]]) -> None:
+        sink = self.sink_for(events)
+        if sink is not None:
+            sink.post(self, events)
+
+    def sink_for(self, events: list[list[Any]]) -> EventSink | None:
+        """The sink to post ``events`` to; None if they were kept until :meth:`attach`."""
         with self._lock:
             if self._sink is None:
                 self._early.extend(events)
-                return
-            sink = self._sink
-        sink.post(self, events)
+            return self._sink
 
     def output(self, stream: int, data: bytes | None) -> None:
         """Bytes the rank wrote (None: that stream ended), into the local output pump."""
@@ -124,6 +129,7 @@ class AgentRankChannel(Channel):
     # -- the group's side -------------------------------------------------------------
 
     def attach(self, sink: EventSink) -> None:
+        self.link.watch_with(sink)
         with self._lock:
             self._sink = sink
             early, self._early = self._early, []
@@ -159,12 +165,21 @@ class AgentRankChannel(Channel):
         self.link.forget(self)
 
 
-class AgentLink:
-    """The connection to one node's agent: requests, and the node's ranks' events."""
+class AgentLink(Channel):
+    """The connection to one node's agent: requests, and the node's ranks' events.
+
+    Until the group attaches the first of its ranks, a thread of the link reads it (the
+    answers to the first requests); from then on the group's dispatcher watches its socket
+    like any channel's and the link hands each rank's events to that rank's channel, with
+    no thread in between. A request then waits through the dispatcher (``sink.wait``).
+    """
+
+    ranks: tuple[int, ...] = ()
 
     def __init__(self, index: int, host: str, port: int, sock: socket.socket,
                  welcome: dict[str, Any], writer: wire.BacklogWriter, max_frame: int) -> None:
         self.index, self.host, self.port = index, host, port
+        self.node = index
         self.welcome = welcome
         self.where = f"node {index} (agent at {host}:{port})"
         self._conn = wire.Connection(streams.SocketStream(sock), writer)
@@ -175,6 +190,9 @@ class AgentLink:
         self._channels: dict[int, AgentRankChannel] = {}  # rank -> its current channel
         self.lost_reason: str | None = None
         self.heard = time.monotonic()
+        self._sink: EventSink | None = None  # once the dispatcher watches the socket
+        self._handing_over = False
+        self._wake = streams.WakePipe()
         self._reader = threading.Thread(target=self._read, name=f"phalanx-agent-{index}",
                                         daemon=True)
         self._reader.start()
@@ -196,8 +214,12 @@ class AgentLink:
             if self.lost_reason is not None:
                 raise PhalanxError(f"lost {self.where}: {self.lost_reason}")
             self._replies[request_id] = waiter
+            sink = self._sink
         self.send(agentwire.request(kind, request_id, *fields, payload=payload))
-        if not waiter[0].wait(timeout):
+        answered = waiter[0].is_set
+        done = (sink.wait(answered, timeout) or answered()) if sink is not None else (
+            waiter[0].wait(timeout))
+        if not done:
             with self._lock:
                 self._replies.pop(request_id, None)
             raise PhalanxError(f"{self.where} did not answer within {timeout:g} s")
@@ -205,24 +227,68 @@ class AgentLink:
             raise PhalanxError(f"{self.where}: {waiter[2]}")
         return waiter[2]
 
-    # -- receiving (its own thread) ---------------------------------------------------
+    # -- receiving --------------------------------------------------------------------
 
     def _read(self) -> None:
+        """The reading thread, until the dispatcher takes the socket over."""
+        poller = select.poll()
+        poller.register(self._conn.read_fd, select.POLLIN)
+        poller.register(self._wake.fd, select.POLLIN)
         reader = self._conn.reader
         try:
-            while True:
-                frames = reader.recv_frames(block=True)
+            while not self._handing_over:
+                ready = [fd for fd, _ in poller.poll()]
+                if self._handing_over:
+                    return
+                if self._conn.read_fd not in ready:
+                    self._wake.drain()
+                    continue
+                frames = reader.recv_frames(block=False)
                 self.heard = time.monotonic()
-                self._route(frames)
+                self._route(frames, None)
         except wire.FrameTooLarge as exc:
             self.lose(f"it sent {exc}")
         except wire.ConnectionLost as exc:
             self.lose(f"its connection ended ({exc})")
-        except Exception as exc:
+        except Exception as exc:  # a bug: the node is unusable, say so
             logger.exception("reading from %s failed", self.where)
             self.lose(f"reading from it failed: {type(exc).__name__}: {exc}")
 
-    def _route(self, frames: list[list[Any]]) -> None:
+    def watch_with(self, sink: EventSink) -> None:
+        """Hand the socket to ``sink`` (the group's dispatcher): it reads from now on."""
+        with self._lock:
+            if self._sink is not None or self.lost_reason is not None:
+                return
+            self._handing_over = True
+        self._wake.wake()
+        self._reader.join()
+        with self._lock:
+            if self.lost_reason is not None:
+                return
+            self._sink = sink
+        sink.watch(self._conn.read_fd, self)
+
+    def attach(self, sink: EventSink) -> None:
+        self.watch_with(sink)
+
+    def receive(self, fd: int) -> list[list[Any]]:
+        """The dispatcher's read (its thread): each rank's events go to its channel."""
+        try:
+            frames = self._conn.reader.recv_frames(block=False)
+        except wire.FrameTooLarge as exc:
+            self.lose(f"it sent {exc}")
+            return []
+        except wire.ConnectionLost as exc:
+            self.lose(f"its connection ended ({exc})")
+            return []
+        if frames:
+            self.heard = time.monotonic()
+            self._route(frames, self._sink)
+        return []
+
+    def _route(self, frames: list[list[Any]], pumping: EventSink | None) -> None:
+        """Sort a read: answers, output and deaths here; rank events to their channels,
+        delivered at once when ``pumping`` (the dispatcher's own thread), else posted."""
         batches: dict[AgentRankChannel, list[list[Any]]] = {}
         for segs in frames:
             kind, call_id, rank = protocol.unpack_head(segs[0])
@@ -249,8 +315,17 @@ class AgentLink:
                 channel = self._channels.get(rank)
                 if channel is not None:
                     batches.setdefault(channel, []).append(segs)
+        posts: dict[Any, list[tuple[Channel, list[list[Any]]]]] = {}
         for channel, events in batches.items():
-            channel.deliver(events)
+            sink = channel.sink_for(events)
+            if sink is None:
+                continue
+            if sink is pumping:
+                sink.deliver(channel, events)
+            else:
+                posts.setdefault(sink, []).append((channel, events))
+        for sink, items in posts.items():  # one wake-up for the whole read
+            sink.post_all(items)
 
     def _answer(self, request_id: int, ok: bool, value: Any) -> None:
         with self._lock:
@@ -281,20 +356,38 @@ class AgentLink:
             self.lost_reason = reason
             waiters, self._replies = list(self._replies.values()), {}
             channels = list(self._channels.values())
+            sink = self._sink
         logger.warning("lost %s: %s", self.where, reason)
         for waiter in waiters:
             waiter[1], waiter[2] = False, f"lost it: {reason}"
             waiter[0].set()
         for channel in channels:
             channel.exited(None, f"lost {self.where}: {reason}")
+        if sink is not None:
+            sink.unwatch(self._conn.read_fd)
         self._conn.close()
+
+    # -- the Channel interface a link needs no part of ----------------------------------
+
+    def signal(self, rank: int, sig: int) -> None:  # pragma: no cover - links have no rank
+        raise NotImplementedError
+
+    def exit_record(self, rank: int) -> ProcessFailure:  # pragma: no cover
+        raise NotImplementedError
 
     def close(self) -> None:
         """End the connection: the agent stops whatever of ours still runs there."""
         with self._lock:
             self.lost_reason = self.lost_reason or "the group closed it"
+            sink, self._sink = self._sink, None
+            self._handing_over = True
+        if sink is not None:
+            sink.unwatch(self._conn.read_fd)
+        self._wake.wake()
         self._conn.close()
-        self._reader.join(5.0)
+        if self._reader.is_alive() and self._reader is not threading.current_thread():
+            self._reader.join(5.0)
+        self._wake.close()
 
 
 class ClusterBackend(Backend):
