@@ -95,6 +95,20 @@ def _procs(value: str) -> int | str:
     return _number(value, int, 1, "a positive integer, 'auto', 'cpu' or 'gpu'")
 
 
+def _hosts(value: str) -> tuple[str, ...]:
+    from phalanx.backends.cluster import parse_host
+
+    entries = tuple(entry.strip() for entry in value.split(",") if entry.strip())
+    try:
+        for entry in entries:
+            parse_host(entry)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not entries:
+        raise argparse.ArgumentTypeError("expected host:port,... (one agent per node)")
+    return entries
+
+
 def _positive(value: str) -> int:
     return _number(value, int, 1, "a positive integer")
 
@@ -128,16 +142,22 @@ def build_parser() -> argparse.ArgumentParser:
                      help="worker processes per node, or as torchrun: 'cpu' (one per core), "
                           "'gpu' (one per GPU), 'auto' (one per GPU, else one per core) "
                           "(default: 1)")
-    run.add_argument("--backend", choices=("local", "ray"), default="local",
-                     help="where the ranks run: local processes (default), or the actors of "
-                          "a Ray cluster, driven from this terminal")
+    run.add_argument("--backend", choices=("local", "ray", "cluster"), default=None,
+                     help="where the ranks run: local processes (default), the actors of a "
+                          "Ray cluster, or the nodes of phalanx agents (--hosts), driven "
+                          "from this terminal")
+    run.add_argument("--hosts", type=_hosts, metavar="H:P,...",
+                     help="the phalanx agents to run on, one node each (the cluster "
+                          "backend); --token-file or $PHALANX_TOKEN holds their token")
+    run.add_argument("--token-file", metavar="FILE",
+                     help="with --hosts: the agents' shared token (default: $PHALANX_TOKEN)")
     run.add_argument("--address", metavar="ADDR",
                      help="with --backend ray: the cluster to join ('auto', 'host:port', "
                           "'ray://...'; default: RAY_ADDRESS, else a local Ray)")
-    run.add_argument("--nodes", type=_positive, default=1, metavar="K",
-                     help="nodes: simulated on this machine with distinct NODE_RANKs, or "
-                          "distinct Ray nodes with --backend ray (default: 1); world size = "
-                          "K x N")
+    run.add_argument("--nodes", type=_positive, default=None, metavar="K",
+                     help="nodes: simulated on this machine with distinct NODE_RANKs, "
+                          "distinct Ray nodes with --backend ray, or the first K agents of "
+                          "--hosts (default: 1, or every host); world size = K x N")
     frameworks = sorted(name for name in FRAMEWORKS if name is not None)
     run.add_argument("--framework", choices=frameworks, default="spmd",
                      help="environment to set up on every rank (default: spmd, the generic "
@@ -305,8 +325,15 @@ def _run(parser: argparse.ArgumentParser, options: argparse.Namespace) -> int:
     from phalanx.placement import visible_gpus
 
     no_python = options.no_python and not options.run_path  # --run-path wins, as in torchrun
+    backend = options.backend or ("cluster" if options.hosts else "local")
+    nodes = options.nodes or (len(options.hosts) if options.hosts else 1)
     problem = (_check_target(options.target, options.module, no_python)
-               or (None if options.address is None or options.backend == "ray" else
+               or (None if (backend == "cluster") == bool(options.hosts) else
+                   "--hosts names phalanx agents: use it with --backend cluster (or alone)"
+                   if options.hosts else "--backend cluster needs --hosts H:P,...")
+               or (None if options.token_file is None or options.hosts else
+                   "--token-file is the agents' token: use it with --hosts")
+               or (None if options.address is None or backend == "ray" else
                    "--address names a Ray cluster: use it with --backend ray")
                or (None if options.rdzv_backend in runflags.RDZV_BACKENDS else
                    f"--rdzv-backend {options.rdzv_backend!r} is not supported: use "
@@ -329,7 +356,7 @@ def _run(parser: argparse.ArgumentParser, options: argparse.Namespace) -> int:
         target=options.target,
         args=tuple(options.args),
         is_module=options.module,
-        nodes=options.nodes,
+        nodes=nodes,
         procs_per_node=procs,
         framework=options.framework,
         gpus_per_worker=options.gpus_per_worker,
@@ -345,8 +372,10 @@ def _run(parser: argparse.ArgumentParser, options: argparse.Namespace) -> int:
         no_python=no_python,
         master_addr=options.master_addr,
         master_port=options.master_port,
-        backend=options.backend,
+        backend=backend,
         address=options.address,
+        hosts=options.hosts,
+        token_file=options.token_file,
         exit_code=options.exit_code,
         job=job,
     )

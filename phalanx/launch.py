@@ -137,6 +137,8 @@ class RunOptions:
     backend: str = "local"  # or "ray": every rank of a Ray cluster, from this terminal
     address: str | None = None  # the Ray cluster's (None: RAY_ADDRESS, or a local Ray)
     exit_code: str = "torchrun"  # or "rank": exit with the failing rank's own status
+    hosts: tuple[str, ...] | None = None  # the cluster backend's agents
+    token_file: str | None = None  # their token (None: $PHALANX_TOKEN)
     job: Any = None  # a multinode.JobOptions: one launcher per node (None: this one only)
 
 
@@ -255,6 +257,10 @@ def _backend(options: RunOptions) -> Any:
         from phalanx.backends.ray import RayBackend
 
         return RayBackend(address=options.address)
+    if options.backend == "cluster":
+        from phalanx.backends.cluster import ClusterBackend
+
+        return ClusterBackend(list(options.hosts or ()), token_file=options.token_file)
     from phalanx.backends.local import LocalBackend
 
     return LocalBackend()

@@ -219,10 +219,10 @@ def _port(text: str, whole: str) -> int:
 def several_nodes_problem(options: argparse.Namespace, nnodes: tuple[int, int]) -> str | None:
     """Why one launcher per node cannot run with these options; None if it can."""
     low, high = nnodes
-    if options.backend != "local":
-        return ("--nnodes: with --backend ray one launcher drives every node; use --nodes K "
-                "instead")
-    if options.nodes != 1:
+    if (options.backend or "local") != "local" or options.hosts:
+        return ("--nnodes: with --backend ray or --hosts one launcher drives every node; use "
+                "--nodes K instead")
+    if options.nodes not in (None, 1):
         return "--nnodes runs one launcher per node; --nodes (several in one launcher) must be 1"
     if options.standalone:
         return "--standalone is for one node; drop it with --nnodes > 1"
