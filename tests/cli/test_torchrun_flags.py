@@ -103,7 +103,7 @@ def test_the_local_ranks_filter_shows_only_those_ranks(show):
      (["--nnodes", "2", "--node-rank", "2"], "--node-rank 2 is outside 0..1 (--nnodes 2)"),
      (["--nnodes", "2", "--rdzv-backend", "c10d"], "c10d with several nodes needs "
                                                     "--rdzv-endpoint HOST:PORT"),
-     (["--nnodes", "2", "--backend", "ray"], "with --backend ray one launcher drives every"),
+     (["--nnodes", "2", "--backend", "ray"], "with --backend ray or --hosts one launcher"),
      (["--nnodes", "2", "--nodes", "2"], "--nodes (several in one launcher) must be 1"),
      (["--nnodes", "2", "--standalone"], "--standalone is for one node"),
      (["--nnodes", "2", "--framework", "jax"], "--framework jax needs one controller"),
