@@ -32,6 +32,11 @@ ROLE_STDOUT = 1
 ROLE_STDERR = 2
 
 
+class HandshakeIncomplete(AuthenticationError):
+    """The handshake did not finish (a timeout, a reset): nothing was proved either way, so
+    a caller may try again, unlike after a wrong proof."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Hello:
     """Who a connecting peer says it is (trusted only once :func:`accept` returns)."""
@@ -50,16 +55,16 @@ def _read(sock: socket.socket, size: int, deadline: float) -> bytes:
     while len(data) < size:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise AuthenticationError("the peer did not complete the handshake in time")
+            raise HandshakeIncomplete("the peer did not complete the handshake in time")
         sock.settimeout(remaining)
         try:
             chunk = sock.recv(size - len(data))
         except TimeoutError:
             continue
         except OSError as exc:
-            raise AuthenticationError(f"connection failed during the handshake: {exc}") from exc
+            raise HandshakeIncomplete(f"connection failed during the handshake: {exc}") from exc
         if not chunk:
-            raise AuthenticationError("the peer closed the connection during the handshake")
+            raise HandshakeIncomplete("the peer closed the connection during the handshake")
         data += chunk
     return bytes(data)
 

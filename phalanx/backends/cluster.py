@@ -415,15 +415,21 @@ class ClusterBackend(Backend):
             raise ValueError(f"hosts lists an agent twice: {self.hosts}")
         if token is not None and token_file is not None:
             raise ValueError("give token or token_file, not both")
-        from phalanx.agent import read_token
+        from phalanx.agent import MIN_TOKEN, TOKEN_ENV, read_token
 
         self.token = token
         self.token_file = token_file
         if token is not None:
-            secret = token.encode() if isinstance(token, str) else bytes(token)
-            self._secret = read_token(None, {"PHALANX_TOKEN": secret.decode("latin-1")})
-        else:
+            secret = (token.encode() if isinstance(token, str) else bytes(token)).strip()
+            if len(secret) < MIN_TOKEN:
+                raise ValueError(f"token= holds {len(secret)} bytes; the agents' token has "
+                                 f"at least {MIN_TOKEN}")
+            self._secret = secret
+        elif token_file is not None or os.environ.get(TOKEN_ENV):
             self._secret = read_token(token_file)
+        else:
+            raise ValueError(f"ClusterBackend needs the agents' token: token=..., "
+                             f"token_file=... or ${TOKEN_ENV}")
         if quorum is not None and not (isinstance(quorum, int) and 1 <= quorum <= len(hosts)):
             raise ValueError(f"quorum must be an integer in 1..{len(hosts)}, got {quorum!r}")
         self.quorum = quorum
@@ -536,8 +542,12 @@ class ClusterBackend(Backend):
         timeout = max(0.1, min(config.CONNECT_TIMEOUT, deadline - time.monotonic()))
         sock = socket.create_connection((host, port), timeout=timeout)
         try:
-            handshake.connect(sock, self._secret, handshake.Hello(handshake.ROLE_CONTROL, 0, 0),
-                              timeout, peer=f"the agent at {host}:{port}")
+            try:
+                handshake.connect(sock, self._secret,
+                                  handshake.Hello(handshake.ROLE_CONTROL, 0, 0), timeout,
+                                  peer=f"the agent at {host}:{port}")
+            except handshake.HandshakeIncomplete as exc:  # a frozen or restarting agent
+                raise OSError(f"the agent at {host}:{port}: {exc}") from None
             sock.settimeout(timeout)
             reader = wire.FrameReader(streams.SocketStream(sock))
             reader.limit = 1 << 20
