@@ -25,6 +25,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import stat
 import threading
 from pathlib import Path
@@ -88,8 +89,9 @@ class Agent:
     def __init__(self, host: str, port: int, token: bytes, *,
                  heartbeat_timeout: float = config.DEFAULT_HEARTBEAT_TIMEOUT,
                  max_frame: int = 1 << 30, handshake_timeout: float = 5.0,
-                 metrics: Any = None) -> None:
+                 metrics: Any = None, tls: ssl.SSLContext | None = None) -> None:
         self._token = token
+        self._tls = tls
         self._heartbeat_timeout = heartbeat_timeout
         self._max_frame = max_frame
         self._handshake_timeout = handshake_timeout
@@ -126,8 +128,11 @@ class Agent:
 
     def _serve(self, sock: socket.socket, peer: tuple) -> None:
         try:
+            if self._tls is not None:  # TLS first; the token is then proved inside it
+                sock.settimeout(self._handshake_timeout)
+                sock = self._tls.wrap_socket(sock, server_side=True)
             handshake.accept(sock, self._token, self._handshake_timeout)
-        except AuthenticationError as exc:
+        except (AuthenticationError, ssl.SSLError) as exc:
             self._count("auth_failures_total", 1)
             logger.warning("refused %s:%s: %s", peer[0], peer[1], exc)
             sock.close()
@@ -177,8 +182,18 @@ class Agent:
             session.ended.wait(timeout)
 
 
+def tls_context(cert: str, key: str) -> ssl.SSLContext:
+    """The agent's TLS: its certificate chain and key (ValueError if they cannot be used)."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"cannot use --tls-cert {cert} / --tls-key {key}: {exc}") from None
+    return context
+
+
 def run(host: str, port: int, token: bytes, *, http_port: int | None,
-        heartbeat_timeout: float, max_frame: int) -> int:
+        heartbeat_timeout: float, max_frame: int, tls: ssl.SSLContext | None = None) -> int:
     """``phalanx agent``: serve until SIGINT or SIGTERM; the exit status."""
     metrics = server = None
     try:
@@ -186,7 +201,7 @@ def run(host: str, port: int, token: bytes, *, http_port: int | None,
 
         metrics = AgentMetrics()
         agent = Agent(host, port, token, heartbeat_timeout=heartbeat_timeout,
-                      max_frame=max_frame, metrics=metrics)
+                      max_frame=max_frame, metrics=metrics, tls=tls)
         if http_port is not None:
             server = HealthServer(host, http_port, metrics, agent.health)
     except OSError as exc:

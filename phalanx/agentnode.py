@@ -58,7 +58,7 @@ class Session:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.address = sock.getsockname()[0]  # where the controller reached this node
         self._writer = wire.BacklogWriter("phalanx-agent-writer")
-        self._conn = wire.Connection(streams.SocketStream(sock), self._writer)
+        self._conn = wire.Connection(streams.socket_stream(sock), self._writer)
         self._conn.reader.limit = max_frame
         self._heartbeat_timeout = heartbeat_timeout
         self._count = counters

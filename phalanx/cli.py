@@ -251,6 +251,9 @@ def _add_agent(commands: argparse._SubParsersAction) -> None:
                        help="a controller silent this long is gone (default: 30)")
     agent.add_argument("--max-frame-mib", type=_positive, default=1024, metavar="MIB",
                        help="refuse frames larger than this from a controller (default: 1024)")
+    agent.add_argument("--tls-cert", metavar="PEM",
+                       help="serve over TLS with this certificate chain (and --tls-key)")
+    agent.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
     agent.add_argument("-v", "--verbose", action="store_true", help="log every connection")
 
 
@@ -267,6 +270,10 @@ def _agent(options: argparse.Namespace) -> int:
     logging.getLogger("phalanx").setLevel(logging.INFO if options.verbose else logging.WARNING)
     try:
         token = agent.read_token(options.token_file)
+        if (options.tls_cert is None) != (options.tls_key is None):
+            raise ValueError("TLS needs both --tls-cert and --tls-key")
+        tls = (None if options.tls_cert is None else
+               agent.tls_context(options.tls_cert, options.tls_key))
     except ValueError as exc:
         print(f"phalanx agent: {exc}", file=sys.stderr)
         return USAGE_ERROR
@@ -274,7 +281,7 @@ def _agent(options: argparse.Namespace) -> int:
         options.http_port if options.http_port is not None else options.port + 1)
     return agent.run(options.host, options.port, token, http_port=http_port,
                      heartbeat_timeout=options.heartbeat_timeout,
-                     max_frame=options.max_frame_mib << 20)
+                     max_frame=options.max_frame_mib << 20, tls=tls)
 
 
 def _check_target(target: str, is_module: bool, no_python: bool = False) -> str | None:

@@ -66,6 +66,58 @@ class SocketStream(Stream):
         close_socket(self.sock)
 
 
+class TLSStream(Stream):
+    """A TLS connection (``ssl.SSLSocket``, non-blocking underneath). One OpenSSL object
+    must not be driven by two threads at once, so every read and write holds a lock; a
+    blocking read waits for the socket outside it. Writes copy their segments into one
+    buffer (TLS encrypts a copy anyway)."""
+
+    def __init__(self, sock: Any) -> None:
+        import ssl
+        import threading
+
+        self.sock = sock
+        self.read_fd = self.write_fd = sock.fileno()
+        self.hangup_events = getattr(select, "POLLRDHUP", 0)
+        self._lock = threading.Lock()
+        self._want = (ssl.SSLWantReadError, ssl.SSLWantWriteError)
+        self.timeout: float | None = None  # how long a blocking read may wait
+        sock.setblocking(False)
+
+    def pending(self) -> int:
+        """Bytes decrypted already, which no poll() on the socket would announce."""
+        return self.sock.pending()
+
+    def read_into(self, buf: Any, nbytes: int, block: bool) -> int:
+        while True:
+            with self._lock:
+                try:
+                    return self.sock.recv_into(buf, nbytes)
+                except self._want:
+                    if not block:
+                        raise BlockingIOError from None
+            if not select.select([self.read_fd], [], [], self.timeout)[0]:
+                raise TimeoutError("timed out waiting for the peer")
+
+    def write_nowait(self, segments: list[Any]) -> int:
+        data = segments[0] if len(segments) == 1 else b"".join(segments[:MAX_SEGMENTS])
+        with self._lock:
+            try:
+                return self.sock.send(data)
+            except self._want:
+                raise BlockingIOError from None
+
+    def close(self) -> None:
+        close_socket(self.sock)
+
+
+def socket_stream(sock: socket.socket) -> Stream:
+    """The stream for a connected socket: TLS when it is wrapped in it."""
+    import ssl
+
+    return TLSStream(sock) if isinstance(sock, ssl.SSLSocket) else SocketStream(sock)
+
+
 def close_socket(sock: socket.socket) -> None:
     """Shut down, then close: the peer sees the end, and a thread of ours blocked in
     ``recv``/``accept`` on it wakes (``close`` alone does neither while one is blocked)."""

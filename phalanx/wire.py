@@ -214,6 +214,7 @@ class FrameReader:
         # A large frame being received in place: (buffer, bytes filled, segment lengths).
         self._big: tuple[bytearray, int, tuple[int, ...]] | None = None
         self.limit: int | None = None  # the largest frame body accepted (None: any)
+        self._pending = getattr(stream, "pending", None)
 
     def recv_frames(self, block: bool = True) -> list[list[Any]]:
         """Receive once and return every frame now complete (possibly none).
@@ -221,6 +222,13 @@ class FrameReader:
         With ``block=False`` it returns ``[]`` instead of waiting for data.
         Raises :class:`ConnectionLost` at end of stream.
         """
+        frames = self._recv_once(block)
+        pending = self._pending
+        while pending is not None and pending():  # TLS: decrypted bytes no poll() announces
+            frames += self._recv_once(False)
+        return frames
+
+    def _recv_once(self, block: bool) -> list[list[Any]]:
         if self._big is not None:
             return self._fill_big(block)
         n = self._read(self._chunk, _RECV_CHUNK, block)

@@ -23,6 +23,7 @@ import logging
 import os
 import select
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Sequence
@@ -182,7 +183,7 @@ class AgentLink(Channel):
         self.node = index
         self.welcome = welcome
         self.where = f"node {index} (agent at {host}:{port})"
-        self._conn = wire.Connection(streams.SocketStream(sock), writer)
+        self._conn = wire.Connection(streams.socket_stream(sock), writer)
         self._conn.reader.limit = max_frame
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -407,7 +408,8 @@ class ClusterBackend(Backend):
                  token_file: str | None = None, quorum: int | None = None,
                  quorum_timeout: float = 300.0,
                  heartbeat_timeout: float = config.DEFAULT_HEARTBEAT_TIMEOUT,
-                 max_frame: int = 1 << 30) -> None:
+                 max_frame: int = 1 << 30, tls: bool | str | ssl.SSLContext | None = None,
+                 ) -> None:
         if isinstance(hosts, str) or not hosts:
             raise ValueError(f"hosts must be a non-empty list of 'host:port', got {hosts!r}")
         self.hosts = [f"{h}:{p}" for h, p in map(parse_host, hosts)]
@@ -438,6 +440,8 @@ class ClusterBackend(Backend):
         self.quorum_timeout = quorum_timeout
         self.heartbeat_timeout = heartbeat_timeout
         self.max_frame = max_frame
+        self.tls = tls
+        self._tls = _tls_context(tls)
         self._links: list[AgentLink] = []
         self._incarnations = itertools.count(1)
         self._stopping = threading.Event()
@@ -458,7 +462,8 @@ class ClusterBackend(Backend):
     def settings(self) -> dict[str, Any]:
         return {"hosts": list(self.hosts), "token": self.token, "token_file": self.token_file,
                 "quorum": self.quorum, "quorum_timeout": self.quorum_timeout,
-                "heartbeat_timeout": self.heartbeat_timeout, "max_frame": self.max_frame}
+                "heartbeat_timeout": self.heartbeat_timeout, "max_frame": self.max_frame,
+                "tls": self.tls}
 
     # -- connecting -------------------------------------------------------------------
 
@@ -541,6 +546,16 @@ class ClusterBackend(Backend):
                      deadline: float) -> tuple[socket.socket, dict[str, Any]]:
         timeout = max(0.1, min(config.CONNECT_TIMEOUT, deadline - time.monotonic()))
         sock = socket.create_connection((host, port), timeout=timeout)
+        if self._tls is not None:
+            try:
+                sock = self._tls.wrap_socket(sock, server_hostname=host)
+            except ssl.SSLCertVerificationError as exc:
+                sock.close()
+                raise AuthenticationError(f"the agent at {host}:{port} has a certificate "
+                                          f"this controller does not trust: {exc}") from None
+            except (OSError, ssl.SSLError):
+                sock.close()
+                raise
         try:
             try:
                 handshake.connect(sock, self._secret,
@@ -549,11 +564,16 @@ class ClusterBackend(Backend):
             except handshake.HandshakeIncomplete as exc:  # a frozen or restarting agent
                 raise OSError(f"the agent at {host}:{port}: {exc}") from None
             sock.settimeout(timeout)
-            reader = wire.FrameReader(streams.SocketStream(sock))
+            stream = streams.socket_stream(sock)
+            if isinstance(stream, streams.TLSStream):
+                stream.timeout = timeout
+            reader = wire.FrameReader(stream)
             reader.limit = 1 << 20
             frames: list[list[Any]] = []
             while not frames:
                 frames = reader.recv_frames(block=True)
+            if isinstance(stream, streams.TLSStream):
+                stream.timeout = None
             kind, _, _, extra = protocol.parse(frames[0][0])
             if kind != agentwire.WELCOME:
                 raise OSError(f"the agent at {host}:{port} did not introduce itself")
@@ -634,6 +654,22 @@ class ClusterBackend(Backend):
         if self.opened:
             self._logs.stop()
             self._writer.stop()
+
+
+def _tls_context(tls: bool | str | ssl.SSLContext | None) -> ssl.SSLContext | None:
+    """``tls``: None/False (plain TCP), True (the system's CAs), a CA file, or a context."""
+    if tls is None or tls is False:
+        return None
+    if isinstance(tls, ssl.SSLContext):
+        return tls
+    if tls is True:
+        return ssl.create_default_context()
+    if isinstance(tls, (str, os.PathLike)):
+        try:
+            return ssl.create_default_context(cafile=os.fspath(tls))
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"tls={tls!r}: cannot load the CA certificates: {exc}") from None
+    raise TypeError(f"tls must be True, a CA file or an ssl.SSLContext, got {tls!r}")
 
 
 def _by_link(channels: Sequence[Channel]) -> dict[AgentLink, list[int]]:

@@ -462,3 +462,57 @@ def test_a_silent_controller_is_dropped_after_the_heartbeat_timeout(agents, toke
         took = closed_within(sock, 5.0)
     assert took is not None, "the agent kept a silent controller for 5 s"
     assert 0.8 < took < 2, f"the agent dropped a silent controller after {took:.1f} s"
+
+
+# --------------------------------------------------------------------------- TLS
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory) -> tuple[str, str]:
+    """A self-signed certificate for 127.0.0.5-9 (made with the openssl command)."""
+    import shutil
+
+    if shutil.which("openssl") is None:
+        pytest.skip("making a test certificate needs the openssl command")
+    directory = tmp_path_factory.mktemp("tls")
+    cert, key = str(directory / "cert.pem"), str(directory / "key.pem")
+    names = ",".join(f"IP:127.0.0.{i}" for i in range(5, 10))
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key,
+                    "-out", cert, "-days", "1", "-subj", "/CN=phalanx-test", "-addext",
+                    f"subjectAltName={names}"], check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
+def test_tls_carries_calls_and_large_payloads(agents, token_file, certificate):
+    cert, key = certificate
+    agent = agents("127.0.0.6", "--tls-cert", cert, "--tls-key", key)
+    with group_on(cluster([agent], token_file, tls=cert), procs_per_node=2) as group:
+        payload = b"x" * (24 << 20)  # many TLS records, read through decrypted buffers
+        assert group.call("identity", payload) == [payload, payload]
+        assert group.call("rank") == [0, 1]
+
+
+def test_tls_refuses_an_agent_whose_certificate_is_not_trusted(agents, token_file,
+                                                                certificate):
+    cert, key = certificate
+    agent = agents("127.0.0.6", "--tls-cert", cert, "--tls-key", key)
+    started = time.monotonic()
+    with pytest.raises(px.AuthenticationError, match="certificate this controller does not "
+                                                     "trust"):
+        group_on(cluster([agent], token_file, tls=True, quorum_timeout=5))
+    assert time.monotonic() - started < 3
+
+
+def test_a_plain_controller_is_not_served_by_a_tls_agent(agents, token_file, certificate):
+    cert, key = certificate
+    agent = agents("127.0.0.6", "--tls-cert", cert, "--tls-key", key)
+    with pytest.raises(px.QuorumTimeout, match=r"127\.0\.0\.6"):
+        group_on(cluster([agent], token_file, quorum_timeout=1.5))
+
+
+def test_tls_needs_both_certificate_and_key(token_file, certificate):
+    done = subprocess.run(agent_command("127.0.0.6", free_port("127.0.0.6"), token_file,
+                                        "--tls-cert", certificate[0]),
+                          env=agent_env(), capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2
+    assert "TLS needs both --tls-cert and --tls-key" in done.stderr
