@@ -89,7 +89,11 @@ class Agent:
     def __init__(self, host: str, port: int, token: bytes, *,
                  heartbeat_timeout: float = config.DEFAULT_HEARTBEAT_TIMEOUT,
                  max_frame: int = 1 << 30, handshake_timeout: float = 5.0,
-                 metrics: Any = None, tls: ssl.SSLContext | None = None) -> None:
+                 metrics: Any = None, tls: ssl.SSLContext | None = None,
+                 store: str | os.PathLike[str] | None = None) -> None:
+        from phalanx.codesync import Store, default_store
+
+        self._store = Store(store if store is not None else default_store())
         self._token = token
         self._tls = tls
         self._heartbeat_timeout = heartbeat_timeout
@@ -142,7 +146,7 @@ class Agent:
             sock.close()
             return
         session = Session(sock, heartbeat_timeout=self._heartbeat_timeout,
-                          max_frame=self._max_frame, counters=self._count)
+                          max_frame=self._max_frame, counters=self._count, store=self._store)
         with self._lock:
             if self._stopping.is_set():
                 sock.close()
@@ -193,7 +197,8 @@ def tls_context(cert: str, key: str) -> ssl.SSLContext:
 
 
 def run(host: str, port: int, token: bytes, *, http_port: int | None,
-        heartbeat_timeout: float, max_frame: int, tls: ssl.SSLContext | None = None) -> int:
+        heartbeat_timeout: float, max_frame: int, tls: ssl.SSLContext | None = None,
+        store: str | None = None) -> int:
     """``phalanx agent``: serve until SIGINT or SIGTERM; the exit status."""
     metrics = server = None
     try:
@@ -201,7 +206,7 @@ def run(host: str, port: int, token: bytes, *, http_port: int | None,
 
         metrics = AgentMetrics()
         agent = Agent(host, port, token, heartbeat_timeout=heartbeat_timeout,
-                      max_frame=max_frame, metrics=metrics, tls=tls)
+                      max_frame=max_frame, metrics=metrics, tls=tls, store=store)
         if http_port is not None:
             server = HealthServer(host, http_port, metrics, agent.health)
     except OSError as exc:

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from phalanx import agentwire, config, node, protocol, streams, wire
+from phalanx import agentwire, codesync, config, node, protocol, streams, wire
 from phalanx.frameworks import merge_env
 from phalanx.placement import pick_free_ports
 from phalanx.stacks import StackFile
@@ -54,7 +54,8 @@ class Session:
     """The node side of one controller's group (run :meth:`serve` on a thread)."""
 
     def __init__(self, sock: socket.socket, *, heartbeat_timeout: float, max_frame: int,
-                 counters: Callable[[str, float], None], cwd: str | None = None) -> None:
+                 counters: Callable[[str, float], None], cwd: str | None = None,
+                 store: codesync.Store | None = None) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.address = sock.getsockname()[0]  # where the controller reached this node
         self._writer = wire.BacklogWriter("phalanx-agent-writer")
@@ -63,6 +64,7 @@ class Session:
         self._heartbeat_timeout = heartbeat_timeout
         self._count = counters
         self._cwd = cwd or os.getcwd()
+        self._store = store
         self._supervisor: Supervisor | None = None
         self._ranks: dict[int, _Rank] = {}
         self._by_fd: dict[int, tuple[str, _Rank | None]] = {}
@@ -227,7 +229,8 @@ class Session:
             return
         handlers = {agentwire.LAUNCH: self._launch, agentwire.STOP: self._stop,
                     agentwire.STACKS: self._stacks, agentwire.PORTS: self._ports,
-                    agentwire.WAIT: self._wait}
+                    agentwire.WAIT: self._wait, agentwire.SYNC: self._sync,
+                    agentwire.BLOBS: self._blobs, agentwire.TREE: self._tree}
         handler = handlers.get(kind)
         if handler is None:
             self._send(agentwire.reply(request_id, False, f"unknown request kind {kind}"))
@@ -306,6 +309,28 @@ class Session:
 
     def _ports(self, count: int, payload: list[Any]) -> list[int]:
         return pick_free_ports(self.address, count)
+
+    def _code(self) -> codesync.Store:
+        if self._store is None:
+            raise RuntimeError("this agent keeps no shipped code (it was started without a "
+                               "store)")
+        return self._store
+
+    def _sync(self, version: str, listing: list, payload: list[Any]) -> dict[str, Any]:
+        tree = self._code().tree(version)
+        if tree is not None:
+            return {"path": str(tree), "missing": []}
+        return {"path": None, "missing": self._code().missing(listing)}
+
+    def _blobs(self, digests: list[str], payload: list[Any]) -> int:
+        if len(digests) != len(payload):
+            raise ValueError(f"{len(digests)} hashes for {len(payload)} files")
+        for digest, data in zip(digests, payload, strict=True):
+            self._code().put(digest, bytes(data))
+        return len(digests)
+
+    def _tree(self, version: str, listing: list, payload: list[Any]) -> str:
+        return str(self._code().build(version, [tuple(entry) for entry in listing]))
 
     def _wait(self, ranks: list[int], timeout: float, payload: list[Any]) -> None:
         node.wait_all_exit([r.proc for n, r in list(self._ranks.items()) if n in ranks],

@@ -15,6 +15,9 @@ One authenticated connection per node (:mod:`phalanx.handshake`) carries, as
                          PORTS     (count,)
                          WAIT      (ranks, timeout)
                          PING                                        no reply
+                         SYNC      (version, listing)                which files it lacks
+                         BLOBS     (hashes,)                         payload: their contents
+                         TREE      (version, listing)                the code's path there
     agent -> controller  WELCOME   (node facts: host, gpus, machine, pid, version)
                          REPLY     (ok, value)                       to a request id
                          OUTPUT    (stream,)                         payload: bytes, rank
@@ -39,6 +42,9 @@ STACKS = 67
 PORTS = 68
 WAIT = 69
 PING = 70
+SYNC = 71
+BLOBS = 72
+TREE = 73
 WELCOME = 80
 REPLY = 81
 OUTPUT = 82

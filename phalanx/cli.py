@@ -251,6 +251,9 @@ def _add_agent(commands: argparse._SubParsersAction) -> None:
                        help="a controller silent this long is gone (default: 30)")
     agent.add_argument("--max-frame-mib", type=_positive, default=1024, metavar="MIB",
                        help="refuse frames larger than this from a controller (default: 1024)")
+    agent.add_argument("--store", metavar="DIR",
+                       help="where shipped code is kept (ClusterBackend(sync=...); default: "
+                            "$XDG_CACHE_HOME/phalanx/agent)")
     agent.add_argument("--tls-cert", metavar="PEM",
                        help="serve over TLS with this certificate chain (and --tls-key)")
     agent.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
@@ -281,7 +284,7 @@ def _agent(options: argparse.Namespace) -> int:
         options.http_port if options.http_port is not None else options.port + 1)
     return agent.run(options.host, options.port, token, http_port=http_port,
                      heartbeat_timeout=options.heartbeat_timeout,
-                     max_frame=options.max_frame_mib << 20, tls=tls)
+                     max_frame=options.max_frame_mib << 20, tls=tls, store=options.store)
 
 
 def _check_target(target: str, is_module: bool, no_python: bool = False) -> str | None:
@@ -340,6 +343,9 @@ def _run(parser: argparse.ArgumentParser, options: argparse.Namespace) -> int:
                    if options.hosts else "--backend cluster needs --hosts H:P,...")
                or (None if options.token_file is None or options.hosts else
                    "--token-file is the agents' token: use it with --hosts")
+               or (None if not options.hosts or options.token_file
+                   or os.environ.get("PHALANX_TOKEN") else
+                   "--hosts needs the agents' token: --token-file FILE or $PHALANX_TOKEN")
                or (None if options.address is None or backend == "ray" else
                    "--address names a Ray cluster: use it with --backend ray")
                or (None if options.rdzv_backend in runflags.RDZV_BACKENDS else

@@ -64,6 +64,7 @@ class Slot:
         self.seen = self.started  # when it last gave a sign of life (any message)
         self.heard = False  # whether it has said anything yet (silence counts from then)
         self.timings: dict[str, float] = {}  # its start-up, as READY tells it
+        self.code_version: str | None = None  # of the shipped code it runs, as READY tells
         self.unresponsive = False  # declared so by the watchdog (and being killed)
 
     def settled_start(self) -> bool:
@@ -337,7 +338,7 @@ class Dispatcher:
                 )
                 future._fail_rank(slot.rank, chain_remote(error, failure))
         elif kind == protocol.READY:
-            slot.pid, slot.methods, slot.timings = extra
+            slot.pid, slot.methods, slot.timings, slot.code_version = extra
             slot.timings["total"] = time.monotonic() - slot.started
             slot.ready = True
         elif kind == protocol.INIT_ERROR:

@@ -125,6 +125,19 @@ class Lifecycle:
                 f"{timeout:g} s: {exc}",
             ) from exc
 
+    def reload(self) -> str | None:
+        """Ship the code again and restart every rank in place (same nodes, same layout).
+
+        With ``ClusterBackend(sync=...)`` only the files that changed cross to each node,
+        and every rank then runs the new version (``health()`` shows it; returned here).
+        On the other backends the ranks start again from the code as it is on disk now:
+        locally a restart; on Ray the same placement group. Pending calls fail.
+        """
+        self._check_open()
+        version = self._backend.reload_code()
+        self.restart()
+        return version
+
     def restart(self) -> None:
         """Replace every worker process, keeping the layout and the nodes (pending calls
         fail)."""

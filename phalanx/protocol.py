@@ -16,7 +16,7 @@ Message kinds (payload = the segments after the header: a pickle and its buffers
                          CALL         method                payload (args, kwargs)
                          CALL_STREAM  method                payload (args, kwargs)
                          SHUTDOWN
-    rank -> controller   READY        (pid, method_names, start-up timings)
+    rank -> controller   READY        (pid, method_names, start-up timings, code version)
                          INIT_ERROR   (RemoteFailure tuple)
                          RESULT                             payload value
                          YIELD                              payload item (RESULT ends the stream)
@@ -151,8 +151,11 @@ def shutdown_frame(rank: int | Sequence[int]) -> list[Any]:
 # -- ranks -> controller ------------------------------------------------------------------
 
 
-def ready_frame(rank: int, pid: int, methods: list[str], timings: dict[str, float]) -> list[Any]:
-    return wire.frame([header(READY, 0, rank, pid, methods, timings)])
+def ready_frame(rank: int, pid: int, methods: list[str], timings: dict[str, float],
+                code_version: str | None = None) -> list[Any]:
+    """The rank is up: its pid, methods, start-up timings, and the version of the shipped
+    code it runs (``PHALANX_CODE_VERSION``; None without ``sync``)."""
+    return wire.frame([header(READY, 0, rank, pid, methods, timings, code_version)])
 
 
 def heartbeat_frame(rank: int) -> list[Any]:

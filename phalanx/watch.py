@@ -35,6 +35,7 @@ class RankHealth:
     exitcode: int | None
     state: str = "ready"
     last_seen: float | None = None
+    code_version: str | None = None  # the shipped code it runs (ClusterBackend(sync=...))
 
 
 class StackReport(dict):
@@ -121,6 +122,7 @@ class Watching:
                     exitcode=slot.failure.exitcode if slot.failure else None,
                     state=state,
                     last_seen=now - slot.seen if alive else None,
+                    code_version=slot.code_version,
                 )
             )
         return report

@@ -223,7 +223,7 @@ class WorkerRuntime:
                 concurrency, thread_name_prefix="phalanx-call"
             )
         self.conn.send(protocol.ready_frame(self.rank, os.getpid(), public_methods(self.obj),
-                                            timings))
+                                            timings, os.environ.get("PHALANX_CODE_VERSION")))
         return True
 
     def _start_framework(self, name: str) -> None:

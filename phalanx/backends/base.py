@@ -197,6 +197,11 @@ class Backend(abc.ABC):
         for channel in channels:
             channel.close()
 
+    def reload_code(self) -> str | None:
+        """Make the code the controller has now what ranks started from now on run; its
+        version, if the backend ships code (the cluster backend's ``sync``), else None."""
+        return None
+
     @abc.abstractmethod
     def _open(self, output: OutputOptions) -> None: ...
 

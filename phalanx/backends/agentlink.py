@@ -1,0 +1,379 @@
+"""A node's connection to its agent, and the channels of the ranks it carries.
+
+Part of the cluster backend (:mod:`phalanx.backends.cluster`): :class:`AgentLink` is the one
+connection per node (requests, answers, and every rank's events), :class:`AgentRankChannel`
+the channel the group sees for each rank on it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from phalanx import agentwire, config, protocol, streams, wire
+from phalanx.backends.base import Channel, EventSink, RankStart
+from phalanx.errors import PhalanxError, ProcessFailure
+from phalanx.logs import LogPump, OutputTap
+
+logger = logging.getLogger(__name__)
+
+REQUEST_TIMEOUT = 60.0  # seconds for an agent to answer a request that does not wait
+CONNECT_RETRY = 0.5  # seconds between attempts to reach an agent that is not up yet
+
+
+def parse_host(entry: str) -> tuple[str, int]:
+    """``"host:port"`` (or ``"[v6]:port"``) -> ``(host, port)``; ValueError naming it."""
+    host, sep, port = str(entry).rpartition(":")
+    host = host.strip("[]")
+    try:
+        number = int(port)
+    except ValueError:
+        number = 0
+    if not sep or not host or not 0 < number < 65536:
+        raise ValueError(f"hosts entries must be 'host:port', got {entry!r}")
+    return host, number
+
+
+class AgentRankChannel(Channel):
+    """One rank on an agent's node: its messages travel on the node's :class:`AgentLink`."""
+
+    def __init__(self, link: AgentLink, start: RankStart, incarnation: int,
+                 logs: LogPump) -> None:
+        self.rank = start.rank
+        self.ranks = (start.rank,)
+        self.node = start.node
+        self.link = link
+        self.incarnation = incarnation
+        self.pid: int | None = None
+        self._exitcode: int | None = None
+        self._reason: str | None = None
+        self._sink: EventSink | None = None
+        self._early: list[list[Any]] = []
+        self._lock = threading.Lock()
+        self._buried = self._closed = False
+        out_r, self._out_w = os.pipe()
+        err_r, self._err_w = os.pipe()
+        self._writers = {agentwire.STDOUT: self._out_w, agentwire.STDERR: self._err_w}
+        self._tap: OutputTap = logs.attach(start.rank, out_r, err_r)
+
+    # -- from the link's reader thread ------------------------------------------------
+
+    def deliver(self, events: list[list[Any]]) -> None:
+        sink = self.sink_for(events)
+        if sink is not None:
+            sink.post(self, events)
+
+    def sink_for(self, events: list[list[Any]]) -> EventSink | None:
+        """The sink to post ``events`` to; None if they were kept until :meth:`attach`."""
+        with self._lock:
+            if self._sink is None:
+                self._early.extend(events)
+            return self._sink
+
+    def output(self, stream: int, data: bytes | None) -> None:
+        """Bytes the rank wrote (None: that stream ended), into the local output pump."""
+        with self._lock:
+            fd = self._writers.get(stream)
+            if fd is None:
+                return
+            if data is None:
+                del self._writers[stream]
+        if data is None:
+            os.close(fd)
+            return
+        try:
+            os.write(fd, data)
+        except OSError:  # the pump stopped reading: the group is closing
+            pass
+
+    def exited(self, failure: dict[str, Any] | None, reason: str | None = None) -> None:
+        """The agent reported the rank's end, or (``failure`` None) its node was lost."""
+        with self._lock:
+            if self._buried:
+                return
+            self._buried = True
+            if failure is not None:
+                self.pid = failure.get("pid") or self.pid
+                self._exitcode = failure.get("exitcode")
+            self._reason = reason
+        threading.Thread(target=self._bury, name=f"phalanx-bury-{self.rank}",
+                         daemon=True).start()
+
+    def _bury(self) -> None:
+        if self._reason is not None:  # no more output will come: end the streams here
+            for stream in list(self._writers):
+                self.output(stream, None)
+        self._tap.wait_closed(config.OUTPUT_WAIT)
+        event = protocol.exited_message(self.rank, self.exit_record(self.rank).as_dict())
+        self.deliver([event])
+
+    # -- the group's side -------------------------------------------------------------
+
+    def attach(self, sink: EventSink) -> None:
+        self.link.watch_with(sink)
+        with self._lock:
+            self._sink = sink
+            early, self._early = self._early, []
+        if early:
+            sink.post(self, early)
+
+    def receive(self, fd: int) -> list[list[Any]]:
+        return []  # never watched: the link posts this rank's events
+
+    def send(self, frame: list[Any]) -> None:
+        self.link.send(frame)
+
+    def signal(self, rank: int, sig: int) -> None:
+        self.link.send(agentwire.request(agentwire.SIGNAL, 0, self.rank, int(sig)))
+
+    def stacks(self, rank: int, timeout: float) -> str:
+        try:
+            return self.link.request(agentwire.STACKS, self.rank, timeout,
+                                     timeout=timeout + REQUEST_TIMEOUT)
+        except PhalanxError as exc:
+            return f"(no stack: {exc})"
+
+    def exit_record(self, rank: int) -> ProcessFailure:
+        return ProcessFailure(self.rank, self.node, self.pid, self._exitcode,
+                              self._tap.stderr_tail(), self._reason)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = self._buried = True
+            writers, self._writers = list(self._writers.values()), {}
+        for fd in writers:
+            os.close(fd)
+        self.link.forget(self)
+
+
+class AgentLink(Channel):
+    """The connection to one node's agent: requests, and the node's ranks' events.
+
+    Until the group attaches the first of its ranks, a thread of the link reads it (the
+    answers to the first requests); from then on the group's dispatcher watches its socket
+    like any channel's and the link hands each rank's events to that rank's channel, with
+    no thread in between. A request then waits through the dispatcher (``sink.wait``).
+    """
+
+    ranks: tuple[int, ...] = ()
+
+    def __init__(self, index: int, host: str, port: int, sock: socket.socket,
+                 welcome: dict[str, Any], writer: wire.BacklogWriter, max_frame: int) -> None:
+        self.index, self.host, self.port = index, host, port
+        self.node = index
+        self.welcome = welcome
+        self.where = f"node {index} (agent at {host}:{port})"
+        self._conn = wire.Connection(streams.socket_stream(sock), writer)
+        self._conn.reader.limit = max_frame
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._replies: dict[int, list[Any]] = {}  # request id -> [Event, ok, value]
+        self._channels: dict[int, AgentRankChannel] = {}  # rank -> its current channel
+        self.lost_reason: str | None = None
+        self.heard = time.monotonic()
+        self.code_path: str | None = None  # the shipped code there (sync)
+        self._sink: EventSink | None = None  # once the dispatcher watches the socket
+        self._handing_over = False
+        self._wake = streams.WakePipe()
+        self._reader = threading.Thread(target=self._read, name=f"phalanx-agent-{index}",
+                                        daemon=True)
+        self._reader.start()
+
+    # -- sending ----------------------------------------------------------------------
+
+    def send(self, frame: list[Any]) -> None:
+        try:
+            self._conn.send(frame)
+        except wire.ConnectionLost as exc:
+            self.lose(f"its connection failed ({exc})")
+
+    def request(self, kind: int, *fields: Any, payload: Sequence[Any] = (),
+                timeout: float = REQUEST_TIMEOUT) -> Any:
+        """Ask the agent and wait for its answer; PhalanxError when it fails or is lost."""
+        request_id = next(self._ids)
+        waiter = [threading.Event(), False, None]
+        with self._lock:
+            if self.lost_reason is not None:
+                raise PhalanxError(f"lost {self.where}: {self.lost_reason}")
+            self._replies[request_id] = waiter
+            sink = self._sink
+        self.send(agentwire.request(kind, request_id, *fields, payload=payload))
+        answered = waiter[0].is_set
+        done = (sink.wait(answered, timeout) or answered()) if sink is not None else (
+            waiter[0].wait(timeout))
+        if not done:
+            with self._lock:
+                self._replies.pop(request_id, None)
+            raise PhalanxError(f"{self.where} did not answer within {timeout:g} s")
+        if not waiter[1]:
+            raise PhalanxError(f"{self.where}: {waiter[2]}")
+        return waiter[2]
+
+    # -- receiving --------------------------------------------------------------------
+
+    def _read(self) -> None:
+        """The reading thread, until the dispatcher takes the socket over."""
+        poller = select.poll()
+        poller.register(self._conn.read_fd, select.POLLIN)
+        poller.register(self._wake.fd, select.POLLIN)
+        reader = self._conn.reader
+        try:
+            while not self._handing_over:
+                ready = [fd for fd, _ in poller.poll()]
+                if self._handing_over:
+                    return
+                if self._conn.read_fd not in ready:
+                    self._wake.drain()
+                    continue
+                frames = reader.recv_frames(block=False)
+                self.heard = time.monotonic()
+                self._route(frames, None)
+        except wire.FrameTooLarge as exc:
+            self.lose(f"it sent {exc}")
+        except wire.ConnectionLost as exc:
+            self.lose(f"its connection ended ({exc})")
+        except Exception as exc:  # a bug: the node is unusable, say so
+            logger.exception("reading from %s failed", self.where)
+            self.lose(f"reading from it failed: {type(exc).__name__}: {exc}")
+
+    def watch_with(self, sink: EventSink) -> None:
+        """Hand the socket to ``sink`` (the group's dispatcher): it reads from now on."""
+        with self._lock:
+            if self._sink is not None or self.lost_reason is not None:
+                return
+            self._handing_over = True
+        self._wake.wake()
+        self._reader.join()
+        with self._lock:
+            if self.lost_reason is not None:
+                return
+            self._sink = sink
+        sink.watch(self._conn.read_fd, self)
+
+    def attach(self, sink: EventSink) -> None:
+        self.watch_with(sink)
+
+    def receive(self, fd: int) -> list[list[Any]]:
+        """The dispatcher's read (its thread): each rank's events go to its channel."""
+        try:
+            frames = self._conn.reader.recv_frames(block=False)
+        except wire.FrameTooLarge as exc:
+            self.lose(f"it sent {exc}")
+            return []
+        except wire.ConnectionLost as exc:
+            self.lose(f"its connection ended ({exc})")
+            return []
+        if frames:
+            self.heard = time.monotonic()
+            self._route(frames, self._sink)
+        return []
+
+    def _route(self, frames: list[list[Any]], pumping: EventSink | None) -> None:
+        """Sort a read: answers, output and deaths here; rank events to their channels,
+        delivered at once when ``pumping`` (the dispatcher's own thread), else posted."""
+        batches: dict[AgentRankChannel, list[list[Any]]] = {}
+        for segs in frames:
+            kind, call_id, rank = protocol.unpack_head(segs[0])
+            if kind == protocol.RESULT or kind == protocol.YIELD or kind == protocol.HEARTBEAT:
+                channel = self._channels.get(rank)
+                if channel is not None:
+                    batches.setdefault(channel, []).append(segs)
+                continue
+            _, _, _, extra = protocol.parse(segs[0])
+            if kind == agentwire.REPLY:
+                self._answer(call_id, *extra)
+            elif kind == agentwire.OUTPUT or kind == agentwire.OUTPUT_END:
+                channel = self._channels.get(rank)
+                if channel is not None:
+                    data = bytes(segs[1]) if kind == agentwire.OUTPUT else None
+                    channel.output(extra[0], data)
+            elif kind == protocol.EXITED:
+                channel = self._channels.get(rank)
+                if channel is not None and channel.incarnation == call_id:
+                    channel.exited(extra[0])
+            elif kind == agentwire.PING or kind == agentwire.WELCOME:
+                pass
+            else:
+                channel = self._channels.get(rank)
+                if channel is not None:
+                    batches.setdefault(channel, []).append(segs)
+        posts: dict[Any, list[tuple[Channel, list[list[Any]]]]] = {}
+        for channel, events in batches.items():
+            sink = channel.sink_for(events)
+            if sink is None:
+                continue
+            if sink is pumping:
+                sink.deliver(channel, events)
+            else:
+                posts.setdefault(sink, []).append((channel, events))
+        for sink, items in posts.items():  # one wake-up for the whole read
+            sink.post_all(items)
+
+    def _answer(self, request_id: int, ok: bool, value: Any) -> None:
+        with self._lock:
+            waiter = self._replies.pop(request_id, None)
+        if waiter is not None:
+            waiter[1], waiter[2] = ok, value
+            waiter[0].set()
+
+    # -- ranks ------------------------------------------------------------------------
+
+    def adopt(self, channel: AgentRankChannel) -> None:
+        with self._lock:
+            self._channels[channel.rank] = channel
+            lost = self.lost_reason
+        if lost is not None:
+            channel.exited(None, f"lost {self.where}: {lost}")
+
+    def forget(self, channel: AgentRankChannel) -> None:
+        with self._lock:
+            if self._channels.get(channel.rank) is channel:
+                del self._channels[channel.rank]
+
+    def lose(self, reason: str) -> None:
+        """The node is gone: every pending request fails, every rank on it is dead."""
+        with self._lock:
+            if self.lost_reason is not None:
+                return
+            self.lost_reason = reason
+            waiters, self._replies = list(self._replies.values()), {}
+            channels = list(self._channels.values())
+            sink = self._sink
+        logger.warning("lost %s: %s", self.where, reason)
+        for waiter in waiters:
+            waiter[1], waiter[2] = False, f"lost it: {reason}"
+            waiter[0].set()
+        for channel in channels:
+            channel.exited(None, f"lost {self.where}: {reason}")
+        if sink is not None:
+            sink.unwatch(self._conn.read_fd)
+        self._conn.close()
+
+    # -- the Channel interface a link needs no part of ----------------------------------
+
+    def signal(self, rank: int, sig: int) -> None:  # pragma: no cover - links have no rank
+        raise NotImplementedError
+
+    def exit_record(self, rank: int) -> ProcessFailure:  # pragma: no cover
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """End the connection: the agent stops whatever of ours still runs there."""
+        with self._lock:
+            self.lost_reason = self.lost_reason or "the group closed it"
+            sink, self._sink = self._sink, None
+            self._handing_over = True
+        if sink is not None:
+            sink.unwatch(self._conn.read_fd)
+        self._wake.wake()
+        self._conn.close()
+        if self._reader.is_alive() and self._reader is not threading.current_thread():
+            self._reader.join(5.0)
+        self._wake.close()
