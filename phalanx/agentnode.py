@@ -48,6 +48,7 @@ class _Rank:
         self.outputs = {proc.stdout_fd: agentwire.STDOUT, proc.stderr_fd: agentwire.STDERR}
         self.exitcode: int | None = None
         self.exit_by = 0.0  # when EXITED goes up even if output has not ended
+        self.counted = False  # in the agent's ranks_alive
 
 
 class Session:
@@ -74,6 +75,7 @@ class Session:
         self._launched: list[tuple[int, _Rank]] = []  # from request threads, to register
         self._closing = False
         self._outbox: list[Any] | None = None
+        self._dying: list[_Rank] = []  # ended, their EXITED not sent yet
         self.ended = threading.Event()
         self.reason = ""
 
@@ -96,9 +98,9 @@ class Session:
                 if now >= next_ping:
                     self._send(agentwire.ping())
                     next_ping = now + interval
-                wait = min(next_ping, *(r.exit_by for r in self._ranks.values()
-                                        if r.exitcode is not None), heard +
-                           self._heartbeat_timeout) - now
+                wait = min(next_ping, heard + self._heartbeat_timeout) - now
+                if self._dying:
+                    wait = min(wait, min(r.exit_by for r in self._dying) - now)
                 self._outbox = []  # what this pass sends the controller: one write
                 for fd, _ in self._poller.poll(max(0, int(wait * 1000)) + 1):
                     what, rank = self._by_fd.get(fd, ("gone", None))
@@ -114,9 +116,12 @@ class Session:
                         self._output(fd, rank)  # type: ignore[arg-type]
                     elif what == "death":
                         self._died(rank)  # type: ignore[arg-type]
-                self._register_launched()
-                self._report_deaths()
-                self._flush()
+                if self._launched:
+                    self._register_launched()
+                if self._dying:
+                    self._report_deaths()
+                if self._outbox:
+                    self._flush()
         except Exception:  # a bug must not leave the controller's ranks running
             logger.exception("an agent session failed")
             self.reason = self.reason or "the agent's session failed"
@@ -130,8 +135,9 @@ class Session:
             self.reason = self.reason or f"the controller's connection ended ({exc})"
             self._closing = True
             return False
+        self._count("received_bytes_total",
+                    sum(memoryview(s).nbytes for segs in frames for s in segs))
         for segs in frames:
-            self._count("received_bytes_total", sum(memoryview(s).nbytes for s in segs))
             kind, call_id, ranks, extra = protocol.parse(segs[0])
             if agentwire.is_node_message(kind):
                 self._request(kind, call_id, extra, segs[1:])
@@ -200,12 +206,14 @@ class Session:
         self._from_rank(rank)  # what it sent before it ended
         rank.exitcode = code
         rank.exit_by = time.monotonic() + config.OUTPUT_WAIT
+        self._dying.append(rank)
 
     def _report_deaths(self) -> None:
         now = time.monotonic()
-        for rank in [r for r in self._ranks.values() if r.exitcode is not None]:
+        for rank in list(self._dying):
             if rank.outputs and now < rank.exit_by:
                 continue
+            self._dying.remove(rank)
             for fd in list(rank.outputs):
                 self._unwatch(fd)
                 os.close(fd)
@@ -214,7 +222,6 @@ class Session:
             failure = {"rank": rank.rank, "node": rank.node, "pid": rank.proc.pid,
                        "exitcode": rank.exitcode, "stderr_tail": (), "reason": None}
             self._queue(agentwire.exited(rank.rank, rank.incarnation, failure))
-            self._count("ranks_alive", -1)
 
     # -- requests ---------------------------------------------------------------------
 
@@ -291,6 +298,7 @@ class Session:
                 self._forget(previous)
             self._ranks[number] = rank
             self._count("ranks_alive", 1)
+            rank.counted = True
             self._watch(rank.conn.read_fd, "control", rank)
             for fd in rank.outputs:
                 self._watch(fd, "output", rank)
@@ -356,6 +364,11 @@ class Session:
             self._poller.unregister(fd)
 
     def _forget(self, rank: _Rank) -> None:
+        if rank.counted:
+            rank.counted = False
+            self._count("ranks_alive", -1)
+        if rank in self._dying:
+            self._dying.remove(rank)
         if self._ranks.get(rank.rank) is rank:
             del self._ranks[rank.rank]
         self._unwatch(rank.conn.read_fd)
@@ -383,7 +396,6 @@ class Session:
         node.stop_processes([r.proc for r in ranks], force=True)
         for rank in ranks:
             self._forget(rank)
-            self._count("ranks_alive", -1)
         if self._supervisor is not None:
             self._supervisor.close()
         self._conn.close()
