@@ -54,8 +54,9 @@ def scan(root: str | os.PathLike[str], max_bytes: int = MAX_TREE) -> tuple[str, 
                 continue  # links and special files are not shipped
             total += info.st_size
             if total > max_bytes:
-                raise ValueError(f"sync={str(root)!r} holds more than {max_bytes >> 20} MiB; "
-                                 "ship a package directory, not data")
+                raise ValueError(f"sync={str(root)!r} holds more than {max_bytes} bytes "
+                                 f"({max_bytes / (1 << 20):g} MiB); ship a package "
+                                 "directory, not data")
             listing.append((path.relative_to(base).as_posix(), _hash_file(path),
                             stat.S_IMODE(info.st_mode), info.st_size))
     return version_of(listing), listing
@@ -126,21 +127,24 @@ class Store:
         existing = self.tree(version)
         if existing is not None:
             return existing
-        staging = Path(tempfile.mkdtemp(dir=self.trees, prefix=".building-"))
-        for relative, digest, mode, _ in listing:
-            target = staging / check_path(relative)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            source = self.blobs / _safe_hash(digest)
-            if not source.is_file():
-                raise ValueError(f"{relative} was not sent")
-            with open(source, "rb") as src, open(target, "wb") as dst:
-                dst.write(src.read())
-            os.chmod(target, mode & 0o755 | 0o600)
-        try:
-            os.rename(staging, self.trees / version)
-        except OSError:  # another agent on this machine built it meanwhile
-            import shutil
+        import shutil
 
+        staging = Path(tempfile.mkdtemp(dir=self.trees, prefix=".building-"))
+        try:
+            for relative, digest, mode, _ in listing:
+                target = staging / check_path(relative)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                source = self.blobs / _safe_hash(digest)
+                if not source.is_file():
+                    raise ValueError(f"{relative} was not sent")
+                with open(source, "rb") as src, open(target, "wb") as dst:
+                    dst.write(src.read())
+                os.chmod(target, mode & 0o755 | 0o600)
+            os.rename(staging, self.trees / version)
+        except OSError:
+            if self.tree(version) is None:  # not another agent on this machine building it
+                raise
+        finally:
             shutil.rmtree(staging, ignore_errors=True)
         return self.trees / version
 
