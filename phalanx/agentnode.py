@@ -131,6 +131,11 @@ class Session:
     def _from_controller(self) -> bool:
         try:
             frames = self._conn.reader.recv_frames(block=False)
+        except wire.FrameTooLarge as exc:  # say why before hanging up
+            self.reason = f"the controller sent {exc}"
+            self._send(agentwire.request(agentwire.FAULT, 0, f"it refused {exc}"))
+            self._closing = True
+            return False
         except wire.ConnectionLost as exc:
             self.reason = self.reason or f"the controller's connection ended ({exc})"
             self._closing = True

@@ -22,6 +22,8 @@ One authenticated connection per node (:mod:`phalanx.handshake`) carries, as
                          REPLY     (ok, value)                       to a request id
                          OUTPUT    (stream,)                         payload: bytes, rank
                          OUTPUT_END (stream,)                        the rank's stream ended
+                         FAULT     (reason,)                         why it drops the
+                                                                     connection (last)
                          PING                                        no reply
 
 An EXITED from an agent carries the rank's launch (its incarnation) as ``call_id``, so a
@@ -49,6 +51,7 @@ WELCOME = 80
 REPLY = 81
 OUTPUT = 82
 OUTPUT_END = 83
+FAULT = 84
 
 STDOUT, STDERR = 1, 2
 

@@ -300,6 +300,9 @@ class AgentLink(Channel):
                     channel.exited(extra[0])
             elif kind == agentwire.PING or kind == agentwire.WELCOME:
                 pass
+            elif kind == agentwire.FAULT:
+                self.lose(str(extra[0]))
+                return
             else:
                 channel = self._channels.get(rank)
                 if channel is not None:

@@ -346,6 +346,8 @@ def test_a_frame_over_the_agents_limit_loses_the_node_and_the_agent_serves_the_n
             group.call("identity", b"x" * (2 * MIB), timeout=30)
         assert time.monotonic() - started < 3
         assert f"lost node 0 (agent at {agent.address})" in str(info.value)
+        assert "it refused a frame of" in str(info.value)  # the agent said why
+        assert "(the limit is 1048576 bytes)" in str(info.value)
         assert helpers.wait_dead(pid, 5), "the agent kept the dropped controller's rank"
     assert agent.proc.poll() is None
     with group_on(cluster([agent], token_file)) as group:
