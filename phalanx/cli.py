@@ -151,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "backend); --token-file or $PHALANX_TOKEN holds their token")
     run.add_argument("--token-file", metavar="FILE",
                      help="with --hosts: the agents' shared token (default: $PHALANX_TOKEN)")
+    run.add_argument("--sync", metavar="DIR",
+                     help="with --hosts: ship DIR (which holds the script) to every agent "
+                          "first; the ranks run in it")
     run.add_argument("--address", metavar="ADDR",
                      help="with --backend ray: the cluster to join ('auto', 'host:port', "
                           "'ray://...'; default: RAY_ADDRESS, else a local Ray)")
@@ -343,6 +346,7 @@ def _run(parser: argparse.ArgumentParser, options: argparse.Namespace) -> int:
                    if options.hosts else "--backend cluster needs --hosts H:P,...")
                or (None if options.token_file is None or options.hosts else
                    "--token-file is the agents' token: use it with --hosts")
+               or _sync_problem(options)
                or (None if not options.hosts or options.token_file
                    or os.environ.get("PHALANX_TOKEN") else
                    "--hosts needs the agents' token: --token-file FILE or $PHALANX_TOKEN")
@@ -389,6 +393,7 @@ def _run(parser: argparse.ArgumentParser, options: argparse.Namespace) -> int:
         address=options.address,
         hosts=options.hosts,
         token_file=options.token_file,
+        sync=options.sync,
         exit_code=options.exit_code,
         job=job,
     )
@@ -399,6 +404,22 @@ def _run(parser: argparse.ArgumentParser, options: argparse.Namespace) -> int:
     except (PhalanxError, OSError) as exc:  # a missing framework, an unwritable log dir
         parser.exit(1, f"phalanx run: {exc}\n")
     return USAGE_ERROR  # pragma: no cover
+
+
+def _sync_problem(options: argparse.Namespace) -> str | None:
+    """Why ``--sync`` cannot ship the program; None if it can (or is not given)."""
+    if options.sync is None:
+        return None
+    if not options.hosts:
+        return "--sync ships code to the agents: use it with --hosts"
+    if not os.path.isdir(options.sync):
+        return f"--sync {options.sync!r} is not a directory"
+    if options.no_python or options.module:
+        return None  # a command or module found on the ranks' path
+    inside = os.path.relpath(os.path.abspath(options.target), os.path.abspath(options.sync))
+    if inside.startswith(os.pardir + os.sep):
+        return f"--sync {options.sync!r} does not hold the script {options.target!r}"
+    return None
 
 
 def _job(options: argparse.Namespace) -> JobOptions | None:

@@ -139,6 +139,7 @@ class RunOptions:
     exit_code: str = "torchrun"  # or "rank": exit with the failing rank's own status
     hosts: tuple[str, ...] | None = None  # the cluster backend's agents
     token_file: str | None = None  # their token (None: $PHALANX_TOKEN)
+    sync: str | None = None  # the directory shipped to the agents (the script is in it)
     job: Any = None  # a multinode.JobOptions: one launcher per node (None: this one only)
 
 
@@ -260,10 +261,23 @@ def _backend(options: RunOptions) -> Any:
     if options.backend == "cluster":
         from phalanx.backends.cluster import ClusterBackend
 
-        return ClusterBackend(list(options.hosts or ()), token_file=options.token_file)
+        return ClusterBackend(list(options.hosts or ()), token_file=options.token_file,
+                              sync=options.sync)
     from phalanx.backends.local import LocalBackend
 
     return LocalBackend()
+
+
+def _program(options: RunOptions) -> tuple:
+    """ScriptRunner's arguments: the script by its absolute path here, or, when it is
+    shipped (``sync``), by its path inside the shipped tree, where each rank runs."""
+    if options.is_module:
+        return (options.target, options.args, True, options.no_python, None)
+    if options.sync is not None:
+        inside = os.path.relpath(os.path.abspath(options.target), os.path.abspath(options.sync))
+        return (inside, options.args, False, options.no_python, None)
+    return (options.target, options.args, False, options.no_python,
+            os.path.abspath(options.target))
 
 
 def _start(options: RunOptions, restart: int, signals: _Signals, run: _Run,
@@ -303,8 +317,7 @@ def _start(options: RunOptions, restart: int, signals: _Signals, run: _Run,
                      if layout.local_rank_of(r) in options.local_ranks and r - mine.start in shown]
         return WorkerGroup(
             ScriptRunner,
-            args=(options.target, options.args, options.is_module, options.no_python,
-                  None if options.is_module else os.path.abspath(options.target)),
+            args=_program(options),
             nodes=options.nodes if job is None else 1,
             procs_per_node=options.procs_per_node if job is None else len(mine),
             framework=options.framework,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
@@ -42,12 +43,14 @@ def free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
-def start_agent(host: str, port: int, token_file: str, *extra: str) -> subprocess.Popen:
+def start_agent(host: str, port: int, token_file: str, *extra: str,
+                store: str | None = None) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO),
                                                          os.environ.get("PYTHONPATH", "")])}
     return subprocess.Popen(
         [sys.executable, "-m", "phalanx", "agent", "--host", host, "--port", str(port),
-         "--token-file", token_file, "--no-http", "--heartbeat-timeout", "10", *extra],
+         "--token-file", token_file, "--no-http", "--heartbeat-timeout", "10",
+         *(["--store", store] if store else []), *extra],
         env=env, cwd=REPO, stdin=subprocess.DEVNULL)
 
 
@@ -65,8 +68,9 @@ def start(addresses: tuple[str, ...] = ADDRESSES) -> Agents:
     with os.fdopen(fd, "w") as f:
         f.write(token)
     ports = [free_port(host) for host in addresses]
-    procs = [start_agent(host, port, token_file) for host, port in zip(addresses, ports,
-                                                                      strict=True)]
+    store = os.path.join(os.path.dirname(token_file), f"phalanx-store-{os.getpid()}")
+    procs = [start_agent(host, port, token_file, store=store)
+             for host, port in zip(addresses, ports, strict=True)]
     hosts = [f"{host}:{port}" for host, port in zip(addresses, ports, strict=True)]
     deadline = time.monotonic() + START_TIMEOUT
     for host, port in zip(addresses, ports, strict=True):
@@ -104,15 +108,23 @@ def leftovers(agents: Agents, timeout: float = 5.0) -> list[str]:
     return described
 
 
-def stop(agents: Agents) -> None:
-    global running
-    running = None
-    for proc in agents.procs:
-        proc.terminate()
-    for proc in agents.procs:
+def terminate(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every agent still running (each stops what it runs), wait, SIGKILL laggards."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
         try:
             proc.wait(15)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def stop(agents: Agents) -> None:
+    global running
+    running = None
+    terminate(agents.procs)
     os.unlink(agents.token_file)
+    shutil.rmtree(os.path.join(os.path.dirname(agents.token_file),
+                               f"phalanx-store-{os.getpid()}"), ignore_errors=True)

@@ -26,7 +26,7 @@ import pytest
 import phalanx as px
 from phalanx import handshake
 from tests import helpers
-from tests.agentcluster import free_port, listening
+from tests.agentcluster import free_port, listening, terminate
 from tests.workers import Probe
 
 OWN_HOSTS = ("127.0.0.5", "127.0.0.6", "127.0.0.7", "127.0.0.8", "127.0.0.9")
@@ -130,15 +130,7 @@ def agents(token_file):
     try:
         yield start
     finally:
-        for agent in started:
-            if agent.proc.poll() is None:
-                agent.proc.terminate()
-        for agent in started:
-            try:
-                agent.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                agent.proc.kill()
-                agent.proc.wait()
+        terminate([agent.proc for agent in started])
 
 
 def cluster(hosts, token_file: str, **kwargs) -> px.ClusterBackend:

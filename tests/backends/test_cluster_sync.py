@@ -23,7 +23,7 @@ import pytest
 import phalanx as px
 from phalanx import codesync
 from tests import helpers
-from tests.agentcluster import free_port
+from tests.agentcluster import free_port, terminate
 
 MIB = 1 << 20
 
@@ -124,15 +124,7 @@ def agents(token_file, tmp_path):
     try:
         yield start
     finally:
-        for agent in started:
-            if agent.proc.poll() is None:
-                agent.proc.terminate()
-        for agent in started:
-            try:
-                agent.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                agent.proc.kill()
-                agent.proc.wait()
+        terminate([agent.proc for agent in started])
 
 
 @pytest.fixture

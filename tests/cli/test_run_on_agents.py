@@ -31,6 +31,7 @@ def phalanx_run(directory, *args: str, **env: str) -> subprocess.CompletedProces
 @pytest.fixture
 def script(tmp_path):
     (tmp_path / "show.py").write_text(SHOW)
+    (tmp_path / "sub").mkdir()
     return tmp_path
 
 
@@ -59,12 +60,35 @@ def test_nodes_takes_the_first_agents(agent_cluster, script):
     assert "[rank 0] rank 0 of 1 node 0 master 127.0.0.2" in result.stdout
 
 
+def test_sync_ships_the_script_and_the_ranks_run_the_shipped_copy(agent_cluster, tmp_path):
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "helper.py").write_text("ANSWER = 42\n")
+    (code / "job.py").write_text(
+        "import os\nimport helper\n"
+        "print('answer', helper.ANSWER, 'in', os.path.basename(os.path.dirname("
+        "os.path.dirname(helper.__file__))), 'version', os.environ['PHALANX_CODE_VERSION'],"
+        " flush=True)\n")
+    result = phalanx_run(tmp_path, "--hosts", ",".join(agent_cluster.hosts[:2]),
+                         "--no-collapse", "--sync", "code", "code/job.py",
+                         PHALANX_TOKEN=agent_cluster.token)
+    assert result.returncode == 0, result.stderr
+    from phalanx.codesync import scan
+
+    version = scan(code)[0]
+    assert sorted(line for line in result.stdout.splitlines() if "answer" in line) == [
+        f"[rank {r}] answer 42 in trees version {version}" for r in range(2)]
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--hosts", "127.0.0.2"], "hosts entries must be 'host:port', got '127.0.0.2'"),
     (["--backend", "cluster"], "--backend cluster needs --hosts H:P,..."),
     (["--hosts", "127.0.0.2:1", "--backend", "ray"], "--hosts names phalanx agents"),
     (["--token-file", "token"], "--token-file is the agents' token: use it with --hosts"),
     (["--hosts", "127.0.0.2:1", "--nnodes", "2"], "one launcher drives every node"),
+    (["--sync", "."], "--sync ships code to the agents: use it with --hosts"),
+    (["--hosts", "127.0.0.2:1", "--sync", "nowhere"], "--sync 'nowhere' is not a directory"),
+    (["--hosts", "127.0.0.2:1", "--sync", "sub"], "--sync 'sub' does not hold the script"),
 ])
 def test_bad_cluster_options_are_refused_before_anything_starts(script, args, message):
     result = phalanx_run(script, *args, "show.py", PHALANX_TOKEN="x" * 32)
