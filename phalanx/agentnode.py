@@ -87,7 +87,8 @@ class Session:
         self._watch(self._conn.read_fd, "controller", None)
         self._watch(self._wake.fd, "wake", None)
         heard = time.monotonic()
-        interval = max(0.05, min(5.0, self._heartbeat_timeout / 5))
+        # a sign of life every second: a controller may judge silence after two
+        interval = max(0.05, min(1.0, self._heartbeat_timeout / 5))
         next_ping = heard + interval
         try:
             while not self._closing:

@@ -91,6 +91,9 @@ class ClusterBackend(Backend):
         if not quorum_timeout > 0:
             raise ValueError(f"quorum_timeout must be > 0 seconds, got {quorum_timeout!r}")
         self.quorum_timeout = quorum_timeout
+        if not (isinstance(heartbeat_timeout, (int, float)) and heartbeat_timeout >= 2):
+            raise ValueError(f"heartbeat_timeout must be at least 2 seconds (agents send a "
+                             f"sign of life every second), got {heartbeat_timeout!r}")
         self.heartbeat_timeout = heartbeat_timeout
         self.max_frame = max_frame
         self.tls = tls
