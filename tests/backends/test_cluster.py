@@ -448,6 +448,27 @@ def test_a_payload_for_every_rank_crosses_once_per_node(agents, token_file):
 # --------------------------------------------------------------------------- 9. heartbeat
 
 
+def test_a_silent_node_fails_its_calls_within_the_heartbeat_timeout(agents, token_file):
+    agent = agents("127.0.0.7")
+    with group_on(cluster([agent], token_file, heartbeat_timeout=2)) as group:
+        future = group.call_async("sleep", 30)
+        os.kill(agent.proc.pid, signal.SIGSTOP)  # the node freezes: no EOF, only silence
+        try:
+            started = time.monotonic()
+            with pytest.raises(px.WorkerDied, match=r"lost node 0 .*silent for"):
+                future.result(timeout=10)
+            assert time.monotonic() - started < 4
+        finally:
+            os.kill(agent.proc.pid, signal.SIGCONT)
+
+
+def test_an_idle_node_is_not_taken_for_a_silent_one(agents, token_file):
+    agent = agents("127.0.0.7")
+    with group_on(cluster([agent], token_file, heartbeat_timeout=2)) as group:
+        time.sleep(3)  # no call: only the agent's signs of life cross
+        assert group.call("rank") == [0]
+
+
 def test_a_silent_controller_is_dropped_after_the_heartbeat_timeout(agents, token):
     agent = agents("127.0.0.9", heartbeat_timeout=1)
     with socket.create_connection((agent.host, agent.port), timeout=5) as sock:
