@@ -77,6 +77,7 @@ class Dispatcher:
     def __init__(self, on_death: Callable[[Slot], None] | None = None) -> None:
         # epoll: waiting costs the same however many workers the group has.
         self._poller = select.epoll() if hasattr(select, "epoll") else select.poll()
+        self._fd_lock = threading.Lock()  # watch/unwatch: the map and the poller agree
         self._by_fd: dict[int, Channel] = {}
         self._by_rank: dict[int, Slot] = {}
         self._cond = threading.Condition(threading.Lock())
@@ -101,15 +102,25 @@ class Dispatcher:
     # -- the sink channels deliver to (any thread) ------------------------------------
 
     def watch(self, fd: int, channel: Channel) -> None:
-        self._by_fd[fd] = channel
-        try:
-            self._poller.register(fd, select.POLLIN)
-        except FileExistsError:  # the number of a descriptor closed without unwatch()
-            self._poller.modify(fd, select.POLLIN)
+        with self._fd_lock:
+            self._by_fd[fd] = channel
+            try:
+                self._poller.register(fd, select.POLLIN)
+            except FileExistsError:  # the number of a descriptor closed without unwatch()
+                self._poller.modify(fd, select.POLLIN)
         self._wakeup.wake()  # a leader blocked in poll() must pick up the new descriptor
 
-    def unwatch(self, fd: int) -> None:
-        if self._by_fd.pop(fd, None) is not None and not self._released:
+    def unwatch(self, fd: int, channel: Channel | None = None) -> None:
+        """Stop watching ``fd`` -- only if ``channel`` (when given) still owns it: once a
+        channel closed its descriptor, the number may already belong to a new channel's,
+        which a late unwatch must not take away (a rank that would never be heard)."""
+        with self._fd_lock:
+            current = self._by_fd.get(fd)
+            if current is None or (channel is not None and current is not channel):
+                return
+            del self._by_fd[fd]
+            if self._released:
+                return
             try:
                 self._poller.unregister(fd)
             except (KeyError, OSError, ValueError):

@@ -356,7 +356,7 @@ class AgentLink(Channel):
         for channel in channels:
             channel.exited(None, f"lost {self.where}: {reason}")
         if sink is not None:
-            sink.unwatch(self._conn.read_fd)
+            sink.unwatch(self._conn.read_fd, self)
         self._conn.close()
 
     # -- the Channel interface a link needs no part of ----------------------------------
@@ -374,7 +374,7 @@ class AgentLink(Channel):
             sink, self._sink = self._sink, None
             self._handing_over = True
         if sink is not None:
-            sink.unwatch(self._conn.read_fd)
+            sink.unwatch(self._conn.read_fd, self)
         self._wake.wake()
         self._conn.close()
         if self._reader.is_alive() and self._reader is not threading.current_thread():

@@ -50,8 +50,8 @@ class EventSink(Protocol):
     def watch(self, fd: int, channel: Channel) -> None:
         """Call ``channel.receive(fd)`` whenever ``fd`` is readable."""
 
-    def unwatch(self, fd: int) -> None:
-        """Stop watching ``fd`` (before it is closed)."""
+    def unwatch(self, fd: int, channel: Channel | None = None) -> None:
+        """Stop watching ``fd`` (before it is closed), if ``channel`` still owns it."""
 
     def post(self, channel: Channel, events: list[list[Any]]) -> None:
         """Deliver events from another thread (a watcher's EXITED)."""

@@ -88,9 +88,12 @@ class LocalChannel(Channel):
         return frames
 
     def _unwatch(self, fd: int) -> None:
-        if fd in self._watched and self._sink is not None:
+        try:  # atomic: the pump (a death) and close() may both get here
             self._watched.remove(fd)
-            self._sink.unwatch(fd)
+        except ValueError:
+            return
+        if self._sink is not None:
+            self._sink.unwatch(fd, self)
 
     def _bury_later(self) -> None:
         with self._lock:

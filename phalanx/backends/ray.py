@@ -183,7 +183,7 @@ class RayChannel(Channel):
                 return
             self._buried = True
             if self._conn is not None and self._sink is not None:
-                self._sink.unwatch(self._conn.read_fd)
+                self._sink.unwatch(self._conn.read_fd, self)
         threading.Thread(target=self._bury, args=(wait_for_reason,),
                          name=f"phalanx-bury-{self.rank}", daemon=True).start()
 
@@ -246,7 +246,7 @@ class RayChannel(Channel):
             outputs, self._outputs = self._outputs, {}
         if conn is not None:
             if self._sink is not None:
-                self._sink.unwatch(conn.read_fd)
+                self._sink.unwatch(conn.read_fd, self)
             conn.close()
         if self._tap is None:
             for fd in outputs.values():
