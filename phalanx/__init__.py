@@ -2,16 +2,18 @@
 
 Layers (a module imports only from layers below its own)::
 
-    api        __init__ (this file), cli, launch, spmd, group, meshcalls, streaming, watch,
-               lifecycle, methods
+    api        __init__ (this file), cli, launch, multinode, jobhost, k8s, spmd, group,
+               meshcalls, streaming, watch, lifecycle, methods
     runtime    startup, dispatch, futures, watchdog, backends/* (base: the
                node-level boundary; local; ray, ray_actor, ray_session; ray_placement is
-               pure), node, supervisor (the node supervisor and its per-rank keepers),
-               proctree, stacks, logs, placement, worker, bootstrap, debug
-    protocol   protocol (the messages), handshake (proving the group's secret)
-    transport  wire (framing, serialisation), streams (pipes, sockets)
+               pure; cluster, agentlink), agent, agentnode, agenthttp, codesync, node,
+               supervisor (the node supervisor and its per-rank keepers), proctree,
+               stacks, logs, placement, worker, bootstrap, debug
+    protocol   protocol (the messages), agentwire (the agents' own), handshake (proving
+               a shared secret)
+    transport  wire (framing, serialisation), streams (pipes, sockets, TLS)
     pure       errors, config, options, frameworks, elastic, selection, sharding, collapse, dumps,
-               console
+               console, runflags, runreport, roster
 
 The pure layer does no process or socket I/O and is tested without spawning anything.
 """
