@@ -38,7 +38,7 @@ from phalanx.placement import visible_gpus
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PORT = 32300
+DEFAULT_PORT = config.AGENT_PORT
 TOKEN_ENV = "PHALANX_TOKEN"
 MIN_TOKEN = 16  # bytes: a shorter shared secret is refused
 

@@ -28,7 +28,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from phalanx import agentwire, codesync, config, handshake, protocol, streams, wire
+from phalanx import agentwire, codesync, config, dnsquery, handshake, protocol, streams, wire
 from phalanx.backends.agentlink import (
     CONNECT_RETRY,
     REQUEST_TIMEOUT,
@@ -47,27 +47,44 @@ logger = logging.getLogger(__name__)
 class ClusterBackend(Backend):
     """Ranks on nodes served by ``phalanx agent`` (see the module's docstring).
 
-    ``hosts``: ``"host:port"`` of each agent. ``token`` (or ``token_file``, or
-    ``$PHALANX_TOKEN``): the shared secret the agents were started with. ``quorum``: how
-    many agents must answer before the group starts (default: all); ``quorum_timeout``:
-    how long to wait for them. ``heartbeat_timeout``: a node silent this long is lost.
-    ``max_frame``: the largest frame accepted from an agent.
+    ``hosts``: ``"host:port"`` of each agent; or ``dns``: a name whose A/AAAA records are
+    the agents (a Kubernetes headless Service), all on ``port``, resolved by the system or
+    by ``nameserver="host:port"``, and waited for until ``quorum`` of them (default: one)
+    are listed. ``token`` (or ``token_file``, or ``$PHALANX_TOKEN``): the shared secret the
+    agents were started with. ``quorum``: how many agents must answer before the group
+    starts (default: all listed); ``quorum_timeout``: how long to wait for them.
+    ``heartbeat_timeout``: a node silent this long is lost. ``max_frame``: the largest frame
+    accepted from an agent. ``tls``: True, a CA file or an ``ssl.SSLContext``. ``sync``: a
+    directory shipped to every node before ranks start (``group.reload()`` re-ships it).
     """
 
     name = "cluster"
     shared_links = True
 
-    def __init__(self, hosts: Sequence[str], token: str | bytes | None = None, *,
+    def __init__(self, hosts: Sequence[str] | None = None, token: str | bytes | None = None,
+                 *, dns: str | None = None, port: int = config.AGENT_PORT,
+                 nameserver: str | None = None,
                  token_file: str | None = None, quorum: int | None = None,
                  quorum_timeout: float = 300.0,
                  heartbeat_timeout: float = config.DEFAULT_HEARTBEAT_TIMEOUT,
                  max_frame: int = 1 << 30, tls: bool | str | ssl.SSLContext | None = None,
                  sync: str | os.PathLike[str] | None = None) -> None:
-        if isinstance(hosts, str) or not hosts:
+        if (hosts is None) == (dns is None):
+            raise ValueError("give the agents as hosts=['host:port', ...] or dns='name' "
+                             "(one of the two)")
+        self.dns, self.port, self.nameserver = dns, port, nameserver
+        self.hosts: list[str] = []
+        if dns is not None:
+            dnsquery.build_query(dns, dnsquery.A, 0)  # a ValueError for a malformed name
+            parse_host(f"agents:{port}")  # a ValueError naming a bad port
+            if nameserver is not None:
+                parse_host(nameserver)
+        elif isinstance(hosts, str) or not hosts:
             raise ValueError(f"hosts must be a non-empty list of 'host:port', got {hosts!r}")
-        self.hosts = [f"{h}:{p}" for h, p in map(parse_host, hosts)]
-        if len(set(self.hosts)) != len(self.hosts):
-            raise ValueError(f"hosts lists an agent twice: {self.hosts}")
+        else:
+            self.hosts = [f"{h}:{p}" for h, p in map(parse_host, hosts)]
+            if len(set(self.hosts)) != len(self.hosts):
+                raise ValueError(f"hosts lists an agent twice: {self.hosts}")
         if token is not None and token_file is not None:
             raise ValueError("give token or token_file, not both")
         from phalanx.agent import MIN_TOKEN, TOKEN_ENV, read_token
@@ -85,8 +102,11 @@ class ClusterBackend(Backend):
         else:
             raise ValueError(f"ClusterBackend needs the agents' token: token=..., "
                              f"token_file=... or ${TOKEN_ENV}")
-        if quorum is not None and not (isinstance(quorum, int) and 1 <= quorum <= len(hosts)):
-            raise ValueError(f"quorum must be an integer in 1..{len(hosts)}, got {quorum!r}")
+        most = len(self.hosts) if dns is None else 1 << 20
+        if quorum is not None and not (isinstance(quorum, int) and 1 <= quorum <= most):
+            raise ValueError(f"quorum must be an integer in 1..{len(self.hosts)}, got "
+                             f"{quorum!r}" if dns is None else
+                             f"quorum must be a positive integer, got {quorum!r}")
         self.quorum = quorum
         if not quorum_timeout > 0:
             raise ValueError(f"quorum_timeout must be > 0 seconds, got {quorum_timeout!r}")
@@ -107,7 +127,9 @@ class ClusterBackend(Backend):
         self._stopping = threading.Event()
 
     def __repr__(self) -> str:
-        parts = [repr(self.hosts)]
+        parts = [repr(self.hosts)] if self.dns is None else [
+            f"dns={self.dns!r}", f"port={self.port}"] + (
+            [f"nameserver={self.nameserver!r}"] if self.nameserver else [])
         if self.token is not None:
             parts.append("token=<hidden>")
         elif self.token_file is not None:
@@ -120,7 +142,9 @@ class ClusterBackend(Backend):
         return self.name
 
     def settings(self) -> dict[str, Any]:
-        return {"hosts": list(self.hosts), "token": self.token, "token_file": self.token_file,
+        where = ({"hosts": list(self.hosts)} if self.dns is None else
+                 {"dns": self.dns, "port": self.port, "nameserver": self.nameserver})
+        return {**where, "token": self.token, "token_file": self.token_file,
                 "quorum": self.quorum, "quorum_timeout": self.quorum_timeout,
                 "heartbeat_timeout": self.heartbeat_timeout, "max_frame": self.max_frame,
                 "tls": self.tls, "sync": self.sync}
@@ -131,7 +155,10 @@ class ClusterBackend(Backend):
         self._writer = wire.BacklogWriter("phalanx-cluster-writer")
         self._logs = LogPump(output)
         try:
-            self._links = self._connect_quorum()
+            deadline = time.monotonic() + self.quorum_timeout
+            if self.dns is not None:
+                self.hosts = self._resolve_quorum(deadline)
+            self._links = self._connect_quorum(deadline)
         except BaseException:
             self.close()
             raise
@@ -147,9 +174,27 @@ class ClusterBackend(Backend):
         threading.Thread(target=self._heartbeats, name="phalanx-cluster-heartbeat",
                          daemon=True).start()
 
-    def _connect_quorum(self) -> list[AgentLink]:
+    def _resolve_quorum(self, deadline: float) -> list[str]:
+        """The agents the DNS name lists, once at least ``quorum`` of them (default: one)
+        do; QuorumTimeout naming the name and what it resolved to otherwise."""
+        wanted = self.quorum or 1
+        found: list[str] = []
+        problem = "no address"
+        while True:
+            try:
+                found = dnsquery.resolve(self.dns, self.nameserver)  # type: ignore[arg-type]
+                problem = f"{len(found)} address(es): {', '.join(found) or 'none'}"
+            except dnsquery.DNSError as exc:
+                problem = str(exc)
+            if len(found) >= wanted or time.monotonic() >= deadline:
+                break
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+        if len(found) < wanted:
+            raise QuorumTimeout(wanted, [], {f"{self.dns} (DNS)": problem}, self.quorum_timeout)
+        return [f"[{a}]:{self.port}" if ":" in a else f"{a}:{self.port}" for a in found]
+
+    def _connect_quorum(self, deadline: float) -> list[AgentLink]:
         wanted = self.quorum or len(self.hosts)
-        deadline = time.monotonic() + self.quorum_timeout
         answered: dict[int, tuple[socket.socket, dict[str, Any]]] = {}
         errors: dict[int, str] = {}
         failure: list[BaseException] = []
