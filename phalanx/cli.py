@@ -149,6 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--hosts", type=_hosts, metavar="H:P,...",
                      help="the phalanx agents to run on, one node each (the cluster "
                           "backend); --token-file or $PHALANX_TOKEN holds their token")
+    run.add_argument("--dns", metavar="NAME",
+                     help="instead of --hosts: the agents behind this DNS name (a headless "
+                          "Service), all on --agent-port")
+    run.add_argument("--agent-port", type=_port, default=None, metavar="PORT",
+                     help="with --dns: the agents' port (default: 32300)")
+    run.add_argument("--nameserver", metavar="H:P",
+                     help="with --dns: ask this DNS server (default: the system's resolver)")
     run.add_argument("--token-file", metavar="FILE",
                      help="with --hosts: the agents' shared token (default: $PHALANX_TOKEN)")
     run.add_argument("--sync", metavar="DIR",
@@ -338,18 +345,29 @@ def _run(parser: argparse.ArgumentParser, options: argparse.Namespace) -> int:
     from phalanx.placement import visible_gpus
 
     no_python = options.no_python and not options.run_path  # --run-path wins, as in torchrun
-    backend = options.backend or ("cluster" if options.hosts else "local")
-    nodes = options.nodes or (len(options.hosts) if options.hosts else 1)
+    agents = bool(options.hosts or options.dns)
+    backend = options.backend or ("cluster" if agents else "local")
     problem = (_check_target(options.target, options.module, no_python)
-               or (None if (backend == "cluster") == bool(options.hosts) else
+               or (None if not (options.hosts and options.dns) else
+                   "--hosts and --dns both name the agents: give one")
+               or (None if (backend == "cluster") == agents else
                    "--hosts names phalanx agents: use it with --backend cluster (or alone)"
-                   if options.hosts else "--backend cluster needs --hosts H:P,...")
-               or (None if options.token_file is None or options.hosts else
+                   if agents else "--backend cluster needs --hosts H:P,... or --dns NAME")
+               or (None if options.dns or (options.agent_port is None
+                                           and options.nameserver is None) else
+                   "--agent-port and --nameserver go with --dns")
+               or (None if options.token_file is None or agents else
                    "--token-file is the agents' token: use it with --hosts")
                or _sync_problem(options)
-               or (None if not options.hosts or options.token_file
+               or (None if not agents or options.token_file
                    or os.environ.get("PHALANX_TOKEN") else
-                   "--hosts needs the agents' token: --token-file FILE or $PHALANX_TOKEN")
+                   "--hosts needs the agents' token: --token-file FILE or $PHALANX_TOKEN"))
+    nodes = options.nodes or 1
+    if problem is None and options.hosts and not options.nodes:
+        nodes = len(options.hosts)
+    elif problem is None and options.dns and not options.nodes:
+        nodes, problem = _dns_nodes(options)
+    problem = (problem
                or (None if options.address is None or backend == "ray" else
                    "--address names a Ray cluster: use it with --backend ray")
                or (None if options.rdzv_backend in runflags.RDZV_BACKENDS else
@@ -392,6 +410,9 @@ def _run(parser: argparse.ArgumentParser, options: argparse.Namespace) -> int:
         backend=backend,
         address=options.address,
         hosts=options.hosts,
+        dns=options.dns,
+        agent_port=options.agent_port,
+        nameserver=options.nameserver,
         token_file=options.token_file,
         sync=options.sync,
         exit_code=options.exit_code,
@@ -406,11 +427,24 @@ def _run(parser: argparse.ArgumentParser, options: argparse.Namespace) -> int:
     return USAGE_ERROR  # pragma: no cover
 
 
+def _dns_nodes(options: argparse.Namespace) -> tuple[int, str | None]:
+    """With ``--dns`` and no ``--nodes``: one node per agent the name lists now."""
+    from phalanx import dnsquery
+
+    try:
+        found = dnsquery.resolve(options.dns, options.nameserver)
+    except (dnsquery.DNSError, ValueError) as exc:
+        return 1, f"--dns {options.dns}: {exc}"
+    if not found:
+        return 1, f"--dns {options.dns} lists no agent yet: wait for it, or give --nodes N"
+    return len(found), None
+
+
 def _sync_problem(options: argparse.Namespace) -> str | None:
     """Why ``--sync`` cannot ship the program; None if it can (or is not given)."""
     if options.sync is None:
         return None
-    if not options.hosts:
+    if not (options.hosts or options.dns):
         return "--sync ships code to the agents: use it with --hosts"
     if not os.path.isdir(options.sync):
         return f"--sync {options.sync!r} is not a directory"

@@ -140,6 +140,9 @@ class RunOptions:
     hosts: tuple[str, ...] | None = None  # the cluster backend's agents
     token_file: str | None = None  # their token (None: $PHALANX_TOKEN)
     sync: str | None = None  # the directory shipped to the agents (the script is in it)
+    dns: str | None = None  # the agents behind a DNS name (instead of hosts)
+    agent_port: int | None = None
+    nameserver: str | None = None
     job: Any = None  # a multinode.JobOptions: one launcher per node (None: this one only)
 
 
@@ -261,6 +264,10 @@ def _backend(options: RunOptions) -> Any:
     if options.backend == "cluster":
         from phalanx.backends.cluster import ClusterBackend
 
+        if options.dns is not None:
+            return ClusterBackend(dns=options.dns, port=options.agent_port or config.AGENT_PORT,
+                                  nameserver=options.nameserver, quorum=options.nodes,
+                                  token_file=options.token_file, sync=options.sync)
         return ClusterBackend(list(options.hosts or ()), token_file=options.token_file,
                               sync=options.sync)
     from phalanx.backends.local import LocalBackend

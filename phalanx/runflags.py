@@ -219,7 +219,7 @@ def _port(text: str, whole: str) -> int:
 def several_nodes_problem(options: argparse.Namespace, nnodes: tuple[int, int]) -> str | None:
     """Why one launcher per node cannot run with these options; None if it can."""
     low, high = nnodes
-    if (options.backend or "local") != "local" or options.hosts:
+    if (options.backend or "local") != "local" or options.hosts or options.dns:
         return ("--nnodes: with --backend ray or --hosts one launcher drives every node; use "
                 "--nodes K instead")
     if options.nodes not in (None, 1):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -21,6 +22,7 @@ dnslib = pytest.importorskip("dnslib", reason="the DNS tests need dnslib (pip in
 from dnslib.server import DNSServer  # noqa: E402
 
 NAME = "agents.ml.svc.cluster.local"
+RUN = [sys.executable, "-m", "phalanx", "run"]
 HOSTS = ("127.0.0.5", "127.0.0.6", "127.0.0.7")
 
 
@@ -161,3 +163,27 @@ def test_dns_or_hosts_but_not_both():
         px.ClusterBackend(token="t" * 32)
     with pytest.raises(ValueError, match="not a DNS name"):
         px.ClusterBackend(dns="", token="t" * 32)
+
+
+def test_phalanx_run_finds_its_agents_by_dns(dns, agents, tmp_path):
+    records, server = dns
+    port = agents(*HOSTS[:2])
+    records.addresses[NAME] = list(HOSTS[:2])
+    (tmp_path / "show.py").write_text(
+        "import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n")
+    done = subprocess.run(
+        [*RUN, "--dns", NAME, "--agent-port", str(port), "--nameserver", server,
+         "--token-file", agents.token_file, "--no-collapse", "-n", "2", "show.py"],
+        cwd=tmp_path, env=helpers.script_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert sorted(line for line in done.stdout.splitlines() if " of 4" in line) == [
+        f"[rank {r}] rank {r} of 4" for r in range(4)]
+
+
+def test_phalanx_run_refuses_hosts_and_dns_together(tmp_path):
+    (tmp_path / "show.py").write_text("pass\n")
+    done = subprocess.run([*RUN, "--hosts", "127.0.0.5:1", "--dns", NAME, "show.py"],
+                          cwd=tmp_path, env={**helpers.script_env(), "PHALANX_TOKEN": "t" * 32},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "--hosts and --dns both name the agents: give one" in done.stderr
