@@ -450,8 +450,9 @@ def _sync_problem(options: argparse.Namespace) -> str | None:
         return f"--sync {options.sync!r} is not a directory"
     if options.no_python or options.module:
         return None  # a command or module found on the ranks' path
-    inside = os.path.relpath(os.path.abspath(options.target), os.path.abspath(options.sync))
-    if inside.startswith(os.pardir + os.sep):
+    from phalanx.launch import path_in_tree
+
+    if path_in_tree(options.target, options.sync) is None:
         return f"--sync {options.sync!r} does not hold the script {options.target!r}"
     return None
 

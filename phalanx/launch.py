@@ -275,14 +275,23 @@ def _backend(options: RunOptions) -> Any:
     return LocalBackend()
 
 
+def path_in_tree(target: str, root: str) -> str | None:
+    """``target``'s path relative to the directory ``root``; None if it lies outside."""
+    inside = os.path.relpath(os.path.abspath(target), os.path.abspath(root))
+    return None if inside == os.pardir or inside.startswith(os.pardir + os.sep) else inside
+
+
 def _program(options: RunOptions) -> tuple:
     """ScriptRunner's arguments: the script by its absolute path here, or, when it is
-    shipped (``sync``), by its path inside the shipped tree, where each rank runs."""
+    shipped (``sync``), by its path inside the shipped tree, where each rank runs (a
+    ``--no-python`` command outside the tree is left as given: found on the ranks' PATH)."""
     if options.is_module:
         return (options.target, options.args, True, options.no_python, None)
     if options.sync is not None:
-        inside = os.path.relpath(os.path.abspath(options.target), os.path.abspath(options.sync))
-        return (inside, options.args, False, options.no_python, None)
+        inside = path_in_tree(options.target, options.sync)
+        if inside is not None or not options.no_python:
+            return (inside, options.args, False, options.no_python, None)
+        return (options.target, options.args, False, True, None)
     return (options.target, options.args, False, options.no_python,
             os.path.abspath(options.target))
 
