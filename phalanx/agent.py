@@ -146,7 +146,8 @@ class Agent:
             sock.close()
             return
         session = Session(sock, heartbeat_timeout=self._heartbeat_timeout,
-                          max_frame=self._max_frame, counters=self._count, store=self._store)
+                          max_frame=self._max_frame, counters=self._count, store=self._store,
+                          secret=self._token)
         with self._lock:
             if self._stopping.is_set():
                 sock.close()

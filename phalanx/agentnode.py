@@ -14,6 +14,14 @@ a rank starts kept below it -- and one thread relays between them and the contro
 Requests that wait (STOP, STACKS, WAIT) run on short threads so the relay never stalls. A
 controller whose connection ends, or that stays silent past ``heartbeat_timeout``, is gone:
 every rank of its session is stopped, with everything those ranks started.
+
+In a tree (:mod:`phalanx.agenttree`) the session also holds its children's connections: a
+node's request for another node goes to the child whose subtree holds it, a rank's message
+to the children whose subtrees hold its ranks (the payload once per child, the header
+naming that subtree's ranks), and whatever a child sends comes up unchanged -- results in
+the pass that reads them, so a failure anywhere reaches the controller at once. A child
+lost (its connection ended, or silent past ``heartbeat_timeout``) is reported up as LOST
+with every node of its subtree; those below it see their upstream go and stop their ranks.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from phalanx import agentwire, codesync, config, node, protocol, streams, wire
+from phalanx import agenttree, agentwire, codesync, config, node, protocol, streams, wire
 from phalanx.frameworks import merge_env
 from phalanx.placement import pick_free_ports
 from phalanx.stacks import StackFile
@@ -51,12 +59,21 @@ class _Rank:
         self.counted = False  # in the agent's ranks_alive
 
 
+class _Child:
+    """A child of this node in a tree: its connection and the nodes of its subtree."""
+
+    def __init__(self, joined: agenttree.Joined, conn: wire.Connection, ids: list[int]) -> None:
+        self.where = f"{joined.host}:{joined.port}"
+        self.conn, self.ids = conn, ids
+        self.heard = time.monotonic()
+
+
 class Session:
     """The node side of one controller's group (run :meth:`serve` on a thread)."""
 
     def __init__(self, sock: socket.socket, *, heartbeat_timeout: float, max_frame: int,
                  counters: Callable[[str, float], None], cwd: str | None = None,
-                 store: codesync.Store | None = None) -> None:
+                 store: codesync.Store | None = None, secret: bytes | None = None) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.address = sock.getsockname()[0]  # where the controller reached this node
         self._writer = wire.BacklogWriter("phalanx-agent-writer")
@@ -78,6 +95,12 @@ class Session:
         self._dying: list[_Rank] = []  # ended, their EXITED not sent yet
         self.ended = threading.Event()
         self.reason = ""
+        self._secret = secret  # to reach children (a tree)
+        self.tree_id = 0  # this node's id in a tree (0: none)
+        self._children: list[_Child] = []
+        self._adopted: list[_Child] = []  # from the ADOPT request, to register
+        self._node_route: dict[int, _Child] = {}  # tree node -> the child it is below
+        self._rank_route: dict[int, _Child] = {}  # rank -> the child it is below
 
     # -- the relay loop ---------------------------------------------------------------
 
@@ -99,6 +122,8 @@ class Session:
                 if now >= next_ping:
                     self._send(agentwire.ping())
                     next_ping = now + interval
+                    if self._children:
+                        self._check_children(now)
                 wait = min(next_ping, heard + self._heartbeat_timeout) - now
                 if self._dying:
                     wait = min(wait, min(r.exit_by for r in self._dying) - now)
@@ -117,8 +142,12 @@ class Session:
                         self._output(fd, rank)  # type: ignore[arg-type]
                     elif what == "death":
                         self._died(rank)  # type: ignore[arg-type]
+                    elif what == "child":
+                        self._from_child(rank)  # type: ignore[arg-type]
                 if self._launched:
                     self._register_launched()
+                if self._adopted:
+                    self._register_children()
                 if self._dying:
                     self._report_deaths()
                 if self._outbox:
@@ -143,11 +172,18 @@ class Session:
             return False
         self._count("received_bytes_total",
                     sum(memoryview(s).nbytes for segs in frames for s in segs))
+        if self._adopted:
+            self._register_children()
         for segs in frames:
             kind, call_id, ranks, extra = protocol.parse(segs[0])
             if agentwire.is_node_message(kind):
-                self._request(kind, call_id, extra, segs[1:])
+                if ranks[0] and ranks[0] != self.tree_id:
+                    self._route_down(ranks[0], kind, call_id, extra, segs)
+                else:
+                    self._request(kind, call_id, extra, segs[1:])
                 continue
+            if self._rank_route:
+                ranks = self._hand_down(ranks, segs)
             if kind in (protocol.CALL, protocol.CALL_STREAM):
                 self._count("calls_total", len(ranks))
             # a rank reads a call or a shutdown for several ranks as its own: same bytes
@@ -165,6 +201,115 @@ class Session:
                 except wire.ConnectionLost:
                     pass  # its death is reported from the status pipe
         return True
+
+    # -- a tree ---------------------------------------------------------------------------
+
+    def _route_down(self, dest: int, kind: int, request_id: int, fields: tuple,
+                    segs: list[Any]) -> None:
+        """A node's request for node ``dest`` of this subtree: to the child above it."""
+        child = self._node_route.get(dest)
+        if child is None:
+            if request_id and kind != agentwire.SIGNAL:
+                self._send(agentwire.reply(request_id, False, f"tree node {dest} cannot be "
+                                           f"reached through this agent (lost)"))
+            return
+        if kind == agentwire.LAUNCH:
+            for start in fields[0]:
+                self._rank_route[start[0]] = child
+        self._to_child(child, wire.frame(list(segs)))
+
+    def _hand_down(self, ranks: tuple[int, ...], segs: list[Any]) -> tuple[int, ...]:
+        """Send a rank message on to the children holding some of ``ranks`` (once each,
+        naming theirs); the ranks left for this node."""
+        own: list[int] = []
+        below: dict[_Child, list[int]] = {}
+        route = self._rank_route
+        for rank in ranks:
+            child = route.get(rank)
+            if child is None:
+                own.append(rank)
+            else:
+                below.setdefault(child, []).append(rank)
+        for child, theirs in below.items():
+            head = segs[0] if len(theirs) == len(ranks) else protocol.retarget(segs[0], theirs)
+            self._to_child(child, wire.frame([head, *segs[1:]]))
+        return tuple(own)
+
+    def _to_child(self, child: _Child, frame: list[Any]) -> None:
+        try:
+            child.conn.send(frame)
+        except wire.ConnectionLost as exc:
+            self._lose_child(child, f"its connection failed ({exc})")
+
+    def _from_child(self, child: _Child) -> None:
+        try:
+            frames = child.conn.reader.recv_frames(block=False)
+        except wire.ConnectionLost as exc:
+            self._lose_child(child, f"its connection ended ({exc})")
+            return
+        child.heard = time.monotonic()
+        for segs in frames:
+            kind = segs[0][0]
+            if kind == agentwire.PING or kind == agentwire.WELCOME:
+                continue
+            if kind == agentwire.FAULT:
+                self._lose_child(child, str(protocol.parse(segs[0])[3][0]))
+                return
+            self._queue(wire.frame(list(segs)))
+
+    def _check_children(self, now: float) -> None:
+        for child in list(self._children):
+            if now - child.heard > self._heartbeat_timeout:
+                self._lose_child(child, f"it was silent for {now - child.heard:.0f} s")
+            else:
+                self._to_child(child, agentwire.ping())
+
+    def _lose_child(self, child: _Child, reason: str) -> None:
+        """A child is gone: its whole subtree is, for the controller (relay thread only)."""
+        if child not in self._children:
+            return
+        self._children.remove(child)
+        self._unwatch(child.conn.read_fd)
+        child.conn.close()
+        for tree_id in child.ids:
+            self._node_route.pop(tree_id, None)
+        for rank in [r for r, c in self._rank_route.items() if c is child]:
+            del self._rank_route[rank]
+        logger.warning("lost the agent at %s (and %d node(s) below it): %s", child.where,
+                       len(child.ids) - 1, reason)
+        self._queue(agentwire.lost(child.ids, f"lost the agent at {child.where}: {reason}"))
+
+    def _register_children(self) -> None:
+        with self._lock:
+            adopted, self._adopted = self._adopted, []
+        for child in adopted:
+            self._children.append(child)
+            for tree_id in child.ids:
+                self._node_route[tree_id] = child
+            self._watch(child.conn.read_fd, "child", child)  # type: ignore[arg-type]
+
+    def _adopt(self, own_id: int, entries: list, fanout: int, timeout: float,
+               payload: list[Any]) -> dict[str, Any]:
+        """Become node ``own_id`` of a tree and adopt ``entries`` below it."""
+        if self._secret is None:
+            raise RuntimeError("this agent cannot reach other agents (it has no token)")
+        self.tree_id = own_id
+
+        def connect(host: str, port: int, timeout: float) -> agenttree.Joined:
+            return agenttree.connect_agent(host, port, self._secret, None,  # type: ignore[arg-type]
+                                           timeout)
+
+        formation = agenttree.form([tuple(e) for e in entries], fanout, connect,
+                                   time.monotonic() + timeout)
+        children = [_Child(h.joined, h.joined.connection(self._writer), h.ids)
+                    for h in formation.heads]
+        with self._lock:  # registered by the relay before it reads the next request
+            self._adopted.extend(children)
+        self._wake.wake()
+        return {"nodes": [[i, welcome] for i, (_, welcome) in formation.nodes.items()],
+                "missing": [[i, where, why] for i, (where, why) in formation.missing.items()]}
+
+    # -- ranks ------------------------------------------------------------------------
 
     def _from_rank(self, rank: _Rank) -> None:
         try:
@@ -243,7 +388,8 @@ class Session:
         handlers = {agentwire.LAUNCH: self._launch, agentwire.STOP: self._stop,
                     agentwire.STACKS: self._stacks, agentwire.PORTS: self._ports,
                     agentwire.WAIT: self._wait, agentwire.SYNC: self._sync,
-                    agentwire.BLOBS: self._blobs, agentwire.TREE: self._tree}
+                    agentwire.BLOBS: self._blobs, agentwire.TREE: self._tree,
+                    agentwire.ADOPT: self._adopt}
         handler = handlers.get(kind)
         if handler is None:
             self._send(agentwire.reply(request_id, False, f"unknown request kind {kind}"))
@@ -404,6 +550,8 @@ class Session:
             self._forget(rank)
         if self._supervisor is not None:
             self._supervisor.close()
+        for child in self._children + self._adopted:  # they stop their ranks in turn
+            child.conn.close()
         self._conn.close()
         self._writer.stop()
         self._wake.close()

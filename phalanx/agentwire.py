@@ -18,13 +18,22 @@ One authenticated connection per node (:mod:`phalanx.handshake`) carries, as
                          SYNC      (version, listing)                which files it lacks
                          BLOBS     (hashes,)                         payload: their contents
                          TREE      (version, listing)                the code's path there
+                         ADOPT     (id, entries, fanout, timeout)    be tree node id; adopt
+                                                                     these agents (see
+                                                                     phalanx.agenttree)
     agent -> controller  WELCOME   (node facts: host, gpus, machine, pid, version)
                          REPLY     (ok, value)                       to a request id
                          OUTPUT    (stream,)                         payload: bytes, rank
                          OUTPUT_END (stream,)                        the rank's stream ended
                          FAULT     (reason,)                         why it drops the
                                                                      connection (last)
+                         LOST      (ids, reason)                     nodes of its subtree
+                                                                     it lost (a tree)
                          PING                                        no reply
+
+A node's own message names, in the header's rank field, the tree node it is for (0: the
+agent the connection reaches): an agent of a tree hands it to the child whose subtree
+holds that node, and the answer comes back up unchanged.
 
 An EXITED from an agent carries the rank's launch (its incarnation) as ``call_id``, so a
 death reported late is never taken for that of the rank started after it.
@@ -47,18 +56,22 @@ PING = 70
 SYNC = 71
 BLOBS = 72
 TREE = 73
+ADOPT = 74
 WELCOME = 80
 REPLY = 81
 OUTPUT = 82
 OUTPUT_END = 83
 FAULT = 84
+LOST = 85
 
 STDOUT, STDERR = 1, 2
 
 
-def request(kind: int, request_id: int, *fields: Any, payload: Sequence[Any] = ()) -> list[Any]:
-    """A request to the agent (or a message with plain fields, ``request_id`` 0)."""
-    return wire.frame([protocol.header(kind, request_id, 0, *fields), *payload])
+def request(kind: int, request_id: int, *fields: Any, payload: Sequence[Any] = (),
+            node: int = 0) -> list[Any]:
+    """A request to the agent (or a message with plain fields, ``request_id`` 0); ``node``:
+    the tree node it is for (0: the agent the connection reaches)."""
+    return wire.frame([protocol.header(kind, request_id, node, *fields), *payload])
 
 
 def reply(request_id: int, ok: bool, value: Any) -> list[Any]:
@@ -81,6 +94,11 @@ def ping() -> list[Any]:
 def exited(rank: int, incarnation: int, failure: dict[str, Any]) -> list[Any]:
     """The agent's report that a rank's process ended (an EXITED naming its launch)."""
     return wire.frame([protocol.header(protocol.EXITED, incarnation, rank, failure)])
+
+
+def lost(ids: Sequence[int], reason: str) -> list[Any]:
+    """An agent's report that the nodes ``ids`` of its subtree are unreachable."""
+    return wire.frame([protocol.header(LOST, 0, 0, list(ids), reason)])
 
 
 def is_node_message(kind: int) -> bool:

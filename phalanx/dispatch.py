@@ -88,6 +88,7 @@ class Dispatcher:
         self._poll = self._poller.poll
         self._epoll = hasattr(select, "epoll")
         self._posted: list[tuple[Channel, list[list[Any]]]] = []
+        self._tasks: list[Callable[[], None]] = []  # run by the pumping thread
         self._posted_lock = threading.Lock()
         self._on_death = on_death
         self._released = False
@@ -142,6 +143,18 @@ class Dispatcher:
             self._posted.extend(batches)
         self._wakeup.wake()
         if self._followers:  # no leader may be polling: let a follower take the lead
+            with self._cond:
+                self._cond.notify_all()
+
+    def call_soon(self, task: Callable[[], None]) -> None:
+        """Run ``task()`` on the pumping thread, before the events posted after it (what
+        must touch futures from another thread: failing calls on a membership change)."""
+        with self._posted_lock:
+            if self._released:
+                return
+            self._tasks.append(task)
+        self._wakeup.wake()
+        if self._followers:
             with self._cond:
                 self._cond.notify_all()
 
@@ -269,7 +282,7 @@ class Dispatcher:
         if self._released:  # nothing left to read: a waiter is answered by another thread
             time.sleep(0.01 if timeout is None else min(timeout, 0.01))
             return
-        if self._posted:
+        if self._posted or self._tasks:
             self._take_posted()
             timeout = 0
         if self._epoll:
@@ -293,6 +306,8 @@ class Dispatcher:
             received = channel.receive(fd)
             if received:
                 self._on_events(channel, received)
+        if self._tasks:  # what reading just now asked for (a node lost: calls to fail)
+            self._take_posted()
         if self._followers:
             with self._cond:
                 self._cond.notify_all()
@@ -300,6 +315,12 @@ class Dispatcher:
     def _take_posted(self) -> None:
         with self._posted_lock:
             posted, self._posted = self._posted, []
+            tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            try:
+                task()
+            except Exception:  # a bug: the pump must go on
+                logger.exception("a task on the dispatcher failed")
         for channel, events in posted:
             self._on_events(channel, events)
 
@@ -413,6 +434,7 @@ class Dispatcher:
         with self._posted_lock:
             self._released = True
             self._posted = []
+            self._tasks = []
         if got:
             self._lead.release()
         if self._epoll:

@@ -36,6 +36,7 @@ import pickle
 import signal
 import traceback
 import types
+from collections.abc import Sequence
 from typing import Any
 
 from phalanx.dumps import innermost_user_frames
@@ -406,6 +407,54 @@ class QuorumTimeout(PhalanxError, TimeoutError):
 
     def __reduce__(self) -> tuple:
         return (type(self), (self.wanted, self.answered, self.missing, 0.0))
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeInfo:
+    """A node in a membership change: its index in the group (None for a node not admitted
+    yet), its agent's ``host:port``, and the group's ranks that ran there (none for a node
+    not admitted yet)."""
+
+    node: int | None
+    host: str
+    ranks: tuple[int, ...] = ()
+
+    def __str__(self) -> str:
+        if self.node is None:
+            return f"{self.host} (not in the group yet)"
+        which = f", ranks {list(self.ranks)}" if self.ranks else ""
+        return f"node {self.node} ({self.host}{which})"
+
+
+@dataclasses.dataclass(frozen=True)
+class MembershipEvent:
+    """Nodes that joined (``added``: answering, waiting for ``group.resize()``) and left
+    (``removed``: gone from DNS, lost, or their agent stopped answering)."""
+
+    added: tuple[NodeInfo, ...] = ()
+    removed: tuple[NodeInfo, ...] = ()
+
+    def __str__(self) -> str:
+        parts = ([f"removed {', '.join(map(str, self.removed))}"] if self.removed else []) + (
+            [f"added {', '.join(map(str, self.added))}"] if self.added else [])
+        return "; ".join(parts) or "no change"
+
+
+class MembershipChanged(PhalanxError):
+    """The group's nodes changed while a call ran: nodes left (``.removed``) or joined
+    (``.added``), lists of :class:`NodeInfo`. Calls with ``workers="ready"`` or ``"any"``
+    carry on instead; ``group.resize()`` takes the new nodes in."""
+
+    def __init__(self, added: Sequence[NodeInfo] = (), removed: Sequence[NodeInfo] = (),
+                 method: str | None = None) -> None:
+        self.added, self.removed, self.method = list(added), list(removed), method
+        during = f" while {method}() ran" if method else ""
+        event = MembershipEvent(tuple(added), tuple(removed))
+        super().__init__(f"the group's nodes changed{during}: {event}"
+                         + ("; group.resize() admits the new nodes" if added else ""))
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.added, self.removed, self.method))
 
 
 class FrameworkNotInstalled(PhalanxError, ImportError):

@@ -68,6 +68,7 @@ class GroupFuture:
         "_remaining",
         "_values",
         "method",
+        "tolerant",
     )
 
     def __init__(self, method: str, ranks: list[int], dispatcher: Dispatcher) -> None:
@@ -87,6 +88,8 @@ class GroupFuture:
         # Dispatcher.wait); anything that looks at the future sends them first.
         self._kickoff: Callable[[], None] | None = None
         self._callbacks: list[Callable[[GroupFuture], Any]] | None = None
+        # made on workers="ready" / "any": a change of the group's nodes does not fail it
+        self.tolerant = False
 
     # -- completion (dispatcher side) -------------------------------------------------
 

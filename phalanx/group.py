@@ -26,7 +26,8 @@ from phalanx.frameworks import Layout, WorldPart, check_layout, merge_env, worke
 from phalanx.futures import GroupFuture
 from phalanx.lifecycle import Lifecycle
 from phalanx.logs import OutputOptions
-from phalanx.meshcalls import MeshCalls, merge_common_kwargs
+from phalanx.membership import Membership
+from phalanx.meshcalls import MeshCalls, map_payloads
 from phalanx.methods import MethodProxy
 from phalanx.options import check_count, check_seconds
 from phalanx.placement import check_node_gpus, new_launch, place
@@ -57,7 +58,7 @@ def _shutdown_at_exit() -> None:
         group.shutdown()
 
 
-class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle):
+class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle, Membership):
     """A group of worker processes, each holding one instance of ``target``.
 
     ``target`` is a class (or any picklable callable returning the worker object), or a
@@ -201,6 +202,7 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle):
         self._dispatcher = Dispatcher(on_death=self._on_death)
         self._dispatcher.stacks_of = self._stacks_of
         self._watchdog: Watchdog | None = None
+        self._follow_membership()
         try:
             self._backend.open(output)
             # Exit handlers run last-registered first: ours must run before those of what
@@ -406,6 +408,7 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle):
         *,
         defer: bool = False,
         stream: bool = False,
+        workers: Workers = "all",
     ) -> GroupFuture:
         """Register a call's futures and send it (``defer``: at the future's first wait;
         ``stream``: the workers stream items back, see :mod:`phalanx.streaming`)."""
@@ -414,6 +417,7 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle):
             group_future: GroupFuture = StreamFuture(method, ranks, self._dispatcher)
         else:
             group_future = GroupFuture(method, ranks, self._dispatcher)
+        group_future.tolerant = workers == "ready" or workers == "any"
         if len(payloads) == 1 and len(ranks) > 1 and self._backend.shared_links:
             # one frame per node connection (an agent's), whatever its number of ranks
             deliver = functools.partial(self._deliver_shared, call_id, ranks, group_future,
@@ -469,7 +473,7 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle):
         self._check_method(method)
         ranks = self._select(workers, rank0_only_axes)
         payload = self._encode(args, kwargs)
-        return self._send(method, ranks, [payload])
+        return self._send(method, ranks, [payload], workers=workers)
 
     def _select(self, workers: Workers, rank0_only_axes: Sequence[str] | None) -> list[int]:
         ranks = self._live_ranks(workers)
@@ -497,7 +501,7 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle):
         self._check_method(method)
         ranks = self._select(workers, rank0_only_axes)
         payload = self._encode(args, kwargs)
-        return self._send(method, ranks, [payload], defer=True).result(timeout)
+        return self._send(method, ranks, [payload], defer=True, workers=workers).result(timeout)
 
     def call_one(
         self, rank: int, method: str, *args: Any, timeout: float | None = None, **kwargs: Any
@@ -521,7 +525,7 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle):
         ranks, payloads = self._map_payloads(
             method, arg_lists, workers, rank0_only_axes, common_kwargs, kwarg_lists
         )
-        return self._send(method, ranks, payloads)
+        return self._send(method, ranks, payloads, workers=workers)
 
     def _map_payloads(
         self,
@@ -534,27 +538,7 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle):
     ) -> tuple[list[int], list[list[Any]]]:
         self._check_method(method)
         ranks = self._select(workers, rank0_only_axes)
-        common = merge_common_kwargs(common_kwargs, kwarg_lists)
-        n = len(ranks)
-        named = [(f"argument {i}", v) for i, v in enumerate(arg_lists)]
-        named += [(f"keyword {k!r}", v) for k, v in kwarg_lists.items()]
-        for label, values in named:
-            if not isinstance(values, (list, tuple)):
-                raise TypeError(f"map(): {label} must be a list with one item per rank, "
-                                f"got {type(values).__name__}")
-            if len(values) != n:
-                raise ValueError(
-                    f"map(): {label} has {len(values)} items but {n} ranks are selected"
-                )
-        payloads = [
-            self._encode(
-                tuple(a[i] for a in arg_lists),
-                {**{k: v[i] for k, v in kwarg_lists.items()}, **common},
-                ranks[i],
-            )
-            for i in range(n)
-        ]
-        return ranks, payloads
+        return ranks, map_payloads(self._encode, ranks, arg_lists, common_kwargs, kwarg_lists)
 
     def map(
         self,
@@ -572,7 +556,7 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle):
         ranks, payloads = self._map_payloads(
             method, arg_lists, workers, rank0_only_axes, common_kwargs, kwarg_lists
         )
-        return self._send(method, ranks, payloads, defer=True).result(timeout)
+        return self._send(method, ranks, payloads, defer=True, workers=workers).result(timeout)
 
     def __getattr__(self, name: str) -> MethodProxy:
         methods = self.__dict__.get("_methods")

@@ -45,6 +45,9 @@ class Lifecycle:
     _send: Callable[..., GroupFuture]
     _unregister: Callable[[], None]
     _closed: bool
+    _membership_changed: bool
+    _relayout: Callable[[int, float | None], None]
+    _stop_membership: Callable[[], None]
     _watchdog: Any
     _target_name: str
     world_size: int
@@ -140,8 +143,12 @@ class Lifecycle:
 
     def restart(self) -> None:
         """Replace every worker process, keeping the layout and the nodes (pending calls
-        fail)."""
+        fail). If the backend's nodes changed since (see ``resize()``), the group starts on
+        the nodes there are now."""
         self._check_open()
+        if self._membership_changed:
+            self._relayout(self._backend.available_nodes() or self._layout.nodes, None)
+            return
         self._retire([s for s in self._slots if s is not None], grace=config.DEFAULT_TERM_GRACE)
         self._new_launch()
         self._start_ranks(list(range(self.world_size)))
@@ -189,6 +196,7 @@ class Lifecycle:
         slots = [s for s in self._slots if s is not None]
         self._closed = True
         self._unregister()
+        self._stop_membership()
         if self._watchdog is not None:
             self._watchdog.stop()
         # Idle workers are asked to exit and given until the deadline (atexit handlers,

@@ -6,7 +6,7 @@ functions of :mod:`phalanx.sharding`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from phalanx import sharding as sh
@@ -28,6 +28,37 @@ def merge_common_kwargs(
     if clash:
         raise ValueError(f"keywords {clash} are given both per rank and in common_kwargs")
     return common
+
+
+def map_payloads(
+    encode: Callable[..., list[Any]],
+    ranks: list[int],
+    arg_lists: tuple[Sequence[Any], ...],
+    common_kwargs: Mapping[str, Any] | None,
+    kwarg_lists: dict[str, Sequence[Any]],
+) -> list[list[Any]]:
+    """``map()``'s payload for each of ``ranks``: item i of every list (checked to hold
+    one item per rank), with the common keywords."""
+    common = merge_common_kwargs(common_kwargs, kwarg_lists)
+    n = len(ranks)
+    named = [(f"argument {i}", v) for i, v in enumerate(arg_lists)]
+    named += [(f"keyword {k!r}", v) for k, v in kwarg_lists.items()]
+    for label, values in named:
+        if not isinstance(values, (list, tuple)):
+            raise TypeError(f"map(): {label} must be a list with one item per rank, "
+                            f"got {type(values).__name__}")
+        if len(values) != n:
+            raise ValueError(
+                f"map(): {label} has {len(values)} items but {n} ranks are selected"
+            )
+    return [
+        encode(
+            tuple(a[i] for a in arg_lists),
+            {**{k: v[i] for k, v in kwarg_lists.items()}, **common},
+            ranks[i],
+        )
+        for i in range(n)
+    ]
 
 
 def _take(value: Any, path: tuple[int, ...]) -> Any:

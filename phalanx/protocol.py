@@ -105,6 +105,14 @@ def body_offset(segment: Any) -> int:
     return HEAD_SIZE + _COUNT.size + 4 * _COUNT.unpack_from(segment, HEAD_SIZE)[0]
 
 
+def retarget(segment: Any, ranks: Sequence[int]) -> bytes:
+    """The same header for another set of destination ranks (a node of a tree handing a
+    message for several subtrees to each, with that subtree's ranks)."""
+    kind, call_id, _ = _HEAD.unpack_from(segment)
+    return bytes([kind]) + struct.pack("<Q", call_id) + _ranks_part(ranks) + bytes(
+        segment[body_offset(segment):])
+
+
 # -- controller -> ranks ------------------------------------------------------------------
 
 

@@ -101,6 +101,6 @@ class StreamCalls:
         self._check_method(method)
         ranks = self._live_ranks(workers)
         payload = self._encode(args, kwargs)
-        future = self._send(method, ranks, [payload], stream=True)
+        future = self._send(method, ranks, [payload], stream=True, workers=workers)
         future.timeout = timeout  # type: ignore[attr-defined]
         return future  # type: ignore[return-value]

@@ -343,11 +343,12 @@ class Connection:
     by one thread at a time (the worker's main loop, or the controller's dispatcher).
     """
 
-    def __init__(self, stream: Stream, writer: BacklogWriter) -> None:
+    def __init__(self, stream: Stream, writer: BacklogWriter,
+                 reader: FrameReader | None = None) -> None:
         self.stream = stream
         self.read_fd = stream.read_fd
         self.write_fd = stream.write_fd
-        self.reader = FrameReader(stream)
+        self.reader = reader or FrameReader(stream)  # one that may hold bytes read already
         self._write = stream.write_nowait
         self._lock = threading.Lock()
         self._backlog: collections.deque = collections.deque()

@@ -1,8 +1,10 @@
 """A node's connection to its agent, and the channels of the ranks it carries.
 
-Part of the cluster backend (:mod:`phalanx.backends.cluster`): :class:`AgentLink` is the one
-connection per node (requests, answers, and every rank's events), :class:`AgentRankChannel`
-the channel the group sees for each rank on it.
+Part of the cluster backend (:mod:`phalanx.backends.cluster`): :class:`AgentLink` is one
+connection to an agent (requests, answers, and every rank's events), :class:`AgentNode` a
+node reached through it -- the agent itself, or in a tree (:mod:`phalanx.agenttree`) any
+node of its subtree -- and :class:`AgentRankChannel` the channel the group sees for each
+rank.
 """
 
 from __future__ import annotations
@@ -11,10 +13,9 @@ import itertools
 import logging
 import os
 import select
-import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from phalanx import agentwire, config, protocol, streams, wire
@@ -41,15 +42,49 @@ def parse_host(entry: str) -> tuple[str, int]:
     return host, number
 
 
+class AgentNode:
+    """A node of the cluster as the controller knows it: reached through ``link`` (its
+    own connection, or its top agent's in a tree), named ``tree_id`` there (0: the agent
+    the link reaches)."""
+
+    def __init__(self, link: AgentLink, tree_id: int, host: str, port: int,
+                 welcome: dict[str, Any]) -> None:
+        self.link, self.tree_id = link, tree_id
+        self.host, self.port, self.welcome = host, port, welcome
+        self.index = -1  # the group's node index, once reserved
+        self.same_host = False  # on the controller's machine
+        self.code_path: str | None = None  # the shipped code there (sync)
+        self.lost_reason: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def where(self) -> str:
+        return (f"node {self.index} (agent at {self.name})" if self.index >= 0 else
+                f"the agent at {self.name}")
+
+    def request(self, kind: int, *fields: Any, payload: Sequence[Any] = (),
+                timeout: float = REQUEST_TIMEOUT) -> Any:
+        """Ask this node's agent and wait for its answer; PhalanxError when it fails or the
+        node is lost."""
+        return self.link.request(kind, *fields, payload=payload, timeout=timeout, target=self)
+
+    def __repr__(self) -> str:
+        return f"<AgentNode {self.where}{' lost' if self.lost_reason else ''}>"
+
+
 class AgentRankChannel(Channel):
     """One rank on an agent's node: its messages travel on the node's :class:`AgentLink`."""
 
-    def __init__(self, link: AgentLink, start: RankStart, incarnation: int,
+    def __init__(self, agent: AgentNode, start: RankStart, incarnation: int,
                  logs: LogPump) -> None:
         self.rank = start.rank
         self.ranks = (start.rank,)
         self.node = start.node
-        self.link = link
+        self.agent = agent
+        self.link = agent.link
         self.incarnation = incarnation
         self.pid: int | None = None
         self._exitcode: int | None = None
@@ -131,12 +166,13 @@ class AgentRankChannel(Channel):
         self.link.send(frame)
 
     def signal(self, rank: int, sig: int) -> None:
-        self.link.send(agentwire.request(agentwire.SIGNAL, 0, self.rank, int(sig)))
+        self.link.send(agentwire.request(agentwire.SIGNAL, 0, self.rank, int(sig),
+                                         node=self.agent.tree_id))
 
     def stacks(self, rank: int, timeout: float) -> str:
         try:
-            return self.link.request(agentwire.STACKS, self.rank, timeout,
-                                     timeout=timeout + REQUEST_TIMEOUT)
+            return self.agent.request(agentwire.STACKS, self.rank, timeout,
+                                      timeout=timeout + REQUEST_TIMEOUT)
         except PhalanxError as exc:
             return f"(no stack: {exc})"
 
@@ -154,7 +190,8 @@ class AgentRankChannel(Channel):
 
 
 class AgentLink(Channel):
-    """The connection to one node's agent: requests, and the node's ranks' events.
+    """A connection to an agent: requests, and the events of the ranks of every node it
+    reaches (the agent's own; in a tree, those of its whole subtree too).
 
     Until the group attaches the first of its ranks, a thread of the link reads it (the
     answers to the first requests); from then on the group's dispatcher watches its socket
@@ -164,25 +201,25 @@ class AgentLink(Channel):
 
     ranks: tuple[int, ...] = ()
 
-    def __init__(self, index: int, host: str, port: int, sock: socket.socket,
-                 welcome: dict[str, Any], writer: wire.BacklogWriter, max_frame: int) -> None:
-        self.index, self.host, self.port = index, host, port
-        self.node = index
-        self.welcome = welcome
-        self.where = f"node {index} (agent at {host}:{port})"
-        self._conn = wire.Connection(streams.socket_stream(sock), writer)
+    def __init__(self, joined: Any, writer: wire.BacklogWriter, max_frame: int,
+                 on_lost: Callable[[list[AgentNode], str], None] | None = None) -> None:
+        self.host, self.port = joined.host, joined.port
+        self.node = 0
+        self.where = f"the agent at {self.host}:{self.port}"
+        self._conn = joined.connection(writer)
         self._conn.reader.limit = max_frame
+        self.nodes: dict[int, AgentNode] = {}  # tree id -> the nodes reached through it
+        self._on_lost = on_lost  # told first when nodes are lost (membership)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
-        self._replies: dict[int, list[Any]] = {}  # request id -> [Event, ok, value]
+        self._replies: dict[int, list[Any]] = {}  # request id -> [Event, ok, value, node]
         self._channels: dict[int, AgentRankChannel] = {}  # rank -> its current channel
         self.lost_reason: str | None = None
         self.heard = time.monotonic()
-        self.code_path: str | None = None  # the shipped code there (sync)
         self._sink: EventSink | None = None  # once the dispatcher watches the socket
         self._handing_over = False
         self._wake = streams.WakePipe()
-        self._reader = threading.Thread(target=self._read, name=f"phalanx-agent-{index}",
+        self._reader = threading.Thread(target=self._read, name=f"phalanx-agent-{self.host}",
                                         daemon=True)
         self._reader.start()
 
@@ -195,25 +232,29 @@ class AgentLink(Channel):
             self.lose(f"its connection failed ({exc})")
 
     def request(self, kind: int, *fields: Any, payload: Sequence[Any] = (),
-                timeout: float = REQUEST_TIMEOUT) -> Any:
-        """Ask the agent and wait for its answer; PhalanxError when it fails or is lost."""
+                timeout: float = REQUEST_TIMEOUT, target: AgentNode | None = None) -> Any:
+        """Ask ``target``'s agent (default: this link's) and wait for its answer;
+        PhalanxError when it fails or the node is lost."""
         request_id = next(self._ids)
-        waiter = [threading.Event(), False, None]
+        waiter = [threading.Event(), False, None, target]
+        where = self.where if target is None else target.where
         with self._lock:
-            if self.lost_reason is not None:
-                raise PhalanxError(f"lost {self.where}: {self.lost_reason}")
+            lost = self.lost_reason if target is None else target.lost_reason
+            if lost is not None:
+                raise PhalanxError(f"lost {where}: {lost}")
             self._replies[request_id] = waiter
             sink = self._sink
-        self.send(agentwire.request(kind, request_id, *fields, payload=payload))
+        self.send(agentwire.request(kind, request_id, *fields, payload=payload,
+                                    node=0 if target is None else target.tree_id))
         answered = waiter[0].is_set
         done = (sink.wait(answered, timeout) or answered()) if sink is not None else (
             waiter[0].wait(timeout))
         if not done:
             with self._lock:
                 self._replies.pop(request_id, None)
-            raise PhalanxError(f"{self.where} did not answer within {timeout:g} s")
+            raise PhalanxError(f"{where} did not answer within {timeout:g} s")
         if not waiter[1]:
-            raise PhalanxError(f"{self.where}: {waiter[2]}")
+            raise PhalanxError(f"{where}: {waiter[2]}")
         return waiter[2]
 
     # -- receiving --------------------------------------------------------------------
@@ -300,6 +341,9 @@ class AgentLink(Channel):
                     channel.exited(extra[0])
             elif kind == agentwire.PING or kind == agentwire.WELCOME:
                 pass
+            elif kind == agentwire.LOST:
+                ids, reason = extra
+                self.lose_nodes([self.nodes[i] for i in ids if i in self.nodes], reason)
             elif kind == agentwire.FAULT:
                 self.lose(str(extra[0]))
                 return
@@ -331,9 +375,14 @@ class AgentLink(Channel):
     def adopt(self, channel: AgentRankChannel) -> None:
         with self._lock:
             self._channels[channel.rank] = channel
-            lost = self.lost_reason
+            lost = channel.agent.lost_reason
         if lost is not None:
-            channel.exited(None, f"lost {self.where}: {lost}")
+            channel.exited(None, f"lost {channel.agent.where}: {lost}")
+
+    def ranks_of(self, agent: AgentNode) -> tuple[int, ...]:
+        """The ranks running on ``agent``'s node now."""
+        with self._lock:
+            return tuple(sorted(r for r, c in self._channels.items() if c.agent is agent))
 
     def forget(self, channel: AgentRankChannel) -> None:
         with self._lock:
@@ -341,23 +390,41 @@ class AgentLink(Channel):
                 del self._channels[channel.rank]
 
     def lose(self, reason: str) -> None:
-        """The node is gone: every pending request fails, every rank on it is dead."""
+        """The connection is gone: so is every node reached through it."""
         with self._lock:
             if self.lost_reason is not None:
                 return
             self.lost_reason = reason
-            waiters, self._replies = list(self._replies.values()), {}
-            channels = list(self._channels.values())
             sink = self._sink
-        logger.warning("lost %s: %s", self.where, reason)
+        self.lose_nodes(list(self.nodes.values()), reason, everything=True)
+        if sink is not None:
+            sink.unwatch(self._conn.read_fd, self)
+        self._conn.close()
+
+    def lose_nodes(self, nodes: list[AgentNode], reason: str, everything: bool = False) -> None:
+        """``nodes`` are gone (or, in a tree, cut off): the requests pending on them fail,
+        and every rank on them is dead -- after the membership listener heard of it."""
+        with self._lock:
+            nodes = [n for n in nodes if n.lost_reason is None]
+            for agent in nodes:
+                agent.lost_reason = reason
+            gone = set(map(id, nodes))
+            waiters = [w for w in self._replies.values() if everything or (
+                w[3] is not None and id(w[3]) in gone)]
+            for key in [k for k, w in self._replies.items() if w in waiters]:
+                del self._replies[key]
+            channels = [c for c in self._channels.values() if id(c.agent) in gone]
+        if not nodes and not waiters:
+            return
+        for agent in nodes:
+            logger.warning("lost %s: %s", agent.where, reason)
+        if nodes and self._on_lost is not None:
+            self._on_lost(nodes, reason)
         for waiter in waiters:
             waiter[1], waiter[2] = False, f"lost it: {reason}"
             waiter[0].set()
         for channel in channels:
-            channel.exited(None, f"lost {self.where}: {reason}")
-        if sink is not None:
-            sink.unwatch(self._conn.read_fd, self)
-        self._conn.close()
+            channel.exited(None, f"lost {channel.agent.where}: {reason}")
 
     # -- the Channel interface a link needs no part of ----------------------------------
 

@@ -35,7 +35,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from phalanx.errors import ProcessFailure
+from phalanx.errors import MembershipEvent, ProcessFailure
 from phalanx.frameworks import Layout
 
 if TYPE_CHECKING:
@@ -145,6 +145,9 @@ class Backend(abc.ABC):
     name = "abstract"
     opened = False
     shared_links = False  # whether its channels may share a link (see Channel.link)
+    # Told of every membership change (nodes lost, or joining and leaving a DNS name),
+    # before the ranks of a lost node are reported dead; set by the group. Any thread.
+    on_membership: Callable[[MembershipEvent], None] | None = None
 
     def settings(self) -> dict[str, Any]:
         """The constructor arguments this backend was configured with."""
@@ -196,6 +199,11 @@ class Backend(abc.ABC):
             self._stop(list(channels), grace=grace, force=force)
         for channel in channels:
             channel.close()
+
+    def available_nodes(self) -> int | None:
+        """How many nodes a group reserving now could have, if that can change while it
+        runs (nodes lost, added); None for backends whose nodes do not change."""
+        return None
 
     def reload_code(self) -> str | None:
         """Make the code the controller has now what ranks started from now on run; its

@@ -14,6 +14,11 @@ hands it to each), and their replies, output and deaths come back over it
 (:class:`AgentRankChannel`), so the group sees them exactly as local ranks. A node lost --
 its agent killed, its connection cut, or silent past ``heartbeat_timeout`` -- fails every
 call pending on its ranks at once, naming the node and the agent.
+
+From ``tree_threshold`` agents on, the controller connects to at most ``fanout`` of them
+and the agents form a tree below those (:mod:`phalanx.agenttree`). Nodes lost, and with
+``dns=`` nodes leaving or joining the name, are membership changes
+(:mod:`phalanx.backends.clustermembers`): the group hears of them before anything fails.
 """
 
 from __future__ import annotations
@@ -21,22 +26,23 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import socket
 import ssl
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from phalanx import agentwire, codesync, config, dnsquery, handshake, protocol, streams, wire
+from phalanx import agenttree, agentwire, codesync, config, dnsquery, wire
 from phalanx.backends.agentlink import (
     CONNECT_RETRY,
     REQUEST_TIMEOUT,
     AgentLink,
+    AgentNode,
     AgentRankChannel,
     parse_host,
 )
 from phalanx.backends.base import Backend, Boot, Channel, Node, RankStart
+from phalanx.backends.clustermembers import Members
 from phalanx.errors import AuthenticationError, PhalanxError, QuorumTimeout
 from phalanx.frameworks import Layout
 from phalanx.logs import LogPump, OutputOptions
@@ -56,6 +62,9 @@ class ClusterBackend(Backend):
     ``heartbeat_timeout``: a node silent this long is lost. ``max_frame``: the largest frame
     accepted from an agent. ``tls``: True, a CA file or an ``ssl.SSLContext``. ``sync``: a
     directory shipped to every node before ranks start (``group.reload()`` re-ships it).
+    ``dns_interval``: how often the name is resolved again while the group lives (None:
+    never). ``tree_threshold``: from this many agents on they form a tree, each with at
+    most ``fanout`` children, and the controller holds at most ``fanout`` connections.
     """
 
     name = "cluster"
@@ -68,7 +77,9 @@ class ClusterBackend(Backend):
                  quorum_timeout: float = 300.0,
                  heartbeat_timeout: float = config.DEFAULT_HEARTBEAT_TIMEOUT,
                  max_frame: int = 1 << 30, tls: bool | str | ssl.SSLContext | None = None,
-                 sync: str | os.PathLike[str] | None = None) -> None:
+                 sync: str | os.PathLike[str] | None = None,
+                 dns_interval: float | None = 5.0, tree_threshold: int = 100,
+                 fanout: int = 50) -> None:
         if (hosts is None) == (dns is None):
             raise ValueError("give the agents as hosts=['host:port', ...] or dns='name' "
                              "(one of the two)")
@@ -121,8 +132,20 @@ class ClusterBackend(Backend):
         if sync is not None and not os.path.isdir(sync):
             raise ValueError(f"sync={os.fspath(sync)!r} is not a directory")
         self.sync = sync
+        if dns_interval is not None and not (isinstance(dns_interval, (int, float))
+                                             and dns_interval > 0):
+            raise ValueError(f"dns_interval must be > 0 seconds (or None: never), got "
+                             f"{dns_interval!r}")
+        self.dns_interval = dns_interval
+        for name, value, least in (("tree_threshold", tree_threshold, 1),
+                                   ("fanout", fanout, 2)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+        self.tree_threshold, self.fanout = tree_threshold, fanout
         self.code_version: str | None = None  # of the code the nodes run (with sync)
-        self._links: list[AgentLink] = []
+        self._links: list[AgentLink] = []  # the controller's connections
+        self._agents: list[AgentNode] = []  # every node, in the group's order
+        self.members = Members(self)
         self._incarnations = itertools.count(1)
         self._stopping = threading.Event()
 
@@ -147,7 +170,8 @@ class ClusterBackend(Backend):
         return {**where, "token": self.token, "token_file": self.token_file,
                 "quorum": self.quorum, "quorum_timeout": self.quorum_timeout,
                 "heartbeat_timeout": self.heartbeat_timeout, "max_frame": self.max_frame,
-                "tls": self.tls, "sync": self.sync}
+                "tls": self.tls, "sync": self.sync, "dns_interval": self.dns_interval,
+                "tree_threshold": self.tree_threshold, "fanout": self.fanout}
 
     # -- connecting -------------------------------------------------------------------
 
@@ -158,13 +182,18 @@ class ClusterBackend(Backend):
             deadline = time.monotonic() + self.quorum_timeout
             if self.dns is not None:
                 self.hosts = self._resolve_quorum(deadline)
-            self._links = self._connect_quorum(deadline)
+            if len(self.hosts) >= self.tree_threshold:
+                self._agents = self._form_tree(deadline)
+            else:
+                self._agents = [self.members.node_of(joined)
+                                for joined in self._connect_quorum(deadline)]
         except BaseException:
             self.close()
             raise
         machine = _machine()
-        for link in self._links:
-            link.same_host = link.welcome.get("machine") == machine  # type: ignore[attr-defined]
+        for index, agent in enumerate(self._agents):
+            agent.index = index
+            agent.same_host = agent.welcome.get("machine") == machine
         if self.sync is not None:
             try:
                 self.reload_code()
@@ -173,6 +202,7 @@ class ClusterBackend(Backend):
                 raise
         threading.Thread(target=self._heartbeats, name="phalanx-cluster-heartbeat",
                          daemon=True).start()
+        self.members.start()
 
     def _resolve_quorum(self, deadline: float) -> list[str]:
         """The agents the DNS name lists, once at least ``quorum`` of them (default: one)
@@ -193,9 +223,9 @@ class ClusterBackend(Backend):
             raise QuorumTimeout(wanted, [], {f"{self.dns} (DNS)": problem}, self.quorum_timeout)
         return [f"[{a}]:{self.port}" if ":" in a else f"{a}:{self.port}" for a in found]
 
-    def _connect_quorum(self, deadline: float) -> list[AgentLink]:
+    def _connect_quorum(self, deadline: float) -> list[agenttree.Joined]:
         wanted = self.quorum or len(self.hosts)
-        answered: dict[int, tuple[socket.socket, dict[str, Any]]] = {}
+        answered: dict[int, agenttree.Joined] = {}
         errors: dict[int, str] = {}
         failure: list[BaseException] = []
         done = threading.Condition()
@@ -204,7 +234,8 @@ class ClusterBackend(Backend):
             host, port = parse_host(self.hosts[index])
             while not self._stopping.is_set():
                 try:
-                    result = self._connect_one(host, port, deadline)
+                    result = self._connect_one(
+                        host, port, min(config.CONNECT_TIMEOUT, deadline - time.monotonic()))
                 except AuthenticationError as exc:
                     with done:
                         failure.append(AuthenticationError(f"agent {host}:{port}: {exc}"))
@@ -219,7 +250,7 @@ class ClusterBackend(Backend):
                     continue
                 with done:
                     if len(answered) >= wanted:  # the quorum was reached without it
-                        result[0].close()
+                        result.close()
                     else:
                         answered[index] = result
                     done.notify_all()
@@ -242,68 +273,48 @@ class ClusterBackend(Backend):
             thread.join(config.CONNECT_TIMEOUT + 1)
         self._stopping.clear()
         if failure or not enough:
-            for sock, _ in answered.values():
-                sock.close()
+            for joined in answered.values():
+                joined.close()
             if failure:
                 raise failure[0]
             names = [self.hosts[i] for i in sorted(answered)]
             missing = {self.hosts[i]: errors.get(i, "no answer") for i in
                        range(len(self.hosts)) if i not in answered}
             raise QuorumTimeout(wanted, names, missing, self.quorum_timeout)
-        return [AgentLink(node, *parse_host(self.hosts[i]), *answered[i], self._writer,
-                          self.max_frame) for node, i in enumerate(sorted(answered))]
+        return [answered[i] for i in sorted(answered)]
 
-    def _connect_one(self, host: str, port: int,
-                     deadline: float) -> tuple[socket.socket, dict[str, Any]]:
-        timeout = max(0.1, min(config.CONNECT_TIMEOUT, deadline - time.monotonic()))
-        sock = socket.create_connection((host, port), timeout=timeout)
+    def _form_tree(self, deadline: float) -> list[AgentNode]:
+        """The agents as a tree below at most ``fanout`` of them; its nodes in order."""
         if self._tls is not None:
-            try:
-                sock = self._tls.wrap_socket(sock, server_hostname=host)
-            except ssl.SSLCertVerificationError as exc:
-                sock.close()
-                raise AuthenticationError(f"the agent at {host}:{port} has a certificate "
-                                          f"this controller does not trust: {exc}") from None
-            except (OSError, ssl.SSLError):
-                sock.close()
-                raise
-        try:
-            try:
-                handshake.connect(sock, self._secret,
-                                  handshake.Hello(handshake.ROLE_CONTROL, 0, 0), timeout,
-                                  peer=f"the agent at {host}:{port}")
-            except handshake.HandshakeIncomplete as exc:  # a frozen or restarting agent
-                raise OSError(f"the agent at {host}:{port}: {exc}") from None
-            sock.settimeout(timeout)
-            stream = streams.socket_stream(sock)
-            if isinstance(stream, streams.TLSStream):
-                stream.timeout = timeout
-            reader = wire.FrameReader(stream)
-            reader.limit = 1 << 20
-            frames: list[list[Any]] = []
-            while not frames:
-                frames = reader.recv_frames(block=True)
-            if isinstance(stream, streams.TLSStream):
-                stream.timeout = None
-            kind, _, _, extra = protocol.parse(frames[0][0])
-            if kind != agentwire.WELCOME:
-                raise OSError(f"the agent at {host}:{port} did not introduce itself")
-            sock.settimeout(None)
-            return sock, extra[0]
-        except (OSError, wire.ConnectionLost) as exc:
-            sock.close()
-            if isinstance(exc, OSError):
-                raise
-            raise OSError(f"the agent at {host}:{port} closed the connection") from None
-        except BaseException:
-            sock.close()
-            raise
+            raise ValueError(f"{len(self.hosts)} agents would form a tree (tree_threshold="
+                             f"{self.tree_threshold}), which does not use TLS yet: raise "
+                             f"tree_threshold to connect to each agent over TLS")
+        wanted = self.quorum or len(self.hosts)
+        entries = [(i + 1, *parse_host(h)) for i, h in enumerate(self.hosts)]
+        while True:
+            formation = agenttree.form(entries, self.fanout, self._connect_one, deadline)
+            if formation.refused:
+                formation.close()
+                raise formation.refused[0]
+            if len(formation.nodes) >= wanted:
+                break
+            formation.close()
+            if time.monotonic() + CONNECT_RETRY >= deadline:
+                raise QuorumTimeout(wanted, [formation.nodes[i][0] for i in sorted(
+                    formation.nodes)], dict(formation.missing.values()), self.quorum_timeout)
+            time.sleep(CONNECT_RETRY)
+        nodes = [self.members.tree_of(head, formation.nodes) for head in formation.heads]
+        self.members.next_id = len(entries) + 1
+        return sorted((n for tree in nodes for n in tree), key=lambda n: n.tree_id)
+
+    def _connect_one(self, host: str, port: int, timeout: float) -> agenttree.Joined:
+        return agenttree.connect_agent(host, port, self._secret, self._tls, timeout)
 
     def _heartbeats(self) -> None:
         interval = max(0.05, min(5.0, self.heartbeat_timeout / 5))
         while not self._stopping.wait(interval):
             now = time.monotonic()
-            for link in self._links:
+            for link in list(self._links):
                 if link.lost_reason is not None:
                     continue
                 if now - link.heard > self.heartbeat_timeout:
@@ -314,35 +325,43 @@ class ClusterBackend(Backend):
     # -- nodes ------------------------------------------------------------------------
 
     def _reserve(self, layout: Layout, *, gpus_per_worker: int, timeout: float) -> list[Node]:
-        if layout.nodes > len(self._links):
-            raise ValueError(f"nodes={layout.nodes} but {len(self._links)} agents answered "
-                             f"({', '.join(self.hosts)})")
-        return [Node(index=n, address=link.welcome.get("address") or link.host,
-                     ranks=layout.counts[n], gpus=tuple(link.welcome.get("gpus") or ()),
-                     same_host=link.same_host)  # type: ignore[attr-defined]
-                for n, link in enumerate(self._links[:layout.nodes])]
+        self._agents = self.members.current()  # lost nodes out, admitted ones in
+        if layout.nodes > len(self._agents):
+            raise ValueError(f"nodes={layout.nodes} but {len(self._agents)} agents answered "
+                             f"({', '.join(a.name for a in self._agents) or 'none'})")
+        return [Node(index=n, address=agent.welcome.get("address") or agent.host,
+                     ranks=layout.counts[n], gpus=tuple(agent.welcome.get("gpus") or ()),
+                     same_host=agent.same_host)
+                for n, agent in enumerate(self._agents[:layout.nodes])]
+
+    def available_nodes(self) -> int:
+        return self.members.available()
+
+    def connection_count(self) -> int:
+        """How many agents the controller holds a connection to now."""
+        return sum(1 for link in self._links if link.lost_reason is None)
 
     def ports(self, node: Node, count: int) -> list[int]:
-        return list(self._links[node.index].request(agentwire.PORTS, count))
+        return list(self._agents[node.index].request(agentwire.PORTS, count))
 
     def _launch(
         self, node: Node, ranks: list[RankStart], boot: Boot, channels: list[Channel]
     ) -> None:
-        link = self._links[node.index]
+        agent = self._agents[node.index]
         starts = []
         for start in ranks:
-            channel = AgentRankChannel(link, start, next(self._incarnations), self._logs)
+            channel = AgentRankChannel(agent, start, next(self._incarnations), self._logs)
             channels.append(channel)
             starts.append((start.rank, start.node, channel.incarnation, dict(start.env)))
         for channel in channels:
-            link.adopt(channel)  # type: ignore[arg-type]
-        same, code = node.same_host, link.code_path
+            agent.link.adopt(channel)  # type: ignore[arg-type]
+        same, code = node.same_host, agent.code_path
         if code is not None:  # the shipped code first, and the ranks run in it
             for start in starts:
                 start[3][codesync.ENV_VERSION] = self.code_version
         sys_path = ([code] if code else []) + (list(boot.sys_path) if same else [])
         cwd = code or ((boot.cwd or os.getcwd()) if same else None)
-        pids = link.request(agentwire.LAUNCH, starts, sys_path, dict(boot.options), cwd,
+        pids = agent.request(agentwire.LAUNCH, starts, sys_path, dict(boot.options), cwd,
                             payload=boot.payload)
         for channel, pid in zip(channels, pids, strict=False):
             channel.pid = pid or None  # type: ignore[attr-defined]
@@ -355,14 +374,15 @@ class ClusterBackend(Backend):
         version, listing = codesync.scan(self.sync)
         errors: list[BaseException] = []
 
-        def ship(link: AgentLink) -> None:
+        def ship(agent: AgentNode) -> None:
             try:
-                link.code_path = _ship(link, self.sync, version, listing)
+                agent.code_path = _ship(agent, self.sync, version, listing)
             except BaseException as exc:  # noqa: BLE001 - re-raised below, naming the node
                 errors.append(exc)
 
-        threads = [threading.Thread(target=ship, args=(link,), daemon=True,
-                                    name="phalanx-cluster-sync") for link in self._links]
+        threads = [threading.Thread(target=ship, args=(agent,), daemon=True,
+                                    name="phalanx-cluster-sync")
+                   for agent in self.members.current()]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -373,22 +393,23 @@ class ClusterBackend(Backend):
         return version
 
     def _stop(self, channels: list[Channel], *, grace: float, force: bool) -> None:
-        for link, ranks in _by_link(channels).items():
+        for agent, ranks in _by_agent(channels).items():
             try:
-                link.request(agentwire.STOP, ranks, grace, force,
+                agent.request(agentwire.STOP, ranks, grace, force,
                              timeout=grace + config.CLEANUP_WAIT + REQUEST_TIMEOUT)
             except PhalanxError as exc:
                 logger.debug("stopping ranks %s: %s", ranks, exc)
 
     def wait_exited(self, channels: Sequence[Channel], timeout: float) -> None:
-        for link, ranks in _by_link(channels).items():
+        for agent, ranks in _by_agent(channels).items():
             try:
-                link.request(agentwire.WAIT, ranks, timeout, timeout=timeout + REQUEST_TIMEOUT)
+                agent.request(agentwire.WAIT, ranks, timeout, timeout=timeout + REQUEST_TIMEOUT)
             except PhalanxError:
                 pass
 
     def close(self) -> None:
         self._stopping.set()
+        self.members.stop()
         for link in self._links:
             link.close()
         if self.opened:
@@ -399,22 +420,22 @@ class ClusterBackend(Backend):
 SHIP_CHUNK = 64 << 20  # bytes of files per BLOBS request
 
 
-def _ship(link: AgentLink, root: Any, version: str, listing: list[codesync.Entry]) -> str:
-    """The path of ``version`` on ``link``'s node, sending the files it lacks first."""
-    answer = link.request(agentwire.SYNC, version, listing)
+def _ship(agent: AgentNode, root: Any, version: str, listing: list[codesync.Entry]) -> str:
+    """The path of ``version`` on ``agent``'s node, sending the files it lacks first."""
+    answer = agent.request(agentwire.SYNC, version, listing)
     if answer["path"] is not None:
         return answer["path"]
     batch: list[tuple[str, bytes]] = []
     size = 0
     for digest, data in [*codesync.read_blobs(root, listing, answer["missing"]), ("", b"")]:
         if (size + len(data) > SHIP_CHUNK or not digest) and batch:
-            link.request(agentwire.BLOBS, [d for d, _ in batch],
+            agent.request(agentwire.BLOBS, [d for d, _ in batch],
                          payload=[b for _, b in batch], timeout=REQUEST_TIMEOUT * 5)
             batch, size = [], 0
         if digest:
             batch.append((digest, data))
             size += len(data)
-    return link.request(agentwire.TREE, version, listing, timeout=REQUEST_TIMEOUT * 5)
+    return agent.request(agentwire.TREE, version, listing, timeout=REQUEST_TIMEOUT * 5)
 
 
 def _tls_context(tls: bool | str | ssl.SSLContext | None) -> ssl.SSLContext | None:
@@ -433,11 +454,11 @@ def _tls_context(tls: bool | str | ssl.SSLContext | None) -> ssl.SSLContext | No
     raise TypeError(f"tls must be True, a CA file or an ssl.SSLContext, got {tls!r}")
 
 
-def _by_link(channels: Sequence[Channel]) -> dict[AgentLink, list[int]]:
-    groups: dict[AgentLink, list[int]] = {}
+def _by_agent(channels: Sequence[Channel]) -> dict[AgentNode, list[int]]:
+    groups: dict[AgentNode, list[int]] = {}
     for channel in channels:
         if isinstance(channel, AgentRankChannel):
-            groups.setdefault(channel.link, []).append(channel.rank)
+            groups.setdefault(channel.agent, []).append(channel.rank)
     return groups
 
 
