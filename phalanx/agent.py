@@ -86,6 +86,8 @@ def machine_id() -> str:
 class Agent:
     """Listens for controllers; one :class:`Session` per authenticated connection."""
 
+    session_class = Session  # what serves a controller (the scale benchmark's ranks in-process)
+
     def __init__(self, host: str, port: int, token: bytes, *,
                  heartbeat_timeout: float = config.DEFAULT_HEARTBEAT_TIMEOUT,
                  max_frame: int = 1 << 30, handshake_timeout: float = 5.0,
@@ -145,7 +147,7 @@ class Agent:
             logger.info("connection from %s:%s failed: %s", peer[0], peer[1], exc)
             sock.close()
             return
-        session = Session(sock, heartbeat_timeout=self._heartbeat_timeout,
+        session = self.session_class(sock, heartbeat_timeout=self._heartbeat_timeout,
                           max_frame=self._max_frame, counters=self._count, store=self._store,
                           secret=self._token)
         with self._lock:

@@ -1,0 +1,163 @@
+"""Many lightweight ``phalanx agent``s in one process, for the scale benchmark (W10).
+
+Each simulated node is a real :class:`phalanx.agent.Agent`: its own loopback address and
+listening socket, the token proved both ways, a real :class:`~phalanx.agentnode.Session`
+relaying -- and, in a tree, adopting and forwarding to its children. Only its rank is
+simulated: instead of a process started under a supervisor, a tiny in-process object
+answers the rank's messages in the relay's own pass (INIT, CALL, SHUTDOWN), with the same
+frames a worker process would send. So a thousand nodes fit on a small machine, and what
+is measured is the controller's and the agents' part of a call.
+
+Run as ``python -m bench.simagents --token-file F ADDRESS...``: it prints one JSON line
+with the agents' ``host:port`` entries, then serves until stdin closes or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import signal
+import struct
+import sys
+import tempfile
+import threading
+from typing import Any
+
+from phalanx import agentwire, protocol, wire
+from phalanx.agent import Agent
+from phalanx.agentnode import Session
+
+_PREFIX = struct.Struct("<IQ")
+
+
+def _segments(frame: list[Any]) -> list[bytes]:
+    """The segments of a frame built by :func:`phalanx.wire.frame` (for a simulated rank)."""
+    data = b"".join(bytes(s) for s in frame)
+    count, _ = _PREFIX.unpack_from(data)
+    lengths = struct.unpack_from(f"<{count}Q", data, _PREFIX.size)
+    pos = _PREFIX.size + 8 * count
+    segments = []
+    for length in lengths:
+        segments.append(data[pos:pos + length])
+        pos += length
+    return segments
+
+
+class _SimConn:
+    """A simulated rank's end of its connection: it answers in the relay's pass."""
+
+    read_fd = -1
+
+    def __init__(self, session: SimSession, rank: _SimRank) -> None:
+        self.session, self.rank = session, rank
+
+    def send(self, frame: list[Any]) -> None:
+        segs = _segments(frame)
+        kind, call_id, _, extra = protocol.parse(segs[0])
+        rank = self.rank
+        if kind == protocol.CALL:
+            args, kwargs = wire.loads(segs[1:])
+            value = getattr(rank.obj, extra[0])(*args, **kwargs)
+            self.session._queue(protocol.result_frame(call_id, rank.rank, wire.dumps_fast(value)))
+        elif kind == protocol.SHUTDOWN:
+            rank.exitcode = 0
+            self.session._queue(rank.exited())
+
+    def close(self) -> None:
+        pass
+
+
+class _SimRank:
+    def __init__(self, session: SimSession, rank: int, node: int, incarnation: int,
+                 obj: Any) -> None:
+        self.rank, self.node, self.incarnation, self.obj = rank, node, incarnation, obj
+        self.exitcode: int | None = None
+        self.conn = _SimConn(session, self)
+
+    def exited(self) -> list[Any]:
+        return agentwire.exited(self.rank, self.incarnation, {
+            "rank": self.rank, "node": self.node, "pid": os.getpid(),
+            "exitcode": self.exitcode, "stderr_tail": (), "reason": None})
+
+
+class SimSession(Session):
+    """A session whose ranks are simulated in-process (see the module's docstring)."""
+
+    def _launch(self, starts: list[tuple], sys_path: list[str], options: dict,
+                cwd: str | None, payload: list[Any]) -> list[int]:
+        target, args, kwargs = wire.loads(payload)
+        ranks = []
+        for rank, node_index, incarnation, _env in starts:
+            ranks.append(_SimRank(self, rank, node_index, incarnation, target(*args, **kwargs)))
+        with self._lock:
+            self._launched.extend((r.rank, r) for r in ranks)
+        methods = [m for m in dir(ranks[0].obj) if not m.startswith("_")] if ranks else []
+        for r in ranks:  # after _launched: the relay registers them before the next call
+            self._send(protocol.ready_frame(r.rank, os.getpid(), methods, {}))
+        return [os.getpid()] * len(ranks)
+
+    def _from_controller(self) -> bool:
+        if self._launched:
+            self._register_launched()
+        return super()._from_controller()
+
+    def _register_launched(self) -> None:
+        with self._lock:
+            launched, self._launched = self._launched, []
+        for number, rank in launched:
+            self._ranks[number] = rank  # type: ignore[assignment]
+
+    def _stop(self, ranks: list[int], grace: float, force: bool, payload: list[Any]) -> None:
+        for number in ranks:
+            rank = self._ranks.get(number)
+            if rank is not None and rank.exitcode is None:
+                rank.exitcode = -signal.SIGTERM
+                self._send(rank.exited())  # type: ignore[attr-defined]
+
+    def _wait(self, ranks: list[int], timeout: float, payload: list[Any]) -> None:
+        pass
+
+    def _stacks(self, rank: int, timeout: float, payload: list[Any]) -> str:
+        return "(no stack: a simulated rank)"
+
+    def _end(self) -> None:
+        self._ranks.clear()
+        super()._end()
+
+
+class SimAgent(Agent):
+    session_class = SimSession
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--token-file", required=True)
+    parser.add_argument("addresses", nargs="+")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR)
+    with open(args.token_file, "rb") as f:
+        token = f.read().strip()
+    store = tempfile.mkdtemp(prefix="phalanx-sim-store-")  # no code is shipped here
+    agents = [SimAgent(address, 0, token, heartbeat_timeout=120.0, store=store)
+              for address in args.addresses]
+    for agent in agents:
+        threading.Thread(target=agent.serve_forever, daemon=True).start()
+    print(json.dumps([f"{a.address[0]}:{a.address[1]}" for a in agents]), flush=True)
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+    done.wait()
+    stoppers = [threading.Thread(target=agent.stop, args=(2.0,), daemon=True)
+                for agent in agents]
+    for thread in stoppers:
+        thread.start()
+    for thread in stoppers:
+        thread.join(5.0)
+    shutil.rmtree(store, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
