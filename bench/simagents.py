@@ -61,7 +61,8 @@ class _SimConn:
         if kind == protocol.CALL:
             args, kwargs = wire.loads(segs[1:])
             value = getattr(rank.obj, extra[0])(*args, **kwargs)
-            self.session._queue(protocol.result_frame(call_id, rank.rank, wire.dumps_fast(value)))
+            self.session._up([protocol.header(protocol.RESULT, call_id, rank.rank),
+                              *wire.dumps_fast(value)])
         elif kind == protocol.SHUTDOWN:
             rank.exitcode = 0
             self.session._queue(rank.exited())

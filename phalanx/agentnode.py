@@ -35,7 +35,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from phalanx import agenttree, agentwire, codesync, config, node, protocol, streams, wire
+from phalanx import agentwire, codesync, config, node, protocol, streams, wire
+from phalanx.agentbranch import GATHER_WINDOW, Branch
 from phalanx.frameworks import merge_env
 from phalanx.placement import pick_free_ports
 from phalanx.stacks import StackFile
@@ -59,16 +60,7 @@ class _Rank:
         self.counted = False  # in the agent's ranks_alive
 
 
-class _Child:
-    """A child of this node in a tree: its connection and the nodes of its subtree."""
-
-    def __init__(self, joined: agenttree.Joined, conn: wire.Connection, ids: list[int]) -> None:
-        self.where = f"{joined.host}:{joined.port}"
-        self.conn, self.ids = conn, ids
-        self.heard = time.monotonic()
-
-
-class Session:
+class Session(Branch):
     """The node side of one controller's group (run :meth:`serve` on a thread)."""
 
     def __init__(self, sock: socket.socket, *, heartbeat_timeout: float, max_frame: int,
@@ -95,12 +87,7 @@ class Session:
         self._dying: list[_Rank] = []  # ended, their EXITED not sent yet
         self.ended = threading.Event()
         self.reason = ""
-        self._secret = secret  # to reach children (a tree)
-        self.tree_id = 0  # this node's id in a tree (0: none)
-        self._children: list[_Child] = []
-        self._adopted: list[_Child] = []  # from the ADOPT request, to register
-        self._node_route: dict[int, _Child] = {}  # tree node -> the child it is below
-        self._rank_route: dict[int, _Child] = {}  # rank -> the child it is below
+        self._init_branch(secret)
 
     # -- the relay loop ---------------------------------------------------------------
 
@@ -127,6 +114,8 @@ class Session:
                 wait = min(next_ping, heard + self._heartbeat_timeout) - now
                 if self._dying:
                     wait = min(wait, min(r.exit_by for r in self._dying) - now)
+                if self._gathers:
+                    wait = min(wait, GATHER_WINDOW)
                 self._outbox = []  # what this pass sends the controller: one write
                 for fd, _ in self._poller.poll(max(0, int(wait * 1000)) + 1):
                     what, rank = self._by_fd.get(fd, ("gone", None))
@@ -150,6 +139,8 @@ class Session:
                     self._register_children()
                 if self._dying:
                     self._report_deaths()
+                if self._gathers:
+                    self._send_gathered()
                 if self._outbox:
                     self._flush()
         except Exception:  # a bug must not leave the controller's ranks running
@@ -183,6 +174,8 @@ class Session:
                     self._request(kind, call_id, extra, segs[1:])
                 continue
             if self._rank_route:
+                if kind == protocol.CALL:
+                    self._expect(call_id, ranks)
                 ranks = self._hand_down(ranks, segs)
             if kind in (protocol.CALL, protocol.CALL_STREAM):
                 self._count("calls_total", len(ranks))
@@ -193,7 +186,9 @@ class Session:
             for rank in ranks:
                 target = self._ranks.get(rank)
                 if target is None or target.exitcode is not None:
-                    continue  # its EXITED is on its way
+                    if self._gathers:
+                        self._rank_gone((rank,))
+                    continue  # its EXITED is on its way (or went)
                 frame = same if same is not None else wire.frame(
                     [protocol.header(kind, call_id, rank, *extra), *segs[1:]])
                 try:
@@ -201,113 +196,6 @@ class Session:
                 except wire.ConnectionLost:
                     pass  # its death is reported from the status pipe
         return True
-
-    # -- a tree ---------------------------------------------------------------------------
-
-    def _route_down(self, dest: int, kind: int, request_id: int, fields: tuple,
-                    segs: list[Any]) -> None:
-        """A node's request for node ``dest`` of this subtree: to the child above it."""
-        child = self._node_route.get(dest)
-        if child is None:
-            if request_id and kind != agentwire.SIGNAL:
-                self._send(agentwire.reply(request_id, False, f"tree node {dest} cannot be "
-                                           f"reached through this agent (lost)"))
-            return
-        if kind == agentwire.LAUNCH:
-            for start in fields[0]:
-                self._rank_route[start[0]] = child
-        self._to_child(child, wire.frame(list(segs)))
-
-    def _hand_down(self, ranks: tuple[int, ...], segs: list[Any]) -> tuple[int, ...]:
-        """Send a rank message on to the children holding some of ``ranks`` (once each,
-        naming theirs); the ranks left for this node."""
-        own: list[int] = []
-        below: dict[_Child, list[int]] = {}
-        route = self._rank_route
-        for rank in ranks:
-            child = route.get(rank)
-            if child is None:
-                own.append(rank)
-            else:
-                below.setdefault(child, []).append(rank)
-        for child, theirs in below.items():
-            head = segs[0] if len(theirs) == len(ranks) else protocol.retarget(segs[0], theirs)
-            self._to_child(child, wire.frame([head, *segs[1:]]))
-        return tuple(own)
-
-    def _to_child(self, child: _Child, frame: list[Any]) -> None:
-        try:
-            child.conn.send(frame)
-        except wire.ConnectionLost as exc:
-            self._lose_child(child, f"its connection failed ({exc})")
-
-    def _from_child(self, child: _Child) -> None:
-        try:
-            frames = child.conn.reader.recv_frames(block=False)
-        except wire.ConnectionLost as exc:
-            self._lose_child(child, f"its connection ended ({exc})")
-            return
-        child.heard = time.monotonic()
-        for segs in frames:
-            kind = segs[0][0]
-            if kind == agentwire.PING or kind == agentwire.WELCOME:
-                continue
-            if kind == agentwire.FAULT:
-                self._lose_child(child, str(protocol.parse(segs[0])[3][0]))
-                return
-            self._queue(wire.frame(list(segs)))
-
-    def _check_children(self, now: float) -> None:
-        for child in list(self._children):
-            if now - child.heard > self._heartbeat_timeout:
-                self._lose_child(child, f"it was silent for {now - child.heard:.0f} s")
-            else:
-                self._to_child(child, agentwire.ping())
-
-    def _lose_child(self, child: _Child, reason: str) -> None:
-        """A child is gone: its whole subtree is, for the controller (relay thread only)."""
-        if child not in self._children:
-            return
-        self._children.remove(child)
-        self._unwatch(child.conn.read_fd)
-        child.conn.close()
-        for tree_id in child.ids:
-            self._node_route.pop(tree_id, None)
-        for rank in [r for r, c in self._rank_route.items() if c is child]:
-            del self._rank_route[rank]
-        logger.warning("lost the agent at %s (and %d node(s) below it): %s", child.where,
-                       len(child.ids) - 1, reason)
-        self._queue(agentwire.lost(child.ids, f"lost the agent at {child.where}: {reason}"))
-
-    def _register_children(self) -> None:
-        with self._lock:
-            adopted, self._adopted = self._adopted, []
-        for child in adopted:
-            self._children.append(child)
-            for tree_id in child.ids:
-                self._node_route[tree_id] = child
-            self._watch(child.conn.read_fd, "child", child)  # type: ignore[arg-type]
-
-    def _adopt(self, own_id: int, entries: list, fanout: int, timeout: float,
-               payload: list[Any]) -> dict[str, Any]:
-        """Become node ``own_id`` of a tree and adopt ``entries`` below it."""
-        if self._secret is None:
-            raise RuntimeError("this agent cannot reach other agents (it has no token)")
-        self.tree_id = own_id
-
-        def connect(host: str, port: int, timeout: float) -> agenttree.Joined:
-            return agenttree.connect_agent(host, port, self._secret, None,  # type: ignore[arg-type]
-                                           timeout)
-
-        formation = agenttree.form([tuple(e) for e in entries], fanout, connect,
-                                   time.monotonic() + timeout)
-        children = [_Child(h.joined, h.joined.connection(self._writer), h.ids)
-                    for h in formation.heads]
-        with self._lock:  # registered by the relay before it reads the next request
-            self._adopted.extend(children)
-        self._wake.wake()
-        return {"nodes": [[i, welcome] for i, (_, welcome) in formation.nodes.items()],
-                "missing": [[i, where, why] for i, (where, why) in formation.missing.items()]}
 
     # -- ranks ------------------------------------------------------------------------
 
@@ -318,7 +206,7 @@ class Session:
             self._unwatch(rank.conn.read_fd)
             return
         for segs in frames:
-            self._queue(wire.frame(list(segs)))
+            self._up(segs)
 
     def _queue(self, frame: list[Any]) -> None:
         """Send ``frame`` with the rest of this pass (relay thread only)."""
@@ -372,6 +260,8 @@ class Session:
             self._forget(rank)
             failure = {"rank": rank.rank, "node": rank.node, "pid": rank.proc.pid,
                        "exitcode": rank.exitcode, "stderr_tail": (), "reason": None}
+            if self._gathers:
+                self._rank_gone((rank.rank,))
             self._queue(agentwire.exited(rank.rank, rank.incarnation, failure))
 
     # -- requests ---------------------------------------------------------------------

@@ -29,6 +29,10 @@ One authenticated connection per node (:mod:`phalanx.handshake`) carries, as
                                                                      connection (last)
                          LOST      (ids, reason)                     nodes of its subtree
                                                                      it lost (a tree)
+                         RESULTS   (counts,), rank = MANY            a call's results of
+                                                                     several ranks, in rank
+                                                                     order: payload, each
+                                                                     rank's segments in turn
                          PING                                        no reply
 
 A node's own message names, in the header's rank field, the tree node it is for (0: the
@@ -63,6 +67,7 @@ OUTPUT = 82
 OUTPUT_END = 83
 FAULT = 84
 LOST = 85
+RESULTS = 86
 
 STDOUT, STDERR = 1, 2
 

@@ -421,21 +421,24 @@ class NodeInfo:
 
     def __str__(self) -> str:
         if self.node is None:
-            return f"{self.host} (not in the group yet)"
+            return f"the agent at {self.host} (not in the group yet)"
         which = f", ranks {list(self.ranks)}" if self.ranks else ""
-        return f"node {self.node} ({self.host}{which})"
+        return f"node {self.node} (agent at {self.host}{which})"
 
 
 @dataclasses.dataclass(frozen=True)
 class MembershipEvent:
     """Nodes that joined (``added``: answering, waiting for ``group.resize()``) and left
-    (``removed``: gone from DNS, lost, or their agent stopped answering)."""
+    (``removed``: gone from DNS, lost, or their agent stopped answering); ``reason``: why
+    the removed ones left."""
 
     added: tuple[NodeInfo, ...] = ()
     removed: tuple[NodeInfo, ...] = ()
+    reason: str = ""
 
     def __str__(self) -> str:
-        parts = ([f"removed {', '.join(map(str, self.removed))}"] if self.removed else []) + (
+        parts = ([f"removed {', '.join(map(str, self.removed))}"
+                  + (f": {self.reason}" if self.reason else "")] if self.removed else []) + (
             [f"added {', '.join(map(str, self.added))}"] if self.added else [])
         return "; ".join(parts) or "no change"
 
@@ -446,15 +449,16 @@ class MembershipChanged(PhalanxError):
     carry on instead; ``group.resize()`` takes the new nodes in."""
 
     def __init__(self, added: Sequence[NodeInfo] = (), removed: Sequence[NodeInfo] = (),
-                 method: str | None = None) -> None:
+                 method: str | None = None, reason: str = "") -> None:
         self.added, self.removed, self.method = list(added), list(removed), method
+        self.reason = reason
         during = f" while {method}() ran" if method else ""
-        event = MembershipEvent(tuple(added), tuple(removed))
+        event = MembershipEvent(tuple(added), tuple(removed), reason)
         super().__init__(f"the group's nodes changed{during}: {event}"
                          + ("; group.resize() admits the new nodes" if added else ""))
 
     def __reduce__(self) -> tuple:
-        return (type(self), (self.added, self.removed, self.method))
+        return (type(self), (self.added, self.removed, self.method, self.reason))
 
 
 class FrameworkNotInstalled(PhalanxError, ImportError):

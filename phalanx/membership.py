@@ -90,14 +90,14 @@ class Membership:
                 if not future.tolerant:
                     del slot.pending[call_id]
                     future._fail_rank(slot.rank, MembershipChanged(
-                        event.added, event.removed, future.method))
+                        event.added, event.removed, future.method, event.reason))
         for node in event.removed:
             for rank in node.ranks:
                 slot = self._slots[rank] if rank < len(self._slots) else None
                 if slot is not None and slot.alive and slot.node == node.node:
                     self._dispatcher.bury(slot, ProcessFailure(
                         rank, slot.node, slot.pid, None,
-                        reason=f"its node left the group: {node}"))
+                        reason=f"its node left the group: {node}: {event.reason}"))
 
     def _notify(self, events: queue.SimpleQueue[MembershipEvent | None]) -> None:
         while True:

@@ -13,6 +13,7 @@ import itertools
 import logging
 import os
 import select
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +26,7 @@ from phalanx.logs import LogPump, OutputTap
 
 logger = logging.getLogger(__name__)
 
+_RESULT_HEAD = struct.Struct("<BQI").pack  # protocol's header of a RESULT
 REQUEST_TIMEOUT = 60.0  # seconds for an agent to answer a request that does not wait
 CONNECT_RETRY = 0.5  # seconds between attempts to reach an agent that is not up yet
 
@@ -327,8 +329,17 @@ class AgentLink(Channel):
                 if channel is not None:
                     batches.setdefault(channel, []).append(segs)
                 continue
-            _, _, _, extra = protocol.parse(segs[0])
-            if kind == agentwire.REPLY:
+            _, _, ranks, extra = protocol.parse(segs[0])
+            if kind == agentwire.RESULTS:  # a subtree's results, gathered (a tree)
+                pos = 1
+                for rank, count in zip(ranks, extra[0], strict=True):
+                    channel = self._channels.get(rank)
+                    if channel is not None:
+                        batches.setdefault(channel, []).append(
+                            [_RESULT_HEAD(protocol.RESULT, call_id, rank),
+                             *segs[pos:pos + count]])
+                    pos += count
+            elif kind == agentwire.REPLY:
                 self._answer(call_id, *extra)
             elif kind == agentwire.OUTPUT or kind == agentwire.OUTPUT_END:
                 channel = self._channels.get(rank)

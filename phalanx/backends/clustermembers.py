@@ -94,7 +94,7 @@ class Members:
         removed = tuple(NodeInfo(None if n in spares or n.index < 0 else n.index, n.name,
                                  n.link.ranks_of(n))
                         for n in sorted(nodes, key=lambda n: (n.index, n.tree_id)))
-        self._tell(MembershipEvent((), removed))
+        self._tell(MembershipEvent((), removed, reason))
 
     def start(self) -> None:
         backend = self.backend
