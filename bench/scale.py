@@ -13,7 +13,8 @@ For each size, a group with one rank per node runs on ``px.ClusterBackend`` twic
 (``tree_threshold=1, fanout=50``: at most 50 connections, the agents adopting the rest).
 Measured, each the median over the calls:
 
-- a no-op call on every rank (ms), and the controller's own CPU time per call (ms);
+- a no-op call on every rank (ms), the controller's own CPU time per call (ms), and the
+  CPU time all the agents' processes together spend per call (ms, the mean);
 - a 1 MiB ``bytes`` argument sent to every rank, each returning its length (ms);
 - the TCP connections the controller holds to agents (counted by psutil);
 - group start-up (s).
@@ -92,6 +93,15 @@ class SimCluster:
         os.unlink(self.token_file)
 
 
+    def cpu_seconds(self) -> float:
+        """The CPU time the agents' processes have used so far."""
+        total = 0.0
+        for proc in self.procs:
+            times = psutil.Process(proc.pid).cpu_times()
+            total += times.user + times.system
+        return total
+
+
 def agent_connections(ports: set[int]) -> int:
     return sum(1 for c in psutil.Process().net_connections(kind="tcp")
                if c.status == psutil.CONN_ESTABLISHED and c.raddr and c.raddr.port in ports)
@@ -113,11 +123,13 @@ def measure(cluster: SimCluster, nodes: int, tree: bool, calls: int) -> dict[str
         for _ in range(5):
             group.call("noop")
         noop, cpu = [], []
+        agents_before = cluster.cpu_seconds()
         for _ in range(calls):
             c0, t0 = time.process_time(), time.perf_counter()
             group.call("noop")
             noop.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)
+        agents_cpu = (cluster.cpu_seconds() - agents_before) / calls
         data = bytes(MIB)
         assert group.call("size", data) == [MIB] * nodes
         broadcast = []
@@ -129,14 +141,15 @@ def measure(cluster: SimCluster, nodes: int, tree: bool, calls: int) -> dict[str
         group.shutdown()
     return {"nodes": nodes, "mode": "tree" if tree else "flat", "startup_s": startup,
             "connections": connections, "noop_ms": median(noop) * 1e3,
-            "controller_cpu_ms": median(cpu) * 1e3, "broadcast_1mib_ms": median(broadcast) * 1e3}
+            "controller_cpu_ms": median(cpu) * 1e3, "agents_cpu_ms": agents_cpu * 1e3,
+            "broadcast_1mib_ms": median(broadcast) * 1e3}
 
 
 def table(results: list[dict[str, Any]]) -> str:
     head = ("nodes", "mode", "start-up s", "connections", "no-op ms", "controller CPU ms",
-            "1 MiB broadcast ms")
+            "agents CPU ms", "1 MiB broadcast ms")
     keys = ("nodes", "mode", "startup_s", "connections", "noop_ms", "controller_cpu_ms",
-            "broadcast_1mib_ms")
+            "agents_cpu_ms", "broadcast_1mib_ms")
     rows = [[f"{r[k]:.2f}" if isinstance(r[k], float) else str(r[k]) for k in keys]
             for r in results]
     widths = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]

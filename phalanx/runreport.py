@@ -12,7 +12,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from phalanx.errors import StartupError, WorkerDied, WorkerError, likely_cause
+from phalanx.errors import (
+    MembershipChanged,
+    StartupError,
+    WorkerDied,
+    WorkerError,
+    likely_cause,
+)
 
 FAILED = 1  # exit status for a failure without a code of its own (an exception)
 EXIT_CODES = ("torchrun", "rank")  # what --exit-code may say
@@ -72,6 +78,11 @@ def failure_from(exc: BaseException) -> Failure:
         status = FAILED if exc.exitcode is None else signal_status(exc.exitcode)
         return Failure(exc.rank, exc.node, exc.pid, status, likely_cause(exc.exitcode),
                        None, exc.stderr_tail)
+    if isinstance(exc, MembershipChanged) and exc.removed:  # a node (agent) was lost
+        node = exc.removed[0]
+        return Failure(node.ranks[0] if node.ranks else None, node.node, None, FAILED,
+                       f"its node left the group (the agent at {node.host}): "
+                       f"{exc.reason or 'lost'}")
     if isinstance(exc, StartupError):
         first_line = str(exc).split("\n", 1)[0]  # the traceback follows in the report
         return Failure(exc.rank, None, None, FAILED, f"could not start: {first_line}",

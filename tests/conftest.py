@@ -25,7 +25,10 @@ def backend(request):
         pytest.importorskip("ray", reason="the ray backend needs ray (pip install 'phalanx[ray]')")
         request.getfixturevalue("ray_cluster")
     if request.param == "cluster":
-        return request.getfixturevalue("agent_cluster").backend()
+        # PHALANX_TEST_CLUSTER_TREE=1: the three agents as a tree (node 1 below node 0)
+        tree = {"tree_threshold": 1, "fanout": 2} if os.environ.get(
+            "PHALANX_TEST_CLUSTER_TREE") else {}
+        return request.getfixturevalue("agent_cluster").backend(**tree)
     return request.param
 
 

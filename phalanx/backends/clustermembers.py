@@ -131,7 +131,11 @@ class Members:
                 reason = f"it is no longer listed under {backend.dns}"
                 if node.tree_id == 0:
                     node.link.lose(reason)  # the agent stops its ranks when we hang up
-                else:
+                else:  # below another agent: ask it to stop them, answer or not
+                    ranks = list(node.link.ranks_of(node))
+                    if ranks:
+                        node.link.send(agentwire.request(agentwire.STOP, 0, ranks, 0.0, True,
+                                                         node=node.tree_id))
                     node.link.lose_nodes([node], reason)
         names = {(n.host, n.port) for n in known}
         for host, port in sorted(listed - names):

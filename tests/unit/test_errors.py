@@ -12,6 +12,8 @@ import phalanx
 from phalanx.errors import (
     CallTimeout,
     GroupClosed,
+    MembershipChanged,
+    NodeInfo,
     PhalanxError,
     ProcessFailure,
     RemoteFailure,
@@ -47,6 +49,9 @@ ERRORS = {
     "SerializationError": lambda: SerializationError(
         "cannot pickle", stage="pickling the arguments", rank=3
     ),
+    "MembershipChanged": lambda: MembershipChanged(
+        [NodeInfo(None, "10.0.0.9:32300")], [NodeInfo(1, "10.0.0.6:32300", (2, 3))],
+        "train", "its connection ended"),
 }
 
 
@@ -222,3 +227,14 @@ def test_code_pickled_by_value_shows_its_file_line_and_source():
     assert '    raise TwoArguments("a", 2) from exc\n' in text
     assert f'File "{__file__}", line {lookup_line}, in lookup\n' in text
     assert '    return {}["missing"]\n' in text
+
+
+def test_a_membership_change_names_the_nodes_their_ranks_and_why():
+    error = MembershipChanged(
+        [NodeInfo(None, "10.0.0.9:32300")], [NodeInfo(1, "10.0.0.6:32300", (2, 3))],
+        "train", "its connection ended")
+    assert str(error) == (
+        "the group's nodes changed while train() ran: removed node 1 (agent at "
+        "10.0.0.6:32300, ranks [2, 3]): its connection ended; added the agent at "
+        "10.0.0.9:32300 (not in the group yet); group.resize() admits the new nodes")
+    assert error.removed[0].ranks == (2, 3) and error.added[0].node is None

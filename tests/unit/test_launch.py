@@ -53,6 +53,18 @@ def test_a_killed_rank_reports_the_signal_and_its_last_stderr_lines():
     assert "  allocating 80 GiB" in report
 
 
+def test_a_lost_node_reports_its_first_rank_the_agent_and_why():
+    from phalanx.errors import MembershipChanged, NodeInfo
+
+    lost = MembershipChanged([], [NodeInfo(1, "10.0.0.6:32300", (2, 3))], "run",
+                             "its connection ended (end of stream)")
+    failure = failure_from(lost)
+    assert (failure.rank, failure.node, failure.status) == (2, 1, 1)
+    report = format_report(failure)
+    assert ("root cause: rank 2 (node 1) its node left the group (the agent at 10.0.0.6:32300):"
+            " its connection ended (end of stream)") in report
+
+
 @pytest.mark.parametrize(("text", "ranks"), [("0", (0,)), ("2,0", (0, 2)), ("0-3", (0, 1, 2, 3)),
                                              ("1,4-5,1", (1, 4, 5))])
 def test_parse_ranks(text, ranks):

@@ -1,0 +1,70 @@
+"""The pure parts of agents in a tree: how agents are split among heads, how a message is
+re-addressed to a subtree's ranks, and the cluster backend's tree and membership options."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import phalanx as px
+from phalanx import agenttree, protocol
+
+TOKEN = "t" * 32
+
+
+@given(count=st.integers(0, 3000), fanout=st.integers(2, 64))
+def test_split_gives_at_most_fanout_contiguous_chunks_of_even_sizes(count, fanout):
+    entries = list(range(count))
+    chunks = agenttree.split(entries, fanout)
+    assert [e for chunk in chunks for e in chunk] == entries  # contiguous, in order
+    assert len(chunks) == min(fanout, count)
+    sizes = [len(c) for c in chunks]
+    assert all(sizes) and (not sizes or max(sizes) - min(sizes) <= 1)
+    assert sizes == sorted(sizes, reverse=True)  # the longer ones first
+
+
+def _depth(count: int, fanout: int) -> int:
+    """How deep a tree of ``count`` agents goes when every one answers."""
+    def below(entries: list[int]) -> int:
+        return max((1 + below(chunk[1:]) for chunk in agenttree.split(entries, fanout)),
+                   default=0)
+    return below(list(range(count)))
+
+
+@pytest.mark.parametrize(("count", "fanout", "depth"),
+                         [(9, 2, 3), (100, 50, 2), (1000, 50, 2), (2500, 50, 2), (2551, 50, 3)])
+def test_a_tree_of_a_thousand_agents_is_two_levels_deep_with_fanout_fifty(count, fanout, depth):
+    assert _depth(count, fanout) == depth
+
+
+@given(ranks=st.lists(st.integers(0, 10_000), min_size=1, max_size=40, unique=True),
+       data=st.data())
+def test_retarget_keeps_everything_but_the_ranks(ranks, data):
+    subset = data.draw(st.lists(st.sampled_from(ranks), min_size=1, unique=True))
+    head = protocol.header(protocol.CALL, 77, ranks, "train_step")
+    assert protocol.parse(protocol.retarget(head, subset)) == (
+        protocol.CALL, 77, tuple(subset), ("train_step",))
+    extra = protocol.header(protocol.SHUTDOWN, 0, ranks)
+    assert protocol.parse(protocol.retarget(extra, subset))[2] == tuple(subset)
+
+
+@pytest.mark.parametrize(("option", "value", "words"), [
+    ("tree_threshold", 0, "tree_threshold must be an integer >= 1"),
+    ("tree_threshold", 2.5, "tree_threshold must be an integer >= 1"),
+    ("fanout", 1, "fanout must be an integer >= 2"),
+    ("fanout", True, "fanout must be an integer >= 2"),
+    ("dns_interval", 0, "dns_interval must be > 0 seconds"),
+    ("dns_interval", "5", "dns_interval must be > 0 seconds"),
+])
+def test_bad_tree_and_membership_options_are_refused_naming_them(option, value, words):
+    with pytest.raises(ValueError, match=words):
+        px.ClusterBackend(["127.0.0.1:32300"], token=TOKEN, **{option: value})
+
+
+def test_tree_and_membership_options_survive_the_copy_a_group_makes():
+    backend = px.ClusterBackend(dns="agents.ns.svc", port=32300, token=TOKEN, dns_interval=0.5,
+                                tree_threshold=10, fanout=4)
+    settings = type(backend)(**backend.settings()).settings()
+    assert (settings["dns_interval"], settings["tree_threshold"], settings["fanout"]) == (
+        0.5, 10, 4)
