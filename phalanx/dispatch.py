@@ -135,6 +135,22 @@ class Dispatcher:
         another channel now (a node's link reads for each of its ranks' channels)."""
         self._on_events(channel, events)
 
+    def resolve_results(self, call_id: int,
+                        results: list[tuple[Channel, int, list[Any]]]) -> None:
+        """From inside a channel's ``receive()``: one call's results of several ranks (an
+        agent tree's gathered ones), resolved in one pass."""
+        by_rank = self._by_rank
+        now = time.monotonic()
+        for channel, rank, payload in results:
+            slot = by_rank.get(rank)
+            if slot is None or slot.channel is not channel:
+                continue
+            slot.seen = now
+            slot.heard = True
+            future = slot.pending.pop(call_id, None)
+            if future is not None:
+                future._resolve_rank(rank, payload)
+
     def post_all(self, batches: list[tuple[Channel, list[list[Any]]]]) -> None:
         """Deliver the events of several channels with one wake-up (a node's link)."""
         with self._posted_lock:

@@ -331,14 +331,7 @@ class AgentLink(Channel):
                 continue
             _, _, ranks, extra = protocol.parse(segs[0])
             if kind == agentwire.RESULTS:  # a subtree's results, gathered (a tree)
-                pos = 1
-                for rank, count in zip(ranks, extra[0], strict=True):
-                    channel = self._channels.get(rank)
-                    if channel is not None:
-                        batches.setdefault(channel, []).append(
-                            [_RESULT_HEAD(protocol.RESULT, call_id, rank),
-                             *segs[pos:pos + count]])
-                    pos += count
+                self._results(call_id, ranks, extra[0], segs, pumping, batches)
             elif kind == agentwire.REPLY:
                 self._answer(call_id, *extra)
             elif kind == agentwire.OUTPUT or kind == agentwire.OUTPUT_END:
@@ -373,6 +366,26 @@ class AgentLink(Channel):
                 posts.setdefault(sink, []).append((channel, events))
         for sink, items in posts.items():  # one wake-up for the whole read
             sink.post_all(items)
+
+    def _results(self, call_id: int, ranks: tuple[int, ...], counts: list[int],
+                 segs: list[Any], pumping: EventSink | None,
+                 batches: dict[AgentRankChannel, list[list[Any]]]) -> None:
+        """A RESULTS message: resolved at once, all together, on the dispatcher's thread;
+        else added to the read's batches as each rank's RESULT."""
+        pos = 1
+        direct: list[tuple[Any, int, list[Any]]] = []
+        channels = self._channels
+        for rank, count in zip(ranks, counts, strict=True):
+            channel = channels.get(rank)
+            if channel is not None:
+                if pumping is not None and channel._sink is pumping:
+                    direct.append((channel, rank, segs[pos:pos + count]))
+                else:
+                    batches.setdefault(channel, []).append(
+                        [_RESULT_HEAD(protocol.RESULT, call_id, rank), *segs[pos:pos + count]])
+            pos += count
+        if direct:
+            pumping.resolve_results(call_id, direct)  # type: ignore[union-attr]
 
     def _answer(self, request_id: int, ok: bool, value: Any) -> None:
         with self._lock:

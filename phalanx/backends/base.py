@@ -63,6 +63,11 @@ class EventSink(Protocol):
         """Only from inside a watched channel's ``receive()``: handle another channel's
         events now (a connection shared by several channels)."""
 
+    def resolve_results(self, call_id: int,
+                        results: list[tuple[Channel, int, list[Any]]]) -> None:
+        """Only from inside a watched channel's ``receive()``: one call's results of several
+        ranks at once, ``(channel, rank, payload segments)`` (a tree's gathered ones)."""
+
     def wait(self, is_done: Callable[[], bool], timeout: float | None) -> bool:
         """Wait until ``is_done()`` (or ``timeout``), receiving meanwhile: how a thread waits
         for an answer that arrives on a watched descriptor. Never from ``receive()``."""
