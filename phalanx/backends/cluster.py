@@ -329,6 +329,9 @@ class ClusterBackend(Backend):
         if layout.nodes > len(self._agents):
             raise ValueError(f"nodes={layout.nodes} but {len(self._agents)} agents answered "
                              f"({', '.join(a.name for a in self._agents) or 'none'})")
+        if self.sync is not None and self.code_version is not None and any(
+                a.code_path is None for a in self._agents[:layout.nodes]):
+            self.reload_code()  # nodes admitted since: every node gets the code as it is now
         return [Node(index=n, address=agent.welcome.get("address") or agent.host,
                      ranks=layout.counts[n], gpus=tuple(agent.welcome.get("gpus") or ()),
                      same_host=agent.same_host)
@@ -338,7 +341,8 @@ class ClusterBackend(Backend):
         return self.members.available()
 
     def connection_count(self) -> int:
-        """How many agents the controller holds a connection to now."""
+        """How many agents this backend holds a connection to now (a group runs on a copy
+        of the backend it is given: ``group._backend``)."""
         return sum(1 for link in self._links if link.lost_reason is None)
 
     def ports(self, node: Node, count: int) -> list[int]:
@@ -372,6 +376,12 @@ class ClusterBackend(Backend):
         if self.sync is None:
             return None
         version, listing = codesync.scan(self.sync)
+        self._ship_all([a for a in self._agents if a.lost_reason is None], version, listing)
+        self.code_version = version
+        return version
+
+    def _ship_all(self, agents: list[AgentNode], version: str,
+                  listing: list[codesync.Entry]) -> None:
         errors: list[BaseException] = []
 
         def ship(agent: AgentNode) -> None:
@@ -381,16 +391,13 @@ class ClusterBackend(Backend):
                 errors.append(exc)
 
         threads = [threading.Thread(target=ship, args=(agent,), daemon=True,
-                                    name="phalanx-cluster-sync")
-                   for agent in self.members.current()]
+                                    name="phalanx-cluster-sync") for agent in agents]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
         if errors:
             raise errors[0]
-        self.code_version = version
-        return version
 
     def _stop(self, channels: list[Channel], *, grace: float, force: bool) -> None:
         for agent, ranks in _by_agent(channels).items():

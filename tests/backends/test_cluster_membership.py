@@ -269,3 +269,32 @@ def test_restart_after_a_removal_runs_on_the_nodes_left(dns, cluster):
         assert (group.world_size, group.nodes) == (1, 1)
         assert group.call("rank", timeout=10) == [0]
         assert set(cluster.placement(group)) == {kept}
+
+
+def test_a_node_admitted_by_resize_runs_the_same_code_as_the_others(dns, cluster, tmp_path):
+    records, server = dns
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "shipped_here.py").write_text("WHERE = 'at the start'\n")
+    cluster.start(*HOSTS[:2])
+    late = start_agent(HOSTS[2], cluster.port, cluster.token_file,  # a store of its own
+                       store=str(tmp_path / "late-store"))
+    cluster.procs[HOSTS[2]] = late
+    assert helpers.wait_until(lambda: listening(HOSTS[2], cluster.port), 20, 0.05)
+    records.addresses[NAME] = list(HOSTS[:2])
+    with group_on(cluster.backend(server, sync=str(code))) as group:
+        first = {h.code_version for h in group.health()}
+        events = Events()
+        group.on_membership_change(events)
+        records.addresses[NAME] = list(HOSTS)
+        assert events.wait_added(cluster.address(HOSTS[2])), events.events
+        (code / "shipped_here.py").write_text("WHERE = 'changed since'\n")
+        assert group.resize(timeout=30) == 3
+        # every rank restarted: all run the code as it is now, the new node included
+        versions = {h.code_version for h in group.health()}
+        assert len(versions) == 1 and None not in versions and versions != first
+        cwds = group.call("cwd", timeout=10)
+        assert len(set(cwds)) == 2  # one store for the first two agents, one for the new
+        for cwd in cwds:
+            with open(f"{cwd}/shipped_here.py") as f:
+                assert f.read() == "WHERE = 'changed since'\n"
