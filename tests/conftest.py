@@ -11,6 +11,11 @@ import pytest
 
 from tests import helpers
 
+# A shell that runs the suite as a background job (`cmd &`) starts it with SIGINT ignored,
+# which every process it starts would inherit: the Ctrl-C tests need Python's own handling.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 # Adding a backend to the contract and fault suites is adding its name here (and, if it
 # needs a cluster, starting it in the backend fixture below).
 BACKENDS = ["local", "ray", "cluster"]
