@@ -29,7 +29,7 @@ from statistics import median
 import numpy as np
 
 from bench.contenders import Contender
-from bench.util import Errors, Row, clock, settle
+from bench.util import Errors, Row, clock, reap, settle
 
 ADDRESSES = ("127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5")
 SIZES = (2, 4)  # agents; 2 ranks each
@@ -149,12 +149,7 @@ class _Agents:
     def __exit__(self, *exc_info: object) -> None:
         for proc in self.procs:
             proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        reap(self.procs)
         os.unlink(self.token_file)
         os.rmdir(os.path.dirname(self.token_file))
 

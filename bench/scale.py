@@ -41,6 +41,8 @@ from typing import Any
 
 import psutil
 
+from bench.util import reap
+
 PROCESSES = 8
 FANOUT = 50
 MIB = 1 << 20
@@ -84,14 +86,8 @@ class SimCluster:
     def close(self) -> None:
         for proc in self.procs:
             proc.stdin.close()  # type: ignore[union-attr]
-        for proc in self.procs:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        reap(self.procs)
         os.unlink(self.token_file)
-
 
     def cpu_seconds(self) -> float:
         """The CPU time the agents' processes have used so far."""

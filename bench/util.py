@@ -37,6 +37,18 @@ def trial_order(items: Sequence[T], trial: int) -> list[T]:
     return [*items[shift:], *items[:shift]]
 
 
+def reap(procs: Sequence[Any], timeout: float = 15.0) -> None:
+    """Wait for each of ``procs`` (asked to end already) up to ``timeout`` s, then kill it."""
+    import subprocess
+
+    for proc in procs:
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def settle() -> None:
     """Collect garbage and pause briefly before a timed section, so that the previous
     contender's leftovers (garbage, ray's flushes) are not charged to the next one."""

@@ -3,10 +3,11 @@
 Layers (a module imports only from layers below its own)::
 
     api        __init__ (this file), cli, launch, multinode, jobhost, k8s, spmd, group,
-               meshcalls, streaming, watch, lifecycle, methods
+               meshcalls, streaming, watch, lifecycle, membership, methods
     runtime    startup, dispatch, futures, watchdog, backends/* (base: the
                node-level boundary; local; ray, ray_actor, ray_session; ray_placement is
-               pure; cluster, agentlink), agent, agentnode, agenthttp, codesync, node,
+               pure; cluster, agentlink, clustermembers), agent, agentnode, agentbranch,
+               agenttree, agenthttp, codesync, node,
                supervisor (the node supervisor and its per-rank keepers), proctree,
                stacks, logs, placement, worker, bootstrap, debug
     protocol   protocol (the messages), agentwire (the agents' own), handshake (proving

@@ -71,7 +71,6 @@ class Branch:
         self._rank_route: dict[int, _Child] = {}  # rank -> the child it is below
         self._gathers: dict[int, _Gather] = {}  # call id -> its results held here
 
-
     # -- gathering results ---------------------------------------------------------------
 
     def _expect(self, call_id: int, ranks: tuple[int, ...]) -> None:

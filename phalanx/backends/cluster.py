@@ -145,6 +145,7 @@ class ClusterBackend(Backend):
         self.code_version: str | None = None  # of the code the nodes run (with sync)
         self._links: list[AgentLink] = []  # the controller's connections
         self._agents: list[AgentNode] = []  # every node, in the group's order
+        self._in_use: int | None = None  # how many of them the group runs on
         self.members = Members(self)
         self._incarnations = itertools.count(1)
         self._stopping = threading.Event()
@@ -325,7 +326,8 @@ class ClusterBackend(Backend):
     # -- nodes ------------------------------------------------------------------------
 
     def _reserve(self, layout: Layout, *, gpus_per_worker: int, timeout: float) -> list[Node]:
-        self._agents = self.members.current()  # lost nodes out, admitted ones in
+        self._agents = self.members.current(self._in_use)  # lost out, admitted ones in
+        self._in_use = layout.nodes
         if layout.nodes > len(self._agents):
             raise ValueError(f"nodes={layout.nodes} but {len(self._agents)} agents answered "
                              f"({', '.join(a.name for a in self._agents) or 'none'})")
@@ -338,7 +340,7 @@ class ClusterBackend(Backend):
                 for n, agent in enumerate(self._agents[:layout.nodes])]
 
     def available_nodes(self) -> int:
-        return self.members.available()
+        return self.members.available(self._in_use or len(self._agents))
 
     def connection_count(self) -> int:
         """How many agents this backend holds a connection to now (a group runs on a copy

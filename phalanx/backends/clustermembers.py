@@ -63,20 +63,24 @@ class Members:
             link.nodes[tree_id] = AgentNode(link, tree_id, *parse_host(name), welcome)
         return [link.nodes[i] for i in head.ids]
 
-    def current(self) -> list[AgentNode]:
-        """The nodes a group starting now gets: those not lost, then those added, indexed
-        in that order (the added ones are admitted by this)."""
+    def current(self, in_use: int | None) -> list[AgentNode]:
+        """The nodes in the order a group reserving now takes them, indexed so: the first
+        ``in_use`` (the group's so far; None: all) not lost, those added since (admitted by
+        this), then the others that answered."""
         with self._lock:
             spares, self.spares = self.spares, []
-        nodes = [n for n in self.backend._agents + spares if n.lost_reason is None]
+        agents = self.backend._agents
+        cut = len(agents) if in_use is None else in_use
+        nodes = [n for n in agents[:cut] + spares + agents[cut:] if n.lost_reason is None]
         for index, node in enumerate(nodes):
             node.index = index
         return nodes
 
-    def available(self) -> int:
+    def available(self, in_use: int) -> int:
+        """How many nodes the group would have with the added ones in, the removed out."""
         with self._lock:
             spares = list(self.spares)
-        return sum(1 for n in self.backend._agents + spares if n.lost_reason is None)
+        return sum(1 for n in self.backend._agents[:in_use] + spares if n.lost_reason is None)
 
     # -- changes ----------------------------------------------------------------------
 
@@ -149,7 +153,7 @@ class Members:
         """Connect to a newly listed agent (in a tree: below a top agent when the
         controller holds ``fanout`` connections already); None if it does not answer."""
         backend = self.backend
-        from phalanx.backends.cluster import _machine
+        from phalanx.agent import machine_id
 
         try:
             if self.tree and backend.connection_count() >= backend.fanout:
@@ -174,7 +178,7 @@ class Members:
             logger.info("the agent newly listed at %s:%d does not answer yet: %s", host, port,
                         exc)
             return None
-        node.same_host = node.welcome.get("machine") == _machine()
+        node.same_host = node.welcome.get("machine") == machine_id()
         with self._lock:
             self.spares.append(node)
         return node

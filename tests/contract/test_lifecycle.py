@@ -107,6 +107,20 @@ def test_restart_replaces_every_process(make_group):
     assert group.call("init_args") == [(("x",), {})] * 3
 
 
+def test_resize_with_the_same_nodes_keeps_the_group_as_it_is(make_group):
+    # on the cluster backend three agents answer: the group still runs on the one it asked for
+    group = make_group(Probe, nodes=1, procs_per_node=2)
+    pids = group.call("pid")
+    seen = []
+    group.on_membership_change(seen.append)
+    assert group.resize() == 2
+    assert (group.world_size, group.nodes) == (2, 1)
+    assert group.call("pid") == pids  # nothing restarted
+    group.restart()
+    assert group.world_size == 2 and group.call("pid") != pids
+    assert seen == []
+
+
 def test_shutdown_is_idempotent_and_closes_the_group(make_group):
     group = make_group(Probe, procs_per_node=2)
     pids = group.call("pid")
