@@ -417,7 +417,7 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle, Membership):
             group_future: GroupFuture = StreamFuture(method, ranks, self._dispatcher)
         else:
             group_future = GroupFuture(method, ranks, self._dispatcher)
-        group_future.tolerant = workers == "ready" or workers == "any"
+        group_future.tolerant = type(workers) is str and workers in ("ready", "any")
         if len(payloads) == 1 and len(ranks) > 1 and self._backend.shared_links:
             # one frame per node connection (an agent's), whatever its number of ranks
             deliver = functools.partial(self._deliver_shared, call_id, ranks, group_future,
