@@ -293,3 +293,23 @@ def test_an_inner_agent_sigkilled_mid_call_removes_its_subtree(agents):
     # The subtree's surviving agents serve the next group.
     with group_on(agents.backend(agents.hosts[1:5], **TREE), nodes=4) as group:
         assert group.call("rank") == [0, 1, 2, 3]
+
+
+def test_an_agent_that_does_not_answer_is_passed_over_or_named_by_the_quorum(agents):
+    agents.procs[3].kill()  # an inner agent: its child (4) is adopted by the head (0)
+    agents.procs[3].wait()
+    started = time.monotonic()
+    with pytest.raises(px.QuorumTimeout) as info:
+        group_on(agents.backend(quorum_timeout=2, **TREE), nodes=9)
+    assert time.monotonic() - started < 10
+    assert list(info.value.missing) == [agents.hosts[3]]
+    assert sorted(info.value.answered) == sorted(h for i, h in enumerate(agents.hosts) if i != 3)
+
+    with group_on(agents.backend(quorum=8, **TREE), nodes=8) as group:
+        assert group.call("rank") == list(range(8))
+        # node i is the i-th agent that answered, in the order listed: 3 is skipped
+        where = {h.rank: agents.hosts.index(next(
+            agents.hosts[i] for i in range(9) if h.pid in agents.descendants(i)))
+            for h in group.health()}
+        assert where == {0: 0, 1: 1, 2: 2, 3: 4, 4: 5, 5: 6, 6: 7, 7: 8}
+        assert connections(group) == 2
