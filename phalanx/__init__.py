@@ -40,6 +40,9 @@ _EXPORTS = {
     "MembershipChanged": "phalanx.errors",
     "MembershipEvent": "phalanx.errors",
     "NodeInfo": "phalanx.errors",
+    "ObjectFreed": "phalanx.errors",
+    "ObjectRef": "phalanx.shared",
+    "InjectedFault": "phalanx.faults",
     "PhalanxError": "phalanx.errors",
     "ProcessFailure": "phalanx.errors",
     "QuorumTimeout": "phalanx.errors",
@@ -68,10 +71,13 @@ __all__ = [
     "FrameworkNotInstalled",
     "GroupClosed",
     "GroupFuture",
+    "InjectedFault",
     "MembershipChanged",
     "MembershipEvent",
     "NamedSharding",
     "NodeInfo",
+    "ObjectFreed",
+    "ObjectRef",
     "PhalanxError",
     "ProcessFailure",
     "QuorumTimeout",
@@ -101,6 +107,7 @@ if TYPE_CHECKING:
         CallTimeout,
         FrameworkNotInstalled,
         GroupClosed,
+        ObjectFreed,
         PhalanxError,
         ProcessFailure,
         QuorumTimeout,
@@ -110,9 +117,11 @@ if TYPE_CHECKING:
         WorkerError,
         WorkerUnresponsive,
     )
+    from phalanx.faults import InjectedFault
     from phalanx.futures import GroupFuture, RankFuture, ShardedFuture
     from phalanx.group import WorkerGroup
     from phalanx.sharding import NamedSharding
+    from phalanx.shared import ObjectRef
     from phalanx.spmd import spmd
     from phalanx.watch import RankHealth, StackReport, StartupReport
 

@@ -33,6 +33,9 @@ AGENT_PORT = 32300  # phalanx agent's control port (its HTTP port: the next one)
 DEFAULT_STRAGGLER_WARNING = 120.0  # seconds after a call's first answer to name late ranks
 CLEANUP_WAIT = 5.0  # seconds for a rank's keeper to end what the rank left running
 CONNECT_TIMEOUT = 30.0  # seconds a rank's node side has to reach the controller
+# A call whose arguments carry at least this many bytes of out-of-band buffers (numpy
+# arrays, torch CPU tensors) sends them through each node's shared memory (phalanx.shared).
+AUTO_SHARE_BYTES = 1 << 20
 # Ray backend
 # After a rank's stream ends, the longest wait for how it ended (its actor reports the exit
 # status within a few ms; the wait only runs out when that is slow, e.g. on a loaded node)

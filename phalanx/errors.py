@@ -374,6 +374,10 @@ class GroupClosed(PhalanxError):
     """The group was shut down; pending calls end with this, and new ones raise it."""
 
 
+class ObjectFreed(PhalanxError, ValueError):
+    """A put object's handle (ObjectRef) was used after the object was freed."""
+
+
 class SerializationError(PhalanxError):
     """The controller failed to pickle arguments (nothing was sent) or to unpickle a result."""
 

@@ -62,6 +62,7 @@ class GroupFuture:
         "_dispatcher",
         "_errors",
         "_failed",
+        "_holds",
         "_kickoff",
         "_positions",
         "_ranks",
@@ -88,6 +89,8 @@ class GroupFuture:
         # Dispatcher.wait); anything that looks at the future sends them first.
         self._kickoff: Callable[[], None] | None = None
         self._callbacks: list[Callable[[GroupFuture], Any]] | None = None
+        # (owner, objects): put objects the call's arguments name, held until it ends
+        self._holds: Any = None
         # made on workers="ready" / "any": a change of the group's nodes does not fail it
         self.tolerant = False
 
@@ -106,7 +109,8 @@ class GroupFuture:
         if self._values[i] is _PENDING:
             self._values[i] = segments
             self._remaining -= 1
-            if self._remaining == 0 and self._callbacks is not None:
+            if self._remaining == 0 and (self._callbacks is not None
+                                         or self._holds is not None):
                 self._settle()
 
     def _fail_rank(self, rank: int, error: BaseException) -> None:
@@ -122,9 +126,17 @@ class GroupFuture:
             self._failed = i
             if self._callbacks is not None:
                 self._settle()
+        if self._remaining == 0 and self._holds is not None:
+            self._settle()
 
     def _settle(self) -> None:
-        """Run the done-callbacks, once."""
+        """Run the done-callbacks, once; once every rank is done, let go of what the
+        call's arguments held."""
+        if self._remaining == 0 and self._holds is not None:
+            (owner, objects), self._holds = self._holds, None
+            owner.unhold(objects)
+        if self._callbacks is None:
+            return
         callbacks, self._callbacks = self._callbacks, None
         self._dispatcher.watch_future(self, False)
         for callback in callbacks or ():

@@ -19,9 +19,11 @@ from phalanx.backends import Backend, Boot, RankStart, create_backend
 from phalanx.dispatch import Dispatcher, Slot
 from phalanx.errors import (
     GroupClosed,
+    ObjectFreed,
     SerializationError,
     death_error,
 )
+from phalanx.faults import FaultInjection
 from phalanx.frameworks import Layout, WorldPart, check_layout, merge_env, worker_env
 from phalanx.futures import GroupFuture
 from phalanx.lifecycle import Lifecycle
@@ -32,6 +34,7 @@ from phalanx.methods import MethodProxy
 from phalanx.options import check_count, check_seconds
 from phalanx.placement import check_node_gpus, new_launch, place
 from phalanx.selection import Workers, select_ranks
+from phalanx.shared import SharedData, SharedObjects
 from phalanx.startup import await_ready
 from phalanx.streaming import StreamCalls, StreamFuture
 from phalanx.watch import Watching
@@ -58,7 +61,8 @@ def _shutdown_at_exit() -> None:
         group.shutdown()
 
 
-class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle, Membership):
+class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle, Membership, SharedData,
+                  FaultInjection):
     """A group of worker processes, each holding one instance of ``target``.
 
     ``target`` is a class (or any picklable callable returning the worker object), or a
@@ -201,6 +205,7 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle, Membership):
         self._slots: list[Slot | None] = [None] * self.world_size
         self._dispatcher = Dispatcher(on_death=self._on_death)
         self._dispatcher.stacks_of = self._stacks_of
+        self._shared = SharedObjects(self._backend, self._live_channels)
         self._watchdog: Watchdog | None = None
         self._follow_membership()
         try:
@@ -309,6 +314,7 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle, Membership):
         for rank in ranks:
             by_node.setdefault(self._layout.node_of(rank), []).append(self._starts[rank])
         slots: list[Slot] = []
+        started: list[Any] = []
         try:
             for node, starts in by_node.items():
                 channels = self._backend.launch(self._nodes[node], starts, self._boot)
@@ -318,8 +324,11 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle, Membership):
                         slots.append(slot)
                         self._dispatcher.add(slot)
                     channel.attach(self._dispatcher)
+                    started.append(channel)
             for slot in slots:
                 self._slots[slot.rank] = slot
+            if len(self._shared):  # what was put before: their nodes hold it too
+                self._shared.reach(started)
             await_ready(
                 self._dispatcher,
                 slots,
@@ -388,9 +397,15 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle, Membership):
             previous = rank
         return True
 
+    def _live_channels(self) -> list[Any]:
+        return list({id(s.channel): s.channel for s in self._slots
+                     if s is not None and s.alive}.values())
+
     def _encode(self, args: tuple, kwargs: dict, rank: int | None = None) -> list[Any]:
         try:
-            return wire.dumps_fast((args, kwargs))
+            return self._shared.encode((args, kwargs))
+        except ObjectFreed:
+            raise
         except Exception as exc:
             where = "" if rank is None else f" for rank {rank}"
             raise SerializationError(
@@ -418,6 +433,7 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle, Membership):
         else:
             group_future = GroupFuture(method, ranks, self._dispatcher)
         group_future.tolerant = type(workers) is str and workers in ("ready", "any")
+        payloads = self._shared.prepare(group_future, payloads)
         if len(payloads) == 1 and len(ranks) > 1 and self._backend.shared_links:
             # one frame per node connection (an agent's), whatever its number of ranks
             deliver = functools.partial(self._deliver_shared, call_id, ranks, group_future,

@@ -218,6 +218,7 @@ class Lifecycle:
         self._backend.stop(channels_of(slots), grace=grace, force=force)
         for slot in slots:
             slot.alive = False
+        self._shared.close()
         self._dispatcher.release()
         self._backend.close()
         logger.info("shut down %d workers of %s", self.world_size, self._target_name)

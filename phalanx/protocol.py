@@ -16,6 +16,11 @@ Message kinds (payload = the segments after the header: a pickle and its buffers
                          CALL         method                payload (args, kwargs)
                          CALL_STREAM  method                payload (args, kwargs)
                          SHUTDOWN
+                         INJECT       (method, kind, argument)  the rank's next call of
+                                                            method fails so (inject_fault)
+    node side -> rank    SHARE        (ref id, location)    a shared object is held on the
+                                                            rank's node (see phalanx.shm)
+                         UNSHARE      (ref id,)             it was freed: forget it
     rank -> controller   READY        (pid, method_names, start-up timings, code version)
                          INIT_ERROR   (RemoteFailure tuple)
                          RESULT                             payload value
@@ -50,6 +55,9 @@ YIELD = 9
 ERROR = 3
 EXITED = 10
 HEARTBEAT = 11
+SHARE = 12
+UNSHARE = 13
+INJECT = 14
 
 MANY = 0xFFFFFFFF  # rank field of a message for several ranks (their list follows)
 
@@ -154,6 +162,21 @@ def call_frames(
 def shutdown_frame(rank: int | Sequence[int]) -> list[Any]:
     """Ask an idle rank to exit on its own (atexit handlers and framework cleanup run)."""
     return wire.frame([header(SHUTDOWN, 0, rank)])
+
+
+def inject_frame(rank: int, method: str, kind: str, argument: Any) -> list[Any]:
+    """Make the rank's next call of ``method`` fail: ``kind`` is "signal", "exit", "hang"
+    or "raise" (see ``WorkerGroup.inject_fault``)."""
+    return wire.frame([header(INJECT, 0, rank, method, kind, argument)])
+
+
+def share_frame(rank: int | Sequence[int], ref_id: int, location: tuple) -> list[Any]:
+    """Where the rank's node holds shared object ``ref_id`` (:meth:`phalanx.shm.Block.location`)."""
+    return wire.frame([header(SHARE, 0, rank, ref_id, location)])
+
+
+def unshare_frame(rank: int | Sequence[int], ref_id: int) -> list[Any]:
+    return wire.frame([header(UNSHARE, 0, rank, ref_id)])
 
 
 # -- ranks -> controller ------------------------------------------------------------------

@@ -28,6 +28,7 @@ import logging
 import pickle
 import select
 import struct
+import sys
 import threading
 from typing import Any
 
@@ -91,9 +92,20 @@ def _pickler() -> type:
         return rebuild, tuple(code.co_filename if isinstance(a, str) and a == "<dynamic-code>"
                               else a for a in args)
 
+    def reducer_override(self: Any, obj: Any) -> Any:
+        torch = sys.modules.get("torch")
+        if torch is not None and type(obj) is torch.Tensor:
+            from phalanx import shm
+
+            reduced = shm.reduce_tensor(obj)  # its bytes out of band, like numpy's
+            if reduced is not None:
+                return reduced
+        return base.reducer_override(self, obj)
+
     return type("Pickler", (base,), {
         "dispatch_table": collections.ChainMap({types.CodeType: keep_filename},
                                                base.dispatch_table),
+        "reducer_override": reducer_override,
     })
 
 

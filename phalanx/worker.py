@@ -31,7 +31,7 @@ import time
 import types
 from typing import Any
 
-from phalanx import config, protocol, streams, wire
+from phalanx import config, faults, protocol, shm, streams, wire
 from phalanx.errors import RemoteFailure
 
 
@@ -172,6 +172,7 @@ class WorkerRuntime:
         self._loop_lock = threading.Lock()
         self.bootstrap: Any = None  # phalanx.bootstrap.Bootstrap when a framework needs one
         self.rank = 0  # from INIT's header; stamped on every reply
+        self._faults: dict[str, tuple[str, Any]] = {}  # method -> fault armed by INJECT
 
     # -- start-up ---------------------------------------------------------------------
 
@@ -267,6 +268,8 @@ class WorkerRuntime:
                     run(call_id(first, 1)[0], first[start:].decode(), segs, True)
                 elif kind == protocol.SHUTDOWN:
                     return 0
+                else:
+                    self._node_message(kind, first)
             try:
                 if readable is None:
                     frames = recv()
@@ -277,6 +280,17 @@ class WorkerRuntime:
                         frames = recv(False)
             except wire.ConnectionLost:
                 return 0
+
+    def _node_message(self, kind: int, header: Any) -> None:
+        """A shared object held on this node, or freed; a fault to inject."""
+        extra = protocol.parse(header)[3]
+        if kind == protocol.SHARE:
+            shm.RANK_SHARES.add(*extra)
+        elif kind == protocol.UNSHARE:
+            shm.RANK_SHARES.drop(*extra)
+        elif kind == protocol.INJECT:
+            method, fault, argument = extra
+            self._faults[method] = (fault, argument)
 
     def _submit_call(
         self, call_id: int, method: str, segs: list[Any], stream: bool = False
@@ -298,6 +312,10 @@ class WorkerRuntime:
         # One try block; ``stage`` says which side of the call an exception came from.
         stage = "unpickling the arguments"
         try:
+            if self._faults and method in self._faults:
+                stage = "running the method"
+                faults.perform(method, *self._faults.pop(method))
+                stage = "unpickling the arguments"
             args, kwargs = wire.loads(segs[1:])
             stage = "looking up the method"
             fn = getattr(self.obj, method, _MISSING)

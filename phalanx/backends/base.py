@@ -40,6 +40,7 @@ from phalanx.frameworks import Layout
 
 if TYPE_CHECKING:
     from phalanx.logs import OutputOptions
+    from phalanx.shared import SharedObject
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +151,7 @@ class Backend(abc.ABC):
     name = "abstract"
     opened = False
     shared_links = False  # whether its channels may share a link (see Channel.link)
+    can_share = False  # whether it holds put objects on its nodes (share / unshare)
     # Told of every membership change (nodes lost, or joining and leaving a DNS name),
     # before the ranks of a lost node are reported dead; set by the group. Any thread.
     on_membership: Callable[[MembershipEvent], None] | None = None
@@ -214,6 +216,19 @@ class Backend(abc.ABC):
         """Make the code the controller has now what ranks started from now on run; its
         version, if the backend ships code (the cluster backend's ``sync``), else None."""
         return None
+
+    def share(self, obj: SharedObject, channels: Sequence[Channel]) -> None:
+        """Hold the put object ``obj`` (its pickle and buffers, ``obj.segments``) once on
+        each node of ``channels``, and tell each of their ranks where it is (SHARE, before
+        any later message to it). Called again for ranks started later: a node that holds
+        it already only tells them. Raises, naming the node, when a node cannot hold it."""
+        raise NotImplementedError(f"the {self.name} backend cannot hold shared objects")
+
+    def unshare(self, obj: SharedObject, channels: Sequence[Channel]) -> None:
+        """Free ``obj`` on every node holding it; the ranks of ``channels`` forget it
+        (UNSHARE). Never waits for a node: it may run on the thread that ends calls."""
+        if self.can_share:  # pragma: no cover - a bug
+            raise NotImplementedError(f"the {self.name} backend shares but cannot unshare")
 
     @abc.abstractmethod
     def _open(self, output: OutputOptions) -> None: ...

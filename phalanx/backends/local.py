@@ -20,7 +20,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from phalanx import config, node, protocol, streams, wire
+from phalanx import config, node, protocol, shm, streams, wire
 from phalanx.backends.base import Backend, Boot, Channel, EventSink, Node, RankStart
 from phalanx.errors import ProcessFailure
 from phalanx.frameworks import Layout, merge_env, split_gpus
@@ -143,9 +143,12 @@ class LocalChannel(Channel):
 
 class LocalBackend(Backend):
     name = "local"
+    can_share = shm.supported()
 
     def __init__(self) -> None:
         self._gpus = visible_gpus()
+        self._blocks: dict[int, shm.Block] = {}  # put objects: this machine's one copy
+        self._blocks_lock = threading.Lock()
 
     def _open(self, output: OutputOptions) -> None:
         self._writer = wire.BacklogWriter()
@@ -204,6 +207,29 @@ class LocalBackend(Backend):
         stream = streams.PipeStream(proc.read_fd, proc.write_fd, blocking_reads=False)
         return LocalChannel(start, proc, wire.Connection(stream, self._writer), tap, stack_file)
 
+    def share(self, obj: Any, channels: Sequence[Channel]) -> None:
+        """One block in this process's memory for every simulated node; each rank maps it."""
+        if not self.can_share:
+            raise NotImplementedError("shared objects need Linux (memfd_create and /proc)")
+        with self._blocks_lock:
+            block = self._blocks.get(obj.id)
+            if block is None:
+                if obj.segments is None:
+                    return  # freed meanwhile
+                block = self._blocks[obj.id] = shm.Block(obj.token, obj.segments)
+                obj.segments = None  # the block is the copy now
+            location = block.location()
+        for channel in channels:
+            channel.send(protocol.share_frame(channel.ranks[0], obj.id, location))
+
+    def unshare(self, obj: Any, channels: Sequence[Channel]) -> None:
+        with self._blocks_lock:
+            block = self._blocks.pop(obj.id, None)
+        for channel in channels:
+            channel.send(protocol.unshare_frame(channel.ranks[0], obj.id))
+        if block is not None:
+            block.close()  # the ranks' mappings keep what they still use
+
     def _stop(self, channels: list[Channel], *, grace: float, force: bool) -> None:
         procs = [c.proc for c in channels if isinstance(c, LocalChannel)]
         node.stop_processes(procs, grace=grace, force=force)
@@ -212,6 +238,10 @@ class LocalBackend(Backend):
         node.wait_all_exit([c.proc for c in channels if isinstance(c, LocalChannel)], timeout)
 
     def close(self) -> None:
+        with self._blocks_lock:
+            blocks, self._blocks = list(self._blocks.values()), {}
+        for block in blocks:
+            block.close()
         if self.opened:
             self._supervisor.close()
             self._logs.stop()
