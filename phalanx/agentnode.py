@@ -37,6 +37,7 @@ from typing import Any
 
 from phalanx import agentwire, codesync, config, node, protocol, streams, wire
 from phalanx.agentbranch import GATHER_WINDOW, Branch
+from phalanx.agentshare import Holding
 from phalanx.frameworks import merge_env
 from phalanx.placement import pick_free_ports
 from phalanx.stacks import StackFile
@@ -60,7 +61,7 @@ class _Rank:
         self.counted = False  # in the agent's ranks_alive
 
 
-class Session(Branch):
+class Session(Branch, Holding):
     """The node side of one controller's group (run :meth:`serve` on a thread)."""
 
     def __init__(self, sock: socket.socket, *, heartbeat_timeout: float, max_frame: int,
@@ -88,6 +89,7 @@ class Session(Branch):
         self.ended = threading.Event()
         self.reason = ""
         self._init_branch(secret)
+        self._init_holding()
 
     # -- the relay loop ---------------------------------------------------------------
 
@@ -275,11 +277,14 @@ class Session(Branch):
             if target is not None:
                 target.proc.signal_group(sig)
             return
+        if kind == agentwire.DROP:
+            self._drop(*fields)
+            return
         handlers = {agentwire.LAUNCH: self._launch, agentwire.STOP: self._stop,
                     agentwire.STACKS: self._stacks, agentwire.PORTS: self._ports,
                     agentwire.WAIT: self._wait, agentwire.SYNC: self._sync,
                     agentwire.BLOBS: self._blobs, agentwire.TREE: self._tree,
-                    agentwire.ADOPT: self._adopt}
+                    agentwire.ADOPT: self._adopt, agentwire.HOLD: self._hold}
         handler = handlers.get(kind)
         if handler is None:
             self._send(agentwire.reply(request_id, False, f"unknown request kind {kind}"))
@@ -326,6 +331,8 @@ class Session(Branch):
             raise
         pids = [r.proc.pid or 0 for r in started]  # before the relay reads their pipes
         with self._lock:
+            for rank in started:
+                self._share_with(rank)
             self._launched.extend((r.rank, r) for r in started)
         self._wake.wake()
         return pids
@@ -440,6 +447,7 @@ class Session(Branch):
             self._forget(rank)
         if self._supervisor is not None:
             self._supervisor.close()
+        self._end_holding()
         for child in self._children + self._adopted:  # they stop their ranks in turn
             child.conn.close()
         self._conn.close()

@@ -21,6 +21,10 @@ One authenticated connection per node (:mod:`phalanx.handshake`) carries, as
                          ADOPT     (id, entries, fanout, timeout)    be tree node id; adopt
                                                                      these agents (see
                                                                      phalanx.agenttree)
+                         HOLD      (ref id, token)                   payload: a put object's
+                                                                     pickle and buffers, to
+                                                                     hold for the node's ranks
+                         DROP      (ref id,)                         it was freed; no reply
     agent -> controller  WELCOME   (node facts: host, gpus, machine, pid, version)
                          REPLY     (ok, value)                       to a request id
                          OUTPUT    (stream,)                         payload: bytes, rank
@@ -61,6 +65,8 @@ SYNC = 71
 BLOBS = 72
 TREE = 73
 ADOPT = 74
+HOLD = 75
+DROP = 76
 WELCOME = 80
 REPLY = 81
 OUTPUT = 82

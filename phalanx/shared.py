@@ -52,6 +52,7 @@ class SharedObject:
     segments: list[Any] | None  # the pickle and its buffers; None once no backend needs them
     nbytes: int
     label: str  # what it is, for messages ("ndarray", "the arguments of step()")
+    private: bool = False  # a call's own arguments: each rank gets writable copies
     users: int = 0  # calls in flight that name it
     freed: bool = False  # no new call may name it
     released: bool = False  # the backend no longer holds it
@@ -99,7 +100,8 @@ class ObjectRef:
         if self._obj.freed:
             raise ObjectFreed(f"{self!r} was freed; put the object again to use it")
         _capture.refs.append(self)
-        return shm.resolve, (self._obj.id, self._obj.token)
+        obj = self._obj
+        return shm.resolve, ((obj.id, obj.token, True) if obj.private else (obj.id, obj.token))
 
     def __copy__(self) -> ObjectRef:
         return self
@@ -166,11 +168,11 @@ class SharedObjects:
         _capture.refs = []
         return refs or []
 
-    def _store(self, segments: list[Any], label: str) -> ObjectRef:
+    def _store(self, segments: list[Any], label: str, private: bool = False) -> ObjectRef:
         if self._closed:
             raise ObjectFreed("the group was shut down: nothing can be put any more")
         obj = SharedObject(next(self._ids), secrets.token_hex(8), list(segments),
-                           _nbytes(segments), label)
+                           _nbytes(segments), label, private)
         # Never under the lock: a node's answer may need the thread that ends calls.
         self._backend.share(obj, self._channels())
         with self._lock:
@@ -216,7 +218,8 @@ class SharedObjects:
         transient = None
         if (len(payloads) == 1 and len(payloads[0]) > 1 and self._backend.can_share
                 and _nbytes(payloads[0][1:]) >= AUTO_SHARE_BYTES):
-            transient = self._store(payloads[0], f"the arguments of {future.method}()")
+            transient = self._store(payloads[0], f"the arguments of {future.method}()",
+                                    private=True)
             payloads = [self.encode(transient)]
             refs += self.taken()
         if refs:

@@ -128,12 +128,16 @@ class RankShares:
             self._where.pop(ref_id, None)
             self._objects.pop(ref_id, None)
 
-    def resolve(self, ref_id: int, token: str) -> Any:
+    def resolve(self, ref_id: int, token: str, private: bool = False) -> Any:
+        """The object (unpickled on first use, then kept); ``private``: a call's own
+        arguments, unpickled for that call only, its arrays writable as a copy would be
+        (the mapping is copy-on-write: a write never reaches another rank)."""
         with self._lock:
-            try:
-                return self._objects[ref_id]
-            except KeyError:
-                pass
+            if not private:
+                try:
+                    return self._objects[ref_id]
+                except KeyError:
+                    pass
             where = self._where.get(ref_id)
             if where is None or where[2] != token:
                 raise NotShared(f"shared object {ref_id} is not on this rank's node (freed, "
@@ -143,18 +147,19 @@ class RankShares:
                 block = map_block(pid, fd, token, size)
             except NotShared as exc:
                 raise NotShared(f"shared object {ref_id}: {exc}") from None
-            obj = _unpickle(block, layout)
-            self._objects[ref_id] = obj
+            obj = _unpickle(block, layout, writable=private)
+            if not private:
+                self._objects[ref_id] = obj
             return obj
 
     def __len__(self) -> int:
         return len(self._where)
 
 
-def _unpickle(block: mmap.mmap, layout: list[tuple[int, int]]) -> Any:
+def _unpickle(block: mmap.mmap, layout: list[tuple[int, int]], writable: bool) -> Any:
     view = memoryview(block)
     (start, length), *rest = layout
-    buffers = [view[o:o + n].toreadonly() for o, n in rest]
+    buffers = [view[o:o + n] if writable else view[o:o + n].toreadonly() for o, n in rest]
     stream = view[start:start + length]
     try:
         return pickle.loads(stream, buffers=buffers)
@@ -165,9 +170,9 @@ def _unpickle(block: mmap.mmap, layout: list[tuple[int, int]]) -> Any:
 RANK_SHARES = RankShares()
 
 
-def resolve(ref_id: int, token: str) -> Any:
+def resolve(ref_id: int, token: str, private: bool = False) -> Any:
     """What a shared object's reference unpickles to in a rank (see ObjectRef)."""
-    return RANK_SHARES.resolve(ref_id, token)
+    return RANK_SHARES.resolve(ref_id, token, private)
 
 
 # -- torch CPU tensors as out-of-band buffers ---------------------------------------------

@@ -56,6 +56,7 @@ class AgentNode:
         self.index = -1  # the group's node index, once reserved
         self.same_host = False  # on the controller's machine
         self.code_path: str | None = None  # the shipped code there (sync)
+        self.holding: set[int] = set()  # the put objects its agent holds (phalanx.shared)
         self.lost_reason: str | None = None
 
     @property

@@ -29,7 +29,7 @@ import os
 import ssl
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from phalanx import agenttree, agentwire, codesync, config, dnsquery, wire
@@ -68,6 +68,7 @@ class ClusterBackend(Backend):
     """
 
     name = "cluster"
+    can_share = True
     shared_links = True
 
     def __init__(self, hosts: Sequence[str] | None = None, token: str | bytes | None = None,
@@ -384,22 +385,35 @@ class ClusterBackend(Backend):
 
     def _ship_all(self, agents: list[AgentNode], version: str,
                   listing: list[codesync.Entry]) -> None:
-        errors: list[BaseException] = []
-
         def ship(agent: AgentNode) -> None:
-            try:
-                agent.code_path = _ship(agent, self.sync, version, listing)
-            except BaseException as exc:  # noqa: BLE001 - re-raised below, naming the node
-                errors.append(exc)
+            agent.code_path = _ship(agent, self.sync, version, listing)
 
-        threads = [threading.Thread(target=ship, args=(agent,), daemon=True,
-                                    name="phalanx-cluster-sync") for agent in agents]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        if errors:
-            raise errors[0]
+        _on_each(agents, ship, "phalanx-cluster-sync")
+
+    # -- shared objects ---------------------------------------------------------------
+
+    def share(self, obj: Any, channels: Sequence[Channel]) -> None:
+        """Each node's agent gets the object once (HOLD) and tells its ranks, those it
+        starts later included; the controller keeps the bytes for nodes admitted later."""
+        agents = [a for a in _by_agent(channels) if obj.id not in a.holding]
+
+        def hold(agent: AgentNode) -> None:
+            try:
+                agent.request(agentwire.HOLD, obj.id, obj.token, payload=obj.segments)
+            except PhalanxError as exc:
+                raise PhalanxError(f"{agent.where} could not hold {obj.label} "
+                                   f"({obj.nbytes} bytes): {exc}") from None
+            agent.holding.add(obj.id)
+
+        if obj.segments is not None:
+            _on_each(agents, hold, "phalanx-cluster-hold")
+
+    def unshare(self, obj: Any, channels: Sequence[Channel]) -> None:
+        for agent in list(self._agents):
+            if obj.id in agent.holding and agent.lost_reason is None:
+                agent.holding.discard(obj.id)
+                agent.link.send(agentwire.request(agentwire.DROP, 0, obj.id,
+                                                  node=agent.tree_id))
 
     def _stop(self, channels: list[Channel], *, grace: float, force: bool) -> None:
         for agent, ranks in _by_agent(channels).items():
@@ -461,6 +475,29 @@ def _tls_context(tls: bool | str | ssl.SSLContext | None) -> ssl.SSLContext | No
         except (OSError, ssl.SSLError) as exc:
             raise ValueError(f"tls={tls!r}: cannot load the CA certificates: {exc}") from None
     raise TypeError(f"tls must be True, a CA file or an ssl.SSLContext, got {tls!r}")
+
+
+def _on_each(agents: list[AgentNode], task: Callable[[AgentNode], None], name: str) -> None:
+    """``task(agent)`` for every agent at once, on threads; the first error is raised."""
+    errors: list[BaseException] = []
+
+    def run(agent: AgentNode) -> None:
+        try:
+            task(agent)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, naming the node
+            errors.append(exc)
+
+    if len(agents) == 1:
+        run(agents[0])
+    else:
+        threads = [threading.Thread(target=run, args=(agent,), daemon=True, name=name)
+                   for agent in agents]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    if errors:
+        raise errors[0]
 
 
 def _by_agent(channels: Sequence[Channel]) -> dict[AgentNode, list[int]]:

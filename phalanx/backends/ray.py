@@ -33,7 +33,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from phalanx import config, console, handshake, protocol, streams, wire
+from phalanx import config, console, handshake, protocol, shm, streams, wire
 from phalanx.backends import ray_session
 from phalanx.backends.base import Backend, Boot, Channel, EventSink, Node, RankStart
 from phalanx.backends.ray_placement import (
@@ -46,6 +46,7 @@ from phalanx.backends.ray_placement import (
     placement_problem,
     relays,
 )
+from phalanx.backends.ray_store import RayShares
 from phalanx.errors import AuthenticationError, ProcessFailure, StartupError
 from phalanx.frameworks import Layout
 from phalanx.logs import LogPump, OutputOptions, OutputTap
@@ -332,6 +333,7 @@ class RayBackend(Backend):
     """
 
     name = "ray"
+    can_share = shm.supported()
 
     def __init__(
         self,
@@ -370,6 +372,7 @@ class RayBackend(Backend):
         self._listeners: list[socket.socket] = []
         self._logs: LogPump | None = None
         self._writer: wire.BacklogWriter | None = None
+        self._shares: RayShares | None = None
 
     def settings(self) -> dict[str, Any]:
         return {
@@ -669,9 +672,34 @@ class RayBackend(Backend):
                 self._session.release()
                 self._session = None
 
+    def share(self, obj: Any, channels: Sequence[Channel]) -> None:
+        """Into Ray's object store once; on each node, a store actor maps it for the ranks
+        (:mod:`phalanx.backends.ray_store`)."""
+        if self._shares is None:
+            self._shares = RayShares(self._ray, self._store_options)
+        self._shares.share(obj, channels, lambda c: self._bundles[c.rank].node_id)
+
+    def unshare(self, obj: Any, channels: Sequence[Channel]) -> None:
+        if self._shares is not None:
+            self._shares.unshare(obj, channels)
+
+    def _store_options(self, node_id: str, index: int) -> dict[str, Any]:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        options: dict[str, Any] = {
+            "num_cpus": 0, "max_concurrency": 4, "name": f"{self._prefix}-store{index}",
+            "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
+        if self.namespace is not None:
+            options["namespace"] = self.namespace
+        if self.runtime_env is not None:
+            options["runtime_env"] = self.runtime_env
+        return options
+
     def _release_cluster_side(self) -> None:
         """Kill every actor this backend made and remove its placement group."""
         ray = self._ray
+        if self._shares is not None:
+            self._shares.close()
         for b in self._bundles:
             if b.actor is not None:
                 try:
