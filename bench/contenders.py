@@ -49,6 +49,13 @@ class Contender:
         """``array`` sent to every worker, which returns its sum."""
         raise NotImplementedError
 
+    puts = False  # whether it can store an object once for every worker (array_sum_put)
+
+    def array_sum_put(self, array: Any) -> list[float]:
+        """As :meth:`array_sum`, the array stored once (put), the call naming it, and
+        freed afterwards: all of it timed."""
+        raise NotImplementedError
+
     def kill_latency(self) -> float:
         """SIGKILL worker 0 inside a call; seconds from the kill until the caller's call
         raises. Worker 0 is replaced afterwards (not timed)."""
@@ -91,6 +98,17 @@ class PhalanxContender(Contender):
 
     def array_sum(self, array: Any) -> list[float]:
         return self.group.call("array_sum", array)  # type: ignore[union-attr]
+
+    puts = True
+
+    def array_sum_put(self, array: Any) -> list[float]:
+        group = self.group
+        assert group is not None
+        ref = group.put(array)
+        try:
+            return group.call("array_sum", ref)
+        finally:
+            ref.free()
 
     def kill_latency(self) -> float:
         group = self.group
@@ -235,6 +253,9 @@ class RayContender(Contender):
     def array_sum(self, array: Any) -> list[float]:
         ref = self.ray.put(array)  # once; every actor reads it from the object store
         return self.ray.get([a.array_sum.remote(ref) for a in self.actors])
+
+    puts = True
+    array_sum_put = array_sum  # Ray's one way: the object store
 
     def kill_latency(self) -> float:
         ray = self.ray

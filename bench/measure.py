@@ -49,6 +49,7 @@ class Plan:
     w4_workers: int = 4
     w4_trials: int = 5
     w4_ray_trials: int = 3
+    w4_big: tuple[int, int] = (256, 16)  # MiB, workers: how W4 grows
     w5_workers: int = 4
     w5_trials: int = 7
     w5_ray_trials: int = 5
@@ -197,18 +198,35 @@ def w3_pipelined(contenders: Sequence[Contender], plan: Plan, errors: Errors) ->
 
 
 def w4_broadcast(contenders: Sequence[Contender], plan: Plan, errors: Errors) -> list[Row]:
-    n, size = plan.w4_workers, plan.w4_mib * MIB
+    """One array to every worker, which returns its sum: a plain call (``W4.seconds``) and,
+    where the contender can, stored once and named in the call (``W4.put.seconds``: put,
+    call and free, all timed; Ray's one way, ``ray.put``, in both rows); then the same at
+    ``plan.w4_big`` (MiB, workers) to show how the cost grows."""
+    rows = _w4(contenders, plan, errors, plan.w4_mib, plan.w4_workers, "")
+    call, put = rows[0], rows[2]
+    ratio = Row("W4.call_over_put", "W4 plain call / put (same array, same workers)", "x",
+                "lower")
+    for name in call.raw:
+        if call.value(name) is not None and put.value(name) and name not in ("ray",):
+            ratio.add(name, call.value(name) / put.value(name))
+    big_mib, big_n = plan.w4_big
+    return [*rows, ratio, *_w4(contenders, plan, errors, big_mib, big_n, f".{big_mib}x{big_n}")]
+
+
+def _w4(contenders: Sequence[Contender], plan: Plan, errors: Errors, mib: int, n: int,
+        suffix: str) -> list[Row]:
+    size = mib * MIB
     array = np.ones(size // 8, dtype=np.float64)
     expected = [float(array.size)] * n
-    what = f"{plan.w4_mib} MiB float64 array to {n} workers"
-    seconds = Row("W4.seconds", f"W4 broadcast {what}", "s", "lower")
-    rate = Row(
-        "W4.gbps", f"W4 effective bandwidth ({plan.w4_mib} MiB x {n} / time)", "GB/s", "higher"
-    )
+    what = f"{mib} MiB float64 array to {n} workers"
+    seconds = Row(f"W4.seconds{suffix}", f"W4 broadcast {what}, plain call", "s", "lower")
+    rate = Row(f"W4.gbps{suffix}", f"W4 effective bandwidth ({mib} MiB x {n} / time)",
+               "GB/s", "higher")
+    put = Row(f"W4.put.seconds{suffix}", f"W4 broadcast {what}, put once", "s", "lower")
 
-    def once(c: Contender) -> float:
+    def once(c: Contender, putting: bool = False) -> float:
         t0 = clock()
-        sums = c.array_sum(array)
+        sums = c.array_sum_put(array) if putting else c.array_sum(array)
         elapsed = clock() - t0
         if sums != expected:
             raise RuntimeError(f"wrong sums {sums}, expected {expected}")
@@ -217,17 +235,23 @@ def w4_broadcast(contenders: Sequence[Contender], plan: Plan, errors: Errors) ->
     live = start_all(contenders, n, errors, "W4")
     try:
         for c in list(live):  # warm-up (twice): buffers, page faults, the object store
-            if errors.attempt("W4", c.name, lambda c=c: [once(c), once(c)]) is None:
+            if errors.attempt("W4", c.name, lambda c=c: [once(c), once(c), once(c, c.puts),
+                                                        once(c, c.puts)]) is None:
                 live.remove(c)
         for _, c in _schedule(live, plan.w4_trials, plan.w4_ray_trials):
-            settle()
-            elapsed = errors.attempt("W4", c.name, lambda c=c: once(c))
-            if elapsed is not None:
-                seconds.add(c.name, elapsed)
-                rate.add(c.name, size * n / elapsed / 1e9)
+            for putting in (False, True) if c.puts else (False,):
+                settle()
+                elapsed = errors.attempt("W4", c.name, lambda c=c, p=putting: once(c, p))
+                if elapsed is None:
+                    continue
+                if putting:
+                    put.add(c.name, elapsed)
+                else:
+                    seconds.add(c.name, elapsed)
+                    rate.add(c.name, size * n / elapsed / 1e9)
     finally:
         stop_all(contenders, errors, "W4")
-    return [seconds, rate]
+    return [seconds, rate, put]
 
 
 def w5_death(contenders: Sequence[Contender], plan: Plan, errors: Errors) -> list[Row]:
