@@ -26,43 +26,44 @@ class Holding:
     _launched: list[tuple[int, Any]]
 
     def _init_holding(self) -> None:
-        self._blocks: dict[int, shm.Block] = {}
+        self._blocks: dict[int, tuple[shm.Block, str, tuple]] = {}  # block, token, where
 
-    def _hold(self, ref_id: int, token: str, payload: list[Any]) -> int:
+    def _hold(self, ref_id: int, token: str, writable: bool, payload: list[Any]) -> int:
         """HOLD: write the object into a block; every rank of the node hears of it."""
         if not shm.supported():
             raise RuntimeError("this node cannot hold shared objects (it needs Linux's "
                                "memfd_create and /proc)")
-        block = shm.Block(token, payload)
+        block, layout = shm.Block.holding(payload)
+        location = block.location(layout, writable=writable)
         with self._lock:  # a rank being launched now is in _launched: none is missed
             previous = self._blocks.pop(ref_id, None)
-            self._blocks[ref_id] = block
+            self._blocks[ref_id] = (block, token, location)
             ranks = [*self._ranks.values(), *(rank for _, rank in self._launched)]
             for rank in ranks:
-                _send(rank, protocol.share_frame(rank.rank, ref_id, block.location()))
+                _send(rank, protocol.share_frame(rank.rank, ref_id, token, location))
         if previous is not None:
-            previous.close()
-        return block.size
+            previous[0].close()
+        return block.capacity
 
     def _drop(self, ref_id: int) -> None:
         """DROP: the object was freed."""
         with self._lock:
-            block = self._blocks.pop(ref_id, None)
-            if block is None:
+            held = self._blocks.pop(ref_id, None)
+            if held is None:
                 return
             for rank in [*self._ranks.values(), *(rank for _, rank in self._launched)]:
                 _send(rank, protocol.unshare_frame(rank.rank, ref_id))
-        block.close()
+        held[0].close()
 
     def _share_with(self, rank: Any) -> None:
         """A rank just launched (lock held): where every object held now is."""
-        for ref_id, block in self._blocks.items():
-            _send(rank, protocol.share_frame(rank.rank, ref_id, block.location()))
+        for ref_id, (_, token, location) in self._blocks.items():
+            _send(rank, protocol.share_frame(rank.rank, ref_id, token, location))
 
     def _end_holding(self) -> None:
         with self._lock:
-            blocks, self._blocks = list(self._blocks.values()), {}
-        for block in blocks:
+            held, self._blocks = list(self._blocks.values()), {}
+        for block, _, _ in held:
             block.close()
 
 

@@ -21,7 +21,7 @@ One authenticated connection per node (:mod:`phalanx.handshake`) carries, as
                          ADOPT     (id, entries, fanout, timeout)    be tree node id; adopt
                                                                      these agents (see
                                                                      phalanx.agenttree)
-                         HOLD      (ref id, token)                   payload: a put object's
+                         HOLD      (id, token, writable)                 payload: a put object's
                                                                      pickle and buffers, to
                                                                      hold for the node's ranks
                          DROP      (ref id,)                         it was freed; no reply

@@ -36,6 +36,8 @@ CONNECT_TIMEOUT = 30.0  # seconds a rank's node side has to reach the controller
 # A call whose arguments carry at least this many bytes of out-of-band buffers (numpy
 # arrays, torch CPU tensors) sends them through each node's shared memory (phalanx.shared).
 AUTO_SHARE_BYTES = 1 << 20
+SHARE_POOL_BYTES = 1 << 30  # freed blocks the controller keeps for reuse: at most this many
+SHARE_POOL_BLOCKS = 4  # bytes, and this many blocks
 # Ray backend
 # After a rank's stream ends, the longest wait for how it ended (its actor reports the exit
 # status within a few ms; the wait only runs out when that is slow, e.g. on a loaded node)

@@ -99,6 +99,8 @@ class Dispatcher:
         # the group: taking stacks is the backend's business)
         self.stacks_of: Callable[[list[int]], dict[int, str]] = lambda ranks: {}
         self.deaths = 0  # incremented on every death and removal: a cheap change counter
+        # a rank let go of a freed shared object (RELEASED): the backend's, set by the group
+        self.on_released: Callable[[Channel, int], None] = lambda channel, ref_id: None
 
     # -- the sink channels deliver to (any thread) ------------------------------------
 
@@ -391,6 +393,8 @@ class Dispatcher:
             slot.ready = True
         elif kind == protocol.INIT_ERROR:
             slot.init_failure = RemoteFailure(*extra[0])
+        elif kind == protocol.RELEASED:
+            self.on_released(slot.channel, extra[0])
         elif kind == protocol.EXITED:
             failure = ProcessFailure.from_dict(extra[0])
             if failure.pid is None and slot.pid is not None:

@@ -205,7 +205,9 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle, Membership, Share
         self._slots: list[Slot | None] = [None] * self.world_size
         self._dispatcher = Dispatcher(on_death=self._on_death)
         self._dispatcher.stacks_of = self._stacks_of
-        self._shared = SharedObjects(self._backend, self._live_channels)
+        self._shared = SharedObjects(self._backend, self._live_channels,
+                                     self._dispatcher.poll_now)
+        self._dispatcher.on_released = self._backend.released
         self._watchdog: Watchdog | None = None
         self._follow_membership()
         try:

@@ -18,9 +18,12 @@ Message kinds (payload = the segments after the header: a pickle and its buffers
                          SHUTDOWN
                          INJECT       (method, kind, argument)  the rank's next call of
                                                             method fails so (inject_fault)
-    node side -> rank    SHARE        (ref id, location)    a shared object is held on the
-                                                            rank's node (see phalanx.shm)
+    node side -> rank    SHARE        (ref id, token, location)  a shared object is held
+                                                            on the rank's node (phalanx.shm)
                          UNSHARE      (ref id,)             it was freed: forget it
+                         UNMAP        (block name,)         a pooled block was closed
+    rank -> node side    RELEASED     (ref id,)             no view of a freed object in a
+                                                            pooled block is left here
     rank -> controller   READY        (pid, method_names, start-up timings, code version)
                          INIT_ERROR   (RemoteFailure tuple)
                          RESULT                             payload value
@@ -58,6 +61,8 @@ HEARTBEAT = 11
 SHARE = 12
 UNSHARE = 13
 INJECT = 14
+UNMAP = 15
+RELEASED = 16
 
 MANY = 0xFFFFFFFF  # rank field of a message for several ranks (their list follows)
 
@@ -170,13 +175,23 @@ def inject_frame(rank: int, method: str, kind: str, argument: Any) -> list[Any]:
     return wire.frame([header(INJECT, 0, rank, method, kind, argument)])
 
 
-def share_frame(rank: int | Sequence[int], ref_id: int, location: tuple) -> list[Any]:
-    """Where the rank's node holds shared object ``ref_id`` (:meth:`phalanx.shm.Block.location`)."""
-    return wire.frame([header(SHARE, 0, rank, ref_id, location)])
+def share_frame(rank: int | Sequence[int], ref_id: int, token: str,
+                location: tuple) -> list[Any]:
+    """Where the rank's node holds shared object ``ref_id``
+    (:meth:`phalanx.shm.Block.location`)."""
+    return wire.frame([header(SHARE, 0, rank, ref_id, token, location)])
 
 
 def unshare_frame(rank: int | Sequence[int], ref_id: int) -> list[Any]:
     return wire.frame([header(UNSHARE, 0, rank, ref_id)])
+
+
+def unmap_frame(rank: int | Sequence[int], name: str) -> list[Any]:
+    return wire.frame([header(UNMAP, 0, rank, name)])
+
+
+def released_frame(rank: int, ref_id: int) -> list[Any]:
+    return wire.frame([header(RELEASED, 0, rank, ref_id)])
 
 
 # -- ranks -> controller ------------------------------------------------------------------

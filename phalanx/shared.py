@@ -29,7 +29,7 @@ import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from phalanx import config, shm, wire
+from phalanx import config, shmrank, wire
 from phalanx.errors import ObjectFreed, SerializationError
 
 if TYPE_CHECKING:
@@ -53,6 +53,7 @@ class SharedObject:
     nbytes: int
     label: str  # what it is, for messages ("ndarray", "the arguments of step()")
     private: bool = False  # a call's own arguments: each rank gets writable copies
+    tensors: bool = False  # holds torch tensors (their views are writable copies)
     users: int = 0  # calls in flight that name it
     freed: bool = False  # no new call may name it
     released: bool = False  # the backend no longer holds it
@@ -101,7 +102,8 @@ class ObjectRef:
             raise ObjectFreed(f"{self!r} was freed; put the object again to use it")
         _capture.refs.append(self)
         obj = self._obj
-        return shm.resolve, ((obj.id, obj.token, True) if obj.private else (obj.id, obj.token))
+        return shmrank.resolve, ((obj.id, obj.token, True) if obj.private else
+                                 (obj.id, obj.token))
 
     def __copy__(self) -> ObjectRef:
         return self
@@ -128,9 +130,10 @@ def _nbytes(segments: Sequence[Any]) -> int:
 class SharedObjects:
     """A group's put objects: what each holds, the calls that use them, their release."""
 
-    def __init__(self, backend: Backend, channels: Any) -> None:
+    def __init__(self, backend: Backend, channels: Any, poll: Any) -> None:
         self._backend = backend
         self._channels = channels  # () -> the live ranks' channels
+        self._poll = poll  # () -> take in what ranks said (RELEASED: a block to reuse)
         self._objects: dict[int, SharedObject] = {}
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
@@ -157,6 +160,7 @@ class SharedObjects:
         """Pickle ``value`` for a call or a put, noting the handles it names (taken())."""
         _capture.owner = self
         _capture.refs = []
+        wire.pickled.tensors = False
         try:
             return wire.dumps_fast(value)
         finally:
@@ -172,7 +176,9 @@ class SharedObjects:
         if self._closed:
             raise ObjectFreed("the group was shut down: nothing can be put any more")
         obj = SharedObject(next(self._ids), secrets.token_hex(8), list(segments),
-                           _nbytes(segments), label, private)
+                           _nbytes(segments), label, private,
+                           getattr(wire.pickled, "tensors", False))
+        self._poll()
         # Never under the lock: a node's answer may need the thread that ends calls.
         self._backend.share(obj, self._channels())
         with self._lock:

@@ -1,35 +1,38 @@
 """Shared-memory blocks: one copy of a put object per node, mapped by every rank there.
 
-A node's *holder* (the controller for the local backend, the agent on a cluster node, the
-first Ray actor of a node) writes an object's pickle stream and its out-of-band buffers
+A node's *holder* (the controller for the local backend, the agent on a cluster node, a
+store actor on a Ray node) writes an object's pickle stream and its out-of-band buffers
 into a :class:`Block`: an anonymous memory file (``memfd_create``) that lives exactly as
 long as someone holds it -- an open descriptor or a mapping. Nothing is ever named in
-``/dev/shm``, so nothing can be left behind: when the holder closes its descriptor (the
-object freed) or dies (even by SIGKILL), the kernel frees the memory with its last user.
+``/dev/shm``, so nothing can be left behind: when the holder closes its descriptor or dies
+(even by SIGKILL), the kernel frees the memory with its last user.
 
-A rank learns where a block is from a SHARE message (:mod:`phalanx.protocol`): the holder's
-pid, the descriptor's number there, the block's token and its layout. It maps the block
-through ``/proc/<pid>/fd/<n>`` (checking the token, so a reused descriptor number is never
-taken for the block) the first time a call's arguments name the object, unpickles it
-once, and keeps it until UNSHARE. numpy arrays in it are read-only views of the mapping;
-torch CPU tensors are views too, of a copy-on-write mapping: a rank writing into one gets
-its own copy of the pages it writes, never changing another rank's.
+A rank learns where an object is from a SHARE message (:mod:`phalanx.protocol`): the
+holder's pid, the block's descriptor number there, its name, and where the object's parts
+lie in it. It maps the block through ``/proc/<pid>/fd/<n>`` (:mod:`phalanx.shmrank`).
+
+The controller's blocks are kept in a :class:`Pool` once their object is freed: the next
+object of a similar size is written into pages that already exist, and the ranks keep
+their mappings -- together half the cost of a new block. A block is reused only after
+every rank that received its object said it holds no view of it any more (RELEASED), so a
+rank that kept an array of a freed object never sees it change.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import pickle
-import threading
+import secrets
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-_NAME = "phalanx-"
+from phalanx import config
+
+NAME = "phalanx-"  # every block's name starts so (memfd:phalanx-<token>)
 _ALIGN = 64  # every buffer starts on a cache line (numpy and torch want aligned data)
 _CHUNK = 64 << 20
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+_ROUND = 2 << 20  # a pooled block's size is a multiple of this
 
 
 def supported() -> bool:
@@ -37,8 +40,11 @@ def supported() -> bool:
     return hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
 
 
-def layout_of(parts: Sequence[Any]) -> tuple[list[tuple[int, int]], int]:
-    """Where each part goes in a block, as ``(offset, length)``, and the block's size."""
+Layout = list[tuple[int, int]]  # (offset, length) of the stream, then of each buffer
+
+
+def layout_of(parts: Sequence[Any]) -> tuple[Layout, int]:
+    """Where each part goes in a block, and the bytes they need in all."""
     layout = []
     offset = 0
     for part in parts:
@@ -50,23 +56,43 @@ def layout_of(parts: Sequence[Any]) -> tuple[list[tuple[int, int]], int]:
 
 
 class Block:
-    """An object's bytes in an anonymous memory file of this process (the holder's copy)."""
+    """An anonymous memory file of this process (a holder's copy of objects)."""
 
-    def __init__(self, token: str, parts: Sequence[Any]) -> None:
-        self.token = token
-        self.layout, self.size = layout_of(parts)
-        self.fd = os.memfd_create(_NAME + token, os.MFD_CLOEXEC)
+    def __init__(self, capacity: int) -> None:
+        self.token = secrets.token_hex(8)
+        self.capacity = max(capacity, 1)
+        self.fd = os.memfd_create(NAME + self.token, os.MFD_CLOEXEC)
+        self.mapped_by: set[Any] = set()  # channels told where it is (pooled blocks)
         try:
-            os.ftruncate(self.fd, self.size)
-            for part, (offset, length) in zip(parts, self.layout, strict=True):
-                _write_at(self.fd, memoryview(part).cast("B"), offset, length)
+            os.ftruncate(self.fd, self.capacity)
         except BaseException:
             os.close(self.fd)
             raise
 
-    def location(self) -> tuple[int, int, str, list[tuple[int, int]], int]:
-        """What a SHARE message tells ranks: ``(pid, fd, token, layout, size)``."""
-        return os.getpid(), self.fd, self.token, self.layout, self.size
+    @classmethod
+    def holding(cls, parts: Sequence[Any]) -> tuple[Block, Layout]:
+        """A block of just the right size, with ``parts`` written in."""
+        layout, size = layout_of(parts)
+        block = cls(size)
+        try:
+            block.write(parts, layout)
+        except BaseException:
+            block.close()
+            raise
+        return block, layout
+
+    def write(self, parts: Sequence[Any], layout: Layout) -> None:
+        for part, (offset, length) in zip(parts, layout, strict=True):
+            view = memoryview(part).cast("B")
+            done = 0
+            while done < length:
+                done += os.pwrite(self.fd, view[done:done + _CHUNK], offset + done)
+
+    def location(self, layout: Layout, release: bool = False, writable: bool = False) -> tuple:
+        """What SHARE tells ranks: ``(pid, fd, name, layout, capacity, release,
+        writable)``; ``release``: say RELEASED once no view of the object is left (a pooled
+        block); ``writable``: its views must be writable (torch tensors)."""
+        return os.getpid(), self.fd, self.token, layout, self.capacity, release, writable
 
     def close(self) -> None:
         """Drop the holder's descriptor: the memory goes once no rank maps it any more."""
@@ -75,104 +101,63 @@ class Block:
             os.close(fd)
 
 
-def _write_at(fd: int, view: memoryview, offset: int, length: int) -> None:
-    done = 0
-    while done < length:
-        done += os.pwrite(fd, view[done:done + _CHUNK], offset + done)
+class Pool:
+    """The controller's blocks: lent to objects, waiting for their ranks' RELEASED once
+    the object is freed, then idle and reused (up to ``config.SHARE_POOL_BYTES``)."""
 
+    def __init__(self, alive: Callable[[Any], bool]) -> None:
+        self._alive = alive  # is this channel's rank still there to answer?
+        self._returning: dict[int, tuple[Block, set[Any]]] = {}  # ref id -> block, waiting
+        self._idle: list[Block] = []
 
-# -- the rank's side ----------------------------------------------------------------------
+    def take(self, size: int) -> Block:
+        """A block of at least ``size`` bytes: an idle one not much larger, else new."""
+        self._sweep()
+        fits = [b for b in self._idle if size <= b.capacity <= 2 * size + _ROUND]
+        if fits:
+            block = min(fits, key=lambda b: b.capacity)
+            self._idle.remove(block)
+            return block
+        return Block(-(-size // _ROUND) * _ROUND)
 
+    def give_back(self, ref_id: int, block: Block, waiting: set[Any]) -> None:
+        """The object in ``block`` was freed; ``waiting``: the channels told of it."""
+        self._returning[ref_id] = (block, {c for c in waiting if self._alive(c)})
+        self._settle(ref_id)
 
-class NotShared(LookupError):
-    """A call named a shared object this rank has no location for."""
+    def released(self, ref_id: int, channel: Any) -> None:
+        """A rank holds no view of the object any more."""
+        entry = self._returning.get(ref_id)
+        if entry is not None:
+            entry[1].discard(channel)
+            self._settle(ref_id)
 
+    def trim(self) -> list[Block]:
+        """Close idle blocks beyond the pool's size; the ones closed (ranks unmap them)."""
+        closed = []
+        while (len(self._idle) > config.SHARE_POOL_BLOCKS
+               or sum(b.capacity for b in self._idle) > config.SHARE_POOL_BYTES):
+            oldest = self._idle.pop(0)
+            oldest.close()
+            closed.append(oldest)
+        return closed
 
-def map_block(pid: int, fd: int, token: str, size: int) -> mmap.mmap:
-    """Map another process's block (copy-on-write: writes stay this process's own)."""
-    path = f"/proc/{pid}/fd/{fd}"
-    try:
-        target = os.readlink(path)
-    except OSError as exc:
-        raise NotShared(f"its holder (pid {pid}) no longer holds it ({exc.strerror})") from None
-    if not target.startswith(f"/memfd:{_NAME}{token}"):
-        raise NotShared(f"its holder (pid {pid}) no longer holds it")
-    file = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        block = mmap.mmap(file, size, flags=mmap.MAP_PRIVATE,
-                          prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(file)
-    try:  # map every page now, in one go, without copying any (MAP_POPULATE would copy)
-        block.madvise(_MADV_POPULATE_READ)
-    except OSError:  # before Linux 5.14: pages are mapped as they are first read
-        pass
-    return block
+    def _sweep(self) -> None:
+        """Ranks that died cannot answer: their mappings went with them."""
+        for ref_id, (_, waiting) in list(self._returning.items()):
+            waiting.difference_update([c for c in waiting if not self._alive(c)])
+            self._settle(ref_id)
 
+    def _settle(self, ref_id: int) -> None:
+        block, waiting = self._returning[ref_id]
+        if not waiting:
+            del self._returning[ref_id]
+            self._idle.append(block)
 
-class RankShares:
-    """A rank's shared objects: where each is (from SHARE) and, once used, the object."""
-
-    def __init__(self) -> None:
-        self._where: dict[int, tuple] = {}
-        self._objects: dict[int, Any] = {}
-        self._lock = threading.Lock()  # calls on a thread pool may resolve at once
-
-    def add(self, ref_id: int, location: Sequence[Any]) -> None:
-        with self._lock:
-            self._where[ref_id] = tuple(location)
-
-    def drop(self, ref_id: int) -> None:
-        """Forget it (the mapping goes with the last view of it the user still has)."""
-        with self._lock:
-            self._where.pop(ref_id, None)
-            self._objects.pop(ref_id, None)
-
-    def resolve(self, ref_id: int, token: str, private: bool = False) -> Any:
-        """The object (unpickled on first use, then kept); ``private``: a call's own
-        arguments, unpickled for that call only, its arrays writable as a copy would be
-        (the mapping is copy-on-write: a write never reaches another rank)."""
-        with self._lock:
-            if not private:
-                try:
-                    return self._objects[ref_id]
-                except KeyError:
-                    pass
-            where = self._where.get(ref_id)
-            if where is None or where[2] != token:
-                raise NotShared(f"shared object {ref_id} is not on this rank's node (freed, "
-                                "or put by another group)")
-            pid, fd, _, layout, size = where
-            try:
-                block = map_block(pid, fd, token, size)
-            except NotShared as exc:
-                raise NotShared(f"shared object {ref_id}: {exc}") from None
-            obj = _unpickle(block, layout, writable=private)
-            if not private:
-                self._objects[ref_id] = obj
-            return obj
-
-    def __len__(self) -> int:
-        return len(self._where)
-
-
-def _unpickle(block: mmap.mmap, layout: list[tuple[int, int]], writable: bool) -> Any:
-    view = memoryview(block)
-    (start, length), *rest = layout
-    buffers = [view[o:o + n] if writable else view[o:o + n].toreadonly() for o, n in rest]
-    stream = view[start:start + length]
-    try:
-        return pickle.loads(stream, buffers=buffers)
-    finally:
-        stream.release()
-
-
-RANK_SHARES = RankShares()
-
-
-def resolve(ref_id: int, token: str, private: bool = False) -> Any:
-    """What a shared object's reference unpickles to in a rank (see ObjectRef)."""
-    return RANK_SHARES.resolve(ref_id, token, private)
+    def close(self) -> None:
+        for block in self._idle + [b for b, _ in self._returning.values()]:
+            block.close()
+        self._idle, self._returning = [], {}
 
 
 # -- torch CPU tensors as out-of-band buffers ---------------------------------------------
@@ -180,8 +165,8 @@ def resolve(ref_id: int, token: str, private: bool = False) -> Any:
 
 def reduce_tensor(tensor: Any) -> tuple | None:
     """A plain CPU tensor as its bytes (an out-of-band buffer, never copied) and how to
-    rebuild it; None for tensors torch must pickle itself (grad, sparse, views of others'
-    storage that are not contiguous, other devices)."""
+    rebuild it; None for tensors torch must pickle itself (grad, sparse, quantized,
+    not contiguous, other devices)."""
     torch = _torch()
     if (tensor.device.type != "cpu" or tensor.requires_grad or tensor.layout != torch.strided
             or not tensor.is_contiguous() or tensor.is_quantized or tensor.is_conj()

@@ -56,6 +56,9 @@ class FrameTooLarge(ConnectionLost):
 # --------------------------------------------------------------------------- serialisation
 
 
+pickled = threading.local()  # .tensors: whether a torch tensor went out of band (set, not reset)
+
+
 def dumps(obj: Any) -> list[Any]:
     """Pickle ``obj`` into ``[stream, *out_of_band_buffers]`` (cloudpickle, protocol 5).
 
@@ -99,6 +102,7 @@ def _pickler() -> type:
 
             reduced = shm.reduce_tensor(obj)  # its bytes out of band, like numpy's
             if reduced is not None:
+                pickled.tensors = True
                 return reduced
         return base.reducer_override(self, obj)
 

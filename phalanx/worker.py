@@ -31,7 +31,7 @@ import time
 import types
 from typing import Any
 
-from phalanx import config, faults, protocol, shm, streams, wire
+from phalanx import config, faults, protocol, shmrank, streams, wire
 from phalanx.errors import RemoteFailure
 
 
@@ -71,6 +71,7 @@ def _beat(conn: wire.Connection, rank: int, interval: float) -> None:
                 conn.send(frame)
             except wire.ConnectionLost:
                 return
+            shmrank.RANK_SHARES.poll()  # a view of a freed object dropped since
             time.sleep(interval)
 
     threading.Thread(target=beat, name="phalanx-heartbeat", daemon=True).start()
@@ -190,6 +191,7 @@ class WorkerRuntime:
         if kind != protocol.INIT:
             raise RuntimeError(f"expected INIT, got message kind {kind}")
         self.rank = ranks[0]
+        shmrank.RANK_SHARES.notify = self._released
         if options.get("heartbeat"):
             _beat(self.conn, self.rank, options["heartbeat"])
         sys.path[:] = list(dict.fromkeys([*sys_path, *sys.path]))
@@ -285,12 +287,20 @@ class WorkerRuntime:
         """A shared object held on this node, or freed; a fault to inject."""
         extra = protocol.parse(header)[3]
         if kind == protocol.SHARE:
-            shm.RANK_SHARES.add(*extra)
+            shmrank.RANK_SHARES.add(*extra)
         elif kind == protocol.UNSHARE:
-            shm.RANK_SHARES.drop(*extra)
+            shmrank.RANK_SHARES.drop(*extra)
+        elif kind == protocol.UNMAP:
+            shmrank.RANK_SHARES.unmap(*extra)
         elif kind == protocol.INJECT:
             method, fault, argument = extra
             self._faults[method] = (fault, argument)
+
+    def _released(self, ref_id: int) -> None:
+        try:
+            self.conn.send(protocol.released_frame(self.rank, ref_id))
+        except wire.ConnectionLost:
+            pass
 
     def _submit_call(
         self, call_id: int, method: str, segs: list[Any], stream: bool = False
@@ -346,6 +356,7 @@ class WorkerRuntime:
             return
         del result
         self.conn.send(protocol.result_frame(call_id, self.rank, payload))
+        shmrank.RANK_SHARES.poll()  # views of freed objects that this call let go
 
     def _stream(self, call_id: int, result: Any) -> None:
         """Send each item of a generator (sync or async) as it comes, then the end marker.

@@ -6,6 +6,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -237,3 +238,38 @@ class RankControl:
     def killed_signal(self, name: str = "SIGKILL") -> str | None:
         """The signal name a WorkerDied reports for a rank this fixture killed."""
         return name if self.reports_signal else None
+
+
+def shared_memory_blocks(pid: int) -> set[str]:
+    """The names of phalanx's shared-memory blocks that process ``pid`` holds open or maps
+    (empty once it is gone)."""
+    names = set()
+    try:
+        with open(f"/proc/{pid}/maps") as maps:
+            names.update(_BLOCK.findall(maps.read()))
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                names.update(_BLOCK.findall(os.readlink(f"/proc/{pid}/fd/{fd}")))
+            except OSError:
+                continue
+    except OSError:  # gone
+        pass
+    return names
+
+
+def shared_memory_holders(name: str) -> list[int]:
+    """Every process on this machine that holds or maps block ``name``."""
+    return [int(p) for p in os.listdir("/proc")
+            if p.isdigit() and name in shared_memory_blocks(int(p))]
+
+
+_BLOCK = re.compile(r"memfd:phalanx-([0-9a-f]+)")
+
+
+def shmem_bytes() -> int:
+    """The machine's shared memory in use now (/proc/meminfo's Shmem)."""
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("Shmem:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no Shmem line in /proc/meminfo")

@@ -230,6 +230,10 @@ class Backend(abc.ABC):
         if self.can_share:  # pragma: no cover - a bug
             raise NotImplementedError(f"the {self.name} backend shares but cannot unshare")
 
+    def released(self, channel: Channel, ref_id: int) -> None:
+        """A rank holds no view of freed object ``ref_id`` any more (RELEASED)."""
+        return None  # only a backend that reuses its blocks waits for this
+
     @abc.abstractmethod
     def _open(self, output: OutputOptions) -> None: ...
 

@@ -399,7 +399,8 @@ class ClusterBackend(Backend):
 
         def hold(agent: AgentNode) -> None:
             try:
-                agent.request(agentwire.HOLD, obj.id, obj.token, payload=obj.segments)
+                agent.request(agentwire.HOLD, obj.id, obj.token, obj.tensors,
+                              payload=obj.segments)
             except PhalanxError as exc:
                 raise PhalanxError(f"{agent.where} could not hold {obj.label} "
                                    f"({obj.nbytes} bytes): {exc}") from None

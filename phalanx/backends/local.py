@@ -141,13 +141,20 @@ class LocalChannel(Channel):
         self._stack_file.close()
 
 
+def _alive(channel: Channel) -> bool:
+    """Whether a rank's channel still has its process (to answer, or to unmap)."""
+    return (isinstance(channel, LocalChannel) and not channel._buried
+            and channel.proc.exitcode(0) is None)
+
+
 class LocalBackend(Backend):
     name = "local"
     can_share = shm.supported()
 
     def __init__(self) -> None:
         self._gpus = visible_gpus()
-        self._blocks: dict[int, shm.Block] = {}  # put objects: this machine's one copy
+        self._blocks: dict[int, tuple[shm.Block, shm.Layout]] = {}  # ref id -> its copy
+        self._pool = shm.Pool(_alive)
         self._blocks_lock = threading.Lock()
 
     def _open(self, output: OutputOptions) -> None:
@@ -207,28 +214,58 @@ class LocalBackend(Backend):
         stream = streams.PipeStream(proc.read_fd, proc.write_fd, blocking_reads=False)
         return LocalChannel(start, proc, wire.Connection(stream, self._writer), tap, stack_file)
 
+    # -- shared objects (phalanx.shared): one block in this process for every node ------
+
     def share(self, obj: Any, channels: Sequence[Channel]) -> None:
-        """One block in this process's memory for every simulated node; each rank maps it."""
+        """Write the object into a block of this process (a pooled one, see
+        :class:`phalanx.shm.Pool`) once; tell each rank where it is."""
         if not self.can_share:
             raise NotImplementedError("shared objects need Linux (memfd_create and /proc)")
         with self._blocks_lock:
-            block = self._blocks.get(obj.id)
-            if block is None:
+            held = self._blocks.get(obj.id)
+            if held is None:
                 if obj.segments is None:
                     return  # freed meanwhile
-                block = self._blocks[obj.id] = shm.Block(obj.token, obj.segments)
+                layout, size = shm.layout_of(obj.segments)
+                block = self._pool.take(size)
+                try:
+                    block.write(obj.segments, layout)
+                except BaseException:
+                    block.close()
+                    raise
+                held = self._blocks[obj.id] = (block, layout)
                 obj.segments = None  # the block is the copy now
-            location = block.location()
+            block, layout = held
+            block.mapped_by.update(channels)
+        location = block.location(layout, release=True, writable=obj.tensors)
         for channel in channels:
-            channel.send(protocol.share_frame(channel.ranks[0], obj.id, location))
+            channel.send(protocol.share_frame(channel.ranks[0], obj.id, obj.token, location))
 
     def unshare(self, obj: Any, channels: Sequence[Channel]) -> None:
-        with self._blocks_lock:
-            block = self._blocks.pop(obj.id, None)
         for channel in channels:
             channel.send(protocol.unshare_frame(channel.ranks[0], obj.id))
-        if block is not None:
-            block.close()  # the ranks' mappings keep what they still use
+        with self._blocks_lock:
+            held = self._blocks.pop(obj.id, None)
+            if held is None:
+                return
+            # reused once each rank told of it let go of every view (RELEASED)
+            self._pool.give_back(obj.id, held[0], set(channels) & held[0].mapped_by)
+            closed = self._pool.trim()
+        self._unmap(closed)
+
+    def released(self, channel: Channel, ref_id: int) -> None:
+        with self._blocks_lock:
+            self._pool.released(ref_id, channel)
+            closed = self._pool.trim()
+        self._unmap(closed)
+
+    def _unmap(self, blocks: list[shm.Block]) -> None:
+        """Closed blocks: the ranks that mapped them let go of their mappings too."""
+        for block in blocks:
+            for channel in block.mapped_by:
+                if _alive(channel):
+                    channel.send(protocol.unmap_frame(channel.ranks[0], block.token))
+            block.mapped_by.clear()
 
     def _stop(self, channels: list[Channel], *, grace: float, force: bool) -> None:
         procs = [c.proc for c in channels if isinstance(c, LocalChannel)]
@@ -239,8 +276,9 @@ class LocalBackend(Backend):
 
     def close(self) -> None:
         with self._blocks_lock:
-            blocks, self._blocks = list(self._blocks.values()), {}
-        for block in blocks:
+            held, self._blocks = list(self._blocks.values()), {}
+            self._pool.close()
+        for block, _ in held:
             block.close()
         if self.opened:
             self._supervisor.close()

@@ -30,17 +30,17 @@ class NodeStore:
     def __init__(self) -> None:
         self._blocks: dict[int, Any] = {}
 
-    def hold(self, ref_id: int, token: str, parts: list[Any]) -> tuple:
+    def hold(self, ref_id: int, writable: bool, parts: list[Any]) -> tuple:
         """Write the object (its parts, resolved from Ray's store) into a block here;
         where the node's ranks find it."""
         from phalanx import shm
 
-        block = shm.Block(token, parts)
+        block, layout = shm.Block.holding(parts)
         previous = self._blocks.pop(ref_id, None)
         self._blocks[ref_id] = block
         if previous is not None:
             previous.close()
-        return block.location()
+        return block.location(layout, writable=writable)
 
     def drop(self, ref_id: int) -> None:
         block = self._blocks.pop(ref_id, None)
@@ -77,7 +77,7 @@ class RayShares:
         asked = {}
         for node_id in by_node:
             if (obj.id, node_id) not in self._held:
-                asked[node_id] = self._store(node_id).hold.remote(obj.id, obj.token, data)
+                asked[node_id] = self._store(node_id).hold.remote(obj.id, obj.tensors, data)
         try:
             where = ray.get(list(asked.values()), timeout=STORE_TIMEOUT)
         except Exception as exc:  # noqa: BLE001 - Ray's errors have no common base
@@ -88,7 +88,7 @@ class RayShares:
         for node_id, on_node in by_node.items():
             location = self._held[(obj.id, node_id)]
             for channel in on_node:
-                channel.send(protocol.share_frame(channel.rank, obj.id, location))
+                channel.send(protocol.share_frame(channel.rank, obj.id, obj.token, location))
 
     def unshare(self, obj: Any, channels: Sequence[Any]) -> None:
         with self._lock:
