@@ -20,6 +20,7 @@ rank that kept an array of a freed object never sees it change.
 
 from __future__ import annotations
 
+import mmap
 import os
 import pickle
 import secrets
@@ -33,6 +34,7 @@ NAME = "phalanx-"  # every block's name starts so (memfd:phalanx-<token>)
 _ALIGN = 64  # every buffer starts on a cache line (numpy and torch want aligned data)
 _CHUNK = 64 << 20
 _ROUND = 2 << 20  # a pooled block's size is a multiple of this
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
 def supported() -> bool:
@@ -63,6 +65,8 @@ class Block:
         self.capacity = max(capacity, 1)
         self.fd = os.memfd_create(NAME + self.token, os.MFD_CLOEXEC)
         self.mapped_by: set[Any] = set()  # channels told where it is (pooled blocks)
+        self._used = False
+        self._map: mmap.mmap | None = None  # this process's own, once reused
         try:
             os.ftruncate(self.fd, self.capacity)
         except BaseException:
@@ -82,11 +86,25 @@ class Block:
         return block, layout
 
     def write(self, parts: Sequence[Any], layout: Layout) -> None:
+        """Copy ``parts`` in: a new block through the kernel (which makes its pages as it
+        goes), a reused one through a mapping of this process kept for it (its pages and
+        their mapping exist: a plain memory copy, twice as fast)."""
+        if self._map is None and not self._used:
+            self._used = True
+            for part, (offset, length) in zip(parts, layout, strict=True):
+                view = memoryview(part).cast("B")
+                done = 0
+                while done < length:
+                    done += os.pwrite(self.fd, view[done:done + _CHUNK], offset + done)
+            return
+        if self._map is None:
+            self._map = mmap.mmap(self.fd, self.capacity)
+            try:
+                self._map.madvise(_MADV_POPULATE_WRITE)
+            except OSError:  # before Linux 5.14
+                pass
         for part, (offset, length) in zip(parts, layout, strict=True):
-            view = memoryview(part).cast("B")
-            done = 0
-            while done < length:
-                done += os.pwrite(self.fd, view[done:done + _CHUNK], offset + done)
+            self._map[offset:offset + length] = memoryview(part).cast("B")
 
     def location(self, layout: Layout, release: bool = False, writable: bool = False) -> tuple:
         """What SHARE tells ranks: ``(pid, fd, name, layout, capacity, release,
@@ -97,6 +115,9 @@ class Block:
     def close(self) -> None:
         """Drop the holder's descriptor: the memory goes once no rank maps it any more."""
         fd, self.fd = self.fd, -1
+        if self._map is not None:
+            self._map.close()
+            self._map = None
         if fd >= 0:
             os.close(fd)
 
