@@ -1,0 +1,181 @@
+"""Shared-memory blocks, the controller's pool of them, and a rank's side, in one process
+(a rank maps a block through /proc/<pid>/fd, here this process's own)."""
+
+from __future__ import annotations
+
+import gc
+import pickle
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from phalanx import config, faults, shm, shmrank, wire
+
+pytestmark = pytest.mark.skipif(not shm.supported(),
+                                reason="shared objects need Linux (memfd_create, /proc)")
+
+
+@given(st.lists(st.integers(min_value=0, max_value=10_000), min_size=1, max_size=20))
+def test_layout_places_parts_aligned_in_order_without_overlap(sizes):
+    parts = [b"x" * n for n in sizes]
+    layout, total = shm.layout_of(parts)
+    assert [n for _, n in layout] == sizes
+    end = 0
+    for offset, length in layout:
+        assert offset % 64 == 0 and offset >= end
+        end = offset + length
+    assert total == max(end, 1)
+
+
+def _share(value, release=False, writable=False):
+    """``value`` written into a block of this process, and a rank's view of where it is."""
+    segments = wire.dumps(value)
+    block, layout = shm.Block.holding(segments)
+    shares = shmrank.RankShares()
+    released = []
+    shares.notify = released.append
+    shares.add(1, "tok", block.location(layout, release=release, writable=writable))
+    return block, shares, released
+
+
+def test_a_rank_gets_the_object_with_read_only_arrays_and_keeps_it():
+    array = np.arange(1000.0)
+    block, shares, _ = _share({"a": array, "n": 3})
+    try:
+        got = shares.resolve(1, "tok")
+        assert got["n"] == 3 and np.array_equal(got["a"], array)
+        assert not got["a"].flags.writeable
+        with pytest.raises(ValueError, match="read-only"):
+            got["a"][0] = 1
+        assert shares.resolve(1, "tok") is got  # unpickled once
+    finally:
+        block.close()
+
+
+def test_a_call_s_own_arguments_are_writable_copies_on_write():
+    array = np.zeros(10_000)
+    block, shares, _ = _share(array)
+    try:
+        mine = shares.resolve(1, "tok", private=True)
+        mine[0] = 5.0
+        other = shares.resolve(1, "tok", private=True)  # another call: a fresh view
+        assert other[0] == 0.0 and mine[0] == 5.0
+    finally:
+        block.close()
+
+
+def test_a_wrong_token_or_a_closed_block_is_a_clear_error():
+    block, shares, _ = _share([1, 2])
+    with pytest.raises(shmrank.NotShared, match="not on this rank's node"):
+        shares.resolve(1, "other")
+    with pytest.raises(shmrank.NotShared, match="not on this rank's node"):
+        shares.resolve(2, "tok")
+    block.close()
+    with pytest.raises(shmrank.NotShared, match="no longer holds it"):
+        shares.resolve(1, "tok")
+
+
+def test_released_is_said_only_once_no_view_is_left():
+    block, shares, released = _share(np.ones(1000), release=True)
+    try:
+        kept = shares.resolve(1, "tok")
+        part = kept[10:20]
+        del kept
+        shares.drop(1)
+        assert released == []  # a slice still views the block
+        del part
+        gc.collect()
+        shares.poll()
+        assert released == [1]
+    finally:
+        block.close()
+
+
+def test_an_object_never_used_is_released_at_once():
+    block, shares, released = _share(np.ones(10), release=True)
+    shares.drop(1)
+    assert released == [1]
+    block.close()
+
+
+def test_torch_tensors_travel_out_of_band_and_rebuild():
+    torch = pytest.importorskip("torch", reason="needs torch (pip install 'phalanx[torch]')")
+    tensor = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)
+    segments = wire.dumps([tensor, torch.zeros(0), torch.ones(2, requires_grad=True)])
+    assert len(segments) == 2  # the bf16 tensor's bytes travel beside the pickle
+    back = wire.loads([bytes(segments[0])] + [bytearray(s) for s in segments[1:]])
+    assert torch.equal(back[0], tensor) and back[0].dtype == torch.bfloat16
+    assert back[1].shape == (0,) and back[2].requires_grad
+    block, shares, _ = _share(tensor, writable=True)
+    try:
+        view = shares.resolve(1, "tok")
+        view[0, 0] = 100  # a copy-on-write page: the block keeps its value
+        assert shares.resolve(1, "tok", private=True)[0, 0] == 0
+    finally:
+        block.close()
+
+
+class _Rank:
+    def __init__(self):
+        self.alive = True
+
+
+def test_the_pool_reuses_a_block_once_every_rank_released_it():
+    pool = shm.Pool(alive=lambda rank: rank.alive)
+    a, b = _Rank(), _Rank()
+    first = pool.take(3 << 20)
+    pool.give_back(1, first, {a, b})
+    assert pool.take(3 << 20) is not first  # still viewed by a and b
+    pool.released(1, a)
+    pool.released(1, b)
+    assert pool.take(3 << 20) is first
+    pool.close()
+
+
+def test_the_pool_does_not_wait_for_ranks_that_died():
+    pool = shm.Pool(alive=lambda rank: rank.alive)
+    a = _Rank()
+    block = pool.take(1 << 20)
+    pool.give_back(1, block, {a})
+    a.alive = False
+    assert pool.take(1 << 20) is block
+    pool.close()
+
+
+def test_the_pool_keeps_few_idle_blocks_and_none_much_larger_than_asked():
+    pool = shm.Pool(alive=lambda rank: True)
+    blocks = [pool.take(1 << 20) for _ in range(config.SHARE_POOL_BLOCKS + 2)]
+    for i, block in enumerate(blocks):
+        pool.give_back(i, block, set())
+    closed = pool.trim()
+    assert len(closed) == 2 and all(b.fd == -1 for b in closed)
+    assert pool.take(64 << 20) not in blocks  # a 2 MiB block is too small
+    small = pool.take(1)
+    assert small in blocks and small.capacity < 64 << 20
+    pool.close()
+
+
+def test_fault_arguments_are_checked():
+    assert faults.argument_for("exit", signal=9, code=3, message=None) == 3
+    assert faults.argument_for("raise", signal=9, code=1, message="m") == "m"
+    with pytest.raises(ValueError, match="fault kind"):
+        faults.argument_for("boom", signal=9, code=1, message=None)
+    with pytest.raises(ValueError, match="exit code"):
+        faults.argument_for("exit", signal=9, code=-1, message=None)
+    with pytest.raises(ValueError, match="signal"):
+        faults.argument_for("signal", signal=0, code=1, message=None)
+
+
+def test_a_put_handle_cannot_be_pickled_outside_its_group_s_calls():
+    from phalanx.shared import ObjectRef, SharedObject
+
+    class Owner:
+        def free(self, obj):
+            pass
+
+    ref = ObjectRef(Owner(), SharedObject(1, "t", None, 10, "list"))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="WorkerGroup that put it"):
+        pickle.dumps(ref)
+    assert "ObjectRef 1: list, 10 B" in repr(ref)
