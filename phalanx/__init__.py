@@ -3,11 +3,13 @@
 Layers (a module imports only from layers below its own)::
 
     api        __init__ (this file), cli, launch, multinode, jobhost, k8s, spmd, group,
-               meshcalls, streaming, watch, lifecycle, membership, methods
+               meshcalls, streaming, watch, lifecycle, membership, methods, shared
+               (put and its handles), injection (inject_fault)
     runtime    startup, dispatch, futures, watchdog, backends/* (base: the
-               node-level boundary; local; ray, ray_actor, ray_session; ray_placement is
-               pure; cluster, agentlink, clustermembers), agent, agentnode, agentbranch,
-               agenttree, agenthttp, codesync, node,
+               node-level boundary; local; ray, ray_channel, ray_actor, ray_session,
+               ray_store; ray_placement is pure; cluster, agentlink, clustermembers), agent,
+               agentnode, agentbranch, agenttree, agentshare, agenthttp, codesync, node,
+               shm (shared-memory blocks), shmrank (a rank's side of them), faults,
                supervisor (the node supervisor and its per-rank keepers), proctree,
                stacks, logs, placement, worker, bootstrap, debug
     protocol   protocol (the messages), agentwire (the agents' own), handshake (proving

@@ -23,9 +23,9 @@ from phalanx.errors import (
     SerializationError,
     death_error,
 )
-from phalanx.faults import FaultInjection
 from phalanx.frameworks import Layout, WorldPart, check_layout, merge_env, worker_env
 from phalanx.futures import GroupFuture
+from phalanx.injection import FaultInjection
 from phalanx.lifecycle import Lifecycle
 from phalanx.logs import OutputOptions
 from phalanx.membership import Membership
@@ -44,8 +44,6 @@ if TYPE_CHECKING:
     from phalanx.sharding import NamedSharding
 
 logger = logging.getLogger(__name__)
-
-
 
 _live_groups: weakref.WeakSet[WorkerGroup] = weakref.WeakSet()
 
@@ -205,9 +203,7 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle, Membership, Share
         self._slots: list[Slot | None] = [None] * self.world_size
         self._dispatcher = Dispatcher(on_death=self._on_death)
         self._dispatcher.stacks_of = self._stacks_of
-        self._shared = SharedObjects(self._backend, self._live_channels,
-                                     self._dispatcher.poll_now)
-        self._dispatcher.on_released = self._backend.released
+        self._shared = SharedObjects(self._backend, self._dispatcher, lambda: self._slots)
         self._watchdog: Watchdog | None = None
         self._follow_membership()
         try:
@@ -398,10 +394,6 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle, Membership, Share
                 return False
             previous = rank
         return True
-
-    def _live_channels(self) -> list[Any]:
-        return list({id(s.channel): s.channel for s in self._slots
-                     if s is not None and s.alive}.values())
 
     def _encode(self, args: tuple, kwargs: dict, rank: int | None = None) -> list[Any]:
         try:

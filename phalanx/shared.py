@@ -26,7 +26,7 @@ import logging
 import secrets
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from phalanx import config, shmrank, wire
@@ -34,6 +34,7 @@ from phalanx.errors import ObjectFreed, SerializationError
 
 if TYPE_CHECKING:
     from phalanx.backends.base import Backend, Channel
+    from phalanx.dispatch import Dispatcher, Slot
     from phalanx.futures import GroupFuture
 
 logger = logging.getLogger(__name__)
@@ -130,14 +131,21 @@ def _nbytes(segments: Sequence[Any]) -> int:
 class SharedObjects:
     """A group's put objects: what each holds, the calls that use them, their release."""
 
-    def __init__(self, backend: Backend, channels: Any, poll: Any) -> None:
+    def __init__(self, backend: Backend, dispatcher: Dispatcher,
+                 slots: Callable[[], list[Slot | None]]) -> None:
         self._backend = backend
-        self._channels = channels  # () -> the live ranks' channels
-        self._poll = poll  # () -> take in what ranks said (RELEASED: a block to reuse)
+        self._slots = slots
+        self._poll = dispatcher.poll_now  # take in what ranks said (RELEASED: a block to reuse)
+        dispatcher.on_released = backend.released
         self._objects: dict[int, SharedObject] = {}
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
         self._closed = False
+
+    def _channels(self) -> list[Channel]:
+        """The live ranks' channels (each once)."""
+        return list({id(s.channel): s.channel for s in self._slots()
+                     if s is not None and s.alive}.values())
 
     # -- put and free -----------------------------------------------------------------
 

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import mmap
 import os
-import pickle
 import secrets
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -179,44 +177,3 @@ class Pool:
         for block in self._idle + [b for b, _ in self._returning.values()]:
             block.close()
         self._idle, self._returning = [], {}
-
-
-# -- torch CPU tensors as out-of-band buffers ---------------------------------------------
-
-
-def reduce_tensor(tensor: Any) -> tuple | None:
-    """A plain CPU tensor as its bytes (an out-of-band buffer, never copied) and how to
-    rebuild it; None for tensors torch must pickle itself (grad, sparse, quantized,
-    not contiguous, other devices)."""
-    torch = _torch()
-    if (tensor.device.type != "cpu" or tensor.requires_grad or tensor.layout != torch.strided
-            or not tensor.is_contiguous() or tensor.is_quantized or tensor.is_conj()
-            or tensor.is_neg()):
-        return None
-    dtype = str(tensor.dtype).removeprefix("torch.")
-    data: Any = b""
-    if tensor.numel():
-        try:  # numpy hands over the memory without a copy
-            data = pickle.PickleBuffer(tensor.detach().reshape(-1).view(torch.uint8).numpy())
-        except (RuntimeError, TypeError):  # no numpy, or a dtype it cannot view
-            return None
-    return rebuild_tensor, (data, dtype, tuple(tensor.shape))
-
-
-def rebuild_tensor(data: Any, dtype: str, shape: tuple[int, ...]) -> Any:
-    torch = _torch()
-    kind = getattr(torch, dtype)
-    if not memoryview(data).nbytes:
-        return torch.empty(shape, dtype=kind)
-    if isinstance(data, bytes):  # pickled in-band (not by phalanx): give torch its own copy
-        data = bytearray(data)
-    with warnings.catch_warnings():  # a read-only view: the mapping under it is copy-on-write
-        warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(data, dtype=torch.uint8)
-    return flat.view(kind).reshape(shape)
-
-
-def _torch() -> Any:
-    import torch
-
-    return torch

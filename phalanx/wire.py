@@ -30,6 +30,7 @@ import select
 import struct
 import sys
 import threading
+import warnings
 from typing import Any
 
 from phalanx.streams import MAX_SEGMENTS as _MAX_SEGMENTS
@@ -98,9 +99,7 @@ def _pickler() -> type:
     def reducer_override(self: Any, obj: Any) -> Any:
         torch = sys.modules.get("torch")
         if torch is not None and type(obj) is torch.Tensor:
-            from phalanx import shm
-
-            reduced = shm.reduce_tensor(obj)  # its bytes out of band, like numpy's
+            reduced = reduce_tensor(obj)  # its bytes out of band, like numpy's
             if reduced is not None:
                 pickled.tensors = True
                 return reduced
@@ -111,6 +110,44 @@ def _pickler() -> type:
                                                base.dispatch_table),
         "reducer_override": reducer_override,
     })
+
+
+def reduce_tensor(tensor: Any) -> tuple | None:
+    """A plain CPU tensor as its bytes (an out-of-band buffer, never copied) and how to
+    rebuild it; None for tensors torch must pickle itself (grad, sparse, quantized,
+    not contiguous, other devices)."""
+    torch = _torch()
+    if (tensor.device.type != "cpu" or tensor.requires_grad or tensor.layout != torch.strided
+            or not tensor.is_contiguous() or tensor.is_quantized or tensor.is_conj()
+            or tensor.is_neg()):
+        return None
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    data: Any = b""
+    if tensor.numel():
+        try:  # numpy hands over the memory without a copy
+            data = pickle.PickleBuffer(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+        except (RuntimeError, TypeError):  # no numpy, or a dtype it cannot view
+            return None
+    return rebuild_tensor, (data, dtype, tuple(tensor.shape))
+
+
+def rebuild_tensor(data: Any, dtype: str, shape: tuple[int, ...]) -> Any:
+    torch = _torch()
+    kind = getattr(torch, dtype)
+    if not memoryview(data).nbytes:
+        return torch.empty(shape, dtype=kind)
+    if isinstance(data, bytes):  # pickled in-band (not by phalanx): give torch its own copy
+        data = bytearray(data)
+    with warnings.catch_warnings():  # a read-only view: the mapping under it is copy-on-write
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(data, dtype=torch.uint8)
+    return flat.view(kind).reshape(shape)
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
 
 
 _PLAIN_TYPES = frozenset({int, float, str, bytes, bool, type(None)})
