@@ -21,10 +21,11 @@ One authenticated connection per node (:mod:`phalanx.handshake`) carries, as
                          ADOPT     (id, entries, fanout, timeout)    be tree node id; adopt
                                                                      these agents (see
                                                                      phalanx.agenttree)
-                         HOLD      (id, token, writable)                 payload: a put object's
+                         HOLD      (id, token, writable)             payload: a put object's
                                                                      pickle and buffers, to
                                                                      hold for the node's ranks
-                         DROP      (ref id,)                         it was freed; no reply
+                                                                     (phalanx.agentshare)
+                         DROP      (id,)                             it was freed; no reply
     agent -> controller  WELCOME   (node facts: host, gpus, machine, pid, version)
                          REPLY     (ok, value)                       to a request id
                          OUTPUT    (stream,)                         payload: bytes, rank
