@@ -34,7 +34,7 @@ from phalanx.methods import MethodProxy
 from phalanx.options import check_count, check_seconds
 from phalanx.placement import check_node_gpus, new_launch, place
 from phalanx.selection import Workers, select_ranks
-from phalanx.shared import SharedData, SharedObjects
+from phalanx.shared import CAPTURE, SharedData, SharedObjects
 from phalanx.startup import await_ready
 from phalanx.streaming import StreamCalls, StreamFuture
 from phalanx.watch import Watching
@@ -397,7 +397,7 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle, Membership, Share
 
     def _encode(self, args: tuple, kwargs: dict, rank: int | None = None) -> list[Any]:
         try:
-            return self._shared.encode((args, kwargs))
+            return wire.dumps_plain((args, kwargs)) or self._shared.encode((args, kwargs))
         except ObjectFreed:
             raise
         except Exception as exc:
@@ -427,7 +427,8 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle, Membership, Share
         else:
             group_future = GroupFuture(method, ranks, self._dispatcher)
         group_future.tolerant = type(workers) is str and workers in ("ready", "any")
-        payloads = self._shared.prepare(group_future, payloads)
+        if len(payloads[0]) > 1 or CAPTURE.refs:  # buffers (maybe large), or handles
+            payloads = self._shared.prepare(group_future, payloads)
         if len(payloads) == 1 and len(ranks) > 1 and self._backend.shared_links:
             # one frame per node connection (an agent's), whatever its number of ranks
             deliver = functools.partial(self._deliver_shared, call_id, ranks, group_future,

@@ -41,7 +41,15 @@ logger = logging.getLogger(__name__)
 
 AUTO_SHARE_BYTES = config.AUTO_SHARE_BYTES
 
-_capture = threading.local()  # .owner: the SharedObjects encoding a call now; .refs: seen
+class _Capture(threading.local):
+    """Per thread: the SharedObjects encoding a call now, and the handles it named."""
+
+    def __init__(self) -> None:
+        self.owner: SharedObjects | None = None
+        self.refs: list[ObjectRef] = []
+
+
+_capture = CAPTURE = _Capture()  # CAPTURE.refs: whether a call has anything to hold
 
 
 @dataclasses.dataclass(eq=False)
@@ -94,7 +102,7 @@ class ObjectRef:
         self._finalizer()
 
     def __reduce__(self) -> tuple:
-        owner = getattr(_capture, "owner", None)
+        owner = _capture.owner
         if owner is not self._owner:
             raise TypeError(
                 f"{self!r} can only be passed in the arguments of calls of the WorkerGroup "
@@ -166,26 +174,30 @@ class SharedObjects:
 
     def encode(self, value: Any) -> list[Any]:
         """Pickle ``value`` for a call or a put, noting the handles it names (taken())."""
+        plain = wire.dumps_plain(value)  # the usual call: nothing in it to note
+        if plain is not None:
+            return plain
         _capture.owner = self
-        _capture.refs = []
         wire.pickled.tensors = False
         try:
-            return wire.dumps_fast(value)
+            return wire.dumps(value)
         finally:
             _capture.owner = None
 
     def taken(self) -> list[ObjectRef]:
         """The handles named by what was encoded since the last taken()."""
-        refs = getattr(_capture, "refs", None)
+        refs = _capture.refs
+        if not refs:
+            return []
         _capture.refs = []
-        return refs or []
+        return refs
 
     def _store(self, segments: list[Any], label: str, private: bool = False) -> ObjectRef:
         if self._closed:
             raise ObjectFreed("the group was shut down: nothing can be put any more")
         obj = SharedObject(next(self._ids), secrets.token_hex(8), list(segments),
                            _nbytes(segments), label, private,
-                           getattr(wire.pickled, "tensors", False))
+                           wire.pickled.tensors)
         self._poll()
         # Never under the lock: a node's answer may need the thread that ends calls.
         self._backend.share(obj, self._channels())

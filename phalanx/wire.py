@@ -57,7 +57,11 @@ class FrameTooLarge(ConnectionLost):
 # --------------------------------------------------------------------------- serialisation
 
 
-pickled = threading.local()  # .tensors: whether a torch tensor went out of band (set, not reset)
+class _Pickled(threading.local):
+    tensors = False  # whether a torch tensor went out of band (set here, reset by callers)
+
+
+pickled = _Pickled()
 
 
 def dumps(obj: Any) -> list[Any]:
@@ -187,6 +191,12 @@ _NONE = pickle.dumps(None, protocol=5)
 
 def dumps_fast(obj: Any) -> list[Any]:
     """Like :func:`dumps`, with a shortcut through the C pickler for small builtin data."""
+    return dumps_plain(obj) or dumps(obj)
+
+
+def dumps_plain(obj: Any) -> list[Any] | None:
+    """:func:`dumps_fast`'s shortcut: ``obj`` pickled if it is small builtin data (nothing
+    in it can reduce itself: no handle, no buffer), else None."""
     if obj is None:
         return [_NONE]
     # Structural test only: "==" would run user code (numpy compares element-wise).
@@ -201,7 +211,7 @@ def dumps_fast(obj: Any) -> list[Any]:
         return [_NO_ARGUMENTS]
     if _is_plain(obj):
         return [pickle.dumps(obj, protocol=5)]
-    return dumps(obj)
+    return None
 
 
 def loads(segments: list[Any]) -> Any:

@@ -152,6 +152,7 @@ def _failure(exc: BaseException, stage: str) -> RemoteFailure:
 _CALL_ID = struct.Struct("<Q").unpack_from
 _RANK = struct.Struct("<I").unpack_from
 _MISSING = object()
+_SHARES = shmrank.RANK_SHARES
 _PLAIN_RESULTS = frozenset({type(None), int, float, str, bytes, bool, list, dict, tuple})
 
 
@@ -356,7 +357,8 @@ class WorkerRuntime:
             return
         del result
         self.conn.send(protocol.result_frame(call_id, self.rank, payload))
-        shmrank.RANK_SHARES.poll()  # views of freed objects that this call let go
+        if _SHARES._pending:  # freed objects whose last views this call may have let go
+            _SHARES.poll()
 
     def _stream(self, call_id: int, result: Any) -> None:
         """Send each item of a generator (sync or async) as it comes, then the end marker.
