@@ -427,7 +427,7 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle, Membership, Share
         else:
             group_future = GroupFuture(method, ranks, self._dispatcher)
         group_future.tolerant = type(workers) is str and workers in ("ready", "any")
-        if len(payloads[0]) > 1 or CAPTURE.refs:  # buffers (maybe large), or handles
+        if CAPTURE.refs or (payloads and len(payloads[0]) > 1):  # handles, or buffers
             payloads = self._shared.prepare(group_future, payloads)
         if len(payloads) == 1 and len(ranks) > 1 and self._backend.shared_links:
             # one frame per node connection (an agent's), whatever its number of ranks

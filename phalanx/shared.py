@@ -158,6 +158,7 @@ class SharedObjects:
     # -- put and free -----------------------------------------------------------------
 
     def put(self, value: Any) -> ObjectRef:
+        wire.pickled.tensors = False
         try:
             segments = self.encode(value)
         except ObjectFreed:
@@ -178,7 +179,6 @@ class SharedObjects:
         if plain is not None:
             return plain
         _capture.owner = self
-        wire.pickled.tensors = False
         try:
             return wire.dumps(value)
         finally:

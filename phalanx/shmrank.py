@@ -106,8 +106,10 @@ class RankShares:
         with self._lock:
             entry = self._where.pop(ref_id, None)
             self._objects.pop(ref_id, None)
-            if entry is None:
-                return
+        if entry is None:  # never told of it: nothing of it here
+            self.notify(ref_id)
+            return
+        with self._lock:
             location = entry[1]
             if not location[5]:  # a block of its own (not pooled): unmap it with the views
                 self._owners.pop(ref_id, None)

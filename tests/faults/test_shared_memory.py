@@ -45,37 +45,44 @@ def _blocks(*pids: int) -> set[str]:
     return set().union(*(helpers.shared_memory_blocks(p) for p in pids))
 
 
-def test_shutdown_leaves_no_block_held_or_mapped(make_group):
+@pytest.fixture
+def mine():
+    """The blocks this process holds that the test's groups made (not earlier tests')."""
+    before = _blocks(os.getpid())
+    return lambda: _blocks(os.getpid()) - before
+
+
+def test_shutdown_leaves_no_block_held_or_mapped(make_group, mine):
     group = make_group(Reader, procs_per_node=2)
     refs = [group.put(np.ones(MIB)) for _ in range(2)]
     assert group.call("total", refs[0]) == [float(MIB)] * 2
     pids = [group.call_one(r, "pid") for r in range(2)]
-    mine = _blocks(os.getpid())
-    assert len(mine) == 2
-    assert all(_blocks(p) <= mine and _blocks(p) for p in pids)  # they mapped one
+    made = mine()
+    assert len(made) == 2
+    assert all(_blocks(p) <= made and _blocks(p) for p in pids)  # they mapped one
     refs[1].free()
     group.shutdown()
-    assert not _blocks(os.getpid()) & mine
+    assert not mine()
     assert helpers.wait_dead(pids)
 
 
-def test_a_block_is_reused_only_once_no_rank_holds_a_view(make_group):
+def test_a_block_is_reused_only_once_no_rank_holds_a_view(make_group, mine):
     group = make_group(Reader, procs_per_node=2)
     first = group.put(np.ones(MIB))
     group.call("keep", first)  # each rank keeps the array past the call
     first.free()
     second = group.put(np.full(MIB, 2.0))
-    assert len(_blocks(os.getpid())) == 2  # the first block is still in use
+    assert len(mine()) == 2  # the first block is still in use
     assert group.call("total", second) == [2.0 * MIB] * 2
     group.call("forget")  # the views go: the ranks say so (RELEASED)
     second.free()
     group.call("pid")  # a round trip: what the ranks said before it has been read
     third = group.put(np.full(MIB, 3.0))
-    assert len(_blocks(os.getpid())) == 2  # a block was reused, none added
+    assert len(mine()) == 2  # a block was reused, none added
     assert group.call("total", third) == [3.0 * MIB] * 2
 
 
-def test_a_rank_that_dies_holding_a_mapping_does_not_hold_its_block(make_group, ranks):
+def test_a_rank_that_dies_holding_a_mapping_does_not_hold_its_block(make_group, ranks, mine):
     group = make_group(Reader, procs_per_node=2)
     ref = group.put(np.ones(4 * MIB))
     group.call("keep", ref)
@@ -85,7 +92,7 @@ def test_a_rank_that_dies_holding_a_mapping_does_not_hold_its_block(make_group, 
     group.call("pid", workers=[0])
     # rank 1 cannot answer any more: its mapping went with it, and the block is reused
     again = group.put(np.ones(4 * MIB))
-    assert len(_blocks(os.getpid())) == 1
+    assert len(mine()) == 1
     group.restart()
     assert group.call("total", again) == [4.0 * MIB] * 2
 
@@ -117,7 +124,7 @@ def test_a_controller_killed_with_objects_put_leaves_nothing(tmp_path):
     assert helpers.wait_until(lambda: helpers.shmem_bytes() < before + 32 * MIB, 5.0)
 
 
-def test_a_hundred_puts_of_64_mib_freed_as_they_go_keep_memory_bounded(make_group):
+def test_a_hundred_puts_of_64_mib_freed_as_they_go_keep_memory_bounded(make_group, mine):
     group = make_group(Reader, procs_per_node=2)
     before = helpers.shmem_bytes()
     array = np.ones(8 * MIB)  # 64 MiB
@@ -126,12 +133,12 @@ def test_a_hundred_puts_of_64_mib_freed_as_they_go_keep_memory_bounded(make_grou
     for _ in range(100):
         ref = group.put(array)
         assert group.call("total", ref) == [8.0 * MIB] * 2
-        seen |= _blocks(os.getpid())
+        seen |= mine()
         peak = max(peak, helpers.shmem_bytes() - before)
         ref.free()
     assert len(seen) <= config.SHARE_POOL_BLOCKS, f"{len(seen)} blocks for 100 puts"
     assert peak < (config.SHARE_POOL_BLOCKS + 1) * 66 * MIB, f"grew by {peak / MIB:.0f} MiB"
     assert len(group._shared) == 0
     group.shutdown()
-    assert not _blocks(os.getpid()) & seen
+    assert not mine()
     assert helpers.wait_until(lambda: helpers.shmem_bytes() < before + 32 * MIB, 5.0)
