@@ -9,13 +9,10 @@ live only in the agent's memory: they end with the session, however it ends.
 
 from __future__ import annotations
 
-import logging
 import threading
 from typing import Any
 
 from phalanx import protocol, shm, wire
-
-logger = logging.getLogger(__name__)
 
 
 class Holding:
@@ -38,8 +35,7 @@ class Holding:
         with self._lock:  # a rank being launched now is in _launched: none is missed
             previous = self._blocks.pop(ref_id, None)
             self._blocks[ref_id] = (block, token, location)
-            ranks = [*self._ranks.values(), *(rank for _, rank in self._launched)]
-            for rank in ranks:
+            for rank in self._node_ranks():
                 _send(rank, protocol.share_frame(rank.rank, ref_id, token, location))
         if previous is not None:
             previous[0].close()
@@ -51,9 +47,13 @@ class Holding:
             held = self._blocks.pop(ref_id, None)
             if held is None:
                 return
-            for rank in [*self._ranks.values(), *(rank for _, rank in self._launched)]:
+            for rank in self._node_ranks():
                 _send(rank, protocol.unshare_frame(rank.rank, ref_id))
         held[0].close()
+
+    def _node_ranks(self) -> list[Any]:
+        """Every rank of the node, those being launched included (lock held)."""
+        return [*self._ranks.values(), *(rank for _, rank in self._launched)]
 
     def _share_with(self, rank: Any) -> None:
         """A rank just launched (lock held): where every object held now is."""

@@ -36,6 +36,7 @@ CONNECT_TIMEOUT = 30.0  # seconds a rank's node side has to reach the controller
 # A call whose arguments carry at least this many bytes of out-of-band buffers (numpy
 # arrays, torch CPU tensors) sends them through each node's shared memory (phalanx.shared).
 AUTO_SHARE_BYTES = 1 << 20
+SHARE_BLOCK_PREFIX = "phalanx-"  # every shared-memory block's name (memfd:phalanx-<token>)
 SHARE_POOL_BYTES = 1 << 30  # freed blocks the controller keeps for reuse: at most this many
 SHARE_POOL_BLOCKS = 4  # bytes, and this many blocks
 # Ray backend

@@ -28,7 +28,7 @@ from typing import Any
 
 from phalanx import config
 
-NAME = "phalanx-"  # every block's name starts so (memfd:phalanx-<token>)
+NAME = config.SHARE_BLOCK_PREFIX
 _ALIGN = 64  # every buffer starts on a cache line (numpy and torch want aligned data)
 _CHUNK = 64 << 20
 _ROUND = 2 << 20  # a pooled block's size is a multiple of this

@@ -16,18 +16,20 @@ any view of the object -- what RELEASED promises the holder before it reuses the
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 import pickle
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from phalanx.shm import NAME
+from phalanx.config import SHARE_BLOCK_PREFIX as NAME
 
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+if TYPE_CHECKING:
+    import mmap
+
+# ctypes and mmap are imported on first use: a rank that is never sent a shared object
+# (most) does not pay for them at start-up.
 
 
 class NotShared(LookupError):
@@ -37,6 +39,8 @@ class NotShared(LookupError):
 def map_block(pid: int, fd: int, name: str, size: int, private: bool) -> mmap.mmap:
     """Map another process's block: shared (handed out read-only), or ``private``
     (copy-on-write: writes stay this process's own)."""
+    import mmap
+
     path = f"/proc/{pid}/fd/{fd}"
     try:
         target = os.readlink(path)
@@ -52,7 +56,7 @@ def map_block(pid: int, fd: int, name: str, size: int, private: bool) -> mmap.mm
     finally:
         os.close(file)
     try:  # map every page now, in one go, without copying any (MAP_POPULATE would copy)
-        block.madvise(_MADV_POPULATE_READ)
+        block.madvise(getattr(mmap, "MADV_POPULATE_READ", 22))
     except OSError:  # before Linux 5.14: pages are mapped as they are first read
         pass
     return block
@@ -142,6 +146,8 @@ def _in_use(owners: Any) -> bool:
 
 
 def _unpickle(block: mmap.mmap, layout: list, writable: bool, owners: list[Any]) -> Any:
+    import ctypes
+
     (start, length), *rest = layout
     buffers = []
     for offset, size in rest:

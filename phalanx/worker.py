@@ -71,7 +71,7 @@ def _beat(conn: wire.Connection, rank: int, interval: float) -> None:
                 conn.send(frame)
             except wire.ConnectionLost:
                 return
-            shmrank.RANK_SHARES.poll()  # a view of a freed object dropped since
+            _SHARES.poll()  # a view of a freed object dropped since
             time.sleep(interval)
 
     threading.Thread(target=beat, name="phalanx-heartbeat", daemon=True).start()
@@ -192,7 +192,7 @@ class WorkerRuntime:
         if kind != protocol.INIT:
             raise RuntimeError(f"expected INIT, got message kind {kind}")
         self.rank = ranks[0]
-        shmrank.RANK_SHARES.notify = self._released
+        _SHARES.notify = self._released
         if options.get("heartbeat"):
             _beat(self.conn, self.rank, options["heartbeat"])
         sys.path[:] = list(dict.fromkeys([*sys_path, *sys.path]))
@@ -288,11 +288,11 @@ class WorkerRuntime:
         """A shared object held on this node, or freed; a fault to inject."""
         extra = protocol.parse(header)[3]
         if kind == protocol.SHARE:
-            shmrank.RANK_SHARES.add(*extra)
+            _SHARES.add(*extra)
         elif kind == protocol.UNSHARE:
-            shmrank.RANK_SHARES.drop(*extra)
+            _SHARES.drop(*extra)
         elif kind == protocol.UNMAP:
-            shmrank.RANK_SHARES.unmap(*extra)
+            _SHARES.unmap(*extra)
         elif kind == protocol.INJECT:
             method, fault, argument = extra
             self._faults[method] = (fault, argument)
