@@ -1,8 +1,9 @@
 """Many lightweight ``phalanx agent``s in one process, for the scale benchmark (W10).
 
-Each simulated node is a real :class:`phalanx.agent.Agent`: its own loopback address and
-listening socket, the token proved both ways, a real :class:`~phalanx.agentnode.Session`
-relaying -- and, in a tree, adopting and forwarding to its children. Only its rank is
+Each simulated node is a real :class:`~phalanx.backends.cluster.agent.daemon.Agent`: its own
+loopback address and listening socket, the token proved both ways, a real
+:class:`~phalanx.backends.cluster.agent.ranks.Session` relaying -- and, in a tree, adopting and
+forwarding to its children. Only its rank is
 simulated: instead of a process started under a supervisor, a tiny in-process object
 answers the rank's messages in the relay's own pass (INIT, CALL, SHUTDOWN), with the same
 frames a worker process would send. So a thousand nodes fit on a small machine, and what
@@ -26,15 +27,17 @@ import tempfile
 import threading
 from typing import Any
 
-from phalanx import agentwire, protocol, wire
-from phalanx.agent import Agent
-from phalanx.agentnode import Session
+from phalanx.backends.cluster import messages as agentwire
+from phalanx.backends.cluster.agent.daemon import Agent
+from phalanx.backends.cluster.agent.ranks import Session
+from phalanx.wire import pickling, protocol
 
 _PREFIX = struct.Struct("<IQ")
 
 
 def _segments(frame: list[Any]) -> list[bytes]:
-    """The segments of a frame built by :func:`phalanx.wire.frame` (for a simulated rank)."""
+    """The segments of a frame built by :func:`phalanx.wire.framing.frame` (for a simulated
+    rank)."""
     data = b"".join(bytes(s) for s in frame)
     count, _ = _PREFIX.unpack_from(data)
     lengths = struct.unpack_from(f"<{count}Q", data, _PREFIX.size)
@@ -59,10 +62,10 @@ class _SimConn:
         kind, call_id, _, extra = protocol.parse(segs[0])
         rank = self.rank
         if kind == protocol.CALL:
-            args, kwargs = wire.loads(segs[1:])
+            args, kwargs = pickling.loads(segs[1:])
             value = getattr(rank.obj, extra[0])(*args, **kwargs)
             self.session._up([protocol.header(protocol.RESULT, call_id, rank.rank),
-                              *wire.dumps_fast(value)])
+                              *pickling.dumps_fast(value)])
         elif kind == protocol.SHUTDOWN:
             rank.exitcode = 0
             self.session._queue(rank.exited())
@@ -89,7 +92,7 @@ class SimSession(Session):
 
     def _launch(self, starts: list[tuple], sys_path: list[str], options: dict,
                 cwd: str | None, payload: list[Any]) -> list[int]:
-        target, args, kwargs = wire.loads(payload)
+        target, args, kwargs = pickling.loads(payload)
         ranks = []
         for rank, node_index, incarnation, _env in starts:
             ranks.append(_SimRank(self, rank, node_index, incarnation, target(*args, **kwargs)))

@@ -32,19 +32,19 @@ TYPE_CHECKING = False
 __version__ = "0.1.0"
 
 # Public name -> defining module. Loaded on first use, so that a worker process (which
-# imports phalanx.worker) does not pay for the controller's modules at start-up.
+# imports phalanx.rank.runtime) does not pay for the controller's modules at start-up.
 _EXPORTS = {
     "AuthenticationError": "phalanx.errors",
     "CallTimeout": "phalanx.errors",
-    "ClusterBackend": "phalanx.backends.cluster",
+    "ClusterBackend": "phalanx.backends.cluster.backend",
     "FrameworkNotInstalled": "phalanx.errors",
     "GroupClosed": "phalanx.errors",
     "MembershipChanged": "phalanx.errors",
     "MembershipEvent": "phalanx.errors",
     "NodeInfo": "phalanx.errors",
     "ObjectFreed": "phalanx.errors",
-    "ObjectRef": "phalanx.shared",
-    "InjectedFault": "phalanx.faults",
+    "ObjectRef": "phalanx.controller.shared",
+    "InjectedFault": "phalanx.rank.faults",
     "PhalanxError": "phalanx.errors",
     "ProcessFailure": "phalanx.errors",
     "QuorumTimeout": "phalanx.errors",
@@ -53,17 +53,17 @@ _EXPORTS = {
     "WorkerDied": "phalanx.errors",
     "WorkerError": "phalanx.errors",
     "WorkerUnresponsive": "phalanx.errors",
-    "StackReport": "phalanx.watch",
-    "StartupReport": "phalanx.watch",
-    "GroupFuture": "phalanx.futures",
-    "NamedSharding": "phalanx.sharding",
-    "ShardedFuture": "phalanx.futures",
-    "RankFuture": "phalanx.futures",
-    "RankHealth": "phalanx.watch",
-    "RayBackend": "phalanx.backends.ray",
-    "WorkerGroup": "phalanx.group",
-    "breakpoint": "phalanx.debug",
-    "spmd": "phalanx.spmd",
+    "StackReport": "phalanx.controller.watch",
+    "StartupReport": "phalanx.controller.watch",
+    "GroupFuture": "phalanx.controller.futures",
+    "NamedSharding": "phalanx.world.sharding",
+    "ShardedFuture": "phalanx.controller.futures",
+    "RankFuture": "phalanx.controller.futures",
+    "RankHealth": "phalanx.controller.watch",
+    "RayBackend": "phalanx.backends.ray.backend",
+    "WorkerGroup": "phalanx.controller.group",
+    "breakpoint": "phalanx.rank.debugger",
+    "spmd": "phalanx.controller.spmd",
 }
 
 __all__ = [
@@ -101,9 +101,13 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from phalanx.backends.cluster import ClusterBackend
-    from phalanx.backends.ray import RayBackend
-    from phalanx.debug import breakpoint
+    from phalanx.backends.cluster.backend import ClusterBackend
+    from phalanx.backends.ray.backend import RayBackend
+    from phalanx.controller.futures import GroupFuture, RankFuture, ShardedFuture
+    from phalanx.controller.group import WorkerGroup
+    from phalanx.controller.shared import ObjectRef
+    from phalanx.controller.spmd import spmd
+    from phalanx.controller.watch import RankHealth, StackReport, StartupReport
     from phalanx.errors import (
         AuthenticationError,
         CallTimeout,
@@ -119,13 +123,9 @@ if TYPE_CHECKING:
         WorkerError,
         WorkerUnresponsive,
     )
-    from phalanx.faults import InjectedFault
-    from phalanx.futures import GroupFuture, RankFuture, ShardedFuture
-    from phalanx.group import WorkerGroup
-    from phalanx.sharding import NamedSharding
-    from phalanx.shared import ObjectRef
-    from phalanx.spmd import spmd
-    from phalanx.watch import RankHealth, StackReport, StartupReport
+    from phalanx.rank.debugger import breakpoint
+    from phalanx.rank.faults import InjectedFault
+    from phalanx.world.sharding import NamedSharding
 
 
 def __getattr__(name: str) -> object:

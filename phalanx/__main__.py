@@ -2,6 +2,6 @@
 
 import sys
 
-from phalanx.cli import main
+from phalanx.cli.main import main
 
 sys.exit(main())

@@ -34,7 +34,8 @@ DEFAULT_STRAGGLER_WARNING = 120.0  # seconds after a call's first answer to name
 CLEANUP_WAIT = 5.0  # seconds for a rank's keeper to end what the rank left running
 CONNECT_TIMEOUT = 30.0  # seconds a rank's node side has to reach the controller
 # A call whose arguments carry at least this many bytes of out-of-band buffers (numpy
-# arrays, torch CPU tensors) sends them through each node's shared memory (phalanx.shared).
+# arrays, torch CPU tensors) sends them through each node's shared memory
+# (phalanx.controller.shared).
 AUTO_SHARE_BYTES = 1 << 20
 SHARE_BLOCK_PREFIX = "phalanx-"  # every shared-memory block's name (memfd:phalanx-<token>)
 SHARE_POOL_BYTES = 1 << 30  # freed blocks the controller keeps for reuse: at most this many

@@ -22,7 +22,7 @@ def create_backend(spec: str | Backend) -> Backend:
 
         return LocalBackend()
     if spec == "ray":
-        from phalanx.backends.ray import RayBackend
+        from phalanx.backends.ray.backend import RayBackend
 
         return RayBackend()
     raise ValueError(

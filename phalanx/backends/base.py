@@ -12,7 +12,7 @@ A backend is where ranks run. The group talks to it at the level of *nodes*:
    environment, picks the working directory and whether the controller's ``sys.path``
    means anything there. It returns :class:`Channel` objects, not processes.
 
-A channel carries the messages of one or more ranks (:mod:`phalanx.protocol`). Once
+A channel carries the messages of one or more ranks (:mod:`phalanx.wire.protocol`). Once
 attached to an :class:`EventSink` (the group's dispatcher) it names the descriptors to
 wait on and turns readiness into complete events -- READY, RESULT, ERROR, ..., and EXITED
 with the rank's whole failure record -- or posts events from a thread of its own (a
@@ -36,11 +36,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from phalanx.errors import MembershipEvent, ProcessFailure
-from phalanx.frameworks import Layout
+from phalanx.world.frameworks import Layout
 
 if TYPE_CHECKING:
-    from phalanx.logs import OutputOptions
-    from phalanx.shared import SharedObject
+    from phalanx.controller.shared import SharedObject
+    from phalanx.output.logs import OutputOptions
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ class Channel(abc.ABC):
 
     def stacks(self, rank: int, timeout: float) -> str:
         """Every thread's Python stack of the rank's process now (see
-        :mod:`phalanx.stacks`), or a line saying why there is none."""
+        :mod:`phalanx.node.stacks`), or a line saying why there is none."""
         return "(no stack: this backend cannot take one)"
 
     @abc.abstractmethod

@@ -1,5 +1,5 @@
 """The local backend: ranks are processes on this machine, started for the controller by
-its node supervisor (:mod:`phalanx.supervisor`).
+its node supervisor (:mod:`phalanx.node.supervisor`).
 
 ``nodes > 1`` simulates several nodes (distinct ``NODE_RANK`` values) on one machine; they
 split its GPUs between them. This is also the node side a cluster agent runs: what only
@@ -20,14 +20,17 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from phalanx import config, node, protocol, shm, streams, wire
+from phalanx import config
 from phalanx.backends.base import Backend, Boot, Channel, EventSink, Node, RankStart
 from phalanx.errors import ProcessFailure
-from phalanx.frameworks import Layout, merge_env, split_gpus
-from phalanx.logs import LogPump, OutputOptions, OutputTap
-from phalanx.placement import pick_free_ports, visible_gpus
-from phalanx.stacks import StackFile
-from phalanx.supervisor import SupervisedProcess, Supervisor
+from phalanx.node import shm
+from phalanx.node import spawn as node
+from phalanx.node.placement import pick_free_ports, visible_gpus
+from phalanx.node.stacks import StackFile
+from phalanx.node.supervisor import SupervisedProcess, Supervisor
+from phalanx.output.logs import LogPump, OutputOptions, OutputTap
+from phalanx.wire import framing, protocol, streams
+from phalanx.world.frameworks import Layout, merge_env, split_gpus
 
 _LOOPBACK = "127.0.0.1"
 
@@ -35,7 +38,7 @@ _LOOPBACK = "127.0.0.1"
 class LocalChannel(Channel):
     """One local rank: its control pipes, its keeper's status pipe, its output tap."""
 
-    def __init__(self, start: RankStart, proc: SupervisedProcess, conn: wire.Connection,
+    def __init__(self, start: RankStart, proc: SupervisedProcess, conn: framing.Connection,
                  tap: OutputTap, stack_file: StackFile) -> None:
         self.rank = start.rank
         self.ranks = (start.rank,)
@@ -61,7 +64,7 @@ class LocalChannel(Channel):
         if fd == self.conn.read_fd:
             try:
                 return self.conn.reader.recv_frames(block=False)
-            except wire.ConnectionLost:
+            except framing.ConnectionLost:
                 self._unwatch(fd)
                 if self.proc.death_fd is None:
                     self._bury_later()
@@ -80,7 +83,7 @@ class LocalChannel(Channel):
         for _ in range(10_000):
             try:
                 more = self.conn.reader.recv_frames(block=False)
-            except wire.ConnectionLost:
+            except framing.ConnectionLost:
                 break
             if not more:
                 break
@@ -118,7 +121,7 @@ class LocalChannel(Channel):
     def send(self, frame: list[Any]) -> None:
         try:
             self.conn.send(frame)
-        except wire.ConnectionLost:
+        except framing.ConnectionLost:
             pass  # its death arrives as EXITED
 
     def signal(self, rank: int, sig: int) -> None:
@@ -158,7 +161,7 @@ class LocalBackend(Backend):
         self._blocks_lock = threading.Lock()
 
     def _open(self, output: OutputOptions) -> None:
-        self._writer = wire.BacklogWriter()
+        self._writer = framing.BacklogWriter()
         self._logs = LogPump(output)
         self._supervisor = Supervisor()
 
@@ -212,13 +215,13 @@ class LocalBackend(Backend):
             stack_file.close()
             raise
         stream = streams.PipeStream(proc.read_fd, proc.write_fd, blocking_reads=False)
-        return LocalChannel(start, proc, wire.Connection(stream, self._writer), tap, stack_file)
+        return LocalChannel(start, proc, framing.Connection(stream, self._writer), tap, stack_file)
 
-    # -- shared objects (phalanx.shared): one block in this process for every node ------
+    # -- shared objects (phalanx.controller.shared): one block in this process for every node ------
 
     def share(self, obj: Any, channels: Sequence[Channel]) -> None:
         """Write the object into a block of this process (a pooled one, see
-        :class:`phalanx.shm.Pool`) once; tell each rank where it is."""
+        :class:`phalanx.node.shm.Pool`) once; tell each rank where it is."""
         if not self.can_share:
             raise NotImplementedError("shared objects need Linux (memfd_create and /proc)")
         with self._blocks_lock:

@@ -24,13 +24,13 @@ import psutil
 import pytest
 
 import phalanx as px
-from phalanx import handshake
+from phalanx.wire import handshake
 from tests import helpers
 from tests.agentcluster import free_port, listening, terminate
 from tests.workers import Probe
 
 OWN_HOSTS = ("127.0.0.5", "127.0.0.6", "127.0.0.7", "127.0.0.8", "127.0.0.9")
-HANDSHAKE_TIMEOUT = 5.0  # the agent's (phalanx.agent.Agent's default)
+HANDSHAKE_TIMEOUT = 5.0  # the agent's (phalanx.backends.cluster.agent.daemon.Agent's default)
 MIB = 1 << 20
 
 

@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 import phalanx as px
-from phalanx import codesync
+from phalanx.backends.cluster import codesync
 from tests import helpers
 from tests.agentcluster import free_port, terminate
 

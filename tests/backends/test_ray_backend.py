@@ -301,7 +301,7 @@ def test_calls_relayed_through_ray_behave_as_direct_ones(capfd, ranks):
 
 
 def test_a_ray_client_address_chooses_relayed_calls():
-    from phalanx.backends.ray_placement import relays
+    from phalanx.backends.ray.placement import relays
 
     assert relays("ray://head:10001", "auto") and relays(None, "ray")
     assert not relays("auto", "auto") and not relays("ray://head:10001", "direct")
@@ -342,7 +342,7 @@ def track_rank(tracked: Tracked, pid: int, rank: int) -> None:
     tracked.add(pid, f"rank {rank}")
     keeper = psutil.Process(pid).parent()
     supervisor = keeper.parent()
-    assert "phalanx.keeper" in " ".join(supervisor.cmdline()), \
+    assert "phalanx.node.keeper" in " ".join(supervisor.cmdline()), \
         f"rank {rank} does not run under a node supervisor: {supervisor.cmdline()}"
     assert keeper.cmdline() == supervisor.cmdline()  # a fork of it
     tracked.add(keeper.pid, f"rank {rank}'s keeper")

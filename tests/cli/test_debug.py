@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 import phalanx as px
-from phalanx import debug
+from phalanx.rank import debugger as debug
 from tests import helpers
 
 PHALANX = [sys.executable, "-m", "phalanx"]

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phalanx import k8s
+from phalanx.backends.cluster import k8s
 
 K8S_VERSION = "1.30"  # the schemas the objects are checked against
 YAML_REASON = "reading the manifest back needs PyYAML (pip install 'phalanx[test]')"

@@ -73,7 +73,7 @@ def test_sync_ships_the_script_and_the_ranks_run_the_shipped_copy(agent_cluster,
                          "--no-collapse", "--sync", "code", "code/job.py",
                          PHALANX_TOKEN=agent_cluster.token)
     assert result.returncode == 0, result.stderr
-    from phalanx.codesync import scan
+    from phalanx.backends.cluster.codesync import scan
 
     version = scan(code)[0]
     assert sorted(line for line in result.stdout.splitlines() if "answer" in line) == [

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from phalanx import WorkerDied, config
-from phalanx.logs import LogPump, OutputOptions
+from phalanx.output.logs import LogPump, OutputOptions
 from tests import helpers
 from tests.workers import Probe
 

@@ -91,7 +91,7 @@ def test_data_parallel_training_matches_single_process_full_batch_training():
 def test_the_process_group_is_destroyed_at_worker_exit():
     import torch.distributed as dist
 
-    from phalanx import bootstrap
+    from phalanx.rank import bootstrap
 
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)

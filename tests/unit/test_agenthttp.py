@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from phalanx.agenthttp import METRICS_CONTENT_TYPE, AgentMetrics, HealthServer
+from phalanx.backends.cluster.agent.http import METRICS_CONTENT_TYPE, AgentMetrics, HealthServer
 
 GAUGES = ["ranks_alive", "controllers_connected"]
 COUNTERS = ["controllers_total", "calls_total", "received_bytes_total", "sent_bytes_total",
@@ -210,7 +210,7 @@ def test_oversized_request_line_is_refused(serve):
 
 def test_requests_are_not_logged_at_info(serve, caplog):
     server = serve()
-    with caplog.at_level(logging.DEBUG, logger="phalanx.agenthttp"):
+    with caplog.at_level(logging.DEBUG, logger="phalanx.backends.cluster.agent.http"):
         request(server, "/health")
         request(server, "/nowhere")
     noisy = [r for r in caplog.records if r.levelno >= logging.INFO]

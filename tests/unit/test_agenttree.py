@@ -8,7 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import phalanx as px
-from phalanx import agenttree, protocol
+from phalanx.backends.cluster import tree as agenttree
+from phalanx.wire import protocol
 
 TOKEN = "t" * 32
 

@@ -1,5 +1,5 @@
-"""Content-addressed code shipping, without agents (``phalanx.codesync``): what a scan
-lists and skips, when the version changes, and what a node's :class:`Store` accepts,
+"""Content-addressed code shipping, without agents (``phalanx.backends.cluster.codesync``):
+what a scan lists and skips, when the version changes, and what a node's :class:`Store` accepts,
 refuses and builds."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phalanx import codesync
-from phalanx.codesync import Store, check_path, read_blobs, scan, version_of
+from phalanx.backends.cluster import codesync
+from phalanx.backends.cluster.codesync import Store, check_path, read_blobs, scan, version_of
 
 MIB = 1 << 20
 

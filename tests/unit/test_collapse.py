@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phalanx.collapse import LineCollapser, format_ranks
+from phalanx.output.collapse import LineCollapser, format_ranks
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from phalanx.dnsquery import AAAA, A, DNSError, build_query, parse_addresses
+from phalanx.backends.cluster.dns import AAAA, A, DNSError, build_query, parse_addresses
 
 dnslib = pytest.importorskip("dnslib", reason="the DNS tests need dnslib (pip install "
                                               "'phalanx[test]')")

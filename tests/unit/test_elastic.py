@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from phalanx.elastic import elastic_env, error_file, read_error_file
-from phalanx.frameworks import Layout
+from phalanx.launcher.elastic import elastic_env, error_file, read_error_file
+from phalanx.world.frameworks import Layout
 
 
 def test_group_and_role_variables_follow_the_layout():

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from phalanx.config import Settings
-from phalanx.frameworks import (
+from phalanx.world.frameworks import (
     ENV_FRAMEWORK,
     ENV_MONARCH_WORKERS,
     ENV_NODE_ADDRS,

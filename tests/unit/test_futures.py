@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 import pytest
 
-from phalanx import wire
+from phalanx.controller.futures import GroupFuture, RankFuture
 from phalanx.errors import CallTimeout, GroupClosed, SerializationError
-from phalanx.futures import GroupFuture, RankFuture
+from phalanx.wire import pickling
 
 
 class ScriptedDispatcher:
@@ -60,7 +60,7 @@ def make(ranks=(0, 1, 2), method="step"):
 
 
 def encoded(value) -> list:
-    return [bytes(memoryview(s).cast("B")) for s in wire.dumps(value)]
+    return [bytes(memoryview(s).cast("B")) for s in pickling.dumps(value)]
 
 
 class CountingLoads:

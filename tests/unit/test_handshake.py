@@ -7,7 +7,8 @@ import threading
 
 import pytest
 
-from phalanx import AuthenticationError, handshake
+from phalanx import AuthenticationError
+from phalanx.wire import handshake
 
 SECRET = b"s" * 32
 HELLO = handshake.Hello(handshake.ROLE_CONTROL, rank=3, incarnation=2)

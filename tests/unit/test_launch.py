@@ -7,8 +7,8 @@ import argparse
 import pytest
 
 from phalanx.errors import ProcessFailure, RemoteFailure, WorkerDied, WorkerError
-from phalanx.runflags import parse_ranks
-from phalanx.runreport import (
+from phalanx.launcher.flags import parse_ranks
+from phalanx.launcher.report import (
     Failure,
     exit_status,
     failure_from,

@@ -9,11 +9,10 @@ import types
 
 import pytest
 
-from phalanx import placement
 from phalanx.backends.base import Node
 from phalanx.errors import FrameworkNotInstalled, PhalanxError
-from phalanx.frameworks import FRAMEWORKS, Layout, get_framework, gpu_env, worker_env
-from phalanx.placement import (
+from phalanx.node import placement
+from phalanx.node.placement import (
     Placement,
     check_node_gpus,
     new_launch,
@@ -22,6 +21,7 @@ from phalanx.placement import (
     require_package,
     visible_gpus,
 )
+from phalanx.world.frameworks import FRAMEWORKS, Layout, get_framework, gpu_env, worker_env
 
 PACKAGED = [name for name, fw in FRAMEWORKS.items() if fw.package is not None]
 

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phalanx import protocol, streams, wire
 from phalanx.errors import ProcessFailure, RemoteFailure, likely_cause
-from phalanx.protocol import (
+from phalanx.wire import framing, pickling, protocol, streams
+from phalanx.wire.protocol import (
     CALL,
     CALL_STREAM,
     ERROR,
@@ -46,14 +46,14 @@ def segments_of(frame_segments: list) -> list[bytes]:
 
 
 def transmit(*frames: list) -> list[list[bytes]]:
-    """Send ``frames`` over a socket and read them back with a :class:`wire.FrameReader`."""
+    """Send ``frames`` over a socket and read them back with a :class:`framing.FrameReader`."""
     left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     stream = streams.SocketStream(right)
     data = b"".join(as_bytes(f) for f in frames)
     writer = threading.Thread(target=left.sendall, args=(data,), daemon=True)
     writer.start()
     try:
-        reader = wire.FrameReader(stream)
+        reader = framing.FrameReader(stream)
         got: list[list] = []
         while len(got) < len(frames):
             got += reader.recv_frames(block=True)
@@ -143,12 +143,12 @@ def test_any_header_round_trips(kind, call_id, rank, data):
 @settings(max_examples=50, deadline=None)
 @given(call_id=call_ids, rank=ranks | rank_lists, method=methods, stream=st.booleans())
 def test_call_frames_survive_the_wire(call_id, rank, method, stream):
-    payload = wire.dumps_fast(((1, "a"), {"k": b"v"}))
+    payload = pickling.dumps_fast(((1, "a"), {"k": b"v"}))
     (got,) = transmit(protocol.call_frame(call_id, rank, method, payload, stream=stream))
     expected_ranks = (rank,) if isinstance(rank, int) else tuple(rank)
     kind = CALL_STREAM if stream else CALL
     assert parse(got[0]) == (kind, call_id, expected_ranks, (method,))
-    assert wire.loads(got[1:]) == ((1, "a"), {"k": b"v"})
+    assert pickling.loads(got[1:]) == ((1, "a"), {"k": b"v"})
 
 
 # -- every builder through the wire ---------------------------------------------------------
@@ -157,15 +157,15 @@ def test_call_frames_survive_the_wire(call_id, rank, method, stream):
 def test_every_builder_round_trips_through_the_wire():
     failure = failure_tuple()
     frames = [
-        protocol.init_frame(2, ["/src", "/lib"], {"debug": True}, wire.dumps(("T", (1,), {}))),
-        protocol.call_frame(11, 2, "train", wire.dumps(((3,), {}))),
-        protocol.call_frame(12, 2, "items", wire.dumps(((), {})), stream=True),
+        protocol.init_frame(2, ["/src", "/lib"], {"debug": True}, pickling.dumps(("T", (1,), {}))),
+        protocol.call_frame(11, 2, "train", pickling.dumps(((3,), {}))),
+        protocol.call_frame(12, 2, "items", pickling.dumps(((), {})), stream=True),
         protocol.shutdown_frame(2),
         protocol.shutdown_frame([2, 3]),
         protocol.ready_frame(2, 4242, ["train", "items"], {"constructor": 0.5}, "c0de"),
         protocol.init_error_frame(2, failure),
-        protocol.result_frame(11, 2, wire.dumps({"loss": 0.5})),
-        protocol.result_frame(12, 2, wire.dumps("item"), item=True),
+        protocol.result_frame(11, 2, pickling.dumps({"loss": 0.5})),
+        protocol.result_frame(12, 2, pickling.dumps("item"), item=True),
         protocol.end_of_stream_frame(12, 2),
         protocol.error_frame(13, 2, failure),
         protocol.heartbeat_frame(2),
@@ -186,24 +186,24 @@ def test_every_builder_round_trips_through_the_wire():
         (ERROR, 13, (2,), (failure,)),
         (protocol.HEARTBEAT, 0, (2,), ()),
     ]
-    assert wire.loads(got[0][1:]) == ("T", (1,), {})
-    assert wire.loads(got[1][1:]) == ((3,), {})
-    assert wire.loads(got[2][1:]) == ((), {})
+    assert pickling.loads(got[0][1:]) == ("T", (1,), {})
+    assert pickling.loads(got[1][1:]) == ((3,), {})
+    assert pickling.loads(got[2][1:]) == ((), {})
     assert [len(got[i]) for i in (3, 4, 5, 6, 10, 11)] == [1] * 6  # no payload
-    assert wire.loads(got[7][1:]) == {"loss": 0.5}
-    assert wire.loads(got[8][1:]) == "item"
-    assert wire.loads(got[9][1:]) is None  # the end of a stream is a RESULT of None
+    assert pickling.loads(got[7][1:]) == {"loss": 0.5}
+    assert pickling.loads(got[8][1:]) == "item"
+    assert pickling.loads(got[9][1:]) is None  # the end of a stream is a RESULT of None
     assert RemoteFailure(*heads[10][3][0]) == RemoteFailure(*failure)
 
 
 def test_empty_sys_path_and_options_round_trip():
-    (got,) = transmit(protocol.init_frame(0, [], {}, wire.dumps(("T", (), {}))))
+    (got,) = transmit(protocol.init_frame(0, [], {}, pickling.dumps(("T", (), {}))))
     assert parse(got[0]) == (INIT, 0, (0,), ([], {}))
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_call_frames_give_one_frame_per_rank_with_a_shared_payload(stream):
-    payload = wire.dumps(((b"x" * 100,), {"n": 1}))
+    payload = pickling.dumps(((b"x" * 100,), {"n": 1}))
     built = protocol.call_frames(21, [4, 5, 6], "step", [payload], stream)
     assert len(built) == 3
     got = transmit(*built)
@@ -211,25 +211,25 @@ def test_call_frames_give_one_frame_per_rank_with_a_shared_payload(stream):
     for rank, frame in zip([4, 5, 6], got, strict=True):
         assert parse(frame[0]) == (kind, 21, (rank,), ("step",))
         assert frame[1:] == segments_of(payload)
-        assert wire.loads(frame[1:]) == ((b"x" * 100,), {"n": 1})
+        assert pickling.loads(frame[1:]) == ((b"x" * 100,), {"n": 1})
 
 
 def test_call_frames_with_one_payload_per_rank():
-    payloads = [wire.dumps(((r,), {})) for r in (0, 1)]
+    payloads = [pickling.dumps(((r,), {})) for r in (0, 1)]
     got = transmit(*protocol.call_frames(3, [0, 1], "m", payloads, False))
     assert [parse(f[0]) for f in got] == [(CALL, 3, (0,), ("m",)), (CALL, 3, (1,), ("m",))]
-    assert [wire.loads(f[1:]) for f in got] == [((0,), {}), ((1,), {})]
+    assert [pickling.loads(f[1:]) for f in got] == [((0,), {}), ((1,), {})]
 
 
 def test_call_frames_match_call_frame_for_each_rank():
-    payload = wire.dumps_fast(((), {}))
+    payload = pickling.dumps_fast(((), {}))
     built = protocol.call_frames(8, [1, 2], "f", [payload], True)
     single = [protocol.call_frame(8, r, "f", payload, stream=True) for r in (1, 2)]
     assert [as_bytes(f) for f in built] == [as_bytes(f) for f in single]
 
 
 def test_call_frames_refuse_a_payload_count_that_is_not_one_or_per_rank():
-    payloads = [wire.dumps(1), wire.dumps(2)]
+    payloads = [pickling.dumps(1), pickling.dumps(2)]
     with pytest.raises(ValueError):
         protocol.call_frames(1, [0, 1, 2], "m", payloads, False)
 
@@ -252,7 +252,7 @@ def test_exited_message_carries_the_process_failure():
 
 def test_exited_message_survives_framing():
     failure = ProcessFailure(rank=0, node=0, pid=None, exitcode=None, reason="the node died")
-    (got,) = transmit(wire.frame(protocol.exited_message(0, failure.as_dict())))
+    (got,) = transmit(framing.frame(protocol.exited_message(0, failure.as_dict())))
     (data,) = parse(got[0])[3]
     assert ProcessFailure.from_dict(data) == failure
 

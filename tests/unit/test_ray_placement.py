@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from phalanx.backends.ray_placement import (
+from phalanx.backends.ray.placement import (
     bundle_for,
     describe_ray_error,
     order_bundles,

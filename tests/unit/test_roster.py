@@ -12,11 +12,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from phalanx.frameworks import FRAMEWORKS, Layout, WorldPart
-from phalanx.jobhost import MAX_MESSAGE, JobError, Lines, send_message
-from phalanx.roster import Member, Roster, layout_counts, root_cause
-from phalanx.runflags import endpoint, parse_nnodes, rdzv_conf
-from phalanx.runreport import Failure
+from phalanx.launcher.flags import endpoint, parse_nnodes, rdzv_conf
+from phalanx.launcher.jobhost import MAX_MESSAGE, JobError, Lines, send_message
+from phalanx.launcher.report import Failure
+from phalanx.launcher.roster import Member, Roster, layout_counts, root_cause
+from phalanx.world.frameworks import FRAMEWORKS, Layout, WorldPart
 
 
 def member(key: int, node_rank: int | None = None, nproc: int = 2,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from phalanx.selection import select_ranks
+from phalanx.world.selection import select_ranks
 
 ALIVE = [True, False, True, True]  # rank 1 is dead
 

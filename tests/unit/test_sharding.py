@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phalanx.sharding import (
+from phalanx.world.sharding import (
     NamedSharding,
     NonIntegerLayoutError,
     UnknownAxisError,

@@ -11,7 +11,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from phalanx import config, faults, shm, shmrank, wire
+from phalanx import config
+from phalanx.node import shm
+from phalanx.rank import faults
+from phalanx.rank import shared as shmrank
+from phalanx.wire import pickling
 
 pytestmark = pytest.mark.skipif(not shm.supported(),
                                 reason="shared objects need Linux (memfd_create, /proc)")
@@ -31,7 +35,7 @@ def test_layout_places_parts_aligned_in_order_without_overlap(sizes):
 
 def _share(value, release=False, writable=False):
     """``value`` written into a block of this process, and a rank's view of where it is."""
-    segments = wire.dumps(value)
+    segments = pickling.dumps(value)
     block, layout = shm.Block.holding(segments)
     shares = shmrank.RankShares()
     released = []
@@ -103,9 +107,9 @@ def test_an_object_never_used_is_released_at_once():
 def test_torch_tensors_travel_out_of_band_and_rebuild():
     torch = pytest.importorskip("torch", reason="needs torch (pip install 'phalanx[torch]')")
     tensor = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)
-    segments = wire.dumps([tensor, torch.zeros(0), torch.ones(2, requires_grad=True)])
+    segments = pickling.dumps([tensor, torch.zeros(0), torch.ones(2, requires_grad=True)])
     assert len(segments) == 2  # the bf16 tensor's bytes travel beside the pickle
-    back = wire.loads([bytes(segments[0])] + [bytearray(s) for s in segments[1:]])
+    back = pickling.loads([bytes(segments[0])] + [bytearray(s) for s in segments[1:]])
     assert torch.equal(back[0], tensor) and back[0].dtype == torch.bfloat16
     assert back[1].shape == (0,) and back[2].requires_grad
     block, shares, _ = _share(tensor, writable=True)
@@ -169,7 +173,7 @@ def test_fault_arguments_are_checked():
 
 
 def test_a_put_handle_cannot_be_pickled_outside_its_group_s_calls():
-    from phalanx.shared import ObjectRef, SharedObject
+    from phalanx.controller.shared import ObjectRef, SharedObject
 
     class Owner:
         def free(self, obj):

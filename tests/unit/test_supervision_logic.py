@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import phalanx
+from phalanx.controller.watch import RankStartup, StartupReport
 from phalanx.dumps import format_report, innermost_user_frames, is_user_file
 from phalanx.errors import (
     CallTimeout,
@@ -20,9 +21,8 @@ from phalanx.errors import (
     WorkerUnresponsive,
     death_error,
 )
-from phalanx.frameworks import merge_env
 from phalanx.options import check_count, check_seconds
-from phalanx.watch import RankStartup, StartupReport
+from phalanx.world.frameworks import merge_env
 
 STDLIB = os.path.dirname(os.__file__)
 PHALANX = os.path.dirname(phalanx.__file__)

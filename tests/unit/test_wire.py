@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from phalanx import protocol, streams, wire
-from phalanx.protocol import CALL, RESULT, header, parse
+from phalanx.wire import framing, pickling, protocol, streams
+from phalanx.wire.protocol import CALL, RESULT, header, parse
 
 STREAM_KINDS = ["socket", "pipe"]
 
@@ -32,7 +32,7 @@ class Link:
             r2, w2 = os.pipe()
             self.a = streams.PipeStream(r2, w1, blocking_reads=False)
             self.b = streams.PipeStream(r1, w2, blocking_reads=False)
-        self.reader = wire.FrameReader(self.b)
+        self.reader = framing.FrameReader(self.b)
         self._closed = False
 
     def write(self, data: bytes) -> None:
@@ -95,14 +95,14 @@ def segments_of(frame_segments: list) -> list[bytes]:
 
 def test_small_frame_round_trip(link):
     segments = [header(CALL, 7, 3, "train"), b"payload", b""]
-    link.write(as_bytes(wire.frame(segments)))
+    link.write(as_bytes(framing.frame(segments)))
     (got,) = link.receive(1)
     assert segments_of(got) == segments
     assert parse(got[0]) == (CALL, 7, (3,), ("train",))
 
 
 def test_many_small_frames_arrive_in_one_receive(link):
-    frames = [wire.frame([header(RESULT, i, 0), pickle.dumps(i)]) for i in range(200)]
+    frames = [framing.frame([header(RESULT, i, 0), pickle.dumps(i)]) for i in range(200)]
     link.write(b"".join(as_bytes(f) for f in frames))
     got = link.reader.recv_frames(block=False)
     assert len(got) == 200
@@ -110,7 +110,7 @@ def test_many_small_frames_arrive_in_one_receive(link):
 
 
 def test_partial_reads_complete_only_when_the_last_byte_arrives(link):
-    data = as_bytes(wire.frame([b"head", b"x" * 1000, b"tail"]))
+    data = as_bytes(framing.frame([b"head", b"x" * 1000, b"tail"]))
     for i in range(len(data) - 1):
         link.write(data[i : i + 1])
         assert link.reader.recv_frames(block=False) == []
@@ -122,41 +122,41 @@ def test_partial_reads_complete_only_when_the_last_byte_arrives(link):
 
 def test_large_numpy_frame_round_trip_out_of_band(link):
     array = np.random.default_rng(0).standard_normal(6 * 1024 * 1024 // 8)  # 6 MiB
-    payload = wire.dumps({"array": array, "tag": "big"})
+    payload = pickling.dumps({"array": array, "tag": "big"})
     assert len(payload) >= 2, "the array's buffer must travel as its own segment"
     assert sum(memoryview(s).nbytes for s in payload[1:]) == array.nbytes
     assert len(payload[0]) < 4096, "the pickle stream must not embed the array's bytes"
-    small = wire.frame([header(RESULT, 1, 0), b"after"])
-    data = as_bytes(wire.frame([header(CALL, 1, 0, "m"), *payload])) + as_bytes(small)
+    small = framing.frame([header(RESULT, 1, 0), b"after"])
+    data = as_bytes(framing.frame([header(CALL, 1, 0, "m"), *payload])) + as_bytes(small)
     thread = link.write_in_thread(data)
     big, after = link.receive(2)
     thread.join(5)
-    value = wire.loads(big[1:])
+    value = pickling.loads(big[1:])
     assert value["tag"] == "big"
     np.testing.assert_array_equal(value["array"], array)
     assert segments_of(after) == [header(RESULT, 1, 0), b"after"]
 
 
 def test_connection_queues_what_a_slow_reader_cannot_take_yet(link):
-    writer = wire.BacklogWriter("test-writer")
+    writer = framing.BacklogWriter("test-writer")
     try:
-        conn = wire.Connection(link.a, writer)
+        conn = framing.Connection(link.a, writer)
         arrays = [np.full(300_000, i, dtype=np.float64) for i in range(4)]  # 2.4 MB each
         for i, array in enumerate(arrays):
-            conn.send(protocol.result_frame(i, 2, wire.dumps(array)))
+            conn.send(protocol.result_frame(i, 2, pickling.dumps(array)))
         got = link.receive(4)
         for i, frame in enumerate(got):
             assert parse(frame[0]) == (RESULT, i, (2,), ())
-            np.testing.assert_array_equal(wire.loads(frame[1:]), arrays[i])
+            np.testing.assert_array_equal(pickling.loads(frame[1:]), arrays[i])
     finally:
         writer.stop()
 
 
 def test_end_of_stream_raises_connection_lost(link):
-    link.write(as_bytes(wire.frame([b"last"])))
+    link.write(as_bytes(framing.frame([b"last"])))
     link.a.close()
     assert segments_of(link.receive(1)[0]) == [b"last"]
-    with pytest.raises(wire.ConnectionLost):
+    with pytest.raises(framing.ConnectionLost):
         for _ in range(3):
             select.select([link.b.read_fd], [], [], 5)
             link.reader.recv_frames(block=False)
@@ -164,17 +164,17 @@ def test_end_of_stream_raises_connection_lost(link):
 
 def test_plain_data_takes_the_fast_path_and_round_trips():
     for value in [((), {}), ((1, "a"), {"k": [1.5, None, b"x"]}), 42, "text", [1, (2, 3)]]:
-        assert wire.loads(wire.dumps_fast(value)) == value
+        assert pickling.loads(pickling.dumps_fast(value)) == value
 
 
 def test_closures_and_lambdas_pickle_by_value():
     offset = 10
-    assert wire.loads(wire.dumps(lambda x: x + offset))(1) == 11
+    assert pickling.loads(pickling.dumps(lambda x: x + offset))(1) == 11
 
 
 @pytest.mark.parametrize("value", [np.arange(3), np.zeros(0), np.array([1.0])], ids=str)
 def test_dumps_fast_accepts_numpy_arrays(value):
-    np.testing.assert_array_equal(wire.loads(wire.dumps_fast(value)), value)
+    np.testing.assert_array_equal(pickling.loads(pickling.dumps_fast(value)), value)
 
 
 segment = st.binary(max_size=2048)
@@ -187,7 +187,7 @@ frame_lists = st.lists(st.lists(segment, min_size=1, max_size=6), min_size=1, ma
 def test_any_split_of_the_stream_yields_the_same_frames(kind, frames, cuts):
     link = Link(kind)
     try:
-        data = b"".join(as_bytes(wire.frame(list(f))) for f in frames)
+        data = b"".join(as_bytes(framing.frame(list(f))) for f in frames)
         received: list[list] = []
         pos = 0
         for cut in [*cuts, len(data)]:
@@ -212,7 +212,7 @@ def test_large_frames_survive_arbitrary_chunking(kind, sizes, cut):
     link = Link(kind)
     try:
         segments = [bytes([i % 251]) * size for i, size in enumerate(sizes)]
-        data = as_bytes(wire.frame(segments)) + as_bytes(wire.frame([b"next"]))
+        data = as_bytes(framing.frame(segments)) + as_bytes(framing.frame([b"next"]))
         received: list[list] = []
         for pos in range(0, len(data), cut):
             link.write(data[pos : pos + cut])

@@ -1,0 +1,255 @@
+"""A node agent's part in a tree (:mod:`phalanx.backends.cluster.tree`): its children and what it
+forwards to and from them. Mixed into :class:`phalanx.backends.cluster.agent.ranks.Session`.
+
+Down: a node's request for another node of the subtree goes to the child above that node;
+a rank's message goes once to each child whose subtree holds some of its ranks, its header
+naming those. Up: what a child sends is relayed unchanged, except the results of calls,
+which are *gathered*: an agent holds the results of its subtree's ranks for a call until
+every one of them answered (or ``GATHER_WINDOW`` passed since the first one it holds) and
+sends them up as one RESULTS message, in rank order -- so the controller reads one message
+per top agent, not one per rank. Errors, deaths and lost children go up at once (a failure
+anywhere reaches the controller without waiting for the rest), and the ranks they concern
+are no longer waited for.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from phalanx.backends.cluster import messages as agentwire
+from phalanx.backends.cluster import tree as agenttree
+from phalanx.wire import framing, protocol
+
+logger = logging.getLogger(__name__)
+
+GATHER_WINDOW = 0.05  # s: the longest an agent holds a result waiting for its siblings'
+
+_RESULT = protocol.RESULT
+_RESULTS = agentwire.RESULTS
+
+
+class _Child:
+    """A child of this node in a tree: its connection and the nodes of its subtree."""
+
+    def __init__(self, joined: agenttree.Joined, conn: framing.Connection, ids: list[int]) -> None:
+        self.where = f"{joined.host}:{joined.port}"
+        self.conn, self.ids = conn, ids
+        self.heard = time.monotonic()
+
+
+class _Gather:
+    """The results of one call's ranks in this subtree, held until all are in."""
+
+    __slots__ = ("got", "since", "waiting")
+
+    def __init__(self) -> None:
+        self.waiting: set[int] = set()  # ranks not answered yet
+        self.got: dict[int, list[Any]] = {}  # rank -> its RESULT's payload segments
+        self.since = 0.0  # when the first result held now arrived
+
+
+class Branch:
+    """Mixin of :class:`~phalanx.backends.cluster.agent.ranks.Session`: children, routing and
+    gathering."""
+
+    _writer: framing.BacklogWriter
+    _lock: threading.Lock
+    _wake: Any
+    _heartbeat_timeout: float
+    _send: Callable[[list[Any]], None]
+    _queue: Callable[[list[Any]], None]
+    _watch: Callable[..., None]
+    _unwatch: Callable[[int], None]
+
+    def _init_branch(self, secret: bytes | None) -> None:
+        self._secret = secret  # to reach children
+        self.tree_id = 0  # this node's id in a tree (0: none)
+        self._children: list[_Child] = []
+        self._adopted: list[_Child] = []  # from the ADOPT request, to register
+        self._node_route: dict[int, _Child] = {}  # tree node -> the child it is below
+        self._rank_route: dict[int, _Child] = {}  # rank -> the child it is below
+        self._gathers: dict[int, _Gather] = {}  # call id -> its results held here
+
+    # -- gathering results ---------------------------------------------------------------
+
+    def _expect(self, call_id: int, ranks: tuple[int, ...]) -> None:
+        """A call for ``ranks`` of this subtree passes: gather their results."""
+        gather = self._gathers.get(call_id)
+        if gather is None:
+            gather = self._gathers[call_id] = _Gather()
+        gather.waiting.update(ranks)
+
+    def _up(self, segs: list[Any]) -> None:
+        """A message of a rank of this subtree, for the controller."""
+        if self._gathers and self._held(segs):
+            return
+        self._queue(framing.frame(list(segs)))
+
+    def _held(self, segs: list[Any]) -> bool:
+        """Whether a message going up is a result gathered here (else it goes at once; a
+        failure stops the wait for its rank)."""
+        kind, call_id, rank = protocol.unpack_head(segs[0])
+        gather = self._gathers.get(call_id)
+        if kind == _RESULT:
+            if gather is None or rank not in gather.waiting:
+                return False
+            gather.waiting.discard(rank)
+            gather.got[rank] = segs[1:]
+        elif kind == _RESULTS:
+            if gather is None:
+                return False
+            _, _, ranks, (counts,) = protocol.parse(segs[0])
+            pos = 1
+            for rank, count in zip(ranks, counts, strict=True):
+                gather.waiting.discard(rank)
+                gather.got[rank] = segs[pos:pos + count]
+                pos += count
+        elif kind == protocol.ERROR:
+            if gather is not None:
+                gather.waiting.discard(rank)
+            return False
+        elif kind == protocol.EXITED:
+            self._rank_gone((rank,))
+            return False
+        else:
+            return False
+        if not gather.since:
+            gather.since = time.monotonic()
+        return True
+
+    def _rank_gone(self, ranks: Any) -> None:
+        """``ranks`` will not answer (dead, or below a lost child): wait no more for them."""
+        for gather in self._gathers.values():
+            gather.waiting.difference_update(ranks)
+
+    def _send_gathered(self) -> None:
+        """Send up what is complete, or held long enough (each pass of the relay)."""
+        now = time.monotonic()
+        for call_id, gather in list(self._gathers.items()):
+            if gather.got and (not gather.waiting or now - gather.since >= GATHER_WINDOW):
+                ranks = sorted(gather.got)
+                if len(ranks) == 1:
+                    frame = protocol.result_frame(call_id, ranks[0], gather.got[ranks[0]])
+                else:
+                    payloads = [gather.got[r] for r in ranks]
+                    frame = framing.frame([protocol.header(_RESULTS, call_id, ranks,
+                                                        [len(p) for p in payloads]),
+                                        *[s for p in payloads for s in p]])
+                self._queue(frame)
+                gather.got, gather.since = {}, 0.0
+            if not gather.waiting and not gather.got:
+                del self._gathers[call_id]
+
+    # -- routing ---------------------------------------------------------------------------
+
+    def _route_down(self, dest: int, kind: int, request_id: int, fields: tuple,
+                    segs: list[Any]) -> None:
+        """A node's request for node ``dest`` of this subtree: to the child above it."""
+        child = self._node_route.get(dest)
+        if child is None:
+            if request_id and kind != agentwire.SIGNAL:
+                self._send(agentwire.reply(request_id, False, f"tree node {dest} cannot be "
+                                           f"reached through this agent (lost)"))
+            return
+        if kind == agentwire.LAUNCH:
+            for start in fields[0]:
+                self._rank_route[start[0]] = child
+        self._to_child(child, framing.frame(list(segs)))
+
+    def _hand_down(self, ranks: tuple[int, ...], segs: list[Any]) -> tuple[int, ...]:
+        """Send a rank message on to the children holding some of ``ranks`` (once each,
+        naming theirs); the ranks left for this node."""
+        own: list[int] = []
+        below: dict[_Child, list[int]] = {}
+        route = self._rank_route
+        for rank in ranks:
+            child = route.get(rank)
+            if child is None:
+                own.append(rank)
+            else:
+                below.setdefault(child, []).append(rank)
+        for child, theirs in below.items():
+            head = segs[0] if len(theirs) == len(ranks) else protocol.retarget(segs[0], theirs)
+            self._to_child(child, framing.frame([head, *segs[1:]]))
+        return tuple(own)
+
+    def _to_child(self, child: _Child, frame: list[Any]) -> None:
+        try:
+            child.conn.send(frame)
+        except framing.ConnectionLost as exc:
+            self._lose_child(child, f"its connection failed ({exc})")
+
+    def _from_child(self, child: _Child) -> None:
+        try:
+            frames = child.conn.reader.recv_frames(block=False)
+        except framing.ConnectionLost as exc:
+            self._lose_child(child, f"its connection ended ({exc})")
+            return
+        child.heard = time.monotonic()
+        for segs in frames:
+            kind = segs[0][0]
+            if kind == agentwire.PING or kind == agentwire.WELCOME:
+                continue
+            if kind == agentwire.FAULT:
+                self._lose_child(child, str(protocol.parse(segs[0])[3][0]))
+                return
+            self._up(segs)
+
+    def _check_children(self, now: float) -> None:
+        for child in list(self._children):
+            if now - child.heard > self._heartbeat_timeout:
+                self._lose_child(child, f"it was silent for {now - child.heard:.0f} s")
+            else:
+                self._to_child(child, agentwire.ping())
+
+    def _lose_child(self, child: _Child, reason: str) -> None:
+        """A child is gone: its whole subtree is, for the controller (relay thread only)."""
+        if child not in self._children:
+            return
+        self._children.remove(child)
+        self._unwatch(child.conn.read_fd)
+        child.conn.close()
+        for tree_id in child.ids:
+            self._node_route.pop(tree_id, None)
+        below = [r for r, c in self._rank_route.items() if c is child]
+        for rank in below:
+            del self._rank_route[rank]
+        self._rank_gone(below)
+        logger.warning("lost the agent at %s (and %d node(s) below it): %s", child.where,
+                       len(child.ids) - 1, reason)
+        self._queue(agentwire.lost(child.ids, f"lost the agent at {child.where}: {reason}"))
+
+    def _register_children(self) -> None:
+        with self._lock:
+            adopted, self._adopted = self._adopted, []
+        for child in adopted:
+            self._children.append(child)
+            for tree_id in child.ids:
+                self._node_route[tree_id] = child
+            self._watch(child.conn.read_fd, "child", child)  # type: ignore[arg-type]
+
+    def _adopt(self, own_id: int, entries: list, fanout: int, timeout: float,
+               payload: list[Any]) -> dict[str, Any]:
+        """Become node ``own_id`` of a tree and adopt ``entries`` below it."""
+        if self._secret is None:
+            raise RuntimeError("this agent cannot reach other agents (it has no token)")
+        self.tree_id = own_id
+
+        def connect(host: str, port: int, timeout: float) -> agenttree.Joined:
+            return agenttree.connect_agent(host, port, self._secret, None,  # type: ignore[arg-type]
+                                           timeout)
+
+        formation = agenttree.form([tuple(e) for e in entries], fanout, connect,
+                                   time.monotonic() + timeout)
+        children = [_Child(h.joined, h.joined.connection(self._writer), h.ids)
+                    for h in formation.heads]
+        with self._lock:  # registered by the relay before it reads the next request
+            self._adopted.extend(children)
+        self._wake.wake()
+        return {"nodes": [[i, welcome] for i, (_, welcome) in formation.nodes.items()],
+                "missing": [[i, where, why] for i, (where, why) in formation.missing.items()]}
+

@@ -1,0 +1,461 @@
+"""One controller's ranks on an agent's node: started, relayed, watched and stopped.
+
+A :class:`Session` serves one authenticated controller connection. Its ranks are started
+exactly as the local backend starts them -- by a node supervisor of the session's own
+(:mod:`phalanx.node.supervisor`): environment before import, one keeper per rank, every process
+a rank starts kept below it -- and one thread relays between them and the controller:
+
+- a rank's frames go to the controller unchanged (the rank is in each header); a frame for
+  several of this node's ranks (``rank = MANY``) arrived once and is handed to each;
+- what a rank writes to stdout and stderr goes up as OUTPUT messages, then OUTPUT_END;
+- its death (the keeper's status pipe) goes up as EXITED, after its last frames and, for a
+  moment (``config.OUTPUT_WAIT``), its last output.
+
+Requests that wait (STOP, STACKS, WAIT) run on short threads so the relay never stalls. A
+controller whose connection ends, or that stays silent past ``heartbeat_timeout``, is gone:
+every rank of its session is stopped, with everything those ranks started.
+
+In a tree (:mod:`phalanx.backends.cluster.tree`) the session also holds its children's
+connections: a
+node's request for another node goes to the child whose subtree holds it, a rank's message
+to the children whose subtrees hold its ranks (the payload once per child, the header
+naming that subtree's ranks), and whatever a child sends comes up unchanged -- results in
+the pass that reads them, so a failure anywhere reaches the controller at once. A child
+lost (its connection ended, or silent past ``heartbeat_timeout``) is reported up as LOST
+with every node of its subtree; those below it see their upstream go and stop their ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from phalanx import config
+from phalanx.backends.cluster import codesync
+from phalanx.backends.cluster import messages as agentwire
+from phalanx.backends.cluster.agent.branch import GATHER_WINDOW, Branch
+from phalanx.backends.cluster.agent.share import Holding
+from phalanx.node import spawn as node
+from phalanx.node.placement import pick_free_ports
+from phalanx.node.stacks import StackFile
+from phalanx.node.supervisor import SupervisedProcess, Supervisor
+from phalanx.wire import framing, protocol, streams
+from phalanx.world.frameworks import merge_env
+
+logger = logging.getLogger(__name__)
+
+_READ = 1 << 16
+
+
+class _Rank:
+    """One running rank of the session."""
+
+    def __init__(self, rank: int, node_index: int, incarnation: int, proc: SupervisedProcess,
+                 conn: framing.Connection, stack_file: StackFile) -> None:
+        self.rank, self.node, self.incarnation = rank, node_index, incarnation
+        self.proc, self.conn, self.stack_file = proc, conn, stack_file
+        self.outputs = {proc.stdout_fd: agentwire.STDOUT, proc.stderr_fd: agentwire.STDERR}
+        self.exitcode: int | None = None
+        self.exit_by = 0.0  # when EXITED goes up even if output has not ended
+        self.counted = False  # in the agent's ranks_alive
+
+
+class Session(Branch, Holding):
+    """The node side of one controller's group (run :meth:`serve` on a thread)."""
+
+    def __init__(self, sock: socket.socket, *, heartbeat_timeout: float, max_frame: int,
+                 counters: Callable[[str, float], None], cwd: str | None = None,
+                 store: codesync.Store | None = None, secret: bytes | None = None) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.address = sock.getsockname()[0]  # where the controller reached this node
+        self._writer = framing.BacklogWriter("phalanx-agent-writer")
+        self._conn = framing.Connection(streams.socket_stream(sock), self._writer)
+        self._conn.reader.limit = max_frame
+        self._heartbeat_timeout = heartbeat_timeout
+        self._count = counters
+        self._cwd = cwd or os.getcwd()
+        self._store = store
+        self._supervisor: Supervisor | None = None
+        self._ranks: dict[int, _Rank] = {}
+        self._by_fd: dict[int, tuple[str, _Rank | None]] = {}
+        self._poller = select.poll()
+        self._wake = streams.WakePipe()
+        self._lock = threading.Lock()
+        self._launched: list[tuple[int, _Rank]] = []  # from request threads, to register
+        self._closing = False
+        self._outbox: list[Any] | None = None
+        self._dying: list[_Rank] = []  # ended, their EXITED not sent yet
+        self.ended = threading.Event()
+        self.reason = ""
+        self._init_branch(secret)
+        self._init_holding()
+
+    # -- the relay loop ---------------------------------------------------------------
+
+    def serve(self, welcome: dict[str, Any]) -> None:
+        """Relay until the controller goes; then stop every rank. ``welcome`` is sent first."""
+        self._send(agentwire.request(agentwire.WELCOME, 0, welcome))
+        self._watch(self._conn.read_fd, "controller", None)
+        self._watch(self._wake.fd, "wake", None)
+        heard = time.monotonic()
+        # a sign of life every second: a controller may judge silence after two
+        interval = max(0.05, min(1.0, self._heartbeat_timeout / 5))
+        next_ping = heard + interval
+        try:
+            while not self._closing:
+                now = time.monotonic()
+                if now - heard > self._heartbeat_timeout:
+                    self.reason = f"the controller was silent for {now - heard:.0f} s"
+                    break
+                if now >= next_ping:
+                    self._send(agentwire.ping())
+                    next_ping = now + interval
+                    if self._children:
+                        self._check_children(now)
+                wait = min(next_ping, heard + self._heartbeat_timeout) - now
+                if self._dying:
+                    wait = min(wait, min(r.exit_by for r in self._dying) - now)
+                if self._gathers:
+                    wait = min(wait, GATHER_WINDOW)
+                self._outbox = []  # what this pass sends the controller: one write
+                for fd, _ in self._poller.poll(max(0, int(wait * 1000)) + 1):
+                    what, rank = self._by_fd.get(fd, ("gone", None))
+                    if what == "controller":
+                        heard = time.monotonic()
+                        if not self._from_controller():
+                            break
+                    elif what == "wake":
+                        self._wake.drain()
+                    elif what == "control":
+                        self._from_rank(rank)  # type: ignore[arg-type]
+                    elif what == "output":
+                        self._output(fd, rank)  # type: ignore[arg-type]
+                    elif what == "death":
+                        self._died(rank)  # type: ignore[arg-type]
+                    elif what == "child":
+                        self._from_child(rank)  # type: ignore[arg-type]
+                if self._launched:
+                    self._register_launched()
+                if self._adopted:
+                    self._register_children()
+                if self._dying:
+                    self._report_deaths()
+                if self._gathers:
+                    self._send_gathered()
+                if self._outbox:
+                    self._flush()
+        except Exception:  # a bug must not leave the controller's ranks running
+            logger.exception("an agent session failed")
+            self.reason = self.reason or "the agent's session failed"
+        finally:
+            self._end()
+
+    def _from_controller(self) -> bool:
+        try:
+            frames = self._conn.reader.recv_frames(block=False)
+        except framing.FrameTooLarge as exc:  # say why before hanging up
+            self.reason = f"the controller sent {exc}"
+            self._send(agentwire.request(agentwire.FAULT, 0, f"it refused {exc}"))
+            self._closing = True
+            return False
+        except framing.ConnectionLost as exc:
+            self.reason = self.reason or f"the controller's connection ended ({exc})"
+            self._closing = True
+            return False
+        self._count("received_bytes_total",
+                    sum(memoryview(s).nbytes for segs in frames for s in segs))
+        if self._adopted:
+            self._register_children()
+        for segs in frames:
+            kind, call_id, ranks, extra = protocol.parse(segs[0])
+            if agentwire.is_node_message(kind):
+                if ranks[0] and ranks[0] != self.tree_id:
+                    self._route_down(ranks[0], kind, call_id, extra, segs)
+                else:
+                    self._request(kind, call_id, extra, segs[1:])
+                continue
+            if self._rank_route:
+                if kind == protocol.CALL:
+                    self._expect(call_id, ranks)
+                ranks = self._hand_down(ranks, segs)
+            if kind in (protocol.CALL, protocol.CALL_STREAM):
+                self._count("calls_total", len(ranks))
+            # a rank reads a call or a shutdown for several ranks as its own: same bytes
+            shared = len(ranks) == 1 or kind in (protocol.CALL, protocol.CALL_STREAM,
+                                                 protocol.SHUTDOWN)
+            same = framing.frame(list(segs)) if shared else None
+            for rank in ranks:
+                target = self._ranks.get(rank)
+                if target is None or target.exitcode is not None:
+                    if self._gathers:
+                        self._rank_gone((rank,))
+                    continue  # its EXITED is on its way (or went)
+                frame = same if same is not None else framing.frame(
+                    [protocol.header(kind, call_id, rank, *extra), *segs[1:]])
+                try:
+                    target.conn.send(frame)
+                except framing.ConnectionLost:
+                    pass  # its death is reported from the status pipe
+        return True
+
+    # -- ranks ------------------------------------------------------------------------
+
+    def _from_rank(self, rank: _Rank) -> None:
+        try:
+            frames = rank.conn.reader.recv_frames(block=False)
+        except framing.ConnectionLost:
+            self._unwatch(rank.conn.read_fd)
+            return
+        for segs in frames:
+            self._up(segs)
+
+    def _queue(self, frame: list[Any]) -> None:
+        """Send ``frame`` with the rest of this pass (relay thread only)."""
+        if self._outbox is None:
+            self._send(frame)
+        else:
+            self._outbox.extend(frame)
+
+    def _flush(self) -> None:
+        outbox, self._outbox = self._outbox, None
+        if outbox:
+            if all(type(s) is bytes for s in outbox):
+                outbox = [b"".join(outbox)]
+            self._send(outbox)
+
+    def _output(self, fd: int, rank: _Rank) -> None:
+        try:
+            data = os.read(fd, _READ)
+        except OSError:
+            data = b""
+        stream = rank.outputs.get(fd, agentwire.STDOUT)
+        if data:
+            self._queue(agentwire.output(rank.rank, stream, data))
+            return
+        self._unwatch(fd)
+        os.close(fd)
+        rank.outputs.pop(fd, None)
+        self._queue(agentwire.output_end(rank.rank, stream))
+
+    def _died(self, rank: _Rank) -> None:
+        code = rank.proc.exitcode(0)
+        if code is None:
+            return  # the status pipe brought the pid
+        if rank.proc.death_fd is not None:
+            self._unwatch(rank.proc.death_fd)
+        self._from_rank(rank)  # what it sent before it ended
+        rank.exitcode = code
+        rank.exit_by = time.monotonic() + config.OUTPUT_WAIT
+        self._dying.append(rank)
+
+    def _report_deaths(self) -> None:
+        now = time.monotonic()
+        for rank in list(self._dying):
+            if rank.outputs and now < rank.exit_by:
+                continue
+            self._dying.remove(rank)
+            for fd in list(rank.outputs):
+                self._unwatch(fd)
+                os.close(fd)
+            rank.outputs.clear()
+            self._forget(rank)
+            failure = {"rank": rank.rank, "node": rank.node, "pid": rank.proc.pid,
+                       "exitcode": rank.exitcode, "stderr_tail": (), "reason": None}
+            if self._gathers:
+                self._rank_gone((rank.rank,))
+            self._queue(agentwire.exited(rank.rank, rank.incarnation, failure))
+
+    # -- requests ---------------------------------------------------------------------
+
+    def _request(self, kind: int, request_id: int, fields: tuple, payload: list[Any]) -> None:
+        if kind == agentwire.PING:
+            return
+        if kind == agentwire.SIGNAL:
+            rank, sig = fields
+            target = self._ranks.get(rank)
+            if target is not None:
+                target.proc.signal_group(sig)
+            return
+        if kind == agentwire.DROP:
+            self._drop(*fields)
+            return
+        handlers = {agentwire.LAUNCH: self._launch, agentwire.STOP: self._stop,
+                    agentwire.STACKS: self._stacks, agentwire.PORTS: self._ports,
+                    agentwire.WAIT: self._wait, agentwire.SYNC: self._sync,
+                    agentwire.BLOBS: self._blobs, agentwire.TREE: self._tree,
+                    agentwire.ADOPT: self._adopt, agentwire.HOLD: self._hold}
+        handler = handlers.get(kind)
+        if handler is None:
+            self._send(agentwire.reply(request_id, False, f"unknown request kind {kind}"))
+            return
+
+        def run() -> None:
+            try:
+                value = handler(*fields, payload=payload)
+            except Exception as exc:  # noqa: BLE001 - the controller gets the error's text
+                self._send(agentwire.reply(request_id, False, f"{type(exc).__name__}: {exc}"))
+            else:
+                self._send(agentwire.reply(request_id, True, value))
+
+        if kind == agentwire.PORTS:
+            run()  # instant
+        else:
+            threading.Thread(target=run, name="phalanx-agent-request", daemon=True).start()
+
+    def _launch(self, starts: list[tuple], sys_path: list[str], options: dict,
+                cwd: str | None, payload: list[Any]) -> list[int]:
+        with self._lock:
+            if self._supervisor is None:
+                self._supervisor = Supervisor()
+            supervisor = self._supervisor
+        started: list[_Rank] = []
+        try:
+            for rank, node_index, incarnation, env in starts:
+                stack_file = StackFile()
+                try:
+                    proc = supervisor.spawn(merge_env(os.environ, env, None, None),
+                                            cwd or self._cwd, stacks_fd=stack_file.fd)
+                except BaseException:
+                    stack_file.close()
+                    raise
+                stream = streams.PipeStream(proc.read_fd, proc.write_fd, blocking_reads=False)
+                conn = framing.Connection(stream, self._writer)
+                started.append(_Rank(rank, node_index, incarnation, proc, conn, stack_file))
+                conn.send(protocol.init_frame(rank, sys_path, options, payload))
+        except BaseException:
+            node.stop_processes([r.proc for r in started], force=True)
+            for r in started:
+                r.conn.close()
+                r.stack_file.close()
+            raise
+        pids = [r.proc.pid or 0 for r in started]  # before the relay reads their pipes
+        with self._lock:
+            for rank in started:
+                self._share_with(rank)
+            self._launched.extend((r.rank, r) for r in started)
+        self._wake.wake()
+        return pids
+
+    def _register_launched(self) -> None:
+        with self._lock:
+            launched, self._launched = self._launched, []
+        for number, rank in launched:
+            previous = self._ranks.get(number)
+            if previous is not None:
+                self._count("restarts_total", 1)
+                self._forget(previous)
+            self._ranks[number] = rank
+            self._count("ranks_alive", 1)
+            rank.counted = True
+            self._watch(rank.conn.read_fd, "control", rank)
+            for fd in rank.outputs:
+                self._watch(fd, "output", rank)
+            if rank.proc.death_fd is not None:
+                self._watch(rank.proc.death_fd, "death", rank)
+
+    def _stop(self, ranks: list[int], grace: float, force: bool, payload: list[Any]) -> None:
+        procs = [r.proc for n, r in list(self._ranks.items()) if n in ranks]
+        node.stop_processes(procs, grace=grace, force=force)
+
+    def _stacks(self, rank: int, timeout: float, payload: list[Any]) -> str:
+        target = self._ranks.get(rank)
+        if target is None or target.proc.pid is None:
+            return "(no stack: the rank is not running on this node)"
+        return target.stack_file.take(target.proc.pid, timeout)
+
+    def _ports(self, count: int, payload: list[Any]) -> list[int]:
+        return pick_free_ports(self.address, count)
+
+    def _code(self) -> codesync.Store:
+        if self._store is None:
+            raise RuntimeError("this agent keeps no shipped code (it was started without a "
+                               "store)")
+        return self._store
+
+    def _sync(self, version: str, listing: list, payload: list[Any]) -> dict[str, Any]:
+        tree = self._code().tree(version)
+        if tree is not None:
+            return {"path": str(tree), "missing": []}
+        return {"path": None, "missing": self._code().missing(listing)}
+
+    def _blobs(self, digests: list[str], payload: list[Any]) -> int:
+        if len(digests) != len(payload):
+            raise ValueError(f"{len(digests)} hashes for {len(payload)} files")
+        for digest, data in zip(digests, payload, strict=True):
+            self._code().put(digest, bytes(data))
+        return len(digests)
+
+    def _tree(self, version: str, listing: list, payload: list[Any]) -> str:
+        return str(self._code().build(version, [tuple(entry) for entry in listing]))
+
+    def _wait(self, ranks: list[int], timeout: float, payload: list[Any]) -> None:
+        node.wait_all_exit([r.proc for n, r in list(self._ranks.items()) if n in ranks],
+                           timeout)
+
+    # -- bookkeeping ------------------------------------------------------------------
+
+    def _send(self, frame: list[Any]) -> None:
+        try:
+            self._conn.send(frame)
+        except framing.ConnectionLost:
+            self._closing = True
+            self._wake.wake()
+            return
+        self._count("sent_bytes_total", sum(memoryview(s).nbytes for s in frame))
+
+    def _watch(self, fd: int, what: str, rank: _Rank | None) -> None:
+        self._by_fd[fd] = (what, rank)
+        self._poller.register(fd, select.POLLIN)
+
+    def _unwatch(self, fd: int) -> None:
+        if self._by_fd.pop(fd, None) is not None:
+            self._poller.unregister(fd)
+
+    def _forget(self, rank: _Rank) -> None:
+        if rank.counted:
+            rank.counted = False
+            self._count("ranks_alive", -1)
+        if rank in self._dying:
+            self._dying.remove(rank)
+        if self._ranks.get(rank.rank) is rank:
+            del self._ranks[rank.rank]
+        self._unwatch(rank.conn.read_fd)
+        if rank.proc.death_fd is not None:
+            self._unwatch(rank.proc.death_fd)
+        for fd in list(rank.outputs):
+            self._unwatch(fd)
+            os.close(fd)
+        rank.outputs.clear()
+        rank.conn.close()
+        rank.proc.release()
+        rank.stack_file.close()
+
+    def close(self) -> None:
+        """End the session from outside (the agent is stopping)."""
+        self._closing = True
+        self._wake.wake()
+
+    def _end(self) -> None:
+        """The controller is gone: stop every rank and everything they started."""
+        ranks = list(self._ranks.values())
+        if ranks:
+            logger.warning("stopping %d rank(s) of a controller that went away: %s",
+                           len(ranks), self.reason or "the session ended")
+        node.stop_processes([r.proc for r in ranks], force=True)
+        for rank in ranks:
+            self._forget(rank)
+        if self._supervisor is not None:
+            self._supervisor.close()
+        self._end_holding()
+        for child in self._children + self._adopted:  # they stop their ranks in turn
+            child.conn.close()
+        self._conn.close()
+        self._writer.stop()
+        self._wake.close()
+        self.ended.set()

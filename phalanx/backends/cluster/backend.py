@@ -1,0 +1,520 @@
+"""The cluster backend: ranks run on nodes (hosts, Kubernetes pods) served by ``phalanx agent``.
+
+``ClusterBackend(hosts=["10.0.0.5:32300", ...], token=...)`` connects to every listed
+agent, proving the shared token both ways (:mod:`phalanx.wire.handshake`), and waits until
+``quorum`` of them (default: all) have answered -- past ``quorum_timeout`` it raises
+:class:`~phalanx.errors.QuorumTimeout` naming who answered and who did not, and never goes
+on with fewer. Node ``i`` of the group is the ``i``-th agent that answered, in the order
+the hosts were listed.
+
+One connection per node (an :class:`AgentLink`) carries every rank of that node: a call
+whose payload is the same for several of them crosses it once (``rank = MANY``; the agent
+hands it to each), and their replies, output and deaths come back over it
+(:mod:`phalanx.backends.cluster.messages`). Each rank still has a channel of its own
+(:class:`AgentRankChannel`), so the group sees them exactly as local ranks. A node lost --
+its agent killed, its connection cut, or silent past ``heartbeat_timeout`` -- fails every
+call pending on its ranks at once, naming the node and the agent.
+
+From ``tree_threshold`` agents on, the controller connects to at most ``fanout`` of them
+and the agents form a tree below those (:mod:`phalanx.backends.cluster.tree`). Nodes lost, and with
+``dns=`` nodes leaving or joining the name, are membership changes
+(:mod:`phalanx.backends.cluster.members`): the group hears of them before anything fails.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import ssl
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from phalanx import config
+from phalanx.backends.base import Backend, Boot, Channel, Node, RankStart
+from phalanx.backends.cluster import codesync
+from phalanx.backends.cluster import dns as dnsquery
+from phalanx.backends.cluster import messages as agentwire
+from phalanx.backends.cluster import tree as agenttree
+from phalanx.backends.cluster.link import (
+    CONNECT_RETRY,
+    REQUEST_TIMEOUT,
+    AgentLink,
+    AgentNode,
+    AgentRankChannel,
+    parse_host,
+)
+from phalanx.backends.cluster.members import Members
+from phalanx.errors import AuthenticationError, PhalanxError, QuorumTimeout
+from phalanx.output.logs import LogPump, OutputOptions
+from phalanx.wire import framing
+from phalanx.world.frameworks import Layout
+
+logger = logging.getLogger(__name__)
+
+
+class ClusterBackend(Backend):
+    """Ranks on nodes served by ``phalanx agent`` (see the module's docstring).
+
+    ``hosts``: ``"host:port"`` of each agent; or ``dns``: a name whose A/AAAA records are
+    the agents (a Kubernetes headless Service), all on ``port``, resolved by the system or
+    by ``nameserver="host:port"``, and waited for until ``quorum`` of them (default: one)
+    are listed. ``token`` (or ``token_file``, or ``$PHALANX_TOKEN``): the shared secret the
+    agents were started with. ``quorum``: how many agents must answer before the group
+    starts (default: all listed); ``quorum_timeout``: how long to wait for them.
+    ``heartbeat_timeout``: a node silent this long is lost. ``max_frame``: the largest frame
+    accepted from an agent. ``tls``: True, a CA file or an ``ssl.SSLContext``. ``sync``: a
+    directory shipped to every node before ranks start (``group.reload()`` re-ships it).
+    ``dns_interval``: how often the name is resolved again while the group lives (None:
+    never). ``tree_threshold``: from this many agents on they form a tree, each with at
+    most ``fanout`` children, and the controller holds at most ``fanout`` connections.
+    """
+
+    name = "cluster"
+    can_share = True
+    shared_links = True
+
+    def __init__(self, hosts: Sequence[str] | None = None, token: str | bytes | None = None,
+                 *, dns: str | None = None, port: int = config.AGENT_PORT,
+                 nameserver: str | None = None,
+                 token_file: str | None = None, quorum: int | None = None,
+                 quorum_timeout: float = 300.0,
+                 heartbeat_timeout: float = config.DEFAULT_HEARTBEAT_TIMEOUT,
+                 max_frame: int = 1 << 30, tls: bool | str | ssl.SSLContext | None = None,
+                 sync: str | os.PathLike[str] | None = None,
+                 dns_interval: float | None = 5.0, tree_threshold: int = 100,
+                 fanout: int = 50) -> None:
+        if (hosts is None) == (dns is None):
+            raise ValueError("give the agents as hosts=['host:port', ...] or dns='name' "
+                             "(one of the two)")
+        self.dns, self.port, self.nameserver = dns, port, nameserver
+        self.hosts: list[str] = []
+        if dns is not None:
+            dnsquery.build_query(dns, dnsquery.A, 0)  # a ValueError for a malformed name
+            parse_host(f"agents:{port}")  # a ValueError naming a bad port
+            if nameserver is not None:
+                parse_host(nameserver)
+        elif isinstance(hosts, str) or not hosts:
+            raise ValueError(f"hosts must be a non-empty list of 'host:port', got {hosts!r}")
+        else:
+            self.hosts = [f"{h}:{p}" for h, p in map(parse_host, hosts)]
+            if len(set(self.hosts)) != len(self.hosts):
+                raise ValueError(f"hosts lists an agent twice: {self.hosts}")
+        if token is not None and token_file is not None:
+            raise ValueError("give token or token_file, not both")
+        from phalanx.backends.cluster.agent.daemon import MIN_TOKEN, TOKEN_ENV, read_token
+
+        self.token = token
+        self.token_file = token_file
+        if token is not None:
+            secret = (token.encode() if isinstance(token, str) else bytes(token)).strip()
+            if len(secret) < MIN_TOKEN:
+                raise ValueError(f"token= holds {len(secret)} bytes; the agents' token has "
+                                 f"at least {MIN_TOKEN}")
+            self._secret = secret
+        elif token_file is not None or os.environ.get(TOKEN_ENV):
+            self._secret = read_token(token_file)
+        else:
+            raise ValueError(f"ClusterBackend needs the agents' token: token=..., "
+                             f"token_file=... or ${TOKEN_ENV}")
+        most = len(self.hosts) if dns is None else 1 << 20
+        if quorum is not None and not (isinstance(quorum, int) and 1 <= quorum <= most):
+            raise ValueError(f"quorum must be an integer in 1..{len(self.hosts)}, got "
+                             f"{quorum!r}" if dns is None else
+                             f"quorum must be a positive integer, got {quorum!r}")
+        self.quorum = quorum
+        if not quorum_timeout > 0:
+            raise ValueError(f"quorum_timeout must be > 0 seconds, got {quorum_timeout!r}")
+        self.quorum_timeout = quorum_timeout
+        if not (isinstance(heartbeat_timeout, (int, float)) and heartbeat_timeout >= 2):
+            raise ValueError(f"heartbeat_timeout must be at least 2 seconds (agents send a "
+                             f"sign of life every second), got {heartbeat_timeout!r}")
+        self.heartbeat_timeout = heartbeat_timeout
+        self.max_frame = max_frame
+        self.tls = tls
+        self._tls = _tls_context(tls)
+        if sync is not None and not os.path.isdir(sync):
+            raise ValueError(f"sync={os.fspath(sync)!r} is not a directory")
+        self.sync = sync
+        if dns_interval is not None and not (isinstance(dns_interval, (int, float))
+                                             and dns_interval > 0):
+            raise ValueError(f"dns_interval must be > 0 seconds (or None: never), got "
+                             f"{dns_interval!r}")
+        self.dns_interval = dns_interval
+        for name, value, least in (("tree_threshold", tree_threshold, 1),
+                                   ("fanout", fanout, 2)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+        self.tree_threshold, self.fanout = tree_threshold, fanout
+        self.code_version: str | None = None  # of the code the nodes run (with sync)
+        self._links: list[AgentLink] = []  # the controller's connections
+        self._agents: list[AgentNode] = []  # every node, in the group's order
+        self._in_use: int | None = None  # how many of them the group runs on
+        self.members = Members(self)
+        self._incarnations = itertools.count(1)
+        self._stopping = threading.Event()
+
+    def __repr__(self) -> str:
+        parts = [repr(self.hosts)] if self.dns is None else [
+            f"dns={self.dns!r}", f"port={self.port}"] + (
+            [f"nameserver={self.nameserver!r}"] if self.nameserver else [])
+        if self.token is not None:
+            parts.append("token=<hidden>")
+        elif self.token_file is not None:
+            parts.append(f"token_file={self.token_file!r}")
+        if self.quorum is not None:
+            parts.append(f"quorum={self.quorum}")
+        return f"px.ClusterBackend({', '.join(parts)})"
+
+    def __str__(self) -> str:
+        return self.name
+
+    def settings(self) -> dict[str, Any]:
+        where = ({"hosts": list(self.hosts)} if self.dns is None else
+                 {"dns": self.dns, "port": self.port, "nameserver": self.nameserver})
+        return {**where, "token": self.token, "token_file": self.token_file,
+                "quorum": self.quorum, "quorum_timeout": self.quorum_timeout,
+                "heartbeat_timeout": self.heartbeat_timeout, "max_frame": self.max_frame,
+                "tls": self.tls, "sync": self.sync, "dns_interval": self.dns_interval,
+                "tree_threshold": self.tree_threshold, "fanout": self.fanout}
+
+    # -- connecting -------------------------------------------------------------------
+
+    def _open(self, output: OutputOptions) -> None:
+        self._writer = framing.BacklogWriter("phalanx-cluster-writer")
+        self._logs = LogPump(output)
+        try:
+            deadline = time.monotonic() + self.quorum_timeout
+            if self.dns is not None:
+                self.hosts = self._resolve_quorum(deadline)
+            if len(self.hosts) >= self.tree_threshold:
+                self._agents = self._form_tree(deadline)
+            else:
+                self._agents = [self.members.node_of(joined)
+                                for joined in self._connect_quorum(deadline)]
+        except BaseException:
+            self.close()
+            raise
+        machine = _machine()
+        for index, agent in enumerate(self._agents):
+            agent.index = index
+            agent.same_host = agent.welcome.get("machine") == machine
+        if self.sync is not None:
+            try:
+                self.reload_code()
+            except BaseException:
+                self.close()
+                raise
+        threading.Thread(target=self._heartbeats, name="phalanx-cluster-heartbeat",
+                         daemon=True).start()
+        self.members.start()
+
+    def _resolve_quorum(self, deadline: float) -> list[str]:
+        """The agents the DNS name lists, once at least ``quorum`` of them (default: one)
+        do; QuorumTimeout naming the name and what it resolved to otherwise."""
+        wanted = self.quorum or 1
+        found: list[str] = []
+        problem = "no address"
+        while True:
+            try:
+                found = dnsquery.resolve(self.dns, self.nameserver)  # type: ignore[arg-type]
+                problem = f"{len(found)} address(es): {', '.join(found) or 'none'}"
+            except dnsquery.DNSError as exc:
+                problem = str(exc)
+            if len(found) >= wanted or time.monotonic() >= deadline:
+                break
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+        if len(found) < wanted:
+            raise QuorumTimeout(wanted, [], {f"{self.dns} (DNS)": problem}, self.quorum_timeout)
+        return [f"[{a}]:{self.port}" if ":" in a else f"{a}:{self.port}" for a in found]
+
+    def _connect_quorum(self, deadline: float) -> list[agenttree.Joined]:
+        wanted = self.quorum or len(self.hosts)
+        answered: dict[int, agenttree.Joined] = {}
+        errors: dict[int, str] = {}
+        failure: list[BaseException] = []
+        done = threading.Condition()
+
+        def connect(index: int) -> None:
+            host, port = parse_host(self.hosts[index])
+            while not self._stopping.is_set():
+                try:
+                    result = self._connect_one(
+                        host, port, min(config.CONNECT_TIMEOUT, deadline - time.monotonic()))
+                except AuthenticationError as exc:
+                    with done:
+                        failure.append(AuthenticationError(f"agent {host}:{port}: {exc}"))
+                        done.notify_all()
+                    return
+                except OSError as exc:
+                    with done:
+                        errors[index] = str(exc)
+                    if time.monotonic() + CONNECT_RETRY >= deadline:
+                        return
+                    time.sleep(CONNECT_RETRY)
+                    continue
+                with done:
+                    if len(answered) >= wanted:  # the quorum was reached without it
+                        result.close()
+                    else:
+                        answered[index] = result
+                    done.notify_all()
+                return
+
+        threads = [threading.Thread(target=connect, args=(i,), daemon=True,
+                                    name="phalanx-cluster-connect")
+                   for i in range(len(self.hosts))]
+        for thread in threads:
+            thread.start()
+        with done:
+            while len(answered) < wanted and not failure:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                done.wait(remaining)
+            enough = len(answered) >= wanted
+            self._stopping.set()  # the others stop trying
+        for thread in threads:
+            thread.join(config.CONNECT_TIMEOUT + 1)
+        self._stopping.clear()
+        if failure or not enough:
+            for joined in answered.values():
+                joined.close()
+            if failure:
+                raise failure[0]
+            names = [self.hosts[i] for i in sorted(answered)]
+            missing = {self.hosts[i]: errors.get(i, "no answer") for i in
+                       range(len(self.hosts)) if i not in answered}
+            raise QuorumTimeout(wanted, names, missing, self.quorum_timeout)
+        return [answered[i] for i in sorted(answered)]
+
+    def _form_tree(self, deadline: float) -> list[AgentNode]:
+        """The agents as a tree below at most ``fanout`` of them; its nodes in order."""
+        if self._tls is not None:
+            raise ValueError(f"{len(self.hosts)} agents would form a tree (tree_threshold="
+                             f"{self.tree_threshold}), which does not use TLS yet: raise "
+                             f"tree_threshold to connect to each agent over TLS")
+        wanted = self.quorum or len(self.hosts)
+        entries = [(i + 1, *parse_host(h)) for i, h in enumerate(self.hosts)]
+        while True:
+            formation = agenttree.form(entries, self.fanout, self._connect_one, deadline)
+            if formation.refused:
+                formation.close()
+                raise formation.refused[0]
+            if len(formation.nodes) >= wanted:
+                break
+            formation.close()
+            if time.monotonic() + CONNECT_RETRY >= deadline:
+                raise QuorumTimeout(wanted, [formation.nodes[i][0] for i in sorted(
+                    formation.nodes)], dict(formation.missing.values()), self.quorum_timeout)
+            time.sleep(CONNECT_RETRY)
+        nodes = [self.members.tree_of(head, formation.nodes) for head in formation.heads]
+        self.members.next_id = len(entries) + 1
+        return sorted((n for tree in nodes for n in tree), key=lambda n: n.tree_id)
+
+    def _connect_one(self, host: str, port: int, timeout: float) -> agenttree.Joined:
+        return agenttree.connect_agent(host, port, self._secret, self._tls, timeout)
+
+    def _heartbeats(self) -> None:
+        interval = max(0.05, min(5.0, self.heartbeat_timeout / 5))
+        while not self._stopping.wait(interval):
+            now = time.monotonic()
+            for link in list(self._links):
+                if link.lost_reason is not None:
+                    continue
+                if now - link.heard > self.heartbeat_timeout:
+                    link.lose(f"it was silent for {now - link.heard:.0f} s")
+                else:
+                    link.send(agentwire.ping())
+
+    # -- nodes ------------------------------------------------------------------------
+
+    def _reserve(self, layout: Layout, *, gpus_per_worker: int, timeout: float) -> list[Node]:
+        self._agents = self.members.current(self._in_use)  # lost out, admitted ones in
+        self._in_use = layout.nodes
+        if layout.nodes > len(self._agents):
+            raise ValueError(f"nodes={layout.nodes} but {len(self._agents)} agents answered "
+                             f"({', '.join(a.name for a in self._agents) or 'none'})")
+        if self.sync is not None and self.code_version is not None and any(
+                a.code_path is None for a in self._agents[:layout.nodes]):
+            self.reload_code()  # nodes admitted since: every node gets the code as it is now
+        return [Node(index=n, address=agent.welcome.get("address") or agent.host,
+                     ranks=layout.counts[n], gpus=tuple(agent.welcome.get("gpus") or ()),
+                     same_host=agent.same_host)
+                for n, agent in enumerate(self._agents[:layout.nodes])]
+
+    def available_nodes(self) -> int:
+        return self.members.available(self._in_use or len(self._agents))
+
+    def connection_count(self) -> int:
+        """How many agents this backend holds a connection to now (a group runs on a copy
+        of the backend it is given: ``group._backend``)."""
+        return sum(1 for link in self._links if link.lost_reason is None)
+
+    def ports(self, node: Node, count: int) -> list[int]:
+        return list(self._agents[node.index].request(agentwire.PORTS, count))
+
+    def _launch(
+        self, node: Node, ranks: list[RankStart], boot: Boot, channels: list[Channel]
+    ) -> None:
+        agent = self._agents[node.index]
+        starts = []
+        for start in ranks:
+            channel = AgentRankChannel(agent, start, next(self._incarnations), self._logs)
+            channels.append(channel)
+            starts.append((start.rank, start.node, channel.incarnation, dict(start.env)))
+        for channel in channels:
+            agent.link.adopt(channel)  # type: ignore[arg-type]
+        same, code = node.same_host, agent.code_path
+        if code is not None:  # the shipped code first, and the ranks run in it
+            for start in starts:
+                start[3][codesync.ENV_VERSION] = self.code_version
+        sys_path = ([code] if code else []) + (list(boot.sys_path) if same else [])
+        cwd = code or ((boot.cwd or os.getcwd()) if same else None)
+        pids = agent.request(agentwire.LAUNCH, starts, sys_path, dict(boot.options), cwd,
+                            payload=boot.payload)
+        for channel, pid in zip(channels, pids, strict=False):
+            channel.pid = pid or None  # type: ignore[attr-defined]
+
+    def reload_code(self) -> str | None:
+        """Ship the ``sync`` directory to every node (only the files a node lacks); the
+        code's version, or None without ``sync``. Ranks started from now on run it."""
+        if self.sync is None:
+            return None
+        version, listing = codesync.scan(self.sync)
+        self._ship_all([a for a in self._agents if a.lost_reason is None], version, listing)
+        self.code_version = version
+        return version
+
+    def _ship_all(self, agents: list[AgentNode], version: str,
+                  listing: list[codesync.Entry]) -> None:
+        def ship(agent: AgentNode) -> None:
+            agent.code_path = _ship(agent, self.sync, version, listing)
+
+        _on_each(agents, ship, "phalanx-cluster-sync")
+
+    # -- shared objects ---------------------------------------------------------------
+
+    def share(self, obj: Any, channels: Sequence[Channel]) -> None:
+        """Each node's agent gets the object once (HOLD) and tells its ranks, those it
+        starts later included; the controller keeps the bytes for nodes admitted later."""
+        agents = [a for a in _by_agent(channels) if obj.id not in a.holding]
+
+        def hold(agent: AgentNode) -> None:
+            try:
+                agent.request(agentwire.HOLD, obj.id, obj.token, obj.tensors,
+                              payload=obj.segments)
+            except PhalanxError as exc:
+                raise PhalanxError(f"{agent.where} could not hold {obj.label} "
+                                   f"({obj.nbytes} bytes): {exc}") from None
+            agent.holding.add(obj.id)
+
+        if obj.segments is not None:
+            _on_each(agents, hold, "phalanx-cluster-hold")
+
+    def unshare(self, obj: Any, channels: Sequence[Channel]) -> None:
+        for agent in list(self._agents):
+            if obj.id in agent.holding and agent.lost_reason is None:
+                agent.holding.discard(obj.id)
+                agent.link.send(agentwire.request(agentwire.DROP, 0, obj.id,
+                                                  node=agent.tree_id))
+
+    def _stop(self, channels: list[Channel], *, grace: float, force: bool) -> None:
+        for agent, ranks in _by_agent(channels).items():
+            try:
+                agent.request(agentwire.STOP, ranks, grace, force,
+                             timeout=grace + config.CLEANUP_WAIT + REQUEST_TIMEOUT)
+            except PhalanxError as exc:
+                logger.debug("stopping ranks %s: %s", ranks, exc)
+
+    def wait_exited(self, channels: Sequence[Channel], timeout: float) -> None:
+        for agent, ranks in _by_agent(channels).items():
+            try:
+                agent.request(agentwire.WAIT, ranks, timeout, timeout=timeout + REQUEST_TIMEOUT)
+            except PhalanxError:
+                pass
+
+    def close(self) -> None:
+        self._stopping.set()
+        self.members.stop()
+        for link in self._links:
+            link.close()
+        if self.opened:
+            self._logs.stop()
+            self._writer.stop()
+
+
+SHIP_CHUNK = 64 << 20  # bytes of files per BLOBS request
+
+
+def _ship(agent: AgentNode, root: Any, version: str, listing: list[codesync.Entry]) -> str:
+    """The path of ``version`` on ``agent``'s node, sending the files it lacks first."""
+    answer = agent.request(agentwire.SYNC, version, listing)
+    if answer["path"] is not None:
+        return answer["path"]
+    batch: list[tuple[str, bytes]] = []
+    size = 0
+    for digest, data in [*codesync.read_blobs(root, listing, answer["missing"]), ("", b"")]:
+        if (size + len(data) > SHIP_CHUNK or not digest) and batch:
+            agent.request(agentwire.BLOBS, [d for d, _ in batch],
+                         payload=[b for _, b in batch], timeout=REQUEST_TIMEOUT * 5)
+            batch, size = [], 0
+        if digest:
+            batch.append((digest, data))
+            size += len(data)
+    return agent.request(agentwire.TREE, version, listing, timeout=REQUEST_TIMEOUT * 5)
+
+
+def _tls_context(tls: bool | str | ssl.SSLContext | None) -> ssl.SSLContext | None:
+    """``tls``: None/False (plain TCP), True (the system's CAs), a CA file, or a context."""
+    if tls is None or tls is False:
+        return None
+    if isinstance(tls, ssl.SSLContext):
+        return tls
+    if tls is True:
+        return ssl.create_default_context()
+    if isinstance(tls, (str, os.PathLike)):
+        try:
+            return ssl.create_default_context(cafile=os.fspath(tls))
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"tls={tls!r}: cannot load the CA certificates: {exc}") from None
+    raise TypeError(f"tls must be True, a CA file or an ssl.SSLContext, got {tls!r}")
+
+
+def _on_each(agents: list[AgentNode], task: Callable[[AgentNode], None], name: str) -> None:
+    """``task(agent)`` for every agent at once, on threads; the first error is raised."""
+    errors: list[BaseException] = []
+
+    def run(agent: AgentNode) -> None:
+        try:
+            task(agent)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, naming the node
+            errors.append(exc)
+
+    if len(agents) == 1:
+        run(agents[0])
+    else:
+        threads = [threading.Thread(target=run, args=(agent,), daemon=True, name=name)
+                   for agent in agents]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    if errors:
+        raise errors[0]
+
+
+def _by_agent(channels: Sequence[Channel]) -> dict[AgentNode, list[int]]:
+    groups: dict[AgentNode, list[int]] = {}
+    for channel in channels:
+        if isinstance(channel, AgentRankChannel):
+            groups.setdefault(channel.agent, []).append(channel.rank)
+    return groups
+
+
+def _machine() -> str:
+    from phalanx.backends.cluster.agent.daemon import machine_id
+
+    return machine_id()

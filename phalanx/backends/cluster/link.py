@@ -1,0 +1,476 @@
+"""A node's connection to its agent, and the channels of the ranks it carries.
+
+Part of the cluster backend (:mod:`phalanx.backends.cluster.backend`): :class:`AgentLink` is one
+connection to an agent (requests, answers, and every rank's events), :class:`AgentNode` a
+node reached through it -- the agent itself, or in a tree (:mod:`phalanx.backends.cluster.tree`) any
+node of its subtree -- and :class:`AgentRankChannel` the channel the group sees for each
+rank.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import select
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from phalanx import config
+from phalanx.backends.base import Channel, EventSink, RankStart
+from phalanx.backends.cluster import messages as agentwire
+from phalanx.errors import PhalanxError, ProcessFailure
+from phalanx.output.logs import LogPump, OutputTap
+from phalanx.wire import framing, protocol, streams
+
+logger = logging.getLogger(__name__)
+
+_RESULT_HEAD = struct.Struct("<BQI").pack  # protocol's header of a RESULT
+REQUEST_TIMEOUT = 60.0  # seconds for an agent to answer a request that does not wait
+CONNECT_RETRY = 0.5  # seconds between attempts to reach an agent that is not up yet
+
+
+def parse_host(entry: str) -> tuple[str, int]:
+    """``"host:port"`` (or ``"[v6]:port"``) -> ``(host, port)``; ValueError naming it."""
+    host, sep, port = str(entry).rpartition(":")
+    host = host.strip("[]")
+    try:
+        number = int(port)
+    except ValueError:
+        number = 0
+    if not sep or not host or not 0 < number < 65536:
+        raise ValueError(f"hosts entries must be 'host:port', got {entry!r}")
+    return host, number
+
+
+class AgentNode:
+    """A node of the cluster as the controller knows it: reached through ``link`` (its
+    own connection, or its top agent's in a tree), named ``tree_id`` there (0: the agent
+    the link reaches)."""
+
+    def __init__(self, link: AgentLink, tree_id: int, host: str, port: int,
+                 welcome: dict[str, Any]) -> None:
+        self.link, self.tree_id = link, tree_id
+        self.host, self.port, self.welcome = host, port, welcome
+        self.index = -1  # the group's node index, once reserved
+        self.same_host = False  # on the controller's machine
+        self.code_path: str | None = None  # the shipped code there (sync)
+        self.holding: set[int] = set()  # the put objects its agent holds (controller.shared)
+        self.lost_reason: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def where(self) -> str:
+        return (f"node {self.index} (agent at {self.name})" if self.index >= 0 else
+                f"the agent at {self.name}")
+
+    def request(self, kind: int, *fields: Any, payload: Sequence[Any] = (),
+                timeout: float = REQUEST_TIMEOUT) -> Any:
+        """Ask this node's agent and wait for its answer; PhalanxError when it fails or the
+        node is lost."""
+        return self.link.request(kind, *fields, payload=payload, timeout=timeout, target=self)
+
+    def __repr__(self) -> str:
+        return f"<AgentNode {self.where}{' lost' if self.lost_reason else ''}>"
+
+
+class AgentRankChannel(Channel):
+    """One rank on an agent's node: its messages travel on the node's :class:`AgentLink`."""
+
+    def __init__(self, agent: AgentNode, start: RankStart, incarnation: int,
+                 logs: LogPump) -> None:
+        self.rank = start.rank
+        self.ranks = (start.rank,)
+        self.node = start.node
+        self.agent = agent
+        self.link = agent.link
+        self.incarnation = incarnation
+        self.pid: int | None = None
+        self._exitcode: int | None = None
+        self._reason: str | None = None
+        self._sink: EventSink | None = None
+        self._early: list[list[Any]] = []
+        self._lock = threading.Lock()
+        self._buried = self._closed = False
+        out_r, self._out_w = os.pipe()
+        err_r, self._err_w = os.pipe()
+        self._writers = {agentwire.STDOUT: self._out_w, agentwire.STDERR: self._err_w}
+        self._tap: OutputTap = logs.attach(start.rank, out_r, err_r)
+
+    # -- from the link's reader thread ------------------------------------------------
+
+    def deliver(self, events: list[list[Any]]) -> None:
+        sink = self.sink_for(events)
+        if sink is not None:
+            sink.post(self, events)
+
+    def sink_for(self, events: list[list[Any]]) -> EventSink | None:
+        """The sink to post ``events`` to; None if they were kept until :meth:`attach`."""
+        with self._lock:
+            if self._sink is None:
+                self._early.extend(events)
+            return self._sink
+
+    def output(self, stream: int, data: bytes | None) -> None:
+        """Bytes the rank wrote (None: that stream ended), into the local output pump."""
+        with self._lock:
+            fd = self._writers.get(stream)
+            if fd is None:
+                return
+            if data is None:
+                del self._writers[stream]
+        if data is None:
+            os.close(fd)
+            return
+        try:
+            os.write(fd, data)
+        except OSError:  # the pump stopped reading: the group is closing
+            pass
+
+    def exited(self, failure: dict[str, Any] | None, reason: str | None = None) -> None:
+        """The agent reported the rank's end, or (``failure`` None) its node was lost."""
+        with self._lock:
+            if self._buried:
+                return
+            self._buried = True
+            if failure is not None:
+                self.pid = failure.get("pid") or self.pid
+                self._exitcode = failure.get("exitcode")
+            self._reason = reason
+        threading.Thread(target=self._bury, name=f"phalanx-bury-{self.rank}",
+                         daemon=True).start()
+
+    def _bury(self) -> None:
+        if self._reason is not None:  # no more output will come: end the streams here
+            for stream in list(self._writers):
+                self.output(stream, None)
+        self._tap.wait_closed(config.OUTPUT_WAIT)
+        event = protocol.exited_message(self.rank, self.exit_record(self.rank).as_dict())
+        self.deliver([event])
+
+    # -- the group's side -------------------------------------------------------------
+
+    def attach(self, sink: EventSink) -> None:
+        self.link.watch_with(sink)
+        with self._lock:
+            self._sink = sink
+            early, self._early = self._early, []
+        if early:
+            sink.post(self, early)
+
+    def receive(self, fd: int) -> list[list[Any]]:
+        return []  # never watched: the link posts this rank's events
+
+    def send(self, frame: list[Any]) -> None:
+        self.link.send(frame)
+
+    def signal(self, rank: int, sig: int) -> None:
+        self.link.send(agentwire.request(agentwire.SIGNAL, 0, self.rank, int(sig),
+                                         node=self.agent.tree_id))
+
+    def stacks(self, rank: int, timeout: float) -> str:
+        try:
+            return self.agent.request(agentwire.STACKS, self.rank, timeout,
+                                      timeout=timeout + REQUEST_TIMEOUT)
+        except PhalanxError as exc:
+            return f"(no stack: {exc})"
+
+    def exit_record(self, rank: int) -> ProcessFailure:
+        return ProcessFailure(self.rank, self.node, self.pid, self._exitcode,
+                              self._tap.stderr_tail(), self._reason)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = self._buried = True
+            writers, self._writers = list(self._writers.values()), {}
+        for fd in writers:
+            os.close(fd)
+        self.link.forget(self)
+
+
+class AgentLink(Channel):
+    """A connection to an agent: requests, and the events of the ranks of every node it
+    reaches (the agent's own; in a tree, those of its whole subtree too).
+
+    Until the group attaches the first of its ranks, a thread of the link reads it (the
+    answers to the first requests); from then on the group's dispatcher watches its socket
+    like any channel's and the link hands each rank's events to that rank's channel, with
+    no thread in between. A request then waits through the dispatcher (``sink.wait``).
+    """
+
+    ranks: tuple[int, ...] = ()
+
+    def __init__(self, joined: Any, writer: framing.BacklogWriter, max_frame: int,
+                 on_lost: Callable[[list[AgentNode], str], None] | None = None) -> None:
+        self.host, self.port = joined.host, joined.port
+        self.node = 0
+        self.where = f"the agent at {self.host}:{self.port}"
+        self._conn = joined.connection(writer)
+        self._conn.reader.limit = max_frame
+        self.nodes: dict[int, AgentNode] = {}  # tree id -> the nodes reached through it
+        self._on_lost = on_lost  # told first when nodes are lost (membership)
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._replies: dict[int, list[Any]] = {}  # request id -> [Event, ok, value, node]
+        self._channels: dict[int, AgentRankChannel] = {}  # rank -> its current channel
+        self.lost_reason: str | None = None
+        self.heard = time.monotonic()
+        self._sink: EventSink | None = None  # once the dispatcher watches the socket
+        self._handing_over = False
+        self._wake = streams.WakePipe()
+        self._reader = threading.Thread(target=self._read, name=f"phalanx-agent-{self.host}",
+                                        daemon=True)
+        self._reader.start()
+
+    # -- sending ----------------------------------------------------------------------
+
+    def send(self, frame: list[Any]) -> None:
+        try:
+            self._conn.send(frame)
+        except framing.ConnectionLost as exc:
+            self.lose(f"its connection failed ({exc})")
+
+    def request(self, kind: int, *fields: Any, payload: Sequence[Any] = (),
+                timeout: float = REQUEST_TIMEOUT, target: AgentNode | None = None) -> Any:
+        """Ask ``target``'s agent (default: this link's) and wait for its answer;
+        PhalanxError when it fails or the node is lost."""
+        request_id = next(self._ids)
+        waiter = [threading.Event(), False, None, target]
+        where = self.where if target is None else target.where
+        with self._lock:
+            lost = self.lost_reason if target is None else target.lost_reason
+            if lost is not None:
+                raise PhalanxError(f"lost {where}: {lost}")
+            self._replies[request_id] = waiter
+            sink = self._sink
+        self.send(agentwire.request(kind, request_id, *fields, payload=payload,
+                                    node=0 if target is None else target.tree_id))
+        answered = waiter[0].is_set
+        done = (sink.wait(answered, timeout) or answered()) if sink is not None else (
+            waiter[0].wait(timeout))
+        if not done:
+            with self._lock:
+                self._replies.pop(request_id, None)
+            raise PhalanxError(f"{where} did not answer within {timeout:g} s")
+        if not waiter[1]:
+            raise PhalanxError(f"{where}: {waiter[2]}")
+        return waiter[2]
+
+    # -- receiving --------------------------------------------------------------------
+
+    def _read(self) -> None:
+        """The reading thread, until the dispatcher takes the socket over."""
+        poller = select.poll()
+        poller.register(self._conn.read_fd, select.POLLIN)
+        poller.register(self._wake.fd, select.POLLIN)
+        reader = self._conn.reader
+        try:
+            while not self._handing_over:
+                ready = [fd for fd, _ in poller.poll()]
+                if self._handing_over:
+                    return
+                if self._conn.read_fd not in ready:
+                    self._wake.drain()
+                    continue
+                frames = reader.recv_frames(block=False)
+                self.heard = time.monotonic()
+                self._route(frames, None)
+        except framing.FrameTooLarge as exc:
+            self.lose(f"it sent {exc}")
+        except framing.ConnectionLost as exc:
+            self.lose(f"its connection ended ({exc})")
+        except Exception as exc:  # a bug: the node is unusable, say so
+            logger.exception("reading from %s failed", self.where)
+            self.lose(f"reading from it failed: {type(exc).__name__}: {exc}")
+
+    def watch_with(self, sink: EventSink) -> None:
+        """Hand the socket to ``sink`` (the group's dispatcher): it reads from now on."""
+        with self._lock:
+            if self._sink is not None or self.lost_reason is not None:
+                return
+            self._handing_over = True
+        self._wake.wake()
+        self._reader.join()
+        with self._lock:
+            if self.lost_reason is not None:
+                return
+            self._sink = sink
+        sink.watch(self._conn.read_fd, self)
+
+    def attach(self, sink: EventSink) -> None:
+        self.watch_with(sink)
+
+    def receive(self, fd: int) -> list[list[Any]]:
+        """The dispatcher's read (its thread): each rank's events go to its channel."""
+        try:
+            frames = self._conn.reader.recv_frames(block=False)
+        except framing.FrameTooLarge as exc:
+            self.lose(f"it sent {exc}")
+            return []
+        except framing.ConnectionLost as exc:
+            self.lose(f"its connection ended ({exc})")
+            return []
+        if frames:
+            self.heard = time.monotonic()
+            self._route(frames, self._sink)
+        return []
+
+    def _route(self, frames: list[list[Any]], pumping: EventSink | None) -> None:
+        """Sort a read: answers, output and deaths here; rank events to their channels,
+        delivered at once when ``pumping`` (the dispatcher's own thread), else posted."""
+        batches: dict[AgentRankChannel, list[list[Any]]] = {}
+        for segs in frames:
+            kind, call_id, rank = protocol.unpack_head(segs[0])
+            if kind == protocol.RESULT or kind == protocol.YIELD or kind == protocol.HEARTBEAT:
+                channel = self._channels.get(rank)
+                if channel is not None:
+                    batches.setdefault(channel, []).append(segs)
+                continue
+            _, _, ranks, extra = protocol.parse(segs[0])
+            if kind == agentwire.RESULTS:  # a subtree's results, gathered (a tree)
+                self._results(call_id, ranks, extra[0], segs, pumping, batches)
+            elif kind == agentwire.REPLY:
+                self._answer(call_id, *extra)
+            elif kind == agentwire.OUTPUT or kind == agentwire.OUTPUT_END:
+                channel = self._channels.get(rank)
+                if channel is not None:
+                    data = bytes(segs[1]) if kind == agentwire.OUTPUT else None
+                    channel.output(extra[0], data)
+            elif kind == protocol.EXITED:
+                channel = self._channels.get(rank)
+                if channel is not None and channel.incarnation == call_id:
+                    channel.exited(extra[0])
+            elif kind == agentwire.PING or kind == agentwire.WELCOME:
+                pass
+            elif kind == agentwire.LOST:
+                ids, reason = extra
+                self.lose_nodes([self.nodes[i] for i in ids if i in self.nodes], reason)
+            elif kind == agentwire.FAULT:
+                self.lose(str(extra[0]))
+                return
+            else:
+                channel = self._channels.get(rank)
+                if channel is not None:
+                    batches.setdefault(channel, []).append(segs)
+        posts: dict[Any, list[tuple[Channel, list[list[Any]]]]] = {}
+        for channel, events in batches.items():
+            sink = channel.sink_for(events)
+            if sink is None:
+                continue
+            if sink is pumping:
+                sink.deliver(channel, events)
+            else:
+                posts.setdefault(sink, []).append((channel, events))
+        for sink, items in posts.items():  # one wake-up for the whole read
+            sink.post_all(items)
+
+    def _results(self, call_id: int, ranks: tuple[int, ...], counts: list[int],
+                 segs: list[Any], pumping: EventSink | None,
+                 batches: dict[AgentRankChannel, list[list[Any]]]) -> None:
+        """A RESULTS message: resolved at once, all together, on the dispatcher's thread;
+        else added to the read's batches as each rank's RESULT."""
+        pos = 1
+        direct: list[tuple[Any, int, list[Any]]] = []
+        channels = self._channels
+        for rank, count in zip(ranks, counts, strict=True):
+            channel = channels.get(rank)
+            if channel is not None:
+                if pumping is not None and channel._sink is pumping:
+                    direct.append((channel, rank, segs[pos:pos + count]))
+                else:
+                    batches.setdefault(channel, []).append(
+                        [_RESULT_HEAD(protocol.RESULT, call_id, rank), *segs[pos:pos + count]])
+            pos += count
+        if direct:
+            pumping.resolve_results(call_id, direct)  # type: ignore[union-attr]
+
+    def _answer(self, request_id: int, ok: bool, value: Any) -> None:
+        with self._lock:
+            waiter = self._replies.pop(request_id, None)
+        if waiter is not None:
+            waiter[1], waiter[2] = ok, value
+            waiter[0].set()
+
+    # -- ranks ------------------------------------------------------------------------
+
+    def adopt(self, channel: AgentRankChannel) -> None:
+        with self._lock:
+            self._channels[channel.rank] = channel
+            lost = channel.agent.lost_reason
+        if lost is not None:
+            channel.exited(None, f"lost {channel.agent.where}: {lost}")
+
+    def ranks_of(self, agent: AgentNode) -> tuple[int, ...]:
+        """The ranks running on ``agent``'s node now."""
+        with self._lock:
+            return tuple(sorted(r for r, c in self._channels.items() if c.agent is agent))
+
+    def forget(self, channel: AgentRankChannel) -> None:
+        with self._lock:
+            if self._channels.get(channel.rank) is channel:
+                del self._channels[channel.rank]
+
+    def lose(self, reason: str) -> None:
+        """The connection is gone: so is every node reached through it."""
+        with self._lock:
+            if self.lost_reason is not None:
+                return
+            self.lost_reason = reason
+            sink = self._sink
+        self.lose_nodes(list(self.nodes.values()), reason, everything=True)
+        if sink is not None:
+            sink.unwatch(self._conn.read_fd, self)
+        self._conn.close()
+
+    def lose_nodes(self, nodes: list[AgentNode], reason: str, everything: bool = False) -> None:
+        """``nodes`` are gone (or, in a tree, cut off): the requests pending on them fail,
+        and every rank on them is dead -- after the membership listener heard of it."""
+        with self._lock:
+            nodes = [n for n in nodes if n.lost_reason is None]
+            for agent in nodes:
+                agent.lost_reason = reason
+            gone = set(map(id, nodes))
+            waiters = [w for w in self._replies.values() if everything or (
+                w[3] is not None and id(w[3]) in gone)]
+            for key in [k for k, w in self._replies.items() if w in waiters]:
+                del self._replies[key]
+            channels = [c for c in self._channels.values() if id(c.agent) in gone]
+        if not nodes and not waiters:
+            return
+        for agent in nodes:
+            logger.warning("lost %s: %s", agent.where, reason)
+        if nodes and self._on_lost is not None:
+            self._on_lost(nodes, reason)
+        for waiter in waiters:
+            waiter[1], waiter[2] = False, f"lost it: {reason}"
+            waiter[0].set()
+        for channel in channels:
+            channel.exited(None, f"lost {channel.agent.where}: {reason}")
+
+    # -- the Channel interface a link needs no part of ----------------------------------
+
+    def signal(self, rank: int, sig: int) -> None:  # pragma: no cover - links have no rank
+        raise NotImplementedError
+
+    def exit_record(self, rank: int) -> ProcessFailure:  # pragma: no cover
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """End the connection: the agent stops whatever of ours still runs there."""
+        with self._lock:
+            self.lost_reason = self.lost_reason or "the group closed it"
+            sink, self._sink = self._sink, None
+            self._handing_over = True
+        if sink is not None:
+            sink.unwatch(self._conn.read_fd, self)
+        self._wake.wake()
+        self._conn.close()
+        if self._reader.is_alive() and self._reader is not threading.current_thread():
+            self._reader.join(5.0)
+        self._wake.close()

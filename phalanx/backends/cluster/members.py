@@ -1,0 +1,207 @@
+"""Who the cluster backend's nodes are, over time: membership changes.
+
+Part of :mod:`phalanx.backends.cluster.backend`. A node is *removed* when it is lost (its agent's
+connection ended, it fell silent, or in a tree the agent above it lost it) or, with
+``dns=``, when the name stops listing it; an address the name starts listing, whose agent
+answers, is *added* -- kept aside, connected and authenticated, until the group admits it
+(``group.resize()`` or ``restart()``). Each change reaches the backend's membership
+listener (the group) as a :class:`~phalanx.errors.MembershipEvent` *before* the ranks of a
+removed node are reported dead, so the calls it breaks fail as a membership change.
+
+With ``dns_interval``, a thread resolves the name again every so often and compares.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+from phalanx import config
+from phalanx.backends.cluster import dns as dnsquery
+from phalanx.backends.cluster import messages as agentwire
+from phalanx.backends.cluster import tree as agenttree
+from phalanx.backends.cluster.link import AgentLink, AgentNode, parse_host
+from phalanx.errors import MembershipEvent, NodeInfo, PhalanxError
+
+if TYPE_CHECKING:
+    from phalanx.backends.cluster.backend import ClusterBackend
+
+logger = logging.getLogger(__name__)
+
+
+class Members:
+    """The nodes of one :class:`ClusterBackend`: the group's, and those added since."""
+
+    def __init__(self, backend: ClusterBackend) -> None:
+        self.backend = backend
+        self.next_id = 1  # the next tree id to give
+        self.tree = False  # whether the agents form a tree
+        self.spares: list[AgentNode] = []  # added, not admitted yet
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- the nodes --------------------------------------------------------------------
+
+    def _link(self, joined: agenttree.Joined) -> AgentLink:
+        backend = self.backend
+        link = AgentLink(joined, backend._writer, backend.max_frame, on_lost=self._lost)
+        backend._links.append(link)
+        return link
+
+    def node_of(self, joined: agenttree.Joined) -> AgentNode:
+        """The node a direct connection reaches (flat: named 0 there)."""
+        link = self._link(joined)
+        node = link.nodes[0] = AgentNode(link, 0, joined.host, joined.port, joined.welcome)
+        return node
+
+    def tree_of(self, head: agenttree.Head,
+                found: dict[int, tuple[str, dict[str, Any]]]) -> list[AgentNode]:
+        """The nodes reached through a tree's head: itself and its subtree."""
+        self.tree = True
+        link = self._link(head.joined)
+        for tree_id in head.ids:
+            name, welcome = found[tree_id]
+            link.nodes[tree_id] = AgentNode(link, tree_id, *parse_host(name), welcome)
+        return [link.nodes[i] for i in head.ids]
+
+    def current(self, in_use: int | None) -> list[AgentNode]:
+        """The nodes in the order a group reserving now takes them, indexed so: the first
+        ``in_use`` (the group's so far; None: all) not lost, those added since (admitted by
+        this), then the others that answered."""
+        with self._lock:
+            spares, self.spares = self.spares, []
+        agents = self.backend._agents
+        cut = len(agents) if in_use is None else in_use
+        nodes = [n for n in agents[:cut] + spares + agents[cut:] if n.lost_reason is None]
+        for index, node in enumerate(nodes):
+            node.index = index
+        return nodes
+
+    def available(self, in_use: int) -> int:
+        """How many nodes the group would have with the added ones in, the removed out."""
+        with self._lock:
+            spares = list(self.spares)
+        return sum(1 for n in self.backend._agents[:in_use] + spares if n.lost_reason is None)
+
+    # -- changes ----------------------------------------------------------------------
+
+    def _tell(self, event: MembershipEvent) -> None:
+        logger.warning("the cluster's nodes changed: %s", event)
+        listener = self.backend.on_membership
+        if listener is not None:
+            listener(event)
+
+    def _lost(self, nodes: list[AgentNode], reason: str) -> None:
+        """From a link: ``nodes`` are gone (before their ranks are reported dead)."""
+        with self._lock:
+            spares = [n for n in nodes if n in self.spares]
+            self.spares = [n for n in self.spares if n not in nodes]
+        removed = tuple(NodeInfo(None if n in spares or n.index < 0 else n.index, n.name,
+                                 n.link.ranks_of(n))
+                        for n in sorted(nodes, key=lambda n: (n.index, n.tree_id)))
+        self._tell(MembershipEvent((), removed, reason))
+
+    def start(self) -> None:
+        backend = self.backend
+        if backend.dns is not None and backend.dns_interval is not None:
+            self._thread = threading.Thread(target=self._watch, daemon=True,
+                                            name="phalanx-cluster-dns")
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(config.CONNECT_TIMEOUT + 5)
+
+    def _watch(self) -> None:
+        backend = self.backend
+        while not self._stopping.wait(backend.dns_interval):  # type: ignore[arg-type]
+            try:
+                found = dnsquery.resolve(backend.dns, backend.nameserver)  # type: ignore[arg-type]
+            except dnsquery.DNSError as exc:  # a DNS hiccup is not a change
+                logger.info("resolving %s again failed: %s", backend.dns, exc)
+                continue
+            try:
+                self.compare({(address, backend.port) for address in found})
+            except Exception:  # a bug must not stop the watching
+                logger.exception("comparing the cluster's nodes with %s failed", backend.dns)
+
+    def compare(self, listed: set[tuple[str, int]]) -> None:
+        """Remove the nodes no longer ``listed`` and add those newly listed."""
+        backend = self.backend
+        with self._lock:
+            known = [n for n in backend._agents + self.spares if n.lost_reason is None]
+        for node in known:
+            if (node.host, node.port) not in listed and not self._stopping.is_set():
+                reason = f"it is no longer listed under {backend.dns}"
+                if node.tree_id == 0:
+                    node.link.lose(reason)  # the agent stops its ranks when we hang up
+                else:  # below another agent: ask it to stop them, answer or not
+                    ranks = list(node.link.ranks_of(node))
+                    if ranks:
+                        node.link.send(agentwire.request(agentwire.STOP, 0, ranks, 0.0, True,
+                                                         node=node.tree_id))
+                    node.link.lose_nodes([node], reason)
+        names = {(n.host, n.port) for n in known}
+        for host, port in sorted(listed - names):
+            if self._stopping.is_set():
+                return
+            node = self._add(host, port)
+            if node is not None:
+                self._tell(MembershipEvent((NodeInfo(None, node.name, ()),), ()))
+
+    def _add(self, host: str, port: int) -> AgentNode | None:
+        """Connect to a newly listed agent (in a tree: below a top agent when the
+        controller holds ``fanout`` connections already); None if it does not answer."""
+        backend = self.backend
+        from phalanx.backends.cluster.agent.daemon import machine_id
+
+        try:
+            if self.tree and backend.connection_count() >= backend.fanout:
+                node = self._adopt_below(host, port)
+            else:
+                joined = agenttree.connect_agent(host, port, backend._secret, backend._tls,
+                                                 config.CONNECT_TIMEOUT)
+                if self.tree:
+                    tree_id = self._new_id()
+                    try:
+                        agenttree.adopt(joined, tree_id, [], backend.fanout,
+                                        config.CONNECT_TIMEOUT)
+                    except OSError:
+                        joined.close()
+                        raise
+                    node = self.tree_of(agenttree.Head((tree_id, host, port), joined,
+                                                       [tree_id]),
+                                        {tree_id: (f"{host}:{port}", joined.welcome)})[0]
+                else:
+                    node = self.node_of(joined)
+        except (OSError, PhalanxError) as exc:
+            logger.info("the agent newly listed at %s:%d does not answer yet: %s", host, port,
+                        exc)
+            return None
+        node.same_host = node.welcome.get("machine") == machine_id()
+        with self._lock:
+            self.spares.append(node)
+        return node
+
+    def _new_id(self) -> int:
+        with self._lock:
+            tree_id, self.next_id = self.next_id, self.next_id + 1
+        return tree_id
+
+    def _adopt_below(self, host: str, port: int) -> AgentNode:
+        links = [link for link in self.backend._links if link.lost_reason is None]
+        link = min(links, key=lambda lk: len(lk.nodes))
+        top = min((n for n in link.nodes.values() if n.lost_reason is None),
+                  key=lambda n: n.tree_id)
+        tree_id = self._new_id()
+        answer = top.request(agentwire.ADOPT, top.tree_id, [[tree_id, host, port]],
+                             self.backend.fanout, config.CONNECT_TIMEOUT)
+        found = dict((i, w) for i, w in answer["nodes"])
+        if tree_id not in found:
+            why = "; ".join(str(m[2]) for m in answer["missing"]) or "no answer"
+            raise OSError(why)
+        node = link.nodes[tree_id] = AgentNode(link, tree_id, host, port, found[tree_id])
+        return node

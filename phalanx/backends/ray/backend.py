@@ -1,0 +1,455 @@
+"""The Ray backend: ranks are Ray actors in a placement group; calls take phalanx's channel.
+
+Ray places the processes (one placement-group bundle per rank), keeps them, and reports how
+they died; phalanx does everything else as it does locally. Each actor
+(:mod:`phalanx.backends.ray.actor`) connects back to a listener of the controller's over
+TCP and proves a per-group secret handed to it through Ray, so a call costs what it costs
+locally instead of a Ray task's milliseconds (Ray's Compiled Graphs make the same move).
+
+Reservation (:meth:`RayBackend._reserve`): the placement group, ready within
+``start_timeout`` or a :class:`~phalanx.errors.StartupError` saying what was asked and
+what the cluster has (a request no node could ever hold fails at once); one actor per
+bundle, each asked where it landed. Ranks are numbered by node, then by bundle; the nodes
+are the Ray nodes as they are, so ``NODE_RANK``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and
+``MASTER_ADDR`` tell the truth on a real cluster.
+
+A rank's death reaches the group as soon as its control stream ends (at once, on any
+node). The bury waits a moment for the rank's actor to report the exit status of the
+process it supervises (or for Ray's account when the actor itself died: ray.kill, a lost
+node, Ray's memory monitor); an account that arrives later still replaces the record kept
+for the rank. The pure placement rules live in :mod:`phalanx.backends.ray.placement`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from phalanx import config
+from phalanx.backends.base import Backend, Boot, Channel, Node, RankStart
+from phalanx.backends.ray import session as ray_session
+from phalanx.backends.ray.channel import Bundle, RayChannel, RelayChannel, hand_over_pipes
+from phalanx.backends.ray.placement import (
+    STRATEGIES,
+    TRANSPORTS,
+    bundle_for,
+    check_resources,
+    describe_ray_error,
+    order_bundles,
+    placement_problem,
+    relays,
+)
+from phalanx.backends.ray.store import RayShares
+from phalanx.errors import AuthenticationError, StartupError
+from phalanx.node import shm
+from phalanx.output import console
+from phalanx.output.logs import LogPump, OutputOptions
+from phalanx.wire import framing, handshake, protocol, streams
+from phalanx.world.frameworks import Layout
+
+logger = logging.getLogger(__name__)
+
+
+
+class RayBackend(Backend):
+    """Run a group's ranks as Ray actors, one placement-group bundle each.
+
+    ``address``: None joins the Ray that ``ray.init()`` already connected or that
+    ``RAY_ADDRESS`` names, else starts a local Ray (stopped again once no group uses it);
+    ``"auto"`` or ``"host:port"`` joins that cluster. phalanx stops only what it started.
+    ``placement_strategy``: ``PACK``, ``SPREAD``, ``STRICT_PACK`` or ``STRICT_SPREAD``.
+    ``resources_per_worker``: one rank's bundle, e.g. ``{"CPU": 1}`` (the default) or
+    ``{"GPU": 1}``. ``runtime_env`` and ``namespace`` are used when phalanx connects to
+    Ray (``runtime_env`` also for every actor); actors are named
+    ``{name_prefix}-r{rank}-i{incarnation}`` (a fresh name per incarnation).
+    ``transport``: ``"direct"`` (each rank connects back to this process), ``"ray"`` (calls
+    travel as Ray calls through each rank's actor: for a controller the cluster cannot
+    reach), or ``"auto"``: direct, except for a Ray Client (``ray://``) address.
+    """
+
+    name = "ray"
+    can_share = shm.supported()
+
+    def __init__(
+        self,
+        address: str | None = None,
+        placement_strategy: str = "PACK",
+        resources_per_worker: Mapping[str, float] | None = None,
+        runtime_env: Mapping[str, Any] | None = None,
+        namespace: str | None = None,
+        name_prefix: str | None = None,
+        transport: str = "auto",
+    ) -> None:
+        if address is not None and not isinstance(address, str):
+            raise TypeError(f"address must be a string or None, got {address!r}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, "
+                             f"got {transport!r}")
+        if placement_strategy not in STRATEGIES:
+            raise ValueError(f"placement_strategy must be one of {', '.join(STRATEGIES)}, "
+                             f"got {placement_strategy!r}")
+        if runtime_env is not None and not isinstance(runtime_env, Mapping):
+            raise TypeError(f"runtime_env must be a dict, got {type(runtime_env).__name__}")
+        self.address = address
+        self.placement_strategy = placement_strategy
+        self.resources_per_worker = check_resources(resources_per_worker)
+        self.runtime_env = dict(runtime_env) if runtime_env is not None else None
+        self.namespace = namespace
+        self.name_prefix = name_prefix
+        self.transport = transport
+        self._relayed = relays(address, transport)
+        self._bundles: list[Bundle] = []
+        self._channels: dict[tuple[int, int], RayChannel] = {}
+        self._pg: Any = None
+        self._session: ray_session.Lease | None = None
+        self._stopping = False
+        self._threads: list[threading.Thread] = []
+        self._listeners: list[socket.socket] = []
+        self._logs: LogPump | None = None
+        self._writer: framing.BacklogWriter | None = None
+        self._shares: RayShares | None = None
+
+    def settings(self) -> dict[str, Any]:
+        return {
+            "address": self.address,
+            "placement_strategy": self.placement_strategy,
+            "resources_per_worker": self.resources_per_worker,
+            "runtime_env": self.runtime_env,
+            "namespace": self.namespace,
+            "name_prefix": self.name_prefix,
+            "transport": self.transport,
+        }
+
+    # -- opening -----------------------------------------------------------------------
+
+    def _open(self, output: OutputOptions) -> None:
+        self._session = ray_session.acquire(self.address, namespace=self.namespace,
+                                            runtime_env=self.runtime_env, min_cpus=output.world)
+        import ray
+
+        self._ray = ray
+        self._secret = secrets.token_bytes(32)
+        self._prefix = self.name_prefix or f"phalanx-{secrets.token_hex(4)}"
+        self._writer = framing.BacklogWriter()
+        self._logs = LogPump(output)
+        self._watch_lock = threading.Lock()
+        self._watched: dict[Any, RayChannel] = {}
+        self._host, self._port, self._local_name = "", 0, ""
+        if self._relayed:
+            console.notice("phalanx: calls to this group go through Ray's own calls (the "
+                           "cluster cannot connect back to a Ray Client driver): same "
+                           "results, Ray's speed")
+        else:
+            self._listen(ray.util.get_node_ip_address())
+        loops = [(self._watch_loop, "phalanx-ray-watch")]
+        if self._listeners:
+            loops.append((self._accept_loop, "phalanx-ray-accept"))
+        for target, name in loops:
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _listen(self, host: str) -> None:
+        """Where this group's ranks connect: TCP on ``host`` (the address the cluster
+        knows this node by), and a Unix socket for ranks on this machine (a name in the
+        abstract namespace: nothing on disk to clean up, and it does not exist elsewhere):
+        it lets the controller hand them pipes, which cost less per call than TCP."""
+        self._host = host
+        tcp = socket.create_server((host, 0), backlog=128)
+        self._port = tcp.getsockname()[1]
+        self._listeners = [tcp]
+        self._local_name = f"phalanx-{secrets.token_hex(8)}"
+        try:
+            local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            local.bind("\0" + self._local_name)
+            local.listen(128)
+            self._listeners.append(local)
+        except OSError:  # no abstract namespace (not Linux): TCP for everyone
+            self._local_name = ""
+
+    def _accept_loop(self) -> None:
+        import select
+
+        while not self._stopping:
+            try:
+                ready, _, _ = select.select(self._listeners, [], [])
+                sock, _ = ready[0].accept()
+            except (OSError, ValueError):
+                return  # closed
+            try:
+                hello = handshake.accept(sock, self._secret, config.HANDSHAKE_TIMEOUT)
+            except AuthenticationError as exc:
+                logger.warning("refused a connection to the Ray group's listener: %s", exc)
+                sock.close()
+                continue
+            channel = self._channels.get((hello.rank, hello.incarnation))
+            if channel is None:
+                sock.close()
+                continue
+            if hello.role == handshake.ROLE_CONTROL and sock.family == socket.AF_UNIX:
+                channel.connected_pipes(*hand_over_pipes(sock))
+            else:
+                channel.connected(hello.role, sock)
+
+    def _watch_loop(self) -> None:
+        """Learn from Ray how each serving actor ended."""
+        ray = self._ray
+        while not self._stopping:
+            with self._watch_lock:
+                refs = list(self._watched)
+            if not refs:
+                time.sleep(0.05)
+                continue
+            try:
+                done, _ = ray.wait(refs, num_returns=1, timeout=0.1, fetch_local=True)
+            except Exception:
+                if self._stopping:
+                    return
+                logger.exception("waiting on Ray actors failed")
+                time.sleep(0.1)
+                continue
+            for ref in done:
+                with self._watch_lock:
+                    channel = self._watched.pop(ref, None)
+                if channel is None:
+                    continue
+                try:
+                    served = ray.get(ref, timeout=5.0)
+                except Exception as exc:  # noqa: BLE001 - Ray's account of the death
+                    channel.ray_reports(describe_ray_error(exc))
+                else:
+                    channel.ray_reports(None, served)
+
+    # -- reserving ---------------------------------------------------------------------
+
+    def _reserve(self, layout: Layout, *, gpus_per_worker: int, timeout: float) -> list[Node]:
+        ray = self._ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        deadline = time.monotonic() + timeout
+        per_rank = bundle_for(self.resources_per_worker, gpus_per_worker)
+        if layout.nodes == 1:  # Ray places every rank: one bundle each, the user's strategy
+            bundles = [per_rank] * layout.world_size
+            strategy = self.placement_strategy
+            pg_index = list(range(layout.world_size))
+        else:  # a layout asked for: one bundle per node, on distinct Ray nodes
+            bundles = [{k: v * n for k, v in per_rank.items()} for n in layout.counts]
+            strategy = "STRICT_SPREAD"
+            pg_index = [layout.node_of(r) for r in range(layout.world_size)]
+        self._per_rank = per_rank
+        asked = f"{len(bundles)} bundles {bundles[0]} (strategy {strategy})"
+        alive = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        problem = placement_problem(bundles, strategy, alive)
+        if problem is not None:
+            raise StartupError(f"Ray cannot place {asked}: {problem} (cluster resources: "
+                               f"{ray.cluster_resources()})")
+        self._pg = placement_group(bundles, strategy=strategy, name=f"{self._prefix}-pg")
+        if not self._pg.wait(timeout_seconds=max(1, int(deadline - time.monotonic() + 0.999))):
+            remove_placement_group(self._pg)
+            self._pg = None
+            raise StartupError(
+                f"Ray did not place {asked} within {timeout:g} s (available now: "
+                f"{ray.available_resources()}; in total: {ray.cluster_resources()}); raise "
+                "start_timeout= or free resources"
+            )
+        table = ray.util.placement_group_table(self._pg)
+        node_of_bundle = [table["bundles_to_node_id"][i] for i in range(len(bundles))]
+        seats = [Bundle(pg_index[r], node_id=node_of_bundle[pg_index[r]])
+                 for r in range(layout.world_size)]
+        if layout.nodes == 1:  # rank order: by node, then by bundle
+            order = [i for group in order_bundles(node_of_bundle) for i in group]
+            seats = [seats[i] for i in order]
+        self._bundles = seats
+        for rank, seat in enumerate(seats):
+            self._new_actor(seat, rank)
+        # Where each rank is comes from the placement group itself: nothing waits here for
+        # the actors to start (the first call to each does), so their starts overlap.
+        addresses = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        self._start_timeout = timeout
+        nodes: list[Node] = []
+        self._first_rank = []
+        for node_id, group in itertools.groupby(range(len(seats)),
+                                                key=lambda r: seats[r].node_id):
+            ranks = list(group)
+            address = addresses[node_id]
+            self._first_rank.append(ranks[0])
+            nodes.append(Node(index=len(nodes), address=address, ranks=len(ranks), gpus=None,
+                              same_host=address == self._host))
+        return nodes
+
+    def _new_actor(self, b: Bundle, rank: int) -> None:
+        ray = self._ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from phalanx.backends.ray.actor import CONCURRENCY, RankActor
+
+        resources = dict(self._per_rank)
+        cpus = resources.pop("CPU", 0.0)
+        gpus = resources.pop("GPU", 0.0)
+        b.incarnation += 1
+        b.used = False
+        options: dict[str, Any] = {
+            "num_cpus": cpus,
+            "num_gpus": gpus,
+            "resources": resources or None,
+            "max_restarts": 0,
+            "max_concurrency": CONCURRENCY,
+            "name": f"{self._prefix}-r{rank}-i{b.incarnation}",
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=self._pg, placement_group_bundle_index=b.index),
+        }
+        if self.namespace is not None:
+            options["namespace"] = self.namespace
+        if self.runtime_env is not None:
+            options["runtime_env"] = self.runtime_env
+        b.actor = ray.remote(RankActor).options(**options).remote()
+
+    def _live_bundle(self, rank: int) -> Bundle:
+        """The rank's bundle with an actor that has not served yet: a new one (a fresh
+        name, the same bundle, so the same node) once the previous one has served. Not
+        waited for: the first call to it waits for it to start."""
+        b = self._bundles[rank]
+        if b.used:
+            self._new_actor(b, rank)
+        return b
+
+    def ports(self, node: Node, count: int) -> list[int]:
+        """Asked of the node's first actor (the first thing that waits for it to start)."""
+        ray = self._ray
+        b = self._live_bundle(self._first_rank[node.index])
+        try:
+            return ray.get(b.actor.free_ports.remote(node.address, count),
+                           timeout=self._start_timeout)
+        except ray.exceptions.GetTimeoutError:
+            first = self._first_rank[node.index]
+            raise StartupError(
+                f"ranks {list(range(first, first + node.ranks))} did not become ready within "
+                f"{self._start_timeout:g} s: Ray had not started the actor of rank {first}; "
+                "raise start_timeout= (or PHALANX_START_TIMEOUT) on a busy cluster",
+                rank=first,
+            ) from None
+        except ray.exceptions.RayError as exc:
+            raise StartupError(f"a rank's actor could not start: {describe_ray_error(exc)}",
+                               rank=self._first_rank[node.index]) from exc
+
+    # -- launching and stopping --------------------------------------------------------
+
+    def _launch(
+        self, node: Node, ranks: list[RankStart], boot: Boot, channels: list[Channel]
+    ) -> None:
+        sys_path = boot.sys_path if node.same_host else ()
+        cwd = boot.cwd or (os.getcwd() if node.same_host else None)
+        for start in ranks:
+            b = self._live_bundle(start.rank)
+            b.used = True
+            channel = (RelayChannel if self._relayed else RayChannel)(self, start, b)
+            self._channels[(start.rank, b.incarnation)] = channel
+            channels.append(channel)
+            channel.send(protocol.init_frame(start.rank, sys_path, dict(boot.options),
+                                             boot.payload))
+            if isinstance(channel, RelayChannel):
+                channel.serve_ref = b.actor.serve_relayed.remote(dict(start.env), cwd)
+                channel.start_relay()
+            else:
+                channel.serve_ref = b.actor.serve.remote(
+                    (self._host, self._port, self._local_name), self._secret, start.rank,
+                    b.incarnation, dict(start.env), cwd)
+            with self._watch_lock:
+                self._watched[channel.serve_ref] = channel
+
+    def _stop(self, channels: list[Channel], *, grace: float, force: bool) -> None:
+        ray = self._ray
+        ours = [c for c in channels if isinstance(c, RayChannel)]
+        for channel in ours:
+            channel._buried = True  # stopped on purpose: the group records it
+        # the actors stop their ranks' process trees (SIGTERM, grace, SIGKILL), then go
+        stops = [c.actor.stop.remote(0.0 if force else grace) for c in ours]
+        if stops:
+            ray.wait(stops, num_returns=len(stops), timeout=grace + config.RAY_KILL_WAIT,
+                     fetch_local=False)
+        for channel in ours:
+            try:
+                ray.kill(channel.actor, no_restart=True)
+            except Exception as exc:  # noqa: BLE001 - already gone
+                logger.debug("ray.kill of rank %d: %s", channel.rank, exc)
+        refs = [c.serve_ref for c in ours if c.serve_ref is not None]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=config.RAY_KILL_WAIT, fetch_local=False)
+        with self._watch_lock:
+            for ref in refs:
+                self._watched.pop(ref, None)
+        for channel in ours:
+            self._channels.pop((channel.rank, channel.incarnation), None)
+
+    def wait_exited(self, channels: Sequence[Channel], timeout: float) -> None:
+        refs = [c.serve_ref for c in channels
+                if isinstance(c, RayChannel) and c.serve_ref is not None]
+        if refs:
+            self._ray.wait(refs, num_returns=len(refs), timeout=timeout, fetch_local=False)
+
+    def close(self) -> None:
+        if not self.opened or self._stopping:
+            return
+        self._stopping = True
+        for listener in self._listeners:
+            streams.close_socket(listener)  # wakes the acceptor thread blocked on it
+        try:
+            if self._session is not None:
+                self._release_cluster_side()
+        finally:
+            for thread in self._threads:
+                thread.join(timeout=5)
+            if self._logs is not None:
+                self._logs.stop()
+            if self._writer is not None:
+                self._writer.stop()
+            if self._session is not None:
+                self._session.release()
+                self._session = None
+
+    def share(self, obj: Any, channels: Sequence[Channel]) -> None:
+        """Into Ray's object store once; on each node, a store actor maps it for the ranks
+        (:mod:`phalanx.backends.ray.store`)."""
+        if self._shares is None:
+            self._shares = RayShares(self._ray, self._store_options)
+        self._shares.share(obj, channels, lambda c: self._bundles[c.rank].node_id)
+
+    def unshare(self, obj: Any, channels: Sequence[Channel]) -> None:
+        if self._shares is not None:
+            self._shares.unshare(obj, channels)
+
+    def _store_options(self, node_id: str, index: int) -> dict[str, Any]:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        options: dict[str, Any] = {
+            "num_cpus": 0, "max_concurrency": 4, "name": f"{self._prefix}-store{index}",
+            "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
+        if self.namespace is not None:
+            options["namespace"] = self.namespace
+        if self.runtime_env is not None:
+            options["runtime_env"] = self.runtime_env
+        return options
+
+    def _release_cluster_side(self) -> None:
+        """Kill every actor this backend made and remove its placement group."""
+        ray = self._ray
+        if self._shares is not None:
+            self._shares.close()
+        for b in self._bundles:
+            if b.actor is not None:
+                try:
+                    ray.kill(b.actor, no_restart=True)
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
+        if self._pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self._pg)
+            self._pg = None

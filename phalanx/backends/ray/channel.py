@@ -1,0 +1,285 @@
+"""The Ray backend's channels: one rank's control stream, output and Ray's account of its
+actor (:class:`RayChannel`), and the same for ranks whose streams must travel as Ray calls
+(:class:`RelayChannel`, a Ray Client driver). See :mod:`phalanx.backends.ray.backend`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import threading
+from typing import TYPE_CHECKING, Any
+
+from phalanx import config
+from phalanx.backends.base import Channel, EventSink, RankStart
+from phalanx.errors import ProcessFailure
+from phalanx.output.logs import OutputTap
+from phalanx.wire import framing, handshake, protocol, streams
+
+if TYPE_CHECKING:
+    from phalanx.backends.ray.backend import RayBackend
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Bundle:
+    """One rank's place in the placement group (its bundle), and its actor now."""
+
+    index: int  # the placement-group bundle (a node's bundle holds all its ranks)
+    node_id: str = ""
+    actor: Any = None
+    incarnation: int = 0
+    used: bool = False  # its actor has served (or been launched): the next needs a new one
+
+
+def hand_over_pipes(sock: socket.socket) -> tuple[int, int]:
+    """For a rank connected over a Unix socket (same machine): make its control pipes, send
+    the rank's ends through the socket, close it; the controller's ends (read, write)."""
+    to_rank_r, to_rank_w = os.pipe()
+    from_rank_r, from_rank_w = os.pipe()
+    try:
+        socket.send_fds(sock, [b"p"], [to_rank_r, from_rank_w])
+    finally:
+        os.close(to_rank_r)
+        os.close(from_rank_w)
+        sock.close()
+    return from_rank_r, to_rank_w
+
+
+class RayChannel(Channel):
+    """One rank on Ray: its control stream (once the actor connected), its output tap,
+    and what Ray says about its actor."""
+
+    def __init__(self, backend: RayBackend, start: RankStart, bundle: Bundle) -> None:
+        self.rank = start.rank
+        self.ranks = (start.rank,)
+        self.node = start.node
+        self.incarnation = bundle.incarnation
+        self.actor = bundle.actor
+        self.pid: int | None = None  # the rank's process (READY says it; so does serve)
+        self.serve_ref: Any = None
+        self._backend = backend
+        self._lock = threading.Lock()
+        self._conn: framing.Connection | None = None
+        self._queued: list[list[Any]] = []
+        self._sink: EventSink | None = None
+        self._outputs: dict[int, int] = {}  # role -> socket fd, until both are in
+        self._tap: OutputTap | None = None
+        self._exitcode: int | None = None
+        self._reason: str | None = None
+        self._reason_known = threading.Event()
+        self._buried = False
+        self._posted = False  # an EXITED event went to the group
+        self._closed = False
+
+    # -- connections (the acceptor thread) ---------------------------------------------
+
+    def connected(self, role: int, sock: socket.socket) -> None:
+        with self._lock:
+            if self._closed:
+                sock.close()
+                return
+            if role != handshake.ROLE_CONTROL:
+                self._outputs[role] = sock.detach()
+                if len(self._outputs) == 2:
+                    self._tap = self._backend._logs.attach(
+                        self.rank, self._outputs[handshake.ROLE_STDOUT],
+                        self._outputs[handshake.ROLE_STDERR])
+                return
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._adopt(streams.SocketStream(sock))
+
+    def connected_pipes(self, read_fd: int, write_fd: int) -> None:
+        """The control stream of a rank on this machine: a pair of pipes."""
+        with self._lock:
+            if self._closed:
+                os.close(read_fd)
+                os.close(write_fd)
+                return
+            self._adopt(streams.PipeStream(read_fd, write_fd, blocking_reads=False))
+
+    def _adopt(self, stream: streams.Stream) -> None:
+        """Take ``stream`` as the control stream (lock held): flush what was queued."""
+        conn = framing.Connection(stream, self._backend._writer)
+        self._conn = conn
+        for frame in self._queued:
+            conn.send(frame)
+        self._queued = []
+        if self._sink is not None:
+            self._sink.watch(conn.read_fd, self)
+
+    def attach(self, sink: EventSink) -> None:
+        with self._lock:
+            self._sink = sink
+            if self._conn is not None and not self._buried:
+                sink.watch(self._conn.read_fd, self)
+
+    # -- events ------------------------------------------------------------------------
+
+    def receive(self, fd: int) -> list[list[Any]]:
+        conn = self._conn
+        if conn is None:
+            return []
+        try:
+            return conn.reader.recv_frames(block=False)
+        except framing.ConnectionLost:
+            self._bury_later()
+            return []
+
+    def ray_reports(self, reason: str | None, served: dict | None = None) -> None:
+        """How the rank ended (watcher thread): ``served`` is what the actor's ``serve``
+        returned (the rank's pid and exit status); ``reason`` Ray's account when the
+        actor itself died."""
+        with self._lock:
+            if served is not None:
+                self.pid = served.get("pid", self.pid)
+                self._exitcode = served.get("exitcode")
+            self._reason = reason
+            late = self._posted and not self._closed
+            never_connected = self._conn is None
+        self._reason_known.set()
+        if never_connected:
+            self._bury_later(wait_for_reason=False)
+        elif late and self._sink is not None:
+            # a later account replaces the record kept for the (already dead) rank
+            self._sink.post(self, [self._exited()])
+
+    def _bury_later(self, wait_for_reason: bool = True) -> None:
+        with self._lock:
+            if self._buried:
+                return
+            self._buried = True
+            if self._conn is not None and self._sink is not None:
+                self._sink.unwatch(self._conn.read_fd, self)
+        threading.Thread(target=self._bury, args=(wait_for_reason,),
+                         name=f"phalanx-bury-{self.rank}", daemon=True).start()
+
+    def _bury(self, wait_for_reason: bool) -> None:
+        if wait_for_reason:
+            self._reason_known.wait(config.RAY_CAUSE_WAIT)
+        if self._tap is not None:
+            self._tap.wait_closed(config.OUTPUT_WAIT)
+        with self._lock:
+            event = self._exited()
+            self._posted = True
+        if self._sink is not None:
+            self._sink.post(self, [event])
+
+    def _exited(self) -> list[Any]:
+        return protocol.exited_message(self.rank, self.exit_record(self.rank).as_dict())
+
+    # -- control -----------------------------------------------------------------------
+
+    def send(self, frame: list[Any]) -> None:
+        with self._lock:
+            conn = self._conn
+            if conn is None:
+                if not self._buried:
+                    self._queued.append(frame)
+                return
+        try:
+            conn.send(frame)
+        except framing.ConnectionLost:
+            pass  # its death arrives as EXITED
+
+    def signal(self, rank: int, sig: int) -> None:
+        """Through the actor, which runs beside the rank on its node (any node)."""
+        try:
+            self._backend._ray.get(self.actor.signal.remote(int(sig)),
+                                   timeout=config.RAY_SIGNAL_TIMEOUT)
+        except Exception as exc:  # noqa: BLE001 - the actor is gone: so is the rank
+            logger.debug("signal %s to rank %d not delivered: %s", sig, self.rank, exc)
+
+    def stacks(self, rank: int, timeout: float) -> str:
+        """Taken by the actor, on the rank's node."""
+        try:
+            return self._backend._ray.get(self.actor.stacks.remote(timeout),
+                                          timeout=timeout + config.RAY_SIGNAL_TIMEOUT)
+        except Exception as exc:  # noqa: BLE001 - the actor is gone, or too slow to answer
+            return f"(no stack: its Ray actor did not answer: {type(exc).__name__}: {exc})"
+
+    def exit_record(self, rank: int) -> ProcessFailure:
+        reason = self._reason
+        if reason is None and self._exitcode is None:
+            reason = "its control connection closed; Ray had not said why yet"
+        tail = self._tap.stderr_tail() if self._tap is not None else ()
+        return ProcessFailure(self.rank, self.node, self.pid, self._exitcode, tail, reason)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._buried = True
+            conn, self._conn = self._conn, None
+            outputs, self._outputs = self._outputs, {}
+        if conn is not None:
+            if self._sink is not None:
+                self._sink.unwatch(conn.read_fd, self)
+            conn.close()
+        if self._tap is None:
+            for fd in outputs.values():
+                os.close(fd)
+
+
+class RelayChannel(RayChannel):
+    """A rank whose streams the controller cannot receive directly (a Ray Client driver):
+    its actor holds them, and two threads here move their bytes with Ray calls. The
+    control stream still ends in a local socket watched by the dispatcher, so every
+    message, death and record is handled exactly as for a direct rank."""
+
+    _POLL = 0.5  # seconds a poll call waits on the actor for something to carry
+
+    def __init__(self, backend: RayBackend, start: RankStart, bundle: Bundle) -> None:
+        super().__init__(backend, start, bundle)
+        mine, self._far = socket.socketpair()
+        out_r, self._out_w = os.pipe()
+        err_r, self._err_w = os.pipe()
+        self._tap = backend._logs.attach(self.rank, out_r, err_r)
+        with self._lock:
+            self._adopt(streams.SocketStream(mine))
+
+    def start_relay(self) -> None:
+        for target, name in ((self._downstream, "down"), (self._upstream, "up")):
+            threading.Thread(target=target, name=f"phalanx-relay-{name}-{self.rank}",
+                             daemon=True).start()
+
+    def _downstream(self) -> None:
+        """Controller -> rank: what the group sent, in order."""
+        seq = 0
+        while True:
+            try:
+                data = self._far.recv(1 << 20)
+            except OSError:
+                return
+            if not data:
+                return
+            self.actor.deliver.remote(seq, data)
+            seq += 1
+
+    def _upstream(self) -> None:
+        """Rank -> controller: its messages and output, until its streams end."""
+        ray = self._backend._ray
+        try:
+            while not self._closed:
+                try:
+                    items = ray.get(self.actor.poll.remote(self._POLL), timeout=60)
+                except Exception as exc:  # noqa: BLE001 - the actor is gone: so is the rank
+                    logger.debug("relay of rank %d ends: %s", self.rank, exc)
+                    return
+                for stream, data in items:
+                    if stream < 0:
+                        return
+                    if stream == 0:
+                        self._far.sendall(data)
+                    else:
+                        os.write(self._out_w if stream == 1 else self._err_w, data)
+        except OSError:
+            return
+        finally:
+            for fd in (self._out_w, self._err_w):
+                os.close(fd)
+            # the dispatcher sees the control stream end (the downstream thread's pending
+            # recv would keep a merely closed socket open)
+            streams.close_socket(self._far)

@@ -1,0 +1,123 @@
+"""The Ray backend's put objects: Ray's object store between nodes, shared memory on each.
+
+``share`` puts the object's pickle and buffers into Ray's object store once
+(``ray.put``); on each Ray node that runs ranks of the group, a :class:`NodeStore` actor
+(no CPU, pinned to the node, one per node for the group's life) resolves that reference
+-- Ray moves the bytes to the node once, and hands them over from its object store
+without a copy -- and writes them into a shared-memory block (:mod:`phalanx.node.shm`) that
+every rank of the node maps. The ranks are processes below their own actors, not Ray
+workers: they read the node's block, never Ray's store directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from phalanx.errors import PhalanxError
+from phalanx.wire import protocol
+
+logger = logging.getLogger(__name__)
+
+STORE_TIMEOUT = 120.0  # seconds for a node's store to start and take an object
+
+
+class NodeStore:
+    """A Ray actor holding one node's copies of a group's put objects."""
+
+    def __init__(self) -> None:
+        self._blocks: dict[int, Any] = {}
+
+    def hold(self, ref_id: int, writable: bool, parts: list[Any]) -> tuple:
+        """Write the object (its parts, resolved from Ray's store) into a block here;
+        where the node's ranks find it."""
+        from phalanx.node import shm
+
+        block, layout = shm.Block.holding(parts)
+        previous = self._blocks.pop(ref_id, None)
+        self._blocks[ref_id] = block
+        if previous is not None:
+            previous.close()
+        return block.location(layout, writable=writable)
+
+    def drop(self, ref_id: int) -> None:
+        block = self._blocks.pop(ref_id, None)
+        if block is not None:
+            block.close()
+
+
+class RayShares:
+    """Which objects are in Ray's store, and which node's store holds each, where."""
+
+    def __init__(self, ray: Any, actor_options: Callable[[str, int], dict[str, Any]]) -> None:
+        self._ray = ray
+        self._actor_options = actor_options  # (node id, index) -> options for a store
+        self._stores: dict[str, Any] = {}  # Ray node id -> its NodeStore actor
+        self._objects: dict[int, Any] = {}  # ref id -> its ObjectRef in Ray's store
+        self._held: dict[tuple[int, str], tuple] = {}  # (ref id, node id) -> location
+        self._lock = threading.Lock()
+
+    def share(self, obj: Any, channels: Sequence[Any], node_of: Callable[[Any], str]) -> None:
+        ray = self._ray
+        import numpy
+
+        with self._lock:
+            data = self._objects.get(obj.id)
+            if data is None:
+                if obj.segments is None:
+                    return  # freed meanwhile
+                data = ray.put([numpy.frombuffer(s, numpy.uint8) for s in obj.segments])
+                self._objects[obj.id] = data
+                obj.segments = None  # Ray's store has it now
+        by_node: dict[str, list[Any]] = {}
+        for channel in channels:
+            by_node.setdefault(node_of(channel), []).append(channel)
+        asked = {}
+        for node_id in by_node:
+            if (obj.id, node_id) not in self._held:
+                asked[node_id] = self._store(node_id).hold.remote(obj.id, obj.tensors, data)
+        try:
+            where = ray.get(list(asked.values()), timeout=STORE_TIMEOUT)
+        except Exception as exc:  # noqa: BLE001 - Ray's errors have no common base
+            raise PhalanxError(f"a Ray node could not hold {obj.label} ({obj.nbytes} bytes): "
+                               f"{type(exc).__name__}: {exc}") from None
+        for node_id, location in zip(asked, where, strict=True):
+            self._held[(obj.id, node_id)] = location
+        for node_id, on_node in by_node.items():
+            location = self._held[(obj.id, node_id)]
+            for channel in on_node:
+                channel.send(protocol.share_frame(channel.rank, obj.id, obj.token, location))
+
+    def unshare(self, obj: Any, channels: Sequence[Any]) -> None:
+        with self._lock:
+            self._objects.pop(obj.id, None)  # Ray frees it with its last reference
+            nodes = [node for (ref_id, node) in self._held if ref_id == obj.id]
+            for node_id in nodes:
+                del self._held[(obj.id, node_id)]
+        for channel in channels:
+            channel.send(protocol.unshare_frame(channel.rank, obj.id))
+        for node_id in nodes:
+            store = self._stores.get(node_id)
+            if store is not None:
+                store.drop.remote(obj.id)
+
+    def _store(self, node_id: str) -> Any:
+        store = self._stores.get(node_id)
+        if store is None:
+            options = self._actor_options(node_id, len(self._stores))
+            store = self._ray.remote(NodeStore).options(**options).remote()
+            self._stores[node_id] = store
+        return store
+
+    def close(self) -> None:
+        """Kill every store (their blocks go with them)."""
+        stores, self._stores = list(self._stores.values()), {}
+        self._objects.clear()
+        self._held.clear()
+        for store in stores:
+            try:
+                self._ray.kill(store, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass

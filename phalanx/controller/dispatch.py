@@ -1,0 +1,462 @@
+"""The controller's event pump: routes the events of every channel to futures, and turns a
+rank's EXITED event into ``WorkerDied`` for every call pending on it.
+
+Whichever thread waits on a future becomes the *leader* and polls every descriptor the
+group's channels asked it to watch (leader/followers); other waiting threads sleep on a
+condition until the leader completes their future or steps down. A result therefore
+reaches the waiting thread with no thread hand-off. Only while futures with done-callbacks
+(or awaited ones) are pending and no thread waits does the group's watchdog thread lead
+(:meth:`Dispatcher.pump_in_background`), stepping down as soon as a thread comes to wait.
+Events that a backend learns on a thread of its own (a death being finished, Ray's account
+of one) are posted and wake the leader through a self-pipe.
+
+Every event names its rank in its header (:mod:`phalanx.wire.protocol`); an event from a
+channel that no longer carries that rank (an earlier incarnation) is dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import select
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from phalanx.errors import (
+    ProcessFailure,
+    RemoteFailure,
+    WorkerError,
+    chain_remote,
+    death_error,
+)
+from phalanx.wire import protocol, streams
+
+if TYPE_CHECKING:
+    from phalanx.backends.base import Channel
+    from phalanx.controller.futures import GroupFuture
+
+logger = logging.getLogger(__name__)
+
+_ROUTE = struct.Struct("<BQI").unpack_from  # kind, call id, rank
+_RESULT = protocol.RESULT
+_YIELD = protocol.YIELD
+_HEARTBEAT = protocol.HEARTBEAT
+
+
+class Slot:
+    """The controller's view of one incarnation of one rank."""
+
+    def __init__(self, rank: int, node: int, channel: Channel) -> None:
+        self.rank = rank
+        self.node = node
+        self.channel = channel
+        self.pid: int | None = None
+        self.pending: dict[int, GroupFuture] = {}  # call id -> its future
+        self.alive = True
+        self.ready = False
+        self.methods: list[str] = []
+        self.init_failure: RemoteFailure | None = None
+        self.failure: ProcessFailure | None = None
+        self.started = time.monotonic()  # when its launch began
+        self.seen = self.started  # when it last gave a sign of life (any message)
+        self.heard = False  # whether it has said anything yet (silence counts from then)
+        self.timings: dict[str, float] = {}  # its start-up, as READY tells it
+        self.code_version: str | None = None  # of the shipped code it runs, as READY tells
+        self.unresponsive = False  # declared so by the watchdog (and being killed)
+
+    def settled_start(self) -> bool:
+        return self.ready or self.init_failure is not None or not self.alive
+
+
+class Dispatcher:
+    """Receives for every rank of one group; driven by the threads that wait."""
+
+    def __init__(self, on_death: Callable[[Slot], None] | None = None) -> None:
+        # epoll: waiting costs the same however many workers the group has.
+        self._poller = select.epoll() if hasattr(select, "epoll") else select.poll()
+        self._fd_lock = threading.Lock()  # watch/unwatch: the map and the poller agree
+        self._by_fd: dict[int, Channel] = {}
+        self._by_rank: dict[int, Slot] = {}
+        self._cond = threading.Condition(threading.Lock())
+        self._lead = threading.Lock()  # held by the thread that pumps (the leader)
+        self._followers = 0  # threads waiting for the leader to finish their future
+        self._wakeup = streams.WakePipe()
+        self._poller.register(self._wakeup.fd, select.POLLIN)
+        self._poll = self._poller.poll
+        self._epoll = hasattr(select, "epoll")
+        self._posted: list[tuple[Channel, list[list[Any]]]] = []
+        self._tasks: list[Callable[[], None]] = []  # run by the pumping thread
+        self._posted_lock = threading.Lock()
+        self._on_death = on_death
+        self._released = False
+        self._background: set[GroupFuture] = set()  # pending futures with done-callbacks
+        self._background_leads = False
+        self.background_wanted = threading.Event()  # wakes the watchdog to lead
+        # rank -> every thread's stack, for errors that say where late ranks are (set by
+        # the group: taking stacks is the backend's business)
+        self.stacks_of: Callable[[list[int]], dict[int, str]] = lambda ranks: {}
+        self.deaths = 0  # incremented on every death and removal: a cheap change counter
+        # a rank let go of a freed shared object (RELEASED): the backend's, set by the group
+        self.on_released: Callable[[Channel, int], None] = lambda channel, ref_id: None
+
+    # -- the sink channels deliver to (any thread) ------------------------------------
+
+    def watch(self, fd: int, channel: Channel) -> None:
+        with self._fd_lock:
+            self._by_fd[fd] = channel
+            try:
+                self._poller.register(fd, select.POLLIN)
+            except FileExistsError:  # the number of a descriptor closed without unwatch()
+                self._poller.modify(fd, select.POLLIN)
+        self._wakeup.wake()  # a leader blocked in poll() must pick up the new descriptor
+
+    def unwatch(self, fd: int, channel: Channel | None = None) -> None:
+        """Stop watching ``fd`` -- only if ``channel`` (when given) still owns it: once a
+        channel closed its descriptor, the number may already belong to a new channel's,
+        which a late unwatch must not take away (a rank that would never be heard)."""
+        with self._fd_lock:
+            current = self._by_fd.get(fd)
+            if current is None or (channel is not None and current is not channel):
+                return
+            del self._by_fd[fd]
+            if self._released:
+                return
+            try:
+                self._poller.unregister(fd)
+            except (KeyError, OSError, ValueError):
+                pass
+
+    def post(self, channel: Channel, events: list[list[Any]]) -> None:
+        self.post_all([(channel, events)])
+
+    def deliver(self, channel: Channel, events: list[list[Any]]) -> None:
+        """From inside a channel's ``receive()`` (the pumping thread): handle events of
+        another channel now (a node's link reads for each of its ranks' channels)."""
+        self._on_events(channel, events)
+
+    def resolve_results(self, call_id: int,
+                        results: list[tuple[Channel, int, list[Any]]]) -> None:
+        """From inside a channel's ``receive()``: one call's results of several ranks (an
+        agent tree's gathered ones), resolved in one pass."""
+        by_rank = self._by_rank
+        now = time.monotonic()
+        for channel, rank, payload in results:
+            slot = by_rank.get(rank)
+            if slot is None or slot.channel is not channel:
+                continue
+            slot.seen = now
+            slot.heard = True
+            future = slot.pending.pop(call_id, None)
+            if future is not None:
+                future._resolve_rank(rank, payload)
+
+    def post_all(self, batches: list[tuple[Channel, list[list[Any]]]]) -> None:
+        """Deliver the events of several channels with one wake-up (a node's link)."""
+        with self._posted_lock:
+            if self._released:
+                return
+            self._posted.extend(batches)
+        self._wakeup.wake()
+        if self._followers:  # no leader may be polling: let a follower take the lead
+            with self._cond:
+                self._cond.notify_all()
+
+    def call_soon(self, task: Callable[[], None]) -> None:
+        """Run ``task()`` on the pumping thread, before the events posted after it (what
+        must touch futures from another thread: failing calls on a membership change)."""
+        with self._posted_lock:
+            if self._released:
+                return
+            self._tasks.append(task)
+        self._wakeup.wake()
+        if self._followers:
+            with self._cond:
+                self._cond.notify_all()
+
+    # -- membership -------------------------------------------------------------------
+
+    def add(self, slot: Slot) -> None:
+        """Route the rank's events to ``slot`` (before its channel is attached)."""
+        self._by_rank[slot.rank] = slot
+
+    # -- waiting ----------------------------------------------------------------------
+
+    def wait(
+        self,
+        is_done: Callable[[], bool],
+        timeout: float | None,
+        kickoff: Callable[[], None] | None = None,
+    ) -> bool:
+        """Wait until ``is_done()`` or ``timeout``; drive the pump while nobody else does.
+
+        ``kickoff`` (the sends of a synchronous call) runs once, as late as possible: right
+        before this thread's first poll. Nothing then stands between the last send and
+        sleeping, which lets the scheduler run the woken worker on this CPU at once instead
+        of waking an idle one (a difference of tens of microseconds per call).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._lead.acquire(False):
+                return self._lead_until(is_done, deadline, kickoff)
+            if kickoff is not None:
+                kickoff()  # another thread leads: send now, then wait as a follower
+                kickoff = None
+            cond = self._cond
+            with cond:
+                self._followers += 1
+                if self._background_leads:
+                    self._wakeup.wake()  # the watchdog leads: have it step down
+                try:
+                    while True:
+                        if is_done():
+                            return True
+                        remaining = None if deadline is None else deadline - time.monotonic()
+                        if remaining is not None and remaining <= 0:
+                            return False
+                        if self._lead.acquire(False):
+                            self._lead.release()
+                            break  # the leader stepped down: try to lead
+                        cond.wait(remaining)
+                finally:
+                    self._followers -= 1
+
+    def _lead_until(
+        self,
+        is_done: Callable[[], bool],
+        deadline: float | None,
+        kickoff: Callable[[], None] | None,
+    ) -> bool:
+        """Pump as the leader (``self._lead`` held) until done or the deadline."""
+        try:
+            if kickoff is not None:
+                kickoff()
+            if deadline is None:
+                while not is_done():
+                    self._pump(None)
+                return True
+            while not is_done():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._pump(remaining)
+            return True
+        finally:
+            self._lead.release()
+            if self._followers:  # one of them may lead now, or its future completed
+                with self._cond:
+                    self._cond.notify_all()
+
+    # -- completing futures nobody waits on ----------------------------------------------
+
+    def watch_future(self, future: GroupFuture, on: bool) -> None:
+        """Keep delivering to ``future`` (it has done-callbacks) even if no thread waits."""
+        if on:
+            self._background.add(future)
+            self.background_wanted.set()
+        else:
+            self._background.discard(future)
+
+    def has_background_work(self) -> bool:
+        return bool(self._background) and not self._released
+
+    def pump_in_background(self, timeout: float, stop: Callable[[], bool]) -> bool:
+        """Lead for up to ``timeout`` s while futures with callbacks are pending, if no
+        thread leads now (else False); step down when a thread comes to wait (it leads
+        then)."""
+        if not self._lead.acquire(False):
+            return False
+        self._background_leads = True
+        try:
+            deadline = time.monotonic() + timeout
+            while self._background and not self._followers and not stop():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._pump(remaining)
+        finally:
+            self._background_leads = False
+            self._lead.release()
+            if self._followers:
+                with self._cond:
+                    self._cond.notify_all()
+        return True
+
+    def poll_now(self) -> None:
+        """Process what has already arrived, without blocking (no-op if another thread pumps)."""
+        if not self._lead.acquire(False):
+            return
+        try:
+            self._pump(0)
+        finally:
+            self._lead.release()
+            if self._followers:
+                with self._cond:
+                    self._cond.notify_all()
+
+    def _pump(self, timeout: float | None) -> None:
+        if self._released:  # nothing left to read: a waiter is answered by another thread
+            time.sleep(0.01 if timeout is None else min(timeout, 0.01))
+            return
+        if self._posted or self._tasks:
+            self._take_posted()
+            timeout = 0
+        if self._epoll:
+            wait = -1 if timeout is None else timeout
+        elif timeout is None:
+            wait = None
+        else:
+            wait = int(timeout * 1000) + 1 if timeout > 0 else 0
+        try:
+            events = self._poll(wait)
+        except InterruptedError:  # pragma: no cover
+            return
+        for fd, _ in events:
+            if fd == self._wakeup.fd:
+                self._wakeup.drain()
+                self._take_posted()
+                continue
+            channel = self._by_fd.get(fd)
+            if channel is None:
+                continue
+            received = channel.receive(fd)
+            if received:
+                self._on_events(channel, received)
+        if self._tasks:  # what reading just now asked for (a node lost: calls to fail)
+            self._take_posted()
+        if self._followers:
+            with self._cond:
+                self._cond.notify_all()
+
+    def _take_posted(self) -> None:
+        with self._posted_lock:
+            posted, self._posted = self._posted, []
+            tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            try:
+                task()
+            except Exception:  # a bug: the pump must go on
+                logger.exception("a task on the dispatcher failed")
+        for channel, events in posted:
+            self._on_events(channel, events)
+
+    # -- events -----------------------------------------------------------------------
+
+    def _on_events(self, channel: Channel, events: list[list[Any]]) -> None:
+        by_rank = self._by_rank
+        now = time.monotonic()
+        for segs in events:
+            first = segs[0]
+            kind, call_id, rank = _ROUTE(first)
+            slot = by_rank.get(rank)
+            if slot is None or slot.channel is not channel:
+                if rank == protocol.MANY:  # e.g. EXITED for every rank of a lost node
+                    self._on_many(channel, segs)
+                continue  # otherwise an earlier incarnation's last words
+            slot.seen = now
+            slot.heard = True
+            if kind == _RESULT:  # the hot path
+                future = slot.pending.pop(call_id, None)
+                if future is not None:
+                    future._resolve_rank(rank, segs[1:])
+            elif kind == _YIELD:  # an item of a streamed call; RESULT ends the stream
+                future = slot.pending.get(call_id)
+                if future is not None:
+                    future._yield_rank(rank, segs[1:])  # type: ignore[attr-defined]
+            elif kind == _HEARTBEAT:
+                pass
+            else:
+                self._on_control(slot, kind, call_id, protocol.parse(first)[3])
+
+    def _on_many(self, channel: Channel, segs: list[Any]) -> None:
+        """A message naming several ranks: handled once per rank it names."""
+        kind, call_id, ranks, extra = protocol.parse(segs[0])
+        for rank in ranks:
+            slot = self._by_rank.get(rank)
+            if slot is not None and slot.channel is channel:
+                self._on_control(slot, kind, call_id, extra)
+
+    def _on_control(self, slot: Slot, kind: int, call_id: int, extra: tuple) -> None:
+        if kind == protocol.ERROR:
+            future = slot.pending.pop(call_id, None)
+            if future is not None:
+                failure = RemoteFailure(*extra[0])
+                error = WorkerError(
+                    failure, rank=slot.rank, node=slot.node, pid=slot.pid, method=future.method
+                )
+                future._fail_rank(slot.rank, chain_remote(error, failure))
+        elif kind == protocol.READY:
+            slot.pid, slot.methods, slot.timings, slot.code_version = extra
+            slot.timings["total"] = time.monotonic() - slot.started
+            slot.ready = True
+        elif kind == protocol.INIT_ERROR:
+            slot.init_failure = RemoteFailure(*extra[0])
+        elif kind == protocol.RELEASED:
+            self.on_released(slot.channel, extra[0])
+        elif kind == protocol.EXITED:
+            failure = ProcessFailure.from_dict(extra[0])
+            if failure.pid is None and slot.pid is not None:
+                failure = dataclasses.replace(failure, pid=slot.pid)
+            if not slot.alive:  # a fuller account of a death already reported
+                slot.failure = failure.merged(slot.failure)
+                return
+            self.bury(slot, failure)
+            if self._on_death is not None:
+                self._on_death(slot)
+        else:
+            logger.error("rank %d sent an unknown message kind %r", slot.rank, kind)
+
+    # -- death ------------------------------------------------------------------------
+
+    def bury(self, slot: Slot, failure: ProcessFailure) -> None:
+        """Record how a slot's process ended and fail every call pending on it."""
+        slot.failure = failure
+        slot.alive = False  # after .failure is set: senders that see this fail on their own
+        self.deaths += 1
+        pending, slot.pending = slot.pending, {}
+        for future in pending.values():
+            future._fail_rank(slot.rank, death_error(failure, future.method))
+
+    @staticmethod
+    def fail_if_dead(slot: Slot, call_id: int, future: GroupFuture) -> None:
+        """Close the race between sending to a slot and its death being processed."""
+        if not slot.alive:
+            slot.pending.pop(call_id, None)
+            failure = slot.failure
+            future._fail_rank(slot.rank, death_error(failure, future.method))  # type: ignore[arg-type]
+
+    def remove(self, slot: Slot) -> None:
+        """Stop routing the rank's events to ``slot`` (it is being replaced or stopped)."""
+        self.deaths += 1
+        if self._by_rank.get(slot.rank) is slot:
+            del self._by_rank[slot.rank]
+        self._wakeup.wake()
+
+    def close(
+        self, error_factory: Callable[[str, int], BaseException], slots: list[Slot]
+    ) -> None:
+        """Fail every pending call (e.g. with GroupClosed) and stop watching all slots."""
+        for slot in slots:
+            if self._by_rank.get(slot.rank) is slot:
+                del self._by_rank[slot.rank]
+            pending, slot.pending = slot.pending, {}
+            for future in pending.values():
+                future._fail_rank(slot.rank, error_factory(future.method, slot.rank))
+        self._wakeup.wake()
+        with self._cond:
+            self._cond.notify_all()
+
+    def release(self) -> None:
+        # Let a leader finish its last poll (close() woke it) before the fds go away.
+        got = self._lead.acquire(timeout=5.0)
+        with self._posted_lock:
+            self._released = True
+            self._posted = []
+            self._tasks = []
+        if got:
+            self._lead.release()
+        if self._epoll:
+            self._poller.close()
+        self._wakeup.close()

@@ -1,0 +1,448 @@
+"""Results of calls: a :class:`GroupFuture` per call, with a :class:`RankFuture` view per rank.
+
+Futures hold no locks and no threads. They are completed by the group's dispatcher, and
+waiting on one drives the dispatcher (see :mod:`phalanx.controller.dispatch`): the thread that waits
+does the receiving, which is what keeps a call's round trip close to a raw pipe's.
+
+A group future *fails fast*: its first failing rank makes ``result()`` raise at once,
+without waiting for the other ranks of that call.
+
+Futures fit the ecosystem: ``add_done_callback``; ``as_concurrent()`` gives a
+``concurrent.futures.Future`` for ``concurrent.futures.wait``/``as_completed``; ``await``
+needs no thread. While callbacks are pending and no thread waits, the group's watchdog
+thread drives the dispatcher, so results still arrive; callbacks run on whichever thread
+received the completing message, and must not block.
+
+Per-rank state lives in flat lists inside the group future (a call in flight costs two
+small objects, not one per rank): pipelining tens of thousands of calls stays cheap for the
+allocator and the garbage collector. Results are unpickled on first access.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import pickle
+from collections.abc import Callable, Generator, Iterator
+from typing import TYPE_CHECKING, Any
+
+from phalanx import config
+from phalanx.errors import CallTimeout, SerializationError
+from phalanx.options import check_seconds
+
+if TYPE_CHECKING:
+    from phalanx.controller.dispatch import Dispatcher
+
+_loads = pickle.loads
+logger = logging.getLogger(__name__)
+
+
+class _Pending:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<pending>"
+
+
+_PENDING = _Pending()
+_POSITIONS_FROM = 8  # calls on more ranks than this find a rank's slot through a dict
+
+
+class GroupFuture:
+    """The outcome of one call on several ranks; results come back in rank order.
+
+    ``result(timeout)`` returns the list of values or raises the first failure; iterating
+    yields the per-rank futures as they complete; ``await future`` works in asyncio code.
+    """
+
+    __slots__ = (
+        "_callbacks",
+        "_cancelled",
+        "_decoded",
+        "_dispatcher",
+        "_errors",
+        "_failed",
+        "_holds",
+        "_kickoff",
+        "_positions",
+        "_ranks",
+        "_remaining",
+        "_values",
+        "method",
+        "tolerant",
+    )
+
+    def __init__(self, method: str, ranks: list[int], dispatcher: Dispatcher) -> None:
+        self.method = method
+        self._ranks = ranks  # never mutated (it may be shared with the group)
+        self._dispatcher = dispatcher
+        self._values: list[Any] = [_PENDING] * len(ranks)  # encoded, then decoded, values
+        self._decoded = 0  # bit i set once _values[i] holds the decoded value
+        self._errors: dict[int, BaseException] | None = None
+        self._remaining = len(ranks)
+        self._failed = -1  # index of the first failed rank
+        self._cancelled = False
+        self._positions: dict[int, int] | None = (
+            {rank: i for i, rank in enumerate(ranks)} if len(ranks) > _POSITIONS_FROM else None
+        )
+        # For synchronous calls the group defers the sends to the first wait (see
+        # Dispatcher.wait); anything that looks at the future sends them first.
+        self._kickoff: Callable[[], None] | None = None
+        self._callbacks: list[Callable[[GroupFuture], Any]] | None = None
+        # (owner, objects): put objects the call's arguments name, held until it ends
+        self._holds: Any = None
+        # made on workers="ready" / "any": a change of the group's nodes does not fail it
+        self.tolerant = False
+
+    # -- completion (dispatcher side) -------------------------------------------------
+
+    def _index(self, rank: int) -> int:
+        if self._positions is not None:
+            return self._positions[rank]
+        return self._ranks.index(rank)
+
+    def _resolve_rank(self, rank: int, segments: list[Any]) -> None:
+        if self._positions is None:
+            i = 0 if len(self._ranks) == 1 else self._ranks.index(rank)
+        else:
+            i = self._positions[rank]
+        if self._values[i] is _PENDING:
+            self._values[i] = segments
+            self._remaining -= 1
+            if self._remaining == 0 and (self._callbacks is not None
+                                         or self._holds is not None):
+                self._settle()
+
+    def _fail_rank(self, rank: int, error: BaseException) -> None:
+        i = self._index(rank)
+        if self._values[i] is not _PENDING:
+            return
+        if self._errors is None:
+            self._errors = {}
+        self._errors[i] = error
+        self._values[i] = None
+        self._remaining -= 1
+        if self._failed < 0:
+            self._failed = i
+            if self._callbacks is not None:
+                self._settle()
+        if self._remaining == 0 and self._holds is not None:
+            self._settle()
+
+    def _settle(self) -> None:
+        """Run the done-callbacks, once; once every rank is done, let go of what the
+        call's arguments held."""
+        if self._remaining == 0 and self._holds is not None:
+            (owner, objects), self._holds = self._holds, None
+            owner.unhold(objects)
+        if self._callbacks is None:
+            return
+        callbacks, self._callbacks = self._callbacks, None
+        self._dispatcher.watch_future(self, False)
+        for callback in callbacks or ():
+            try:
+                callback(self)
+            except Exception:
+                logger.exception("a done-callback of %s() raised", self.method)
+
+    # -- state ------------------------------------------------------------------------
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(self._ranks)
+
+    @property
+    def futures(self) -> list[RankFuture]:
+        """The per-rank futures, in rank order."""
+        return [RankFuture(self, i) for i in range(len(self._ranks))]
+
+    def _late_ranks(self) -> list[int]:
+        """The ranks that have not answered yet."""
+        return [r for r, v in zip(self._ranks, self._values, strict=True) if v is _PENDING]
+
+    def _settled(self) -> bool:
+        return self._remaining == 0 or self._failed >= 0 or self._cancelled
+
+    def _is_done(self, i: int) -> bool:
+        return self._values[i] is not _PENDING
+
+    def _error(self, i: int) -> BaseException | None:
+        return None if self._errors is None else self._errors.get(i)
+
+    def _value(self, i: int) -> Any:
+        """The decoded value of a rank that succeeded (decoded once, on first access)."""
+        if self._decoded >> i & 1:
+            return self._values[i]
+        payload = self._values[i]
+        try:
+            if len(payload) == 1:
+                value = _loads(payload[0])
+            else:
+                value = _loads(payload[0], buffers=payload[1:])
+        except Exception as exc:
+            raise SerializationError(
+                f"could not unpickle the result of {self.method}() from rank "
+                f"{self._ranks[i]}: {type(exc).__name__}: {exc}",
+                stage="unpickling the result",
+                rank=self._ranks[i],
+            ) from exc
+        self._values[i] = value
+        self._decoded |= 1 << i
+        return value
+
+    def _kick(self) -> None:
+        kickoff, self._kickoff = self._kickoff, None
+        if kickoff is not None:
+            kickoff()
+
+    def _wait(self, is_done: Callable[[], bool], timeout: float | None) -> None:
+        if timeout is not None and not (type(timeout) is float and timeout >= 0):
+            check_seconds(timeout)
+        kickoff, self._kickoff = self._kickoff, None
+        if kickoff is None and is_done():
+            return
+        if not self._dispatcher.wait(is_done, timeout, kickoff):
+            pending = self._late_ranks()
+            # where the late ranks are, unless the caller polls with short timeouts
+            stacks = (self._dispatcher.stacks_of(pending)
+                      if timeout is not None and timeout >= config.STACKS_ON_TIMEOUT else None)
+            raise CallTimeout(self.method, timeout or 0.0, pending, stacks)
+
+    # -- user side --------------------------------------------------------------------
+
+    def done(self) -> bool:
+        """True once every rank answered, one failed, or the future was cancelled."""
+        self._kick()
+        if not self._settled():
+            self._dispatcher.poll_now()
+        return self._settled()
+
+    def result(self, timeout: float | None = None) -> list[Any]:
+        """Every rank's value in rank order; raises the first failure at once."""
+        if timeout is not None:
+            check_seconds(timeout)
+        if self._kickoff is not None or not (self._remaining == 0 or self._failed >= 0):
+            self._wait(self._settled, timeout)
+        if self._cancelled:
+            raise concurrent.futures.CancelledError(f"{self.method}() was cancelled")
+        if self._failed >= 0:
+            raise self._errors[self._failed]  # type: ignore[index]
+        if self._decoded == 0:  # first access: decode every value in one pass
+            try:
+                values = [
+                    _loads(p[0]) if len(p) == 1 else _loads(p[0], buffers=p[1:])
+                    for p in self._values
+                ]
+            except Exception:  # noqa: BLE001 - redone value by value to name the rank
+                return [self._value(i) for i in range(len(self._values))]
+            self._values = values
+            self._decoded = (1 << len(values)) - 1
+            return list(values)
+        return [self._value(i) for i in range(len(self._values))]
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The first failure, or None once every rank succeeded."""
+        if timeout is not None:
+            check_seconds(timeout)
+        self._wait(self._settled, timeout)
+        if self._cancelled:
+            raise concurrent.futures.CancelledError(f"{self.method}() was cancelled")
+        return None if self._failed < 0 else self._errors[self._failed]  # type: ignore[index]
+
+    def cancel(self) -> bool:
+        """Stop waiting for this call: later results are discarded.
+
+        Workers that already started the call finish it (a running Python frame cannot be
+        interrupted safely). Returns False if the call had already completed.
+        """
+        self._kick()
+        if self._remaining == 0 or self._failed >= 0:
+            return False
+        self._cancelled = True
+        if self._callbacks is not None:
+            self._settle()
+        return True
+
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def __iter__(self) -> Iterator[RankFuture]:
+        """Per-rank futures as they complete (those already complete first, in rank order),
+        failed ones included; waits as needed."""
+        self._kick()
+        left = list(range(len(self._ranks)))
+        while left:
+            ready = [i for i in left if self._values[i] is not _PENDING]
+            if not ready:
+                self._dispatcher.wait(lambda: any(self._is_done(i) for i in left), None)
+                continue
+            for i in ready:
+                left.remove(i)
+                yield RankFuture(self, i)
+
+    def add_done_callback(self, fn: Callable[[GroupFuture], Any]) -> None:
+        """Call ``fn(future)`` once the future is done (every rank answered, one failed, or
+        it was cancelled); at once if it already is. Results arrive even if no thread
+        waits (see the module docstring)."""
+        self._kick()
+        if self._settled():
+            fn(self)
+            return
+        if self._callbacks is None:
+            self._callbacks = []
+            self._dispatcher.watch_future(self, True)
+        self._callbacks.append(fn)
+
+    def as_concurrent(self) -> concurrent.futures.Future:
+        """A ``concurrent.futures.Future`` that completes with this one (for
+        ``concurrent.futures.wait`` and ``as_completed``); cancelling it cancels this."""
+        return _bridge(self)
+
+    def __await__(self) -> Generator[Any, None, list[Any]]:
+        return _await(self)
+
+    def __len__(self) -> int:
+        return len(self._ranks)
+
+    def __repr__(self) -> str:
+        state = "done" if self._settled() else f"{self._remaining} pending"
+        return f"<GroupFuture {self.method}() ranks={self._ranks} {state}>"
+
+
+class RankFuture:
+    """The outcome of one call on one rank (a view into its :class:`GroupFuture`)."""
+
+    __slots__ = ("_group", "_i", "rank")
+
+    def __init__(self, group: GroupFuture, index: int) -> None:
+        self._group = group
+        self._i = index
+        self.rank = group._ranks[index]
+
+    @property
+    def method(self) -> str:
+        return self._group.method
+
+    def done(self) -> bool:
+        group = self._group
+        group._kick()
+        if not group._is_done(self._i):
+            group._dispatcher.poll_now()
+        return group._is_done(self._i)
+
+    def _wait(self, timeout: float | None) -> None:
+        group, i = self._group, self._i
+        try:
+            group._wait(lambda: group._is_done(i), timeout)
+        except CallTimeout as exc:
+            stacks = {self.rank: exc.stacks[self.rank]} if self.rank in exc.stacks else None
+            raise CallTimeout(group.method, timeout or 0.0, [self.rank], stacks) from None
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The rank's return value; raises its error, or CallTimeout after ``timeout`` s."""
+        if timeout is not None:
+            check_seconds(timeout)
+        self._wait(timeout)
+        error = self._group._error(self._i)
+        if error is not None:
+            raise error
+        return self._group._value(self._i)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._wait(timeout)
+        return self._group._error(self._i)
+
+    def __repr__(self) -> str:
+        group = self._group
+        if not group._is_done(self._i):
+            state = "pending"
+        else:
+            state = "failed" if group._error(self._i) is not None else "done"
+        return f"<RankFuture rank={self.rank} {group.method}() {state}>"
+
+
+class ShardedFuture:
+    """The outcome of ``call_sharded``: called on ``called_ranks``, results kept from
+    ``result_ranks`` (one per data shard when the output is replicated elsewhere)."""
+
+    def __init__(self, future: GroupFuture, result_ranks: list[int], keep: list[int]) -> None:
+        self._future = future
+        self.called_ranks = list(future._ranks)
+        self.result_ranks = list(result_ranks)
+        self._keep = keep  # positions of result_ranks among called_ranks
+
+    def result(self, timeout: float | None = None) -> list[Any]:
+        """The kept ranks' values, in rank order; raises the first failure at once."""
+        values = self._future.result(timeout)
+        return [values[i] for i in self._keep]
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self._future.exception(timeout)
+
+    def cancel(self) -> bool:
+        return self._future.cancel()
+
+    def cancelled(self) -> bool:
+        return self._future.cancelled()
+
+    @property
+    def futures(self) -> list[RankFuture]:
+        """Per-rank futures of every called rank (dummy calls included), in rank order."""
+        return self._future.futures
+
+    def add_done_callback(self, fn: Callable[[ShardedFuture], Any]) -> None:
+        """Call ``fn(future)`` once this call is done (see
+        :meth:`GroupFuture.add_done_callback`)."""
+        self._future.add_done_callback(lambda _: fn(self))
+
+    def as_concurrent(self) -> concurrent.futures.Future:
+        """A ``concurrent.futures.Future`` that completes with this one."""
+        return _bridge(self)
+
+    def __await__(self) -> Generator[Any, None, list[Any]]:
+        return _await(self)
+
+    def __repr__(self) -> str:
+        return f"<ShardedFuture called={self.called_ranks} results from={self.result_ranks}>"
+
+
+def _bridge(future: GroupFuture | ShardedFuture) -> concurrent.futures.Future:
+    bridge: concurrent.futures.Future = concurrent.futures.Future()
+
+    def done(_: Any) -> None:
+        if future.cancelled():
+            bridge.cancel()
+            return
+        if not bridge.set_running_or_notify_cancel():
+            return
+        try:
+            bridge.set_result(future.result())
+        except BaseException as exc:  # noqa: BLE001 - handed to the bridge's waiters
+            bridge.set_exception(exc)
+
+    bridge.add_done_callback(lambda b: b.cancelled() and future.cancel())
+    future.add_done_callback(done)
+    return bridge
+
+
+def _await(future: GroupFuture | ShardedFuture) -> Generator[Any, None, list[Any]]:
+    """``await future`` on the running event loop, with no thread parked per awaiter."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+
+    def wake(_: Any) -> None:
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(lambda: waiter.done() or waiter.set_result(None))
+
+    future.add_done_callback(wake)
+    try:
+        yield from waiter.__await__()
+    except asyncio.CancelledError:
+        future.cancel()
+        raise
+    return future.result()

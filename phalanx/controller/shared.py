@@ -1,0 +1,327 @@
+"""Objects stored once per node and handed to every rank: ``group.put()`` and ``ObjectRef``.
+
+``ref = group.put(obj)`` pickles ``obj`` once and has the backend hold it on every node of
+the group (:meth:`Backend.share <phalanx.backends.base.Backend.share>`): in shared memory
+on this machine, in the agent of each cluster node, through Ray's object store into each
+Ray node. A call whose arguments name ``ref`` (anywhere: nested in lists, dicts, objects)
+sends only the small handle; each rank maps its node's copy the first time and keeps the
+object until it is freed (:mod:`phalanx.node.shm`), numpy arrays and torch CPU tensors in it
+as views of that memory rather than copies.
+
+A call whose one set of arguments carries at least :data:`AUTO_SHARE_BYTES` of out-of-band
+buffers (large numpy arrays, torch CPU tensors) goes the same way without any change to
+the caller's code: its arguments are put for the length of the call.
+
+A put object is freed by ``ref.free()``, when the last reference to its handle goes, or
+when the group shuts down. A call in flight keeps what it names: freeing an object a
+running call uses takes effect once that call has ended. Afterwards the handle raises
+:class:`~phalanx.errors.ObjectFreed` wherever it is passed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import secrets
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from phalanx import config
+from phalanx.errors import ObjectFreed, SerializationError
+from phalanx.rank import shared as shmrank
+from phalanx.wire import pickling
+
+if TYPE_CHECKING:
+    from phalanx.backends.base import Backend, Channel
+    from phalanx.controller.dispatch import Dispatcher, Slot
+    from phalanx.controller.futures import GroupFuture
+
+logger = logging.getLogger(__name__)
+
+AUTO_SHARE_BYTES = config.AUTO_SHARE_BYTES
+
+class _Capture(threading.local):
+    """Per thread: the SharedObjects encoding a call now, and the handles it named."""
+
+    def __init__(self) -> None:
+        self.owner: SharedObjects | None = None
+        self.refs: list[ObjectRef] = []
+
+
+_capture = CAPTURE = _Capture()  # CAPTURE.refs: whether a call has anything to hold
+
+
+@dataclasses.dataclass(eq=False)
+class SharedObject:
+    """What a backend holds for one put object."""
+
+    id: int
+    token: str  # names its blocks, so a rank never maps anything else by mistake
+    segments: list[Any] | None  # the pickle and its buffers; None once no backend needs them
+    nbytes: int
+    label: str  # what it is, for messages ("ndarray", "the arguments of step()")
+    private: bool = False  # a call's own arguments: each rank gets writable copies
+    tensors: bool = False  # holds torch tensors (their views are writable copies)
+    users: int = 0  # calls in flight that name it
+    freed: bool = False  # no new call may name it
+    released: bool = False  # the backend no longer holds it
+
+
+class ObjectRef:
+    """A handle on an object stored once per node by :meth:`WorkerGroup.put`.
+
+    Pass it anywhere in a call's arguments; each rank receives the object. ``free()``
+    releases it (so does dropping the last reference, and the group's shutdown).
+    """
+
+    __slots__ = ("__weakref__", "_finalizer", "_obj", "_owner")
+
+    def __init__(self, owner: SharedObjects, obj: SharedObject) -> None:
+        self._owner = owner
+        self._obj = obj
+        self._finalizer = weakref.finalize(self, owner.free, obj)
+        self._finalizer.atexit = False  # the group's shutdown frees what is left
+
+    @property
+    def id(self) -> int:
+        return self._obj.id
+
+    @property
+    def nbytes(self) -> int:
+        """The size of its pickle and buffers: what each node holds."""
+        return self._obj.nbytes
+
+    @property
+    def freed(self) -> bool:
+        return self._obj.freed
+
+    def free(self) -> None:
+        """Release the object on every node (once the calls in flight that use it end).
+        Idempotent."""
+        self._finalizer()
+
+    def __reduce__(self) -> tuple:
+        owner = _capture.owner
+        if owner is not self._owner:
+            raise TypeError(
+                f"{self!r} can only be passed in the arguments of calls of the WorkerGroup "
+                "that put it" + ("" if owner is None else " (this is another group's call)"))
+        if self._obj.freed:
+            raise ObjectFreed(f"{self!r} was freed; put the object again to use it")
+        _capture.refs.append(self)
+        obj = self._obj
+        return shmrank.resolve, ((obj.id, obj.token, True) if obj.private else
+                                 (obj.id, obj.token))
+
+    def __copy__(self) -> ObjectRef:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> ObjectRef:
+        return self
+
+    def __repr__(self) -> str:
+        state = ", freed" if self._obj.freed else ""
+        return f"<ObjectRef {self._obj.id}: {self._obj.label}, {_size(self._obj.nbytes)}{state}>"
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
+
+
+def _nbytes(segments: Sequence[Any]) -> int:
+    return sum(memoryview(s).nbytes for s in segments)
+
+
+class SharedObjects:
+    """A group's put objects: what each holds, the calls that use them, their release."""
+
+    def __init__(self, backend: Backend, dispatcher: Dispatcher,
+                 slots: Callable[[], list[Slot | None]]) -> None:
+        self._backend = backend
+        self._slots = slots
+        self._poll = dispatcher.poll_now  # take in what ranks said (RELEASED: a block to reuse)
+        dispatcher.on_released = backend.released
+        self._objects: dict[int, SharedObject] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.RLock()
+        self._closed = False
+
+    def _channels(self) -> list[Channel]:
+        """The live ranks' channels (each once)."""
+        return list({id(s.channel): s.channel for s in self._slots()
+                     if s is not None and s.alive}.values())
+
+    # -- put and free -----------------------------------------------------------------
+
+    def put(self, value: Any) -> ObjectRef:
+        pickling.pickled.tensors = False
+        try:
+            segments = self.encode(value)
+        except ObjectFreed:
+            raise
+        except Exception as exc:
+            raise SerializationError(
+                f"could not pickle the object to put: {type(exc).__name__}: {exc}; nothing "
+                "was stored", stage="pickling the object to put") from exc
+        refs = self.taken()
+        ref = self._store(segments, type(value).__name__)
+        if refs:  # an object holding other put objects keeps them while it lives
+            self._hold_for(ref, refs)
+        return ref
+
+    def encode(self, value: Any) -> list[Any]:
+        """Pickle ``value`` for a call or a put, noting the handles it names (taken())."""
+        plain = pickling.dumps_plain(value)  # the usual call: nothing in it to note
+        if plain is not None:
+            return plain
+        _capture.owner = self
+        try:
+            return pickling.dumps(value)
+        finally:
+            _capture.owner = None
+
+    def taken(self) -> list[ObjectRef]:
+        """The handles named by what was encoded since the last taken()."""
+        refs = _capture.refs
+        if not refs:
+            return []
+        _capture.refs = []
+        return refs
+
+    def _store(self, segments: list[Any], label: str, private: bool = False) -> ObjectRef:
+        if self._closed:
+            raise ObjectFreed("the group was shut down: nothing can be put any more")
+        obj = SharedObject(next(self._ids), secrets.token_hex(8), list(segments),
+                           _nbytes(segments), label, private,
+                           pickling.pickled.tensors)
+        self._poll()
+        # Never under the lock: a node's answer may need the thread that ends calls.
+        self._backend.share(obj, self._channels())
+        with self._lock:
+            self._objects[obj.id] = obj
+        logger.debug("put object %d (%s, %d bytes)", obj.id, label, obj.nbytes)
+        return ObjectRef(self, obj)
+
+    def _hold_for(self, ref: ObjectRef, inner: list[ObjectRef]) -> None:
+        """Keep ``inner`` alive and in use as long as ``ref`` lives."""
+        objs = [r._obj for r in inner]
+        with self._lock:
+            for obj in objs:
+                obj.users += 1
+        weakref.finalize(ref, self._unhold, objs, inner).atexit = False
+
+    def free(self, obj: SharedObject) -> None:
+        with self._lock:
+            if obj.freed:
+                return
+            obj.freed = True
+            if obj.users:
+                return  # released when the last call using it ends
+            self._objects.pop(obj.id, None)
+            obj.released = True
+        self._release(obj)
+
+    def _release(self, obj: SharedObject) -> None:
+        """Have the backend drop it (outside the lock; ``obj.released`` already set)."""
+        obj.segments = None
+        if self._closed:
+            return
+        try:
+            self._backend.unshare(obj, self._channels())
+        except Exception:  # a node gone meanwhile: its copy went with it
+            logger.exception("could not free shared object %d", obj.id)
+
+    # -- calls --------------------------------------------------------------------------
+
+    def prepare(self, future: GroupFuture, payloads: list[list[Any]]) -> list[list[Any]]:
+        """Before a call is sent: hold what its arguments name until it ends, and put its
+        arguments for the call if they are large (see AUTO_SHARE_BYTES)."""
+        refs = self.taken()
+        transient = None
+        if (len(payloads) == 1 and len(payloads[0]) > 1 and self._backend.can_share
+                and _nbytes(payloads[0][1:]) >= AUTO_SHARE_BYTES):
+            transient = self._store(payloads[0], f"the arguments of {future.method}()",
+                                    private=True)
+            payloads = [self.encode(transient)]
+            refs += self.taken()
+        if refs:
+            objs = [r._obj for r in refs]
+            with self._lock:
+                for obj in objs:
+                    obj.users += 1
+            future._holds = (self, objs)
+        if transient is not None:
+            transient.free()  # released once the call ends
+        return payloads
+
+    def unhold(self, objs: list[SharedObject]) -> None:
+        """A call that named ``objs`` ended (every rank answered or was lost)."""
+        done = []
+        with self._lock:
+            for obj in objs:
+                obj.users -= 1
+                if obj.users == 0 and obj.freed and not obj.released:
+                    obj.released = True
+                    self._objects.pop(obj.id, None)
+                    done.append(obj)
+        for obj in done:
+            self._release(obj)
+
+    def _unhold(self, objs: list[SharedObject], refs: list[ObjectRef]) -> None:
+        self.unhold(objs)
+
+    # -- ranks --------------------------------------------------------------------------
+
+    def reach(self, channels: Sequence[Channel]) -> None:
+        """Ranks just started: have their nodes hold every live object too."""
+        with self._lock:
+            live = [o for o in self._objects.values() if not o.released]
+        for obj in live:
+            self._backend.share(obj, channels)
+
+    def close(self) -> None:
+        """The group shuts down: every object is freed, its ranks stopping anyway."""
+        with self._lock:
+            self._closed = True
+            objects, self._objects = list(self._objects.values()), {}
+            for obj in objects:
+                obj.freed = obj.released = True
+                obj.segments = None
+                try:
+                    self._backend.unshare(obj, ())
+                except Exception:  # pragma: no cover - logged: shutdown goes on
+                    logger.exception("could not free shared object %d", obj.id)
+
+    def __len__(self) -> int:
+        return len(self._objects)
+
+
+class SharedData:
+    """Mixin of :class:`~phalanx.controller.group.WorkerGroup`: ``put()``."""
+
+    _shared: SharedObjects
+    _check_open: Any
+
+    def put(self, obj: Any) -> ObjectRef:
+        """Store ``obj`` once per node of the group; returns a small handle to pass in any
+        call's arguments instead of ``obj`` (each rank receives the object).
+
+        On each node the object is held in shared memory: numpy arrays and torch CPU
+        tensors in it reach every rank as read-only views of that memory, without a copy
+        (a torch tensor written to gets its own copy of the pages written, never changing
+        another rank's). Each rank unpickles the object once, the first time a call
+        names it, and keeps it until it is freed: ``ref.free()``, dropping the last
+        reference to ``ref``, or the group's shutdown. A call in flight keeps the objects
+        it names until it ends.
+        """
+        self._check_open()
+        if not self._backend.can_share:  # type: ignore[attr-defined]
+            raise NotImplementedError(
+                f"the {self._backend.name} backend cannot hold shared objects")  # type: ignore[attr-defined]
+        return self._shared.put(obj)

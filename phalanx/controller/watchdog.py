@@ -1,0 +1,159 @@
+"""Watching a group's ranks from the controller, whatever its own threads are doing.
+
+One daemon thread per group wakes every ``tick`` seconds and
+
+- processes what has arrived when no thread is waiting on a future (heartbeats, results),
+  and leads the dispatcher while futures with done-callbacks are pending and no thread
+  waits (see :mod:`phalanx.controller.futures`);
+- declares a rank *unresponsive* once it has given no sign of life for
+  ``heartbeat_timeout`` seconds (every rank sends a heartbeat from a thread of its own, so
+  silence means a stopped process, a C call holding the GIL, or a wedged interpreter): its
+  stacks are taken if they can be, its pending calls fail with
+  :class:`~phalanx.errors.WorkerUnresponsive`, and it is killed so that it cannot come
+  back half-alive;
+- logs once per call when some ranks answered it ``straggler_warning`` seconds ago and
+  others still have not, naming the late ranks and where their code is.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from phalanx.dumps import innermost_user_frames
+from phalanx.errors import ProcessFailure
+from phalanx.wire import protocol
+
+if TYPE_CHECKING:
+    from phalanx.controller.dispatch import Dispatcher, Slot
+    from phalanx.controller.futures import GroupFuture
+
+logger = logging.getLogger(__name__)
+
+StackTaker = Callable[[list["Slot"]], dict[int, str]]
+
+
+class Watchdog:
+    """The supervision thread of one group (see the module docstring)."""
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        slots: Callable[[], list[Slot]],
+        take_stacks: StackTaker,
+        *,
+        heartbeat_timeout: float | None,
+        straggler_warning: float | None,
+    ) -> None:
+        self._dispatcher = dispatcher
+        self._slots = slots
+        self._take_stacks = take_stacks
+        self.heartbeat_timeout = heartbeat_timeout
+        self.straggler_warning = straggler_warning
+        limits = [t / 4 for t in (heartbeat_timeout, straggler_warning) if t]
+        self.tick = max(0.02, min([1.0, *limits]))
+        self._partial: dict[GroupFuture, tuple[float, bool]] = {}  # first answer, warned
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="phalanx-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._dispatcher.background_wanted.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(5.0)
+
+    def _run(self) -> None:
+        dispatcher = self._dispatcher
+        last = time.monotonic()
+        while not self._stop.is_set():
+            if dispatcher.has_background_work():
+                if not dispatcher.pump_in_background(self.tick, self._stop.is_set):
+                    self._stop.wait(0.005)  # a waiting thread leads, and delivers meanwhile
+            elif dispatcher.background_wanted.wait(self.tick):
+                dispatcher.background_wanted.clear()
+            now = time.monotonic()
+            if now - last < self.tick or self._stop.is_set():
+                continue
+            # Woken far later than asked (this process was stopped or starved): the ranks'
+            # heartbeats wait unread in the pipes. Read them before judging anyone.
+            stalled = now - last > 4 * self.tick + 1.0
+            last = now
+            try:
+                dispatcher.poll_now()
+                if self.heartbeat_timeout and not stalled:
+                    self._check_silence(time.monotonic())
+                if self.straggler_warning:
+                    self._check_stragglers(time.monotonic())
+            except Exception:  # the watchdog must keep watching
+                logger.exception("phalanx watchdog check failed")
+
+    # -- silence ----------------------------------------------------------------------
+
+    def _check_silence(self, now: float) -> None:
+        limit = self.heartbeat_timeout
+        for slot in self._slots():
+            # A rank is judged from its first message on: before that it is starting (an
+            # interpreter on a slow disk), which start_timeout bounds.
+            if (slot.alive and slot.heard and not slot.unresponsive
+                    and now - slot.seen > limit):  # type: ignore[operator]
+                self._declare_unresponsive(slot, now - slot.seen)
+
+    def _declare_unresponsive(self, slot: Slot, silent: float) -> None:
+        slot.unresponsive = True
+        stack = self._take_stacks([slot]).get(slot.rank)
+        self._dispatcher.poll_now()
+        if time.monotonic() - slot.seen < self.heartbeat_timeout:  # type: ignore[operator]
+            slot.unresponsive = False  # it spoke meanwhile (the dump's signal woke it)
+            return
+        failure = ProcessFailure(
+            slot.rank, slot.node, slot.pid, None,
+            reason=(f"it gave no sign of life for {silent:.1f} s (heartbeat_timeout="
+                    f"{self.heartbeat_timeout:g} s) and was killed: stopped, deadlocked, or "
+                    "stuck in a C call that holds the GIL"),
+            silent_for=silent, stack=stack,
+        )
+        where = innermost_user_frames(stack or "")
+        logger.info("rank %d (node %d, pid %s) is unresponsive: silent for %.1f s%s; killing it",
+                     slot.rank, slot.node, slot.pid, silent,
+                     f", at {'; '.join(where)}" if where else "")
+        # The record goes first: the rank's real death, reported after the kill, only adds
+        # its exit status to it (see ProcessFailure.merged).
+        self._dispatcher.post(slot.channel, [protocol.exited_message(slot.rank,
+                                                                     failure.as_dict())])
+        slot.channel.signal(slot.rank, signal.SIGKILL)
+        self._dispatcher.poll_now()
+
+    # -- stragglers -------------------------------------------------------------------
+
+    def _check_stragglers(self, now: float) -> None:
+        slots = {slot.rank: slot for slot in self._slots() if slot.alive}
+        current: dict[GroupFuture, None] = {}
+        for slot in slots.values():
+            for future in list(slot.pending.values()):
+                current[future] = None
+        for future in [f for f in self._partial if f not in current]:
+            del self._partial[future]
+        for future in current:
+            late = future._late_ranks()
+            if not late or len(late) == len(future._ranks) or future.cancelled():
+                continue
+            first, warned = self._partial.setdefault(future, (now, False))
+            if warned or now - first < self.straggler_warning:  # type: ignore[operator]
+                continue
+            self._partial[future] = (first, True)
+            stacks = self._take_stacks([slots[r] for r in late if r in slots])
+            where = ""
+            for rank in late:
+                frames = innermost_user_frames(stacks.get(rank, ""))
+                where += f"\n  rank {rank}: " + ("; ".join(frames) or "(no user frame found)")
+            logger.warning(
+                "%s() was answered by %d of %d ranks %.0f s ago; still waiting for ranks %s "
+                "(group.stacks() shows every thread). Where the late ranks are:%s",
+                future.method, len(future._ranks) - len(late), len(future._ranks),
+                now - first, late, where,
+            )

@@ -1,0 +1,11 @@
+"""The node side: starting, supervising and stopping ranks on the machine they run on.
+
+:mod:`.spawn` (starting ranks), :mod:`.supervisor` and :mod:`.keeper` (the node supervisor,
+the ranks' parent and reaper), :mod:`.proctree` (process trees from ``/proc``),
+:mod:`.stacks` (a rank's stacks taken from outside), :mod:`.shm` (shared-memory blocks of
+put objects), :mod:`.placement` (where ranks go, and what needs this machine: GPUs, ports).
+
+Used by every backend's node side (the local backend, the cluster agent, the Ray actor).
+May import: :mod:`phalanx.wire`, :mod:`phalanx.output`, :mod:`phalanx.world` and the
+top-level modules. Never the controller or a backend.
+"""

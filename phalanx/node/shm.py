@@ -1,0 +1,179 @@
+"""Shared-memory blocks: one copy of a put object per node, mapped by every rank there.
+
+A node's *holder* (the controller for the local backend, the agent on a cluster node, a
+store actor on a Ray node) writes an object's pickle stream and its out-of-band buffers
+into a :class:`Block`: an anonymous memory file (``memfd_create``) that lives exactly as
+long as someone holds it -- an open descriptor or a mapping. Nothing is ever named in
+``/dev/shm``, so nothing can be left behind: when the holder closes its descriptor or dies
+(even by SIGKILL), the kernel frees the memory with its last user.
+
+A rank learns where an object is from a SHARE message (:mod:`phalanx.wire.protocol`): the
+holder's pid, the block's descriptor number there, its name, and where the object's parts
+lie in it. It maps the block through ``/proc/<pid>/fd/<n>`` (:mod:`phalanx.rank.shared`).
+
+The controller's blocks are kept in a :class:`Pool` once their object is freed: the next
+object of a similar size is written into pages that already exist, and the ranks keep
+their mappings -- together half the cost of a new block. A block is reused only after
+every rank that received its object said it holds no view of it any more (RELEASED), so a
+rank that kept an array of a freed object never sees it change.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from phalanx import config
+
+NAME = config.SHARE_BLOCK_PREFIX
+_ALIGN = 64  # every buffer starts on a cache line (numpy and torch want aligned data)
+_CHUNK = 64 << 20
+_ROUND = 2 << 20  # a pooled block's size is a multiple of this
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+def supported() -> bool:
+    """Whether this machine can hold blocks (Linux: memfd_create and /proc)."""
+    return hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
+
+
+Layout = list[tuple[int, int]]  # (offset, length) of the stream, then of each buffer
+
+
+def layout_of(parts: Sequence[Any]) -> tuple[Layout, int]:
+    """Where each part goes in a block, and the bytes they need in all."""
+    layout = []
+    offset = 0
+    for part in parts:
+        offset = -(-offset // _ALIGN) * _ALIGN
+        length = memoryview(part).nbytes
+        layout.append((offset, length))
+        offset += length
+    return layout, max(offset, 1)
+
+
+class Block:
+    """An anonymous memory file of this process (a holder's copy of objects)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.token = secrets.token_hex(8)
+        self.capacity = max(capacity, 1)
+        self.fd = os.memfd_create(NAME + self.token, os.MFD_CLOEXEC)
+        self.mapped_by: set[Any] = set()  # channels told where it is (pooled blocks)
+        self._used = False
+        self._map: mmap.mmap | None = None  # this process's own, once reused
+        try:
+            os.ftruncate(self.fd, self.capacity)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    @classmethod
+    def holding(cls, parts: Sequence[Any]) -> tuple[Block, Layout]:
+        """A block of just the right size, with ``parts`` written in."""
+        layout, size = layout_of(parts)
+        block = cls(size)
+        try:
+            block.write(parts, layout)
+        except BaseException:
+            block.close()
+            raise
+        return block, layout
+
+    def write(self, parts: Sequence[Any], layout: Layout) -> None:
+        """Copy ``parts`` in: a new block through the kernel (which makes its pages as it
+        goes), a reused one through a mapping of this process kept for it (its pages and
+        their mapping exist: a plain memory copy, twice as fast)."""
+        if self._map is None and not self._used:
+            self._used = True
+            for part, (offset, length) in zip(parts, layout, strict=True):
+                view = memoryview(part).cast("B")
+                done = 0
+                while done < length:
+                    done += os.pwrite(self.fd, view[done:done + _CHUNK], offset + done)
+            return
+        if self._map is None:
+            self._map = mmap.mmap(self.fd, self.capacity)
+            try:
+                self._map.madvise(_MADV_POPULATE_WRITE)
+            except OSError:  # before Linux 5.14
+                pass
+        for part, (offset, length) in zip(parts, layout, strict=True):
+            self._map[offset:offset + length] = memoryview(part).cast("B")
+
+    def location(self, layout: Layout, release: bool = False, writable: bool = False) -> tuple:
+        """What SHARE tells ranks: ``(pid, fd, name, layout, capacity, release,
+        writable)``; ``release``: say RELEASED once no view of the object is left (a pooled
+        block); ``writable``: its views must be writable (torch tensors)."""
+        return os.getpid(), self.fd, self.token, layout, self.capacity, release, writable
+
+    def close(self) -> None:
+        """Drop the holder's descriptor: the memory goes once no rank maps it any more."""
+        fd, self.fd = self.fd, -1
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+        if fd >= 0:
+            os.close(fd)
+
+
+class Pool:
+    """The controller's blocks: lent to objects, waiting for their ranks' RELEASED once
+    the object is freed, then idle and reused (up to ``config.SHARE_POOL_BYTES``)."""
+
+    def __init__(self, alive: Callable[[Any], bool]) -> None:
+        self._alive = alive  # is this channel's rank still there to answer?
+        self._returning: dict[int, tuple[Block, set[Any]]] = {}  # ref id -> block, waiting
+        self._idle: list[Block] = []
+
+    def take(self, size: int) -> Block:
+        """A block of at least ``size`` bytes: an idle one not much larger, else new."""
+        self._sweep()
+        fits = [b for b in self._idle if size <= b.capacity <= 2 * size + _ROUND]
+        if fits:
+            block = min(fits, key=lambda b: b.capacity)
+            self._idle.remove(block)
+            return block
+        return Block(-(-size // _ROUND) * _ROUND)
+
+    def give_back(self, ref_id: int, block: Block, waiting: set[Any]) -> None:
+        """The object in ``block`` was freed; ``waiting``: the channels told of it."""
+        self._returning[ref_id] = (block, {c for c in waiting if self._alive(c)})
+        self._settle(ref_id)
+
+    def released(self, ref_id: int, channel: Any) -> None:
+        """A rank holds no view of the object any more."""
+        entry = self._returning.get(ref_id)
+        if entry is not None:
+            entry[1].discard(channel)
+            self._settle(ref_id)
+
+    def trim(self) -> list[Block]:
+        """Close idle blocks beyond the pool's size; the ones closed (ranks unmap them)."""
+        closed = []
+        while (len(self._idle) > config.SHARE_POOL_BLOCKS
+               or sum(b.capacity for b in self._idle) > config.SHARE_POOL_BYTES):
+            oldest = self._idle.pop(0)
+            oldest.close()
+            closed.append(oldest)
+        return closed
+
+    def _sweep(self) -> None:
+        """Ranks that died cannot answer: their mappings went with them."""
+        for ref_id, (_, waiting) in list(self._returning.items()):
+            waiting.difference_update([c for c in waiting if not self._alive(c)])
+            self._settle(ref_id)
+
+    def _settle(self, ref_id: int) -> None:
+        block, waiting = self._returning[ref_id]
+        if not waiting:
+            del self._returning[ref_id]
+            self._idle.append(block)
+
+    def close(self) -> None:
+        for block in self._idle + [b for b, _ in self._returning.values()]:
+            block.close()
+        self._idle, self._returning = [], {}

@@ -1,0 +1,297 @@
+"""The node supervisor: the parent of a node's ranks, and the reaper of all they start.
+
+Workers start subprocesses (data loaders, compilers, servers, ``setsid`` daemons); none of
+them may outlive the rank that started it, nor the controller. The supervisor is a small
+process of its own, started by the controller for its group's local ranks, that
+
+- forks a *keeper* per rank: a child subreaper that starts the rank's interpreter, reports
+  its pid and later its exit status on the rank's *status pipe*, and then kills whatever the
+  rank left behind (in its process group, in a new session, double-forked: all of it is
+  re-parented to the keeper) before exiting, which closes the status pipe;
+- when the controller goes away (its pidfd turns readable, or the request socket closes:
+  SIGKILL, SIGTERM, a crash or a clean exit alike), kills every process below it and exits.
+
+A supervisor killed outright cannot clean up (Ray, for one, SIGKILLs the direct children of
+an actor that exits); its keepers then learn of its death from ``PR_SET_PDEATHSIG``
+(SIGTERM, caught) and each ends its rank's whole tree, all of which is below it.
+
+The controller sends one message per rank to start (marshalled, plus the descriptors the rank
+gets) over a ``SOCK_SEQPACKET`` socket. Nothing else passes through the supervisor: control
+streams, output, signals and the status pipe go straight between the controller and the
+rank.
+
+"The controller" is whoever started the supervisor: the group's controller process for its
+local ranks, or a Ray rank actor for its rank (then the actor's death, however it comes,
+ends the rank's whole tree). The same code is what a cluster agent runs for its node.
+"""
+
+from __future__ import annotations
+
+import logging
+import marshal
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from phalanx import config
+from phalanx.node.keeper import ENV_SOCKET
+
+logger = logging.getLogger(__name__)
+
+# It needs the standard library and phalanx only: without ``site`` (-S) it starts ~10 ms
+# sooner, which a Ray rank waits for (its interpreter is started by the supervisor).
+_BOOT = "import sys; sys.path.insert(0, {root!r}); from phalanx.node.keeper import main; main()"
+
+# --------------------------------------------------------------------------- controller side
+
+
+class Supervisor:
+    """The controller's handle on its node supervisor process."""
+
+    def __init__(self) -> None:
+        from phalanx.node import spawn as node
+
+        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = {**os.environ, ENV_SOCKET: str(theirs.fileno()),
+               config.ENV_PARENT_PID: str(os.getpid())}
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+        def start() -> subprocess.Popen:
+            return subprocess.Popen(
+                [sys.executable, "-S", "-c", _BOOT.format(root=root)], env=env,
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, process_group=0,
+            )
+
+        try:
+            self._popen = node.spawn_thread().run(start, _undo_start)
+        finally:
+            theirs.close()
+        self._lock = threading.Lock()
+
+    @property
+    def pid(self) -> int:
+        return self._popen.pid
+
+    def spawn(
+        self,
+        env: Mapping[str, str],
+        cwd: str | None,
+        *,
+        stacks_fd: int | None = None,
+        stream: tuple[str, Sequence[int]] | None = None,
+        output: tuple[int, int] | None = None,
+    ) -> SupervisedProcess:
+        """Start a worker interpreter (:func:`phalanx.rank.runtime.main`) with ``env`` in ``cwd``;
+        returns at once (its pid arrives on the status pipe).
+
+        Its control stream is a pair of pipes made here, unless ``stream`` hands over one
+        already made: ``(spec, fds)``, a :func:`phalanx.rank.runtime._open_stream` spec in which
+        ``{i}`` stands for ``fds[i]`` (``"socket:{0}"``, ``"pipe:{0},{1}"``: read end,
+        write end, or ``"handoff:{0}"`` for a process started before its rank is known).
+        Its stdout and stderr are pipes made here, unless ``output`` names descriptors.
+        The caller keeps its copies of what it hands over; the returned process holds our
+        ends of what was made here (-1 for what was handed over).
+        """
+        from phalanx.node import spawn as node
+
+        made: list[int] = []  # every pipe end made here, until it is sent or kept
+
+        def pipe() -> tuple[int, int]:
+            ends = os.pipe()
+            made.extend(ends)
+            return ends
+
+        try:
+            read_fd = write_fd = stdout_fd = stderr_fd = -1
+            if stream is None:
+                (to_r, write_fd), (read_fd, from_w) = pipe(), pipe()
+                spec, control = "pipe:{0},{1}", [to_r, from_w]
+            else:
+                spec, control = stream[0], list(stream[1])
+                spec.format(*control)  # a spec naming a descriptor not handed over fails here
+            if output is None:
+                (stdout_fd, out_w), (stderr_fd, err_w) = pipe(), pipe()
+                output = (out_w, err_w)
+            status_fd, status_w = pipe()
+        except BaseException:
+            for fd in made:
+                os.close(fd)
+            raise
+        n = len(control)  # the rank's descriptors: control..., stdout, stderr, status, stacks
+        theirs = [*control, *output, status_w]
+        fd_env = {config.ENV_FD: spec}
+        passed = list(range(n))
+        if stacks_fd is not None:
+            theirs.append(stacks_fd)
+            fd_env[config.ENV_STACKS_FD] = f"{{{n + 3}}}"
+            passed.append(n + 3)
+        request = {
+            "argv": node.worker_argv(), "env": dict(env), "cwd": cwd, "pass": passed,
+            "stdout": n, "stderr": n + 1, "status": n + 2, "fd_env": fd_env,
+        }
+        mine = [fd for fd in (read_fd, write_fd, stdout_fd, stderr_fd, status_fd) if fd >= 0]
+        try:
+            with self._lock:
+                socket.send_fds(self._sock, [marshal.dumps(request)], theirs)
+        except OSError as exc:
+            for fd in mine:
+                os.close(fd)
+            raise OSError(f"the node supervisor (pid {self.pid}) is gone: {exc}") from exc
+        finally:
+            for fd in made:
+                if fd not in mine:
+                    os.close(fd)
+        return SupervisedProcess(status_fd, read_fd, write_fd, stdout_fd, stderr_fd)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """End the supervisor; it kills whatever is still below it first."""
+        self._sock.close()
+        try:
+            self._popen.wait(timeout)
+        except subprocess.TimeoutExpired:  # pragma: no cover - it only kills and reaps
+            logger.error("node supervisor pid %d did not exit; killing it", self.pid)
+            self._popen.kill()
+            self._popen.wait()
+
+
+def _undo_start(popen: subprocess.Popen) -> None:
+    popen.kill()
+    popen.wait()
+
+
+_SLICE = 0.1  # seconds: the longest a status wait sleeps before looking again
+
+
+class SupervisedProcess:
+    """One worker started by the node supervisor, as its starter (the controller, or a Ray
+    rank actor) sees it.
+
+    Its status pipe is the death event: it turns readable with the exit record (after the
+    pid record, read on the way), and reads end of file once the keeper has ended what the
+    worker left behind (:meth:`wait_cleaned`).
+    """
+
+    def __init__(self, status_fd: int, read_fd: int, write_fd: int, stdout_fd: int,
+                 stderr_fd: int) -> None:
+        self.death_fd: int | None = status_fd
+        os.set_blocking(status_fd, False)
+        self.read_fd, self.write_fd = read_fd, write_fd
+        self.stdout_fd, self.stderr_fd = stdout_fd, stderr_fd
+        self._lock = threading.Lock()
+        self._buffer = b""
+        self._pid: int | None = None
+        self._code: int | None = None
+        self._error: str | None = None
+        self._ended = False  # the keeper closed the pipe: its cleanup is over
+
+    # -- the status pipe --------------------------------------------------------------
+
+    def _read(self, timeout: float | None) -> None:
+        """Take what the keeper wrote, waiting up to ``timeout`` for something (the wait
+        holds no lock: the dispatcher may look at the same pipe meanwhile)."""
+        fd = self.death_fd
+        if fd is None or self._ended:
+            return
+        if timeout != 0:
+            try:
+                select.select([fd], [], [], timeout)
+            except (OSError, ValueError):  # released meanwhile
+                return
+        with self._lock:
+            if self.death_fd is None or self._ended:
+                return
+            try:
+                data = os.read(fd, 4096)
+            except BlockingIOError:
+                return
+            if not data:
+                self._ended = True
+                if self._code is None:  # the keeper itself was killed, and the rank with it
+                    self._code = 127 if self._pid is None else -signal.SIGKILL
+                return
+            *lines, self._buffer = (self._buffer + data).split(b"\n")
+            for line in lines:  # see keeper._report
+                what, _, value = line.decode(errors="replace").partition(" ")
+                if what == "pid":
+                    self._pid = int(value)
+                elif what == "error":
+                    self._error = value
+                    logger.error("could not start a worker: %s", value)
+                    self._code = 127
+                elif what == "status":
+                    self._code = os.waitstatus_to_exitcode(int(value))
+
+    def _until(self, done: Any, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        left = timeout
+        while not done() and not self._ended and self.death_fd is not None:
+            # at least once, even with no time to wait; in slices, as another thread may
+            # take what arrives (the relay's death watch) and leave this one waiting
+            self._read(_SLICE if left is None else min(left, _SLICE))
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                self._read(0)
+                return
+
+    @property
+    def pid(self) -> int | None:
+        """The worker's pid (None if it could not be started)."""
+        self._until(lambda: self._pid is not None or self._code is not None,
+                    config.SPAWN_TIMEOUT)
+        return self._pid
+
+    @property
+    def start_error(self) -> str | None:
+        return self._error
+
+    def exitcode(self, timeout: float | None = 0.0) -> int | None:
+        """The exit code (negative: killed by that signal); None if still running after
+        ``timeout``."""
+        self._until(lambda: self._code is not None, timeout)
+        return self._code
+
+    def alive(self) -> bool:
+        return self.exitcode(0) is None
+
+    def wait_cleaned(self, timeout: float) -> bool:
+        """Wait until the keeper has ended what the worker left behind."""
+        self._until(lambda: False, timeout)
+        return self._ended
+
+    # -- signals ----------------------------------------------------------------------
+
+    def signal_tree(self, sig: int) -> None:
+        """Send ``sig`` to the worker, its process group and its descendants."""
+        from phalanx.node import spawn as node
+
+        pid = self.pid
+        if pid is None or self._code is not None:
+            return
+        node.signal_descendants(pid, sig)
+        self.signal_group(sig)
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def signal_group(self, sig: int) -> None:
+        pid = self.pid
+        if pid is None or self._code is not None:
+            return
+        try:
+            os.killpg(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def release(self) -> None:
+        with self._lock:
+            if self.death_fd is not None:
+                os.close(self.death_fd)
+                self.death_fd = None

@@ -1,0 +1,354 @@
+"""Streams workers' stdout and stderr to the controller, line by line, prefixed with the rank.
+
+One thread per group reads every worker pipe (``poll``), forwards complete lines to
+:mod:`phalanx.output.console` (collapsing identical lines from several ranks, see
+:mod:`phalanx.output.collapse`), optionally writes them to per-rank files, and keeps the last lines
+of each worker's stderr, which :class:`~phalanx.errors.WorkerDied` quotes.
+
+Whatever a worker writes, the controller's share stays small. A line longer than
+``config.MAX_LINE_BYTES`` is shown as it arrives, in pieces of at most that size, each
+prefixed with the rank like a line of its own (log files still get its bytes unchanged), so
+a stream never holds more than about one piece; such lines are not held for collapsing.
+The stderr tail cuts each line to ``config.STDERR_TAIL_LINE_BYTES`` and keeps
+``config.STDERR_TAIL_CHARS`` at most. Each turn of the reader takes at most one pipe's worth
+(``_READ_SIZE``) from each ready pipe, so one rank's flood does not delay the others.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import pathlib
+import select
+import threading
+import time
+from collections.abc import Sequence
+from typing import BinaryIO
+
+from phalanx import config
+from phalanx.output import console
+from phalanx.output.collapse import LineCollapser, format_ranks
+from phalanx.wire.streams import WakePipe
+
+logger = logging.getLogger(__name__)
+
+_QUIET_MS = 200  # once stopping, pipes silent this long are given up on
+_READ_SIZE = 65536  # a pipe's capacity: one read per ready pipe per turn
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputOptions:
+    """What happens to worker output: shown (collapsed, filtered) and/or written to files."""
+
+    echo: bool = True
+    collapse_window: float = config.COLLAPSE_WINDOW  # 0: every line on its own
+    ranks: frozenset[int] | None = None  # shown ranks; None: all
+    log_dir: pathlib.Path | None = None
+    world: int = 1
+    first_rank: int = 0  # the rank shown for the group's rank 0 (one node of a bigger job)
+
+    @classmethod
+    def build(
+        cls,
+        echo: bool,
+        collapse: bool,
+        ranks: Sequence[int] | None,
+        log_dir: str | os.PathLike[str] | None,
+        world: int,
+        first_rank: int = 0,
+    ) -> OutputOptions:
+        """Check the user's options (before anything starts) and create ``log_dir``."""
+        shown = None
+        if ranks is not None:
+            if isinstance(ranks, (str, bytes)) or not all(
+                isinstance(r, int) and not isinstance(r, bool) for r in ranks
+            ):
+                raise TypeError(f"log_ranks must be a list of ranks, got {ranks!r}")
+            bad = sorted(r for r in ranks if not 0 <= r < world)
+            if bad:
+                raise ValueError(f"log_ranks names ranks {bad} outside 0..{world - 1}")
+            shown = frozenset(ranks)
+        directory = None
+        if log_dir is not None:
+            directory = pathlib.Path(log_dir)
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+                for rank in range(first_rank, first_rank + world):  # every file can be
+                    for name in ("stdout", "stderr"):                   # written, up front
+                        open(log_path(directory, rank, name), "ab").close()
+            except OSError as exc:
+                raise ValueError(f"log_dir={str(log_dir)!r} cannot be written: {exc}") from None
+        window = config.COLLAPSE_WINDOW if collapse else 0.0
+        return cls(bool(echo), window, shown, directory, world, first_rank)
+
+    def shows(self, rank: int) -> bool:
+        return self.echo and (self.ranks is None or rank in self.ranks)
+
+
+def log_path(directory: pathlib.Path, rank: int, name: str) -> pathlib.Path:
+    return directory / f"rank-{rank}.{name}.log"
+
+
+def _char_start(data: bytes | bytearray, index: int) -> int:
+    """``index`` (< ``len(data)``) moved back to the start of the UTF-8 character it falls
+    in, so that cutting there splits no character (invalid UTF-8: at most 3 bytes back)."""
+    stop = max(0, index - 3)
+    while index > stop and data[index] & 0xC0 == 0x80:
+        index -= 1
+    return index
+
+
+class _StderrTail:
+    """The last lines of one worker's stderr, as :class:`~phalanx.errors.WorkerDied` quotes
+    them: at most ``STDERR_TAIL_LINES`` lines and ``STDERR_TAIL_CHARS`` characters, each line
+    cut to ``STDERR_TAIL_LINE_BYTES``. Filled by the reader thread, read by whoever reports
+    the worker's death."""
+
+    def __init__(self) -> None:
+        self._lines: collections.deque[str] = collections.deque()
+        self._chars = 0
+        self._head = b""  # the start of the line being received
+        self._size = 0  # its length so far
+        self._lock = threading.Lock()
+
+    def add(self, piece: bytes | bytearray, final: bool) -> None:
+        """The next piece of the current line; ``final``: its last piece."""
+        limit = config.STDERR_TAIL_LINE_BYTES
+        room = limit + 4 - len(self._head)  # a few bytes more, to cut between characters
+        if room > 0:
+            self._head += piece[:room]
+        self._size += len(piece)
+        if not final:
+            return
+        head, size = self._head, self._size
+        self._head, self._size = b"", 0
+        if size > limit:
+            cut = _char_start(head, limit)
+            line = head[:cut].decode("utf-8", errors="replace") + f" ... [{size - cut} bytes cut]"
+        else:
+            line = head.decode("utf-8", errors="replace")
+        with self._lock:
+            self._lines.append(line)
+            self._chars += len(line)
+            while (len(self._lines) > config.STDERR_TAIL_LINES
+                   or self._chars > config.STDERR_TAIL_CHARS):
+                self._chars -= len(self._lines.popleft())
+
+    def lines(self) -> tuple[str, ...]:
+        with self._lock:
+            return tuple(self._lines)
+
+
+class _Stream:
+    __slots__ = ("buffer", "closed", "continued", "echo", "fd", "file", "is_stderr", "rank",
+                 "tail")
+
+    def __init__(self, fd: int, rank: int, tail: _StderrTail | None, echo: bool,
+                 file: BinaryIO | None):
+        self.fd = fd
+        self.rank = rank
+        self.is_stderr = tail is not None
+        self.buffer = bytearray()  # the line being received: up to a piece and one read
+        self.continued = False  # pieces of that line were passed on already
+        self.tail = tail
+        self.closed = threading.Event()
+        self.echo = echo
+        self.file = file
+
+
+class OutputTap:
+    """What one worker process wrote: its stderr tail, and whether its pipes have closed."""
+
+    def __init__(self, streams: list[_Stream], tail: _StderrTail) -> None:
+        self._streams = streams
+        self._tail = tail
+
+    def wait_closed(self, timeout: float) -> bool:
+        """Wait (bounded) until the worker's pipes reach end of file: its last words are in."""
+        for stream in self._streams:
+            if not stream.closed.wait(timeout):
+                return False
+        return True
+
+    def stderr_tail(self) -> tuple[str, ...]:
+        return self._tail.lines()
+
+
+class LogPump:
+    """The reader thread for all worker pipes of one group."""
+
+    def __init__(self, options: OutputOptions | None = None) -> None:
+        self._options = options or OutputOptions()
+        options = self._options
+        shown = options.world if options.ranks is None else len(options.ranks)
+        self._collapser = LineCollapser(options.collapse_window, shown)
+        self._streams: dict[int, _Stream] = {}
+        self._lock = threading.Lock()
+        self._new: list[_Stream] = []
+        self._wake = WakePipe()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="phalanx-logs", daemon=True)
+        self._thread.start()
+
+    def attach(self, rank: int, stdout_fd: int, stderr_fd: int) -> OutputTap:
+        """Start reading one worker's pipes (the pump owns and closes the descriptors).
+        Lines and log files carry the rank as shown (``first_rank`` added)."""
+        tail = _StderrTail()
+        echo = self._options.shows(rank)
+        shown = rank + self._options.first_rank
+        streams = [
+            _Stream(stdout_fd, shown, None, echo, self._open_log(shown, "stdout")),
+            _Stream(stderr_fd, shown, tail, echo, self._open_log(shown, "stderr")),
+        ]
+        for stream in streams:
+            os.set_blocking(stream.fd, False)
+        with self._lock:
+            self._new.extend(streams)
+        self._wake.wake()
+        return OutputTap(streams, tail)
+
+    def _open_log(self, rank: int, name: str) -> BinaryIO | None:
+        if self._options.log_dir is None:
+            return None
+        # appended to across restarts of the rank
+        return open(log_path(self._options.log_dir, rank, name), "ab", buffering=0)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop once the pipes still open have drained (each write end is closed once its
+        worker is reaped); ``timeout`` bounds the wait for pipes a stray grandchild holds."""
+        self._stopping = True
+        self._wake.wake()
+        self._thread.join(timeout)
+        if self._thread.is_alive():  # it closes what is left when it ends
+            logger.warning("worker output still arriving after %.0f s; not waiting", timeout)
+            return
+        self._wake.close()
+
+    def _run(self) -> None:
+        try:
+            self._pump()
+        finally:
+            for stream in list(self._streams.values()):
+                self._close(stream)
+            self._show(self._collapser.flush())
+
+    def _pump(self) -> None:
+        poller = select.poll()
+        poller.register(self._wake.fd, select.POLLIN)
+        quiet_since = None
+        while True:
+            with self._lock:
+                new, self._new = self._new, []
+            for stream in new:
+                self._streams[stream.fd] = stream
+                poller.register(stream.fd, select.POLLIN)
+            if self._stopping and not self._streams:
+                return
+            deadline = self._collapser.next_deadline()
+            wait = None
+            if deadline is not None:
+                wait = max(0, int((deadline - time.monotonic()) * 1000) + 1)
+            if self._stopping:
+                wait = _QUIET_MS if wait is None else min(wait, _QUIET_MS)
+            try:
+                events = poller.poll(wait)
+            except InterruptedError:  # pragma: no cover
+                continue
+            now = time.monotonic()
+            if deadline is not None:
+                self._show(self._collapser.due(now))
+            if self._stopping:
+                # pipes that stay silent are held open by stray grandchildren: stop waiting
+                if events:
+                    quiet_since = None
+                elif quiet_since is None:
+                    quiet_since = now
+                elif now - quiet_since >= _QUIET_MS / 1000:
+                    return
+            for fd, _ in events:
+                if fd == self._wake.fd:
+                    self._wake.drain()
+                    continue
+                stream = self._streams.get(fd)
+                if stream is not None and not self._read(stream):
+                    poller.unregister(fd)
+                    self._close(stream)
+
+    def _read(self, stream: _Stream) -> bool:
+        """Pass on complete lines, and pieces of overlong ones; False at end of file."""
+        try:
+            data = os.read(stream.fd, _READ_SIZE)
+        except BlockingIOError:
+            return True
+        except OSError:
+            data = b""
+        if not data:
+            if stream.buffer or stream.continued:
+                self._end_line(stream)  # the last line had no newline
+            return False
+        *lines, rest = data.split(b"\n")
+        for line in lines:
+            if stream.buffer or stream.continued or len(line) > config.MAX_LINE_BYTES:
+                stream.buffer += line
+                self._end_line(stream)
+            else:
+                self._emit(stream, line, final=True)
+        stream.buffer += rest
+        self._emit_pieces(stream)
+        return True
+
+    def _emit_pieces(self, stream: _Stream) -> None:
+        """Pass on the received part of a line too long to hold, a piece at a time (the
+        buffer is appended to and cut from the front: no copy is as long as the line)."""
+        buffer, limit = stream.buffer, config.MAX_LINE_BYTES
+        while len(buffer) > limit:
+            cut = _char_start(buffer, limit)
+            self._emit(stream, buffer[:cut], final=False)
+            del buffer[:cut]
+
+    def _end_line(self, stream: _Stream) -> None:
+        self._emit_pieces(stream)
+        line, stream.buffer = stream.buffer, bytearray()
+        self._emit(stream, line, final=True)
+
+    def _emit(self, stream: _Stream, raw: bytes | bytearray, final: bool) -> None:
+        """Pass on a whole line, or a piece of a long one (``final``: the line ends here)."""
+        if stream.file is not None:  # the bytes as written: pieces join up again
+            try:
+                stream.file.write(raw + b"\n" if final else raw)
+            except (OSError, ValueError) as exc:  # a full disk must not stop the output pump
+                logger.warning("cannot write rank %d's log file: %s", stream.rank, exc)
+        continued, stream.continued = stream.continued, not final
+        if final and raw.endswith(b"\r"):
+            raw = raw.rstrip(b"\r")
+        if stream.tail is not None:
+            stream.tail.add(raw, final)
+        if not stream.echo:
+            return
+        if continued and final and not raw:
+            return  # the long line ended exactly at a cut: nothing left to show
+        text = raw.decode("utf-8", errors="replace")
+        if final and not continued and len(text) <= config.COLLAPSE_MAX_LINE:
+            self._show(self._collapser.add(stream.rank, text, stream.is_stderr, time.monotonic()))
+            return
+        # Too long to hold while waiting for identical lines: shown now, after the lines
+        # held so far (which keeps every rank's lines in order).
+        self._show(self._collapser.flush())
+        console.write_line(f"[{format_ranks([stream.rank])}]", text, stderr=stream.is_stderr)
+
+    @staticmethod
+    def _show(lines: list) -> None:
+        for line in lines:
+            console.write_line(line.prefix, line.text, stderr=line.stderr)
+
+    def _close(self, stream: _Stream) -> None:
+        if self._streams.pop(stream.fd, None) is not None:
+            try:
+                os.close(stream.fd)
+            except OSError:
+                pass
+            if stream.file is not None:
+                stream.file.close()
+        stream.closed.set()

@@ -1,0 +1,536 @@
+"""The worker process: ``python -m phalanx.rank.runtime``.
+
+It is started with its rank environment already set and a connected control socket whose
+file descriptor is in ``PHALANX_FD``. It then
+
+1. arranges to die with the controller (``PR_SET_PDEATHSIG`` plus a re-check of the parent,
+   and a watchdog on the control socket's hang-up as the portable fallback);
+2. receives ``INIT``: the controller's ``sys.path`` and the pickled target and constructor
+   arguments; builds the user object and answers ``READY`` (or ``INIT_ERROR``);
+3. serves ``CALL`` frames in the order they arrive on its main thread (or on a pool of
+   ``concurrency`` threads), answering ``RESULT`` or ``ERROR`` for each, until ``SHUTDOWN``
+   or end of stream.
+
+``sys.exit()`` in user code ends the worker with that code, as it would a script; any other
+exception is reported to the controller and the worker keeps serving.
+
+The same loop runs under every backend: it only needs a connected stream socket.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import select
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+import types
+from typing import Any
+
+from phalanx import config
+from phalanx.errors import RemoteFailure
+from phalanx.rank import faults
+from phalanx.rank import shared as shmrank
+from phalanx.wire import framing, pickling, protocol, streams
+
+
+def _install_parent_death_signal(parent_pid: int) -> None:
+    """Have the kernel SIGKILL us when the controller dies, then close the fork/exec race."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    if parent_pid and os.getppid() != parent_pid:
+        os._exit(1)  # the controller died before the signal was armed
+
+
+def arm_stack_dumps() -> None:
+    """Dump every thread's stack into the file the node side gave us on
+    ``config.STACKS_SIGNAL``: from the C signal handler, so it works whatever the threads
+    are doing (see :mod:`phalanx.node.stacks`)."""
+    fd = os.environ.pop(config.ENV_STACKS_FD, None)
+    if fd is None:
+        return
+    import faulthandler
+
+    os.set_inheritable(int(fd), False)
+    faulthandler.register(config.STACKS_SIGNAL, file=int(fd), all_threads=True, chain=False)
+
+
+def _beat(conn: framing.Connection, rank: int, interval: float) -> None:
+    """Send HEARTBEAT every ``interval`` s from a thread of its own: the controller hears
+    nothing while the process is stopped or a C call holds the GIL."""
+
+    def beat() -> None:
+        frame = protocol.heartbeat_frame(rank)
+        while True:  # the first at once: the controller judges silence from then on
+            try:
+                conn.send(frame)
+            except framing.ConnectionLost:
+                return
+            _SHARES.poll()  # a view of a freed object dropped since
+            time.sleep(interval)
+
+    threading.Thread(target=beat, name="phalanx-heartbeat", daemon=True).start()
+
+
+def _process_age() -> float:
+    """Seconds since this process was created (the kernel counts in clock ticks)."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            stat = f.read()
+        ticks = int(stat[stat.rfind(b")") + 2:].split()[19])
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return 0.0
+
+
+_STARTED = (time.monotonic(), 0.0)  # when main() began, and how long the process had lived
+
+
+def _watch_for_hangup(stream: streams.Stream) -> None:
+    """Exit when the controller's end of the stream closes, even if user code never returns."""
+
+    def watch() -> None:
+        poller = select.poll()
+        poller.register(stream.read_fd, stream.hangup_events)
+        while True:
+            try:
+                events = poller.poll()
+            except InterruptedError:  # pragma: no cover
+                continue
+            except (OSError, ValueError):
+                return
+            if events:
+                break
+        time.sleep(config.ORPHAN_GRACE)  # let an orderly exit of the main thread finish first
+        os._exit(1)
+
+    threading.Thread(target=watch, name="phalanx-hangup-watch", daemon=True).start()
+
+
+def public_methods(obj: Any) -> list[str]:
+    """Names of the public callables of ``obj``, without running any property."""
+    names = []
+    for name in dir(obj):
+        if name.startswith("_"):
+            continue
+        try:
+            attr = inspect.getattr_static(obj, name)
+        except AttributeError:
+            continue
+        if isinstance(attr, (staticmethod, classmethod)) or callable(attr):
+            names.append(name)
+    return names
+
+
+_PHALANX_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _is_internal(filename: str) -> bool:
+    return filename.startswith(_PHALANX_DIR) or filename in _RUNPY
+
+_RUNPY = ("<frozen runpy>", os.path.join(os.path.dirname(os.__file__), "runpy.py"))
+
+
+def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """The traceback from the first frame outside phalanx (and runpy) on: what the user
+    wrote, not the machinery that called it."""
+    first = tb
+    while tb is not None and _is_internal(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    return tb if tb is not None else first
+
+
+def _failure(exc: BaseException, stage: str) -> RemoteFailure:
+    return RemoteFailure.from_exception(exc, stage, _user_frames(exc.__traceback__))
+
+
+_CALL_ID = struct.Struct("<Q").unpack_from
+_RANK = struct.Struct("<I").unpack_from
+_MISSING = object()
+_SHARES = shmrank.RANK_SHARES
+_PLAIN_RESULTS = frozenset({type(None), int, float, str, bytes, bool, list, dict, tuple})
+
+
+class _WorkerExit(Exception):
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+class WorkerRuntime:
+    """Builds the user object and serves calls over one connection."""
+
+    def __init__(self, conn: framing.Connection) -> None:
+        self.conn = conn
+        self.obj: Any = None
+        self._loop: Any = None  # asyncio event loop, made on the first async method
+        self._pool: Any = None  # ThreadPoolExecutor when concurrency > 1
+        self._early_frames: list[list[Any]] = []  # calls that arrived together with INIT
+        self._loop_lock = threading.Lock()
+        self.bootstrap: Any = None  # phalanx.rank.bootstrap.Bootstrap when a framework needs one
+        self.rank = 0  # from INIT's header; stamped on every reply
+        self._faults: dict[str, tuple[str, Any]] = {}  # method -> fault armed by INJECT
+
+    # -- start-up ---------------------------------------------------------------------
+
+    def initialise(self) -> bool:
+        """Wait for INIT, build the user object; False when that failed (already reported)."""
+        while True:
+            frames = self.conn.reader.recv_frames()
+            if frames:
+                break
+        clock = time.monotonic
+        timings = {"interpreter": _STARTED[1], "waiting": clock() - _STARTED[0]}
+        segs = frames[0]
+        self._early_frames = frames[1:]
+        kind, _, ranks, (sys_path, options) = protocol.parse(segs[0])
+        if kind != protocol.INIT:
+            raise RuntimeError(f"expected INIT, got message kind {kind}")
+        self.rank = ranks[0]
+        _SHARES.notify = self._released
+        if options.get("heartbeat"):
+            _beat(self.conn, self.rank, options["heartbeat"])
+        sys.path[:] = list(dict.fromkeys([*sys_path, *sys.path]))
+        stage = "unpickling the target"
+        try:
+            framework = options.get("framework")
+            if framework not in (None, "spmd"):
+                stage = f"starting the {framework} framework"
+                began = clock()
+                self._start_framework(framework)
+                timings["framework"] = clock() - began
+                stage = "unpickling the target"
+            began = clock()
+            target, args, kwargs = pickling.loads(segs[1:])
+            timings["import"] = clock() - began
+            stage = "constructing the worker object"
+            began = clock()
+            if isinstance(target, types.ModuleType):
+                self.obj = target
+            else:
+                self.obj = target(*args, **kwargs)
+            timings["constructor"] = clock() - began
+        except BaseException as exc:  # noqa: BLE001 - reported to the controller
+            failure = _failure(exc, stage)
+            self.conn.send(protocol.init_error_frame(self.rank, failure.as_tuple()))
+            return False
+        concurrency = options.get("concurrency", 1)
+        if concurrency > 1:
+            import concurrent.futures
+
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                concurrency, thread_name_prefix="phalanx-call"
+            )
+        self.conn.send(protocol.ready_frame(self.rank, os.getpid(), public_methods(self.obj),
+                                            timings, os.environ.get("PHALANX_CODE_VERSION")))
+        return True
+
+    def _start_framework(self, name: str) -> None:
+        from phalanx.rank import bootstrap
+        from phalanx.world.frameworks import get_framework
+
+        self.bootstrap = bootstrap.Bootstrap(get_framework(name))
+        self.bootstrap.setup()
+
+    def cleanup(self) -> None:
+        """The framework's cleanup, once, as the worker exits."""
+        if self.bootstrap is not None:
+            self.bootstrap.cleanup()
+            self.bootstrap = None
+
+    # -- serving ----------------------------------------------------------------------
+
+    def serve(self) -> int:
+        """Serve calls until SHUTDOWN or end of stream; returns the exit code."""
+        recv = self.conn.reader.recv_frames
+        readable = None
+        if isinstance(self.conn.stream, streams.SocketStream):
+            # Sleep in poll(), not in recv(): a blocked recv() on a Unix socket is also woken
+            # each time the controller drains what we sent (a spurious context switch per
+            # call); poll() filters that wake-up out. Pipes need no such care.
+            poller = select.poll()
+            poller.register(self.conn.read_fd, select.POLLIN)
+            readable = poller.poll
+        run = self._run_call if self._pool is None else self._submit_call
+        call, call_id, head_size = protocol.CALL, _CALL_ID, protocol.HEAD_SIZE
+        many = protocol.MANY
+        frames, self._early_frames = self._early_frames, []
+        while True:
+            for segs in frames:
+                first = segs[0]
+                kind = first[0]
+                start = head_size if _RANK(first, 9)[0] != many else protocol.body_offset(first)
+                if kind == call:
+                    run(call_id(first, 1)[0], first[start:].decode(), segs)
+                elif kind == protocol.CALL_STREAM:
+                    run(call_id(first, 1)[0], first[start:].decode(), segs, True)
+                elif kind == protocol.SHUTDOWN:
+                    return 0
+                else:
+                    self._node_message(kind, first)
+            try:
+                if readable is None:
+                    frames = recv()
+                else:
+                    frames = recv(False)
+                    while not frames:
+                        readable()
+                        frames = recv(False)
+            except framing.ConnectionLost:
+                return 0
+
+    def _node_message(self, kind: int, header: Any) -> None:
+        """A shared object held on this node, or freed; a fault to inject."""
+        extra = protocol.parse(header)[3]
+        if kind == protocol.SHARE:
+            _SHARES.add(*extra)
+        elif kind == protocol.UNSHARE:
+            _SHARES.drop(*extra)
+        elif kind == protocol.UNMAP:
+            _SHARES.unmap(*extra)
+        elif kind == protocol.INJECT:
+            method, fault, argument = extra
+            self._faults[method] = (fault, argument)
+
+    def _released(self, ref_id: int) -> None:
+        try:
+            self.conn.send(protocol.released_frame(self.rank, ref_id))
+        except framing.ConnectionLost:
+            pass
+
+    def _submit_call(
+        self, call_id: int, method: str, segs: list[Any], stream: bool = False
+    ) -> None:
+        assert self._pool is not None
+        self._pool.submit(self._run_call_guarded, call_id, method, segs, stream)
+
+    def _run_call_guarded(
+        self, call_id: int, method: str, segs: list[Any], stream: bool = False
+    ) -> None:
+        try:
+            self._run_call(call_id, method, segs, stream)
+        except _WorkerExit as exc:
+            _flush_and_exit(self.conn, exc.code, runtime=self)
+
+    def _run_call(
+        self, call_id: int, method: str, segs: list[Any], stream: bool = False
+    ) -> None:
+        # One try block; ``stage`` says which side of the call an exception came from.
+        stage = "unpickling the arguments"
+        try:
+            if self._faults and method in self._faults:
+                stage = "running the method"
+                faults.perform(method, *self._faults.pop(method))
+                stage = "unpickling the arguments"
+            args, kwargs = pickling.loads(segs[1:])
+            stage = "looking up the method"
+            fn = getattr(self.obj, method, _MISSING)
+            if fn is _MISSING:
+                available = ", ".join(public_methods(self.obj)) or "none"
+                raise AttributeError(
+                    f"{type(self.obj).__name__} has no method {method!r}; available: {available}"
+                )
+            stage = "running the method"
+            result = fn(*args, **kwargs)
+            if type(result) not in _PLAIN_RESULTS:
+                if inspect.isawaitable(result):
+                    result = self._await(result)
+                elif not stream and (inspect.isgenerator(result) or inspect.isasyncgen(result)):
+                    raise TypeError(
+                        f"{method}() returned a generator, which cannot be sent back whole; "
+                        "use group.call_stream() to receive its items"
+                    )
+            if stream:
+                self._stream(call_id, result)
+                return
+            stage = "pickling the result"
+            payload = pickling.dumps_fast(result)
+        except SystemExit as exc:
+            raise _WorkerExit(exit_code_of(exc.code)) from None
+        except BaseException as exc:  # noqa: BLE001 - reported to the controller
+            self._send_error(call_id, exc, stage)
+            return
+        del result
+        self.conn.send(protocol.result_frame(call_id, self.rank, payload))
+        if _SHARES._pending:  # freed objects whose last views this call may have let go
+            _SHARES.poll()
+
+    def _stream(self, call_id: int, result: Any) -> None:
+        """Send each item of a generator (sync or async) as it comes, then the end marker.
+        Exceptions propagate to _run_call, which reports them with the stage reached."""
+        send, rank, dumps = self.conn.send, self.rank, pickling.dumps_fast
+        if inspect.isasyncgen(result):
+            while True:
+                more, item = self._await(_anext(result))
+                if not more:
+                    break
+                send(protocol.result_frame(call_id, rank, dumps(item), item=True))
+        elif inspect.isgenerator(result):
+            for item in result:
+                send(protocol.result_frame(call_id, rank, dumps(item), item=True))
+        else:
+            send(protocol.result_frame(call_id, rank, dumps(result), item=True))
+        send(protocol.end_of_stream_frame(call_id, rank))
+
+    def _await(self, awaitable: Any) -> Any:
+        import asyncio
+
+        if self._pool is None:  # serial calls: run the coroutine on this (main) thread
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+            return self._loop.run_until_complete(awaitable)
+        # concurrent calls: every coroutine shares one event loop on its own thread
+        with self._loop_lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                threading.Thread(
+                    target=self._loop.run_forever, name="phalanx-asyncio", daemon=True
+                ).start()
+        return asyncio.run_coroutine_threadsafe(_as_coroutine(awaitable), self._loop).result()
+
+    def _send_error(self, call_id: int, exc: BaseException, stage: str) -> None:
+        failure = _failure(exc, stage)
+        self.conn.send(protocol.error_frame(call_id, self.rank, failure.as_tuple()))
+
+
+async def _anext(agen: Any) -> tuple[bool, Any]:
+    try:
+        return True, await agen.__anext__()
+    except StopAsyncIteration:
+        return False, None
+
+
+async def _as_coroutine(awaitable: Any) -> Any:
+    return await awaitable
+
+
+def exit_code_of(code: Any) -> int:
+    """The process exit status for ``sys.exit(code)``, as Python itself makes it (a
+    non-integer is printed to stderr and gives 1)."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return int(code)  # sys.exit(True) is 1
+    print(code, file=sys.stderr, flush=True)
+    return 1
+
+
+def _drain(conn: framing.Connection, wait: float = 1.0) -> None:
+    """Give the writer thread up to ``wait`` s to send what is queued (the last results)."""
+    deadline = time.monotonic() + wait
+    while conn.has_backlog() and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def _flush_and_exit(
+    conn: framing.Connection, code: int, wait: float = 1.0, runtime: WorkerRuntime | None = None
+) -> None:
+    if runtime is not None:
+        runtime.cleanup()
+    _drain(conn, wait)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _open_stream(spec: str) -> streams.Stream:
+    """``pipe:R,W`` (local backend), ``socket:FD`` (a connected socket), or ``handoff:FD``
+    (started ahead of time: wait on that Unix socket for the rank's assignment)."""
+    kind, _, fds = spec.partition(":")
+    numbers = [int(fd) for fd in fds.split(",")]
+    for fd in numbers:
+        os.set_inheritable(fd, False)  # not for the user's subprocesses
+    if kind == "pipe":
+        return streams.PipeStream(numbers[0], numbers[1], blocking_reads=True)
+    if kind == "socket":
+        return streams.SocketStream(socket.socket(fileno=numbers[0]))
+    if kind == "handoff":
+        return _take_assignment(socket.socket(fileno=numbers[0]))
+    raise ValueError(f"{config.ENV_FD}={spec!r}: expected pipe:R,W, socket:FD or handoff:FD")
+
+
+def _take_assignment(sock: socket.socket) -> streams.Stream:
+    """Become a rank: receive its environment, cwd and connected sockets (control, stdout,
+    stderr) from the node side that started this process early (see
+    :func:`phalanx.node.spawn.prestart_worker`). Its end closing first means: not needed, exit."""
+    import json
+
+    head, fds, _, _ = socket.recv_fds(sock, 1 << 16, 4)
+    if not head:
+        os._exit(0)
+    size = struct.unpack_from("<I", head)[0]
+    data = bytearray(head[4:])
+    while len(data) < size:
+        more = sock.recv(size - len(data))
+        if not more:
+            os._exit(0)
+        data += more
+    sock.close()
+    assignment = json.loads(data)
+    count = assignment["control"]  # 1: a socket; 2: pipes (read end, write end)
+    control, (out, err) = fds[:count], fds[count:]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    os.close(out)
+    os.close(err)
+    os.environ.update(assignment["env"])
+    if assignment.get("cwd"):
+        os.chdir(assignment["cwd"])
+    for fd in control:
+        os.set_inheritable(fd, False)
+    if count == 2:
+        return streams.PipeStream(control[0], control[1], blocking_reads=True)
+    return streams.SocketStream(socket.socket(fileno=control[0]))
+
+
+def run(conn: framing.Connection, runtime: WorkerRuntime) -> int:
+    """Build the user object and serve until SHUTDOWN or end of stream; the exit status.
+    ``sys.exit`` in user code ends the process here (after the framework's cleanup)."""
+    try:
+        if not runtime.initialise():
+            _flush_and_exit(conn, 1, runtime=runtime)
+        code = runtime.serve()
+    except _WorkerExit as exc:
+        _flush_and_exit(conn, exc.code, runtime=runtime)
+    except framing.ConnectionLost:
+        code = 0
+    except KeyboardInterrupt:  # SIGINT while idle (e.g. sent with group.send_signal): exit
+        code = 128 + signal.SIGINT
+    runtime.cleanup()
+    _drain(conn)
+    return code
+
+
+def _default_signals() -> None:
+    """Start as a fresh Python program would, whatever the node side ignored or blocked (a
+    Ray worker's threads block signals, and the mask and ignored signals survive exec)."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def main() -> None:
+    global _STARTED
+    _STARTED = (time.monotonic(), _process_age())
+    _default_signals()
+    arm_stack_dumps()
+    parent = int(os.environ.pop(config.ENV_PARENT_PID, "0"))
+    _install_parent_death_signal(parent)
+    stream = _open_stream(os.environ.pop(config.ENV_FD))
+    _watch_for_hangup(stream)
+    conn = framing.Connection(stream, framing.BacklogWriter("phalanx-worker-writer"))
+    sys.exit(run(conn, WorkerRuntime(conn)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""A rank's side of shared objects (:mod:`phalanx.node.shm`): where each is, mapping its block,
+unpickling it once, and telling a pooled block's holder when no view of it is left.
+
+A block is mapped once and kept (shared, its arrays handed out read-only: no page of it is
+ever written here), so an object written later into a reused block costs no new mapping.
+An object whose views must be writable -- a call's own arguments, which the method may
+change as it would its own copy, and torch tensors, which have no read-only form -- gets a
+copy-on-write mapping of its own instead, gone with its last view: a write changes only
+this rank's pages, and never outlives the object.
+
+Every buffer of an object (a numpy array's data, a torch tensor's) is handed to pickle as
+a view of a small ctypes object over the block's mapping: whatever the rank builds from it
+keeps that object referenced, so its reference count says whether the rank still holds
+any view of the object -- what RELEASED promises the holder before it reuses the block.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from phalanx.config import SHARE_BLOCK_PREFIX as NAME
+
+if TYPE_CHECKING:
+    import mmap
+
+# ctypes and mmap are imported on first use: a rank that is never sent a shared object
+# (most) does not pay for them at start-up.
+
+
+class NotShared(LookupError):
+    """A call named a shared object this rank has no location for."""
+
+
+def map_block(pid: int, fd: int, name: str, size: int, private: bool) -> mmap.mmap:
+    """Map another process's block: shared (handed out read-only), or ``private``
+    (copy-on-write: writes stay this process's own)."""
+    import mmap
+
+    path = f"/proc/{pid}/fd/{fd}"
+    try:
+        target = os.readlink(path)
+    except OSError as exc:
+        raise NotShared(f"its holder (pid {pid}) no longer holds it ({exc.strerror})") from None
+    if not target.startswith(f"/memfd:{NAME}{name}"):  # the number was reused meanwhile
+        raise NotShared(f"its holder (pid {pid}) no longer holds it")
+    # ctypes views need a writable mapping; the shared one is only ever handed out read-only
+    file = os.open(path, (os.O_RDONLY if private else os.O_RDWR) | os.O_CLOEXEC)
+    try:
+        block = mmap.mmap(file, size, flags=mmap.MAP_PRIVATE if private else mmap.MAP_SHARED,
+                          prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(file)
+    try:  # map every page now, in one go, without copying any (MAP_POPULATE would copy)
+        block.madvise(getattr(mmap, "MADV_POPULATE_READ", 22))
+    except OSError:  # before Linux 5.14: pages are mapped as they are first read
+        pass
+    return block
+
+
+class RankShares:
+    """A rank's shared objects: where each is (from SHARE) and, once used, the object."""
+
+    def __init__(self) -> None:
+        self._where: dict[int, tuple[str, tuple]] = {}  # ref id -> (token, location)
+        self._objects: dict[int, Any] = {}  # ref id -> the object, once unpickled
+        self._maps: dict[str, mmap.mmap] = {}  # block name -> this rank's mapping
+        self._owners: dict[int, list[Any]] = {}  # ref id -> what its views reference
+        self._pending: dict[int, tuple] = {}  # freed, views left: ref id -> location
+        self._lock = threading.Lock()  # calls on a thread pool may resolve at once
+        self.notify: Callable[[int], None] = lambda ref_id: None  # sends RELEASED
+
+    def add(self, ref_id: int, token: str, location: tuple) -> None:
+        with self._lock:
+            self._where[ref_id] = (token, tuple(location))
+
+    def resolve(self, ref_id: int, token: str, private: bool = False) -> Any:
+        """The object (unpickled on first use, then kept); ``private``: a call's own
+        arguments, unpickled for that call only, its arrays writable as a copy's would be
+        (the mapping is copy-on-write: a write never reaches another rank)."""
+        with self._lock:
+            if not private and ref_id in self._objects:
+                return self._objects[ref_id]
+            where = self._where.get(ref_id)
+            if where is None or where[0] != token:
+                raise NotShared(f"shared object {ref_id} is not on this rank's node (freed, "
+                                "or put by another group)")
+            pid, fd, name, layout, capacity, _, writable = where[1]
+            writable = writable or private
+            block = None if writable else self._maps.get(name)
+            if block is None:
+                try:
+                    block = map_block(pid, fd, name, capacity, writable)
+                except NotShared as exc:
+                    raise NotShared(f"shared object {ref_id}: {exc}") from None
+                if not writable:
+                    self._maps[name] = block
+            owners = self._owners.setdefault(ref_id, [])
+            obj = _unpickle(block, layout, writable, owners)
+            if not private:
+                self._objects[ref_id] = obj
+            return obj
+
+    def drop(self, ref_id: int) -> None:
+        """UNSHARE: forget the object; tell its holder once no view of it is left."""
+        with self._lock:
+            entry = self._where.pop(ref_id, None)
+            self._objects.pop(ref_id, None)
+        if entry is None:  # never told of it: nothing of it here
+            self.notify(ref_id)
+            return
+        with self._lock:
+            location = entry[1]
+            if not location[5]:  # a block of its own (not pooled): unmap it with the views
+                self._owners.pop(ref_id, None)
+                self._maps.pop(location[2], None)
+                return
+            self._pending[ref_id] = location
+        self.poll()
+
+    def unmap(self, name: str) -> None:
+        """UNMAP: the holder closed a pooled block (views of it keep their pages)."""
+        with self._lock:
+            self._maps.pop(name, None)
+
+    def poll(self) -> None:
+        """Tell holders about freed objects of which no view is left now."""
+        if not self._pending:
+            return
+        with self._lock:
+            done = [r for r in self._pending if not _in_use(self._owners.get(r, ()))]
+            for ref_id in done:
+                del self._pending[ref_id]
+                self._owners.pop(ref_id, None)
+        for ref_id in done:
+            self.notify(ref_id)
+
+
+def _in_use(owners: Any) -> bool:
+    # an owner referenced only by the list (and by getrefcount's argument) has no view
+    return any(sys.getrefcount(owners[i]) > 2 for i in range(len(owners)))
+
+
+def _unpickle(block: mmap.mmap, layout: list, writable: bool, owners: list[Any]) -> Any:
+    import ctypes
+
+    (start, length), *rest = layout
+    buffers = []
+    for offset, size in rest:
+        if not size:
+            buffers.append(b"")
+            continue
+        owner = (ctypes.c_char * size).from_buffer(block, offset)
+        owners.append(owner)
+        view = memoryview(owner).cast("B")
+        buffers.append(view if writable else view.toreadonly())
+    stream = memoryview(block)[start:start + length]
+    try:
+        return pickle.loads(stream, buffers=buffers)
+    finally:
+        stream.release()
+
+
+RANK_SHARES = RankShares()
+
+
+def resolve(ref_id: int, token: str, private: bool = False) -> Any:
+    """What a shared object's handle unpickles to in a rank (see ObjectRef)."""
+    return RANK_SHARES.resolve(ref_id, token, private)

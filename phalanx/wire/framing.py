@@ -1,0 +1,354 @@
+"""Frames and the byte stream between the controller and a worker.
+
+A *frame* is a list of byte segments sent as one unit::
+
+    <u32 nseg><u64 body_len> <u64 len_0> ... <u64 len_{n-1}> <seg_0> ... <seg_{n-1}>
+
+Segment 0 is a message header (:mod:`phalanx.wire.protocol` owns those); the remaining segments
+are an optional payload: one pickle stream followed by its protocol-5 out-of-band buffers
+(made by :mod:`.pickling`).
+Large numpy arrays and torch CPU tensors therefore travel as their own segments, handed to
+``sendmsg`` as memoryviews and received in place into one preallocated buffer: the bytes are
+copied by the kernel and nowhere else.
+
+Sending never blocks the caller on a slow peer: what the socket does not take at once is
+queued on the connection and written by a :class:`BacklogWriter` thread. That keeps both
+sides reading while they write, so two peers sending to each other cannot deadlock.
+
+The bytes travel over a :class:`Stream`: a pair of pipes between processes on one machine,
+a socket between machines. This module knows nothing of workers or groups; it only moves
+frames, and never looks inside segment 0.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import select
+import struct
+import threading
+from typing import Any
+
+from phalanx.wire.streams import MAX_SEGMENTS as _MAX_SEGMENTS
+from phalanx.wire.streams import Stream, WakePipe
+
+logger = logging.getLogger(__name__)
+
+_PREFIX = struct.Struct("<IQ")
+_LEN = struct.Struct("<Q")
+_RECV_CHUNK = 256 * 1024
+# Frames at least this large are received in place into their own buffer instead of
+# being accumulated in the stream buffer and sliced out of it.
+_BIG_FRAME = 512 * 1024
+
+
+class ConnectionLost(Exception):
+    """The peer closed the stream or the socket failed (internal, never reaches users)."""
+
+
+class FrameTooLarge(ConnectionLost):
+    """A peer announced a frame over the reader's limit: the stream cannot go on."""
+
+
+
+_SMALL_FRAME = 64 * 1024
+_PREFIX_1 = struct.Struct("<IQQ")
+_PREFIX_2 = struct.Struct("<IQQQ")
+
+
+def small_frame_prefix(head_size: int, payload: list[Any]) -> bytes | None:
+    """The bytes :func:`frame` puts before ``head + payload[0]`` when that frame is small
+    and made of ``bytes`` (a header of ``head_size`` bytes, one pickle); None otherwise.
+    Lets a caller frame the same payload under many headers without re-framing it."""
+    if len(payload) != 1 or type(payload[0]) is not bytes or len(payload[0]) >= _SMALL_FRAME:
+        return None
+    size = len(payload[0])
+    return _PREFIX_2.pack(2, 16 + head_size + size, head_size, size)
+
+
+def frame(segments: list[Any]) -> list[Any]:
+    """Prefix ``segments`` with the frame header; the result goes to ``Connection.send``.
+
+    Small frames made of ``bytes`` are joined into one ``bytes`` (one plain ``send``);
+    larger ones stay a list of segments so that buffers are never copied.
+    """
+    n = len(segments)
+    if n == 1 and type(segments[0]) is bytes:
+        (a,) = segments
+        return [_PREFIX_1.pack(1, 8 + len(a), len(a)) + a]
+    if n == 2 and type(segments[0]) is bytes and type(segments[1]) is bytes:
+        a, b = segments
+        if len(b) < _SMALL_FRAME:
+            return [_PREFIX_2.pack(2, 16 + len(a) + len(b), len(a), len(b)) + a + b]
+    lengths = [memoryview(s).nbytes for s in segments]
+    table = _table(n).pack(*lengths)
+    prefix = _PREFIX.pack(n, len(table) + sum(lengths))
+    return [prefix + table, *segments]
+
+
+# --------------------------------------------------------------------------- receiving
+
+
+_TABLES = [struct.Struct(f"<{n}Q") for n in range(17)]
+_unpack_length = _TABLES[1].unpack_from
+_unpack_prefix = _PREFIX.unpack_from
+_PREFIX_SIZE = _PREFIX.size
+
+
+def _table(nseg: int) -> struct.Struct:
+    return _TABLES[nseg] if nseg < len(_TABLES) else struct.Struct(f"<{nseg}Q")
+
+
+class FrameReader:
+    """Incremental frame parser over one stream (blocking or not)."""
+
+    def __init__(self, stream: Stream) -> None:
+        self._stream = stream
+        self._buf = bytearray()  # bytes of an incomplete frame, carried to the next read
+        self._chunk = bytearray(_RECV_CHUNK)
+        # A large frame being received in place: (buffer, bytes filled, segment lengths).
+        self._big: tuple[bytearray, int, tuple[int, ...]] | None = None
+        self.limit: int | None = None  # the largest frame body accepted (None: any)
+        self._pending = getattr(stream, "pending", None)
+
+    def recv_frames(self, block: bool = True) -> list[list[Any]]:
+        """Receive once and return every frame now complete (possibly none).
+
+        With ``block=False`` it returns ``[]`` instead of waiting for data.
+        Raises :class:`ConnectionLost` at end of stream.
+        """
+        frames = self._recv_once(block)
+        pending = self._pending
+        while pending is not None and pending():  # TLS: decrypted bytes no poll() announces
+            frames += self._recv_once(False)
+        return frames
+
+    def _recv_once(self, block: bool) -> list[list[Any]]:
+        if self._big is not None:
+            return self._fill_big(block)
+        n = self._read(self._chunk, _RECV_CHUNK, block)
+        if not n:
+            return []
+        if not self._buf:  # the usual case: parse straight out of the read buffer
+            return self._parse(self._chunk, n)
+        with memoryview(self._chunk) as mv:
+            self._buf += mv[:n]
+        buf, self._buf = self._buf, bytearray()
+        return self._parse(buf, len(buf))
+
+    def _read(self, buf: Any, nbytes: int, block: bool) -> int:
+        """Bytes read into ``buf``; 0 when nothing is there yet (non-blocking)."""
+        try:
+            n = self._stream.read_into(buf, nbytes, block)
+        except (BlockingIOError, InterruptedError):
+            return 0
+        except OSError as exc:
+            raise ConnectionLost(str(exc)) from exc
+        if n == 0:
+            raise ConnectionLost("end of stream")
+        return n
+
+    def _parse(self, buf: bytearray, size: int) -> list[list[Any]]:
+        """Split ``buf[:size]`` into frames; keep an incomplete tail for the next read."""
+        frames = []
+        pos = 0
+        mv = memoryview(buf)  # buf is never resized while this view lives
+        while size - pos >= _PREFIX_SIZE:
+            nseg, body = _unpack_prefix(buf, pos)
+            if self.limit is not None and (body > self.limit or not 0 < 8 * nseg <= body):
+                raise FrameTooLarge(
+                    f"a frame of {body} bytes in {nseg} segments (the limit is {self.limit} "
+                    "bytes)" if body > self.limit else f"a malformed frame header ({nseg} "
+                    f"segments in {body} bytes)")
+            start = pos + _PREFIX_SIZE
+            end = start + body
+            if end > size:
+                table_end = start + 8 * nseg
+                if body >= _BIG_FRAME and table_end <= size:
+                    # Receive the rest of a large frame in place, into its own buffer.
+                    lengths = _table(nseg).unpack_from(buf, start)
+                    target = bytearray(end - table_end)
+                    have = size - table_end
+                    target[:have] = mv[table_end:size]
+                    self._big = (target, have, lengths)
+                    pos = size
+                break
+            off = start + 8 * nseg
+            if nseg == 2:  # header + one pickle: nearly every frame
+                mid = off + _unpack_length(buf, start)[0]
+                frames.append([mv[off:mid].tobytes(), mv[mid:end].tobytes()])
+            else:
+                segs = []
+                for length in _table(nseg).unpack_from(buf, start):
+                    segs.append(mv[off : off + length].tobytes())
+                    off += length
+                frames.append(segs)
+            pos = end
+        if pos < size:
+            self._buf = bytearray(mv[pos:size])
+        if self._big is not None and self._big[1] == len(self._big[0]):
+            frames.append(self._finish_big())
+        return frames
+
+    def _fill_big(self, block: bool) -> list[list[Any]]:
+        target, have, lengths = self._big  # type: ignore[misc]
+        with memoryview(target) as mv:
+            n = self._read(mv[have:], len(target) - have, block)
+        if not n:
+            return []
+        have += n
+        self._big = (target, have, lengths)
+        if have < len(target):
+            return []
+        return [self._finish_big()]
+
+    def _finish_big(self) -> list[Any]:
+        target, _, lengths = self._big  # type: ignore[misc]
+        self._big = None
+        mv = memoryview(target)
+        segs: list[Any] = []
+        off = 0
+        for length in lengths:
+            segs.append(mv[off : off + length])
+            off += length
+        segs[0] = bytes(segs[0])
+        return segs
+
+
+# --------------------------------------------------------------------------- sending
+
+
+def _advance(segments: collections.deque, sent: int) -> None:
+    """Drop ``sent`` bytes from the front of a deque of byte segments."""
+    while sent:
+        head = segments[0]
+        size = memoryview(head).nbytes
+        if sent >= size:
+            segments.popleft()
+            sent -= size
+        else:
+            segments[0] = memoryview(head).cast("B")[sent:]
+            sent = 0
+
+
+class Connection:
+    """One framed, full-duplex channel over a :class:`Stream`.
+
+    ``send`` may be called from any thread and never blocks on the peer; receiving is done
+    by one thread at a time (the worker's main loop, or the controller's dispatcher).
+    """
+
+    def __init__(self, stream: Stream, writer: BacklogWriter,
+                 reader: FrameReader | None = None) -> None:
+        self.stream = stream
+        self.read_fd = stream.read_fd
+        self.write_fd = stream.write_fd
+        self.reader = reader or FrameReader(stream)  # one that may hold bytes read already
+        self._write = stream.write_nowait
+        self._lock = threading.Lock()
+        self._backlog: collections.deque = collections.deque()
+        self._writer = writer
+        self.broken: BaseException | None = None
+        self.closed = False
+
+    def send(self, segments: list[Any]) -> None:
+        """Queue one frame (already built by :func:`frame`); raises ConnectionLost if broken."""
+        with self._lock:
+            if self._backlog or self.broken is not None or self.closed:
+                if self.broken is not None or self.closed:
+                    raise ConnectionLost(f"connection is closed ({self.broken or 'closed'})")
+                self._backlog.extend(segments)
+                return
+            if len(segments) == 1:
+                total = len(segments[0])  # one bytes object: see frame()
+            else:
+                total = sum(memoryview(s).nbytes for s in segments)
+            try:
+                sent = self._write(segments)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as exc:
+                self.broken = exc
+                raise ConnectionLost(str(exc)) from exc
+            if sent == total:
+                return
+            self._backlog.extend(segments)
+            _advance(self._backlog, sent)
+        self._writer.schedule(self)
+
+    def _flush_some(self) -> bool:
+        """Write what the socket takes now; True when the backlog is empty (writer thread)."""
+        with self._lock:
+            while self._backlog:
+                chunk = list(self._backlog)[:_MAX_SEGMENTS]
+                try:
+                    sent = self.stream.write_nowait(chunk)
+                except (BlockingIOError, InterruptedError):
+                    return False
+                except OSError as exc:
+                    self.broken = exc
+                    self._backlog.clear()
+                    return True
+                _advance(self._backlog, sent)
+            return True
+
+    def has_backlog(self) -> bool:
+        return bool(self._backlog)
+
+    def close(self) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            self._backlog.clear()
+        self.stream.close()
+
+
+class BacklogWriter:
+    """A thread that writes queued bytes to connections whose peer was not reading fast enough.
+
+    It is idle (blocked in ``poll``) unless some send could not complete at once.
+    """
+
+    def __init__(self, name: str = "phalanx-writer") -> None:
+        self._pending: set[Connection] = set()
+        self._lock = threading.Lock()
+        self._wake = WakePipe()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def schedule(self, conn: Connection) -> None:
+        with self._lock:
+            self._pending.add(conn)
+        self._wake.wake()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.wake()
+        self._thread.join(timeout=5)
+        self._wake.close()
+
+    def _run(self) -> None:
+        poller = select.poll()
+        poller.register(self._wake.fd, select.POLLIN)
+        registered: dict[int, Connection] = {}
+        while not self._stopped:
+            with self._lock:
+                wanted = {c.write_fd: c for c in self._pending if not c.closed}
+                self._pending.clear()
+            for fd, conn in wanted.items():
+                if fd not in registered:
+                    poller.register(fd, select.POLLOUT)
+                registered[fd] = conn  # a closed connection's fd may have been reused
+            for fd, conn in list(registered.items()):
+                if conn.closed or conn._flush_some():
+                    poller.unregister(fd)
+                    del registered[fd]
+            try:
+                events = poller.poll()
+            except InterruptedError:  # pragma: no cover
+                continue
+            if any(fd == self._wake.fd for fd, _ in events):
+                self._wake.drain()
+            # Writable connections are flushed at the top of the next iteration.

@@ -1,0 +1,231 @@
+"""The messages between the controller and its ranks: the one place frames are built and read.
+
+:mod:`phalanx.wire.framing` moves frames (lists of byte segments); this module says what they mean.
+Segment 0 of every frame is a header::
+
+    <u8 kind><u64 call_id><u32 rank>[ method name | pickled extra fields ]
+
+``rank`` is the destination of a message to the workers and the source of a message from
+them, so one connection can carry several ranks (a node agent's, say). A message for
+several ranks of one node is sent once, with ``rank = MANY`` followed by ``<u16 n>`` and the
+``n`` destination ranks as ``<u32>``: it crosses the wire once and the node hands it to each.
+
+Message kinds (payload = the segments after the header: a pickle and its buffers)::
+
+    controller -> rank   INIT         (sys_path, options)   payload (target, args, kwargs)
+                         CALL         method                payload (args, kwargs)
+                         CALL_STREAM  method                payload (args, kwargs)
+                         SHUTDOWN
+                         INJECT       (method, kind, argument)  the rank's next call of
+                                                            method fails so (inject_fault)
+    node side -> rank    SHARE        (ref id, token, location)  a shared object is held
+                                                            on the rank's node (phalanx.node.shm)
+                         UNSHARE      (ref id,)             it was freed: forget it
+                         UNMAP        (block name,)         a pooled block was closed
+    rank -> node side    RELEASED     (ref id,)             no view of a freed object in a
+                                                            pooled block is left here
+    rank -> controller   READY        (pid, method_names, start-up timings, code version)
+                         INIT_ERROR   (RemoteFailure tuple)
+                         RESULT                             payload value
+                         YIELD                              payload item (RESULT ends the stream)
+                         ERROR        (RemoteFailure tuple)
+                         HEARTBEAT                          a sign of life, sent from a thread
+    node side -> ctrl    EXITED       (ProcessFailure fields)  the rank's process ended
+
+``EXITED`` is what the node side of a backend (the local backend's process watcher, a Ray
+actor's watcher, an agent) reports when a rank's process is gone, with everything known
+about how: exit code or signal, last stderr lines, a likely cause. The dispatcher treats it
+like any other message.
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+from phalanx.wire import framing
+
+INIT = 4
+CALL = 1
+CALL_STREAM = 8
+SHUTDOWN = 7
+READY = 5
+INIT_ERROR = 6
+RESULT = 2
+YIELD = 9
+ERROR = 3
+EXITED = 10
+HEARTBEAT = 11
+SHARE = 12
+UNSHARE = 13
+INJECT = 14
+UNMAP = 15
+RELEASED = 16
+
+MANY = 0xFFFFFFFF  # rank field of a message for several ranks (their list follows)
+
+_HEAD = struct.Struct("<BQI")  # kind, call id, rank
+HEAD_SIZE = _HEAD.size
+_COUNT = struct.Struct("<H")
+unpack_head = _HEAD.unpack_from  # (kind, call_id, rank) of segment 0
+_NONE = pickle.dumps(None, protocol=5)
+
+
+def _ranks_part(rank: int | Sequence[int]) -> bytes:
+    if isinstance(rank, int):
+        return struct.pack("<I", rank)
+    ranks = list(rank)
+    if len(ranks) == 1:
+        return struct.pack("<I", ranks[0])
+    return struct.pack(f"<IH{len(ranks)}I", MANY, len(ranks), *ranks)
+
+
+def header(kind: int, call_id: int, rank: int | Sequence[int], *extra: Any) -> bytes:
+    """Segment 0 of a frame. CALL and CALL_STREAM carry the method name as text; the other
+    kinds carry their extra fields pickled (RESULT and YIELD carry none)."""
+    head = bytes([kind]) + struct.pack("<Q", call_id) + _ranks_part(rank)
+    if kind == CALL or kind == CALL_STREAM:
+        (method,) = extra
+        return head + method.encode()
+    if not extra:
+        return head
+    return head + pickle.dumps(extra, protocol=5)
+
+
+def parse(segment: Any) -> tuple[int, int, tuple[int, ...], tuple]:
+    """``(kind, call_id, ranks, extra)`` of a header (the inverse of :func:`header`)."""
+    kind, call_id, rank = _HEAD.unpack_from(segment)
+    pos = HEAD_SIZE
+    if rank == MANY:
+        (count,) = _COUNT.unpack_from(segment, pos)
+        pos += _COUNT.size
+        ranks = struct.unpack_from(f"<{count}I", segment, pos)
+        pos += 4 * count
+    else:
+        ranks = (rank,)
+    rest = bytes(segment[pos:])
+    if kind == CALL or kind == CALL_STREAM:
+        return kind, call_id, ranks, (rest.decode(),)
+    return kind, call_id, ranks, (pickle.loads(rest) if rest else ())
+
+
+def body_offset(segment: Any) -> int:
+    """Where the method name (or the extra fields) of a header starts."""
+    if _HEAD.unpack_from(segment)[2] != MANY:
+        return HEAD_SIZE
+    return HEAD_SIZE + _COUNT.size + 4 * _COUNT.unpack_from(segment, HEAD_SIZE)[0]
+
+
+def retarget(segment: Any, ranks: Sequence[int]) -> bytes:
+    """The same header for another set of destination ranks (a node of a tree handing a
+    message for several subtrees to each, with that subtree's ranks)."""
+    kind, call_id, _ = _HEAD.unpack_from(segment)
+    return bytes([kind]) + struct.pack("<Q", call_id) + _ranks_part(ranks) + bytes(
+        segment[body_offset(segment):])
+
+
+# -- controller -> ranks ------------------------------------------------------------------
+
+
+def init_frame(rank: int, sys_path: Sequence[str], options: dict, payload: list[Any]) -> list[Any]:
+    """Build the rank's object: ``payload`` is the pickled ``(target, args, kwargs)``.
+    ``sys_path`` entries go first on the worker's ``sys.path`` (empty: leave it be)."""
+    return framing.frame([header(INIT, 0, rank, list(sys_path), options), *payload])
+
+
+def call_frame(
+    call_id: int, rank: int | Sequence[int], method: str, payload: list[Any], stream: bool = False
+) -> list[Any]:
+    """A call of ``method`` with the pickled ``(args, kwargs)``; ``stream``: the rank sends
+    each item of the returned generator as it comes (YIELD), then RESULT."""
+    kind = CALL_STREAM if stream else CALL
+    return framing.frame([header(kind, call_id, rank, method), *payload])
+
+
+def call_frames(
+    call_id: int, ranks: Sequence[int], method: str, payloads: list[list[Any]], stream: bool
+) -> list[list[Any]]:
+    """One call frame per rank: ``payloads`` holds one payload for all, or one per rank
+    (a payload object repeated in the list is the same bytes, framed for each rank)."""
+    kind = CALL_STREAM if stream else CALL
+    name = method.encode()
+    pack = _HEAD.pack
+    frame = framing.frame
+    if len(payloads) == 1:
+        (payload,) = payloads
+        prefix = framing.small_frame_prefix(HEAD_SIZE + len(name), payload)
+        if prefix is not None:  # the usual call: frame it once, stamp each rank's header
+            tail = name + payload[0]
+            return [[prefix + pack(kind, call_id, rank) + tail] for rank in ranks]
+        return [frame([pack(kind, call_id, rank) + name, *payload]) for rank in ranks]
+    head = (kind, call_id)
+    return [frame([pack(*head, rank) + name, *p]) for rank, p in zip(ranks, payloads, strict=True)]
+
+
+def shutdown_frame(rank: int | Sequence[int]) -> list[Any]:
+    """Ask an idle rank to exit on its own (atexit handlers and framework cleanup run)."""
+    return framing.frame([header(SHUTDOWN, 0, rank)])
+
+
+def inject_frame(rank: int, method: str, kind: str, argument: Any) -> list[Any]:
+    """Make the rank's next call of ``method`` fail: ``kind`` is "signal", "exit", "hang"
+    or "raise" (see ``WorkerGroup.inject_fault``)."""
+    return framing.frame([header(INJECT, 0, rank, method, kind, argument)])
+
+
+def share_frame(rank: int | Sequence[int], ref_id: int, token: str,
+                location: tuple) -> list[Any]:
+    """Where the rank's node holds shared object ``ref_id``
+    (:meth:`phalanx.node.shm.Block.location`)."""
+    return framing.frame([header(SHARE, 0, rank, ref_id, token, location)])
+
+
+def unshare_frame(rank: int | Sequence[int], ref_id: int) -> list[Any]:
+    return framing.frame([header(UNSHARE, 0, rank, ref_id)])
+
+
+def unmap_frame(rank: int | Sequence[int], name: str) -> list[Any]:
+    return framing.frame([header(UNMAP, 0, rank, name)])
+
+
+def released_frame(rank: int, ref_id: int) -> list[Any]:
+    return framing.frame([header(RELEASED, 0, rank, ref_id)])
+
+
+# -- ranks -> controller ------------------------------------------------------------------
+
+
+def ready_frame(rank: int, pid: int, methods: list[str], timings: dict[str, float],
+                code_version: str | None = None) -> list[Any]:
+    """The rank is up: its pid, methods, start-up timings, and the version of the shipped
+    code it runs (``PHALANX_CODE_VERSION``; None without ``sync``)."""
+    return framing.frame([header(READY, 0, rank, pid, methods, timings, code_version)])
+
+
+def heartbeat_frame(rank: int) -> list[Any]:
+    return framing.frame([_HEAD.pack(HEARTBEAT, 0, rank)])
+
+
+def init_error_frame(rank: int, failure: tuple) -> list[Any]:
+    return framing.frame([header(INIT_ERROR, 0, rank, failure)])
+
+
+def result_frame(call_id: int, rank: int, payload: list[Any], item: bool = False) -> list[Any]:
+    """A call's value (or, with ``item``, one item of a streamed call)."""
+    return framing.frame([_HEAD.pack(YIELD if item else RESULT, call_id, rank), *payload])
+
+
+def end_of_stream_frame(call_id: int, rank: int) -> list[Any]:
+    return framing.frame([_HEAD.pack(RESULT, call_id, rank), _NONE])
+
+
+def error_frame(call_id: int, rank: int, failure: tuple) -> list[Any]:
+    return framing.frame([header(ERROR, call_id, rank, failure)])
+
+
+def exited_message(rank: int, failure: dict) -> list[Any]:
+    """The node side's report that a rank's process ended, as the segments of a received
+    frame (``failure``: ProcessFailure fields, plain data that any node side can send)."""
+    return [header(EXITED, 0, rank, failure)]

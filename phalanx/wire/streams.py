@@ -1,0 +1,203 @@
+"""Byte streams between two processes, and the self-pipe that wakes a poll loop.
+
+A :class:`Stream` is what :mod:`phalanx.wire.framing` frames travel over: a pair of pipes between
+processes on one machine (:class:`PipeStream`), a connected socket otherwise
+(:class:`SocketStream`). Reads may block; writes never do.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import select
+import socket
+from typing import Any
+
+MAX_SEGMENTS = 512  # buffers per writev/sendmsg call, well under IOV_MAX
+_SOCKET_BUFFER = 4 * 1024 * 1024
+_PIPE_BUFFER = 1024 * 1024  # the default /proc/sys/fs/pipe-max-size
+_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+
+
+class Stream:
+    """A byte stream to one peer: where frames are read from and written to.
+
+    ``read_into`` blocks only when ``block`` is true and the stream supports it;
+    ``write_nowait`` never blocks and returns how many bytes were taken.
+    """
+
+    read_fd: int
+    write_fd: int
+    hangup_events: int  # poll() mask that reports the peer going away without reading data
+
+    def read_into(self, buf: Any, nbytes: int, block: bool) -> int:
+        raise NotImplementedError
+
+    def write_nowait(self, segments: list[Any]) -> int:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class SocketStream(Stream):
+    """A connected stream socket (Unix or TCP), used in both directions."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, opt, _SOCKET_BUFFER)
+            except OSError:  # pragma: no cover - the kernel caps it, which is fine
+                pass
+        self.sock = sock
+        self.read_fd = self.write_fd = sock.fileno()
+        self.hangup_events = getattr(select, "POLLRDHUP", 0)
+
+    def read_into(self, buf: Any, nbytes: int, block: bool) -> int:
+        return self.sock.recv_into(buf, nbytes, 0 if block else socket.MSG_DONTWAIT)
+
+    def write_nowait(self, segments: list[Any]) -> int:
+        if len(segments) == 1:
+            return self.sock.send(segments[0], socket.MSG_DONTWAIT)
+        return self.sock.sendmsg(segments[:MAX_SEGMENTS], (), socket.MSG_DONTWAIT)
+
+    def close(self) -> None:
+        close_socket(self.sock)
+
+
+class TLSStream(Stream):
+    """A TLS connection (``ssl.SSLSocket``, non-blocking underneath). One OpenSSL object
+    must not be driven by two threads at once, so every read and write holds a lock; a
+    blocking read waits for the socket outside it. Writes copy their segments into one
+    buffer (TLS encrypts a copy anyway)."""
+
+    def __init__(self, sock: Any) -> None:
+        import ssl
+        import threading
+
+        self.sock = sock
+        self.read_fd = self.write_fd = sock.fileno()
+        self.hangup_events = getattr(select, "POLLRDHUP", 0)
+        self._lock = threading.Lock()
+        self._want = (ssl.SSLWantReadError, ssl.SSLWantWriteError)
+        self.timeout: float | None = None  # how long a blocking read may wait
+        sock.setblocking(False)
+
+    def pending(self) -> int:
+        """Bytes decrypted already, which no poll() on the socket would announce."""
+        return self.sock.pending()
+
+    def read_into(self, buf: Any, nbytes: int, block: bool) -> int:
+        while True:
+            with self._lock:
+                try:
+                    return self.sock.recv_into(buf, nbytes)
+                except self._want:
+                    if not block:
+                        raise BlockingIOError from None
+            if not select.select([self.read_fd], [], [], self.timeout)[0]:
+                raise TimeoutError("timed out waiting for the peer")
+
+    def write_nowait(self, segments: list[Any]) -> int:
+        data = segments[0] if len(segments) == 1 else b"".join(segments[:MAX_SEGMENTS])
+        with self._lock:
+            try:
+                return self.sock.send(data)
+            except self._want:
+                raise BlockingIOError from None
+
+    def close(self) -> None:
+        close_socket(self.sock)
+
+
+def socket_stream(sock: socket.socket) -> Stream:
+    """The stream for a connected socket: TLS when it is wrapped in it."""
+    import ssl
+
+    return TLSStream(sock) if isinstance(sock, ssl.SSLSocket) else SocketStream(sock)
+
+
+def close_socket(sock: socket.socket) -> None:
+    """Shut down, then close: the peer sees the end, and a thread of ours blocked in
+    ``recv``/``accept`` on it wakes (``close`` alone does neither while one is blocked)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
+class PipeStream(Stream):
+    """A pair of pipes, one per direction: the local backend's transport.
+
+    Pipes keep readers and writers on separate wait queues, so a reader asleep in
+    ``read()`` is not woken each time its peer drains what it wrote (as a Unix socket
+    reader is): one context switch per call instead of two. The read end blocks only if
+    ``blocking_reads`` (the worker's main loop); the write end never blocks.
+    """
+
+    def __init__(self, read_fd: int, write_fd: int, *, blocking_reads: bool) -> None:
+        self.read_fd = read_fd
+        self.write_fd = write_fd
+        self.hangup_events = 0  # POLLHUP is always reported on a read end without writers
+        self._blocking_reads = blocking_reads
+        os.set_blocking(read_fd, blocking_reads)
+        os.set_blocking(write_fd, False)
+        for fd in (read_fd, write_fd):
+            try:
+                fcntl.fcntl(fd, _F_SETPIPE_SZ, _PIPE_BUFFER)
+            except OSError:  # above /proc/sys/fs/pipe-max-size: keep the default
+                pass
+
+    def read_into(self, buf: Any, nbytes: int, block: bool) -> int:
+        if self._blocking_reads and not block:
+            raise ValueError("non-blocking read on a blocking pipe")
+        if nbytes == len(buf):
+            return os.readv(self.read_fd, (buf,))
+        with memoryview(buf) as mv:
+            return os.readv(self.read_fd, (mv[:nbytes],))
+
+    def write_nowait(self, segments: list[Any]) -> int:
+        if len(segments) == 1:
+            return os.write(self.write_fd, segments[0])
+        return os.writev(self.write_fd, segments[:MAX_SEGMENTS])
+
+    def close(self) -> None:
+        for fd in (self.read_fd, self.write_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+class WakePipe:
+    """A self-pipe that interrupts a thread blocked in ``poll()`` on its read end."""
+
+    def __init__(self) -> None:
+        self.fd, self._write_fd = os.pipe()
+        os.set_blocking(self.fd, False)
+        os.set_blocking(self._write_fd, False)
+
+    def wake(self) -> None:
+        try:
+            os.write(self._write_fd, b"x")
+        except BlockingIOError:
+            pass  # a wake-up is already pending
+        except OSError as exc:
+            if exc.errno != errno.EBADF:  # closed by a concurrent shutdown: nothing to wake
+                raise
+
+    def drain(self) -> None:
+        try:
+            while os.read(self.fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        for fd in (self.fd, self._write_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass

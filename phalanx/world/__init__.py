@@ -1,0 +1,9 @@
+"""The world of a group, as pure logic: where ranks sit and what they are told.
+
+Layouts, framework environment recipes (:mod:`.frameworks`), named sharding
+(:mod:`.sharding`) and the ``workers=`` selection (:mod:`.selection`). Nothing here opens a
+file, a socket or a process, so all of it is tested without spawning anything.
+
+May import: :mod:`phalanx.errors`, :mod:`phalanx.config`, :mod:`phalanx.options` and the
+standard library's pure modules. Imported by every layer above.
+"""
