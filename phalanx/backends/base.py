@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from phalanx.errors import MembershipEvent, ProcessFailure
-from phalanx.world.frameworks import Layout
+from phalanx.world.layout import Layout
 
 if TYPE_CHECKING:
     from phalanx.controller.shared import SharedObject

@@ -30,7 +30,7 @@ from phalanx.node.stacks import StackFile
 from phalanx.node.supervisor import SupervisedProcess, Supervisor
 from phalanx.output.logs import LogPump, OutputOptions, OutputTap
 from phalanx.wire import framing, protocol, streams
-from phalanx.world.frameworks import Layout, merge_env, split_gpus
+from phalanx.world.layout import Layout, merge_env, split_gpus
 
 _LOOPBACK = "127.0.0.1"
 

@@ -38,7 +38,8 @@ from phalanx.node.placement import check_node_gpus, new_launch, place
 from phalanx.options import check_count, check_seconds
 from phalanx.output.logs import OutputOptions
 from phalanx.wire import pickling, protocol
-from phalanx.world.frameworks import Layout, WorldPart, check_layout, merge_env, worker_env
+from phalanx.world.frameworks import WorldPart, check_layout, worker_env
+from phalanx.world.layout import Layout, merge_env
 from phalanx.world.selection import Workers, select_ranks
 
 if TYPE_CHECKING:

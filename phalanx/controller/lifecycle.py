@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from phalanx.backends import Backend, RankStart
     from phalanx.controller.dispatch import Dispatcher, Slot
     from phalanx.controller.futures import GroupFuture
-    from phalanx.world.frameworks import Layout
+    from phalanx.world.layout import Layout
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 from phalanx import config
 from phalanx.errors import MembershipChanged, MembershipEvent, PhalanxError, ProcessFailure
 from phalanx.options import check_seconds
-from phalanx.world.frameworks import Layout, check_layout
+from phalanx.world.frameworks import check_layout
+from phalanx.world.layout import Layout
 
 if TYPE_CHECKING:
     from phalanx.backends import Backend

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from phalanx.world.frameworks import Layout
+from phalanx.world.layout import Layout
 
 ERROR_FILE = "error.json"  # in each rank's directory: where torch's @record writes
 

@@ -38,7 +38,8 @@ from phalanx.launcher.jobhost import (
 from phalanx.launcher.report import FAILED, Failure, exit_status, format_report
 from phalanx.launcher.run import RunOptions, _attempt, _Run, _Signals
 from phalanx.output import console
-from phalanx.world.frameworks import Layout, WorldPart
+from phalanx.world.frameworks import WorldPart
+from phalanx.world.layout import Layout
 
 CONNECT_RETRY = 0.2  # seconds between attempts to reach a host not listening yet
 EXTRA_WAIT = 30.0  # seconds a member waits beyond the join timeout for the host's word

@@ -34,7 +34,7 @@ from phalanx.launcher.report import (
     signal_status,
 )
 from phalanx.output import console
-from phalanx.world.frameworks import RESTART_VARS
+from phalanx.world.layout import RESTART_VARS
 
 if TYPE_CHECKING:
     from phalanx.launcher.multinode import JobRound

@@ -17,16 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from phalanx.errors import FrameworkNotInstalled
-from phalanx.world.frameworks import (
-    Framework,
-    Launch,
-    Layout,
-    check_gpus,
-    check_layout,
-    get_framework,
-    parse_visible_gpus,
-    resolve_procs_per_node,
-)
+from phalanx.world.frameworks import Framework, check_layout, get_framework, resolve_procs_per_node
+from phalanx.world.layout import Launch, Layout, check_gpus, parse_visible_gpus
 
 if TYPE_CHECKING:
     from phalanx.backends.base import Node

@@ -1,10 +1,9 @@
-"""Where each rank sits and which environment it starts with: pure functions, no I/O.
+"""Which environment each rank starts with, by framework: pure functions, no I/O.
 
-A :class:`Layout` is ``nodes`` x ``procs_per_node`` ranks, numbered node-major (rank 0..k-1
-on node 0, and so on). Every rank gets the generic rendezvous variables of :func:`rank_env`
-(exactly what ``torch.distributed.init_process_group(init_method="env://")`` reads, plus
-``PHALANX_*`` equivalents). A :class:`Framework` adds what one distributed framework expects;
-all of them are described in :data:`FRAMEWORKS`, the one place to extend.
+Every rank gets the generic variables of :func:`phalanx.world.layout.rank_env`. A
+:class:`Framework` adds what one distributed framework expects; all of them are described
+in :data:`FRAMEWORKS`, the one place to extend. A :class:`WorldPart` is what a
+single-controller framework starts beside the ranks (a Ray cluster, Monarch's workers).
 
 The worker-side actions some frameworks need (start a Ray node, stop it at exit, tear down
 a process group) are named here and implemented in :mod:`phalanx.rank.bootstrap`.
@@ -12,133 +11,16 @@ a process group) are named here and implemented in :mod:`phalanx.rank.bootstrap`
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import json
 from collections.abc import Callable, Mapping, Sequence
 
-GENERIC_VARS = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "NODE_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
-RESTART_VARS = ("PHALANX_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
+from phalanx.world.layout import Launch, Layout, gpu_env, rank_env
+
 ENV_FRAMEWORK = "PHALANX_FRAMEWORK"
 ENV_NODE_ADDRS = "PHALANX_NODE_ADDRS"  # comma-separated, one per node (single-controller)
 ENV_MONARCH_WORKERS = "PHALANX_MONARCH_WORKERS"  # the allocator argument, comma-separated
 ENV_NODE_SERVICE = "PHALANX_NODE_SERVICE"  # JSON NodeService, read once by the worker
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """``nodes`` nodes; ``procs_per_node`` ranks on each (an int), or per node (a tuple, for
-    uneven layouts such as ``(2, 1)``). A tuple of equal counts is stored as the int."""
-
-    nodes: int
-    procs_per_node: int | tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        nodes, procs = self.nodes, self.procs_per_node
-        if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1:
-            raise ValueError(f"nodes must be a positive integer, got {nodes!r}")
-        counts = (procs,) * nodes if not isinstance(procs, (tuple, list)) else tuple(procs)
-        for value in counts:
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(
-                    f"procs_per_node must be a positive integer or a list of them, got {procs!r}"
-                )
-        if len(counts) != nodes:
-            raise ValueError(
-                f"procs_per_node={list(counts)} gives {len(counts)} nodes but nodes={nodes}"
-            )
-        uniform = all(c == counts[0] for c in counts)
-        object.__setattr__(self, "procs_per_node", counts[0] if uniform else counts)
-        object.__setattr__(self, "_counts", counts)
-        starts = [0]
-        for c in counts:
-            starts.append(starts[-1] + c)
-        object.__setattr__(self, "_starts", tuple(starts))
-
-    @classmethod
-    def of(cls, counts: Sequence[int]) -> Layout:
-        """The layout with ``counts[n]`` ranks on node ``n``."""
-        return cls(len(counts), tuple(counts))
-
-    @property
-    def counts(self) -> tuple[int, ...]:
-        """Ranks per node, one entry per node."""
-        return self._counts  # type: ignore[attr-defined]
-
-    @property
-    def uniform(self) -> bool:
-        return isinstance(self.procs_per_node, int)
-
-    @property
-    def world_size(self) -> int:
-        return self._starts[-1]  # type: ignore[attr-defined]
-
-    def node_of(self, rank: int) -> int:
-        if self.uniform:
-            return rank // self.procs_per_node  # type: ignore[operator]
-        return bisect.bisect_right(self._starts, rank) - 1  # type: ignore[attr-defined]
-
-    def local_rank_of(self, rank: int) -> int:
-        return rank - self._starts[self.node_of(rank)]  # type: ignore[attr-defined]
-
-    def ranks_of(self, node: int) -> range:
-        """The ranks on ``node``."""
-        starts = self._starts  # type: ignore[attr-defined]
-        return range(starts[node], starts[node + 1])
-
-    def local_world_size(self, node: int) -> int:
-        return self.counts[node]
-
-
-@dataclasses.dataclass(frozen=True)
-class Launch:
-    """What the controller decided for one start of a group: addresses, ports, devices."""
-
-    master_addr: str
-    master_port: int
-    node_addrs: tuple[str, ...]  # one per node; node 0's is master_addr
-    ports: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
-    token: str = ""  # shared secret for framework services that authenticate (Ray)
-    gpus_per_worker: int = 0
-    visible_gpus: tuple[str, ...] = ()  # device ids as the machine lists them
-    # per node, the positions in visible_gpus of its devices; () = every node has them all
-    # (nodes on separate machines); simulated nodes on one machine split its GPUs
-    node_gpus: tuple[tuple[int, ...], ...] = ()
-
-    def port(self, name: str, node: int = 0) -> int:
-        return self.ports[name][node]
-
-    def gpus_of(self, node: int) -> tuple[int, ...]:
-        """Positions in ``visible_gpus`` of the devices node ``node``'s workers may use."""
-        if self.node_gpus:
-            return self.node_gpus[node]
-        return tuple(range(len(self.visible_gpus)))
-
-
-def rank_env(layout: Layout, rank: int, master_addr: str, master_port: int) -> dict[str, str]:
-    """The generic rendezvous variables of one rank."""
-    if not 0 <= rank < layout.world_size:
-        raise ValueError(f"rank {rank} is outside 0..{layout.world_size - 1}")
-    values = {
-        "RANK": rank,
-        "LOCAL_RANK": layout.local_rank_of(rank),
-        "WORLD_SIZE": layout.world_size,
-        "LOCAL_WORLD_SIZE": layout.local_world_size(layout.node_of(rank)),
-        "NODE_RANK": layout.node_of(rank),
-        "MASTER_ADDR": master_addr,
-        "MASTER_PORT": master_port,
-    }
-    env = {name: str(value) for name, value in values.items()}
-    env.update({f"PHALANX_{name}": str(value) for name, value in values.items()})
-    return env
 
 
 @dataclasses.dataclass(frozen=True)
@@ -482,48 +364,6 @@ def resolve_procs_per_node(
     return procs_per_node
 
 
-def parse_visible_gpus(value: str | None) -> tuple[str, ...] | None:
-    """Device ids listed in ``CUDA_VISIBLE_DEVICES``; None when the variable is unset."""
-    if value is None:
-        return None
-    return tuple(part.strip() for part in value.split(",") if part.strip())
-
-
-def check_gpus(
-    gpus_per_worker: int, procs_per_node: int, visible: Sequence[str], note: str = ""
-) -> None:
-    if not isinstance(gpus_per_worker, int) or isinstance(gpus_per_worker, bool) \
-            or gpus_per_worker < 0:
-        raise ValueError(f"gpus_per_worker must be a non-negative integer, "
-                         f"got {gpus_per_worker!r}")
-    needed = gpus_per_worker * procs_per_node
-    if needed > len(visible):
-        raise ValueError(
-            f"gpus_per_worker={gpus_per_worker} x {procs_per_node} workers per node needs "
-            f"{needed} GPUs per node, but {len(visible)} are visible"
-            + (f" ({','.join(visible)})" if visible else "") + note
-        )
-
-
-def split_gpus(count: int, nodes: int) -> tuple[tuple[int, ...], ...]:
-    """Simulated nodes on one machine: node ``n`` gets the ``n``-th equal block of its GPUs."""
-    block = count // nodes
-    return tuple(tuple(range(n * block, (n + 1) * block)) for n in range(nodes))
-
-
-def gpu_env(local_rank: int, launch: Launch, node: int = 0) -> dict[str, str]:
-    """``CUDA_VISIBLE_DEVICES``: local rank ``i`` gets the ``i``-th block of
-    ``gpus_per_worker`` devices of its node; without ``gpus_per_worker``, the ranks of a
-    node simulated on a shared machine see that node's share of its GPUs."""
-    mine = launch.gpus_of(node)
-    if launch.gpus_per_worker:
-        first = local_rank * launch.gpus_per_worker
-        mine = mine[first : first + launch.gpus_per_worker]
-    elif not launch.node_gpus:
-        return {}  # nodes on separate machines: every rank sees its machine's GPUs
-    return {"CUDA_VISIBLE_DEVICES": ",".join(launch.visible_gpus[i] for i in mine)}
-
-
 def worker_env(framework: Framework, layout: Layout, rank: int, launch: Launch) -> dict[str, str]:
     """Everything phalanx sets for one rank: generic, framework and device variables."""
     env = rank_env(layout, rank, launch.master_addr, launch.master_port)
@@ -535,35 +375,3 @@ def worker_env(framework: Framework, layout: Layout, rank: int, launch: Launch) 
     return env
 
 
-def merge_env(
-    base: Mapping[str, str],
-    generic: Mapping[str, str],
-    user: Mapping[str, str] | None,
-    per_rank: Mapping[str, str] | None,
-) -> dict[str, str]:
-    """Layer the environments: inherited, then phalanx's, then the user's global, then per rank.
-
-    Values must be strings (as ``os.environ`` requires); anything else is a clear error
-    before any process starts. So is a user variable that would change one phalanx sets
-    (``RANK``, ``MASTER_PORT``, ``CUDA_VISIBLE_DEVICES``...): the ranks would disagree
-    with each other, or with the controller, about who they are and where to meet.
-    """
-    env = dict(base)
-    env.setdefault("PYTHONUNBUFFERED", "1")  # so worker output streams line by line
-    env.update(generic)
-    for source, label in ((user, "env"), (per_rank, "rank_env")):
-        for key, value in (source or {}).items():
-            if not isinstance(key, str) or not isinstance(value, str):
-                raise TypeError(
-                    f"{label} entries must be str -> str, got {key!r}: {value!r} "
-                    f"({type(value).__name__})"
-                )
-        clash = sorted(k for k, v in (source or {}).items() if k in generic and generic[k] != v)
-        if clash:
-            raise ValueError(
-                f"{label} sets {', '.join(clash)}, which phalanx sets itself for each rank "
-                f"(here {', '.join(f'{k}={generic[k]!r}' for k in clash)}); leave "
-                f"{'it' if len(clash) == 1 else 'them'} out (GPUs: use gpus_per_worker=)"
-            )
-        env.update(source or {})
-    return env

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from phalanx.launcher.elastic import elastic_env, error_file, read_error_file
-from phalanx.world.frameworks import Layout
+from phalanx.world.layout import Layout
 
 
 def test_group_and_role_variables_follow_the_layout():

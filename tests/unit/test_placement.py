@@ -21,7 +21,8 @@ from phalanx.node.placement import (
     require_package,
     visible_gpus,
 )
-from phalanx.world.frameworks import FRAMEWORKS, Layout, get_framework, gpu_env, worker_env
+from phalanx.world.frameworks import FRAMEWORKS, get_framework, worker_env
+from phalanx.world.layout import Layout, gpu_env
 
 PACKAGED = [name for name, fw in FRAMEWORKS.items() if fw.package is not None]
 

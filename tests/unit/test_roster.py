@@ -16,7 +16,8 @@ from phalanx.launcher.flags import endpoint, parse_nnodes, rdzv_conf
 from phalanx.launcher.jobhost import MAX_MESSAGE, JobError, Lines, send_message
 from phalanx.launcher.report import Failure
 from phalanx.launcher.roster import Member, Roster, layout_counts, root_cause
-from phalanx.world.frameworks import FRAMEWORKS, Layout, WorldPart
+from phalanx.world.frameworks import FRAMEWORKS, WorldPart
+from phalanx.world.layout import Layout
 
 
 def member(key: int, node_rank: int | None = None, nproc: int = 2,

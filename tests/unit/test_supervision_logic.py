@@ -22,7 +22,7 @@ from phalanx.errors import (
     death_error,
 )
 from phalanx.options import check_count, check_seconds
-from phalanx.world.frameworks import merge_env
+from phalanx.world.layout import merge_env
 
 STDLIB = os.path.dirname(os.__file__)
 PHALANX = os.path.dirname(phalanx.__file__)

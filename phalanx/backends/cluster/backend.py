@@ -50,7 +50,7 @@ from phalanx.backends.cluster.members import Members
 from phalanx.errors import AuthenticationError, PhalanxError, QuorumTimeout
 from phalanx.output.logs import LogPump, OutputOptions
 from phalanx.wire import framing
-from phalanx.world.frameworks import Layout
+from phalanx.world.layout import Layout
 
 logger = logging.getLogger(__name__)
 

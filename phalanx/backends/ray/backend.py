@@ -52,7 +52,7 @@ from phalanx.node import shm
 from phalanx.output import console
 from phalanx.output.logs import LogPump, OutputOptions
 from phalanx.wire import framing, handshake, protocol, streams
-from phalanx.world.frameworks import Layout
+from phalanx.world.layout import Layout
 
 logger = logging.getLogger(__name__)
 

@@ -46,7 +46,7 @@ from phalanx.node.placement import pick_free_ports
 from phalanx.node.stacks import StackFile
 from phalanx.node.supervisor import SupervisedProcess, Supervisor
 from phalanx.wire import framing, protocol, streams
-from phalanx.world.frameworks import merge_env
+from phalanx.world.layout import merge_env
 
 logger = logging.getLogger(__name__)
 
