@@ -1,7 +1,11 @@
 """Where ranks run. A backend reserves nodes, launches one batch of ranks per node and hands
 the group a :class:`~phalanx.backends.base.Channel` per rank (or per node) that delivers
 events; the group, the dispatcher and the worker loop are the same for all of them.
-See :mod:`phalanx.backends.base` for the boundary.
+See :mod:`phalanx.backends.base` for the boundary; :mod:`.local`, :mod:`.ray` and
+:mod:`.cluster` are the backends.
+
+A backend may import :mod:`.base`, the node and rank sides and the layers below them;
+never the controller, and never another backend (each stands alone).
 """
 
 from __future__ import annotations
