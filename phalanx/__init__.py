@@ -1,22 +1,19 @@
 """phalanx: launch, drive and supervise a group of distributed worker processes.
 
-Layers (a module imports only from layers below its own)::
+The public API is this module's ``__all__``; everything else is reached through it. The
+packages are layers, and a package imports only the layers below its own (import-linter
+contracts in pyproject.toml keep it so; docs/architecture.md is the map)::
 
-    api        __init__ (this file), cli, launch, multinode, jobhost, k8s, spmd, group,
-               meshcalls, streaming, watch, lifecycle, membership, methods, shared
-               (put and its handles), injection (inject_fault)
-    runtime    startup, dispatch, futures, watchdog, backends/* (base: the
-               node-level boundary; local; ray, ray_channel, ray_actor, ray_session,
-               ray_store; ray_placement is pure; cluster, agentlink, clustermembers), agent,
-               agentnode, agentbranch, agenttree, agentshare, agenthttp, codesync, node,
-               shm (shared-memory blocks), shmrank (a rank's side of them), faults,
-               supervisor (the node supervisor and its per-rank keepers), proctree,
-               stacks, logs, placement, worker, bootstrap, debug
-    protocol   protocol (the messages), agentwire (the agents' own), handshake (proving
-               a shared secret)
-    transport  wire (framing, serialisation), streams (pipes, sockets, TLS)
-    pure       errors, config, options, frameworks, elastic, selection, sharding, collapse, dumps,
-               console, runflags, runreport, roster
+    cli/          the ``phalanx`` command (``python -m phalanx``)
+    launcher/     ``phalanx run``: attempts, the restart policy, multi-node, its report
+    controller/   WorkerGroup and its parts, the dispatcher, futures, put()
+    backends/     base (the node-level boundary); local, ray/, cluster/ (each alone)
+    node/ rank/   the node side (spawning, supervision, shared memory) and what runs
+                  inside a rank (the worker runtime); neither imports the other
+    output/       rank-prefixed logs, collapsing, the console
+    wire/         streams, frames, pickling, the protocol, the handshake
+    world/        pure: layouts, framework recipes, sharding, selection, placement rules
+    errors, config, options, dumps   the exception tree, settings, checks (pure)
 
 The pure layer does no process or socket I/O and is tested without spawning anything.
 """
