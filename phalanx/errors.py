@@ -15,6 +15,8 @@
      ├── SerializationError          the controller could not pickle a call's arguments (nothing
      │                               was sent) or could not unpickle a rank's result
      ├── AuthenticationError         a peer failed to prove the group's secret (it is dropped)
+     │    └── VersionMismatch        the peer runs another phalanx version (names both, and
+     │                               the side to upgrade)
      ├── DebuggerUnavailable         ``phalanx debug`` found no waiting rank to attach to
      └── FrameworkNotInstalled       ``framework=`` names a framework whose package is missing
          (ImportError)               (raised before any process starts)
@@ -396,6 +398,52 @@ def chain_remote(error: WorkerError, failure: RemoteFailure) -> WorkerError:
 
 class AuthenticationError(PhalanxError):
     """A peer connecting to the controller (or a node) did not prove the shared secret."""
+
+
+def _release(version: str) -> tuple[int, ...] | None:
+    """``"0.12.1"`` -> ``(0, 12, 1)``; None for a version that does not start so."""
+    parts = []
+    for part in version.split("."):
+        digits = ""
+        for char in part:
+            if not char.isdigit():
+                break
+            digits += char
+        if not digits:
+            break
+        parts.append(int(digits))
+        if digits != part:
+            break
+    return tuple(parts) or None
+
+
+class VersionMismatch(AuthenticationError):
+    """Two ends of a connection run different phalanx versions (``phalanx.__version__``):
+    refused at the handshake, before anything is unpickled (pickles name modules, which move
+    between versions). Names both versions and which side to upgrade.
+
+    ``peer_version`` is None for a peer so old that its handshake does not say its version.
+    """
+
+    def __init__(self, own: str, own_version: str, peer: str,
+                 peer_version: str | None) -> None:
+        self.own, self.own_version = own, own_version
+        self.peer, self.peer_version = peer, peer_version
+        if peer_version is None:
+            text = (f"{peer} runs an older phalanx, whose handshake does not say its version, "
+                    f"and {own} runs phalanx {own_version}: upgrade {peer} to phalanx "
+                    f"{own_version}")
+        else:
+            mine, theirs = _release(own_version), _release(peer_version)
+            if mine is None or theirs is None or mine == theirs:
+                advice = "install the same phalanx version on both sides"
+            elif mine < theirs:
+                advice = f"upgrade {own} to phalanx {peer_version}"
+            else:
+                advice = f"upgrade {peer} to phalanx {own_version}"
+            text = (f"{peer} runs phalanx {peer_version} and {own} runs phalanx "
+                    f"{own_version}: {advice} (both sides must run the same version)")
+        super().__init__(text)
 
 
 class QuorumTimeout(PhalanxError, TimeoutError):

@@ -1,6 +1,7 @@
 """Where ranks run. A backend reserves nodes, launches one batch of ranks per node and hands
 the group a :class:`~phalanx.backends.base.Channel` per rank (or per node) that delivers
-events; the group, the dispatcher and the worker loop are the same for all of them.
+events, several of them perhaps sharing a :class:`~phalanx.backends.base.Link` (an agent's
+connection); the group, the dispatcher and the worker loop are the same for all of them.
 See :mod:`phalanx.backends.base` for the boundary; :mod:`.local`, :mod:`.ray` and
 :mod:`.cluster` are the backends.
 
@@ -10,7 +11,16 @@ never the controller, and never another backend (each stands alone).
 
 from __future__ import annotations
 
-from phalanx.backends.base import Backend, Boot, Channel, EventSink, Node, RankStart
+from phalanx.backends.base import (
+    Backend,
+    Boot,
+    Channel,
+    EventSink,
+    Link,
+    Node,
+    RankStart,
+    Receiver,
+)
 
 BACKENDS = ("local", "ray")
 
@@ -41,7 +51,9 @@ __all__ = [
     "Boot",
     "Channel",
     "EventSink",
+    "Link",
     "Node",
     "RankStart",
+    "Receiver",
     "create_backend",
 ]

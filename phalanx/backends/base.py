@@ -14,9 +14,10 @@ A backend is where ranks run. The group talks to it at the level of *nodes*:
 
 A channel carries the messages of one or more ranks (:mod:`phalanx.wire.protocol`). Once
 attached to an :class:`EventSink` (the group's dispatcher) it names the descriptors to
-wait on and turns readiness into complete events -- READY, RESULT, ERROR, ..., and EXITED
-with the rank's whole failure record -- or posts events from a thread of its own (a
-watcher that learns of a death from Ray). Nothing a channel does in
+wait on (any :class:`Receiver`: the channel itself, or the :class:`Link` it shares with the
+other ranks of its node) and turns readiness into complete events -- READY, RESULT,
+ERROR, ..., and EXITED with the rank's whole failure record -- or posts events from a
+thread of its own (a watcher that learns of a death from Ray). Nothing a channel does in
 :meth:`Channel.receive` blocks: a death that needs waiting (for the last stderr lines, for
 Ray's account of it) is finished on a helper thread and posted.
 
@@ -45,13 +46,22 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+class Receiver(Protocol):
+    """What an :class:`EventSink` watches a descriptor for: a :class:`Channel`, or a
+    :class:`Link` that hands the events it reads to its channels."""
+
+    def receive(self, fd: int) -> list[list[Any]]:
+        """The events complete now on ``fd``; never blocks."""
+
+
 class EventSink(Protocol):
     """Where a channel delivers events (implemented by the dispatcher). Thread-safe."""
 
-    def watch(self, fd: int, channel: Channel) -> None:
-        """Call ``channel.receive(fd)`` whenever ``fd`` is readable."""
+    def watch(self, fd: int, channel: Receiver) -> None:
+        """Call ``channel.receive(fd)`` whenever ``fd`` is readable; the events it returns
+        are that channel's."""
 
-    def unwatch(self, fd: int, channel: Channel | None = None) -> None:
+    def unwatch(self, fd: int, channel: Receiver | None = None) -> None:
         """Stop watching ``fd`` (before it is closed), if ``channel`` still owns it."""
 
     def post(self, channel: Channel, events: list[list[Any]]) -> None:
@@ -106,6 +116,26 @@ class Boot:
     cwd: str | None = None  # None: the node side decides (local: the controller's cwd)
 
 
+class Link(abc.ABC):
+    """One connection carrying the messages of several ranks of a node (an agent's): not a
+    rank's channel, but what their channels share.
+
+    Each of those channels names it as its :attr:`Channel.link`; a frame for several of
+    them goes through it once (:meth:`send`, with ``rank = MANY`` in its header). The sink
+    watches its descriptor, and :meth:`receive` hands each rank's events to that rank's
+    channel itself (``sink.deliver``), so it returns none of its own.
+    """
+
+    @abc.abstractmethod
+    def receive(self, fd: int) -> list[list[Any]]:
+        """Read what is complete on ``fd`` and hand it to the channels; never blocks."""
+
+    @abc.abstractmethod
+    def send(self, frame: list[Any]) -> None:
+        """Queue one frame; a lost connection is reported through the channels' EXITED,
+        never raised here."""
+
+
 class Channel(abc.ABC):
     """Carries the messages of some ranks of one node, and reports their deaths."""
 
@@ -113,7 +143,7 @@ class Channel(abc.ABC):
     node: int
     # The connection this channel shares with the other ranks of its node (an agent's),
     # if any: a frame for several of them goes through it once (``link.send(frame)``).
-    link: Any = None
+    link: Link | None = None
 
     @abc.abstractmethod
     def attach(self, sink: EventSink) -> None:

@@ -25,7 +25,7 @@ from phalanx.backends.base import Backend, Boot, Channel, EventSink, Node, RankS
 from phalanx.errors import ProcessFailure
 from phalanx.node import shm
 from phalanx.node import spawn as node
-from phalanx.node.placement import pick_free_ports, visible_gpus
+from phalanx.node.machine import pick_free_ports, visible_gpus
 from phalanx.node.stacks import StackFile
 from phalanx.node.supervisor import SupervisedProcess, Supervisor
 from phalanx.output.logs import LogPump, OutputOptions, OutputTap

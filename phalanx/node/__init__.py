@@ -3,7 +3,8 @@
 :mod:`.spawn` (starting ranks), :mod:`.supervisor` and :mod:`.keeper` (the node supervisor,
 the ranks' parent and reaper), :mod:`.proctree` (process trees from ``/proc``),
 :mod:`.stacks` (a rank's stacks taken from outside), :mod:`.shm` (shared-memory blocks of
-put objects), :mod:`.placement` (where ranks go, and what needs this machine: GPUs, ports).
+put objects), :mod:`.machine` (what only this machine can tell: free ports, GPUs,
+installed packages, its identity).
 
 Used by every backend's node side (the local backend, the cluster agent, the Ray actor).
 May import: :mod:`phalanx.wire`, :mod:`phalanx.output`, :mod:`phalanx.world` and the

@@ -2,7 +2,9 @@
 
 A rank that calls :func:`breakpoint` stops there and waits for a debugger; the user attaches
 from another terminal, so the session is not interleaved with the other ranks' output (and
-the rank's stdin, which phalanx does not connect, is not needed)::
+the rank's stdin, which phalanx does not connect, is not needed). This module is the rank's
+side and what both sides agree on (the :class:`WaitingRank` record, the directory, the
+markers); the client's side, ``phalanx debug``, is :mod:`phalanx.cli.debug`::
 
     rank: px.breakpoint()                         terminal: phalanx debug [RANK | --pid PID]
     listen on 127.0.0.1, ephemeral port
@@ -37,7 +39,6 @@ must find the same directory.
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import dataclasses
 import hmac
@@ -52,13 +53,10 @@ import time
 import types
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TextIO
-
-from phalanx.errors import DebuggerUnavailable
+from typing import Any
 
 ENV_DEBUG_DIR = "PHALANX_DEBUG_DIR"  # where ranks register while they wait for a debugger
 TOKEN_TIMEOUT = 5.0  # seconds a connecting client has to send the token
-CONNECT_TIMEOUT = 5.0  # seconds `phalanx debug` waits for a rank to accept and answer
 INPUT_MARKER = b"\0"  # rank -> client: "pdb now waits for one line of input"
 _TOKEN_LINE_LIMIT = 256  # bytes; a longer first line is not a token
 _START_TIME_SLACK = 1.0  # seconds; a pid whose process started later than recorded was reused
@@ -165,24 +163,6 @@ class WaitingRank:
             raise ValueError(f"{path}: {exc}") from None
 
 
-def waiting_ranks(directory: Path) -> list[WaitingRank]:
-    """The ranks waiting for a debugger, oldest first; records of processes that are gone
-    are deleted on the way, malformed ones ignored."""
-    if not private_dir(directory, create=False):
-        return []
-    found = []
-    for path in sorted(directory.glob("*.json")):
-        try:
-            record = WaitingRank.read(path)
-        except (OSError, ValueError):
-            continue
-        if record.is_stale():
-            path.unlink(missing_ok=True)
-        else:
-            found.append(record)
-    return sorted(found, key=lambda r: (r.since, r.pid))
-
-
 # -- the rank's side -------------------------------------------------------------------------
 
 
@@ -258,7 +238,7 @@ def breakpoint(*, timeout: float | None = None) -> bool:
                          f"continuing\n")
         sys.stderr.flush()
         return False
-    debugger = _RankPdb(_Connection(connection), record.who)
+    debugger = _RankPdb(_PdbStream(connection), record.who)
     debugger.set_trace(caller)
     return True  # nothing may run in this frame after set_trace: it would be traced too
 
@@ -290,7 +270,7 @@ def _authenticate(connection: socket.socket, token: bytes) -> bool:
     client sends nothing else before the answer, so no byte of the session is read here.)"""
     connection.settimeout(TOKEN_TIMEOUT)
     try:
-        received, _ = _read_line(connection)
+        received, _ = read_line(connection)
         accepted = hmac.compare_digest(received.strip(), token)
         connection.sendall(b"ok\n" if accepted else b"refused: wrong token\n")
     except OSError:  # a client that vanished or stalled: wait for the next one
@@ -298,9 +278,9 @@ def _authenticate(connection: socket.socket, token: bytes) -> bool:
     return accepted
 
 
-def _read_line(sock: socket.socket) -> tuple[bytes, bytes]:
+def read_line(sock: socket.socket) -> tuple[bytes, bytes]:
     """The first line (at most ``_TOKEN_LINE_LIMIT`` bytes, without its newline) and the
-    bytes received after it."""
+    bytes received after it: the token the client sends, the answer the rank gives."""
     received = b""
     while b"\n" not in received and len(received) < _TOKEN_LINE_LIMIT:
         chunk = sock.recv(_TOKEN_LINE_LIMIT)
@@ -311,7 +291,7 @@ def _read_line(sock: socket.socket) -> tuple[bytes, bytes]:
     return line, rest
 
 
-class _Connection:
+class _PdbStream:
     """pdb's stdin and stdout: text over the debugger's socket. A peer that went away reads
     as end of file and swallows writes, so that user code never sees a socket error."""
 
@@ -371,10 +351,10 @@ class _Connection:
 
 
 class _RankPdb(pdb.Pdb):
-    """pdb over a :class:`_Connection`, closing it when the session ends (see the module
+    """pdb over a :class:`_PdbStream`, closing it when the session ends (see the module
     docstring), leaving the rank's signal handlers alone and never stopping in phalanx."""
 
-    def __init__(self, connection: _Connection, who: str) -> None:
+    def __init__(self, connection: _PdbStream, who: str) -> None:
         super().__init__(stdin=connection, stdout=connection, skip=["phalanx", "phalanx.*"],
                          nosigint=True, readrc=False)
         self.connection = connection
@@ -409,148 +389,3 @@ class _RankPdb(pdb.Pdb):
         if self._farewell is not None:
             self.message(self._farewell)
             self.connection.close()
-
-
-# -- the client's side (`phalanx debug`) -------------------------------------------------------
-
-
-def describe_waiting(records: list[WaitingRank], now: float | None = None) -> str:
-    """A table of the waiting ranks, for ``phalanx debug --list``."""
-    now = time.time() if now is None else now
-    rows = [("RANK", "PID", "HOST", "GROUP", "WAITING", "WHERE")]
-    for r in records:
-        rank = "?" if r.rank is None else str(r.rank)
-        rows.append((rank, str(r.pid), r.host, r.group or "-", _duration(now - r.since),
-                     r.where))
-    widths = [max(len(row[i]) for row in rows) for i in range(5)]
-    return "\n".join(
-        "  ".join(cell.ljust(width) for cell, width in zip(row[:5], widths, strict=True))
-        + "  " + row[5]
-        for row in rows
-    )
-
-
-def _duration(seconds: float) -> str:
-    seconds = max(0, int(seconds))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m"
-
-
-def choose(records: list[WaitingRank], rank: int | None, pid: int | None,
-           directory: Path) -> WaitingRank:
-    """The record to attach to: the one with ``pid``, with ``rank``, or the only one."""
-    if not records:
-        raise DebuggerUnavailable(
-            f"no rank is waiting for a debugger (records are read from {directory}; a rank "
-            f"waits after calling px.breakpoint(), with the same {ENV_DEBUG_DIR})"
-        )
-    if pid is not None:
-        matches = [r for r in records if r.pid == pid]
-        wanted = f"pid {pid}"
-    elif rank is not None:
-        matches = [r for r in records if r.rank == rank]
-        wanted = f"rank {rank}"
-    else:
-        matches = records
-        wanted = "a rank"
-    waiting = ", ".join(r.who for r in records)
-    if not matches:
-        raise DebuggerUnavailable(f"{wanted} is not waiting for a debugger (waiting: {waiting})")
-    if len(matches) > 1:
-        raise DebuggerUnavailable(
-            f"{len(matches)} processes match {wanted} ({', '.join(r.who for r in matches)}): "
-            f"choose one with --pid"
-        )
-    record = matches[0]
-    if not record.on_this_host:
-        raise DebuggerUnavailable(
-            f"{record.who} waits on host {record.host}, and debuggers attach over its "
-            f"loopback interface: run phalanx debug there"
-        )
-    return record
-
-
-def attach(record: WaitingRank, out: TextIO, err: TextIO) -> None:
-    """Bridge this terminal to the rank's pdb until the session ends or the user detaches
-    (end of input or Ctrl-C: the rank continues)."""
-    try:
-        sock = socket.create_connection(("127.0.0.1", record.port), timeout=CONNECT_TIMEOUT)
-    except OSError as exc:
-        raise DebuggerUnavailable(
-            f"{record.who} does not answer on 127.0.0.1:{record.port} ({exc}): another "
-            f"debugger may have attached first, or it stopped waiting"
-        ) from exc
-    with sock:
-        try:
-            sock.sendall(record.token.encode() + b"\n")
-            line, session_start = _read_line(sock)  # pdb's output may follow in one packet
-        except OSError as exc:
-            raise DebuggerUnavailable(f"{record.who} dropped the connection: {exc}") from exc
-        reply = line.decode("utf-8", "replace").strip()
-        if reply != "ok":
-            raise DebuggerUnavailable(f"{record.who} refused the debugger: {reply or 'no reply'}")
-        sock.settimeout(None)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        err.write(f"attached to {record.who}, stopped at {record.where} "
-                  f"(Ctrl-D or Ctrl-C detaches and lets it continue)\n")
-        err.flush()
-        _bridge(sock, _Relay(sock, out, session_start), record, err)
-
-
-def _bridge(sock: socket.socket, relay: _Relay, record: WaitingRank, err: TextIO) -> None:
-    with contextlib.suppress(ImportError):
-        import readline  # noqa: F401 - line editing and history for input()
-    try:
-        while True:
-            prompt = relay.next_prompt()
-            if prompt is None:
-                return  # the rank ended the session
-            line = input(prompt)
-            sock.sendall(line.encode("utf-8", "replace") + b"\n")
-    except (EOFError, KeyboardInterrupt):
-        err.write(f"\ndetached from {record.who}; it continues\n")
-    except OSError:
-        err.write(f"\nthe connection to {record.who} was lost\n")
-    err.flush()
-
-
-class _Relay:
-    """Copies the rank's output to the terminal, holding back the line pdb's prompt is on
-    until the rank asks for input, so that ``input()`` can show it (and readline redraw it)."""
-
-    def __init__(self, sock: socket.socket, out: TextIO, unread: bytes = b"") -> None:
-        self._sock = sock
-        self._out = out
-        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        self._unread = unread
-        self._partial_line = ""
-
-    def next_prompt(self) -> str | None:
-        """Show output until the rank waits for a line (return its prompt) or the session
-        ended (return None)."""
-        while True:
-            text, marker, rest = self._unread.partition(INPUT_MARKER)
-            self._unread = rest
-            self._show(self._decoder.decode(text))
-            if marker:
-                prompt, self._partial_line = self._partial_line, ""
-                return prompt
-            try:
-                self._unread = self._sock.recv(65536)
-            except OSError:
-                self._unread = b""
-            if not self._unread:
-                self._show(self._decoder.decode(b"", final=True))
-                if self._partial_line:
-                    self._out.write(self._partial_line + "\n")
-                    self._out.flush()
-                return None
-
-    def _show(self, text: str) -> None:
-        complete, newline, self._partial_line = (self._partial_line + text).rpartition("\n")
-        if newline:
-            self._out.write(complete + newline)
-            self._out.flush()

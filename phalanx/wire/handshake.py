@@ -1,12 +1,24 @@
-"""Proving a shared secret over a fresh TCP connection, both ways, before any frame flows.
+"""Proving a shared secret over a fresh connection, both ways, before any frame flows.
 
-Used wherever a rank's process connects back to the controller over the network (Ray
-actors; node agents later). Nothing is unpickled from a peer before it has proved the
-secret, and the peer learns it talks to the controller that handed the secret out::
+Used wherever a process connects to another over the network: a rank's Ray actor to its
+controller, a controller to a node's agent, an agent to the agents below it in a tree.
+Nothing is unpickled from a peer before it has proved the secret, and the peer learns it
+talks to the side that holds the secret::
 
-    connector -> acceptor   MAGIC, role (u8), rank (u32), incarnation (u32), nonce_c (32 B)
-    acceptor  -> connector  nonce_a (32 B), HMAC(secret, "acceptor" | hello | nonce_a)
-    connector -> acceptor   HMAC(secret, "connector" | hello | nonce_a)
+    connector -> acceptor   MAGIC, version (u8 length, UTF-8),
+                            role (u8), rank (u32), incarnation (u32), nonce_c (32 B)
+    acceptor  -> connector  version (u8 length, UTF-8)
+                            -- the two versions differ: both refuse, the acceptor closes --
+    acceptor  -> connector  nonce_a (32 B), HMAC(secret, "acceptor" | greeting | nonce_a)
+    connector -> acceptor   HMAC(secret, "connector" | greeting | nonce_a)
+
+``greeting`` is everything the connector sent and the acceptor's version, so the proofs
+cover both versions. The versions are ``phalanx.__version__`` of each side, compared first
+because pickles name module paths, which move between releases: two releases never get as
+far as exchanging one, and each side raises :class:`~phalanx.errors.VersionMismatch` naming
+both versions and the side to upgrade. The magic and the version come first in every
+release from this one on, so any two tell each other apart; a peer of an older release
+(magic ``PHALANX1``, no version) is refused as such.
 
 Every read has a deadline; a peer that stalls or lies is dropped with
 :class:`AuthenticationError`.
@@ -22,11 +34,15 @@ import socket
 import struct
 import time
 
-from phalanx.errors import AuthenticationError
+import phalanx
+from phalanx.errors import AuthenticationError, VersionMismatch
 
-MAGIC = b"PHALANX1"
-_HELLO = struct.Struct("<8sBII32s")
+MAGIC = b"PHALANX2"
+_BEFORE_VERSIONS = b"PHALANX1"  # the magic of the releases whose handshake had no version
+_HELLO = struct.Struct("<BII32s")  # role, rank, incarnation, nonce
 _DIGEST = hashlib.sha256().digest_size
+_MAX_VERSION = 255  # bytes: a version's length travels as a u8
+_REFUSAL_DRAIN = 1.0  # seconds to read what a refused peer still sends, so it gets our answer
 ROLE_CONTROL = 0
 ROLE_STDOUT = 1
 ROLE_STDERR = 2
@@ -50,6 +66,11 @@ def _mac(secret: bytes, label: bytes, *parts: bytes) -> bytes:
     return hmac.new(secret, label + b"|" + b"|".join(parts), hashlib.sha256).digest()
 
 
+def _version_field(version: str) -> bytes:
+    data = version.encode("utf-8")[:_MAX_VERSION]
+    return bytes([len(data)]) + data
+
+
 def _read(sock: socket.socket, size: int, deadline: float) -> bytes:
     data = bytearray()
     while len(data) < size:
@@ -69,15 +90,49 @@ def _read(sock: socket.socket, size: int, deadline: float) -> bytes:
     return bytes(data)
 
 
+def _read_version(sock: socket.socket, deadline: float) -> tuple[bytes, str]:
+    """The peer's version field (as received) and the version it names."""
+    (size,) = _read(sock, 1, deadline)
+    field = bytes([size]) + _read(sock, size, deadline)
+    return field, field[1:].decode("utf-8", "replace")
+
+
+def _refuse(sock: socket.socket, deadline: float) -> None:
+    """End our side and read what the peer still sends until it closes (briefly), so that
+    what we sent reaches it instead of being cut short by a reset."""
+    try:
+        sock.shutdown(socket.SHUT_WR)
+        stop = min(deadline, time.monotonic() + _REFUSAL_DRAIN)
+        while (remaining := stop - time.monotonic()) > 0:
+            sock.settimeout(remaining)
+            if not sock.recv(4096):
+                return
+    except OSError:  # it went first, or the time is up
+        return
+
+
 def connect(sock: socket.socket, secret: bytes, hello: Hello, timeout: float,
-            peer: str = "the controller") -> None:
-    """The connecting side: introduce itself, check the acceptor's proof (``peer`` names
-    the acceptor in errors), prove its own."""
+            peer: str = "the controller", own: str = "this process",
+            version: str | None = None) -> None:
+    """The connecting side: introduce itself, compare versions, check the acceptor's proof,
+    prove its own. ``peer`` and ``own`` name the two sides in errors; ``version``: this
+    side's (default ``phalanx.__version__``)."""
     deadline = time.monotonic() + timeout
+    version = phalanx.__version__ if version is None else version
     nonce = secrets.token_bytes(32)
-    greeting = _HELLO.pack(MAGIC, hello.role, hello.rank, hello.incarnation, nonce)
+    greeting = (MAGIC + _version_field(version)
+                + _HELLO.pack(hello.role, hello.rank, hello.incarnation, nonce))
     sock.settimeout(timeout)
     sock.sendall(greeting)
+    try:
+        their_field, theirs = _read_version(sock, deadline)
+    except HandshakeIncomplete as exc:
+        raise HandshakeIncomplete(
+            f"{peer}: {exc}, before saying its phalanx version (a peer of a phalanx older "
+            f"than this one, {version}, ends the handshake so)") from None
+    if theirs != version:
+        raise VersionMismatch(own, version, peer, theirs)
+    greeting += their_field
     reply = _read(sock, 32 + _DIGEST, deadline)
     their_nonce, proof = reply[:32], reply[32:]
     if not hmac.compare_digest(proof, _mac(secret, b"acceptor", greeting, their_nonce)):
@@ -87,15 +142,29 @@ def connect(sock: socket.socket, secret: bytes, hello: Hello, timeout: float,
     sock.settimeout(None)
 
 
-def accept(sock: socket.socket, secret: bytes, timeout: float) -> Hello:
-    """The accepting side: read the greeting, prove the secret, check the peer's proof."""
+def accept(sock: socket.socket, secret: bytes, timeout: float, peer: str = "the peer",
+           own: str = "this process", version: str | None = None) -> Hello:
+    """The accepting side: read the greeting, compare versions, prove the secret, check the
+    peer's proof. ``peer`` and ``own`` name the two sides in errors; ``version``: this
+    side's (default ``phalanx.__version__``)."""
     deadline = time.monotonic() + timeout
+    version = phalanx.__version__ if version is None else version
     magic = _read(sock, len(MAGIC), deadline)  # a stranger is told apart at once
+    if magic == _BEFORE_VERSIONS:
+        _refuse(sock, deadline)
+        raise VersionMismatch(own, version, peer, None)
     if magic != MAGIC:
         raise AuthenticationError(f"the peer does not speak the phalanx protocol (it sent "
                                   f"{magic!r})")
-    greeting = magic + _read(sock, _HELLO.size - len(MAGIC), deadline)
-    _, role, rank, incarnation, _ = _HELLO.unpack(greeting)
+    their_field, theirs = _read_version(sock, deadline)
+    own_field = _version_field(version)
+    sock.sendall(own_field)  # first, so that a peer of another version learns it at once
+    if theirs != version:
+        _refuse(sock, deadline)
+        raise VersionMismatch(own, version, peer, theirs)
+    hello_part = _read(sock, _HELLO.size, deadline)
+    role, rank, incarnation, _ = _HELLO.unpack(hello_part)
+    greeting = magic + their_field + hello_part + own_field
     nonce = secrets.token_bytes(32)
     sock.sendall(nonce + _mac(secret, b"acceptor", greeting, nonce))
     proof = _read(sock, _DIGEST, deadline)

@@ -70,6 +70,7 @@ _HEAD = struct.Struct("<BQI")  # kind, call id, rank
 HEAD_SIZE = _HEAD.size
 _COUNT = struct.Struct("<H")
 unpack_head = _HEAD.unpack_from  # (kind, call_id, rank) of segment 0
+pack_head = _HEAD.pack  # (kind, call_id, rank) -> a header with no extra fields
 _NONE = pickle.dumps(None, protocol=5)
 
 

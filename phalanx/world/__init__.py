@@ -1,6 +1,7 @@
 """The world of a group, as pure logic: where ranks sit and what they are told.
 
-Layouts, framework environment recipes (:mod:`.frameworks`), named sharding
+Layouts and each rank's variables (:mod:`.layout`), framework environment recipes
+(:mod:`.frameworks`), where a group's ranks go (:mod:`.placement`), named sharding
 (:mod:`.sharding`) and the ``workers=`` selection (:mod:`.selection`). Nothing here opens a
 file, a socket or a process, so all of it is tested without spawning anything.
 

@@ -1,6 +1,7 @@
-"""The cluster backend and ``phalanx agent`` under faults: quorum, tokens, strangers on the
-control port, oversized frames, a node's agent or the controller SIGKILLed, a port in use,
-one crossing per node for a shared payload, and a silent controller dropped.
+"""The cluster backend and ``phalanx agent`` under faults: quorum, tokens, a controller and an
+agent of different phalanx versions, strangers on the control port, oversized frames, a
+node's agent or the controller SIGKILLed, a port in use, one crossing per node for a shared
+payload, and a silent controller dropped.
 
 Tests that kill or misuse an agent start agents of their own on 127.0.0.5-9 (stopped when
 the test ends), so the session's agents on 127.0.0.2-4 stay healthy for the other suites.
@@ -24,6 +25,7 @@ import psutil
 import pytest
 
 import phalanx as px
+from phalanx.errors import VersionMismatch
 from phalanx.wire import handshake
 from tests import helpers
 from tests.agentcluster import free_port, listening, terminate
@@ -80,8 +82,16 @@ class OwnAgent:
             return []
 
 
-def agent_command(host: str, port: int, token_file: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "phalanx", "agent", "--host", host, "--port", str(port),
+# ``phalanx agent`` as another release would run it: the same code, reporting another
+# version (what the handshake compares is ``phalanx.__version__``)
+AS_VERSION = ("import sys, phalanx; phalanx.__version__ = sys.argv.pop(1); "
+              "from phalanx.cli.main import main; sys.exit(main(sys.argv[1:]))")
+
+
+def agent_command(host: str, port: int, token_file: str, *extra: str,
+                  version: str | None = None) -> list[str]:
+    start = ["-m", "phalanx"] if version is None else ["-c", AS_VERSION, version]
+    return [sys.executable, *start, "agent", "--host", host, "--port", str(port),
             "--token-file", token_file, *extra]
 
 
@@ -110,15 +120,19 @@ def agents(token_file):
     stopped (SIGTERM, then SIGKILL) when the test ends, with whatever it still runs."""
     started: list[OwnAgent] = []
 
-    def start(host: str, *extra: str, http: bool = False,
-              heartbeat_timeout: float = 10.0) -> OwnAgent:
+    def start(host: str, *extra: str, http: bool = False, heartbeat_timeout: float = 10.0,
+              version: str | None = None, log: str | None = None) -> OwnAgent:
+        """``version``: the phalanx version it reports; ``log``: a file for its stderr."""
         port = free_port(host)
         http_port = free_port(host) if http else None
         flags = ["--http-port", str(http_port)] if http else ["--no-http"]
+        stderr = None if log is None else open(log, "w")
         proc = subprocess.Popen(
             agent_command(host, port, token_file, *flags, "--heartbeat-timeout",
-                          str(heartbeat_timeout), *extra),
-            env=agent_env(), cwd=helpers.REPO, stdin=subprocess.DEVNULL)
+                          str(heartbeat_timeout), *extra, version=version),
+            env=agent_env(), cwd=helpers.REPO, stdin=subprocess.DEVNULL, stderr=stderr)
+        if stderr is not None:
+            stderr.close()  # the agent holds its own copy
         agent = OwnAgent(host, port, http_port, proc)
         started.append(agent)
         # With HTTP, wait on /health: probing the control port would count as a stranger.
@@ -266,6 +280,38 @@ def test_a_short_token_given_as_token_is_not_blamed_on_the_environment(monkeypat
     with pytest.raises(ValueError, match="at least 16") as info:
         px.ClusterBackend(["127.0.0.5:1"], token="short")
     assert "PHALANX_TOKEN" not in str(info.value), str(info.value)
+
+
+# --------------------------------------------------------------------------- versions
+
+
+def test_a_controller_and_an_agent_of_other_versions_refuse_each_other_at_once(
+        agents, token_file, tmp_path):
+    log = tmp_path / "agent.log"
+    older = agents("127.0.0.8", http=True, version="0.0.1", log=str(log))
+    assert json.loads(older._get("/health"))["version"] == "0.0.1"
+    started = time.monotonic()
+    with pytest.raises(px.AuthenticationError) as info:
+        group_on(cluster([older], token_file, quorum_timeout=30))
+    assert time.monotonic() - started < 3, "the controller waited for an agent it refused"
+    assert isinstance(info.value, VersionMismatch)
+    assert str(info.value) == (
+        f"the agent at {older.address} runs phalanx 0.0.1 and this controller runs phalanx "
+        f"{px.__version__}: upgrade the agent at {older.address} to phalanx {px.__version__} "
+        f"(both sides must run the same version)")
+    # The agent refused the controller too, said why, and serves the next one.
+    assert helpers.wait_until(lambda: older.metrics()["auth_failures_total"] >= 1, 5)
+    assert helpers.wait_until(lambda: "runs phalanx 0.0.1" in log.read_text(), 5)
+    said = log.read_text()
+    assert "refused 127.0.0." in said and "the controller at 127.0.0." in said
+    assert f"upgrade this agent to phalanx {px.__version__}" in said
+    assert older.proc.poll() is None and older.healthy()
+
+
+def test_a_newer_agent_tells_the_controller_to_upgrade(agents, token_file):
+    newer = agents("127.0.0.8", version="99.0")
+    with pytest.raises(VersionMismatch, match=r"upgrade this controller to phalanx 99\.0"):
+        group_on(cluster([newer], token_file, quorum_timeout=30))
 
 
 def test_an_agent_refuses_to_start_with_a_short_token(tmp_path):

@@ -1,4 +1,5 @@
-"""``px.breakpoint()`` and ``phalanx debug``, end to end with real processes.
+"""``px.breakpoint()`` (:mod:`phalanx.rank.debugger`) and ``phalanx debug``
+(:mod:`phalanx.cli.debug`), end to end with real processes.
 
 A rank of a real group (or of ``phalanx run``) stops in ``px.breakpoint()``; the tests find
 its record in a per-test ``PHALANX_DEBUG_DIR`` and drive the real ``phalanx debug`` command in
@@ -22,7 +23,8 @@ from pathlib import Path
 import pytest
 
 import phalanx as px
-from phalanx.rank import debugger as debug
+from phalanx.cli import debug
+from phalanx.rank import debugger
 from tests import helpers
 
 PHALANX = [sys.executable, "-m", "phalanx"]
@@ -51,12 +53,12 @@ def debug_dir(tmp_path) -> Path:
 @pytest.fixture
 def group(debug_dir):
     with px.WorkerGroup(Stopper, procs_per_node=2, echo_output=False,
-                        env={debug.ENV_DEBUG_DIR: str(debug_dir)}) as group:
+                        env={debugger.ENV_DEBUG_DIR: str(debug_dir)}) as group:
         yield group
 
 
 def phalanx_debug(debug_dir: Path, *args: str, stdin: str = "") -> subprocess.CompletedProcess:
-    env = {**os.environ, debug.ENV_DEBUG_DIR: str(debug_dir)}
+    env = {**os.environ, debugger.ENV_DEBUG_DIR: str(debug_dir)}
     return subprocess.run([*PHALANX, "debug", *args], input=stdin, capture_output=True,
                           text=True, timeout=CLIENT_TIMEOUT, env=env)
 
@@ -65,8 +67,8 @@ def describe(result: subprocess.CompletedProcess) -> str:
     return f"exit {result.returncode}\n--- stdout\n{result.stdout}--- stderr\n{result.stderr}"
 
 
-def wait_for_record(debug_dir: Path) -> debug.WaitingRank:
-    records: list[debug.WaitingRank] = []
+def wait_for_record(debug_dir: Path) -> debugger.WaitingRank:
+    records: list[debugger.WaitingRank] = []
 
     def registered() -> bool:
         records[:] = debug.waiting_ranks(debug_dir)
@@ -127,7 +129,7 @@ def test_a_client_that_vanishes_lets_the_rank_continue(group, debug_dir):
     with socket.create_connection(("127.0.0.1", record.port), timeout=5) as sock:
         sock.sendall(record.token.encode() + b"\n")
         received = b""
-        while debug.INPUT_MARKER not in received:  # up to pdb's first prompt, then hang up
+        while debugger.INPUT_MARKER not in received:  # up to pdb's first prompt, then hang up
             chunk = sock.recv(4096)
             assert chunk, received
             received += chunk
@@ -153,10 +155,10 @@ def test_a_breakpoint_with_a_timeout_gives_up_and_continues(group, debug_dir):
 
 
 def test_stale_records_are_ignored_and_removed(debug_dir):
-    debug.private_dir(debug_dir, create=True)
+    debugger.private_dir(debug_dir, create=True)
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, timeout=CLIENT_TIMEOUT, check=True)
-    dead = debug.WaitingRank(
+    dead = debugger.WaitingRank(
         rank=1, pid=int(gone.stdout), host=socket.gethostname(), port=1, token="x", group=None,
         process_start=time.time(), since=time.time(), file="train.py", line=3, function="f")
     # a live pid that belongs to another process than the recorded one (a reused pid)
@@ -188,22 +190,22 @@ def test_debug_dir_of_another_kind_is_refused(tmp_path):
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("")
     with pytest.raises(PermissionError, match="PHALANX_DEBUG_DIR"):
-        debug.private_dir(not_a_dir, create=True)
+        debugger.private_dir(not_a_dir, create=True)
     loose = tmp_path / "loose"
     loose.mkdir(mode=0o755)
     os.chmod(loose, 0o777)
-    assert debug.private_dir(loose, create=False)
+    assert debugger.private_dir(loose, create=False)
     assert os.stat(loose).st_mode & 0o777 == 0o700
 
 
 def test_a_record_is_private_and_names_the_rank(tmp_path):
-    record = debug.WaitingRank(
+    record = debugger.WaitingRank(
         rank=None, pid=os.getpid(), host="h", port=1, token="t", group=None,
         process_start=0.0, since=0.0, file="f.py", line=1, function="g")
     path = record.write(tmp_path)
     assert os.stat(path).st_mode & 0o777 == 0o600
     assert json.loads(path.read_text())["token"] == "t"
-    assert debug.WaitingRank.read(path) == record
+    assert debugger.WaitingRank.read(path) == record
     assert record.who == f"rank ? (pid {os.getpid()})"
 
 
@@ -223,7 +225,7 @@ def test_a_rank_of_phalanx_run_is_debugged_from_another_terminal(tmp_path):
     debug_dir = tmp_path / "debug"
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SCRIPT.format(patience=RANK_PATIENCE)))
-    env = {**os.environ, "PHALANX_PROGRESS": "0", debug.ENV_DEBUG_DIR: str(debug_dir)}
+    env = {**os.environ, "PHALANX_PROGRESS": "0", debugger.ENV_DEBUG_DIR: str(debug_dir)}
     out, err = tmp_path / "launcher.out", tmp_path / "launcher.err"
     with out.open("w") as stdout, err.open("w") as stderr:
         launcher = subprocess.Popen([*PHALANX, "run", "-n", "2", str(script)], cwd=tmp_path,

@@ -142,7 +142,7 @@ def test_run_path_takes_precedence_over_no_python(show):
 
 def test_the_master_address_and_port_given_are_the_ranks_rendezvous(tmp_path):
     helpers.requires("torch")
-    from phalanx.node.placement import pick_free_ports
+    from phalanx.node.machine import pick_free_ports
 
     (port,) = pick_free_ports("127.0.0.1", 1)
     (tmp_path / "reduce.py").write_text(textwrap.dedent("""\

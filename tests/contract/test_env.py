@@ -137,7 +137,7 @@ def test_bad_env_leaves_no_threads_or_descriptors_behind(backend):
 
 
 def test_a_given_rendezvous_is_every_ranks_and_survives_a_restart(make_group):
-    from phalanx.node.placement import pick_free_ports
+    from phalanx.node.machine import pick_free_ports
 
     (port,) = pick_free_ports("127.0.0.1", 1)
     group = make_group(Probe, procs_per_node=2, master_port=port, master_addr="localhost")

@@ -1,5 +1,6 @@
-"""Deciding where workers go before any starts: visible GPUs, installed packages, layout
-checks, each node's GPUs and the ports picked on the nodes. No process is started."""
+"""Deciding where workers go before any starts: the pure rules (:mod:`phalanx.world.placement`:
+layout checks, each node's GPUs, the ports picked on the nodes) and what this machine tells
+(:mod:`phalanx.node.machine`: visible GPUs, installed packages). No process is started."""
 
 from __future__ import annotations
 
@@ -11,18 +12,11 @@ import pytest
 
 from phalanx.backends.base import Node
 from phalanx.errors import FrameworkNotInstalled, PhalanxError
-from phalanx.node import placement
-from phalanx.node.placement import (
-    Placement,
-    check_node_gpus,
-    new_launch,
-    pick_free_ports,
-    place,
-    require_package,
-    visible_gpus,
-)
+from phalanx.node import machine
+from phalanx.node.machine import pick_free_ports, require_package, visible_gpus
 from phalanx.world.frameworks import FRAMEWORKS, get_framework, worker_env
 from phalanx.world.layout import Layout, gpu_env
+from phalanx.world.placement import Placement, check_node_gpus, new_launch, place
 
 PACKAGED = [name for name, fw in FRAMEWORKS.items() if fw.package is not None]
 
@@ -31,7 +25,7 @@ PACKAGED = [name for name, fw in FRAMEWORKS.items() if fw.package is not None]
 def no_driver_gpus(monkeypatch, tmp_path):
     """The test machine has no GPU (and results must not depend on the one running them):
     point the driver's GPU directory at a path that does not exist."""
-    monkeypatch.setattr(placement, "NVIDIA_GPUS_DIR", str(tmp_path / "no-nvidia-driver"))
+    monkeypatch.setattr(machine, "NVIDIA_GPUS_DIR", str(tmp_path / "no-nvidia-driver"))
 
 
 def fake_driver_gpus(monkeypatch, tmp_path, count: int) -> None:
@@ -41,7 +35,7 @@ def fake_driver_gpus(monkeypatch, tmp_path, count: int) -> None:
     gpus_dir.mkdir()
     for i in range(count):
         (gpus_dir / f"0000:{i:02x}:00.0").mkdir()
-    monkeypatch.setattr(placement, "NVIDIA_GPUS_DIR", str(gpus_dir))
+    monkeypatch.setattr(machine, "NVIDIA_GPUS_DIR", str(gpus_dir))
 
 
 def installed(monkeypatch, *packages: str) -> None:
@@ -80,7 +74,7 @@ def test_no_driver_means_no_gpus(monkeypatch, tmp_path):
     assert visible_gpus({}) == ()  # the directory does not exist
     unreadable = tmp_path / "not-a-directory"
     unreadable.write_text("")
-    monkeypatch.setattr(placement, "NVIDIA_GPUS_DIR", str(unreadable))
+    monkeypatch.setattr(machine, "NVIDIA_GPUS_DIR", str(unreadable))
     assert visible_gpus({}) == ()
 
 
@@ -130,10 +124,13 @@ def test_plain_spmd_needs_no_package(monkeypatch, name):
     assert place(name, 2, 2, 0, None).layout == Layout(2, 2)
 
 
-def test_place_reports_a_missing_package_before_anything_starts(monkeypatch):
+def test_place_is_pure_and_leaves_the_package_to_the_machine(monkeypatch):
     missing(monkeypatch, "jax")
+    chosen = place(framework="jax", nodes=1, procs_per_node=1, gpus_per_worker=0,
+                   gpus_per_node=None)
+    assert chosen.layout == Layout(1, 1)
     with pytest.raises(FrameworkNotInstalled, match="jax"):
-        place(framework="jax", nodes=1, procs_per_node=1, gpus_per_worker=0, gpus_per_node=None)
+        require_package(chosen.framework)  # what the group asks before anything starts
 
 
 # -- place ----------------------------------------------------------------------------------

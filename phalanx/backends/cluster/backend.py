@@ -41,15 +41,22 @@ from phalanx.backends.cluster import tree as agenttree
 from phalanx.backends.cluster.link import (
     CONNECT_RETRY,
     REQUEST_TIMEOUT,
-    AgentLink,
     AgentNode,
     AgentRankChannel,
+    Dialer,
     parse_host,
 )
-from phalanx.backends.cluster.members import Members
-from phalanx.errors import AuthenticationError, PhalanxError, QuorumTimeout
+from phalanx.backends.cluster.members import Discovery, Members
+from phalanx.backends.cluster.token import TOKEN_ENV, given_token, read_token
+from phalanx.errors import (
+    AuthenticationError,
+    MembershipEvent,
+    PhalanxError,
+    QuorumTimeout,
+    VersionMismatch,
+)
+from phalanx.node.machine import machine_id
 from phalanx.output.logs import LogPump, OutputOptions
-from phalanx.wire import framing
 from phalanx.world.layout import Layout
 
 logger = logging.getLogger(__name__)
@@ -104,18 +111,12 @@ class ClusterBackend(Backend):
                 raise ValueError(f"hosts lists an agent twice: {self.hosts}")
         if token is not None and token_file is not None:
             raise ValueError("give token or token_file, not both")
-        from phalanx.backends.cluster.agent.daemon import MIN_TOKEN, TOKEN_ENV, read_token
-
         self.token = token
         self.token_file = token_file
         if token is not None:
-            secret = (token.encode() if isinstance(token, str) else bytes(token)).strip()
-            if len(secret) < MIN_TOKEN:
-                raise ValueError(f"token= holds {len(secret)} bytes; the agents' token has "
-                                 f"at least {MIN_TOKEN}")
-            self._secret = secret
+            secret = given_token(token)
         elif token_file is not None or os.environ.get(TOKEN_ENV):
-            self._secret = read_token(token_file)
+            secret = read_token(token_file)
         else:
             raise ValueError(f"ClusterBackend needs the agents' token: token=..., "
                              f"token_file=... or ${TOKEN_ENV}")
@@ -134,7 +135,7 @@ class ClusterBackend(Backend):
         self.heartbeat_timeout = heartbeat_timeout
         self.max_frame = max_frame
         self.tls = tls
-        self._tls = _tls_context(tls)
+        self._dialer = Dialer(secret, _tls_context(tls))
         if sync is not None and not os.path.isdir(sync):
             raise ValueError(f"sync={os.fspath(sync)!r} is not a directory")
         self.sync = sync
@@ -149,10 +150,11 @@ class ClusterBackend(Backend):
                 raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
         self.tree_threshold, self.fanout = tree_threshold, fanout
         self.code_version: str | None = None  # of the code the nodes run (with sync)
-        self._links: list[AgentLink] = []  # the controller's connections
-        self._agents: list[AgentNode] = []  # every node, in the group's order
-        self._in_use: int | None = None  # how many of them the group runs on
-        self.members = Members(self)
+        self._in_use: int | None = None  # how many of the nodes the group runs on
+        discovery = None if dns is None else Discovery(dns, port, nameserver, dns_interval)
+        # the connections and the nodes, in the group's order (members.nodes)
+        self.members = Members(self._dialer, max_frame=max_frame, fanout=fanout,
+                               discovery=discovery, tell=self._membership_changed)
         self._incarnations = itertools.count(1)
         self._stopping = threading.Event()
 
@@ -182,23 +184,28 @@ class ClusterBackend(Backend):
 
     # -- connecting -------------------------------------------------------------------
 
+    def _membership_changed(self, event: MembershipEvent) -> None:
+        listener = self.on_membership
+        if listener is not None:
+            listener(event)
+
     def _open(self, output: OutputOptions) -> None:
-        self._writer = framing.BacklogWriter("phalanx-cluster-writer")
+        self.members.open()
         self._logs = LogPump(output)
         try:
             deadline = time.monotonic() + self.quorum_timeout
             if self.dns is not None:
                 self.hosts = self._resolve_quorum(deadline)
             if len(self.hosts) >= self.tree_threshold:
-                self._agents = self._form_tree(deadline)
+                self.members.nodes = self._form_tree(deadline)
             else:
-                self._agents = [self.members.node_of(joined)
-                                for joined in self._connect_quorum(deadline)]
+                self.members.nodes = [self.members.node_of(joined)
+                                      for joined in self._connect_quorum(deadline)]
         except BaseException:
             self.close()
             raise
-        machine = _machine()
-        for index, agent in enumerate(self._agents):
+        machine = machine_id()
+        for index, agent in enumerate(self.members.nodes):
             agent.index = index
             agent.same_host = agent.welcome.get("machine") == machine
         if self.sync is not None:
@@ -241,8 +248,13 @@ class ClusterBackend(Backend):
             host, port = parse_host(self.hosts[index])
             while not self._stopping.is_set():
                 try:
-                    result = self._connect_one(
+                    result = self._dialer.connect(
                         host, port, min(config.CONNECT_TIMEOUT, deadline - time.monotonic()))
+                except VersionMismatch as exc:  # it names the agent and both versions
+                    with done:
+                        failure.append(exc)
+                        done.notify_all()
+                    return
                 except AuthenticationError as exc:
                     with done:
                         failure.append(AuthenticationError(f"agent {host}:{port}: {exc}"))
@@ -292,14 +304,14 @@ class ClusterBackend(Backend):
 
     def _form_tree(self, deadline: float) -> list[AgentNode]:
         """The agents as a tree below at most ``fanout`` of them; its nodes in order."""
-        if self._tls is not None:
+        if self._dialer.tls is not None:
             raise ValueError(f"{len(self.hosts)} agents would form a tree (tree_threshold="
                              f"{self.tree_threshold}), which does not use TLS yet: raise "
                              f"tree_threshold to connect to each agent over TLS")
         wanted = self.quorum or len(self.hosts)
         entries = [(i + 1, *parse_host(h)) for i, h in enumerate(self.hosts)]
         while True:
-            formation = agenttree.form(entries, self.fanout, self._connect_one, deadline)
+            formation = agenttree.form(entries, self.fanout, self._dialer.connect, deadline)
             if formation.refused:
                 formation.close()
                 raise formation.refused[0]
@@ -314,14 +326,11 @@ class ClusterBackend(Backend):
         self.members.next_id = len(entries) + 1
         return sorted((n for tree in nodes for n in tree), key=lambda n: n.tree_id)
 
-    def _connect_one(self, host: str, port: int, timeout: float) -> agenttree.Joined:
-        return agenttree.connect_agent(host, port, self._secret, self._tls, timeout)
-
     def _heartbeats(self) -> None:
         interval = max(0.05, min(5.0, self.heartbeat_timeout / 5))
         while not self._stopping.wait(interval):
             now = time.monotonic()
-            for link in list(self._links):
+            for link in list(self.members.links):
                 if link.lost_reason is not None:
                     continue
                 if now - link.heard > self.heartbeat_timeout:
@@ -332,34 +341,34 @@ class ClusterBackend(Backend):
     # -- nodes ------------------------------------------------------------------------
 
     def _reserve(self, layout: Layout, *, gpus_per_worker: int, timeout: float) -> list[Node]:
-        self._agents = self.members.current(self._in_use)  # lost out, admitted ones in
+        agents = self.members.current(self._in_use)  # lost out, admitted ones in
         self._in_use = layout.nodes
-        if layout.nodes > len(self._agents):
-            raise ValueError(f"nodes={layout.nodes} but {len(self._agents)} agents answered "
-                             f"({', '.join(a.name for a in self._agents) or 'none'})")
+        if layout.nodes > len(agents):
+            raise ValueError(f"nodes={layout.nodes} but {len(agents)} agents answered "
+                             f"({', '.join(a.name for a in agents) or 'none'})")
         if self.sync is not None and self.code_version is not None and any(
-                a.code_path is None for a in self._agents[:layout.nodes]):
+                a.code_path is None for a in agents[:layout.nodes]):
             self.reload_code()  # nodes admitted since: every node gets the code as it is now
         return [Node(index=n, address=agent.welcome.get("address") or agent.host,
                      ranks=layout.counts[n], gpus=tuple(agent.welcome.get("gpus") or ()),
                      same_host=agent.same_host)
-                for n, agent in enumerate(self._agents[:layout.nodes])]
+                for n, agent in enumerate(agents[:layout.nodes])]
 
     def available_nodes(self) -> int:
-        return self.members.available(self._in_use or len(self._agents))
+        return self.members.available(self._in_use or len(self.members.nodes))
 
     def connection_count(self) -> int:
         """How many agents this backend holds a connection to now (a group runs on a copy
         of the backend it is given: ``group._backend``)."""
-        return sum(1 for link in self._links if link.lost_reason is None)
+        return self.members.connection_count()
 
     def ports(self, node: Node, count: int) -> list[int]:
-        return list(self._agents[node.index].request(agentwire.PORTS, count))
+        return list(self.members.nodes[node.index].request(agentwire.PORTS, count))
 
     def _launch(
         self, node: Node, ranks: list[RankStart], boot: Boot, channels: list[Channel]
     ) -> None:
-        agent = self._agents[node.index]
+        agent = self.members.nodes[node.index]
         starts = []
         for start in ranks:
             channel = AgentRankChannel(agent, start, next(self._incarnations), self._logs)
@@ -384,7 +393,8 @@ class ClusterBackend(Backend):
         if self.sync is None:
             return None
         version, listing = codesync.scan(self.sync)
-        self._ship_all([a for a in self._agents if a.lost_reason is None], version, listing)
+        self._ship_all([a for a in self.members.nodes if a.lost_reason is None], version,
+                       listing)
         self.code_version = version
         return version
 
@@ -415,7 +425,7 @@ class ClusterBackend(Backend):
             _on_each(agents, hold, "phalanx-cluster-hold")
 
     def unshare(self, obj: Any, channels: Sequence[Channel]) -> None:
-        for agent in list(self._agents):
+        for agent in list(self.members.nodes):
             if obj.id in agent.holding and agent.lost_reason is None:
                 agent.holding.discard(obj.id)
                 agent.link.send(agentwire.request(agentwire.DROP, 0, obj.id,
@@ -438,12 +448,9 @@ class ClusterBackend(Backend):
 
     def close(self) -> None:
         self._stopping.set()
-        self.members.stop()
-        for link in self._links:
-            link.close()
+        self.members.close()
         if self.opened:
             self._logs.stop()
-            self._writer.stop()
 
 
 SHIP_CHUNK = 64 << 20  # bytes of files per BLOBS request
@@ -513,8 +520,3 @@ def _by_agent(channels: Sequence[Channel]) -> dict[AgentNode, list[int]]:
             groups.setdefault(channel.agent, []).append(channel.rank)
     return groups
 
-
-def _machine() -> str:
-    from phalanx.backends.cluster.agent.daemon import machine_id
-
-    return machine_id()

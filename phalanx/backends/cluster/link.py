@@ -9,28 +9,44 @@ rank.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
 import select
-import struct
+import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from phalanx import config
-from phalanx.backends.base import Channel, EventSink, RankStart
+from phalanx.backends.base import Channel, EventSink, Link, RankStart
 from phalanx.backends.cluster import messages as agentwire
+from phalanx.backends.cluster import tree as agenttree
 from phalanx.errors import PhalanxError, ProcessFailure
 from phalanx.output.logs import LogPump, OutputTap
 from phalanx.wire import framing, protocol, streams
 
 logger = logging.getLogger(__name__)
 
-_RESULT_HEAD = struct.Struct("<BQI").pack  # protocol's header of a RESULT
 REQUEST_TIMEOUT = 60.0  # seconds for an agent to answer a request that does not wait
 CONNECT_RETRY = 0.5  # seconds between attempts to reach an agent that is not up yet
+
+
+@dataclasses.dataclass(frozen=True)
+class Dialer:
+    """How this controller reaches an agent: the token it proves and the TLS it speaks.
+    The backend makes one and hands it to whatever connects (quorum, tree, membership)."""
+
+    secret: bytes = dataclasses.field(repr=False)
+    tls: ssl.SSLContext | None = None
+
+    def connect(self, host: str, port: int, timeout: float) -> agenttree.Joined:
+        """An authenticated connection to the agent at ``host:port``, its WELCOME read
+        (:func:`phalanx.backends.cluster.tree.connect_agent`: its errors)."""
+        return agenttree.connect_agent(host, port, self.secret, self.tls, timeout,
+                                       own="this controller")
 
 
 def parse_host(entry: str) -> tuple[str, int]:
@@ -194,9 +210,10 @@ class AgentRankChannel(Channel):
         self.link.forget(self)
 
 
-class AgentLink(Channel):
+class AgentLink(Link):
     """A connection to an agent: requests, and the events of the ranks of every node it
-    reaches (the agent's own; in a tree, those of its whole subtree too).
+    reaches (the agent's own; in a tree, those of its whole subtree too). The
+    :class:`~phalanx.backends.base.Link` their channels share.
 
     Until the group attaches the first of its ranks, a thread of the link reads it (the
     answers to the first requests); from then on the group's dispatcher watches its socket
@@ -204,12 +221,9 @@ class AgentLink(Channel):
     no thread in between. A request then waits through the dispatcher (``sink.wait``).
     """
 
-    ranks: tuple[int, ...] = ()
-
     def __init__(self, joined: Any, writer: framing.BacklogWriter, max_frame: int,
                  on_lost: Callable[[list[AgentNode], str], None] | None = None) -> None:
         self.host, self.port = joined.host, joined.port
-        self.node = 0
         self.where = f"the agent at {self.host}:{self.port}"
         self._conn = joined.connection(writer)
         self._conn.reader.limit = max_frame
@@ -303,9 +317,6 @@ class AgentLink(Channel):
             self._sink = sink
         sink.watch(self._conn.read_fd, self)
 
-    def attach(self, sink: EventSink) -> None:
-        self.watch_with(sink)
-
     def receive(self, fd: int) -> list[list[Any]]:
         """The dispatcher's read (its thread): each rank's events go to its channel."""
         try:
@@ -384,8 +395,8 @@ class AgentLink(Channel):
                 if pumping is not None and channel._sink is pumping:
                     direct.append((channel, rank, segs[pos:pos + count]))
                 else:
-                    batches.setdefault(channel, []).append(
-                        [_RESULT_HEAD(protocol.RESULT, call_id, rank), *segs[pos:pos + count]])
+                    head = protocol.pack_head(protocol.RESULT, call_id, rank)
+                    batches.setdefault(channel, []).append([head, *segs[pos:pos + count]])
             pos += count
         if direct:
             pumping.resolve_results(call_id, direct)  # type: ignore[union-attr]
@@ -452,14 +463,6 @@ class AgentLink(Channel):
             waiter[0].set()
         for channel in channels:
             channel.exited(None, f"lost {channel.agent.where}: {reason}")
-
-    # -- the Channel interface a link needs no part of ----------------------------------
-
-    def signal(self, rank: int, sig: int) -> None:  # pragma: no cover - links have no rank
-        raise NotImplementedError
-
-    def exit_record(self, rank: int) -> ProcessFailure:  # pragma: no cover
-        raise NotImplementedError
 
     def close(self) -> None:
         """End the connection: the agent stops whatever of ours still runs there."""

@@ -70,12 +70,14 @@ class Joined:
 
 
 def connect_agent(host: str, port: int, secret: bytes, tls: ssl.SSLContext | None,
-                  timeout: float) -> Joined:
-    """Connect to the agent at ``host:port``, prove the token both ways, read its WELCOME.
+                  timeout: float, own: str = "this agent") -> Joined:
+    """Connect to the agent at ``host:port``, prove the token both ways, read its WELCOME;
+    ``own`` names this side in errors (the controller, or an agent above it in a tree).
 
     OSError when it cannot be reached or does not finish the handshake (a frozen or
     restarting agent), AuthenticationError when it does not prove the token or has a
-    certificate this side does not trust.
+    certificate this side does not trust, and its VersionMismatch when it runs another
+    phalanx version.
     """
     timeout = max(0.1, timeout)
     sock = socket.create_connection((host, port), timeout=timeout)
@@ -92,7 +94,7 @@ def connect_agent(host: str, port: int, secret: bytes, tls: ssl.SSLContext | Non
     try:
         try:
             handshake.connect(sock, secret, handshake.Hello(handshake.ROLE_CONTROL, 0, 0),
-                              timeout, peer=f"the agent at {host}:{port}")
+                              timeout, peer=f"the agent at {host}:{port}", own=own)
         except handshake.HandshakeIncomplete as exc:
             raise OSError(f"the agent at {host}:{port}: {exc}") from None
         sock.settimeout(timeout)

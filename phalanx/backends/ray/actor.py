@@ -171,7 +171,7 @@ class RankActor:
 
     def free_ports(self, host: str, count: int) -> list[int]:
         """``count`` distinct ports free on this node now."""
-        from phalanx.node.placement import pick_free_ports
+        from phalanx.node.machine import pick_free_ports
 
         return pick_free_ports(host, count)
 

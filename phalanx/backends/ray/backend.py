@@ -35,7 +35,13 @@ from typing import Any
 from phalanx import config
 from phalanx.backends.base import Backend, Boot, Channel, Node, RankStart
 from phalanx.backends.ray import session as ray_session
-from phalanx.backends.ray.channel import Bundle, RayChannel, RelayChannel, hand_over_pipes
+from phalanx.backends.ray.channel import (
+    Bundle,
+    ChannelServices,
+    RayChannel,
+    RelayChannel,
+    hand_over_pipes,
+)
 from phalanx.backends.ray.placement import (
     STRATEGIES,
     TRANSPORTS,
@@ -139,6 +145,7 @@ class RayBackend(Backend):
         self._prefix = self.name_prefix or f"phalanx-{secrets.token_hex(4)}"
         self._writer = framing.BacklogWriter()
         self._logs = LogPump(output)
+        self._services = ChannelServices(ray, self._writer, self._logs)
         self._watch_lock = threading.Lock()
         self._watched: dict[Any, RayChannel] = {}
         self._host, self._port, self._local_name = "", 0, ""
@@ -184,7 +191,8 @@ class RayBackend(Backend):
             except (OSError, ValueError):
                 return  # closed
             try:
-                hello = handshake.accept(sock, self._secret, config.HANDSHAKE_TIMEOUT)
+                hello = handshake.accept(sock, self._secret, config.HANDSHAKE_TIMEOUT,
+                                         peer="a rank's Ray actor", own="this controller")
             except AuthenticationError as exc:
                 logger.warning("refused a connection to the Ray group's listener: %s", exc)
                 sock.close()
@@ -349,7 +357,7 @@ class RayBackend(Backend):
         for start in ranks:
             b = self._live_bundle(start.rank)
             b.used = True
-            channel = (RelayChannel if self._relayed else RayChannel)(self, start, b)
+            channel = (RelayChannel if self._relayed else RayChannel)(self._services, start, b)
             self._channels[(start.rank, b.incarnation)] = channel
             channels.append(channel)
             channel.send(protocol.init_frame(start.rank, sys_path, dict(boot.options),
@@ -368,7 +376,7 @@ class RayBackend(Backend):
         ray = self._ray
         ours = [c for c in channels if isinstance(c, RayChannel)]
         for channel in ours:
-            channel._buried = True  # stopped on purpose: the group records it
+            channel.stopped_on_purpose()
         # the actors stop their ranks' process trees (SIGTERM, grace, SIGKILL), then go
         stops = [c.actor.stop.remote(0.0 if force else grace) for c in ours]
         if stops:

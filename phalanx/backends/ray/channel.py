@@ -1,6 +1,10 @@
 """The Ray backend's channels: one rank's control stream, output and Ray's account of its
 actor (:class:`RayChannel`), and the same for ranks whose streams must travel as Ray calls
 (:class:`RelayChannel`, a Ray Client driver). See :mod:`phalanx.backends.ray.backend`.
+
+A channel uses three things of its backend, handed to it as :class:`ChannelServices`: the
+``ray`` module (to reach the rank's actor), the thread that writes every control stream,
+and the pump that shows the ranks' output.
 """
 
 from __future__ import annotations
@@ -10,18 +14,26 @@ import logging
 import os
 import socket
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from phalanx import config
 from phalanx.backends.base import Channel, EventSink, RankStart
 from phalanx.errors import ProcessFailure
-from phalanx.output.logs import OutputTap
+from phalanx.output.logs import LogPump, OutputTap
 from phalanx.wire import framing, handshake, protocol, streams
 
-if TYPE_CHECKING:
-    from phalanx.backends.ray.backend import RayBackend
-
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChannelServices:
+    """What the channels of one opened :class:`~phalanx.backends.ray.backend.RayBackend`
+    share: ``ray`` (the module, connected), the ``writer`` thread of every control stream
+    and the ``logs`` pump of the ranks' stdout and stderr."""
+
+    ray: Any
+    writer: framing.BacklogWriter
+    logs: LogPump
 
 
 @dataclasses.dataclass
@@ -53,7 +65,7 @@ class RayChannel(Channel):
     """One rank on Ray: its control stream (once the actor connected), its output tap,
     and what Ray says about its actor."""
 
-    def __init__(self, backend: RayBackend, start: RankStart, bundle: Bundle) -> None:
+    def __init__(self, services: ChannelServices, start: RankStart, bundle: Bundle) -> None:
         self.rank = start.rank
         self.ranks = (start.rank,)
         self.node = start.node
@@ -61,7 +73,7 @@ class RayChannel(Channel):
         self.actor = bundle.actor
         self.pid: int | None = None  # the rank's process (READY says it; so does serve)
         self.serve_ref: Any = None
-        self._backend = backend
+        self._services = services
         self._lock = threading.Lock()
         self._conn: framing.Connection | None = None
         self._queued: list[list[Any]] = []
@@ -85,7 +97,7 @@ class RayChannel(Channel):
             if role != handshake.ROLE_CONTROL:
                 self._outputs[role] = sock.detach()
                 if len(self._outputs) == 2:
-                    self._tap = self._backend._logs.attach(
+                    self._tap = self._services.logs.attach(
                         self.rank, self._outputs[handshake.ROLE_STDOUT],
                         self._outputs[handshake.ROLE_STDERR])
                 return
@@ -103,7 +115,7 @@ class RayChannel(Channel):
 
     def _adopt(self, stream: streams.Stream) -> None:
         """Take ``stream`` as the control stream (lock held): flush what was queued."""
-        conn = framing.Connection(stream, self._backend._writer)
+        conn = framing.Connection(stream, self._services.writer)
         self._conn = conn
         for frame in self._queued:
             conn.send(frame)
@@ -147,6 +159,11 @@ class RayChannel(Channel):
             # a later account replaces the record kept for the (already dead) rank
             self._sink.post(self, [self._exited()])
 
+    def stopped_on_purpose(self) -> None:
+        """The backend stops the rank: the group records its end, so no EXITED is posted."""
+        with self._lock:
+            self._buried = True
+
     def _bury_later(self, wait_for_reason: bool = True) -> None:
         with self._lock:
             if self._buried:
@@ -188,7 +205,7 @@ class RayChannel(Channel):
     def signal(self, rank: int, sig: int) -> None:
         """Through the actor, which runs beside the rank on its node (any node)."""
         try:
-            self._backend._ray.get(self.actor.signal.remote(int(sig)),
+            self._services.ray.get(self.actor.signal.remote(int(sig)),
                                    timeout=config.RAY_SIGNAL_TIMEOUT)
         except Exception as exc:  # noqa: BLE001 - the actor is gone: so is the rank
             logger.debug("signal %s to rank %d not delivered: %s", sig, self.rank, exc)
@@ -196,7 +213,7 @@ class RayChannel(Channel):
     def stacks(self, rank: int, timeout: float) -> str:
         """Taken by the actor, on the rank's node."""
         try:
-            return self._backend._ray.get(self.actor.stacks.remote(timeout),
+            return self._services.ray.get(self.actor.stacks.remote(timeout),
                                           timeout=timeout + config.RAY_SIGNAL_TIMEOUT)
         except Exception as exc:  # noqa: BLE001 - the actor is gone, or too slow to answer
             return f"(no stack: its Ray actor did not answer: {type(exc).__name__}: {exc})"
@@ -231,12 +248,12 @@ class RelayChannel(RayChannel):
 
     _POLL = 0.5  # seconds a poll call waits on the actor for something to carry
 
-    def __init__(self, backend: RayBackend, start: RankStart, bundle: Bundle) -> None:
-        super().__init__(backend, start, bundle)
+    def __init__(self, services: ChannelServices, start: RankStart, bundle: Bundle) -> None:
+        super().__init__(services, start, bundle)
         mine, self._far = socket.socketpair()
         out_r, self._out_w = os.pipe()
         err_r, self._err_w = os.pipe()
-        self._tap = backend._logs.attach(self.rank, out_r, err_r)
+        self._tap = services.logs.attach(self.rank, out_r, err_r)
         with self._lock:
             self._adopt(streams.SocketStream(mine))
 
@@ -260,7 +277,7 @@ class RelayChannel(RayChannel):
 
     def _upstream(self) -> None:
         """Rank -> controller: its messages and output, until its streams end."""
-        ray = self._backend._ray
+        ray = self._services.ray
         try:
             while not self._closed:
                 try:

@@ -26,62 +26,19 @@ import os
 import signal
 import socket
 import ssl
-import stat
 import threading
-from pathlib import Path
 from typing import Any
 
 from phalanx import __version__, config
 from phalanx.backends.cluster.agent.ranks import Session
+from phalanx.backends.cluster.token import read_token as read_token  # for the CLI
 from phalanx.errors import AuthenticationError
-from phalanx.node.placement import visible_gpus
+from phalanx.node.machine import machine_id, visible_gpus
 from phalanx.wire import handshake
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = config.AGENT_PORT
-TOKEN_ENV = "PHALANX_TOKEN"
-MIN_TOKEN = 16  # bytes: a shorter shared secret is refused
-
-
-def read_token(token_file: str | None, environ: dict[str, str] | None = None) -> bytes:
-    """The shared token: from ``token_file``, else ``$PHALANX_TOKEN``; ValueError if there
-    is none or it is too short to be a secret."""
-    env = os.environ if environ is None else environ
-    if token_file is not None:
-        path = Path(token_file)
-        try:
-            token = path.read_bytes().strip()
-        except OSError as exc:
-            raise ValueError(f"cannot read the token file {token_file}: {exc}") from None
-        mode = path.stat().st_mode
-        if mode & (stat.S_IROTH | stat.S_IWOTH):
-            logger.warning("the token file %s can be read by anyone on this machine",
-                           token_file)
-        where = f"the token file {token_file}"
-    elif env.get(TOKEN_ENV):
-        token, where = env[TOKEN_ENV].strip().encode(), f"${TOKEN_ENV}"
-    else:
-        raise ValueError(f"a token is required: --token-file FILE or ${TOKEN_ENV} (the same "
-                         "secret the controller uses)")
-    if len(token) < MIN_TOKEN:
-        raise ValueError(f"{where} holds {len(token)} bytes; a token needs at least "
-                         f"{MIN_TOKEN} (e.g. python -c 'import secrets; "
-                         "print(secrets.token_urlsafe(32))')")
-    return token
-
-
-def machine_id() -> str:
-    """This machine and mount namespace: equal for processes that see the same files (the
-    controller then knows its cwd and sys.path mean something here), distinct per pod."""
-    parts = []
-    for path, read in (("/proc/sys/kernel/random/boot_id", Path.read_text),
-                       ("/proc/self/ns/mnt", lambda p: os.readlink(p))):
-        try:
-            parts.append(str(read(Path(path))).strip())
-        except OSError:
-            parts.append(socket.gethostname())
-    return ":".join(parts)
 
 
 class Agent:
@@ -138,7 +95,8 @@ class Agent:
             if self._tls is not None:  # TLS first; the token is then proved inside it
                 sock.settimeout(self._handshake_timeout)
                 sock = self._tls.wrap_socket(sock, server_side=True)
-            handshake.accept(sock, self._token, self._handshake_timeout)
+            handshake.accept(sock, self._token, self._handshake_timeout,
+                             peer=f"the controller at {peer[0]}:{peer[1]}", own="this agent")
         except (AuthenticationError, ssl.SSLError) as exc:
             self._count("auth_failures_total", 1)
             logger.warning("refused %s:%s: %s", peer[0], peer[1], exc)

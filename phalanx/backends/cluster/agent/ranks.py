@@ -42,7 +42,7 @@ from phalanx.backends.cluster import messages as agentwire
 from phalanx.backends.cluster.agent.branch import GATHER_WINDOW, Branch
 from phalanx.backends.cluster.agent.share import Holding
 from phalanx.node import spawn as node
-from phalanx.node.placement import pick_free_ports
+from phalanx.node.machine import pick_free_ports
 from phalanx.node.stacks import StackFile
 from phalanx.node.supervisor import SupervisedProcess, Supervisor
 from phalanx.wire import framing, protocol, streams
