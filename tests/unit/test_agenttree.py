@@ -1,5 +1,6 @@
 """The pure parts of agents in a tree: how agents are split among heads, how a message is
-re-addressed to a subtree's ranks, and the cluster backend's tree and membership options."""
+re-addressed to a subtree's ranks, the cluster backend's tree and membership options, and
+the interfaces between its parts (a link is no rank's channel; what membership is handed)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import phalanx as px
+from phalanx.backends.base import Channel, Link
+from phalanx.backends.cluster import token as cluster_token
 from phalanx.backends.cluster import tree as agenttree
+from phalanx.backends.cluster.link import AgentLink, AgentNode, AgentRankChannel, Dialer
+from phalanx.backends.cluster.members import Discovery, Members
 from phalanx.wire import protocol
 
 TOKEN = "t" * 32
@@ -69,3 +74,58 @@ def test_tree_and_membership_options_survive_the_copy_a_group_makes():
     settings = type(backend)(**backend.settings()).settings()
     assert (settings["dns_interval"], settings["tree_threshold"], settings["fanout"]) == (
         0.5, 10, 4)
+
+
+def test_an_agents_link_is_what_its_ranks_channels_share_not_a_channel():
+    assert issubclass(AgentLink, Link) and not issubclass(AgentLink, Channel)
+    assert issubclass(AgentRankChannel, Channel)
+
+
+def test_a_dialer_never_shows_its_secret():
+    dialer = Dialer(TOKEN.encode())
+    assert TOKEN not in repr(dialer) and dialer.tls is None
+
+
+def test_the_backend_hands_its_membership_what_it_needs():
+    backend = px.ClusterBackend(dns="agents.ns.svc", port=32300, token=TOKEN, dns_interval=0.5,
+                                nameserver="127.0.0.1:53", fanout=4, max_frame=1 << 20)
+    members = backend.members
+    assert members.discovery == Discovery("agents.ns.svc", 32300, "127.0.0.1:53", 0.5)
+    assert (members.fanout, members.max_frame, members.dialer.secret) == (
+        4, 1 << 20, TOKEN.encode())
+    assert members.nodes == [] and members.links == [] and members.connection_count() == 0
+    flat = px.ClusterBackend(["127.0.0.1:32300"], token=TOKEN)
+    assert flat.members.discovery is None
+
+
+def _node(index: int, lost: str | None = None) -> AgentNode:
+    node = AgentNode(None, 0, f"10.0.0.{index}", 32300, {})  # type: ignore[arg-type]
+    node.lost_reason = lost
+    return node
+
+
+def test_reserving_takes_the_groups_nodes_then_the_added_ones_then_the_others():
+    heard: list = []
+    members = Members(Dialer(TOKEN.encode()), max_frame=1 << 20, fanout=50, discovery=None,
+                      tell=heard.append)
+    first, lost, spare_one, other = _node(1), _node(2, "gone"), _node(3), _node(4)
+    members.nodes = [first, lost, other]
+    members.spares = [spare_one]
+    assert members.available(2) == 2  # the lost one out, the added one in
+    assert members.current(2) == [first, spare_one, other]
+    assert members.nodes == [first, spare_one, other]
+    assert [n.index for n in members.nodes] == [0, 1, 2] and members.spares == []
+    assert heard == []  # reserving is no membership change
+
+
+def test_both_sides_read_the_token_by_the_same_rules(tmp_path):
+    assert cluster_token.given_token(f"  {TOKEN}\n") == TOKEN.encode()
+    assert cluster_token.read_token(None, {cluster_token.TOKEN_ENV: TOKEN}) == TOKEN.encode()
+    path = tmp_path / "token"
+    path.write_text(TOKEN + "\n")
+    path.chmod(0o600)
+    assert cluster_token.read_token(str(path), {}) == TOKEN.encode()
+    with pytest.raises(ValueError, match="at least 16"):
+        cluster_token.given_token("short")
+    with pytest.raises(ValueError, match="--token-file FILE or \\$PHALANX_TOKEN"):
+        cluster_token.read_token(None, {})

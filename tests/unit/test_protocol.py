@@ -86,6 +86,15 @@ def test_result_header_carries_no_extra():
     assert parse(header(RESULT, 5, 2)) == (RESULT, 5, (2,), ())
 
 
+@given(kind=st.sampled_from([RESULT, YIELD, EXITED]), call_id=st.integers(0, 2**64 - 1),
+       rank=st.integers(0, MANY - 1))
+def test_the_packed_head_is_the_header_and_unpacks_back(kind, call_id, rank):
+    # the one definition of the header, used wherever one is stamped without protocol's
+    # builders (a tree's gathered results re-split into each rank's RESULT)
+    assert protocol.pack_head(kind, call_id, rank) == header(kind, call_id, rank)
+    assert protocol.unpack_head(protocol.pack_head(kind, call_id, rank)) == (kind, call_id, rank)
+
+
 def test_header_for_several_ranks_lists_them_after_many():
     segment = header(CALL, 9, [4, 5, 6], "step")
     assert segment[:HEAD_SIZE] == struct.pack("<BQI", CALL, 9, MANY)
