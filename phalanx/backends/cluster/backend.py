@@ -1,8 +1,9 @@
 """The cluster backend: ranks run on nodes (hosts, Kubernetes pods) served by ``phalanx agent``.
 
 ``ClusterBackend(hosts=["10.0.0.5:32300", ...], token=...)`` connects to every listed
-agent, proving the shared token both ways (:mod:`phalanx.wire.handshake`), and waits until
-``quorum`` of them (default: all) have answered -- past ``quorum_timeout`` it raises
+agent, proving the shared token both ways (:mod:`phalanx.wire.handshake`; an agent of
+another phalanx version is refused at once with :class:`~phalanx.errors.VersionMismatch`),
+and waits until ``quorum`` of them (default: all) have answered -- past ``quorum_timeout`` it raises
 :class:`~phalanx.errors.QuorumTimeout` naming who answered and who did not, and never goes
 on with fewer. Node ``i`` of the group is the ``i``-th agent that answered, in the order
 the hosts were listed.

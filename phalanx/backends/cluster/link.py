@@ -1,9 +1,11 @@
 """A node's connection to its agent, and the channels of the ranks it carries.
 
-Part of the cluster backend (:mod:`phalanx.backends.cluster.backend`): :class:`AgentLink` is one
-connection to an agent (requests, answers, and every rank's events), :class:`AgentNode` a
-node reached through it -- the agent itself, or in a tree (:mod:`phalanx.backends.cluster.tree`) any
-node of its subtree -- and :class:`AgentRankChannel` the channel the group sees for each
+Part of the cluster backend (:mod:`phalanx.backends.cluster.backend`): :class:`Dialer` is how
+the controller reaches an agent (its token and TLS), :class:`AgentLink` one connection to an
+agent (requests, answers, and every rank's events: the
+:class:`~phalanx.backends.base.Link` those ranks' channels share), :class:`AgentNode` a node
+reached through it -- the agent itself, or in a tree (:mod:`phalanx.backends.cluster.tree`)
+any node of its subtree -- and :class:`AgentRankChannel` the channel the group sees for each
 rank.
 """
 

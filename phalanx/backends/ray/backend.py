@@ -3,8 +3,10 @@
 Ray places the processes (one placement-group bundle per rank), keeps them, and reports how
 they died; phalanx does everything else as it does locally. Each actor
 (:mod:`phalanx.backends.ray.actor`) connects back to a listener of the controller's over
-TCP and proves a per-group secret handed to it through Ray, so a call costs what it costs
-locally instead of a Ray task's milliseconds (Ray's Compiled Graphs make the same move).
+TCP and proves a per-group secret handed to it through Ray (the handshake also compares
+both sides' phalanx versions: a Ray worker of another release is refused), so a call
+costs what it costs locally instead of a Ray task's milliseconds (Ray's Compiled Graphs
+make the same move).
 
 Reservation (:meth:`RayBackend._reserve`): the placement group, ready within
 ``start_timeout`` or a :class:`~phalanx.errors.StartupError` saying what was asked and

@@ -5,6 +5,7 @@
 :mod:`.http` (``/health`` and ``/metrics``).
 
 The node side: may import :mod:`phalanx.node`, the cluster's shared modules
-(:mod:`..messages`, :mod:`..tree`, :mod:`..codesync`) and the layers below; never the
-controller's side of the cluster backend (:mod:`..backend`, :mod:`..link`, :mod:`..members`).
+(:mod:`..messages`, :mod:`..tree`, :mod:`..codesync`, :mod:`..token`) and the layers below;
+never the controller's side of the cluster backend (:mod:`..backend`, :mod:`..link`,
+:mod:`..members`).
 """

@@ -9,6 +9,8 @@ agent and starts, drives and stops that node's ranks through it
   challenge (:mod:`phalanx.wire.handshake`, constant-time comparisons): a stranger is dropped
   after reading the 8-byte magic, a peer with the wrong token within the handshake's few
   dozen bytes, and nothing is unpickled before that;
+- a controller of another phalanx version is refused at the handshake's first exchange,
+  the log naming both versions and the side to upgrade;
 - after it, frames over ``--max-frame-mib`` are refused (the connection ends, with the
   reason in the log) instead of being allocated;
 - each connection has a thread of its own, so one misbehaving client delays no other.
