@@ -12,6 +12,12 @@ of one) are posted and wake the leader through a self-pipe.
 
 Every event names its rank in its header (:mod:`phalanx.wire.protocol`); an event from a
 channel that no longer carries that rank (an earlier incarnation) is dropped.
+
+The dispatcher routes to the rank table's slots (:mod:`phalanx.controller.ranks`) and
+completes futures through their completion side
+(:class:`~phalanx.controller.futures.Completion`). It moves a slot only through the slot's
+own transitions (READY, INIT_ERROR, EXITED); :meth:`Dispatcher.bury` is the one routine
+for a dead rank, whoever learnt of the death.
 """
 
 from __future__ import annotations
@@ -19,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import select
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -36,45 +41,38 @@ from phalanx.wire import protocol, streams
 
 if TYPE_CHECKING:
     from phalanx.backends.base import Channel
-    from phalanx.controller.futures import GroupFuture
+    from phalanx.controller.futures import Completion, GroupFuture
+    from phalanx.controller.ranks import Slot
 
 logger = logging.getLogger(__name__)
 
-_ROUTE = struct.Struct("<BQI").unpack_from  # kind, call id, rank
+_ROUTE = protocol.unpack_head  # (kind, call id, rank) of an event's header
 _RESULT = protocol.RESULT
 _YIELD = protocol.YIELD
 _HEARTBEAT = protocol.HEARTBEAT
 
 
-class Slot:
-    """The controller's view of one incarnation of one rank."""
-
-    def __init__(self, rank: int, node: int, channel: Channel) -> None:
-        self.rank = rank
-        self.node = node
-        self.channel = channel
-        self.pid: int | None = None
-        self.pending: dict[int, GroupFuture] = {}  # call id -> its future
-        self.alive = True
-        self.ready = False
-        self.methods: list[str] = []
-        self.init_failure: RemoteFailure | None = None
-        self.failure: ProcessFailure | None = None
-        self.started = time.monotonic()  # when its launch began
-        self.seen = self.started  # when it last gave a sign of life (any message)
-        self.heard = False  # whether it has said anything yet (silence counts from then)
-        self.timings: dict[str, float] = {}  # its start-up, as READY tells it
-        self.code_version: str | None = None  # of the shipped code it runs, as READY tells
-        self.unresponsive = False  # declared so by the watchdog (and being killed)
-
-    def settled_start(self) -> bool:
-        return self.ready or self.init_failure is not None or not self.alive
+def _no_stacks(ranks: list[int]) -> dict[int, str]:
+    return {}
 
 
 class Dispatcher:
-    """Receives for every rank of one group; driven by the threads that wait."""
+    """Receives for every rank of one group; driven by the threads that wait.
 
-    def __init__(self, on_death: Callable[[Slot], None] | None = None) -> None:
+    ``on_death(slot)`` is told of every rank that died while routed here (after its calls
+    failed); ``stacks_of(ranks)`` gives every thread's stack of those ranks, for errors
+    that say where late ranks are (taking stacks is the backend's business);
+    ``on_released(channel, ref_id)``: a rank let go of a freed shared object (RELEASED).
+    ``deaths`` counts every death and removal: a cheap change counter, read-only outside.
+    """
+
+    def __init__(
+        self,
+        on_death: Callable[[Slot], None] | None = None,
+        *,
+        stacks_of: Callable[[list[int]], dict[int, str]] = _no_stacks,
+        on_released: Callable[[Channel, int], None] | None = None,
+    ) -> None:
         # epoll: waiting costs the same however many workers the group has.
         self._poller = select.epoll() if hasattr(select, "epoll") else select.poll()
         self._fd_lock = threading.Lock()  # watch/unwatch: the map and the poller agree
@@ -95,12 +93,9 @@ class Dispatcher:
         self._background: set[GroupFuture] = set()  # pending futures with done-callbacks
         self._background_leads = False
         self.background_wanted = threading.Event()  # wakes the watchdog to lead
-        # rank -> every thread's stack, for errors that say where late ranks are (set by
-        # the group: taking stacks is the backend's business)
-        self.stacks_of: Callable[[list[int]], dict[int, str]] = lambda ranks: {}
+        self.stacks_of = stacks_of
         self.deaths = 0  # incremented on every death and removal: a cheap change counter
-        # a rank let go of a freed shared object (RELEASED): the backend's, set by the group
-        self.on_released: Callable[[Channel, int], None] = lambda channel, ref_id: None
+        self._on_released = on_released
 
     # -- the sink channels deliver to (any thread) ------------------------------------
 
@@ -148,10 +143,9 @@ class Dispatcher:
             if slot is None or slot.channel is not channel:
                 continue
             slot.seen = now
-            slot.heard = True
             future = slot.pending.pop(call_id, None)
             if future is not None:
-                future._resolve_rank(rank, payload)
+                future.resolve_rank(rank, payload)
 
     def post_all(self, batches: list[tuple[Channel, list[list[Any]]]]) -> None:
         """Deliver the events of several channels with one wake-up (a node's link)."""
@@ -356,15 +350,14 @@ class Dispatcher:
                     self._on_many(channel, segs)
                 continue  # otherwise an earlier incarnation's last words
             slot.seen = now
-            slot.heard = True
             if kind == _RESULT:  # the hot path
                 future = slot.pending.pop(call_id, None)
                 if future is not None:
-                    future._resolve_rank(rank, segs[1:])
+                    future.resolve_rank(rank, segs[1:])
             elif kind == _YIELD:  # an item of a streamed call; RESULT ends the stream
                 future = slot.pending.get(call_id)
                 if future is not None:
-                    future._yield_rank(rank, segs[1:])  # type: ignore[attr-defined]
+                    future.yield_rank(rank, segs[1:])
             elif kind == _HEARTBEAT:
                 pass
             else:
@@ -386,21 +379,20 @@ class Dispatcher:
                 error = WorkerError(
                     failure, rank=slot.rank, node=slot.node, pid=slot.pid, method=future.method
                 )
-                future._fail_rank(slot.rank, chain_remote(error, failure))
+                future.fail_rank(slot.rank, chain_remote(error, failure))
         elif kind == protocol.READY:
-            slot.pid, slot.methods, slot.timings, slot.code_version = extra
-            slot.timings["total"] = time.monotonic() - slot.started
-            slot.ready = True
+            slot.became_ready(*extra)
         elif kind == protocol.INIT_ERROR:
-            slot.init_failure = RemoteFailure(*extra[0])
+            slot.failed_to_start(RemoteFailure(*extra[0]))
         elif kind == protocol.RELEASED:
-            self.on_released(slot.channel, extra[0])
+            if self._on_released is not None:
+                self._on_released(slot.channel, extra[0])
         elif kind == protocol.EXITED:
             failure = ProcessFailure.from_dict(extra[0])
             if failure.pid is None and slot.pid is not None:
                 failure = dataclasses.replace(failure, pid=slot.pid)
             if not slot.alive:  # a fuller account of a death already reported
-                slot.failure = failure.merged(slot.failure)
+                slot.add_account(failure)
                 return
             self.bury(slot, failure)
             if self._on_death is not None:
@@ -411,21 +403,20 @@ class Dispatcher:
     # -- death ------------------------------------------------------------------------
 
     def bury(self, slot: Slot, failure: ProcessFailure) -> None:
-        """Record how a slot's process ended and fail every call pending on it."""
-        slot.failure = failure
-        slot.alive = False  # after .failure is set: senders that see this fail on their own
+        """Record how a slot's process ended and fail every call pending on it: the one
+        routine for a dead rank (an EXITED event, a node lost, a rank stopped)."""
+        slot.exited(failure)  # .failure set first: senders that see it dead fail on their own
         self.deaths += 1
-        pending, slot.pending = slot.pending, {}
-        for future in pending.values():
-            future._fail_rank(slot.rank, death_error(failure, future.method))
+        for future in slot.take_pending():
+            future.fail_rank(slot.rank, death_error(failure, future.method))
 
     @staticmethod
-    def fail_if_dead(slot: Slot, call_id: int, future: GroupFuture) -> None:
+    def fail_if_dead(slot: Slot, call_id: int, future: Completion) -> None:
         """Close the race between sending to a slot and its death being processed."""
         if not slot.alive:
             slot.pending.pop(call_id, None)
             failure = slot.failure
-            future._fail_rank(slot.rank, death_error(failure, future.method))  # type: ignore[arg-type]
+            future.fail_rank(slot.rank, death_error(failure, future.method))  # type: ignore[arg-type]
 
     def remove(self, slot: Slot) -> None:
         """Stop routing the rank's events to ``slot`` (it is being replaced or stopped)."""
@@ -441,9 +432,8 @@ class Dispatcher:
         for slot in slots:
             if self._by_rank.get(slot.rank) is slot:
                 del self._by_rank[slot.rank]
-            pending, slot.pending = slot.pending, {}
-            for future in pending.values():
-                future._fail_rank(slot.rank, error_factory(future.method, slot.rank))
+            for future in slot.take_pending():
+                future.fail_rank(slot.rank, error_factory(future.method, slot.rank))
         self._wakeup.wake()
         with self._cond:
             self._cond.notify_all()

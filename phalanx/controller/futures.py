@@ -16,15 +16,30 @@ received the completing message, and must not block.
 Per-rank state lives in flat lists inside the group future (a call in flight costs two
 small objects, not one per rank): pipelining tens of thousands of calls stays cheap for the
 allocator and the garbage collector. Results are unpickled on first access.
+
+Every future has two sides. The *user side* is what a caller holds: ``result()``,
+``done()``, iteration, ``await``. The *completion side*, named :class:`Completion`, is how
+the rest of the controller completes a call: the dispatcher resolves or fails each rank as
+its answer (or its death) is known and hands a streamed call its items, a membership
+change fails the calls it breaks, the watchdog asks which ranks are late; the sender defers
+a synchronous call's sends to its first wait (:meth:`GroupFuture.defer`) and
+:mod:`phalanx.controller.shared` makes it hold the put objects its arguments name
+(:meth:`GroupFuture.hold`). Like ``concurrent.futures.Future.set_result``, these methods
+are public for the library's sake, not meant for user code.
+
+A streamed call (``call_stream``) is a :class:`StreamFuture`: its ranks send items as
+their generator yields them, and a RESULT ends each rank's stream.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import concurrent.futures
 import logging
 import pickle
 from collections.abc import Callable, Generator, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from phalanx import config
 from phalanx.errors import CallTimeout, SerializationError
@@ -32,6 +47,7 @@ from phalanx.options import check_seconds
 
 if TYPE_CHECKING:
     from phalanx.controller.dispatch import Dispatcher
+    from phalanx.controller.shared import SharedObject, SharedObjects
 
 _loads = pickle.loads
 logger = logging.getLogger(__name__)
@@ -46,6 +62,33 @@ class _Pending:
 
 _PENDING = _Pending()
 _POSITIONS_FROM = 8  # calls on more ranks than this find a rank's slot through a dict
+
+
+class Completion(Protocol):
+    """The completion side of a call's future (see the module docstring): what a slot's
+    ``pending`` table holds, and what the dispatcher, a membership change and the
+    watchdog use to complete a call or look at it."""
+
+    method: str  # the method called (for the errors that name it)
+    tolerant: bool  # made on workers="ready" / "any": a membership change does not fail it
+
+    def resolve_rank(self, rank: int, segments: list[Any]) -> None:
+        """``rank`` answered: ``segments`` are its encoded value (a pickle and buffers)."""
+
+    def fail_rank(self, rank: int, error: BaseException) -> None:
+        """``rank`` failed with ``error`` (the first failure fails the whole call)."""
+
+    def yield_rank(self, rank: int, segments: list[Any]) -> None:
+        """``rank`` streamed an item (``segments``); only a streamed call keeps it."""
+
+    def late_ranks(self) -> list[int]:
+        """The ranks that have not answered yet."""
+
+    def cancelled(self) -> bool:
+        """Whether the caller cancelled the call."""
+
+    def __len__(self) -> int:
+        """The number of ranks called."""
 
 
 class GroupFuture:
@@ -72,7 +115,8 @@ class GroupFuture:
         "tolerant",
     )
 
-    def __init__(self, method: str, ranks: list[int], dispatcher: Dispatcher) -> None:
+    def __init__(self, method: str, ranks: list[int], dispatcher: Dispatcher,
+                 tolerant: bool = False) -> None:
         self.method = method
         self._ranks = ranks  # never mutated (it may be shared with the group)
         self._dispatcher = dispatcher
@@ -90,18 +134,30 @@ class GroupFuture:
         self._kickoff: Callable[[], None] | None = None
         self._callbacks: list[Callable[[GroupFuture], Any]] | None = None
         # (owner, objects): put objects the call's arguments name, held until it ends
-        self._holds: Any = None
+        self._holds: tuple[SharedObjects, list[SharedObject]] | None = None
         # made on workers="ready" / "any": a change of the group's nodes does not fail it
-        self.tolerant = False
+        self.tolerant = tolerant
 
-    # -- completion (dispatcher side) -------------------------------------------------
+    # -- completion side (see Completion) ----------------------------------------------
+
+    def defer(self, send: Callable[[], None]) -> None:
+        """Have ``send()`` (the call's sends) run at the future's first wait, as late as
+        possible (see :meth:`Dispatcher.wait <phalanx.controller.dispatch.Dispatcher.wait>`);
+        anything else that looks at the future runs it first."""
+        self._kickoff = send
+
+    def hold(self, owner: SharedObjects, objects: list[SharedObject]) -> None:
+        """Keep ``objects`` (put objects the arguments name) in use until every rank is
+        done; then ``owner.unhold(objects)``."""
+        self._holds = (owner, objects)
 
     def _index(self, rank: int) -> int:
         if self._positions is not None:
             return self._positions[rank]
         return self._ranks.index(rank)
 
-    def _resolve_rank(self, rank: int, segments: list[Any]) -> None:
+    def resolve_rank(self, rank: int, segments: list[Any]) -> None:
+        """``rank`` answered with ``segments`` (decoded on first access)."""
         if self._positions is None:
             i = 0 if len(self._ranks) == 1 else self._ranks.index(rank)
         else:
@@ -113,7 +169,8 @@ class GroupFuture:
                                          or self._holds is not None):
                 self._settle()
 
-    def _fail_rank(self, rank: int, error: BaseException) -> None:
+    def fail_rank(self, rank: int, error: BaseException) -> None:
+        """``rank`` failed: the call fails with ``error`` unless another rank failed first."""
         i = self._index(rank)
         if self._values[i] is not _PENDING:
             return
@@ -156,7 +213,10 @@ class GroupFuture:
         """The per-rank futures, in rank order."""
         return [RankFuture(self, i) for i in range(len(self._ranks))]
 
-    def _late_ranks(self) -> list[int]:
+    def yield_rank(self, rank: int, segments: list[Any]) -> None:
+        """An item streamed by ``rank``: a call that is not streamed has none to keep."""
+
+    def late_ranks(self) -> list[int]:
         """The ranks that have not answered yet."""
         return [r for r, v in zip(self._ranks, self._values, strict=True) if v is _PENDING]
 
@@ -202,7 +262,7 @@ class GroupFuture:
         if kickoff is None and is_done():
             return
         if not self._dispatcher.wait(is_done, timeout, kickoff):
-            pending = self._late_ranks()
+            pending = self.late_ranks()
             # where the late ranks are, unless the caller polls with short timeouts
             stacks = (self._dispatcher.stacks_of(pending)
                       if timeout is not None and timeout >= config.STACKS_ON_TIMEOUT else None)
@@ -361,13 +421,74 @@ class RankFuture:
         return f"<RankFuture rank={self.rank} {group.method}() {state}>"
 
 
+class StreamFuture(GroupFuture):
+    """A streamed call: iterate it for ``(rank, item)`` pairs in arrival order.
+
+    ``timeout`` (given to ``call_stream``) bounds the wait for each next item.
+    ``result()`` drains the stream and returns every rank's items, in rank order.
+    Errors and deaths behave as for any call: the first failing rank raises from the
+    iterator at once (fail fast), a dead rank raises :class:`~phalanx.errors.WorkerDied`.
+    """
+
+    __slots__ = ("_items", "timeout")
+
+    def __init__(self, method: str, ranks: list[int], dispatcher: Dispatcher,
+                 tolerant: bool = False) -> None:
+        super().__init__(method, ranks, dispatcher, tolerant)
+        self._items: collections.deque = collections.deque()
+        self.timeout: float | None = None
+
+    def yield_rank(self, rank: int, segments: list[Any]) -> None:
+        """An item streamed by ``rank``, kept until the iterator takes it."""
+        if not self._cancelled:
+            self._items.append((rank, segments))
+
+    def _has_news(self) -> bool:
+        return bool(self._items) or self._remaining == 0 or self._failed >= 0
+
+    def __iter__(self) -> Iterator[tuple[int, Any]]:  # type: ignore[override]
+        self._kick()
+        while True:
+            if self._items:
+                rank, segments = self._items.popleft()
+                yield rank, _decode_item(segments, self.method, rank)
+                continue
+            if self._failed >= 0:
+                raise self._errors[self._failed]  # type: ignore[index]
+            if self._remaining == 0 or self._cancelled:
+                return
+            if not self._dispatcher.wait(self._has_news, self.timeout):
+                raise CallTimeout(self.method, self.timeout or 0.0, self.late_ranks())
+
+    def result(self, timeout: float | None = None) -> list[Any]:
+        """Every rank's streamed items (a list per rank, in rank order)."""
+        if timeout is not None:
+            self.timeout = timeout
+        items: dict[int, list[Any]] = {rank: [] for rank in self._ranks}
+        for rank, item in self:
+            items[rank].append(item)
+        return [items[rank] for rank in self._ranks]
+
+
+def _decode_item(segments: list[Any], method: str, rank: int) -> Any:
+    try:
+        return _loads(segments[0], buffers=segments[1:])
+    except Exception as exc:
+        raise SerializationError(
+            f"could not unpickle an item streamed by {method}() on rank {rank}: "
+            f"{type(exc).__name__}: {exc}",
+            stage="unpickling a streamed item",
+            rank=rank,
+        ) from exc
+
+
 class ShardedFuture:
     """The outcome of ``call_sharded``: called on ``called_ranks``, results kept from
     ``result_ranks`` (one per data shard when the output is replicated elsewhere)."""
 
     def __init__(self, future: GroupFuture, result_ranks: list[int], keep: list[int]) -> None:
         self._future = future
-        self.called_ranks = list(future._ranks)
+        self.called_ranks = future.ranks
         self.result_ranks = list(result_ranks)
         self._keep = keep  # positions of result_ranks among called_ranks
 
@@ -430,8 +551,6 @@ def _bridge(future: GroupFuture | ShardedFuture) -> concurrent.futures.Future:
 
 def _await(future: GroupFuture | ShardedFuture) -> Generator[Any, None, list[Any]]:
     """``await future`` on the running event loop, with no thread parked per awaiter."""
-    import asyncio
-
     loop = asyncio.get_running_loop()
     waiter = loop.create_future()
 

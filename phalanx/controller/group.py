@@ -1,48 +1,57 @@
-"""``WorkerGroup``: start a group of ranks, call methods on them, watch them, stop them."""
+"""``WorkerGroup``: start a group of ranks, call methods on them, watch them, stop them.
+
+The group is made of parts (drawn in :mod:`phalanx.controller`), each owning its state
+behind a small interface, and holds them; its public methods check their arguments and
+hand over to the part that does the work. Calls take the short way: the group holds the
+bound methods of the parts a call goes through (the gate's check, the method check, the
+rank table's selection, the sender's encode and send), so a call costs no more hops than
+when they were the group's own.
+"""
 
 from __future__ import annotations
 
 import atexit
-import dataclasses
-import functools
-import itertools
 import logging
 import os
-import sys
-import types
+import signal as signals
+import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from phalanx import config
-from phalanx.backends import Backend, Boot, RankStart, create_backend
-from phalanx.controller.dispatch import Dispatcher, Slot
-from phalanx.controller.futures import GroupFuture
-from phalanx.controller.injection import FaultInjection
-from phalanx.controller.lifecycle import Lifecycle
+from phalanx.backends import Backend, create_backend
+from phalanx.controller.calls import Sender
+from phalanx.controller.dispatch import Dispatcher
+from phalanx.controller.futures import GroupFuture, ShardedFuture, StreamFuture
+from phalanx.controller.injection import inject_fault
+from phalanx.controller.lifecycle import Gate, Lifecycle
 from phalanx.controller.membership import Membership
-from phalanx.controller.meshcalls import MeshCalls, map_payloads
-from phalanx.controller.methods import MethodProxy
-from phalanx.controller.shared import CAPTURE, SharedData, SharedObjects
-from phalanx.controller.startup import await_ready
-from phalanx.controller.streaming import StreamCalls, StreamFuture
-from phalanx.controller.watch import Watching
-from phalanx.controller.watchdog import Watchdog
-from phalanx.errors import (
-    GroupClosed,
-    ObjectFreed,
-    SerializationError,
-    death_error,
+from phalanx.controller.meshcalls import Mesh, map_payloads
+from phalanx.controller.methods import MethodNames, MethodProxy
+from phalanx.controller.ranks import RankTable
+from phalanx.controller.shared import ObjectRef, SharedObjects
+from phalanx.controller.startup import (
+    Starter,
+    check_part_of,
+    check_rank_env,
+    check_rendezvous,
+    check_target,
+    make_boot,
 )
-from phalanx.node.placement import check_node_gpus, new_launch, place
+from phalanx.controller.watch import RankHealth, StackReport, StartupReport, Watcher
+from phalanx.controller.watchdog import Watchdog
+from phalanx.errors import MembershipEvent, PhalanxError
+from phalanx.node.machine import require_package
 from phalanx.options import check_count, check_seconds
 from phalanx.output.logs import OutputOptions
-from phalanx.wire import pickling, protocol
-from phalanx.world.frameworks import WorldPart, check_layout, worker_env
-from phalanx.world.layout import Layout, merge_env
-from phalanx.world.selection import Workers, select_ranks
+from phalanx.world.frameworks import WorldPart
+from phalanx.world.layout import merge_env
+from phalanx.world.placement import place
+from phalanx.world.selection import Workers
 
 if TYPE_CHECKING:
+    from phalanx.controller.ranks import Slot
     from phalanx.world.sharding import NamedSharding
 
 logger = logging.getLogger(__name__)
@@ -61,8 +70,7 @@ def _shutdown_at_exit() -> None:
         group.shutdown()
 
 
-class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle, Membership, SharedData,
-                  FaultInjection):
+class WorkerGroup:
     """A group of worker processes, each holding one instance of ``target``.
 
     ``target`` is a class (or any picklable callable returning the worker object), or a
@@ -127,123 +135,101 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle, Membership, Share
         part_of: WorldPart | None = None,
     ) -> None:
         settings = config.Settings.from_env()
-        if not (callable(target) or isinstance(target, types.ModuleType)):
-            raise TypeError(f"target must be a class, a callable or a module, got {target!r}")
-        if not isinstance(args, (tuple, list)):
-            raise TypeError(f"args must be a tuple or list, got {type(args).__name__}")
-        if kwargs is not None and not isinstance(kwargs, Mapping):
-            raise TypeError(f"kwargs must be a mapping, got {type(kwargs).__name__}")
+        check_target(target, args, kwargs)
         check_count(concurrency, "concurrency")
         check_count(nodes, "nodes")
-        if master_port is not None and not 0 < check_count(master_port, "master_port") < 65536:
-            raise ValueError(f"master_port must be a port number (1-65535), got {master_port}")
-        if master_addr is not None and not (isinstance(master_addr, str) and master_addr):
-            raise TypeError(f"master_addr must be a host name or address, got {master_addr!r}")
-        self._rendezvous_given = ((master_addr, master_port)
-                                  if master_addr is not None or master_port is not None else None)
-        self._heartbeat_timeout = check_seconds(heartbeat_timeout, "heartbeat_timeout",
-                                                allow_zero=False)
-        self._straggler_warning = check_seconds(straggler_warning, "straggler_warning",
-                                                allow_zero=False)
+        check_rendezvous(master_addr, master_port)
+        heartbeat_timeout = check_seconds(heartbeat_timeout, "heartbeat_timeout",
+                                          allow_zero=False)
+        straggler_warning = check_seconds(straggler_warning, "straggler_warning",
+                                          allow_zero=False)
         self._backend: Backend = create_backend(backend)  # checks the name; starts nothing
-        self._placement = place(framework, nodes, procs_per_node, gpus_per_worker,
-                                self._backend.gpus_per_node(nodes))
-        self._layout = self._placement.layout
-        self._part_of = part_of
+        placement = place(framework, nodes, procs_per_node, gpus_per_worker,
+                          self._backend.gpus_per_node(nodes))
+        require_package(placement.framework)
+        world_size = placement.layout.world_size
         if part_of is not None:
-            if not isinstance(part_of, WorldPart):
-                raise TypeError(f"part_of must be a WorldPart, got {part_of!r}")
-            if master_addr is None or master_port is None:
-                raise ValueError("a group running part of a bigger world (part_of=) needs the "
-                                 "world's master_addr and master_port")
-            part_of.check(self._placement.framework, self._layout)
+            check_part_of(part_of, master_addr, master_port, placement)
         output = OutputOptions.build(echo_output, collapse_output, log_ranks, log_dir,
-                                     self.world_size,
-                                     0 if part_of is None else part_of.first_rank)
-        if rank_env is not None:
-            bad = [r for r in rank_env if not (isinstance(r, int) and 0 <= r < self.world_size)]
-            if bad:
-                raise ValueError(f"rank_env names ranks {bad} outside 0..{self.world_size - 1}")
-        self._sharding: NamedSharding | None = None
-        self._dp_leaders = list(range(self.world_size))
-        self._plans = {}
-        if mesh is not None:
-            from phalanx.world.sharding import dp_leaders, sharding_for
-
-            self._sharding = sharding_for(mesh, self.world_size)
-            self._dp_leaders = dp_leaders(self._sharding, dp_axis)
-        for rank in range(self.world_size):  # type errors in env now, before any resource
+                                     world_size, 0 if part_of is None else part_of.first_rank)
+        check_rank_env(rank_env, world_size)
+        self._mesh = Mesh(mesh, dp_axis, world_size)
+        for rank in range(world_size):  # type errors in env now, before any resource
             merge_env({}, {}, env, (rank_env or {}).get(rank))
-        self._start_timeout = check_seconds(
+        start_timeout = check_seconds(
             settings.start_timeout if start_timeout is None else start_timeout,
             "start_timeout", allow_zero=False)
-        self._progress = settings.progress
-        self._target_name = getattr(target, "__qualname__", getattr(target, "__name__", "target"))
+        target_name = getattr(target, "__qualname__", getattr(target, "__name__", "target"))
+        boot = make_boot(target, args, kwargs, cwd=cwd, options={
+            "concurrency": concurrency, "framework": framework,
+            "heartbeat": _heartbeat_interval(heartbeat_timeout)})
+
+        # -- the parts (see the module docstring) --------------------------------------
+        backend_ = self._backend
+        self._gate = gate = Gate()
+        self._dispatcher = dispatcher = Dispatcher(
+            self._on_death, stacks_of=self._stacks_of, on_released=backend_.released)
+        self._ranks = ranks = RankTable(world_size, dispatcher)
+        self._shared = shared = SharedObjects(backend_, dispatcher.poll_now,
+                                              ranks.live_channels)
+        self._methods = methods = MethodNames(target_name)
+        self._sender = sender = Sender(ranks, dispatcher, shared, backend_)
+        self._starter = starter = Starter(
+            backend_, placement, boot, env=env or {}, rank_env=rank_env or {},
+            part_of=part_of,
+            rendezvous=((master_addr, master_port)
+                        if master_addr is not None or master_port is not None else None),
+            start_timeout=start_timeout, progress=settings.progress,
+            dispatcher=dispatcher, table=ranks, shared=shared, methods=methods)
+        self._watch = watch = Watcher(ranks, dispatcher, gate)
+        watchdog = Watchdog(dispatcher, ranks.live, watch.take_stacks,
+                            heartbeat_timeout=heartbeat_timeout,
+                            straggler_warning=straggler_warning)
+        self._membership = membership = Membership(  # listens before the backend opens
+            backend=backend_, dispatcher=dispatcher, table=ranks, starter=starter,
+            mesh=self._mesh, gate=gate)
+        self._lifecycle = Lifecycle(
+            gate=gate, backend=backend_, dispatcher=dispatcher, table=ranks, starter=starter,
+            membership=membership, methods=methods, sender=sender, shared=shared,
+            watchdog=watchdog)
+        # The hot path: the parts' bound methods, held directly (see the module docstring).
+        self._check_open: Callable[[], None] = gate.check
+        self._check_method: Callable[[str], None] = methods.check
+        self._select_ranks: Callable[[Workers], list[int]] = ranks.select
+        self._encode = sender.encode
+        self._send = sender.send
         try:
-            init_payload = pickling.dumps((target, tuple(args), dict(kwargs or {})))
-        except Exception as exc:
-            raise SerializationError(
-                f"could not pickle the target or its constructor arguments: "
-                f"{type(exc).__name__}: {exc}",
-                stage="pickling the constructor arguments",
-            ) from exc
-        self._boot = Boot(
-            payload=init_payload,
-            options={"concurrency": concurrency, "framework": framework,
-                     "heartbeat": _heartbeat_interval(self._heartbeat_timeout)},
-            sys_path=tuple(sys.path),
-            cwd=cwd,
-        )
-        self._user_env = dict(env or {})
-        self._rank_env = {r: dict(e) for r, e in (rank_env or {}).items()}
-        self._call_ids = itertools.count(1)
-        self._closed = False
-        self._methods: list[str] | None = None
-        self._method_set: frozenset[str] = frozenset()
-        self._all_ranks = list(range(self.world_size))
-        self._deaths_seen = -1  # dispatcher.deaths when every rank was last seen alive
-        self._slots: list[Slot | None] = [None] * self.world_size
-        self._dispatcher = Dispatcher(on_death=self._on_death)
-        self._dispatcher.stacks_of = self._stacks_of
-        self._shared = SharedObjects(self._backend, self._dispatcher, lambda: self._slots)
-        self._watchdog: Watchdog | None = None
-        self._follow_membership()
-        try:
-            self._backend.open(output)
+            backend_.open(output)
             # Exit handlers run last-registered first: ours must run before those of what
             # the backend may have started just now (Ray's disconnects from the cluster).
             atexit.unregister(_shutdown_at_exit)
             atexit.register(_shutdown_at_exit)
-            self._reserve()
-            self._watchdog = Watchdog(
-                self._dispatcher, self._live_slots, self._take_stacks,
-                heartbeat_timeout=self._heartbeat_timeout,
-                straggler_warning=self._straggler_warning)
-            self._start_ranks(list(range(self.world_size)))
+            starter.reserve()
+            watchdog.start()
+            starter.start(list(range(starter.layout.world_size)))
         except BaseException:
-            self._closed = True
-            if self._watchdog is not None:
-                self._watchdog.stop()
-            self._dispatcher.release()
-            self._backend.close()
+            gate.close()
+            watchdog.stop()
+            dispatcher.release()
+            backend_.close()
             raise
         _live_groups.add(self)
-        logger.info("started %d workers of %s", self.world_size, self._target_name)
+        logger.info("started %d workers of %s", self.world_size, target_name)
 
     # -- layout -----------------------------------------------------------------------
 
     @property
     def world_size(self) -> int:
-        return self._layout.world_size
+        return self._starter.layout.world_size
 
     @property
     def nodes(self) -> int:
-        return self._layout.nodes
+        return self._starter.layout.nodes
 
     @property
     def procs_per_node(self) -> int | tuple[int, ...]:
         """Ranks per node: an int, or one count per node for an uneven layout."""
-        return self._layout.procs_per_node
+        return self._starter.layout.procs_per_node
 
     @property
     def backend(self) -> str:
@@ -253,226 +239,43 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle, Membership, Share
     @property
     def framework(self) -> str | None:
         """The framework whose environment the ranks got (None: the generic variables)."""
-        name = self._placement.framework.name
+        name = self._starter.framework.name
         return None if name == "spmd" else name
 
     @property
     def single_controller(self) -> bool:
         """True for frameworks whose program runs on node 0 only (``"ray"``, ``"monarch"``)."""
-        return self._placement.framework.single_controller
+        return self._starter.framework.single_controller
 
     @property
     def methods(self) -> list[str]:
         """Public methods of the worker object (as reported by the workers at start-up)."""
-        return list(self._methods or [])
+        return self._methods.names()
 
-    # -- start-up ---------------------------------------------------------------------
+    # -- the mesh ---------------------------------------------------------------------
 
-    def _reserve(self) -> None:
-        """Have the backend find the nodes, then decide addresses and ports on them."""
-        nodes = self._backend.reserve(
-            self._layout, gpus_per_worker=self._placement.gpus_per_worker,
-            timeout=self._start_timeout,
-        )
-        layout = Layout.of([n.ranks for n in nodes])
-        if layout != self._layout:  # the backend placed the ranks itself (Ray)
-            check_layout(self._placement.framework, layout)
-            self._layout = layout
-        check_node_gpus(self._placement, nodes)
-        self._nodes = nodes
-        self._new_launch()
+    @property
+    def sharding(self) -> NamedSharding | None:
+        """The group's mesh (``mesh=`` at construction), or None."""
+        return self._mesh.sharding
 
-    def _new_launch(self) -> None:
-        """Fresh ports (picked on the nodes) and every rank's variables."""
-        launch = new_launch(self._placement, self._nodes, self._backend.ports)
-        if self._rendezvous_given:  # the user's MASTER_ADDR / MASTER_PORT, kept on restarts
-            addr, port = self._rendezvous_given
-            launch = dataclasses.replace(launch, master_addr=addr or launch.master_addr,
-                                         master_port=port or launch.master_port)
-        self._launch = launch
-        self._starts = [self._rank_start(rank) for rank in range(self.world_size)]
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel replicas (every rank is one without a mesh)."""
+        return self._mesh.dp_size
 
-    def _rank_start(self, rank: int) -> RankStart:
-        generic = worker_env(self._placement.framework, self._layout, rank, self._launch)
-        if self._part_of is not None:  # the world's RANK, WORLD_SIZE, NODE_RANK
-            generic.update(self._part_of.rank_env(rank, self._launch.master_addr,
-                                                  self._launch.master_port))
-        env = merge_env({}, generic, self._user_env, self._rank_env.get(rank))
-        return RankStart(
-            rank=rank,
-            node=self._layout.node_of(rank),
-            local_rank=self._layout.local_rank_of(rank),
-            env=env,
-        )
-
-    def _start_ranks(self, ranks: list[int], timeout: float | None = None,
-                     limit: str | None = None) -> None:
-        """Launch ``ranks`` (one batch per node) and wait until every one is ready (within
-        ``timeout``, default ``start_timeout``). A rank becomes visible to calls only once
-        its INIT is on its way."""
-        by_node: dict[int, list[RankStart]] = {}
-        for rank in ranks:
-            by_node.setdefault(self._layout.node_of(rank), []).append(self._starts[rank])
-        slots: list[Slot] = []
-        started: list[Any] = []
-        try:
-            for node, starts in by_node.items():
-                channels = self._backend.launch(self._nodes[node], starts, self._boot)
-                for channel in channels:
-                    for rank in channel.ranks:
-                        slot = Slot(rank, node, channel)
-                        slots.append(slot)
-                        self._dispatcher.add(slot)
-                    channel.attach(self._dispatcher)
-                    started.append(channel)
-            for slot in slots:
-                self._slots[slot.rank] = slot
-            if len(self._shared):  # what was put before: their nodes hold it too
-                self._shared.reach(started)
-            await_ready(
-                self._dispatcher,
-                slots,
-                timeout=self._start_timeout if timeout is None else timeout,
-                progress=self._progress,
-                target_name=self._target_name,
-                limit=limit,
-            )
-        except BaseException:
-            self._retire(slots, grace=0.0, force=True)  # they stay known as dead ranks
-            raise
-        if logger.isEnabledFor(logging.DEBUG):
-            for slot in slots:
-                logger.debug("rank %d start-up (s): %s", slot.rank, ", ".join(
-                    f"{k} {v:.3f}" for k, v in slot.timings.items()))
-        if self._methods is None:
-            self._methods = slots[0].methods
-            self._method_set = frozenset(self._methods)
+    def dp_leader(self, shard: int) -> int:
+        """The rank that leads data-parallel replica ``shard``."""
+        return self._mesh.dp_leader(shard)
 
     # -- calls ------------------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise GroupClosed("this WorkerGroup has been shut down")
-
-    def _check_method(self, method: str) -> None:
-        if method in self._method_set:
-            return
-        if not isinstance(method, str):
-            raise TypeError(f"method must be a name (str), got {method!r}")
-        if self._methods is not None and not method.startswith("_"):
-            raise AttributeError(
-                f"{self._target_name} has no method {method!r}; "
-                f"available: {', '.join(self._methods) or 'none'}"
-            )
-
-    def _live_ranks(self, workers: Workers) -> list[int]:
+    def _select(self, workers: Workers, rank0_only_axes: Sequence[str] | None) -> list[int]:
         self._check_open()
-        if workers == "all" and self._dispatcher.deaths == self._deaths_seen:
-            return self._all_ranks  # no rank died since every rank was last known alive
-        if type(workers) is list and workers and self._all_usable(workers):
-            return list(workers)  # live, valid, increasing; a copy: the caller may change theirs
-        if workers in ("ready", "any"):
-            self._dispatcher.poll_now()  # learn of deaths that already happened
-        alive = [s is not None and s.alive for s in self._slots]
-        if all(alive):
-            self._deaths_seen = self._dispatcher.deaths
-        ranks = select_ranks(workers, alive)
-        for r in ranks:
-            slot = self._slots[r]
-            if slot is None or not slot.alive:
-                raise death_error(slot.failure if slot is not None else None)  # type: ignore[arg-type]
-        if workers == "any" and not ranks:
-            raise GroupClosed("workers='any': no rank of this group is alive")
+        ranks = self._select_ranks(workers)
+        if rank0_only_axes:
+            ranks = self._mesh.rank0_only(ranks, rank0_only_axes)
         return ranks
-
-    def _all_usable(self, ranks: list[int]) -> bool:
-        slots = self._slots
-        previous = -1
-        for rank in ranks:
-            if type(rank) is not int or not previous < rank < len(slots):
-                return False
-            slot = slots[rank]
-            if slot is None or not slot.alive:
-                return False
-            previous = rank
-        return True
-
-    def _encode(self, args: tuple, kwargs: dict, rank: int | None = None) -> list[Any]:
-        try:
-            return pickling.dumps_plain((args, kwargs)) or self._shared.encode((args, kwargs))
-        except ObjectFreed:
-            raise
-        except Exception as exc:
-            where = "" if rank is None else f" for rank {rank}"
-            raise SerializationError(
-                f"could not pickle the arguments{where}: {type(exc).__name__}: {exc}; "
-                "nothing was sent",
-                stage="pickling the arguments",
-                rank=rank,
-            ) from exc
-
-    def _send(
-        self,
-        method: str,
-        ranks: list[int],
-        payloads: list[list[Any]],
-        *,
-        defer: bool = False,
-        stream: bool = False,
-        workers: Workers = "all",
-    ) -> GroupFuture:
-        """Register a call's futures and send it (``defer``: at the future's first wait;
-        ``stream``: the workers stream items back, see :mod:`phalanx.controller.streaming`)."""
-        call_id = next(self._call_ids)
-        if stream:
-            group_future: GroupFuture = StreamFuture(method, ranks, self._dispatcher)
-        else:
-            group_future = GroupFuture(method, ranks, self._dispatcher)
-        group_future.tolerant = type(workers) is str and workers in ("ready", "any")
-        if CAPTURE.refs or (payloads and len(payloads[0]) > 1):  # handles, or buffers
-            payloads = self._shared.prepare(group_future, payloads)
-        if len(payloads) == 1 and len(ranks) > 1 and self._backend.shared_links:
-            # one frame per node connection (an agent's), whatever its number of ranks
-            deliver = functools.partial(self._deliver_shared, call_id, ranks, group_future,
-                                        method, payloads[0], stream)
-        else:
-            frames = protocol.call_frames(call_id, ranks, method, payloads, stream)
-            deliver = functools.partial(self._deliver, call_id, ranks, group_future, frames)
-        if defer:
-            group_future._kickoff = deliver
-        else:
-            deliver()
-        return group_future
-
-    def _deliver(
-        self, call_id: int, ranks: list[int], future: GroupFuture, frames: list[list[Any]]
-    ) -> None:
-        slots = self._slots
-        for i, rank in enumerate(ranks):
-            slot = slots[rank]
-            slot.pending[call_id] = future  # type: ignore[union-attr]
-            slot.channel.send(frames[i])  # type: ignore[union-attr]
-            if not slot.alive:  # type: ignore[union-attr]
-                self._dispatcher.fail_if_dead(slot, call_id, future)  # type: ignore[arg-type]
-
-    def _deliver_shared(self, call_id: int, ranks: list[int], future: GroupFuture,
-                        method: str, payload: list[Any], stream: bool) -> None:
-        """The same payload to ``ranks``: once per link shared by several of them."""
-        by_link: dict[Any, list[int]] = {}
-        for rank in ranks:
-            by_link.setdefault(self._slots[rank].channel.link, []).append(rank)  # type: ignore[union-attr]
-        for link, on_link in by_link.items():
-            if link is None or len(on_link) == 1:
-                frames = protocol.call_frames(call_id, on_link, method, [payload], stream)
-                self._deliver(call_id, on_link, future, frames)
-                continue
-            for rank in on_link:
-                self._slots[rank].pending[call_id] = future  # type: ignore[union-attr]
-            link.send(protocol.call_frame(call_id, on_link, method, payload, stream))
-            for rank in on_link:
-                slot = self._slots[rank]
-                if not slot.alive:  # type: ignore[union-attr]
-                    self._dispatcher.fail_if_dead(slot, call_id, future)  # type: ignore[arg-type]
 
     def call_async(
         self,
@@ -487,14 +290,6 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle, Membership, Share
         ranks = self._select(workers, rank0_only_axes)
         payload = self._encode(args, kwargs)
         return self._send(method, ranks, [payload], workers=workers)
-
-    def _select(self, workers: Workers, rank0_only_axes: Sequence[str] | None) -> list[int]:
-        ranks = self._live_ranks(workers)
-        if rank0_only_axes:
-            from phalanx.world.sharding import rank0_only
-
-            ranks = rank0_only(self._require_mesh("rank0_only_axes"), ranks, rank0_only_axes)
-        return ranks
 
     def call(
         self,
@@ -571,26 +366,230 @@ class WorkerGroup(MeshCalls, StreamCalls, Watching, Lifecycle, Membership, Share
         )
         return self._send(method, ranks, payloads, defer=True, workers=workers).result(timeout)
 
+    def call_stream(
+        self,
+        method: str,
+        *args: Any,
+        workers: Workers = "all",
+        timeout: float | None = None,
+        **kwargs: Any,
+    ) -> StreamFuture:
+        """Call a generator method on the selected ranks and iterate ``(rank, item)`` pairs
+        as they arrive. A method that is not a generator streams its value as one item.
+        ``timeout`` bounds the wait for each next item (CallTimeout)."""
+        self._check_method(method)
+        ranks = self._select(workers, None)
+        payload = self._encode(args, kwargs)
+        future = self._send(method, ranks, [payload], stream=True, workers=workers)
+        future.timeout = timeout  # type: ignore[attr-defined]
+        return future  # type: ignore[return-value]
+
+    def call_sharded(
+        self,
+        method: str,
+        *args: Any,
+        in_sharded_axes: Sequence[str] = (),
+        replicate_on_axes: Sequence[str] = (),
+        output_is_replicated: Sequence[str] = (),
+        dummy_calls_to_free_axes: bool = False,
+        common_kwargs: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> ShardedFuture:
+        """Send each rank its slice of nested-list data (NeMo-RL's sharded-data rules; see
+        :mod:`phalanx.world.sharding`); the future's result holds one value per kept rank."""
+        self._check_open()
+        self._mesh.require("call_sharded")
+        self._check_method(method)
+        plan, keep = self._mesh.plan(in_sharded_axes, replicate_on_axes,
+                                     output_is_replicated, dummy_calls_to_free_axes)
+        ranks, payloads = self._mesh.payloads(plan, args, kwargs, common_kwargs,
+                                              self._ranks.checked, self._encode)
+        future = self._send(method, ranks, payloads)
+        return ShardedFuture(future, plan.result_ranks, keep)
+
     def __getattr__(self, name: str) -> MethodProxy:
         methods = self.__dict__.get("_methods")
         if methods is not None and name in methods:
             return MethodProxy(self, name)
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
-    def _unregister(self) -> None:
-        _live_groups.discard(self)
+    # -- watching ---------------------------------------------------------------------
+
+    def health(self) -> list[RankHealth]:
+        """Every rank's state now (deaths that already happened are taken into account)."""
+        return self._watch.health()
+
+    def stacks(self, ranks: Workers = "ready",
+               timeout: float = config.STACKS_TIMEOUT) -> StackReport:
+        """Every thread's Python stack of the selected ranks, taken now, even while their
+        main thread is stuck in user code or in a C call (``str()`` of the result shows
+        them with a header per rank). A rank that cannot dump (stopped with SIGSTOP, still
+        starting) gets a line saying why."""
+        return self._watch.stacks(ranks, timeout)
+
+    def startup_report(self) -> StartupReport:
+        """Where each rank's start-up time went (spawning, the interpreter, the framework,
+        importing the user's code, the constructor); ``str()`` is a table."""
+        return self._watch.startup_report()
+
+    def send_signal(self, sig: int, workers: Workers = "all") -> None:
+        """Send a signal (``signal.SIGINT``, ...) to the selected live ranks' processes and
+        their process groups; ranks already dead are skipped. SIGINT raises
+        ``KeyboardInterrupt`` in a running method, which fails that call with
+        :class:`~phalanx.errors.WorkerError`."""
+        self._watch.send_signal(sig, workers)
+
+    def _stacks_of(self, ranks: list[int]) -> dict[int, str]:
+        return self._watch.stacks_of(ranks)
 
     def _on_death(self, slot: Slot) -> None:
-        if not self._closed and slot.ready and slot.failure is not None:
+        if not self._gate.closed and slot.ever_ready and slot.failure is not None:
             logger.warning("rank %d (pid %s) died: %s", slot.rank, slot.pid, slot.failure.cause)
 
+    # -- shared data, faults ----------------------------------------------------------
+
+    def put(self, obj: Any) -> ObjectRef:
+        """Store ``obj`` once per node of the group; returns a small handle to pass in any
+        call's arguments instead of ``obj`` (each rank receives the object).
+
+        On each node the object is held in shared memory: numpy arrays and torch CPU
+        tensors in it reach every rank as read-only views of that memory, without a copy
+        (a torch tensor written to gets its own copy of the pages written, never changing
+        another rank's). Each rank unpickles the object once, the first time a call
+        names it, and keeps it until it is freed: ``ref.free()``, dropping the last
+        reference to ``ref``, or the group's shutdown. A call in flight keeps the objects
+        it names until it ends.
+        """
+        self._check_open()
+        return self._shared.put(obj)
+
+    def inject_fault(self, rank: int, method: str, kind: str, *,
+                     signal: int = signals.SIGKILL, code: int = 1,
+                     message: str | None = None) -> None:
+        """Make the next call of ``method`` on ``rank`` fail instead of running, for
+        testing recovery code against real failures (on every backend):
+
+        - ``"signal"``: the rank's process gets ``signal`` (default SIGKILL);
+        - ``"exit"``: it exits with ``code`` at once;
+        - ``"hang"``: the call never returns (the process stays alive and answers
+          heartbeats, like a deadlocked collective; use a call ``timeout``);
+        - ``"raise"``: the method raises :class:`InjectedFault` (``message``).
+
+        Only the next call of ``method`` on ``rank`` is affected (including streamed
+        calls); injecting again before it replaces the fault.
+        """
+        self._check_open()
+        inject_fault(self._ranks, self._check_method, rank, method, kind, signal=signal,
+                     code=code, message=message)
+
+    # -- membership -------------------------------------------------------------------
+
+    def on_membership_change(self, callback: Callable[[MembershipEvent], Any]) -> None:
+        """Call ``callback(event)`` for every change of the group's nodes from now on: a
+        :class:`~phalanx.errors.MembershipEvent` naming the nodes ``added`` (admitted by
+        :meth:`resize`) and ``removed`` (with the ranks they ran). Callbacks run in order
+        on a thread of the group's, never on the caller's; one that raises is logged."""
+        self._membership.on_change(callback)
+
+    def resize(self, timeout: float | None = None) -> int:
+        """Take in the nodes added since the group started (or last resized) and drop those
+        removed, then start every rank again on them (each node keeps ``procs_per_node``
+        ranks; pending calls fail). Returns the new world size; ranks must be ready within
+        ``timeout`` (default: the group's ``start_timeout``). With nothing changed it does
+        nothing. Backends whose nodes cannot change (local, Ray) never change it."""
+        return self._membership.resize(timeout)
+
+    # -- replacing and stopping ranks -------------------------------------------------
+
+    def recreate(
+        self,
+        ranks: int | Sequence[int],
+        *,
+        timeout: float | None = None,
+        readmit: str | None = None,
+    ) -> None:
+        """Start a fresh process for each of ``ranks`` (stopping the old one if it still
+        runs), with the same constructor arguments.
+
+        The fresh ranks must be ready within ``timeout`` seconds (default: the group's
+        ``start_timeout``), else :class:`StartupError` (and they are stopped): a rank whose
+        constructor waits for peers that will not come fails then, not minutes later.
+
+        ``readmit`` re-forms a collective group (torch.distributed, ...) around the fresh
+        ranks. They start on a new rendezvous (fresh ``MASTER_PORT``), with
+        ``PHALANX_READMIT=1`` in their environment: their constructor should not join a
+        collective group then. Once they are up, the method named by ``readmit`` is called
+        on every live rank at once, fresh ones included, with the new rendezvous (a dict
+        of the variables every rank shares, e.g. ``MASTER_ADDR``, ``MASTER_PORT``,
+        ``WORLD_SIZE``), within ``timeout`` too; it should leave the old group and join the
+        new one, e.g. ``dist.destroy_process_group(); os.environ.update(rendezvous);
+        dist.init_process_group("gloo")``.
+        """
+        self._lifecycle.recreate(ranks, timeout=timeout, readmit=readmit)
+
+    def rendezvous(self) -> dict[str, str]:
+        """The variables every rank got with the same value (``MASTER_ADDR``,
+        ``MASTER_PORT``, ``WORLD_SIZE``, ...): the group's current rendezvous."""
+        return self._starter.rendezvous()
+
+    def reload(self) -> str | None:
+        """Ship the code again and restart every rank in place (same nodes, same layout).
+
+        With ``ClusterBackend(sync=...)`` only the files that changed cross to each node,
+        and every rank then runs the new version (``health()`` shows it; returned here).
+        On the other backends the ranks start again from the code as it is on disk now:
+        locally a restart; on Ray the same placement group. Pending calls fail.
+        """
+        return self._lifecycle.reload()
+
+    def restart(self) -> None:
+        """Replace every worker process, keeping the layout and the nodes (pending calls
+        fail). If the backend's nodes changed since (see ``resize()``), the group starts on
+        the nodes there are now."""
+        self._lifecycle.restart()
+
+    def shutdown(
+        self,
+        cleanup: str | None = None,
+        timeout: float = config.DEFAULT_SHUTDOWN_TIMEOUT,
+        force: bool = False,
+    ) -> None:
+        """Stop every worker: optional ``cleanup`` method on all live ranks, a graceful exit
+        within ``timeout``, then SIGTERM and SIGKILL of each worker's process tree.
+
+        Idle workers exit on their own (running their atexit handlers); workers still busy
+        with a call are terminated at once, since its result could not be delivered.
+
+        Idempotent. Pending calls end with :class:`GroupClosed`. On return no process the
+        group started is alive.
+        """
+        if self._gate.closed:
+            return
+        check_seconds(timeout, "shutdown timeout")
+        deadline = time.monotonic() + timeout
+        try:
+            if cleanup is not None and not force:
+                try:
+                    self.call(cleanup, workers="ready", timeout=timeout)
+                except PhalanxError as exc:
+                    logger.warning("cleanup method %r failed: %s", cleanup, exc)
+        finally:
+            _live_groups.discard(self)
+            self._lifecycle.teardown(deadline, force)
+
+    def __enter__(self) -> WorkerGroup:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
     def __repr__(self) -> str:
-        layout = self.__dict__.get("_layout")
-        if layout is None:
+        starter = self.__dict__.get("_starter")
+        if starter is None:
             return "<WorkerGroup (not started)>"
-        state = "closed" if self.__dict__.get("_closed", True) else "running"
+        layout = starter.layout
+        state = "closed" if self.__dict__["_gate"].closed else "running"
         return (
-            f"<WorkerGroup {self.__dict__.get('_target_name', '?')} nodes={layout.nodes} "
+            f"<WorkerGroup {self.__dict__['_methods'].target_name} nodes={layout.nodes} "
             f"procs_per_node={layout.procs_per_node} {state}>"
         )
-

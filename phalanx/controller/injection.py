@@ -1,44 +1,32 @@
 """``WorkerGroup.inject_fault()``: a real failure on a rank's next call of a method, for
-testing recovery code (what the rank does is :mod:`phalanx.rank.faults`)."""
+testing recovery code. The controller only checks the request and sends one INJECT frame
+to the rank; what the rank then does is :mod:`phalanx.rank.faults`."""
 
 from __future__ import annotations
 
 import signal as signals
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from phalanx.rank.faults import argument_for
 from phalanx.wire import protocol
 
+if TYPE_CHECKING:
+    from phalanx.controller.ranks import RankTable
 
-class FaultInjection:
-    """Mixin of :class:`~phalanx.controller.group.WorkerGroup`: ``inject_fault()``."""
 
-    _slots: list[Any]
-    _check_open: Any
-    _check_method: Any
-    world_size: int
-
-    def inject_fault(self, rank: int, method: str, kind: str, *,
-                     signal: int = signals.SIGKILL, code: int = 1,
-                     message: str | None = None) -> None:
-        """Make the next call of ``method`` on ``rank`` fail instead of running, for
-        testing recovery code against real failures (on every backend):
-
-        - ``"signal"``: the rank's process gets ``signal`` (default SIGKILL);
-        - ``"exit"``: it exits with ``code`` at once;
-        - ``"hang"``: the call never returns (the process stays alive and answers
-          heartbeats, like a deadlocked collective; use a call ``timeout``);
-        - ``"raise"``: the method raises :class:`InjectedFault` (``message``).
-
-        Only the next call of ``method`` on ``rank`` is affected (including streamed
-        calls); injecting again before it replaces the fault.
-        """
-        self._check_open()
-        if type(rank) is not int or not 0 <= rank < self.world_size:
-            raise ValueError(f"rank must be an int in 0..{self.world_size - 1}, got {rank!r}")
-        self._check_method(method)
-        argument = argument_for(kind, signal=signal, code=code, message=message)
-        slot = self._slots[rank]
-        if slot is None or not slot.alive:
-            raise ValueError(f"rank {rank} is not running: there is nothing to inject into")
-        slot.channel.send(protocol.inject_frame(rank, method, kind, argument))
+def inject_fault(table: RankTable, check_method: Callable[[str], None], rank: int,
+                 method: str, kind: str, *, signal: int = signals.SIGKILL, code: int = 1,
+                 message: str | None = None) -> None:
+    """Have ``rank``'s next call of ``method`` fail as ``kind`` says (see
+    :meth:`WorkerGroup.inject_fault <phalanx.controller.group.WorkerGroup.inject_fault>`):
+    ValueError for a rank outside the group or not running, the method checked by
+    ``check_method``, the fault's arguments by :func:`~phalanx.rank.faults.argument_for`."""
+    if type(rank) is not int or not 0 <= rank < len(table):
+        raise ValueError(f"rank must be an int in 0..{len(table) - 1}, got {rank!r}")
+    check_method(method)
+    argument = argument_for(kind, signal=signal, code=code, message=message)
+    slot = table.slots[rank]
+    if slot is None or not slot.alive:
+        raise ValueError(f"rank {rank} is not running: there is nothing to inject into")
+    slot.channel.send(protocol.inject_frame(rank, method, kind, argument))

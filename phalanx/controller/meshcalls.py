@@ -1,7 +1,9 @@
-"""Calls that follow a group's mesh: ``call_sharded``, data-parallel leaders, the mesh.
+"""Calls that follow a group's mesh: the :class:`Mesh` part (the mesh, data-parallel
+leaders, ``call_sharded``'s plans and slices) and ``map()``'s payloads.
 
-Mixed into :class:`~phalanx.controller.group.WorkerGroup`; the rules themselves are the pure
-functions of :mod:`phalanx.world.sharding`.
+The rules themselves are the pure functions of :mod:`phalanx.world.sharding`; this module
+applies them to a group's calls. A plan depends only on the mesh and the call's options,
+so each is made once and kept.
 """
 
 from __future__ import annotations
@@ -9,12 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from phalanx.controller.futures import ShardedFuture
 from phalanx.world import sharding as sh
 
 if TYPE_CHECKING:
-    from phalanx.controller.dispatch import Dispatcher
-    from phalanx.controller.futures import GroupFuture
     from phalanx.world.sharding import NamedSharding, ShardedPlan
 
 
@@ -73,61 +72,57 @@ def _names(axes: Sequence[str]) -> tuple[str, ...]:
     return tuple(axes)
 
 
-class MeshCalls:
-    """The mesh-aware part of a worker group's API."""
+class Mesh:
+    """A group's mesh (``mesh=``; None: every rank is its own data-parallel replica).
 
-    _sharding: NamedSharding | None
-    _dp_leaders: list[int]
-    _plans: dict[tuple, tuple[ShardedPlan, list[int]]]  # call_sharded plans by options
-    _dispatcher: Dispatcher
-    _deaths_seen: int
+    Interface: :attr:`sharding`, :attr:`dp_size`, :meth:`dp_leader`, :meth:`require`,
+    :meth:`rank0_only`, :meth:`plan` and :meth:`payloads` for ``call_sharded``, and
+    :meth:`resized` when a resize changes the world's size (only without a mesh).
+    """
 
-    # Provided by WorkerGroup.
-    def _check_open(self) -> None: ...
-    def _check_method(self, method: str) -> None: ...
-    def _live_ranks(self, workers: Any) -> list[int]: ...
-    def _encode(self, args: tuple, kwargs: dict, rank: int | None = None) -> list[Any]: ...
-    def _send(
-        self, method: str, ranks: list[int], payloads: list[list[Any]], *, defer: bool = False
-    ) -> GroupFuture: ...
+    def __init__(self, mesh: NamedSharding | Mapping[str, int] | None, dp_axis: str,
+                 world_size: int) -> None:
+        self.sharding: NamedSharding | None = None
+        self._dp_leaders = list(range(world_size))
+        self._plans: dict[tuple, tuple[ShardedPlan, list[int]]] = {}  # by call options
+        if mesh is not None:
+            self.sharding = sh.sharding_for(mesh, world_size)
+            self._dp_leaders = sh.dp_leaders(self.sharding, dp_axis)
 
-    @property
-    def sharding(self) -> NamedSharding | None:
-        """The group's mesh (``mesh=`` at construction), or None."""
-        return self._sharding
+    def resized(self, world_size: int) -> None:
+        """The world has ``world_size`` ranks now (a mesh keeps its size)."""
+        if self.sharding is None:
+            self._dp_leaders = list(range(world_size))
 
-    def _require_mesh(self, what: str) -> NamedSharding:
-        if self._sharding is None:
+    def require(self, what: str) -> NamedSharding:
+        """The mesh, or ValueError saying that ``what`` needs one."""
+        if self.sharding is None:
             raise ValueError(f"{what} needs a group created with mesh=... (this one has none)")
-        return self._sharding
+        return self.sharding
 
     @property
     def dp_size(self) -> int:
-        """Number of data-parallel replicas (every rank is one without a mesh)."""
         return len(self._dp_leaders)
 
     def dp_leader(self, shard: int) -> int:
-        """The rank that leads data-parallel replica ``shard``."""
         if not isinstance(shard, int) or not 0 <= shard < len(self._dp_leaders):
             raise IndexError(f"dp shard {shard!r} is out of range 0..{self.dp_size - 1}")
         return self._dp_leaders[shard]
 
-    def call_sharded(
+    def rank0_only(self, ranks: list[int], axes: Sequence[str]) -> list[int]:
+        """``ranks`` less those not at coordinate 0 on ``axes``."""
+        return sh.rank0_only(self.require("rank0_only_axes"), ranks, axes)
+
+    def plan(
         self,
-        method: str,
-        *args: Any,
-        in_sharded_axes: Sequence[str] = (),
-        replicate_on_axes: Sequence[str] = (),
-        output_is_replicated: Sequence[str] = (),
-        dummy_calls_to_free_axes: bool = False,
-        common_kwargs: Mapping[str, Any] | None = None,
-        **kwargs: Any,
-    ) -> ShardedFuture:
-        """Send each rank its slice of nested-list data (NeMo-RL's sharded-data rules; see
-        :mod:`phalanx.world.sharding`); the future's result holds one value per kept rank."""
-        self._check_open()
-        mesh = self._require_mesh("call_sharded")
-        self._check_method(method)
+        in_sharded_axes: Sequence[str],
+        replicate_on_axes: Sequence[str],
+        output_is_replicated: Sequence[str],
+        dummy_calls_to_free_axes: bool,
+    ) -> tuple[ShardedPlan, list[int]]:
+        """``call_sharded``'s plan for these options, and the positions of its result
+        ranks among its called ranks."""
+        mesh = self.require("call_sharded")
         options = (
             _names(in_sharded_axes), _names(replicate_on_axes), _names(output_is_replicated),
             bool(dummy_calls_to_free_axes),
@@ -139,16 +134,27 @@ class MeshCalls:
             cached = (plan, [position[r] for r in plan.result_ranks])
             if len(self._plans) < 64:
                 self._plans[options] = cached
-        plan, keep = cached
+        return cached
+
+    @staticmethod
+    def payloads(
+        plan: ShardedPlan,
+        args: tuple,
+        kwargs: dict[str, Any],
+        common_kwargs: Mapping[str, Any] | None,
+        live: Callable[[list[int]], list[int]],
+        encode: Callable[..., list[Any]],
+    ) -> tuple[list[int], list[list[Any]]]:
+        """The ranks ``plan`` calls (``live`` checks they are alive) and each one's payload:
+        its slice of every argument (checked against the plan's sharded axes) and the
+        common keywords, one pickle per distinct slice."""
         axes, sizes = plan.sharded_axes, plan.sharded_sizes
         for i, value in enumerate(args):
             sh.check_nested(value, axes, sizes, f"argument {i}")
         for key, value in kwargs.items():
             sh.check_nested(value, axes, sizes, f"keyword {key!r}")
         common = merge_common_kwargs(common_kwargs, kwargs)
-        ranks = plan.called_ranks
-        if self._dispatcher.deaths != self._deaths_seen:  # some rank may be dead: check
-            ranks = self._live_ranks(ranks)
+        ranks = live(plan.called_ranks)
         paths = plan.paths
         encoded: dict[Any, list[Any]] = {}  # one pickle per distinct slice
         payloads = []
@@ -164,8 +170,6 @@ class MeshCalls:
                     sliced_kwargs = {k: _take(v, path) for k, v in kwargs.items()}
                 if common:
                     sliced_kwargs.update(common)
-                payload = encoded[path] = self._encode(sliced_args, sliced_kwargs, rank)
+                payload = encoded[path] = encode(sliced_args, sliced_kwargs, rank)
             payloads.append(payload)
-        future = self._send(method, ranks, payloads)
-        return ShardedFuture(future, plan.result_ranks, keep)
-
+        return ranks, payloads

@@ -36,12 +36,12 @@ from phalanx.wire import pickling
 
 if TYPE_CHECKING:
     from phalanx.backends.base import Backend, Channel
-    from phalanx.controller.dispatch import Dispatcher, Slot
     from phalanx.controller.futures import GroupFuture
 
 logger = logging.getLogger(__name__)
 
 AUTO_SHARE_BYTES = config.AUTO_SHARE_BYTES
+
 
 class _Capture(threading.local):
     """Per thread: the SharedObjects encoding a call now, and the handles it named."""
@@ -139,27 +139,33 @@ def _nbytes(segments: Sequence[Any]) -> int:
 
 
 class SharedObjects:
-    """A group's put objects: what each holds, the calls that use them, their release."""
+    """A group's put objects: what each holds, the calls that use them, their release.
 
-    def __init__(self, backend: Backend, dispatcher: Dispatcher,
-                 slots: Callable[[], list[Slot | None]]) -> None:
+    The group's part behind ``put()``: :meth:`put`, :meth:`encode` / :meth:`prepare` for
+    a call's arguments, :meth:`unhold` when a call ends, :meth:`reach` for ranks just
+    started, :meth:`close`. ``poll()`` takes in what the ranks said (RELEASED: a block to
+    reuse); ``channels()`` gives the live ranks' channels, each once.
+    """
+
+    def __init__(self, backend: Backend, poll: Callable[[], None],
+                 channels: Callable[[], list[Channel]]) -> None:
         self._backend = backend
-        self._slots = slots
-        self._poll = dispatcher.poll_now  # take in what ranks said (RELEASED: a block to reuse)
-        dispatcher.on_released = backend.released
+        self._channels = channels
+        self._poll = poll
         self._objects: dict[int, SharedObject] = {}
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
         self._closed = False
 
-    def _channels(self) -> list[Channel]:
-        """The live ranks' channels (each once)."""
-        return list({id(s.channel): s.channel for s in self._slots()
-                     if s is not None and s.alive}.values())
-
     # -- put and free -----------------------------------------------------------------
 
     def put(self, value: Any) -> ObjectRef:
+        """Store ``value`` on every node (see :meth:`WorkerGroup.put
+        <phalanx.controller.group.WorkerGroup.put>`); NotImplementedError on a backend
+        that cannot."""
+        if not self._backend.can_share:
+            raise NotImplementedError(
+                f"the {self._backend.name} backend cannot hold shared objects")
         pickling.pickled.tensors = False
         try:
             segments = self.encode(value)
@@ -255,7 +261,7 @@ class SharedObjects:
             with self._lock:
                 for obj in objs:
                     obj.users += 1
-            future._holds = (self, objs)
+            future.hold(self, objs)
         if transient is not None:
             transient.free()  # released once the call ends
         return payloads
@@ -301,27 +307,3 @@ class SharedObjects:
     def __len__(self) -> int:
         return len(self._objects)
 
-
-class SharedData:
-    """Mixin of :class:`~phalanx.controller.group.WorkerGroup`: ``put()``."""
-
-    _shared: SharedObjects
-    _check_open: Any
-
-    def put(self, obj: Any) -> ObjectRef:
-        """Store ``obj`` once per node of the group; returns a small handle to pass in any
-        call's arguments instead of ``obj`` (each rank receives the object).
-
-        On each node the object is held in shared memory: numpy arrays and torch CPU
-        tensors in it reach every rank as read-only views of that memory, without a copy
-        (a torch tensor written to gets its own copy of the pages written, never changing
-        another rank's). Each rank unpickles the object once, the first time a call
-        names it, and keeps it until it is freed: ``ref.free()``, dropping the last
-        reference to ``ref``, or the group's shutdown. A call in flight keeps the objects
-        it names until it ends.
-        """
-        self._check_open()
-        if not self._backend.can_share:  # type: ignore[attr-defined]
-            raise NotImplementedError(
-                f"the {self._backend.name} backend cannot hold shared objects")  # type: ignore[attr-defined]
-        return self._shared.put(obj)

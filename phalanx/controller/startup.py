@@ -1,13 +1,273 @@
-"""Waiting for a group's workers to become ready, and the errors when they do not."""
+"""Starting a group's ranks and stopping them: the :class:`Starter`, waiting for ranks to
+become ready, and the errors when they do not.
+
+The starter owns what a launch needs: the placement (framework, layout, GPUs per rank), the
+nodes the backend reserved, the addresses and ports of the current launch, every rank's
+start (its variables), and the boot message every rank gets (the pickled target and its
+constructor arguments). :meth:`Starter.start` launches ranks one batch per node, makes
+their slots, places them in the rank table once every one exists, and waits until each is
+ready; a rank that fails makes the whole start fail, having stopped the ranks it started.
+:meth:`Starter.retire` is how a group stops ranks it replaces: they stop being routed,
+their processes are stopped, and the calls still pending on them fail.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import sys
 import time
+import types
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from phalanx import config
-from phalanx.controller.dispatch import Dispatcher, Slot
-from phalanx.errors import StartupError, death_error
+from phalanx.backends import Backend, Boot, RankStart
+from phalanx.controller.ranks import Slot, channels_of
+from phalanx.errors import SerializationError, StartupError, death_error
+from phalanx.options import check_count
 from phalanx.output.console import Progress
+from phalanx.wire import pickling
+from phalanx.world.frameworks import WorldPart, check_layout, worker_env
+from phalanx.world.layout import Layout, merge_env
+from phalanx.world.placement import Placement, check_node_gpus, new_launch
+
+if TYPE_CHECKING:
+    from phalanx.backends import Node
+    from phalanx.controller.dispatch import Dispatcher
+    from phalanx.controller.methods import MethodNames
+    from phalanx.controller.ranks import RankTable
+    from phalanx.controller.shared import SharedObjects
+    from phalanx.world.frameworks import Framework
+
+logger = logging.getLogger(__name__)
+
+READMIT_ENV = "PHALANX_READMIT"  # "1" in the environment of a rank started to be re-admitted
+
+
+# -- what a group is asked to start: checked before anything is started ---------------------
+
+def check_target(target: Any, args: Any, kwargs: Any) -> None:
+    """TypeError unless ``target`` is a class, callable or module, ``args`` a sequence and
+    ``kwargs`` a mapping (or None)."""
+    if not (callable(target) or isinstance(target, types.ModuleType)):
+        raise TypeError(f"target must be a class, a callable or a module, got {target!r}")
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"args must be a tuple or list, got {type(args).__name__}")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise TypeError(f"kwargs must be a mapping, got {type(kwargs).__name__}")
+
+
+def check_rendezvous(master_addr: Any, master_port: Any) -> None:
+    """The user's ``master_addr`` / ``master_port``, if given: a host and a port number."""
+    if master_port is not None and not 0 < check_count(master_port, "master_port") < 65536:
+        raise ValueError(f"master_port must be a port number (1-65535), got {master_port}")
+    if master_addr is not None and not (isinstance(master_addr, str) and master_addr):
+        raise TypeError(f"master_addr must be a host name or address, got {master_addr!r}")
+
+
+def check_part_of(part_of: Any, master_addr: str | None, master_port: int | None,
+                  placement: Placement) -> None:
+    """``part_of=``: a :class:`WorldPart` that fits the placement, with the world's
+    rendezvous given."""
+    if not isinstance(part_of, WorldPart):
+        raise TypeError(f"part_of must be a WorldPart, got {part_of!r}")
+    if master_addr is None or master_port is None:
+        raise ValueError("a group running part of a bigger world (part_of=) needs the "
+                         "world's master_addr and master_port")
+    part_of.check(placement.framework, placement.layout)
+
+
+def check_rank_env(rank_env: Mapping[int, Any] | None, world_size: int) -> None:
+    """``rank_env=`` names only ranks of the group."""
+    if rank_env is not None:
+        bad = [r for r in rank_env if not (isinstance(r, int) and 0 <= r < world_size)]
+        if bad:
+            raise ValueError(f"rank_env names ranks {bad} outside 0..{world_size - 1}")
+
+
+def make_boot(target: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None, *,
+              cwd: str | None, options: dict[str, Any]) -> Boot:
+    """The INIT every rank gets: the target and its constructor arguments pickled once
+    (SerializationError if they cannot be), the options, this interpreter's path."""
+    try:
+        payload = pickling.dumps((target, tuple(args), dict(kwargs or {})))
+    except Exception as exc:
+        raise SerializationError(
+            f"could not pickle the target or its constructor arguments: "
+            f"{type(exc).__name__}: {exc}",
+            stage="pickling the constructor arguments",
+        ) from exc
+    return Boot(payload=payload, options=options, sys_path=tuple(sys.path), cwd=cwd)
+
+
+class Starter:
+    """Starts and stops one group's ranks (see the module docstring).
+
+    Interface: :attr:`layout`, :attr:`framework`, :attr:`gpus_per_worker`,
+    :attr:`start_timeout`; :meth:`reserve` (nodes for a layout), :meth:`new_launch` (a
+    new rendezvous), :meth:`mark_readmitted`, :meth:`rendezvous`; :meth:`start` and
+    :meth:`retire`.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        placement: Placement,
+        boot: Boot,
+        *,
+        env: Mapping[str, str],
+        rank_env: Mapping[int, Mapping[str, str]],
+        part_of: WorldPart | None,
+        rendezvous: tuple[str | None, int | None] | None,
+        start_timeout: float,
+        progress: bool | None,
+        dispatcher: Dispatcher,
+        table: RankTable,
+        shared: SharedObjects,
+        methods: MethodNames,
+    ) -> None:
+        self._backend = backend
+        self._placement = placement
+        self._layout = placement.layout
+        self._boot = boot
+        self._user_env = dict(env)
+        self._rank_env = {r: dict(e) for r, e in rank_env.items()}
+        self._part_of = part_of
+        self._rendezvous_given = rendezvous  # the user's MASTER_ADDR / MASTER_PORT
+        self.start_timeout = start_timeout
+        self._progress = progress
+        self._dispatcher = dispatcher
+        self._table = table
+        self._shared = shared
+        self._methods = methods
+        self._nodes: list[Node] = []
+        self._starts: list[RankStart] = []
+
+    @property
+    def layout(self) -> Layout:
+        """The layout the ranks run in now."""
+        return self._layout
+
+    @property
+    def framework(self) -> Framework:
+        """The recipe of the framework whose environment the ranks get."""
+        return self._placement.framework
+
+    @property
+    def gpus_per_worker(self) -> int:
+        return self._placement.gpus_per_worker
+
+    # -- nodes and launches -------------------------------------------------------------
+
+    def reserve(self, layout: Layout | None = None) -> None:
+        """Have the backend find the nodes for ``layout`` (default: the current one), then
+        decide addresses and ports on them."""
+        if layout is not None:
+            self._layout = layout
+        nodes = self._backend.reserve(
+            self._layout, gpus_per_worker=self._placement.gpus_per_worker,
+            timeout=self.start_timeout,
+        )
+        layout = Layout.of([n.ranks for n in nodes])
+        if layout != self._layout:  # the backend placed the ranks itself (Ray)
+            check_layout(self._placement.framework, layout)
+            self._layout = layout
+        check_node_gpus(self._placement, nodes)
+        self._nodes = nodes
+        self.new_launch()
+
+    def new_launch(self) -> None:
+        """Fresh ports (picked on the nodes) and every rank's variables."""
+        launch = new_launch(self._placement, self._nodes, self._backend.ports)
+        if self._rendezvous_given:  # the user's MASTER_ADDR / MASTER_PORT, kept on restarts
+            addr, port = self._rendezvous_given
+            launch = dataclasses.replace(launch, master_addr=addr or launch.master_addr,
+                                         master_port=port or launch.master_port)
+        self._launch = launch
+        self._starts = [self._rank_start(rank) for rank in range(self._layout.world_size)]
+
+    def _rank_start(self, rank: int) -> RankStart:
+        layout, launch = self._layout, self._launch
+        generic = worker_env(self._placement.framework, layout, rank, launch)
+        if self._part_of is not None:  # the world's RANK, WORLD_SIZE, NODE_RANK
+            generic.update(self._part_of.rank_env(rank, launch.master_addr,
+                                                  launch.master_port))
+        env = merge_env({}, generic, self._user_env, self._rank_env.get(rank))
+        return RankStart(
+            rank=rank,
+            node=layout.node_of(rank),
+            local_rank=layout.local_rank_of(rank),
+            env=env,
+        )
+
+    def mark_readmitted(self, ranks: Sequence[int]) -> None:
+        """The next start of ``ranks`` is to be re-admitted (``PHALANX_READMIT=1``)."""
+        for rank in ranks:
+            start = self._starts[rank]
+            self._starts[rank] = dataclasses.replace(start, env={**start.env,
+                                                                 READMIT_ENV: "1"})
+
+    def rendezvous(self) -> dict[str, str]:
+        """The variables every rank got with the same value (``MASTER_ADDR``, ...)."""
+        envs = [dict(start.env) for start in self._starts]
+        shared = envs[0]
+        for env in envs[1:]:
+            shared = {k: v for k, v in shared.items() if env.get(k) == v}
+        shared.pop(READMIT_ENV, None)
+        return shared
+
+    # -- starting and stopping ----------------------------------------------------------
+
+    def start(self, ranks: list[int], timeout: float | None = None,
+              limit: str | None = None) -> None:
+        """Launch ``ranks`` (one batch per node) and wait until every one is ready (within
+        ``timeout``, default ``start_timeout``). A rank becomes visible to calls only once
+        its INIT is on its way."""
+        by_node: dict[int, list[RankStart]] = {}
+        for rank in ranks:
+            by_node.setdefault(self._layout.node_of(rank), []).append(self._starts[rank])
+        slots: list[Slot] = []
+        started: list[Any] = []
+        try:
+            for node, starts in by_node.items():
+                channels = self._backend.launch(self._nodes[node], starts, self._boot)
+                for channel in channels:
+                    for rank in channel.ranks:
+                        slot = Slot(rank, node, channel)
+                        slots.append(slot)
+                        self._dispatcher.add(slot)
+                    channel.attach(self._dispatcher)
+                    started.append(channel)
+            self._table.install(slots)
+            if len(self._shared):  # what was put before: their nodes hold it too
+                self._shared.reach(started)
+            await_ready(
+                self._dispatcher,
+                slots,
+                timeout=self.start_timeout if timeout is None else timeout,
+                progress=self._progress,
+                target_name=self._methods.target_name,
+                limit=limit,
+            )
+        except BaseException:
+            self.retire(slots, grace=0.0, force=True)  # they stay known as dead ranks
+            raise
+        if logger.isEnabledFor(logging.DEBUG):
+            for slot in slots:
+                logger.debug("rank %d start-up (s): %s", slot.rank, ", ".join(
+                    f"{k} {v:.3f}" for k, v in slot.timings.items()))
+        self._methods.learn(slots[0].methods)
+
+    def retire(self, slots: list[Slot], *, grace: float, force: bool = False) -> None:
+        """Stop ``slots``: no more routing to them, their processes stopped (``grace``
+        seconds to exit, or at once with ``force``), their pending calls failed."""
+        for slot in slots:
+            self._dispatcher.remove(slot)
+        self._backend.stop(channels_of(slots), grace=grace, force=force)
+        for slot in slots:
+            if slot.alive or slot.pending:
+                self._dispatcher.bury(slot, slot.channel.exit_record(slot.rank))
 
 
 def await_ready(
@@ -37,13 +297,13 @@ def await_ready(
                 lambda: all(s.settled_start() for s in slots) or bool(failed()),
                 max(step, 0.0),
             )
-            bar.update(sum(s.ready for s in slots))
+            bar.update(sum(s.ever_ready for s in slots))
             if failed():
                 raise startup_error(min(failed(), key=lambda s: s.rank))
             if all_ready:
                 return
             if time.monotonic() >= deadline:
-                late = [s.rank for s in slots if not s.ready]
+                late = [s.rank for s in slots if not s.ever_ready]
                 limit = limit or f"start_timeout= (or {config.ENV_START_TIMEOUT})"
                 raise StartupError(
                     f"ranks {late} did not become ready within {timeout:g} s; raise "

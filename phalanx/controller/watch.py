@@ -1,12 +1,17 @@
-"""Watching and signalling a group's ranks: ``health()``, ``stacks()``,
-``startup_report()`` and ``send_signal()``."""
+"""Watching and signalling a group's ranks: the :class:`Watcher` part behind
+``health()``, ``stacks()``, ``startup_report()`` and ``send_signal()``, and the reports
+they return.
+
+The watcher only reads the rank table (each slot's state, its last sign of life, its
+start-up timings) and asks the ranks' channels for stacks and signals; it changes no
+slot. The watchdog (:mod:`phalanx.controller.watchdog`) uses its stack taking.
+"""
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from phalanx import config
@@ -15,7 +20,9 @@ from phalanx.options import check_seconds
 from phalanx.world.selection import Workers, select_ranks
 
 if TYPE_CHECKING:
-    from phalanx.controller.dispatch import Dispatcher, Slot
+    from phalanx.controller.dispatch import Dispatcher
+    from phalanx.controller.lifecycle import Gate
+    from phalanx.controller.ranks import RankTable, Slot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,63 +95,57 @@ def _startup(slot: Slot) -> RankStartup:
     return RankStartup(slot.rank, total, spawn, *parts)
 
 
-class Watching:
-    """Mixin of :class:`~phalanx.controller.group.WorkerGroup` over its slots and dispatcher."""
+class Watcher:
+    """Reads one group's rank table for its reports, takes stacks, sends signals.
 
-    _closed: bool
-    _slots: list[Slot | None]
-    _dispatcher: Dispatcher
-    _check_open: Callable[[], None]
+    Interface: :meth:`health`, :meth:`stacks`, :meth:`startup_report`,
+    :meth:`send_signal` (documented on the group's methods of the same names), and
+    :meth:`take_stacks` / :meth:`stacks_of` for the watchdog and the dispatcher.
+    """
+
+    def __init__(self, table: RankTable, dispatcher: Dispatcher, gate: Gate) -> None:
+        self._table = table
+        self._dispatcher = dispatcher
+        self._gate = gate
 
     def health(self) -> list[RankHealth]:
         """Every rank's state now (deaths that already happened are taken into account)."""
-        if not self._closed:
+        closed = self._gate.closed
+        if not closed:
             self._dispatcher.poll_now()
         now = time.monotonic()
         report = []
-        for rank, slot in enumerate(self._slots):
+        for rank, slot in enumerate(self._table.slots):
             if slot is None:
                 continue
-            alive = slot.alive and not self._closed
-            if not alive:
-                state = "dead"
-            elif slot.unresponsive:
-                state = "unresponsive"
-            else:
-                state = "ready" if slot.ready else "starting"
+            alive = slot.alive and not closed
+            state = slot.state.health if alive else "dead"
             report.append(
                 RankHealth(
                     rank=rank,
                     node=slot.node,
                     pid=slot.pid,
-                    alive=alive and not slot.unresponsive,
+                    alive=alive and state != "unresponsive",
                     calls_in_flight=len(slot.pending),
                     exitcode=slot.failure.exitcode if slot.failure else None,
                     state=state,
-                    last_seen=now - slot.seen if alive else None,
+                    last_seen=now - slot.last_sign if alive else None,
                     code_version=slot.code_version,
                 )
             )
         return report
 
-    def stacks(self, ranks: Workers = "ready",
-               timeout: float = config.STACKS_TIMEOUT) -> StackReport:
-        """Every thread's Python stack of the selected ranks, taken now, even while their
-        main thread is stuck in user code or in a C call (``str()`` of the result shows
-        them with a header per rank). A rank that cannot dump (stopped with SIGSTOP, still
-        starting) gets a line saying why."""
-        self._check_open()
+    def stacks(self, ranks: Workers, timeout: float) -> StackReport:
+        """See :meth:`WorkerGroup.stacks <phalanx.controller.group.WorkerGroup.stacks>`."""
+        self._gate.check()
         timeout = check_seconds(timeout, "stacks timeout", allow_zero=False)
         self._dispatcher.poll_now()
-        alive = [s is not None and s.alive for s in self._slots]
-        slots = [self._slots[r] for r in select_ranks(ranks, alive)]
-        return self._take_stacks([s for s in slots if s is not None], timeout)
+        slots = [self._table.slots[r] for r in select_ranks(ranks, self._table.alive_flags())]
+        return self.take_stacks([s for s in slots if s is not None], timeout)
 
-    def _live_slots(self) -> list[Slot]:
-        return [s for s in self._slots if s is not None and s.alive]
-
-    def _take_stacks(self, slots: list[Slot],
-                     timeout: float = config.STACKS_TIMEOUT) -> StackReport:
+    def take_stacks(self, slots: list[Slot],
+                    timeout: float = config.STACKS_TIMEOUT) -> StackReport:
+        """Every thread's stack of each of ``slots``, taken at once."""
         def take(slot: Slot) -> str:
             if not slot.alive:
                 return "(no stack: the rank is dead)"
@@ -158,23 +159,21 @@ class Watching:
         titles = {s.rank: f"rank {s.rank} (node {s.node}, pid {s.pid})" for s in slots}
         return StackReport({s.rank: t for s, t in zip(slots, texts, strict=True)}, titles)
 
-    def _stacks_of(self, ranks: list[int]) -> dict[int, str]:
-        slots = [self._slots[r] for r in ranks]
-        return dict(self._take_stacks([s for s in slots if s is not None and s.alive]))
+    def stacks_of(self, ranks: list[int]) -> dict[int, str]:
+        """The stacks of those of ``ranks`` that are alive (for a CallTimeout)."""
+        slots = [self._table.slots[r] for r in ranks]
+        return dict(self.take_stacks([s for s in slots if s is not None and s.alive]))
 
     def startup_report(self) -> StartupReport:
-        """Where each rank's start-up time went (spawning, the interpreter, the framework,
-        importing the user's code, the constructor); ``str()`` is a table."""
-        return StartupReport(_startup(s) for s in self._slots if s is not None)
+        """Where each rank's start-up time went (a row per rank started)."""
+        return StartupReport(_startup(s) for s in self._table.known())
 
-    def send_signal(self, sig: int, workers: Workers = "all") -> None:
-        """Send a signal (``signal.SIGINT``, ...) to the selected live ranks' processes and
-        their process groups; ranks already dead are skipped. SIGINT raises
-        ``KeyboardInterrupt`` in a running method, which fails that call with
-        :class:`~phalanx.errors.WorkerError`."""
-        self._check_open()
-        alive = [s is not None and s.alive for s in self._slots]
-        for rank in select_ranks(workers, alive):
-            slot = self._slots[rank]
+    def send_signal(self, sig: int, workers: Workers) -> None:
+        """See :meth:`WorkerGroup.send_signal
+        <phalanx.controller.group.WorkerGroup.send_signal>`."""
+        self._gate.check()
+        slots = self._table.slots
+        for rank in select_ranks(workers, self._table.alive_flags()):
+            slot = slots[rank]
             if slot is not None and slot.alive:
                 slot.channel.signal(rank, sig)

@@ -13,6 +13,10 @@ One daemon thread per group wakes every ``tick`` seconds and
   back half-alive;
 - logs once per call when some ranks answered it ``straggler_warning`` seconds ago and
   others still have not, naming the late ranks and where their code is.
+
+It moves a slot only through the slot's transitions (``suspect()``, then
+``clear_suspicion()`` if the rank spoke meanwhile); the death that follows the kill is the
+dispatcher's to record, like any other.
 """
 
 from __future__ import annotations
@@ -24,21 +28,28 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from phalanx.controller.ranks import RankState
 from phalanx.dumps import innermost_user_frames
 from phalanx.errors import ProcessFailure
 from phalanx.wire import protocol
 
 if TYPE_CHECKING:
-    from phalanx.controller.dispatch import Dispatcher, Slot
-    from phalanx.controller.futures import GroupFuture
+    from phalanx.controller.dispatch import Dispatcher
+    from phalanx.controller.futures import Completion
+    from phalanx.controller.ranks import Slot
 
 logger = logging.getLogger(__name__)
 
 StackTaker = Callable[[list["Slot"]], dict[int, str]]
+_WATCHED = (RankState.STARTING, RankState.READY)  # the states a silence is judged in
 
 
 class Watchdog:
-    """The supervision thread of one group (see the module docstring)."""
+    """The supervision thread of one group (see the module docstring): :meth:`start` it
+    once the group's backend is open, :meth:`stop` it at shutdown.
+
+    ``slots()`` gives the live ranks' slots; ``take_stacks(slots)`` their stacks.
+    """
 
     def __init__(
         self,
@@ -56,15 +67,18 @@ class Watchdog:
         self.straggler_warning = straggler_warning
         limits = [t / 4 for t in (heartbeat_timeout, straggler_warning) if t]
         self.tick = max(0.02, min([1.0, *limits]))
-        self._partial: dict[GroupFuture, tuple[float, bool]] = {}  # first answer, warned
+        self._partial: dict[Completion, tuple[float, bool]] = {}  # first answer, warned
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="phalanx-watchdog", daemon=True)
+
+    def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop watching (idempotent; a watchdog never started just stays so)."""
         self._stop.set()
         self._dispatcher.background_wanted.set()
-        if self._thread is not threading.current_thread():
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(5.0)
 
     def _run(self) -> None:
@@ -99,16 +113,18 @@ class Watchdog:
         for slot in self._slots():
             # A rank is judged from its first message on: before that it is starting (an
             # interpreter on a slow disk), which start_timeout bounds.
-            if (slot.alive and slot.heard and not slot.unresponsive
-                    and now - slot.seen > limit):  # type: ignore[operator]
-                self._declare_unresponsive(slot, now - slot.seen)
+            seen = slot.seen
+            if (seen is not None and now - seen > limit  # type: ignore[operator]
+                    and slot.state in _WATCHED):
+                self._declare_unresponsive(slot, now - seen)
 
     def _declare_unresponsive(self, slot: Slot, silent: float) -> None:
-        slot.unresponsive = True
+        if not slot.suspect():
+            return
         stack = self._take_stacks([slot]).get(slot.rank)
         self._dispatcher.poll_now()
-        if time.monotonic() - slot.seen < self.heartbeat_timeout:  # type: ignore[operator]
-            slot.unresponsive = False  # it spoke meanwhile (the dump's signal woke it)
+        if time.monotonic() - slot.last_sign < self.heartbeat_timeout:  # type: ignore[operator]
+            slot.clear_suspicion()  # it spoke meanwhile (the dump's signal woke it)
             return
         failure = ProcessFailure(
             slot.rank, slot.node, slot.pid, None,
@@ -132,15 +148,16 @@ class Watchdog:
 
     def _check_stragglers(self, now: float) -> None:
         slots = {slot.rank: slot for slot in self._slots() if slot.alive}
-        current: dict[GroupFuture, None] = {}
+        current: dict[Completion, None] = {}
         for slot in slots.values():
             for future in list(slot.pending.values()):
                 current[future] = None
         for future in [f for f in self._partial if f not in current]:
             del self._partial[future]
         for future in current:
-            late = future._late_ranks()
-            if not late or len(late) == len(future._ranks) or future.cancelled():
+            late = future.late_ranks()
+            called = len(future)
+            if not late or len(late) == called or future.cancelled():
                 continue
             first, warned = self._partial.setdefault(future, (now, False))
             if warned or now - first < self.straggler_warning:  # type: ignore[operator]
@@ -154,6 +171,6 @@ class Watchdog:
             logger.warning(
                 "%s() was answered by %d of %d ranks %.0f s ago; still waiting for ranks %s "
                 "(group.stacks() shows every thread). Where the late ranks are:%s",
-                future.method, len(future._ranks) - len(late), len(future._ranks),
+                future.method, called - len(late), called,
                 now - first, late, where,
             )

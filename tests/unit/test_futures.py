@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
-from phalanx.controller.futures import GroupFuture, RankFuture
+from phalanx.controller.futures import GroupFuture, RankFuture, StreamFuture
 from phalanx.errors import CallTimeout, GroupClosed, SerializationError
 from phalanx.wire import pickling
 
@@ -42,11 +42,11 @@ class RankHandle:
         self.future = future
         self._group_future = group_future
 
-    def _resolve(self, segments: list) -> None:
-        self._group_future._resolve_rank(self.future.rank, segments)
+    def resolve(self, segments: list) -> None:
+        self._group_future.resolve_rank(self.future.rank, segments)
 
-    def _fail(self, error: BaseException) -> None:
-        self._group_future._fail_rank(self.future.rank, error)
+    def fail(self, error: BaseException) -> None:
+        self._group_future.fail_rank(self.future.rank, error)
 
     def __getattr__(self, name: str):
         return getattr(self.future, name)
@@ -86,7 +86,7 @@ def _fail_load():
 
 def test_results_come_back_in_rank_order_whatever_the_completion_order():
     group, futures, dispatcher = make()
-    dispatcher.events = [lambda i=i: futures[i]._resolve(encoded(i * 10)) for i in (2, 0, 1)]
+    dispatcher.events = [lambda i=i: futures[i].resolve(encoded(i * 10)) for i in (2, 0, 1)]
     assert group.result(timeout=1) == [0, 10, 20]
     assert group.done()
     assert group.exception() is None
@@ -97,7 +97,7 @@ def test_results_come_back_in_rank_order_whatever_the_completion_order():
 def test_first_failure_raises_at_once_without_waiting_for_other_ranks():
     group, futures, dispatcher = make()
     error = GroupClosed("rank 1 failed")
-    dispatcher.events = [lambda: futures[1]._fail(error)]  # ranks 0 and 2 never answer
+    dispatcher.events = [lambda: futures[1].fail(error)]  # ranks 0 and 2 never answer
     with pytest.raises(GroupClosed) as info:
         group.result(timeout=10)
     assert info.value is error
@@ -108,7 +108,7 @@ def test_first_failure_raises_at_once_without_waiting_for_other_ranks():
 
 def test_timeout_names_the_ranks_still_pending():
     group, futures, dispatcher = make()
-    dispatcher.events = [lambda: futures[1]._resolve(encoded("x"))]
+    dispatcher.events = [lambda: futures[1].resolve(encoded("x"))]
     with pytest.raises(CallTimeout) as info:
         group.result(timeout=0.25)
     assert info.value.pending_ranks == [0, 2]
@@ -124,9 +124,9 @@ def test_iteration_yields_rank_futures_in_completion_order_including_failures():
     group, futures, dispatcher = make()
     error = ValueError("rank 0 failed")
     dispatcher.events = [
-        lambda: futures[2]._resolve(encoded("two")),
-        lambda: futures[0]._fail(error),
-        lambda: futures[1]._resolve(encoded("one")),
+        lambda: futures[2].resolve(encoded("two")),
+        lambda: futures[0].fail(error),
+        lambda: futures[1].resolve(encoded("one")),
     ]
     seen = []
     for rf in group:
@@ -140,7 +140,7 @@ def test_iteration_yields_rank_futures_in_completion_order_including_failures():
 def test_a_rank_result_is_decoded_once():
     group, futures, _ = make(ranks=(0,))
     CountingLoads.loads = 0
-    futures[0]._resolve(encoded(CountingLoads()))
+    futures[0].resolve(encoded(CountingLoads()))
     assert group.result() == ["decoded"]
     assert group.result() == ["decoded"]
     assert futures[0].result() == "decoded"
@@ -149,8 +149,8 @@ def test_a_rank_result_is_decoded_once():
 
 def test_a_result_that_cannot_be_unpickled_raises_serialization_error_for_that_rank():
     group, futures, _ = make(ranks=(0, 1))
-    futures[0]._resolve(encoded("fine"))
-    futures[1]._resolve(encoded(Unloadable()))
+    futures[0].resolve(encoded("fine"))
+    futures[1].resolve(encoded(Unloadable()))
     with pytest.raises(SerializationError) as info:
         group.result()
     assert info.value.rank == 1
@@ -161,9 +161,9 @@ def test_a_result_that_cannot_be_unpickled_raises_serialization_error_for_that_r
 
 def test_completion_after_the_first_outcome_is_ignored():
     group, futures, _ = make(ranks=(0,))
-    futures[0]._resolve(encoded(1))
-    futures[0]._fail(RuntimeError("late"))
-    futures[0]._resolve(encoded(2))
+    futures[0].resolve(encoded(1))
+    futures[0].fail(RuntimeError("late"))
+    futures[0].resolve(encoded(2))
     assert group.result() == [1]
 
 
@@ -176,13 +176,13 @@ def test_cancel_stops_waiting_and_discards_later_results():
         group.result(timeout=0)
     with pytest.raises(concurrent.futures.CancelledError):
         group.exception(timeout=0)
-    futures[0]._resolve(encoded(0))  # a late answer must not resurrect the call
+    futures[0].resolve(encoded(0))  # a late answer must not resurrect the call
     assert group.cancelled()
 
 
 def test_cancel_after_completion_returns_false():
     group, futures, _ = make(ranks=(0,))
-    futures[0]._resolve(encoded(0))
+    futures[0].resolve(encoded(0))
     assert group.cancel() is False
     assert group.result() == [0]
 
@@ -195,8 +195,8 @@ def test_done_polls_without_blocking():
 
 def test_a_group_future_can_be_awaited():
     group, futures, _ = make(ranks=(0, 1))
-    futures[0]._resolve(encoded("a"))
-    futures[1]._resolve(encoded("b"))
+    futures[0].resolve(encoded("a"))
+    futures[1].resolve(encoded("b"))
 
     async def main():
         return await group
@@ -206,7 +206,7 @@ def test_a_group_future_can_be_awaited():
 
 def test_awaiting_a_failed_group_future_raises_its_error():
     group, futures, _ = make(ranks=(0,))
-    futures[0]._fail(KeyError("k"))
+    futures[0].fail(KeyError("k"))
 
     async def main():
         return await group
@@ -220,3 +220,75 @@ def test_empty_selection_completes_with_an_empty_list():
     assert group.done()
     assert group.result(timeout=0) == []
     assert list(group) == []
+
+
+# -- the completion side (what the dispatcher, the sender and the watchdog use) -------------
+
+
+def test_late_ranks_are_those_that_have_not_answered():
+    group, futures, _ = make(ranks=(0, 1, 2))
+    assert group.late_ranks() == [0, 1, 2] and len(group) == 3
+    futures[1].resolve(encoded("b"))
+    futures[2].fail(KeyError("k"))
+    assert group.late_ranks() == [0]
+
+
+def test_deferred_sends_run_once_at_the_first_wait():
+    group, futures, dispatcher = make(ranks=(0,))
+    sent = []
+    group.defer(lambda: sent.append(1))
+    assert sent == []
+    dispatcher.events = [lambda: futures[0].resolve(encoded("v"))]
+    assert group.result() == ["v"] and sent == [1]
+    assert group.done() and sent == [1]
+
+
+def test_held_objects_are_let_go_once_every_rank_is_done_even_after_a_failure():
+    class Owner:
+        released: list = []
+
+        def unhold(self, objects):
+            self.released.append(objects)
+
+    owner = Owner()
+    group, futures, _ = make(ranks=(0, 1))
+    group.hold(owner, ["obj"])  # type: ignore[arg-type]
+    futures[0].fail(KeyError("k"))  # fails the call at once...
+    assert owner.released == []  # ...but rank 1 may still read the object
+    futures[1].resolve(encoded(1))
+    assert owner.released == [["obj"]]
+
+
+def test_a_call_that_is_not_streamed_ignores_streamed_items():
+    group, futures, _ = make(ranks=(0,))
+    group.yield_rank(0, encoded("item"))
+    futures[0].resolve(encoded("value"))
+    assert group.result() == ["value"]
+
+
+def test_tolerance_is_set_at_creation():
+    assert GroupFuture("m", [0], ScriptedDispatcher()).tolerant is False
+    assert GroupFuture("m", [0], ScriptedDispatcher(), tolerant=True).tolerant is True
+
+
+def test_a_stream_yields_items_in_arrival_order_then_ends_with_every_rank():
+    dispatcher = ScriptedDispatcher()
+    stream = StreamFuture("gen", [0, 1], dispatcher)
+    dispatcher.events = [
+        lambda: stream.yield_rank(1, encoded("b1")),
+        lambda: stream.yield_rank(0, encoded("a1")),
+        lambda: stream.resolve_rank(0, encoded(None)),
+        lambda: stream.yield_rank(1, encoded("b2")),
+        lambda: stream.resolve_rank(1, encoded(None)),
+    ]
+    assert list(stream) == [(1, "b1"), (0, "a1"), (1, "b2")]
+
+
+def test_a_stream_times_out_naming_the_late_ranks():
+    dispatcher = ScriptedDispatcher()
+    stream = StreamFuture("gen", [0, 1], dispatcher)
+    stream.timeout = 0.01
+    dispatcher.events = [lambda: stream.resolve_rank(0, encoded(None))]
+    with pytest.raises(CallTimeout) as info:
+        list(stream)
+    assert info.value.pending_ranks == [1]

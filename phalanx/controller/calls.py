@@ -1,0 +1,129 @@
+"""The one place a call is encoded and sent: arguments to payloads, payloads to frames,
+frames to the ranks' channels, and the future that gathers the answers.
+
+A payload is the pickle of ``(args, kwargs)`` and its out-of-band buffers, made once per
+distinct set of arguments (``call`` pickles once for every rank; ``map`` once per rank).
+Arguments that name put objects, or carry large buffers, go through
+:mod:`phalanx.controller.shared` first. A call is registered on each slot's ``pending``
+table before its frame goes out, so that an answer (or the rank's death) always finds it.
+
+The sends of a synchronous call are deferred to the first wait on its future (see
+:meth:`Dispatcher.wait <phalanx.controller.dispatch.Dispatcher.wait>`): nothing then
+stands between the last send and sleeping. When several ranks share one link (an agent's
+connection), the same payload crosses it once, addressed to all of them.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from typing import TYPE_CHECKING, Any
+
+from phalanx.controller.futures import GroupFuture, StreamFuture
+from phalanx.controller.shared import CAPTURE
+from phalanx.errors import ObjectFreed, SerializationError
+from phalanx.wire import pickling, protocol
+
+if TYPE_CHECKING:
+    from phalanx.backends.base import Backend
+    from phalanx.controller.dispatch import Dispatcher
+    from phalanx.controller.ranks import RankTable
+    from phalanx.controller.shared import SharedObjects
+    from phalanx.world.selection import Workers
+
+
+class Sender:
+    """Encodes and sends one group's calls; owns the call ids.
+
+    Interface: :meth:`encode` (arguments to a payload) and :meth:`send` (payloads to the
+    ranks, returning the call's future).
+    """
+
+    def __init__(self, table: RankTable, dispatcher: Dispatcher, shared: SharedObjects,
+                 backend: Backend) -> None:
+        self._slots = table.slots  # the same list for the group's life
+        self._dispatcher = dispatcher
+        self._fail_if_dead = dispatcher.fail_if_dead
+        self._shared = shared
+        self._backend = backend
+        self._call_ids = itertools.count(1)
+
+    def encode(self, args: tuple, kwargs: dict, rank: int | None = None) -> list[Any]:
+        """The payload of ``(args, kwargs)`` (``rank``: the one it is for, for messages)."""
+        try:
+            return pickling.dumps_plain((args, kwargs)) or self._shared.encode((args, kwargs))
+        except ObjectFreed:
+            raise
+        except Exception as exc:
+            where = "" if rank is None else f" for rank {rank}"
+            raise SerializationError(
+                f"could not pickle the arguments{where}: {type(exc).__name__}: {exc}; "
+                "nothing was sent",
+                stage="pickling the arguments",
+                rank=rank,
+            ) from exc
+
+    def send(
+        self,
+        method: str,
+        ranks: list[int],
+        payloads: list[list[Any]],
+        *,
+        defer: bool = False,
+        stream: bool = False,
+        workers: Workers = "all",
+    ) -> GroupFuture:
+        """Register a call's futures and send it: one payload for every rank, or one per
+        rank (``defer``: at the future's first wait; ``stream``: the workers stream items
+        back, a :class:`StreamFuture`; ``workers``: the selection it was made with)."""
+        call_id = next(self._call_ids)
+        tolerant = type(workers) is str and workers in ("ready", "any")
+        if stream:
+            future: GroupFuture = StreamFuture(method, ranks, self._dispatcher, tolerant)
+        else:
+            future = GroupFuture(method, ranks, self._dispatcher, tolerant)
+        if CAPTURE.refs or (payloads and len(payloads[0]) > 1):  # handles, or buffers
+            payloads = self._shared.prepare(future, payloads)
+        if len(payloads) == 1 and len(ranks) > 1 and self._backend.shared_links:
+            # one frame per node connection (an agent's), whatever its number of ranks
+            deliver = functools.partial(self._deliver_shared, call_id, ranks, future,
+                                        method, payloads[0], stream)
+        else:
+            frames = protocol.call_frames(call_id, ranks, method, payloads, stream)
+            deliver = functools.partial(self._deliver, call_id, ranks, future, frames)
+        if defer:
+            future.defer(deliver)
+        else:
+            deliver()
+        return future
+
+    def _deliver(
+        self, call_id: int, ranks: list[int], future: GroupFuture, frames: list[list[Any]]
+    ) -> None:
+        slots = self._slots
+        for i, rank in enumerate(ranks):
+            slot = slots[rank]
+            slot.pending[call_id] = future  # type: ignore[union-attr]
+            slot.channel.send(frames[i])  # type: ignore[union-attr]
+            if not slot.alive:  # type: ignore[union-attr]
+                self._fail_if_dead(slot, call_id, future)  # type: ignore[arg-type]
+
+    def _deliver_shared(self, call_id: int, ranks: list[int], future: GroupFuture,
+                        method: str, payload: list[Any], stream: bool) -> None:
+        """The same payload to ``ranks``: once per link shared by several of them."""
+        slots = self._slots
+        by_link: dict[Any, list[int]] = {}
+        for rank in ranks:
+            by_link.setdefault(slots[rank].channel.link, []).append(rank)  # type: ignore[union-attr]
+        for link, on_link in by_link.items():
+            if link is None or len(on_link) == 1:
+                frames = protocol.call_frames(call_id, on_link, method, [payload], stream)
+                self._deliver(call_id, on_link, future, frames)
+                continue
+            for rank in on_link:
+                slots[rank].pending[call_id] = future  # type: ignore[union-attr]
+            link.send(protocol.call_frame(call_id, on_link, method, payload, stream))
+            for rank in on_link:
+                slot = slots[rank]
+                if not slot.alive:  # type: ignore[union-attr]
+                    self._fail_if_dead(slot, call_id, future)  # type: ignore[arg-type]

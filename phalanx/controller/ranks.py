@@ -1,0 +1,308 @@
+"""The rank table: the controller's view of every rank, and each rank's state machine.
+
+A :class:`Slot` is one *incarnation* of one rank: the process a launch started, the channel
+its events come on, the calls pending on it, and where it is in its life, a
+:class:`RankState`. ``recreate()`` and ``restart()`` make new slots; the old ones stay known
+as dead until they are replaced. The :class:`RankTable` holds the group's current slot of
+every rank and resolves ``workers=`` selections against them.
+
+Who changes what: only a slot's own methods move it from state to state (the dispatcher
+calls them as READY, INIT_ERROR and EXITED arrive, the watchdog when a rank falls silent,
+the shutdown when it stops them all); only the table places and drops slots. Two fields are
+left plain for the hot path's sake, each with one writer documented on it:
+:attr:`Slot.seen` (stamped by the dispatcher on every message) and :attr:`Slot.pending`
+(a call's sender adds to it, the dispatcher takes its answers out).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from phalanx.errors import GroupClosed, ProcessFailure, RemoteFailure, death_error
+from phalanx.world.selection import Workers, select_ranks
+
+if TYPE_CHECKING:
+    from phalanx.backends.base import Channel
+    from phalanx.controller.dispatch import Dispatcher
+    from phalanx.controller.futures import Completion
+
+logger = logging.getLogger(__name__)
+
+
+class RankState(enum.Enum):
+    """Where one incarnation of a rank is in its life.
+
+    ``STARTING``
+        Launched; its READY has not arrived. (``health()``: ``"starting"``)
+    ``READY``
+        Its worker object is constructed: it takes calls. (``"ready"``)
+    ``FAILED_START``
+        Its constructor or set-up raised (INIT_ERROR); the start-up that launched it fails
+        and stops it. (``"starting"``, until it is stopped)
+    ``UNRESPONSIVE``
+        Silent past ``heartbeat_timeout`` (see :mod:`phalanx.controller.watchdog`): its
+        stack is being taken, then it is killed. (``"unresponsive"``)
+    ``EXITED``
+        Its process ended, or the group stopped it; :attr:`Slot.failure` says how, when
+        known. Final. (``"dead"``)
+
+    Legal transitions (any other is ignored: a late message cannot revive a rank)::
+
+        STARTING      -> READY | FAILED_START | UNRESPONSIVE | EXITED
+        READY         -> UNRESPONSIVE | EXITED
+        FAILED_START  -> EXITED
+        UNRESPONSIVE  -> EXITED
+                       | READY or STARTING: back to the state it was in (it spoke
+                         while its stack was being taken)
+        EXITED        -> (none)
+    """
+
+    STARTING = "starting"
+    READY = "ready"
+    FAILED_START = "failed start"
+    UNRESPONSIVE = "unresponsive"
+    EXITED = "exited"
+
+    @property
+    def health(self) -> str:
+        """The word :attr:`RankHealth.state <phalanx.controller.watch.RankHealth.state>`
+        uses for this state."""
+        return _HEALTH[self]
+
+
+_HEALTH = {
+    RankState.STARTING: "starting",
+    RankState.READY: "ready",
+    RankState.FAILED_START: "starting",
+    RankState.UNRESPONSIVE: "unresponsive",
+    RankState.EXITED: "dead",
+}
+
+_LEGAL = {
+    RankState.STARTING: {RankState.READY, RankState.FAILED_START, RankState.UNRESPONSIVE,
+                         RankState.EXITED},
+    RankState.READY: {RankState.UNRESPONSIVE, RankState.EXITED},
+    RankState.FAILED_START: {RankState.EXITED},
+    RankState.UNRESPONSIVE: {RankState.READY, RankState.STARTING, RankState.EXITED},
+    RankState.EXITED: set(),
+}
+
+
+class Slot:
+    """The controller's view of one incarnation of one rank (see the module docstring).
+
+    Read freely: ``rank``, ``node``, ``channel``, ``state``, ``alive`` (``state`` is not
+    ``EXITED``; kept as a plain attribute because every call reads it), ``ever_ready``,
+    ``pid``, ``methods``, ``timings`` and ``code_version`` (what READY told),
+    ``init_failure`` (what INIT_ERROR told), ``failure`` (how its process ended),
+    ``started``. Written only through the methods, except :attr:`seen` and
+    :attr:`pending`.
+    """
+
+    def __init__(self, rank: int, node: int, channel: Channel) -> None:
+        self.rank = rank
+        self.node = node
+        self.channel = channel
+        self.state = RankState.STARTING
+        self.alive = True
+        self.ever_ready = False  # its READY arrived (whatever state followed)
+        self.pid: int | None = None
+        self.methods: list[str] = []
+        self.timings: dict[str, float] = {}  # its start-up, as READY tells it
+        self.code_version: str | None = None  # of the shipped code it runs, as READY tells
+        self.init_failure: RemoteFailure | None = None
+        self.failure: ProcessFailure | None = None
+        self.started = time.monotonic()  # when its launch began
+        # When it last gave a sign of life (any message); None until its first. The
+        # dispatcher stamps it on every message it routes here.
+        self.seen: float | None = None
+        # Call id -> the completion side of its future: the sender adds a call as it sends
+        # it, the dispatcher pops it as the answer comes; everything else uses take_pending.
+        self.pending: dict[int, Completion] = {}
+        self._suspected_in = RankState.STARTING  # the state UNRESPONSIVE was entered from
+
+    # -- reading --------------------------------------------------------------------------
+
+    @property
+    def heard(self) -> bool:
+        """Whether it has said anything yet (its silence counts from then on)."""
+        return self.seen is not None
+
+    @property
+    def last_sign(self) -> float:
+        """When it last gave a sign of life, or its launch if it has not yet."""
+        return self.started if self.seen is None else self.seen
+
+    def settled_start(self) -> bool:
+        """Whether its start-up has an outcome: ready, failed, or dead."""
+        return self.ever_ready or self.init_failure is not None or not self.alive
+
+    # -- transitions ----------------------------------------------------------------------
+
+    def _move(self, to: RankState) -> bool:
+        if to not in _LEGAL[self.state]:
+            logger.debug("rank %d: %s -> %s ignored", self.rank, self.state.name, to.name)
+            return False
+        self.state = to
+        self.alive = to is not RankState.EXITED
+        return True
+
+    def became_ready(self, pid: int, methods: list[str], timings: dict[str, float],
+                     code_version: str | None) -> None:
+        """READY arrived: what it tells is recorded, and a starting rank is ready."""
+        self.pid, self.methods, self.timings, self.code_version = (pid, methods, timings,
+                                                                    code_version)
+        self.timings["total"] = time.monotonic() - self.started
+        self.ever_ready = True
+        if self.state is RankState.UNRESPONSIVE:
+            self._suspected_in = RankState.READY  # where it goes back to, if it does
+        else:
+            self._move(RankState.READY)
+
+    def failed_to_start(self, failure: RemoteFailure) -> None:
+        """INIT_ERROR arrived: its constructor or set-up raised ``failure``."""
+        self.init_failure = failure
+        self._move(RankState.FAILED_START)
+
+    def suspect(self) -> bool:
+        """The watchdog found it silent: UNRESPONSIVE (False if it is not running)."""
+        state = self.state
+        if state is not RankState.STARTING and state is not RankState.READY:
+            return False
+        self._suspected_in = state
+        return self._move(RankState.UNRESPONSIVE)
+
+    def clear_suspicion(self) -> None:
+        """It spoke while its stack was taken: back to the state it was in."""
+        if self.state is RankState.UNRESPONSIVE:
+            self._move(self._suspected_in)
+
+    def exited(self, failure: ProcessFailure | None) -> None:
+        """Its process ended (``failure``: how) or is being stopped (None: as it is)."""
+        if failure is not None:
+            self.failure = failure
+        self._move(RankState.EXITED)
+
+    def add_account(self, failure: ProcessFailure) -> None:
+        """A fuller account of a death already recorded (the exit status after a kill)."""
+        self.failure = failure.merged(self.failure)
+
+    def take_pending(
+        self, which: Callable[[Completion], bool] | None = None
+    ) -> list[Completion]:
+        """Remove and return the calls pending on it (only those ``which`` selects)."""
+        if which is None:
+            pending, self.pending = self.pending, {}
+            return list(pending.values())
+        taken = [(call_id, c) for call_id, c in self.pending.items() if which(c)]
+        for call_id, _ in taken:
+            del self.pending[call_id]
+        return [c for _, c in taken]
+
+    def __repr__(self) -> str:
+        return f"<Slot rank {self.rank} node {self.node} {self.state.name}>"
+
+
+def channels_of(slots: Sequence[Slot]) -> list[Channel]:
+    """The distinct channels of ``slots`` (a node channel may carry several of them)."""
+    return list({id(s.channel): s.channel for s in slots}.values())
+
+
+class RankTable:
+    """The group's current slot of every rank (None: never started), and selections.
+
+    :attr:`slots` is read by the other parts (the sender holds it: it stays the same list
+    object for the group's life); only :meth:`install` and :meth:`reset` change it.
+    """
+
+    def __init__(self, world_size: int, dispatcher: Dispatcher) -> None:
+        self.slots: list[Slot | None] = [None] * world_size
+        self._all = list(range(world_size))  # never mutated: futures may share it
+        self._dispatcher = dispatcher
+        self._deaths_seen = -1  # dispatcher.deaths when every rank was last seen alive
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def install(self, slots: Sequence[Slot]) -> None:
+        """Fresh slots take their ranks' places (the old ones are retired already)."""
+        for slot in slots:
+            self.slots[slot.rank] = slot
+
+    def reset(self, world_size: int) -> None:
+        """A new layout: ``world_size`` ranks, none started yet."""
+        self.slots[:] = [None] * world_size
+        self._all = list(range(world_size))
+        self._deaths_seen = -1
+
+    # -- views --------------------------------------------------------------------------
+
+    def known(self) -> list[Slot]:
+        """Every rank's current slot, dead ones included."""
+        return [s for s in self.slots if s is not None]
+
+    def live(self) -> list[Slot]:
+        """The slots whose process runs."""
+        return [s for s in self.slots if s is not None and s.alive]
+
+    def alive_flags(self) -> list[bool]:
+        """Per rank: whether it runs (what :func:`select_ranks` takes)."""
+        return [s is not None and s.alive for s in self.slots]
+
+    def live_channels(self) -> list[Channel]:
+        """The live ranks' channels, each once."""
+        return channels_of(self.live())
+
+    def checked(self, ranks: list[int]) -> list[int]:
+        """Ranks the group chose itself (a plan's: valid, increasing), each checked to be
+        alive as :meth:`select` does -- unless no rank died or was removed since every rank
+        was last seen alive (a cheap test)."""
+        if self._dispatcher.deaths == self._deaths_seen:
+            return ranks
+        return self.select(ranks)
+
+    # -- selections ---------------------------------------------------------------------
+
+    def select(self, workers: Workers) -> list[int]:
+        """The ranks ``workers=`` names, each checked to be alive (WorkerDied otherwise);
+        ``"ready"`` skips dead ones, ``"any"`` is the first live one."""
+        if workers == "all" and self._dispatcher.deaths == self._deaths_seen:
+            return self._all  # no rank died since every rank was last known alive
+        if type(workers) is list and workers and self._all_usable(workers):
+            return list(workers)  # live, valid, increasing; a copy: the caller may change theirs
+        if workers in ("ready", "any"):
+            self._dispatcher.poll_now()  # learn of deaths that already happened
+        alive = self.alive_flags()
+        if all(alive):
+            self._deaths_seen = self._dispatcher.deaths
+        ranks = select_ranks(workers, alive)
+        for r in ranks:
+            slot = self.slots[r]
+            if slot is None or not slot.alive:
+                raise death_error(slot.failure if slot is not None else None)  # type: ignore[arg-type]
+        if workers == "any" and not ranks:
+            raise GroupClosed("workers='any': no rank of this group is alive")
+        return ranks
+
+    def _all_usable(self, ranks: list[int]) -> bool:
+        slots = self.slots
+        previous = -1
+        for rank in ranks:
+            if type(rank) is not int or not previous < rank < len(slots):
+                return False
+            slot = slots[rank]
+            if slot is None or not slot.alive:
+                return False
+            previous = rank
+        return True
+
+    def __repr__(self) -> str:
+        states: dict[Any, int] = {}
+        for slot in self.slots:
+            key = "unstarted" if slot is None else slot.state.name
+            states[key] = states.get(key, 0) + 1
+        return f"<RankTable {len(self.slots)} ranks: {states}>"
