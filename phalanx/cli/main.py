@@ -9,17 +9,16 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 from phalanx import __version__
 from phalanx.backends.cluster import k8s
 from phalanx.launcher import flags as runflags
 from phalanx.launcher import report as runreport
 from phalanx.launcher.flags import parse_ranks
+from phalanx.launcher.options import JobOptions
+from phalanx.launcher.program import path_in_tree
 from phalanx.world.frameworks import FRAMEWORKS
-
-if TYPE_CHECKING:
-    from phalanx.launcher.multinode import JobOptions
 
 USAGE_ERROR = 2
 
@@ -245,7 +244,7 @@ next one. --http-port serves /health and /metrics (Prometheus text) over plain H
 """
 
 
-def _add_agent(commands: argparse._SubParsersAction) -> None:
+def _add_agent(commands: Any) -> None:  # argparse's subparsers (a class with no public name)
     from phalanx.backends.cluster.agent.daemon import DEFAULT_PORT
 
     agent = commands.add_parser(
@@ -343,9 +342,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(parser: argparse.ArgumentParser, options: argparse.Namespace) -> int:
+    # imported here, not at the top: the launcher brings the controller's modules, which
+    # `phalanx debug` and `phalanx agent` do without
     from phalanx.errors import PhalanxError
-    from phalanx.launcher import run as launch
-    from phalanx.node.placement import visible_gpus
+    from phalanx.launcher import api as launcher
+    from phalanx.node.machine import visible_gpus
     from phalanx.output import console
 
     no_python = options.no_python and not options.run_path  # --run-path wins, as in torchrun
@@ -391,7 +392,7 @@ def _run(parser: argparse.ArgumentParser, options: argparse.Namespace) -> int:
     for notice in runflags.no_effect_notices(options) + runflags.no_effect_conf(
             options.rdzv_conf):
         console.notice(notice)
-    run_options = launch.RunOptions(
+    run_options = launcher.RunOptions(
         target=options.target,
         args=tuple(options.args),
         is_module=options.module,
@@ -423,8 +424,8 @@ def _run(parser: argparse.ArgumentParser, options: argparse.Namespace) -> int:
         job=job,
     )
     try:
-        return launch.run(run_options)
-    except launch.BadOptions as exc:  # options the group refused before starting
+        return launcher.run(run_options)
+    except launcher.BadOptions as exc:  # options the group refused before starting
         parser.exit(USAGE_ERROR, f"phalanx run: {exc}\n")
     except (PhalanxError, OSError) as exc:  # a missing framework, an unwritable log dir
         parser.exit(1, f"phalanx run: {exc}\n")
@@ -454,8 +455,6 @@ def _sync_problem(options: argparse.Namespace) -> str | None:
         return f"--sync {options.sync!r} is not a directory"
     if options.no_python or options.module:
         return None  # a command or module found on the ranks' path
-    from phalanx.launcher.run import path_in_tree
-
     if path_in_tree(options.target, options.sync) is None:
         return f"--sync {options.sync!r} does not hold the script {options.target!r}"
     return None
@@ -464,8 +463,6 @@ def _sync_problem(options: argparse.Namespace) -> str | None:
 def _job(options: argparse.Namespace) -> JobOptions | None:
     """The job this launcher joins with ``--nnodes N`` (N > 1), else None; ValueError
     when its options cannot work."""
-    from phalanx.launcher.multinode import JobOptions
-
     low, high = runflags.parse_nnodes(options.nnodes)
     if high == 1:
         if options.node_rank != 0:
@@ -491,8 +488,8 @@ def _job(options: argparse.Namespace) -> JobOptions | None:
 def _debug(options: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from phalanx.cli import debug
     from phalanx.errors import PhalanxError
-    from phalanx.rank import debugger as debug
 
     directory = Path(options.dir) if options.dir else debug.default_dir()
     try:

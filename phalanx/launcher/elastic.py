@@ -27,13 +27,14 @@ def elastic_env(
     *,
     run_id: str,
     max_restarts: int,
-    restart: int,
+    attempt: int,
     role: str = "default",
     error_dir: str | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, str], dict[int, dict[str, str]]]:
     """The variables every rank shares, and each rank's own (``rank -> variables``).
 
+    ``attempt`` is the attempt's number, from 0: torchrun's restart count.
     ``error_dir``: the attempt's directory; rank ``r`` gets ``error_dir/r/error.json`` as
     ``TORCHELASTIC_ERROR_FILE``, as torchrun lays it out. ``environ`` is the launcher's
     environment: a variable the user set there is left alone.
@@ -45,7 +46,7 @@ def elastic_env(
         "ROLE_WORLD_SIZE": str(layout.world_size),
         "TORCHELASTIC_RUN_ID": run_id,
         "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
-        "TORCHELASTIC_RESTART_COUNT": str(restart),
+        "TORCHELASTIC_RESTART_COUNT": str(attempt),
         "TORCHELASTIC_USE_AGENT_STORE": "False",
         "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
     }

@@ -4,16 +4,17 @@ With ``--nnodes N`` one launcher runs on each node. They meet here, at ``--maste
 --master-port`` (static rendezvous) or ``--rdzv-endpoint`` (c10d), over TCP with one JSON
 object per line (no pickle: nothing a peer sends is executed). The host
 
-- admits launchers to a :class:`~phalanx.launcher.roster.Roster` until a round can start, or fails
-  the job after ``join_timeout`` naming who never came;
-- starts a round: each member learns its node rank, the world's layout, the run id and the
-  ranks' ``MASTER_ADDR:MASTER_PORT`` (a port free on the host, new each round, where rank
-  0's ``init_process_group`` hosts torch's store);
+- admits launchers to a :class:`~phalanx.launcher.roster.Roster` until an attempt can
+  start, or fails the job after ``join_timeout`` naming who never came;
+- starts an attempt: each member learns its node rank, the world's layout, the run id and
+  the ranks' ``MASTER_ADDR:MASTER_PORT`` (a port free on the host, new each attempt, where
+  rank 0's ``init_process_group`` hosts torch's store);
 - at the first failure anywhere (a rank, a launcher gone, a launcher stopped by a signal)
   tells every other member to stop its ranks, waits for them, and picks the root cause;
-- restarts every node together while ``--max-restarts`` allows, and finally tells every
-  member how the job ended, so each launcher prints the same root cause and exits with the
-  same meaning.
+- asks the restart policy (:mod:`phalanx.launcher.policy`) what follows: every node
+  restarts together while ``--max-restarts`` allows (or starts again as a larger world
+  when a node joined), and finally every member learns how the job ended, so each launcher
+  prints the same root cause and exits with the same meaning.
 
 Messages (``type``): member -> host ``join``, ``done``; host -> member ``start``, ``stop``,
 ``end``, ``refused``.
@@ -34,9 +35,10 @@ import time
 from typing import Any
 
 from phalanx.errors import PhalanxError
+from phalanx.launcher.policy import AttemptStatus, RestartDecision, decide
 from phalanx.launcher.report import Failure
 from phalanx.launcher.roster import Member, Roster, layout_counts, root_cause
-from phalanx.node.placement import free_port
+from phalanx.node.machine import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +97,7 @@ def keep_alive(sock: socket.socket) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class JobSpec:
-    """What the host needs to run the job's rounds."""
+    """What the host needs to run the job's attempts."""
 
     min_nodes: int
     max_nodes: int
@@ -197,13 +199,13 @@ class JobHost:
 
     def _serve(self) -> None:
         try:
-            self._rounds()
+            self._attempts()
         except Exception as exc:  # a bug here must not leave every launcher waiting
             logger.exception("the job's host failed")
             self._end(Failure(None, None, None, 1, f"failed: its host broke down: "
                               f"{type(exc).__name__}: {exc}", seen=time.time()), 0)
 
-    def _rounds(self) -> None:
+    def _attempts(self) -> None:
         spec = self._spec
         attempt, previous, notice = 0, None, None
         while not self._closing:
@@ -213,20 +215,19 @@ class JobHost:
             self._begin(attempt, members, previous, notice)
             failures, stopped_by, grown = self._watch(attempt, members)
             cause = root_cause(failures)
-            if cause is None and grown:  # re-form the world with the newcomers, as torchrun
+            decision = decide(AttemptStatus(attempt, spec.max_restarts, tuple(failures),
+                                            signal=stopped_by, joined=grown))
+            if decision is RestartDecision.REFORM:  # the world with the newcomers, as torchrun
                 previous, notice = None, (f"a node joined; restarting every node as "
                                           f"{len(self._roster)} nodes")
-                continue
-            if cause is None:
-                self._end(None, attempt + 1)
-                return
-            if stopped_by is not None or attempt >= spec.max_restarts:
+            elif decision is RestartDecision.RESTART:
+                previous, notice, attempt = cause, None, attempt + 1
+            else:  # DONE, FAIL or STOP
                 self._end(cause, attempt + 1, stopped_by)
                 return
-            previous, notice, attempt = cause, None, attempt + 1
 
     def _gather(self, deadline: float) -> list[Member] | None:
-        """Wait until a round can start; None if the job ended meanwhile (timed out)."""
+        """Wait until an attempt can start; None if the job ended meanwhile (timed out)."""
         roster = self._roster
         while not roster.ready(time.monotonic()):
             now = time.monotonic()
@@ -244,11 +245,11 @@ class JobHost:
                 event = self._events.get(timeout=wait)
             except queue.Empty:
                 continue
-            if not self._handle_between_rounds(event):
+            if not self._handle_between_attempts(event):
                 return None
         return roster.assign()
 
-    def _handle_between_rounds(self, event: tuple[str, int, Any]) -> bool:
+    def _handle_between_attempts(self, event: tuple[str, int, Any]) -> bool:
         kind, key, data = event
         if kind == "close":
             return False
@@ -262,7 +263,7 @@ class JobHost:
         return True
 
     def _join(self, key: int, peer: str, message: dict[str, Any]) -> bool:
-        """Admit a launcher to the next round; whether it was admitted."""
+        """Admit a launcher to the next attempt; whether it was admitted."""
         spec = self._spec
         wanted = message.get("run_id")
         if wanted not in (None, spec.run_id):
@@ -305,9 +306,9 @@ class JobHost:
 
     def _watch(self, attempt: int, members: list[Member],
                ) -> tuple[list[Failure], int | None, bool]:
-        """Run one round to its end: every member reported, or was lost. The failures seen,
-        the signal that stopped a launcher (no restart after that), and whether a node
-        joined meanwhile (c10d below MAX nodes: the round stops to re-form the world)."""
+        """Run one attempt to its end: every member reported, or was lost. The failures
+        seen, the signal that stopped a launcher (no restart after that), and whether a node
+        joined meanwhile (c10d below MAX nodes: the attempt stops to re-form the world)."""
         node_of = {m.key: node for node, m in enumerate(members)}
         pending = set(node_of)
         failures: list[Failure] = []
@@ -326,7 +327,7 @@ class JobHost:
                                             f"lost its launcher: {data}", seen=time.time()))
             elif kind == "message":
                 peer, message = data
-                if message["type"] == "join":  # for the next round, if there is one
+                if message["type"] == "join":  # for the next attempt, if there is one
                     grown = self._join(key, peer, message) or grown
                 elif (message["type"] == "done" and message.get("attempt") == attempt
                       and key in pending):

@@ -3,9 +3,13 @@
 Every launcher runs its own node's ranks (with the world's ``RANK``, ``WORLD_SIZE``,
 ``NODE_RANK``, ``GROUP_RANK``) and shows their output under their world ranks. Node 0's
 launcher also hosts the job (:mod:`phalanx.launcher.jobhost`); each launcher, node 0's included,
-joins it as a :class:`JobMember` and follows it: start a round, stop at another node's
+joins it as a :class:`JobMember` and follows it: start an attempt, stop at another node's
 failure, restart together, end. So a failure on any node stops every node's ranks within
 moments, and every launcher prints the same root cause (rank and node) and exits non-zero.
+Each attempt runs on every node as on a single launcher
+(:func:`~phalanx.launcher.attempt.run_attempt`, with this node's
+:class:`~phalanx.launcher.attempt.JobAttempt`); what follows it is the host's decision, by
+the same restart policy (:mod:`phalanx.launcher.policy`).
 
 Which launcher hosts: with ``--rdzv-backend static`` the one with ``--node-rank 0``, at
 ``--master-addr:--master-port`` (or ``--rdzv-endpoint``); with ``c10d`` the first to bind
@@ -14,7 +18,6 @@ Which launcher hosts: with ``--rdzv-backend static`` the one with ``--node-rank 
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import queue
 import secrets
@@ -26,6 +29,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from phalanx.launcher.attempt import JobAttempt, RunFiles, run_attempt
 from phalanx.launcher.jobhost import (
     JobError,
     JobHost,
@@ -35,37 +39,15 @@ from phalanx.launcher.jobhost import (
     keep_alive,
     send_message,
 )
+from phalanx.launcher.options import BadOptions, JobOptions, RunOptions
 from phalanx.launcher.report import FAILED, Failure, exit_status, format_report
-from phalanx.launcher.run import RunOptions, _attempt, _Run, _Signals
+from phalanx.launcher.signals import SignalForwarder
 from phalanx.output import console
 from phalanx.world.frameworks import WorldPart
 from phalanx.world.layout import Layout
 
-CONNECT_RETRY = 0.2  # seconds between attempts to reach a host not listening yet
+CONNECT_RETRY = 0.2  # seconds between tries to reach a host not listening yet
 EXTRA_WAIT = 30.0  # seconds a member waits beyond the join timeout for the host's word
-
-
-@dataclasses.dataclass(frozen=True)
-class JobOptions:
-    """How this launcher takes part in a job of several: torchrun's rendezvous flags."""
-
-    min_nodes: int
-    max_nodes: int
-    node_rank: int | None  # static: this node's; c10d: None (assigned on joining)
-    static: bool
-    endpoint: tuple[str, int]  # where the launchers meet
-    join_timeout: float = 600.0  # torchrun's rdzv join_timeout
-    last_call: float = 30.0  # c10d, MIN < MAX: how long to wait for more after MIN
-
-
-@dataclasses.dataclass(frozen=True)
-class JobRound:
-    """One round of the job, as the host started it for this launcher."""
-
-    part: WorldPart
-    master_addr: str
-    master_port: int
-    attempt: int
 
 
 def host_socket(job: JobOptions) -> socket.socket | None:
@@ -179,8 +161,10 @@ class JobMember:
 
 
 def run_node(options: RunOptions) -> int:
-    """This launcher's part of the job; the exit status."""
-    job: JobOptions = options.job
+    """This launcher's part of the job ``options.job``; the exit status."""
+    job = options.job
+    if job is None:
+        raise BadOptions("a launcher of a job needs the job's options (RunOptions.job)")
     listener = host_socket(job)
     nonce = secrets.token_hex(16)
     host = None
@@ -193,7 +177,7 @@ def run_node(options: RunOptions) -> int:
             options.max_restarts, job.join_timeout, job.last_call, job.endpoint[0]), nonce)
         host.start()
     try:
-        with _Signals(options.grace) as signals:
+        with SignalForwarder(options.grace) as signals:
             current: dict[str, Any] = {"attempt": -1, "stop_seen": None}
 
             def on_stop(attempt: int, why: str) -> None:
@@ -216,10 +200,11 @@ def run_node(options: RunOptions) -> int:
             host.close()
 
 
-def _follow(options: RunOptions, job: JobOptions, member: JobMember, signals: _Signals,
+def _follow(options: RunOptions, job: JobOptions, member: JobMember, signals: SignalForwarder,
             current: dict[str, Any]) -> int:
-    """Run the rounds the host starts until it ends the job."""
-    run_state: _Run | None = None
+    """Run the attempts the host starts until it ends the job (whether the job restarts
+    is the host's decision, by :mod:`.policy`, from every node's report)."""
+    files: RunFiles | None = None
     try:
         while True:
             deadline = time.monotonic() + job.join_timeout + EXTRA_WAIT
@@ -228,7 +213,7 @@ def _follow(options: RunOptions, job: JobOptions, member: JobMember, signals: _S
             except JobError as exc:
                 console.notice(f"phalanx run: {exc}")
                 return 128 + signals.received if signals.received else FAILED
-            if message["type"] == "interrupted":  # a signal between rounds ends the job
+            if message["type"] == "interrupted":  # a signal between attempts ends the job
                 if current["attempt"] < 0:  # not in the job yet: leaving is enough
                     return 128 + (signals.received or signal.SIGTERM)
                 member.report({"type": "done", "attempt": current["attempt"],
@@ -236,20 +221,20 @@ def _follow(options: RunOptions, job: JobOptions, member: JobMember, signals: _S
                 return _stopped_by_signal(member, signals)
             if message["type"] == "end":
                 return _ended(options, message, signals)
-            round_ = _round(message)
-            if run_state is None:
-                run_state = _Run(message["run_id"], options.log_dir)
-            if message.get("previous") is not None and round_.attempt > 0:
-                _restart_notice(Failure.from_dict(message["previous"]), round_.attempt,
+            share = _job_attempt(message)
+            if files is None:
+                files = RunFiles(message["run_id"], options.log_dir)
+            if message.get("previous") is not None and share.attempt > 0:
+                _restart_notice(Failure.from_dict(message["previous"]), share.attempt,
                                 int(message.get("max_restarts", options.max_restarts)))
             elif message.get("notice") and current["attempt"] >= 0:
                 console.notice(f"phalanx run: {message['notice']}")
-            current["attempt"], current["stop_seen"] = round_.attempt, None
-            signals.stopped = False
-            failure = _attempt(options, round_.attempt, signals, run_state, round_)
+            current["attempt"], current["stop_seen"] = share.attempt, None
+            signals.new_attempt()
+            failure = run_attempt(options, share.attempt, signals, files, share)
             stop_seen = current["stop_seen"]
             member.report({  # a failure after the host's stop is its consequence
-                "type": "done", "attempt": round_.attempt,
+                "type": "done", "attempt": share.attempt,
                 "failure": None if failure is None else failure.to_dict(),
                 "stopped": stop_seen is not None and (failure is None
                                                       or failure.seen >= stop_seen),
@@ -258,11 +243,11 @@ def _follow(options: RunOptions, job: JobOptions, member: JobMember, signals: _S
             if signals.received is not None:
                 return _stopped_by_signal(member, signals)
     finally:
-        if run_state is not None:
-            run_state.close()
+        if files is not None:
+            files.close()
 
 
-def _stopped_by_signal(member: JobMember, signals: _Signals) -> int:
+def _stopped_by_signal(member: JobMember, signals: SignalForwarder) -> int:
     """This launcher got SIGINT/SIGTERM: the host ends the job; wait (briefly) for that."""
     received = signals.received or signal.SIGTERM
     try:
@@ -273,10 +258,11 @@ def _stopped_by_signal(member: JobMember, signals: _Signals) -> int:
     return 128 + received
 
 
-def _round(message: dict[str, Any]) -> JobRound:
+def _job_attempt(message: dict[str, Any]) -> JobAttempt:
+    """This launcher's share of the attempt a host's ``start`` begins."""
     try:
         world = Layout.of([int(c) for c in message["counts"]])
-        return JobRound(WorldPart(world, int(message["node_rank"])),
+        return JobAttempt(WorldPart(world, int(message["node_rank"])),
                         str(message["master_addr"]), int(message["master_port"]),
                         int(message["attempt"]))
     except (KeyError, TypeError, ValueError) as exc:
@@ -288,7 +274,7 @@ def _restart_notice(failure: Failure, attempt: int, max_restarts: int) -> None:
                    f"(restart {attempt} of {max_restarts})")
 
 
-def _ended(options: RunOptions, message: dict[str, Any], signals: _Signals) -> int:
+def _ended(options: RunOptions, message: dict[str, Any], signals: SignalForwarder) -> int:
     """How the host ended the job: 0, or the root cause's report and a failing status."""
     if signals.received is not None:
         console.notice(f"phalanx run: stopped by {signal.Signals(signals.received).name}")

@@ -1,13 +1,13 @@
 """Which launchers form a multi-node ``phalanx run``, and who caused its failure (pure).
 
 With ``--nnodes N`` (or ``MIN:MAX``) one launcher runs on each node and they meet at node
-0's launcher, which keeps the :class:`Roster`: who has joined, whether a round can start,
+0's launcher, which keeps the :class:`Roster`: who has joined, whether an attempt can start,
 which node rank each member gets, and whom a timed-out join is still waiting for.
 
-- **static** rendezvous: every launcher says its ``--node-rank``; a round starts once ranks
+- **static** rendezvous: every launcher says its ``--node-rank``; an attempt starts once ranks
   ``0 .. N-1`` are all there.
 - **c10d** rendezvous: node ranks follow the order of joining (the hosting launcher is node
-  0); a round starts with ``MAX`` nodes, or with ``MIN`` once the last call has passed
+  0); an attempt starts with ``MAX`` nodes, or with ``MIN`` once the last call has passed
   since the ``MIN``-th joined.
 
 Nothing here reads a clock or a socket: callers pass ``now``.
@@ -34,7 +34,7 @@ class Member:
 
 
 class Roster:
-    """The members of a job between rounds, and the rules for starting one."""
+    """The members of a job between attempts, and the rules for starting one."""
 
     def __init__(self, min_nodes: int, max_nodes: int, static: bool,
                  last_call: float = 30.0) -> None:
@@ -49,7 +49,7 @@ class Roster:
         self._quorum_since: float | None = None  # when MIN members were first there
 
     def join(self, member: Member, now: float) -> str | None:
-        """Admit ``member`` to the next round; the reason it is refused, or None."""
+        """Admit ``member`` to the next attempt; the reason it is refused, or None."""
         if member.nproc < 1:
             return f"--nproc-per-node must be at least 1, got {member.nproc}"
         if self.static:
@@ -80,7 +80,7 @@ class Roster:
         return list(self._members.values())
 
     def ready(self, now: float) -> bool:
-        """Whether the next round can start now."""
+        """Whether the next attempt can start now."""
         count = len(self._members)
         if self.static:
             return count == self.max_nodes
@@ -96,7 +96,7 @@ class Roster:
         return max(0.0, self._quorum_since + self.last_call - now)
 
     def assign(self) -> list[Member]:
-        """The round's members in node-rank order."""
+        """The attempt's members in node-rank order."""
         members = self.members()
         if self.static:
             return sorted(members, key=lambda m: m.node_rank)  # type: ignore[arg-type,return-value]

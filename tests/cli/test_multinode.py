@@ -401,7 +401,7 @@ def c10d(launchers: Launchers, name: str, port: int, nnodes: str, *args: str) ->
 def test_c10d_launchers_get_node_ranks_in_joining_order_up_to_max(tmp_path, launchers):
     show = script(tmp_path, "show.py", SHOW_ENV)
     port = free_port()
-    # a long last call: the round must start as soon as the MAX-th node joins
+    # a long last call: the attempt must start as soon as the MAX-th node joins
     conf = ("--rdzv-conf", "last_call_timeout=30")
     first = c10d(launchers, "first", port, "2:3", *conf, "-n", "1", show)
     assert helpers.wait_until(lambda: first.listening_on(port) or first.returncode is not None,

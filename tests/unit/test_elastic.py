@@ -10,7 +10,7 @@ from phalanx.world.layout import Layout
 
 def test_group_and_role_variables_follow_the_layout():
     common, per_rank = elastic_env(Layout.of([2, 1]), run_id="job7", max_restarts=3,
-                                   restart=1, role="trainer", error_dir="/e", environ={})
+                                   attempt=1, role="trainer", error_dir="/e", environ={})
     assert common == {
         "GROUP_WORLD_SIZE": "2", "ROLE_NAME": "trainer", "ROLE_WORLD_SIZE": "3",
         "TORCHELASTIC_RUN_ID": "job7", "TORCHELASTIC_MAX_RESTARTS": "3",
@@ -24,7 +24,7 @@ def test_group_and_role_variables_follow_the_layout():
 
 
 def test_a_users_own_nccl_setting_is_left_alone_and_error_files_are_optional():
-    common, per_rank = elastic_env(Layout.of([1]), run_id="r", max_restarts=0, restart=0,
+    common, per_rank = elastic_env(Layout.of([1]), run_id="r", max_restarts=0, attempt=0,
                                    environ={"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"})
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in common
     assert "TORCHELASTIC_ERROR_FILE" not in per_rank[0]

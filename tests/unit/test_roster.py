@@ -1,4 +1,4 @@
-"""The pure parts of a multi-node ``phalanx run``: who may join, when a round starts, which
+"""The pure parts of a multi-node ``phalanx run``: who may join, when an attempt starts, which
 node rank each launcher gets, whom a timed-out join names, which failure is the root cause,
 and what one node's ranks are told about the world."""
 
@@ -25,7 +25,7 @@ def member(key: int, node_rank: int | None = None, nproc: int = 2,
     return Member(key, node_rank, nproc, f"host{key}", hosting)
 
 
-def test_a_static_round_starts_once_every_node_rank_joined():
+def test_a_static_attempt_starts_once_every_node_rank_joined():
     roster = Roster(3, 3, static=True)
     assert roster.join(member(10, 2), now=0) is None
     assert roster.join(member(11, 0), now=0) is None
