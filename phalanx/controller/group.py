@@ -164,7 +164,7 @@ class WorkerGroup:
             "concurrency": concurrency, "framework": framework,
             "heartbeat": _heartbeat_interval(heartbeat_timeout)})
 
-        # -- the parts (see the module docstring) --------------------------------------
+        # -- the parts (drawn in phalanx.controller's docstring) ---------------------------
         backend_ = self._backend
         self._gate = gate = Gate()
         self._dispatcher = dispatcher = Dispatcher(

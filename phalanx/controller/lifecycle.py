@@ -42,15 +42,20 @@ class Gate:
     """Whether a group is open: :meth:`check` raises once :meth:`close` was called."""
 
     def __init__(self) -> None:
-        self.closed = False  # written only by close()
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def check(self) -> None:
-        """GroupClosed if the group has been shut down."""
-        if self.closed:
+        """GroupClosed if the group has been shut down (before every call: kept cheap)."""
+        if self._closed:
             raise GroupClosed("this WorkerGroup has been shut down")
 
     def close(self) -> None:
-        self.closed = True
+        """From now on the group is closed (idempotent)."""
+        self._closed = True
 
 
 class Lifecycle:

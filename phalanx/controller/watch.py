@@ -30,7 +30,8 @@ class RankHealth:
     """One rank's state as seen by the controller.
 
     ``state`` is ``"starting"``, ``"ready"``, ``"unresponsive"`` (silent past
-    ``heartbeat_timeout``: being killed) or ``"dead"``; ``last_seen`` is how many seconds
+    ``heartbeat_timeout``: being killed) or ``"dead"`` (the words of the rank's
+    :class:`~phalanx.controller.ranks.RankState`); ``last_seen`` is how many seconds
     ago the rank last gave a sign of life (a heartbeat or any message; None once dead).
     """
 
