@@ -1,21 +1,27 @@
 """The local backend: ranks are processes on this machine, started for the controller by
-its node supervisor (:mod:`phalanx.node.supervisor`).
+the node side's one spawner (:class:`phalanx.node.spawn.RankSpawner`, under the node
+supervisor of :mod:`phalanx.node.supervisor`), as a cluster agent starts its node's.
 
 ``nodes > 1`` simulates several nodes (distinct ``NODE_RANK`` values) on one machine; they
-split its GPUs between them. This is also the node side a cluster agent runs: what only
-holds on this machine (the controller's environment and cwd, its visible GPUs, its free
-ports) is decided here, not above the backend line.
+split its GPUs between them. What only holds on this machine (the controller's environment
+and cwd, its visible GPUs, its free ports) is decided here, not above the backend line.
 
 Each rank has a :class:`LocalChannel`: its control pipes, and the status pipe from its
-keeper, whose exit record is the death event. A death is finished on a short helper thread
-(the exit status, a moment for the last stderr lines) and posted as EXITED, so the
-dispatcher's pump never waits on it.
+keeper, whose exit record is the death event. When that record arrives the rank's last
+frames are read and, if its output pipes have closed already (the usual case: they close
+with the process, before its keeper hears of the exit), EXITED goes out in the same pass
+-- no thread, no wait: a SIGKILLed rank's pending calls fail ~1.5 ms after the kill, most
+of it the kernel tearing the process down. Otherwise the death is finished on a short
+helper thread (a moment for the last stderr lines) and posted, so the dispatcher's pump
+never waits on it.
+
+Put objects are held once, in this process, for every simulated node: a pooled
+:class:`phalanx.node.shm.Holder`.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -26,69 +32,76 @@ from phalanx.errors import ProcessFailure
 from phalanx.node import shm
 from phalanx.node import spawn as node
 from phalanx.node.machine import pick_free_ports, visible_gpus
-from phalanx.node.stacks import StackFile
-from phalanx.node.supervisor import SupervisedProcess, Supervisor
 from phalanx.output.logs import LogPump, OutputOptions, OutputTap
-from phalanx.wire import framing, protocol, streams
-from phalanx.world.layout import Layout, merge_env, split_gpus
+from phalanx.wire import framing, protocol
+from phalanx.world.layout import Layout, split_gpus
 
 _LOOPBACK = "127.0.0.1"
 
 
 class LocalChannel(Channel):
-    """One local rank: its control pipes, its keeper's status pipe, its output tap."""
+    """One local rank: its process on this node (control pipes, the keeper's status pipe,
+    its stack file) and the tap on its output."""
 
-    def __init__(self, start: RankStart, proc: SupervisedProcess, conn: framing.Connection,
-                 tap: OutputTap, stack_file: StackFile) -> None:
+    def __init__(self, start: RankStart, process: node.NodeRank, tap: OutputTap) -> None:
         self.rank = start.rank
         self.ranks = (start.rank,)
         self.node = start.node
-        self.proc = proc
-        self.conn = conn
+        self.process = process
         self._tap = tap
-        self._stack_file = stack_file
         self._sink: EventSink | None = None
         self._watched: list[int] = []
         self._buried = False
         self._lock = threading.Lock()
 
+    def alive(self) -> bool:
+        """Whether its process is still there (to answer, or to unmap)."""
+        return not self._buried and self.process.exitcode(0) is None
+
     def attach(self, sink: EventSink) -> None:
         self._sink = sink
-        self._watched = [self.conn.read_fd]
-        if self.proc.death_fd is not None:
-            self._watched.append(self.proc.death_fd)
+        self._watched = [self.process.conn.read_fd]
+        if self.process.death_fd is not None:
+            self._watched.append(self.process.death_fd)
         for fd in self._watched:
             sink.watch(fd, self)
 
     def receive(self, fd: int) -> list[list[Any]]:
-        if fd == self.conn.read_fd:
+        process = self.process
+        if fd == process.conn.read_fd:
             try:
-                return self.conn.reader.recv_frames(block=False)
+                return process.conn.reader.recv_frames(block=False)
             except framing.ConnectionLost:
                 self._unwatch(fd)
-                if self.proc.death_fd is None:
+                if process.death_fd is None:
                     self._bury_later()
-                else:  # the stream ended but the process lives on: unusable, end it
-                    self.proc.signal_tree(signal.SIGKILL)
-                return []
-        if self.proc.exitcode(0) is None:  # the status pipe brought the pid, not the end
+                    return []
+                # Dying, or of no use: killed, and its exit status follows on the status
+                # pipe -- or was there already and was read just now, which the pipe's
+                # next event (the end of the keeper's cleanup) would announce only later.
+                process.stream_ended()
+        if process.exitcode(0) is None:  # the status pipe brought the pid, not the end
             return []
-        # the process has exited; everything it sent is in the pipe
-        frames = self._drain()
-        self._bury_later()
-        return frames
+        return process.drain() + self._died()
 
-    def _drain(self) -> list[list[Any]]:
-        frames: list[list[Any]] = []
-        for _ in range(10_000):
-            try:
-                more = self.conn.reader.recv_frames(block=False)
-            except framing.ConnectionLost:
-                break
-            if not more:
-                break
-            frames += more
-        return frames
+    def _died(self) -> list[list[Any]]:
+        """Its process has exited: EXITED now if its last output is in, else posted from
+        a helper thread once it is."""
+        if not self._mark_buried():
+            return []
+        if self._tap.wait_closed(0):
+            return [self.process.exited_message(self._tap.stderr_tail())]
+        self._bury_on_thread()
+        return []
+
+    def _mark_buried(self) -> bool:
+        with self._lock:
+            if self._buried:
+                return False
+            self._buried = True
+        for fd in list(self._watched):
+            self._unwatch(fd)
+        return True
 
     def _unwatch(self, fd: int) -> None:
         try:  # atomic: the pump (a death) and close() may both get here
@@ -99,55 +112,42 @@ class LocalChannel(Channel):
             self._sink.unwatch(fd, self)
 
     def _bury_later(self) -> None:
-        with self._lock:
-            if self._buried:
-                return
-            self._buried = True
-        for fd in list(self._watched):
-            self._unwatch(fd)
+        if self._mark_buried():
+            self._bury_on_thread()
+
+    def _bury_on_thread(self) -> None:
         threading.Thread(target=self._bury, name=f"phalanx-bury-{self.rank}", daemon=True).start()
 
     def _bury(self) -> None:
-        code = self.proc.exitcode(config.EXIT_WAIT)
-        if code is None:
-            self.proc.signal_tree(signal.SIGKILL)
-            code = self.proc.exitcode(5.0)
+        self.process.reap()
         self._tap.wait_closed(config.OUTPUT_WAIT)
-        failure = ProcessFailure(self.rank, self.node, self.proc.pid, code,
-                                 self._tap.stderr_tail())
         if self._sink is not None:
-            self._sink.post(self, [protocol.exited_message(self.rank, failure.as_dict())])
+            self._sink.post(self, [self.process.exited_message(self._tap.stderr_tail())])
 
     def send(self, frame: list[Any]) -> None:
-        try:
-            self.conn.send(frame)
-        except framing.ConnectionLost:
-            pass  # its death arrives as EXITED
+        self.process.send(frame)  # a lost rank's death arrives as EXITED
 
     def signal(self, rank: int, sig: int) -> None:
-        self.proc.signal_group(sig)
+        self.process.signal(sig)
 
     def stacks(self, rank: int, timeout: float) -> str:
-        return self._stack_file.take(self.proc.pid, timeout)
+        return self.process.stacks(timeout)
 
     def exit_record(self, rank: int) -> ProcessFailure:
-        return ProcessFailure(self.rank, self.node, self.proc.pid, self.proc.exitcode(0),
-                              self._tap.stderr_tail())
+        return self.process.failure(self._tap.stderr_tail())
 
     def close(self) -> None:
         with self._lock:
             self._buried = True  # stopped on purpose: the group records it
         for fd in list(self._watched):
             self._unwatch(fd)
-        self.conn.close()
-        self.proc.release()
-        self._stack_file.close()
+        self.process.close()
 
 
-def _alive(channel: Channel) -> bool:
-    """Whether a rank's channel still has its process (to answer, or to unmap)."""
-    return (isinstance(channel, LocalChannel) and not channel._buried
-            and channel.proc.exitcode(0) is None)
+def _alive(channel: Any) -> bool:
+    """Whether a rank's channel still has its process (the pool's question: can it still
+    say RELEASED?)."""
+    return isinstance(channel, LocalChannel) and channel.alive()
 
 
 class LocalBackend(Backend):
@@ -156,14 +156,14 @@ class LocalBackend(Backend):
 
     def __init__(self) -> None:
         self._gpus = visible_gpus()
-        self._blocks: dict[int, tuple[shm.Block, shm.Layout]] = {}  # ref id -> its copy
-        self._pool = shm.Pool(_alive)
-        self._blocks_lock = threading.Lock()
+        self._objects = shm.Holder(shm.Pool(_alive))  # every simulated node's copies
+        self._objects_lock = threading.Lock()  # an object is written once, however shared
 
     def _open(self, output: OutputOptions) -> None:
         self._writer = framing.BacklogWriter()
         self._logs = LogPump(output)
-        self._supervisor = Supervisor()
+        self._spawner = node.RankSpawner(self._writer)
+        self._spawner.open()  # the supervisor boots while the group prepares its launch
 
     def gpus_per_node(self, nodes: int) -> int:
         """GPUs each simulated node gets (they split this machine's)."""
@@ -181,7 +181,7 @@ class LocalBackend(Backend):
     @property
     def supervisor_pid(self) -> int | None:
         """The node supervisor's pid, once the backend is open."""
-        return self._supervisor.pid if self.opened else None
+        return self._spawner.supervisor_pid if self.opened else None
 
     def ports(self, node: Node, count: int) -> list[int]:
         return pick_free_ports(node.address, count)
@@ -189,101 +189,81 @@ class LocalBackend(Backend):
     def _launch(
         self, node: Node, ranks: list[RankStart], boot: Boot, channels: list[Channel]
     ) -> None:
-        cwd = boot.cwd or os.getcwd()
-        for start in ranks:
-            env = merge_env(os.environ, start.env, None, None)
-            channel = self._spawn(start, env, cwd)
-            channels.append(channel)
-            init = protocol.init_frame(start.rank, boot.sys_path, dict(boot.options),
-                                       boot.payload)
-            channel.send(init)
+        started = self._spawner.launch(
+            [(start.rank, start.node, 0, start.env) for start in ranks],
+            boot.cwd or os.getcwd(), boot.sys_path, boot.options, boot.payload)
+        for i, (start, process) in enumerate(zip(ranks, started, strict=True)):
+            try:
+                tap = self._attach_output(start.rank, process)
+            except BaseException:  # e.g. its log file vanished: these have no channel yet
+                _stop_and_close(started[i:])
+                raise
+            channels.append(LocalChannel(start, process, tap))
 
-    def _spawn(self, start: RankStart, env: dict[str, str], cwd: str) -> LocalChannel:
-        stack_file = StackFile()
+    def _attach_output(self, rank: int, process: node.NodeRank) -> OutputTap:
+        stdout_fd, stderr_fd = process.take_output()
         try:
-            proc = self._supervisor.spawn(env, cwd, stacks_fd=stack_file.fd)
-        except BaseException:
-            stack_file.close()
+            return self._logs.attach(rank, stdout_fd, stderr_fd)
+        except BaseException:  # the pump did not take them
+            os.close(stdout_fd)
+            os.close(stderr_fd)
             raise
-        try:
-            tap = self._logs.attach(start.rank, proc.stdout_fd, proc.stderr_fd)
-        except BaseException:  # e.g. its log file vanished: it has no channel to stop it by
-            node.stop_processes([proc], force=True)
-            for fd in (proc.stdout_fd, proc.stderr_fd, proc.read_fd, proc.write_fd):
-                os.close(fd)
-            proc.release()
-            stack_file.close()
-            raise
-        stream = streams.PipeStream(proc.read_fd, proc.write_fd, blocking_reads=False)
-        return LocalChannel(start, proc, framing.Connection(stream, self._writer), tap, stack_file)
 
-    # -- shared objects (phalanx.controller.shared): one block in this process for every node ------
+    # -- shared objects (phalanx.controller.shared): one copy in this process for every node --
 
     def share(self, obj: Any, channels: Sequence[Channel]) -> None:
         """Write the object into a block of this process (a pooled one, see
-        :class:`phalanx.node.shm.Pool`) once; tell each rank where it is."""
+        :class:`phalanx.node.shm.Holder`) once; tell each rank where it is."""
         if not self.can_share:
             raise NotImplementedError("shared objects need Linux (memfd_create and /proc)")
-        with self._blocks_lock:
-            held = self._blocks.get(obj.id)
-            if held is None:
+        with self._objects_lock:
+            location = self._objects.where(obj.id)
+            if location is None:
                 if obj.segments is None:
                     return  # freed meanwhile
-                layout, size = shm.layout_of(obj.segments)
-                block = self._pool.take(size)
-                try:
-                    block.write(obj.segments, layout)
-                except BaseException:
-                    block.close()
-                    raise
-                held = self._blocks[obj.id] = (block, layout)
+                location = self._objects.hold(obj.id, obj.token, obj.segments,
+                                              writable=obj.tensors)
                 obj.segments = None  # the block is the copy now
-            block, layout = held
-            block.mapped_by.update(channels)
-        location = block.location(layout, release=True, writable=obj.tensors)
+            self._objects.told(obj.id, channels)
         for channel in channels:
             channel.send(protocol.share_frame(channel.ranks[0], obj.id, obj.token, location))
 
     def unshare(self, obj: Any, channels: Sequence[Channel]) -> None:
         for channel in channels:
             channel.send(protocol.unshare_frame(channel.ranks[0], obj.id))
-        with self._blocks_lock:
-            held = self._blocks.pop(obj.id, None)
-            if held is None:
-                return
-            # reused once each rank told of it let go of every view (RELEASED)
-            self._pool.give_back(obj.id, held[0], set(channels) & held[0].mapped_by)
-            closed = self._pool.trim()
-        self._unmap(closed)
+        # reused once each rank told of it let go of every view (RELEASED)
+        self._unmap(self._objects.drop(obj.id, channels))
 
     def released(self, channel: Channel, ref_id: int) -> None:
-        with self._blocks_lock:
-            self._pool.released(ref_id, channel)
-            closed = self._pool.trim()
-        self._unmap(closed)
+        self._unmap(self._objects.released(ref_id, channel))
 
-    def _unmap(self, blocks: list[shm.Block]) -> None:
+    @staticmethod
+    def _unmap(unmaps: list[tuple[str, set[Any]]]) -> None:
         """Closed blocks: the ranks that mapped them let go of their mappings too."""
-        for block in blocks:
-            for channel in block.mapped_by:
+        for name, readers in unmaps:
+            for channel in readers:
                 if _alive(channel):
-                    channel.send(protocol.unmap_frame(channel.ranks[0], block.token))
-            block.mapped_by.clear()
+                    channel.send(protocol.unmap_frame(channel.ranks[0], name))
 
     def _stop(self, channels: list[Channel], *, grace: float, force: bool) -> None:
-        procs = [c.proc for c in channels if isinstance(c, LocalChannel)]
-        node.stop_processes(procs, grace=grace, force=force)
+        node.stop_processes(_procs(channels), grace=grace, force=force)
 
     def wait_exited(self, channels: Sequence[Channel], timeout: float) -> None:
-        node.wait_all_exit([c.proc for c in channels if isinstance(c, LocalChannel)], timeout)
+        node.wait_all_exit(_procs(channels), timeout)
 
     def close(self) -> None:
-        with self._blocks_lock:
-            held, self._blocks = list(self._blocks.values()), {}
-            self._pool.close()
-        for block, _ in held:
-            block.close()
+        self._objects.close()
         if self.opened:
-            self._supervisor.close()
+            self._spawner.close()
             self._logs.stop()
             self._writer.stop()
+
+
+def _procs(channels: Sequence[Channel]) -> list[Any]:
+    return [c.process.proc for c in channels if isinstance(c, LocalChannel)]
+
+
+def _stop_and_close(processes: Sequence[node.NodeRank]) -> None:
+    node.stop_processes([p.proc for p in processes], force=True)
+    for process in processes:
+        process.close()

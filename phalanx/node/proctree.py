@@ -72,6 +72,21 @@ def descendants(root: int, table: dict[int, tuple[int, str]] | None = None) -> l
     return found
 
 
+def signal_descendants(pid: int, sig: int) -> None:
+    """Signal the descendants of ``pid`` that left its process group (e.g. via setsid).
+
+    Read from /proc, not with psutil: importing psutil while the interpreter exits (a
+    group shut down by its atexit handler) would clear Python's note of an unhandled
+    Ctrl-C, and the script would exit with status 1 instead of dying of SIGINT."""
+    if not sys.platform.startswith("linux"):  # pragma: no cover
+        return
+    for child in descendants(pid):
+        try:
+            os.kill(child, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 def reap_children() -> list[tuple[int, int]]:
     """Reap every child that has exited, without blocking: ``(pid, wait status)`` each."""
     reaped = []

@@ -1,21 +1,22 @@
 """Shared-memory blocks: one copy of a put object per node, mapped by every rank there.
 
-A node's *holder* (the controller for the local backend, the agent on a cluster node, a
-store actor on a Ray node) writes an object's pickle stream and its out-of-band buffers
-into a :class:`Block`: an anonymous memory file (``memfd_create``) that lives exactly as
-long as someone holds it -- an open descriptor or a mapping. Nothing is ever named in
-``/dev/shm``, so nothing can be left behind: when the holder closes its descriptor or dies
-(even by SIGKILL), the kernel frees the memory with its last user.
+A node's :class:`Holder` -- one class, held by the controller for the local backend, by
+the agent on a cluster node, by a store actor on a Ray node -- writes an object's pickle
+stream and its out-of-band buffers into a :class:`Block`: an anonymous memory file
+(``memfd_create``) that lives exactly as long as someone holds it -- an open descriptor or
+a mapping. Nothing is ever named in ``/dev/shm``, so nothing can be left behind: when the
+holder closes its descriptor or dies (even by SIGKILL), the kernel frees the memory with
+its last user.
 
 A rank learns where an object is from a SHARE message (:mod:`phalanx.wire.protocol`): the
 holder's pid, the block's descriptor number there, its name, and where the object's parts
 lie in it. It maps the block through ``/proc/<pid>/fd/<n>`` (:mod:`phalanx.rank.shared`).
 
-The controller's blocks are kept in a :class:`Pool` once their object is freed: the next
-object of a similar size is written into pages that already exist, and the ranks keep
-their mappings -- together half the cost of a new block. A block is reused only after
-every rank that received its object said it holds no view of it any more (RELEASED), so a
-rank that kept an array of a freed object never sees it change.
+A holder with a :class:`Pool` (the controller's) keeps its blocks once their object is
+freed: the next object of a similar size is written into pages that already exist, and the
+ranks keep their mappings -- together half the cost of a new block. A block is reused only
+after every rank that received its object said it holds no view of it any more
+(RELEASED), so a rank that kept an array of a freed object never sees it change.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from phalanx import config
@@ -177,3 +179,124 @@ class Pool:
         for block in self._idle + [b for b, _ in self._returning.values()]:
             block.close()
         self._idle, self._returning = [], {}
+
+
+Location = tuple  # what SHARE tells a rank: see Block.location
+
+
+class Holder:
+    """A node's copies of put objects: one block per object, until the object is dropped.
+
+    Without a pool (an agent, a Ray node's store) each object gets a block of its own
+    size, closed when the object is dropped. With one (the controller's, for the local
+    backend) blocks come from the pool and go back to it; ranks then say RELEASED once
+    they hold no view of a freed object (:meth:`released`), and a block the pool closes is
+    one its readers must unmap (the readers returned by :meth:`drop` and :meth:`released`).
+    *Readers* are whatever the caller tells of an object (channels, ranks): the holder only
+    keeps them as keys. Thread-safe; no block is written while the holder's lock is held.
+    """
+
+    def __init__(self, pool: Pool | None = None) -> None:
+        self._pool = pool
+        self._lock = threading.Lock()
+        self._held: dict[int, tuple[Block, str, Location]] = {}  # ref id -> block, token, where
+
+    def write(self, parts: Sequence[Any]) -> tuple[Block, Layout]:
+        """A block holding ``parts`` (the pickle stream, then each out-of-band buffer), not
+        yet anyone's: :meth:`keep` it, or close it."""
+        if self._pool is None:
+            return Block.holding(parts)
+        layout, size = layout_of(parts)
+        with self._lock:
+            block = self._pool.take(size)
+        try:
+            block.write(parts, layout)
+        except BaseException:
+            block.close()
+            raise
+        return block, layout
+
+    def keep(self, ref_id: int, token: str, written: tuple[Block, Layout], *,
+             writable: bool = False) -> Location:
+        """Hold the block :meth:`write` returned as object ``ref_id``'s copy (an earlier
+        copy is closed); where ranks find it (``writable``: their views must be writable,
+        as torch tensors want)."""
+        block, layout = written
+        location = block.location(layout, release=self._pool is not None, writable=writable)
+        with self._lock:
+            previous = self._held.pop(ref_id, None)
+            self._held[ref_id] = (block, token, location)
+        if previous is not None:
+            previous[0].close()
+        return location
+
+    def hold(self, ref_id: int, token: str, parts: Sequence[Any], *,
+             writable: bool = False) -> Location:
+        """:meth:`write` then :meth:`keep`."""
+        return self.keep(ref_id, token, self.write(parts), writable=writable)
+
+    def where(self, ref_id: int) -> Location | None:
+        """Where object ``ref_id`` is, if held here."""
+        with self._lock:
+            held = self._held.get(ref_id)
+        return None if held is None else held[2]
+
+    def objects(self) -> list[tuple[int, str, Location]]:
+        """Every object held now, as ``(ref id, token, location)``: what a rank started
+        later is told."""
+        with self._lock:
+            return [(ref_id, token, where) for ref_id, (_, token, where) in self._held.items()]
+
+    def told(self, ref_id: int, readers: Iterable[Any]) -> None:
+        """``readers`` were told where ``ref_id`` is: they may map its block (pooled: a
+        reused block waits for them, a closed one must be unmapped by them)."""
+        with self._lock:
+            held = self._held.get(ref_id)
+            if held is not None:
+                held[0].mapped_by.update(readers)
+
+    def drop(self, ref_id: int, readers: Iterable[Any] = ()) -> list[tuple[str, set[Any]]]:
+        """Object ``ref_id`` was freed; ``readers``: those told of it. Without a pool its
+        block closes now (the memory goes once no rank maps it); with one it waits for
+        their RELEASED. The blocks the pool closed meanwhile, as ``(name, readers that
+        mapped it)``: each of those must unmap it."""
+        with self._lock:
+            held = self._held.pop(ref_id, None)
+            if held is None:
+                return []
+            block = held[0]
+            if self._pool is None:
+                closed = []
+            else:
+                self._pool.give_back(ref_id, block, set(readers) & block.mapped_by)
+                closed = self._pool.trim()
+        if self._pool is None:
+            block.close()
+        return _unmaps(closed)
+
+    def released(self, ref_id: int, reader: Any) -> list[tuple[str, set[Any]]]:
+        """``reader`` holds no view of freed object ``ref_id`` any more (RELEASED); the
+        blocks the pool closed meanwhile, as :meth:`drop` returns them."""
+        if self._pool is None:
+            return []
+        with self._lock:
+            self._pool.released(ref_id, reader)
+            closed = self._pool.trim()
+        return _unmaps(closed)
+
+    def close(self) -> None:
+        """Close every block (the memory goes with the last rank that maps it)."""
+        with self._lock:
+            held, self._held = list(self._held.values()), {}
+            if self._pool is not None:
+                self._pool.close()
+        for block, _, _ in held:
+            block.close()
+
+
+def _unmaps(closed: list[Block]) -> list[tuple[str, set[Any]]]:
+    unmaps = []
+    for block in closed:
+        unmaps.append((block.token, set(block.mapped_by)))
+        block.mapped_by.clear()
+    return unmaps

@@ -1,107 +1,52 @@
-"""Starting, watching and stopping worker processes on the machine they run on.
+"""Starting a node's ranks, holding them, burying them, stopping them.
 
-A worker is a fresh interpreter running :mod:`phalanx.rank.runtime` in its own process group (so
-a terminal's Ctrl-C reaches the controller only, and the worker's whole process tree can be
-signalled). Every worker is started by a node supervisor (:mod:`phalanx.node.supervisor`), which
-returns it as a :class:`~phalanx.node.supervisor.SupervisedProcess`: the local backend's
-controller runs one for its ranks, each Ray rank actor one for its rank. This module holds
-what is common to both: the worker's command line, the one thread every ``Popen`` comes
-from, a worker started before its rank is known (:class:`PrestartedWorker`), and stopping
-workers with escalation.
+One way ranks start, for the local backend and for a cluster agent alike
+(:class:`RankSpawner`): a fresh interpreter running :mod:`phalanx.rank.runtime`, started by
+the node's supervisor (:mod:`phalanx.node.supervisor`), which it starts with the first
+rank. Each rank gets
+
+- a pair of control pipes (a pipe wakes a sleeping reader once per message where a socket
+  wakes it twice), wrapped in a :class:`~phalanx.wire.framing.Connection` on this side;
+- pipes for its stdout and stderr, which the caller takes (:meth:`NodeRank.take_output`):
+  the local backend hands them to its output pump, an agent relays them to its controller;
+- a file to dump its stacks into (:class:`~phalanx.node.stacks.StackFile`);
+- its environment layered over this node's own (:func:`~phalanx.world.layout.merge_env`)
+  before the interpreter starts, and INIT as its first message.
+
+A started rank is a :class:`NodeRank`. Its death is one routine on every node side:
+the keeper's status pipe turns readable with the exit status (:meth:`NodeRank.exitcode`),
+what the rank sent before it died is read (:meth:`NodeRank.drain`), then its failure
+record (:meth:`NodeRank.failure`: exit code or signal, and the last lines of its stderr
+where this side read them) goes to the controller. A control stream that ends first
+means the rank is dying or of no use: :meth:`NodeRank.stream_ended` SIGKILLs it, and the
+status follows.
+
+The Ray rank actor starts its rank under a supervisor of its own, ahead of time
+(:class:`PrestartedWorker`); :func:`stop_processes` stops any of them with escalation.
 """
+
 from __future__ import annotations
 
+import json
 import logging
 import os
-import queue
 import signal
 import socket
 import struct
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from phalanx import config
-from phalanx.node import proctree
-
-if TYPE_CHECKING:
-    from phalanx.node.supervisor import SupervisedProcess, Supervisor
+from phalanx.errors import ProcessFailure
+from phalanx.node.stacks import StackFile
+from phalanx.node.supervisor import SupervisedProcess, Supervisor
+from phalanx.wire import framing, protocol, streams
+from phalanx.world.layout import merge_env
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
-
-
-class _SpawnThread:
-    """Runs every ``Popen`` of this process on one long-lived daemon thread.
-
-    ``PR_SET_PDEATHSIG`` fires when the *thread* that forked the child exits, not the
-    process; spawning from a thread that lives as long as the process means workers die with
-    the controller and never with some short-lived thread of the user's.
-    """
-
-    _instance: _SpawnThread | None = None
-    _instance_lock = threading.Lock()
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="phalanx-spawn", daemon=True).start()
-
-    @classmethod
-    def get(cls) -> _SpawnThread:
-        with cls._instance_lock:
-            if cls._instance is None or cls._instance._pid != os.getpid():
-                cls._instance = cls()
-                cls._instance._pid = os.getpid()
-            return cls._instance
-
-    _pid = 0
-
-    def run(self, fn: Callable[[], T], undo: Callable[[T], object] | None = None) -> T:
-        """``fn()`` on the spawn thread. Interrupted meanwhile (Ctrl-C), it still waits for
-        ``fn`` to finish, hands its result to ``undo`` and re-raises the interruption: a
-        process being forked is never left behind unknown."""
-        done: queue.SimpleQueue = queue.SimpleQueue()
-        self._jobs.put((fn, done))
-        interruption: BaseException | None = None
-        while True:
-            try:
-                ok, value = done.get()
-                break
-            except BaseException as exc:  # noqa: BLE001 - re-raised once fn() has finished
-                interruption = exc
-        if interruption is not None:
-            if ok and undo is not None:
-                undo(value)
-            raise interruption
-        if ok:
-            return value
-        raise value
-
-    def _run(self) -> None:
-        while True:
-            fn, done = self._jobs.get()
-            try:
-                done.put((True, fn()))
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-                done.put((False, exc))
-
-
-def signal_descendants(pid: int, sig: int) -> None:
-    """Signal the descendants that left the worker's process group (e.g. via setsid).
-
-    Read from /proc, not with psutil: importing psutil while the interpreter exits (a
-    group shut down by its atexit handler) would clear Python's note of an unhandled
-    Ctrl-C, and the script would exit with status 1 instead of dying of SIGINT."""
-    if not sys.platform.startswith("linux"):  # pragma: no cover
-        return
-    for child in proctree.descendants(pid):
-        try:
-            os.kill(child, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
 
 # The worker must find phalanx even when the controller imported it from a path of its own
 # (sys.path edits, a notebook's cwd): put the package's parent first, then run the worker.
@@ -109,6 +54,7 @@ _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
 _WORKER_BOOT = (
     "import sys; sys.path.insert(0, {root!r}); from phalanx.rank.runtime import main; main()"
 )
+_DRAIN_READS = 10_000  # a dead rank's pipe holds at most its capacity: far fewer reads
 
 
 def worker_argv() -> list[str]:
@@ -116,16 +62,188 @@ def worker_argv() -> list[str]:
     return [sys.executable, "-c", _WORKER_BOOT.format(root=_PACKAGE_ROOT)]
 
 
-def spawn_thread() -> _SpawnThread:
-    """The thread every process this one starts is forked from (see :class:`_SpawnThread`)."""
-    return _SpawnThread.get()
-
-
 def is_worker_command(cmdline: list[str]) -> bool:
     """Whether a process command line is that of a phalanx worker started by this module."""
     return len(cmdline) == 3 and cmdline[1] == "-c" and "from phalanx.rank.runtime import main" in (
         cmdline[2]
     )
+
+
+# --------------------------------------------------------------------------- a node's ranks
+
+
+class NodeRank:
+    """One rank's process on this node, as the node side that started it holds it: the
+    supervised process (its status pipe is the death event), the control connection, the
+    stack file, and the output pipes until the caller takes them."""
+
+    def __init__(self, rank: int, node: int, incarnation: int, proc: SupervisedProcess,
+                 conn: framing.Connection, stack_file: StackFile) -> None:
+        self.rank, self.node, self.incarnation = rank, node, incarnation
+        self.proc = proc
+        self.conn = conn
+        self._stack_file = stack_file
+        self._output: tuple[int, int] | None = (proc.stdout_fd, proc.stderr_fd)
+
+    @property
+    def pid(self) -> int | None:
+        """Its pid (None if it could not be started); waits for the keeper to report it."""
+        return self.proc.pid
+
+    @property
+    def death_fd(self) -> int | None:
+        """Readable when the keeper reports something (the pid, then the exit status, then
+        the end of its cleanup); None once released."""
+        return self.proc.death_fd
+
+    def take_output(self) -> tuple[int, int]:
+        """Its stdout and stderr read ends: the taker reads them and closes them."""
+        output, self._output = self._output, None
+        if output is None:
+            raise RuntimeError(f"the output of rank {self.rank} was taken already")
+        return output
+
+    def send(self, frame: list[Any]) -> None:
+        """Queue a frame for it; a rank that is gone is reported by its status pipe."""
+        try:
+            self.conn.send(frame)
+        except framing.ConnectionLost:
+            pass
+
+    # -- its death --------------------------------------------------------------------
+
+    def exitcode(self, timeout: float | None = 0.0) -> int | None:
+        """Its exit code (negative: the signal that killed it); None while it runs."""
+        return self.proc.exitcode(timeout)
+
+    def stream_ended(self) -> None:
+        """Its control stream ended: it is dying, or of no use any more. SIGKILL it unless
+        it is known to have exited; its exit status follows on the status pipe."""
+        self.proc.kill()
+
+    def reap(self) -> int | None:
+        """Its exit code, waiting up to ``config.EXIT_WAIT`` for it to exit on its own,
+        then SIGKILLing its whole tree."""
+        code = self.proc.exitcode(config.EXIT_WAIT)
+        if code is None:
+            self.proc.signal_tree(signal.SIGKILL)
+            code = self.proc.exitcode(5.0)
+        return code
+
+    def drain(self) -> list[list[Any]]:
+        """What it sent before it ended (once its exit status is in, all of it is in the
+        pipe)."""
+        frames: list[list[Any]] = []
+        for _ in range(_DRAIN_READS):
+            try:
+                more = self.conn.reader.recv_frames(block=False)
+            except framing.ConnectionLost:
+                break
+            if not more:
+                break
+            frames += more
+        return frames
+
+    def failure(self, stderr_tail: Sequence[str] = ()) -> ProcessFailure:
+        """How it ended, as known now: the record behind ``WorkerDied``, built here for
+        every node side. ``stderr_tail``: its last lines of stderr, where this side read
+        them (an agent sends none: its controller read the output it relayed)."""
+        return ProcessFailure(self.rank, self.node, self.proc.pid, self.proc.exitcode(0),
+                              tuple(stderr_tail))
+
+    def exited_message(self, stderr_tail: Sequence[str] = ()) -> list[Any]:
+        """The EXITED event that carries :meth:`failure` to the controller."""
+        return protocol.exited_message(self.rank, self.failure(stderr_tail).as_dict())
+
+    # -- reaching it ------------------------------------------------------------------
+
+    def signal(self, sig: int) -> None:
+        """``sig`` to its process group, as a terminal would send it."""
+        self.proc.signal_group(sig)
+
+    def stacks(self, timeout: float) -> str:
+        """Its threads' stacks now (see :mod:`phalanx.node.stacks`)."""
+        return self._stack_file.take(self.proc.pid, timeout)
+
+    def close(self) -> None:
+        """Release its descriptors (the process is stopped by :func:`stop_processes`)."""
+        self.conn.close()
+        output, self._output = self._output, None
+        for fd in output or ():
+            os.close(fd)
+        self.proc.release()
+        self._stack_file.close()
+
+
+class RankSpawner:
+    """Starts a node's ranks under its supervisor: the one spawner of the local backend
+    and of a cluster agent's session. Thread-safe."""
+
+    def __init__(self, writer: framing.BacklogWriter) -> None:
+        self._writer = writer  # what writes to every rank's control pipe
+        self._supervisor: Supervisor | None = None
+        self._lock = threading.Lock()
+
+    def open(self) -> None:
+        """Start the supervisor now, not with the first rank (it then boots while the
+        caller prepares the launch)."""
+        self._started()
+
+    @property
+    def supervisor_pid(self) -> int | None:
+        """The node supervisor's pid, once it runs."""
+        return None if self._supervisor is None else self._supervisor.pid
+
+    def launch(self, starts: Iterable[tuple[int, int, int, Mapping[str, str]]],
+               cwd: str, sys_path: Sequence[str], options: Mapping[str, Any],
+               payload: list[Any]) -> list[NodeRank]:
+        """Start ranks ``(rank, node, incarnation, env)`` in ``cwd`` and send each its INIT
+        (``sys_path``, ``options`` and the pickled target ``payload``); ``env`` holds
+        phalanx's and the user's variables, layered here over this node's environment. If
+        one cannot be started, those started already are stopped and released before the
+        error propagates."""
+        supervisor = self._started()
+        init_options = dict(options)
+        started: list[NodeRank] = []
+        try:
+            for rank, node, incarnation, env in starts:
+                started.append(self._start(supervisor, rank, node, incarnation,
+                                           merge_env(os.environ, env, None, None), cwd))
+                started[-1].send(protocol.init_frame(rank, sys_path, init_options, payload))
+        except BaseException:
+            stop_processes([r.proc for r in started], force=True)
+            for r in started:
+                r.close()
+            raise
+        return started
+
+    def _started(self) -> Supervisor:
+        with self._lock:
+            if self._supervisor is None:
+                self._supervisor = Supervisor()
+            return self._supervisor
+
+    def _start(self, supervisor: Supervisor, rank: int, node: int, incarnation: int,
+               env: Mapping[str, str], cwd: str) -> NodeRank:
+        stack_file = StackFile()
+        try:
+            proc = supervisor.spawn(worker_argv(), env, cwd, stacks_fd=stack_file.fd)
+        except BaseException:
+            stack_file.close()
+            raise
+        stream = streams.PipeStream(proc.read_fd, proc.write_fd, blocking_reads=False)
+        return NodeRank(rank, node, incarnation, proc, framing.Connection(stream, self._writer),
+                        stack_file)
+
+    def close(self) -> None:
+        """End the supervisor, which kills whatever is still below it."""
+        with self._lock:
+            supervisor, self._supervisor = self._supervisor, None
+        if supervisor is not None:
+            supervisor.close()
+
+
+# --------------------------------------------------------------------------- Ray's way
 
 
 # Variables the interpreter or the dynamic loader read when a process starts: a rank whose
@@ -144,7 +262,7 @@ class PrestartedWorker:
         self._sock, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             # until it is assigned, what it prints goes where its starter's output goes
-            self.proc = supervisor.spawn({"PYTHONUNBUFFERED": "1", **env}, None,
+            self.proc = supervisor.spawn(worker_argv(), {"PYTHONUNBUFFERED": "1", **env}, None,
                                          stacks_fd=stacks_fd,
                                          stream=("handoff:{0}", (child.fileno(),)),
                                          output=(1, 2))
@@ -168,8 +286,6 @@ class PrestartedWorker:
         """Make it the rank: its variables, cwd, control stream (a socket, or a pair of
         pipes: read end, write end) and output (the caller keeps its copies of the
         descriptors)."""
-        import json
-
         data = json.dumps({"env": dict(env), "cwd": cwd, "control": len(control)}).encode()
         socket.send_fds(self._sock, [struct.pack("<I", len(data)) + data[:4096]],
                         [*control, stdout_fd, stderr_fd])
@@ -183,6 +299,9 @@ class PrestartedWorker:
         self._sock.close()
         stop_processes([self.proc], grace=1.0)
         self.proc.release()
+
+
+# --------------------------------------------------------------------------- stopping
 
 
 def stop_processes(

@@ -13,7 +13,14 @@ process of its own, started by the controller for its group's local ranks, that
 
 A supervisor killed outright cannot clean up (Ray, for one, SIGKILLs the direct children of
 an actor that exits); its keepers then learn of its death from ``PR_SET_PDEATHSIG``
-(SIGTERM, caught) and each ends its rank's whole tree, all of which is below it.
+(SIGTERM, caught) and each ends its rank's whole tree, all of which is below it. A rank
+whose keeper dies gets SIGKILL the same way (armed by the keeper before ``exec``).
+
+Process tree, and what ends whom::
+
+    controller --(pidfd, socket EOF)--> supervisor --(PDEATHSIG: SIGTERM)--> keeper
+               --(PDEATHSIG: SIGKILL)--> rank --> whatever the rank starts (kept below
+               the keeper, its subreaper, and killed by it when the rank exits)
 
 The controller sends one message per rank to start (marshalled, plus the descriptors the rank
 gets) over a ``SOCK_SEQPACKET`` socket. Nothing else passes through the supervisor: control
@@ -30,6 +37,7 @@ from __future__ import annotations
 import logging
 import marshal
 import os
+import queue
 import select
 import signal
 import socket
@@ -37,17 +45,75 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from phalanx import config
-from phalanx.node.keeper import ENV_SOCKET
+from phalanx.node import proctree
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # It needs the standard library and phalanx only: without ``site`` (-S) it starts ~10 ms
-# sooner, which a Ray rank waits for (its interpreter is started by the supervisor).
+# sooner, and every rank of a group waits for it (see phalanx.node.keeper).
 _BOOT = "import sys; sys.path.insert(0, {root!r}); from phalanx.node.keeper import main; main()"
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class _SpawnThread:
+    """Runs every ``Popen`` of this process on one long-lived daemon thread.
+
+    ``PR_SET_PDEATHSIG`` fires when the *thread* that forked the child exits, not the
+    process; spawning from a thread that lives as long as the process means supervisors
+    (and so workers) die with the controller and never with some short-lived thread of the
+    user's.
+    """
+
+    _instance: _SpawnThread | None = None
+    _instance_lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self._pid = os.getpid()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="phalanx-spawn", daemon=True).start()
+
+    @classmethod
+    def get(cls) -> _SpawnThread:
+        """This process's spawn thread (a new one after a fork)."""
+        with cls._instance_lock:
+            if cls._instance is None or cls._instance._pid != os.getpid():
+                cls._instance = cls()
+            return cls._instance
+
+    def run(self, fn: Callable[[], T], undo: Callable[[T], object] | None = None) -> T:
+        """``fn()`` on the spawn thread. Interrupted meanwhile (Ctrl-C), it still waits for
+        ``fn`` to finish, hands its result to ``undo`` and re-raises the interruption: a
+        process being forked is never left behind unknown."""
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        self._jobs.put((fn, done))
+        interruption: BaseException | None = None
+        while True:
+            try:
+                ok, value = done.get()
+                break
+            except BaseException as exc:  # noqa: BLE001 - re-raised once fn() has finished
+                interruption = exc
+        if interruption is not None:
+            if ok and undo is not None:
+                undo(value)
+            raise interruption
+        if ok:
+            return value
+        raise value
+
+    def _run(self) -> None:
+        while True:
+            fn, done = self._jobs.get()
+            try:
+                done.put((True, fn()))
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                done.put((False, exc))
+
 
 # --------------------------------------------------------------------------- controller side
 
@@ -56,21 +122,20 @@ class Supervisor:
     """The controller's handle on its node supervisor process."""
 
     def __init__(self) -> None:
-        from phalanx.node import spawn as node
-
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        env = {**os.environ, ENV_SOCKET: str(theirs.fileno()),
-               config.ENV_PARENT_PID: str(os.getpid())}
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        argv = [sys.executable, "-S", "-c", _BOOT.format(root=_ROOT), str(theirs.fileno()),
+                str(os.getpid())]
 
         def start() -> subprocess.Popen:
-            return subprocess.Popen(
-                [sys.executable, "-S", "-c", _BOOT.format(root=root)], env=env,
-                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, process_group=0,
-            )
+            if sys.version_info >= (3, 11):
+                return subprocess.Popen(argv, pass_fds=(theirs.fileno(),),  # novermin
+                                        stdin=subprocess.DEVNULL, process_group=0)
+            # 3.10 has no process_group: the supervisor leaves our group itself, first
+            # thing (a preexec_fn would do it sooner, but is unsafe in a threaded process)
+            return subprocess.Popen(argv, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
 
         try:
-            self._popen = node.spawn_thread().run(start, _undo_start)
+            self._popen = _SpawnThread.get().run(start, _undo_start)
         finally:
             theirs.close()
         self._lock = threading.Lock()
@@ -81,6 +146,7 @@ class Supervisor:
 
     def spawn(
         self,
+        argv: Sequence[str],
         env: Mapping[str, str],
         cwd: str | None,
         *,
@@ -88,19 +154,19 @@ class Supervisor:
         stream: tuple[str, Sequence[int]] | None = None,
         output: tuple[int, int] | None = None,
     ) -> SupervisedProcess:
-        """Start a worker interpreter (:func:`phalanx.rank.runtime.main`) with ``env`` in ``cwd``;
-        returns at once (its pid arrives on the status pipe).
+        """Start a worker (``argv``: the interpreter running :func:`phalanx.rank.runtime.main`,
+        see :func:`phalanx.node.spawn.worker_argv`) with ``env`` in ``cwd``; returns at once
+        (its pid arrives on the status pipe).
 
         Its control stream is a pair of pipes made here, unless ``stream`` hands over one
-        already made: ``(spec, fds)``, a :func:`phalanx.rank.runtime._open_stream` spec in which
-        ``{i}`` stands for ``fds[i]`` (``"socket:{0}"``, ``"pipe:{0},{1}"``: read end,
-        write end, or ``"handoff:{0}"`` for a process started before its rank is known).
+        already made: ``(spec, fds)``, a spec as the worker reads it from ``PHALANX_FD``, in
+        which ``{i}`` stands for ``fds[i]`` (``"socket:{0}"``, ``"pipe:{0},{1}"``: read
+        end, write end, or ``"handoff:{0}"`` for a process started before its rank is
+        known).
         Its stdout and stderr are pipes made here, unless ``output`` names descriptors.
         The caller keeps its copies of what it hands over; the returned process holds our
         ends of what was made here (-1 for what was handed over).
         """
-        from phalanx.node import spawn as node
-
         made: list[int] = []  # every pipe end made here, until it is sent or kept
 
         def pipe() -> tuple[int, int]:
@@ -133,8 +199,9 @@ class Supervisor:
             fd_env[config.ENV_STACKS_FD] = f"{{{n + 3}}}"
             passed.append(n + 3)
         request = {
-            "argv": node.worker_argv(), "env": dict(env), "cwd": cwd, "pass": passed,
+            "argv": list(argv), "env": dict(env), "cwd": cwd, "pass": passed,
             "stdout": n, "stderr": n + 1, "status": n + 2, "fd_env": fd_env,
+            "pid_env": config.ENV_PARENT_PID,
         }
         mine = [fd for fd in (read_fd, write_fd, stdout_fd, stderr_fd, status_fd) if fd >= 0]
         try:
@@ -217,7 +284,7 @@ class SupervisedProcess:
                     self._code = 127 if self._pid is None else -signal.SIGKILL
                 return
             *lines, self._buffer = (self._buffer + data).split(b"\n")
-            for line in lines:  # see keeper._report
+            for line in lines:  # the keeper's lines: "pid N", "status N", "error TEXT"
                 what, _, value = line.decode(errors="replace").partition(" ")
                 if what == "pid":
                     self._pid = int(value)
@@ -269,15 +336,23 @@ class SupervisedProcess:
 
     def signal_tree(self, sig: int) -> None:
         """Send ``sig`` to the worker, its process group and its descendants."""
-        from phalanx.node import spawn as node
-
         pid = self.pid
         if pid is None or self._code is not None:
             return
-        node.signal_descendants(pid, sig)
+        proctree.signal_descendants(pid, sig)
         self.signal_group(sig)
         try:
             os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def kill(self) -> None:
+        """SIGKILL the worker alone, unless it is known to have exited: cheap (no look at
+        ``/proc``), as its keeper ends whatever it left behind once it exits."""
+        if self.exitcode(0) is not None or self._pid is None:
+            return
+        try:
+            os.kill(self._pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
 

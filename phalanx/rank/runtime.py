@@ -3,8 +3,9 @@
 It is started with its rank environment already set and a connected control socket whose
 file descriptor is in ``PHALANX_FD``. It then
 
-1. arranges to die with the controller (``PR_SET_PDEATHSIG`` plus a re-check of the parent,
-   and a watchdog on the control socket's hang-up as the portable fallback);
+1. arranges to die with the controller: its keeper (:mod:`phalanx.node.keeper`) armed
+   ``PR_SET_PDEATHSIG`` before ``exec``; it re-checks its parent, and a watchdog on the
+   control stream's hang-up is the portable fallback;
 2. receives ``INIT``: the controller's ``sys.path`` and the pickled target and constructor
    arguments; builds the user object and answers ``READY`` (or ``INIT_ERROR``);
 3. serves ``CALL`` frames in the order they arrive on its main thread (or on a pool of
@@ -29,25 +30,23 @@ import sys
 import threading
 import time
 import types
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from phalanx import config
-from phalanx.errors import RemoteFailure
 from phalanx.rank import faults
 from phalanx.rank import shared as shmrank
 from phalanx.wire import framing, pickling, protocol, streams
 
+if TYPE_CHECKING:
+    from phalanx.errors import RemoteFailure
 
-def _install_parent_death_signal(parent_pid: int) -> None:
-    """Have the kernel SIGKILL us when the controller dies, then close the fork/exec race."""
-    if sys.platform.startswith("linux"):
-        import ctypes
 
-        pr_set_pdeathsig = 1
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+def _check_parent(parent_pid: int) -> None:
+    """Exit if the keeper that started us is gone already. It armed our parent-death signal
+    (SIGKILL) before ``exec`` -- here that would cost ``ctypes``, ~5 ms of every rank's
+    start -- so from now on its death kills us."""
     if parent_pid and os.getppid() != parent_pid:
-        os._exit(1)  # the controller died before the signal was armed
+        os._exit(1)
 
 
 def arm_stack_dumps() -> None:
@@ -149,6 +148,9 @@ def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
 
 
 def _failure(exc: BaseException, stage: str) -> RemoteFailure:
+    # imported on the first failure: phalanx.errors is ~8 ms of a rank's start otherwise
+    from phalanx.errors import RemoteFailure
+
     return RemoteFailure.from_exception(exc, stage, _user_frames(exc.__traceback__))
 
 
@@ -525,7 +527,7 @@ def main() -> None:
     _default_signals()
     arm_stack_dumps()
     parent = int(os.environ.pop(config.ENV_PARENT_PID, "0"))
-    _install_parent_death_signal(parent)
+    _check_parent(parent)
     stream = _open_stream(os.environ.pop(config.ENV_FD))
     _watch_for_hangup(stream)
     conn = framing.Connection(stream, framing.BacklogWriter("phalanx-worker-writer"))

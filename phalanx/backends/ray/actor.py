@@ -207,6 +207,7 @@ class RankActor:
                     out: int, err: int) -> Any:
         """The rank's process: the interpreter started early if it fits, else a new one
         (under the same supervisor)."""
+        from phalanx.node import spawn as node
         from phalanx.node.supervisor import Supervisor
 
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
@@ -220,7 +221,8 @@ class RankActor:
             if self._supervisor is None:
                 self._supervisor = Supervisor()
             spec = "socket:{0}" if len(control) == 1 else "pipe:{0},{1}"
-            proc = self._supervisor.spawn(full_env, cwd, stacks_fd=self._stack_file.fd,
+            proc = self._supervisor.spawn(node.worker_argv(), full_env, cwd,
+                                          stacks_fd=self._stack_file.fd,
                                           stream=(spec, control), output=(out, err))
         self._proc = proc
         return proc

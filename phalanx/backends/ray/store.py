@@ -4,9 +4,10 @@
 (``ray.put``); on each Ray node that runs ranks of the group, a :class:`NodeStore` actor
 (no CPU, pinned to the node, one per node for the group's life) resolves that reference
 -- Ray moves the bytes to the node once, and hands them over from its object store
-without a copy -- and writes them into a shared-memory block (:mod:`phalanx.node.shm`) that
-every rank of the node maps. The ranks are processes below their own actors, not Ray
-workers: they read the node's block, never Ray's store directly.
+without a copy -- and writes them into a shared-memory block, held by the node side's one
+holder (:class:`phalanx.node.shm.Holder`), that every rank of the node maps. The ranks are
+processes below their own actors, not Ray workers: they read the node's block, never Ray's
+store directly.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from phalanx.errors import PhalanxError
+from phalanx.node import shm
 from phalanx.wire import protocol
 
 logger = logging.getLogger(__name__)
@@ -25,27 +27,19 @@ STORE_TIMEOUT = 120.0  # seconds for a node's store to start and take an object
 
 
 class NodeStore:
-    """A Ray actor holding one node's copies of a group's put objects."""
+    """A Ray actor holding one node's copies of a group's put objects (the node side's
+    one holder, :class:`phalanx.node.shm.Holder`)."""
 
     def __init__(self) -> None:
-        self._blocks: dict[int, Any] = {}
+        self._objects = shm.Holder()
 
     def hold(self, ref_id: int, writable: bool, parts: list[Any]) -> tuple:
         """Write the object (its parts, resolved from Ray's store) into a block here;
         where the node's ranks find it."""
-        from phalanx.node import shm
-
-        block, layout = shm.Block.holding(parts)
-        previous = self._blocks.pop(ref_id, None)
-        self._blocks[ref_id] = block
-        if previous is not None:
-            previous.close()
-        return block.location(layout, writable=writable)
+        return self._objects.hold(ref_id, "", parts, writable=writable)
 
     def drop(self, ref_id: int) -> None:
-        block = self._blocks.pop(ref_id, None)
-        if block is not None:
-            block.close()
+        self._objects.drop(ref_id)
 
 
 class RayShares:

@@ -1,15 +1,19 @@
 """One controller's ranks on an agent's node: started, relayed, watched and stopped.
 
 A :class:`Session` serves one authenticated controller connection. Its ranks are started
-exactly as the local backend starts them -- by a node supervisor of the session's own
-(:mod:`phalanx.node.supervisor`): environment before import, one keeper per rank, every process
-a rank starts kept below it -- and one thread relays between them and the controller:
+by the local backend's spawner (:class:`phalanx.node.spawn.RankSpawner`, with a node
+supervisor of the session's own: environment before import, one keeper per rank, every
+process a rank starts kept below it), and one thread relays between them and the
+controller:
 
 - a rank's frames go to the controller unchanged (the rank is in each header); a frame for
   several of this node's ranks (``rank = MANY``) arrived once and is handed to each;
 - what a rank writes to stdout and stderr goes up as OUTPUT messages, then OUTPUT_END;
-- its death (the keeper's status pipe) goes up as EXITED, after its last frames and, for a
+- its death (the keeper's status pipe) goes up as EXITED with the node side's failure
+  record (:meth:`phalanx.node.spawn.NodeRank.failure`), after its last frames and, for a
   moment (``config.OUTPUT_WAIT``), its last output.
+
+Put objects the controller sends (HOLD) are the session's :class:`NodeObjects`.
 
 Requests that wait (STOP, STACKS, WAIT) run on short threads so the relay never stalls. A
 controller whose connection ends, or that stays silent past ``heartbeat_timeout``, is gone:
@@ -40,13 +44,10 @@ from phalanx import config
 from phalanx.backends.cluster import codesync
 from phalanx.backends.cluster import messages as agentwire
 from phalanx.backends.cluster.agent.branch import GATHER_WINDOW, Branch
-from phalanx.backends.cluster.agent.share import Holding
+from phalanx.backends.cluster.agent.share import NodeObjects
 from phalanx.node import spawn as node
 from phalanx.node.machine import pick_free_ports
-from phalanx.node.stacks import StackFile
-from phalanx.node.supervisor import SupervisedProcess, Supervisor
 from phalanx.wire import framing, protocol, streams
-from phalanx.world.layout import merge_env
 
 logger = logging.getLogger(__name__)
 
@@ -54,19 +55,21 @@ _READ = 1 << 16
 
 
 class _Rank:
-    """One running rank of the session."""
+    """One running rank of the session: its process on this node, and what the relay keeps
+    of it (its output pipes, relayed here)."""
 
-    def __init__(self, rank: int, node_index: int, incarnation: int, proc: SupervisedProcess,
-                 conn: framing.Connection, stack_file: StackFile) -> None:
-        self.rank, self.node, self.incarnation = rank, node_index, incarnation
-        self.proc, self.conn, self.stack_file = proc, conn, stack_file
-        self.outputs = {proc.stdout_fd: agentwire.STDOUT, proc.stderr_fd: agentwire.STDERR}
+    def __init__(self, process: node.NodeRank) -> None:
+        self.process = process
+        self.rank, self.node, self.incarnation = process.rank, process.node, process.incarnation
+        self.conn = process.conn
+        stdout_fd, stderr_fd = process.take_output()
+        self.outputs = {stdout_fd: agentwire.STDOUT, stderr_fd: agentwire.STDERR}
         self.exitcode: int | None = None
         self.exit_by = 0.0  # when EXITED goes up even if output has not ended
         self.counted = False  # in the agent's ranks_alive
 
 
-class Session(Branch, Holding):
+class Session(Branch):
     """The node side of one controller's group (run :meth:`serve` on a thread)."""
 
     def __init__(self, sock: socket.socket, *, heartbeat_timeout: float, max_frame: int,
@@ -81,7 +84,7 @@ class Session(Branch, Holding):
         self._count = counters
         self._cwd = cwd or os.getcwd()
         self._store = store
-        self._supervisor: Supervisor | None = None
+        self._spawner = node.RankSpawner(self._writer)
         self._ranks: dict[int, _Rank] = {}
         self._by_fd: dict[int, tuple[str, _Rank | None]] = {}
         self._poller = select.poll()
@@ -94,7 +97,7 @@ class Session(Branch, Holding):
         self.ended = threading.Event()
         self.reason = ""
         self._init_branch(secret)
-        self._init_holding()
+        self._objects = NodeObjects(self._lock, self._node_ranks)
 
     # -- the relay loop ---------------------------------------------------------------
 
@@ -211,6 +214,9 @@ class Session(Branch, Holding):
             frames = rank.conn.reader.recv_frames(block=False)
         except framing.ConnectionLost:
             self._unwatch(rank.conn.read_fd)
+            if rank.exitcode is None:  # dying, or of no use: its exit status follows (or
+                rank.process.stream_ended()  # came with the stream's end: read it now)
+                self._died(rank)
             return
         for segs in frames:
             self._up(segs)
@@ -244,13 +250,14 @@ class Session(Branch, Holding):
         self._queue(agentwire.output_end(rank.rank, stream))
 
     def _died(self, rank: _Rank) -> None:
-        code = rank.proc.exitcode(0)
+        code = rank.process.exitcode(0)
         if code is None:
             return  # the status pipe brought the pid
-        if rank.proc.death_fd is not None:
-            self._unwatch(rank.proc.death_fd)
-        self._from_rank(rank)  # what it sent before it ended
+        if rank.process.death_fd is not None:
+            self._unwatch(rank.process.death_fd)
         rank.exitcode = code
+        for segs in rank.process.drain():  # what it sent before it ended
+            self._up(segs)
         rank.exit_by = time.monotonic() + config.OUTPUT_WAIT
         self._dying.append(rank)
 
@@ -264,9 +271,8 @@ class Session(Branch, Holding):
                 self._unwatch(fd)
                 os.close(fd)
             rank.outputs.clear()
+            failure = rank.process.failure().as_dict()  # its controller has its output
             self._forget(rank)
-            failure = {"rank": rank.rank, "node": rank.node, "pid": rank.proc.pid,
-                       "exitcode": rank.exitcode, "stderr_tail": (), "reason": None}
             if self._gathers:
                 self._rank_gone((rank.rank,))
             self._queue(agentwire.exited(rank.rank, rank.incarnation, failure))
@@ -280,16 +286,16 @@ class Session(Branch, Holding):
             rank, sig = fields
             target = self._ranks.get(rank)
             if target is not None:
-                target.proc.signal_group(sig)
+                target.process.signal(sig)
             return
         if kind == agentwire.DROP:
-            self._drop(*fields)
+            self._objects.drop(*fields)
             return
         handlers = {agentwire.LAUNCH: self._launch, agentwire.STOP: self._stop,
                     agentwire.STACKS: self._stacks, agentwire.PORTS: self._ports,
                     agentwire.WAIT: self._wait, agentwire.SYNC: self._sync,
                     agentwire.BLOBS: self._blobs, agentwire.TREE: self._tree,
-                    agentwire.ADOPT: self._adopt, agentwire.HOLD: self._hold}
+                    agentwire.ADOPT: self._adopt, agentwire.HOLD: self._objects.hold}
         handler = handlers.get(kind)
         if handler is None:
             self._send(agentwire.reply(request_id, False, f"unknown request kind {kind}"))
@@ -310,64 +316,43 @@ class Session(Branch, Holding):
 
     def _launch(self, starts: list[tuple], sys_path: list[str], options: dict,
                 cwd: str | None, payload: list[Any]) -> list[int]:
-        with self._lock:
-            if self._supervisor is None:
-                self._supervisor = Supervisor()
-            supervisor = self._supervisor
-        started: list[_Rank] = []
-        try:
-            for rank, node_index, incarnation, env in starts:
-                stack_file = StackFile()
-                try:
-                    proc = supervisor.spawn(merge_env(os.environ, env, None, None),
-                                            cwd or self._cwd, stacks_fd=stack_file.fd)
-                except BaseException:
-                    stack_file.close()
-                    raise
-                stream = streams.PipeStream(proc.read_fd, proc.write_fd, blocking_reads=False)
-                conn = framing.Connection(stream, self._writer)
-                started.append(_Rank(rank, node_index, incarnation, proc, conn, stack_file))
-                conn.send(protocol.init_frame(rank, sys_path, options, payload))
-        except BaseException:
-            node.stop_processes([r.proc for r in started], force=True)
-            for r in started:
-                r.conn.close()
-                r.stack_file.close()
-            raise
-        pids = [r.proc.pid or 0 for r in started]  # before the relay reads their pipes
+        started = [_Rank(process) for process in self._spawner.launch(
+            [tuple(start) for start in starts], cwd or self._cwd, sys_path, options, payload)]
+        pids = [r.process.pid or 0 for r in started]  # before the relay reads their pipes
         with self._lock:
             for rank in started:
-                self._share_with(rank)
+                self._objects.share_with(rank)
             self._launched.extend((r.rank, r) for r in started)
         self._wake.wake()
         return pids
 
     def _register_launched(self) -> None:
-        with self._lock:
+        with self._lock:  # from _launched to _ranks at once: a HOLD meanwhile tells each once
             launched, self._launched = self._launched, []
-        for number, rank in launched:
-            previous = self._ranks.get(number)
+            replaced = [self._ranks.get(number) for number, _ in launched]
+            for number, rank in launched:
+                self._ranks[number] = rank
+        for previous, (_, rank) in zip(replaced, launched, strict=True):
             if previous is not None:
                 self._count("restarts_total", 1)
                 self._forget(previous)
-            self._ranks[number] = rank
             self._count("ranks_alive", 1)
             rank.counted = True
             self._watch(rank.conn.read_fd, "control", rank)
             for fd in rank.outputs:
                 self._watch(fd, "output", rank)
-            if rank.proc.death_fd is not None:
-                self._watch(rank.proc.death_fd, "death", rank)
+            if rank.process.death_fd is not None:
+                self._watch(rank.process.death_fd, "death", rank)
 
     def _stop(self, ranks: list[int], grace: float, force: bool, payload: list[Any]) -> None:
-        procs = [r.proc for n, r in list(self._ranks.items()) if n in ranks]
+        procs = [r.process.proc for n, r in list(self._ranks.items()) if n in ranks]
         node.stop_processes(procs, grace=grace, force=force)
 
     def _stacks(self, rank: int, timeout: float, payload: list[Any]) -> str:
         target = self._ranks.get(rank)
-        if target is None or target.proc.pid is None:
+        if target is None or target.process.pid is None:
             return "(no stack: the rank is not running on this node)"
-        return target.stack_file.take(target.proc.pid, timeout)
+        return target.process.stacks(timeout)
 
     def _ports(self, count: int, payload: list[Any]) -> list[int]:
         return pick_free_ports(self.address, count)
@@ -395,7 +380,7 @@ class Session(Branch, Holding):
         return str(self._code().build(version, [tuple(entry) for entry in listing]))
 
     def _wait(self, ranks: list[int], timeout: float, payload: list[Any]) -> None:
-        node.wait_all_exit([r.proc for n, r in list(self._ranks.items()) if n in ranks],
+        node.wait_all_exit([r.process.proc for n, r in list(self._ranks.items()) if n in ranks],
                            timeout)
 
     # -- bookkeeping ------------------------------------------------------------------
@@ -417,24 +402,27 @@ class Session(Branch, Holding):
         if self._by_fd.pop(fd, None) is not None:
             self._poller.unregister(fd)
 
+    def _node_ranks(self) -> list[Any]:
+        """Every rank of the node, those being launched included (lock held)."""
+        return [*self._ranks.values(), *(rank for _, rank in self._launched)]
+
     def _forget(self, rank: _Rank) -> None:
         if rank.counted:
             rank.counted = False
             self._count("ranks_alive", -1)
         if rank in self._dying:
             self._dying.remove(rank)
-        if self._ranks.get(rank.rank) is rank:
-            del self._ranks[rank.rank]
+        with self._lock:
+            if self._ranks.get(rank.rank) is rank:
+                del self._ranks[rank.rank]
         self._unwatch(rank.conn.read_fd)
-        if rank.proc.death_fd is not None:
-            self._unwatch(rank.proc.death_fd)
+        if rank.process.death_fd is not None:
+            self._unwatch(rank.process.death_fd)
         for fd in list(rank.outputs):
             self._unwatch(fd)
             os.close(fd)
         rank.outputs.clear()
-        rank.conn.close()
-        rank.proc.release()
-        rank.stack_file.close()
+        rank.process.close()
 
     def close(self) -> None:
         """End the session from outside (the agent is stopping)."""
@@ -447,12 +435,11 @@ class Session(Branch, Holding):
         if ranks:
             logger.warning("stopping %d rank(s) of a controller that went away: %s",
                            len(ranks), self.reason or "the session ended")
-        node.stop_processes([r.proc for r in ranks], force=True)
+        node.stop_processes([r.process.proc for r in ranks], force=True)
         for rank in ranks:
             self._forget(rank)
-        if self._supervisor is not None:
-            self._supervisor.close()
-        self._end_holding()
+        self._spawner.close()
+        self._objects.close()
         for child in self._children + self._adopted:  # they stop their ranks in turn
             child.conn.close()
         self._conn.close()
