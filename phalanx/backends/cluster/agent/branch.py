@@ -1,5 +1,8 @@
 """A node agent's part in a tree (:mod:`phalanx.backends.cluster.tree`): its children and what it
-forwards to and from them. Mixed into :class:`phalanx.backends.cluster.agent.ranks.Session`.
+forwards to and from them. A :class:`Branch` is held by each
+:class:`phalanx.backends.cluster.agent.ranks.Session`, which tells it what passes and gives
+it what it needs of the session (:class:`Relay`): how to send up, and how to watch a
+child's connection in the session's poll.
 
 Down: a node's request for another node of the subtree goes to the child above that node;
 a rank's message goes once to each child whose subtree holds some of its ranks, its header
@@ -18,7 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from phalanx.backends.cluster import messages as agentwire
 from phalanx.backends.cluster import tree as agenttree
@@ -52,20 +55,25 @@ class _Gather:
         self.since = 0.0  # when the first result held now arrived
 
 
+class Relay(NamedTuple):
+    """What a branch needs of its session (the relay thread's, unless said otherwise)."""
+
+    writer: framing.BacklogWriter  # writes to the children's connections
+    lock: threading.Lock  # the session's; guards children adopted by a request thread
+    wake: Callable[[], None]  # wake the relay from another thread
+    heartbeat_timeout: float  # a child silent this long is lost
+    send: Callable[[list[Any]], None]  # a frame up, now (any thread)
+    queue: Callable[[list[Any]], None]  # a frame up, with the rest of this pass
+    watch: Callable[[int, Any], None]  # poll a child's descriptor: from_child(child) then
+    unwatch: Callable[[int], None]
+
+
 class Branch:
-    """Mixin of :class:`~phalanx.backends.cluster.agent.ranks.Session`: children, routing and
-    gathering."""
+    """One agent's children in a tree, the routes down to them, and the results held on
+    the way up."""
 
-    _writer: framing.BacklogWriter
-    _lock: threading.Lock
-    _wake: Any
-    _heartbeat_timeout: float
-    _send: Callable[[list[Any]], None]
-    _queue: Callable[[list[Any]], None]
-    _watch: Callable[..., None]
-    _unwatch: Callable[[int], None]
-
-    def _init_branch(self, secret: bytes | None) -> None:
+    def __init__(self, relay: Relay, secret: bytes | None) -> None:
+        self._relay = relay
         self._secret = secret  # to reach children
         self.tree_id = 0  # this node's id in a tree (0: none)
         self._children: list[_Child] = []
@@ -74,20 +82,40 @@ class Branch:
         self._rank_route: dict[int, _Child] = {}  # rank -> the child it is below
         self._gathers: dict[int, _Gather] = {}  # call id -> its results held here
 
+    @property
+    def has_children(self) -> bool:
+        return bool(self._children)
+
+    @property
+    def routes_ranks(self) -> bool:
+        """Whether some ranks are below children (a rank message may go down)."""
+        return bool(self._rank_route)
+
+    @property
+    def gathering(self) -> bool:
+        """Whether results are held (the relay then passes at least every
+        ``GATHER_WINDOW``)."""
+        return bool(self._gathers)
+
+    @property
+    def adopting(self) -> bool:
+        """Whether children adopted by a request wait for :meth:`register_children`."""
+        return bool(self._adopted)
+
     # -- gathering results ---------------------------------------------------------------
 
-    def _expect(self, call_id: int, ranks: tuple[int, ...]) -> None:
+    def expect(self, call_id: int, ranks: tuple[int, ...]) -> None:
         """A call for ``ranks`` of this subtree passes: gather their results."""
         gather = self._gathers.get(call_id)
         if gather is None:
             gather = self._gathers[call_id] = _Gather()
         gather.waiting.update(ranks)
 
-    def _up(self, segs: list[Any]) -> None:
+    def up(self, segs: list[Any]) -> None:
         """A message of a rank of this subtree, for the controller."""
         if self._gathers and self._held(segs):
             return
-        self._queue(framing.frame(list(segs)))
+        self._relay.queue(framing.frame(list(segs)))
 
     def _held(self, segs: list[Any]) -> bool:
         """Whether a message going up is a result gathered here (else it goes at once; a
@@ -113,7 +141,7 @@ class Branch:
                 gather.waiting.discard(rank)
             return False
         elif kind == protocol.EXITED:
-            self._rank_gone((rank,))
+            self.rank_gone((rank,))
             return False
         else:
             return False
@@ -121,12 +149,12 @@ class Branch:
             gather.since = time.monotonic()
         return True
 
-    def _rank_gone(self, ranks: Any) -> None:
+    def rank_gone(self, ranks: Any) -> None:
         """``ranks`` will not answer (dead, or below a lost child): wait no more for them."""
         for gather in self._gathers.values():
             gather.waiting.difference_update(ranks)
 
-    def _send_gathered(self) -> None:
+    def send_gathered(self) -> None:
         """Send up what is complete, or held long enough (each pass of the relay)."""
         now = time.monotonic()
         for call_id, gather in list(self._gathers.items()):
@@ -139,28 +167,28 @@ class Branch:
                     frame = framing.frame([protocol.header(_RESULTS, call_id, ranks,
                                                         [len(p) for p in payloads]),
                                         *[s for p in payloads for s in p]])
-                self._queue(frame)
+                self._relay.queue(frame)
                 gather.got, gather.since = {}, 0.0
             if not gather.waiting and not gather.got:
                 del self._gathers[call_id]
 
     # -- routing ---------------------------------------------------------------------------
 
-    def _route_down(self, dest: int, kind: int, request_id: int, fields: tuple,
-                    segs: list[Any]) -> None:
+    def route_down(self, dest: int, kind: int, request_id: int, fields: tuple,
+                   segs: list[Any]) -> None:
         """A node's request for node ``dest`` of this subtree: to the child above it."""
         child = self._node_route.get(dest)
         if child is None:
             if request_id and kind != agentwire.SIGNAL:
-                self._send(agentwire.reply(request_id, False, f"tree node {dest} cannot be "
-                                           f"reached through this agent (lost)"))
+                self._relay.send(agentwire.reply(request_id, False, f"tree node {dest} cannot "
+                                                 f"be reached through this agent (lost)"))
             return
         if kind == agentwire.LAUNCH:
             for start in fields[0]:
                 self._rank_route[start[0]] = child
         self._to_child(child, framing.frame(list(segs)))
 
-    def _hand_down(self, ranks: tuple[int, ...], segs: list[Any]) -> tuple[int, ...]:
+    def hand_down(self, ranks: tuple[int, ...], segs: list[Any]) -> tuple[int, ...]:
         """Send a rank message on to the children holding some of ``ranks`` (once each,
         naming theirs); the ranks left for this node."""
         own: list[int] = []
@@ -183,7 +211,8 @@ class Branch:
         except framing.ConnectionLost as exc:
             self._lose_child(child, f"its connection failed ({exc})")
 
-    def _from_child(self, child: _Child) -> None:
+    def from_child(self, child: _Child) -> None:
+        """Read what a child sent (its descriptor turned readable)."""
         try:
             frames = child.conn.reader.recv_frames(block=False)
         except framing.ConnectionLost as exc:
@@ -197,11 +226,12 @@ class Branch:
             if kind == agentwire.FAULT:
                 self._lose_child(child, str(protocol.parse(segs[0])[3][0]))
                 return
-            self._up(segs)
+            self.up(segs)
 
-    def _check_children(self, now: float) -> None:
+    def check_children(self, now: float) -> None:
+        """Lose the children silent too long; ping the others."""
         for child in list(self._children):
-            if now - child.heard > self._heartbeat_timeout:
+            if now - child.heard > self._relay.heartbeat_timeout:
                 self._lose_child(child, f"it was silent for {now - child.heard:.0f} s")
             else:
                 self._to_child(child, agentwire.ping())
@@ -211,30 +241,33 @@ class Branch:
         if child not in self._children:
             return
         self._children.remove(child)
-        self._unwatch(child.conn.read_fd)
+        self._relay.unwatch(child.conn.read_fd)
         child.conn.close()
         for tree_id in child.ids:
             self._node_route.pop(tree_id, None)
         below = [r for r, c in self._rank_route.items() if c is child]
         for rank in below:
             del self._rank_route[rank]
-        self._rank_gone(below)
+        self.rank_gone(below)
         logger.warning("lost the agent at %s (and %d node(s) below it): %s", child.where,
                        len(child.ids) - 1, reason)
-        self._queue(agentwire.lost(child.ids, f"lost the agent at {child.where}: {reason}"))
+        self._relay.queue(agentwire.lost(child.ids,
+                                         f"lost the agent at {child.where}: {reason}"))
 
-    def _register_children(self) -> None:
-        with self._lock:
+    def register_children(self) -> None:
+        """Take on the children a request adopted (relay thread)."""
+        with self._relay.lock:
             adopted, self._adopted = self._adopted, []
         for child in adopted:
             self._children.append(child)
             for tree_id in child.ids:
                 self._node_route[tree_id] = child
-            self._watch(child.conn.read_fd, "child", child)  # type: ignore[arg-type]
+            self._relay.watch(child.conn.read_fd, child)
 
-    def _adopt(self, own_id: int, entries: list, fanout: int, timeout: float,
-               payload: list[Any]) -> dict[str, Any]:
-        """Become node ``own_id`` of a tree and adopt ``entries`` below it."""
+    def adopt(self, own_id: int, entries: list, fanout: int, timeout: float,
+              payload: list[Any]) -> dict[str, Any]:
+        """ADOPT (a request thread): become node ``own_id`` of a tree and adopt ``entries``
+        below it."""
         if self._secret is None:
             raise RuntimeError("this agent cannot reach other agents (it has no token)")
         self.tree_id = own_id
@@ -245,11 +278,15 @@ class Branch:
 
         formation = agenttree.form([tuple(e) for e in entries], fanout, connect,
                                    time.monotonic() + timeout)
-        children = [_Child(h.joined, h.joined.connection(self._writer), h.ids)
+        children = [_Child(h.joined, h.joined.connection(self._relay.writer), h.ids)
                     for h in formation.heads]
-        with self._lock:  # registered by the relay before it reads the next request
+        with self._relay.lock:  # registered by the relay before it reads the next request
             self._adopted.extend(children)
-        self._wake.wake()
+        self._relay.wake()
         return {"nodes": [[i, welcome] for i, (_, welcome) in formation.nodes.items()],
                 "missing": [[i, where, why] for i, (where, why) in formation.missing.items()]}
 
+    def close(self) -> None:
+        """End every child's connection (they stop their ranks in turn)."""
+        for child in self._children + self._adopted:
+            child.conn.close()

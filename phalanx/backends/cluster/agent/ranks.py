@@ -19,14 +19,16 @@ Requests that wait (STOP, STACKS, WAIT) run on short threads so the relay never 
 controller whose connection ends, or that stays silent past ``heartbeat_timeout``, is gone:
 every rank of its session is stopped, with everything those ranks started.
 
-In a tree (:mod:`phalanx.backends.cluster.tree`) the session also holds its children's
-connections: a
-node's request for another node goes to the child whose subtree holds it, a rank's message
-to the children whose subtrees hold its ranks (the payload once per child, the header
-naming that subtree's ranks), and whatever a child sends comes up unchanged -- results in
-the pass that reads them, so a failure anywhere reaches the controller at once. A child
-lost (its connection ended, or silent past ``heartbeat_timeout``) is reported up as LOST
-with every node of its subtree; those below it see their upstream go and stop their ranks.
+In a tree (:mod:`phalanx.backends.cluster.tree`) the session's :class:`Branch` holds its
+children's connections: a node's request for another node goes to the child whose subtree
+holds it, a rank's message to the children whose subtrees hold its ranks (the payload once
+per child, the header naming that subtree's ranks), and whatever a child sends comes up
+unchanged -- results gathered for a moment, failures at once. A child lost (its connection
+ended, or silent past ``heartbeat_timeout``) is reported up as LOST with every node of its
+subtree; those below it see their upstream go and stop their ranks.
+
+The session is made of parts, each with its own state: the spawner (starting ranks), the
+branch (the tree), the node's objects (put); the relay loop here drives them.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from typing import Any
 from phalanx import config
 from phalanx.backends.cluster import codesync
 from phalanx.backends.cluster import messages as agentwire
-from phalanx.backends.cluster.agent.branch import GATHER_WINDOW, Branch
+from phalanx.backends.cluster.agent.branch import GATHER_WINDOW, Branch, Relay
 from phalanx.backends.cluster.agent.share import NodeObjects
 from phalanx.node import spawn as node
 from phalanx.node.machine import pick_free_ports
@@ -69,7 +71,7 @@ class _Rank:
         self.counted = False  # in the agent's ranks_alive
 
 
-class Session(Branch):
+class Session:
     """The node side of one controller's group (run :meth:`serve` on a thread)."""
 
     def __init__(self, sock: socket.socket, *, heartbeat_timeout: float, max_frame: int,
@@ -86,7 +88,7 @@ class Session(Branch):
         self._store = store
         self._spawner = node.RankSpawner(self._writer)
         self._ranks: dict[int, _Rank] = {}
-        self._by_fd: dict[int, tuple[str, _Rank | None]] = {}
+        self._by_fd: dict[int, tuple[str, Any]] = {}  # fd -> what it is, whose (rank, child)
         self._poller = select.poll()
         self._wake = streams.WakePipe()
         self._lock = threading.Lock()
@@ -96,8 +98,15 @@ class Session(Branch):
         self._dying: list[_Rank] = []  # ended, their EXITED not sent yet
         self.ended = threading.Event()
         self.reason = ""
-        self._init_branch(secret)
+        self._branch = Branch(Relay(self._writer, self._lock, self._wake.wake,
+                                    heartbeat_timeout, self._send, self._queue,
+                                    self._watch_child, self._unwatch), secret)
         self._objects = NodeObjects(self._lock, self._node_ranks)
+
+    @property
+    def tree_id(self) -> int:
+        """This node's id in a tree (0: none)."""
+        return self._branch.tree_id
 
     # -- the relay loop ---------------------------------------------------------------
 
@@ -110,6 +119,7 @@ class Session(Branch):
         # a sign of life every second: a controller may judge silence after two
         interval = max(0.05, min(1.0, self._heartbeat_timeout / 5))
         next_ping = heard + interval
+        branch = self._branch
         try:
             while not self._closing:
                 now = time.monotonic()
@@ -119,12 +129,12 @@ class Session(Branch):
                 if now >= next_ping:
                     self._send(agentwire.ping())
                     next_ping = now + interval
-                    if self._children:
-                        self._check_children(now)
+                    if branch.has_children:
+                        branch.check_children(now)
                 wait = min(next_ping, heard + self._heartbeat_timeout) - now
                 if self._dying:
                     wait = min(wait, min(r.exit_by for r in self._dying) - now)
-                if self._gathers:
+                if branch.gathering:
                     wait = min(wait, GATHER_WINDOW)
                 self._outbox = []  # what this pass sends the controller: one write
                 for fd, _ in self._poller.poll(max(0, int(wait * 1000)) + 1):
@@ -142,15 +152,15 @@ class Session(Branch):
                     elif what == "death":
                         self._died(rank)  # type: ignore[arg-type]
                     elif what == "child":
-                        self._from_child(rank)  # type: ignore[arg-type]
+                        branch.from_child(rank)
                 if self._launched:
                     self._register_launched()
-                if self._adopted:
-                    self._register_children()
+                if branch.adopting:
+                    branch.register_children()
                 if self._dying:
                     self._report_deaths()
-                if self._gathers:
-                    self._send_gathered()
+                if branch.gathering:
+                    branch.send_gathered()
                 if self._outbox:
                     self._flush()
         except Exception:  # a bug must not leave the controller's ranks running
@@ -173,20 +183,21 @@ class Session(Branch):
             return False
         self._count("received_bytes_total",
                     sum(memoryview(s).nbytes for segs in frames for s in segs))
-        if self._adopted:
-            self._register_children()
+        branch = self._branch
+        if branch.adopting:
+            branch.register_children()
         for segs in frames:
             kind, call_id, ranks, extra = protocol.parse(segs[0])
             if agentwire.is_node_message(kind):
-                if ranks[0] and ranks[0] != self.tree_id:
-                    self._route_down(ranks[0], kind, call_id, extra, segs)
+                if ranks[0] and ranks[0] != branch.tree_id:
+                    branch.route_down(ranks[0], kind, call_id, extra, segs)
                 else:
                     self._request(kind, call_id, extra, segs[1:])
                 continue
-            if self._rank_route:
+            if branch.routes_ranks:
                 if kind == protocol.CALL:
-                    self._expect(call_id, ranks)
-                ranks = self._hand_down(ranks, segs)
+                    branch.expect(call_id, ranks)
+                ranks = branch.hand_down(ranks, segs)
             if kind in (protocol.CALL, protocol.CALL_STREAM):
                 self._count("calls_total", len(ranks))
             # a rank reads a call or a shutdown for several ranks as its own: same bytes
@@ -196,8 +207,8 @@ class Session(Branch):
             for rank in ranks:
                 target = self._ranks.get(rank)
                 if target is None or target.exitcode is not None:
-                    if self._gathers:
-                        self._rank_gone((rank,))
+                    if branch.gathering:
+                        branch.rank_gone((rank,))
                     continue  # its EXITED is on its way (or went)
                 frame = same if same is not None else framing.frame(
                     [protocol.header(kind, call_id, rank, *extra), *segs[1:]])
@@ -220,6 +231,11 @@ class Session(Branch):
             return
         for segs in frames:
             self._up(segs)
+
+    def _up(self, segs: list[Any]) -> None:
+        """A message of a rank of this node for the controller (held a moment if it is a
+        result the tree gathers)."""
+        self._branch.up(segs)
 
     def _queue(self, frame: list[Any]) -> None:
         """Send ``frame`` with the rest of this pass (relay thread only)."""
@@ -273,8 +289,8 @@ class Session(Branch):
             rank.outputs.clear()
             failure = rank.process.failure().as_dict()  # its controller has its output
             self._forget(rank)
-            if self._gathers:
-                self._rank_gone((rank.rank,))
+            if self._branch.gathering:
+                self._branch.rank_gone((rank.rank,))
             self._queue(agentwire.exited(rank.rank, rank.incarnation, failure))
 
     # -- requests ---------------------------------------------------------------------
@@ -295,7 +311,7 @@ class Session(Branch):
                     agentwire.STACKS: self._stacks, agentwire.PORTS: self._ports,
                     agentwire.WAIT: self._wait, agentwire.SYNC: self._sync,
                     agentwire.BLOBS: self._blobs, agentwire.TREE: self._tree,
-                    agentwire.ADOPT: self._adopt, agentwire.HOLD: self._objects.hold}
+                    agentwire.ADOPT: self._branch.adopt, agentwire.HOLD: self._objects.hold}
         handler = handlers.get(kind)
         if handler is None:
             self._send(agentwire.reply(request_id, False, f"unknown request kind {kind}"))
@@ -394,9 +410,12 @@ class Session(Branch):
             return
         self._count("sent_bytes_total", sum(memoryview(s).nbytes for s in frame))
 
-    def _watch(self, fd: int, what: str, rank: _Rank | None) -> None:
+    def _watch(self, fd: int, what: str, rank: Any) -> None:
         self._by_fd[fd] = (what, rank)
         self._poller.register(fd, select.POLLIN)
+
+    def _watch_child(self, fd: int, child: Any) -> None:
+        self._watch(fd, "child", child)
 
     def _unwatch(self, fd: int) -> None:
         if self._by_fd.pop(fd, None) is not None:
@@ -440,8 +459,7 @@ class Session(Branch):
             self._forget(rank)
         self._spawner.close()
         self._objects.close()
-        for child in self._children + self._adopted:  # they stop their ranks in turn
-            child.conn.close()
+        self._branch.close()
         self._conn.close()
         self._writer.stop()
         self._wake.close()
