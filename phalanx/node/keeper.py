@@ -3,13 +3,14 @@ controller's side): its request loop, the per-rank keepers it forks, and how a k
 starts its rank.
 
 Its start-up is on the critical path of every group's start (no rank can be forked before
-it runs), so it imports only :mod:`os`, :mod:`marshal`, :mod:`select`, :mod:`signal`,
-:mod:`socket` and :mod:`phalanx.node.proctree` -- not :mod:`phalanx.config`, nor
-:mod:`subprocess`: a keeper forks and execs its rank itself (:func:`_start`), which also
-lets it arm the rank's parent-death signal before ``exec`` (the rank does not load
-``ctypes`` for that) and works alike on every Python from 3.10. Measured under ``-S``: the
-supervisor starts in ~13 ms of CPU where it took ~21 ms with ``subprocess`` and the
-settings module.
+it runs), so it imports only :mod:`os`, :mod:`marshal`, :mod:`select`, the C modules
+under :mod:`signal` and :mod:`socket` (whose Python layers build enums it has no use for)
+and :mod:`phalanx.node.proctree` -- not :mod:`phalanx.config`, nor :mod:`subprocess`: a
+keeper forks and execs its rank itself (:func:`_start`), which also lets it arm the rank's
+parent-death signal before ``exec`` (the rank does not load ``ctypes`` for that) and works
+alike on every Python from 3.10. Measured under ``-S``, CPU time until it serves: ~11 ms,
+where it took ~21 ms with ``subprocess``, the settings module and the enum layers (an
+interpreter that does nothing takes ~6 ms).
 
 What the controller's side tells it comes on its command line (the request socket's
 descriptor and the controller's pid) and in each request (what to name the variable
@@ -21,11 +22,18 @@ from __future__ import annotations
 import marshal
 import os
 import select
-import signal
-import socket
 import sys
 
 from phalanx.node import proctree
+
+# CPython's C modules: signal.py and socket.py on top of them are ~6 ms of this process's
+# start (enum, selectors, array), for names it does not use
+try:
+    import _signal as signal
+    import _socket as socket
+except ImportError:  # pragma: no cover - another interpreter
+    import signal  # type: ignore[no-redef]
+    import socket  # type: ignore[no-redef]
 
 _MAX_REQUEST = 1 << 20
 _MAX_FDS = 16
@@ -65,9 +73,7 @@ def main() -> None:
                 return
             if sock.fileno() in events:
                 try:
-                    # received descriptors close on exec: a rank gets only those named
-                    request, fds, _, _ = socket.recv_fds(sock, _MAX_REQUEST, _MAX_FDS,
-                                                         socket.MSG_CMSG_CLOEXEC)
+                    request, fds = _receive(sock)
                 except OSError:
                     return
                 if not request:
@@ -77,6 +83,19 @@ def main() -> None:
             _reap(keepers, poller)
     finally:
         proctree.kill_descendants()
+
+
+def _receive(sock: socket.socket) -> tuple[bytes, list[int]]:
+    """One request and the descriptors sent with it (``socket.recv_fds``, on the C module);
+    they close on exec: a rank inherits only those its request names."""
+    request, ancillary, _, _ = sock.recvmsg(_MAX_REQUEST, socket.CMSG_LEN(_MAX_FDS * 4),
+                                            socket.MSG_CMSG_CLOEXEC)
+    fds = []
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds += [int.from_bytes(data[i:i + 4], sys.byteorder, signed=True)
+                    for i in range(0, len(data) - len(data) % 4, 4)]
+    return request, fds
 
 
 def _watch(poller: select.poll, pid: int) -> int:
