@@ -26,7 +26,7 @@ _PR_SET_CHILD_SUBREAPER = 36
 def _prctl(option: int, value: int) -> bool:
     if not sys.platform.startswith("linux"):
         return False
-    import ctypes
+    import ctypes  # only where prctl is used (the supervisor, its keepers): not at import
 
     try:
         return ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) == 0

@@ -56,7 +56,7 @@ def arm_stack_dumps() -> None:
     fd = os.environ.pop(config.ENV_STACKS_FD, None)
     if fd is None:
         return
-    import faulthandler
+    import faulthandler  # only with a stack file: a rank's start-up stays light
 
     os.set_inheritable(int(fd), False)
     faulthandler.register(config.STACKS_SIGNAL, file=int(fd), all_threads=True, chain=False)
@@ -226,7 +226,7 @@ class WorkerRuntime:
             return False
         concurrency = options.get("concurrency", 1)
         if concurrency > 1:
-            import concurrent.futures
+            import concurrent.futures  # only for concurrency > 1
 
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 concurrency, thread_name_prefix="phalanx-call"
@@ -236,6 +236,7 @@ class WorkerRuntime:
         return True
 
     def _start_framework(self, name: str) -> None:
+        # only for a framework: a plain rank's start-up does not pay for them
         from phalanx.rank import bootstrap
         from phalanx.world.frameworks import get_framework
 
@@ -383,7 +384,7 @@ class WorkerRuntime:
         send(protocol.end_of_stream_frame(call_id, rank))
 
     def _await(self, awaitable: Any) -> Any:
-        import asyncio
+        import asyncio  # on the first awaitable: ~20 ms a rank without one never pays
 
         if self._pool is None:  # serial calls: run the coroutine on this (main) thread
             if self._loop is None:
@@ -462,8 +463,9 @@ def _open_stream(spec: str) -> streams.Stream:
 def _take_assignment(sock: socket.socket) -> streams.Stream:
     """Become a rank: receive its environment, cwd and connected sockets (control, stdout,
     stderr) from the node side that started this process early (see
-    :func:`phalanx.node.spawn.prestart_worker`). Its end closing first means: not needed, exit."""
-    import json
+    :class:`phalanx.node.spawn.PrestartedWorker`). Its end closing first means: not needed,
+    exit."""
+    import json  # only a process started ahead of its rank reads an assignment
 
     head, fds, _, _ = socket.recv_fds(sock, 1 << 16, 4)
     if not head:
