@@ -333,7 +333,7 @@ class Session:
     def _launch(self, starts: list[tuple], sys_path: list[str], options: dict,
                 cwd: str | None, payload: list[Any]) -> list[int]:
         started = [_Rank(process) for process in self._spawner.launch(
-            [tuple(start) for start in starts], cwd or self._cwd, sys_path, options, payload)]
+            starts, cwd or self._cwd, sys_path, options, payload)]
         pids = [r.process.pid or 0 for r in started]  # before the relay reads their pipes
         with self._lock:
             for rank in started:
