@@ -21,7 +21,7 @@ import types
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from phalanx import config
+from phalanx import __version__, config
 from phalanx.backends import Backend, Boot, RankStart
 from phalanx.controller.ranks import Slot, channels_of
 from phalanx.errors import SerializationError, StartupError, death_error
@@ -89,7 +89,8 @@ def check_rank_env(rank_env: Mapping[int, Any] | None, world_size: int) -> None:
 def make_boot(target: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None, *,
               cwd: str | None, options: dict[str, Any]) -> Boot:
     """The INIT every rank gets: the target and its constructor arguments pickled once
-    (SerializationError if they cannot be), the options, this interpreter's path."""
+    (SerializationError if they cannot be), the options with this phalanx's version, this
+    interpreter's path."""
     try:
         payload = pickling.dumps((target, tuple(args), dict(kwargs or {})))
     except Exception as exc:
@@ -98,6 +99,8 @@ def make_boot(target: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None
             f"{type(exc).__name__}: {exc}",
             stage="pickling the constructor arguments",
         ) from exc
+    # every rank compares it with its own before unpickling anything (rank.runtime)
+    options = {**options, "version": __version__}
     return Boot(payload=payload, options=options, sys_path=tuple(sys.path), cwd=cwd)
 
 

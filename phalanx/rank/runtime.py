@@ -32,7 +32,7 @@ import time
 import types
 from typing import TYPE_CHECKING, Any
 
-from phalanx import config
+from phalanx import __version__, config
 from phalanx.rank import faults
 from phalanx.rank import shared as shmrank
 from phalanx.wire import framing, pickling, protocol, streams
@@ -147,6 +147,17 @@ def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
     return tb if tb is not None else first
 
 
+def version_mismatch(controller: str | None) -> str | None:
+    """Why this rank cannot serve a controller of phalanx ``controller``; None if it can."""
+    if controller == __version__:
+        return None
+    return (
+        f"this rank runs phalanx {__version__} ({sys.executable}) but the controller runs "
+        f"phalanx {controller or 'of unknown version'}: install phalanx {controller} in "
+        "the rank's interpreter, or run the controller with the same release"
+    )
+
+
 def _failure(exc: BaseException, stage: str) -> RemoteFailure:
     # imported on the first failure: phalanx.errors is ~8 ms of a rank's start otherwise
     from phalanx.errors import RemoteFailure
@@ -197,6 +208,11 @@ class WorkerRuntime:
         if kind != protocol.INIT:
             raise RuntimeError(f"expected INIT, got message kind {kind}")
         self.rank = ranks[0]
+        mismatch = version_mismatch(options.get("version"))
+        if mismatch:  # the pickles name modules of another release: refuse before loading one
+            failure = _failure(RuntimeError(mismatch), "checking phalanx's version")
+            self.conn.send(protocol.init_error_frame(self.rank, failure.as_tuple()))
+            return False
         _SHARES.notify = self._released
         if options.get("heartbeat"):
             _beat(self.conn, self.rank, options["heartbeat"])

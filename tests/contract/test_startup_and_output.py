@@ -42,6 +42,23 @@ def test_a_worker_dying_in_its_constructor_fails_the_start(backend):
     assert info.value.__cause__.exitcode == 7
 
 
+def test_ranks_of_another_phalanx_release_refuse_the_controller_at_once(backend, monkeypatch):
+    """A controller of another release (here: one that says so in every rank's INIT) is
+    refused by each rank before it unpickles anything, naming both versions."""
+    import phalanx.controller.startup as startup
+
+    monkeypatch.setattr(startup, "__version__", "0.0.1")
+    started = time.monotonic()
+    with pytest.raises(StartupError) as info:
+        WorkerGroup(FailingConstructor, args=(99,), procs_per_node=2, backend=backend,
+                    echo_output=False)
+    assert time.monotonic() - started < 15
+    message = str(info.value)
+    assert f"this rank runs phalanx {px.__version__}" in message
+    assert "the controller runs phalanx 0.0.1" in message
+    assert "checking phalanx's version" in message
+
+
 def test_start_timeout_raises_startup_error_naming_the_setting(backend, tmp_path):
     started = time.monotonic()
     with pytest.raises(StartupError) as info:
