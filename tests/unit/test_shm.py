@@ -1,5 +1,6 @@
-"""Shared-memory blocks, the controller's pool of them, and a rank's side, in one process
-(a rank maps a block through /proc/<pid>/fd, here this process's own)."""
+"""Shared-memory blocks, the node side's holder of them (with and without a pool), and a
+rank's side, in one process (a rank maps a block through /proc/<pid>/fd, here this
+process's own)."""
 
 from __future__ import annotations
 
@@ -159,6 +160,62 @@ def test_the_pool_keeps_few_idle_blocks_and_none_much_larger_than_asked():
     small = pool.take(1)
     assert small in blocks and small.capacity < 64 << 20
     pool.close()
+
+
+def test_a_holder_without_a_pool_gives_each_object_a_block_of_its_own():
+    holder = shm.Holder()
+    segments = pickling.dumps(np.arange(100.0))
+    try:
+        where = holder.hold(1, "tok", segments, writable=True)
+        assert holder.where(1) == where and holder.objects() == [(1, "tok", where)]
+        _, _, _, _, capacity, release, writable = where
+        assert capacity == shm.layout_of(segments)[1] and not release and writable
+        shares = shmrank.RankShares()
+        shares.add(1, "tok", where)
+        assert np.array_equal(shares.resolve(1, "tok"), np.arange(100.0))
+        again = holder.hold(1, "tok", pickling.dumps("other"))  # a copy replaces the old
+        assert holder.objects() == [(1, "tok", again)] and again[2] != where[2]
+        assert holder.drop(1, ["a reader"]) == []  # closed at once, nothing to unmap
+        assert holder.where(1) is None and holder.drop(1) == []
+    finally:
+        holder.close()
+
+
+def test_a_pooled_holder_reuses_a_block_once_its_readers_released_it():
+    readers = {"a": True, "b": True}
+    holder = shm.Holder(shm.Pool(alive=lambda reader: readers[reader]))
+    try:
+        first = holder.hold(1, "t1", [b"x" * 100])
+        assert first[5]  # its readers must say RELEASED
+        holder.told(1, ["a", "b"])
+        assert holder.drop(1, ["a", "b"]) == []
+        second = holder.hold(2, "t2", [b"y" * 100])
+        assert second[2] != first[2]  # the first block is still viewed
+        holder.told(2, ["a"])
+        holder.released(1, "a")
+        readers["b"] = False  # a reader that died cannot answer: not waited for
+        assert holder.drop(2, ["a"]) == []
+        holder.released(2, "a")
+        third = holder.hold(3, "t3", [b"z" * 100])
+        assert third[2] in (first[2], second[2])  # a block came back from the pool
+    finally:
+        holder.close()
+
+
+def test_a_pooled_holder_names_the_readers_of_each_block_it_closes():
+    holder = shm.Holder(shm.Pool(alive=lambda reader: True))
+    unmapped = []
+    try:
+        for ref_id in range(config.SHARE_POOL_BLOCKS + 1):  # distinct blocks, all pooled
+            holder.hold(ref_id, "t", [b"x" * 10])
+            holder.told(ref_id, [f"reader {ref_id}"])
+        for ref_id in range(config.SHARE_POOL_BLOCKS + 1):
+            unmapped += holder.drop(ref_id, [])  # none to wait for: idle at once
+        assert len(unmapped) == 1
+        name, readers = unmapped[0]
+        assert readers == {"reader 0"} and isinstance(name, str)
+    finally:
+        holder.close()
 
 
 def test_fault_arguments_are_checked():
