@@ -3,8 +3,8 @@
 Each rank starts four sleepers (``Supervised.spawn_tree``): one in its own process group,
 one in a new session, one a shell put in the background and then exited (an orphan), one
 double-forked into a session of its own (a classic daemon). Whatever ends the rank -- the
-controller SIGKILLed or SIGTERMed, ``shutdown()``, the rank's own death, ``recreate()`` --
-every one of them must be gone within two seconds.
+controller SIGKILLed or SIGTERMed, ``shutdown()``, the rank's own death, its keeper's,
+``recreate()`` -- every one of them must be gone within two seconds.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ import select
 import signal
 import time
 
+import psutil
 import pytest
 
+import phalanx as px
 from tests import helpers
 from tests.workers import IgnoresTerm, Supervised
 
@@ -107,6 +109,23 @@ def test_a_dead_ranks_descendants_go_with_it(make_group, tracked, worker_class):
     killed = time.monotonic()
     tracked.assert_gone(killed, "rank 1's SIGKILL")
     # ... while the group lives on, rank 0 with its own subprocesses
+    assert group.call("whoami", workers=[0], timeout=10) == [0]
+    assert all(helpers.pid_alive(p) for p in trees[0].values())
+
+
+@pytest.mark.parametrize("worker_class", WORKER_CLASSES, ids=lambda c: c.__name__)
+def test_a_rank_whose_keeper_is_killed_goes_with_its_tree(make_group, tracked, worker_class):
+    group = make_group(worker_class, procs_per_node=2)
+    trees = group.call("spawn_tree", timeout=30)
+    tracked.add_trees(trees[1:], ranks=[1])
+    pid = group.health()[1].pid
+    tracked.add(pid, "rank 1")
+    keeper = psutil.Process(pid).ppid()  # the parent-death signal it armed before exec
+    os.kill(keeper, signal.SIGKILL)
+    killed = time.monotonic()
+    tracked.assert_gone(killed, "its keeper's SIGKILL")
+    with pytest.raises(px.WorkerDied, match="SIGKILL"):
+        group.call("whoami", workers=[1], timeout=10)
     assert group.call("whoami", workers=[0], timeout=10) == [0]
     assert all(helpers.pid_alive(p) for p in trees[0].values())
 
