@@ -2,8 +2,9 @@
 
 One way ranks start, for the local backend and for a cluster agent alike
 (:class:`RankSpawner`): a fresh interpreter running :mod:`phalanx.rank.runtime`, started by
-the node's supervisor (:mod:`phalanx.node.supervisor`), which it starts with the first
-rank. Each rank gets
+the node's supervisor (:mod:`phalanx.node.supervisor`), which the spawner starts when it
+opens (the local backend: it boots while the group prepares) or with the first rank (an
+agent). Each rank gets
 
 - a pair of control pipes (a pipe wakes a sleeping reader once per message where a socket
   wakes it twice), wrapped in a :class:`~phalanx.wire.framing.Connection` on this side;
