@@ -77,13 +77,17 @@ class Block:
     def holding(cls, parts: Sequence[Any]) -> tuple[Block, Layout]:
         """A block of just the right size, with ``parts`` written in."""
         layout, size = layout_of(parts)
-        block = cls(size)
+        return cls(size).fill(parts, layout)
+
+    def fill(self, parts: Sequence[Any], layout: Layout) -> tuple[Block, Layout]:
+        """:meth:`write` ``parts`` in, closing this block if that fails; the block and
+        its layout."""
         try:
-            block.write(parts, layout)
+            self.write(parts, layout)
         except BaseException:
-            block.close()
+            self.close()
             raise
-        return block, layout
+        return self, layout
 
     def write(self, parts: Sequence[Any], layout: Layout) -> None:
         """Copy ``parts`` in: a new block through the kernel (which makes its pages as it
@@ -209,12 +213,7 @@ class Holder:
         layout, size = layout_of(parts)
         with self._lock:
             block = self._pool.take(size)
-        try:
-            block.write(parts, layout)
-        except BaseException:
-            block.close()
-            raise
-        return block, layout
+        return block.fill(parts, layout)
 
     def keep(self, ref_id: int, token: str, written: tuple[Block, Layout], *,
              writable: bool = False) -> Location:

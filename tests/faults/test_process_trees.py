@@ -98,34 +98,23 @@ def test_nothing_outlives_shutdown_of_a_busy_rank_that_ignores_sigterm(make_grou
     tracked.assert_gone(started, "shutdown(timeout=1) of a busy rank ignoring SIGTERM")
 
 
+@pytest.mark.parametrize("killed", ["rank", "keeper"])
 @pytest.mark.parametrize("worker_class", WORKER_CLASSES, ids=lambda c: c.__name__)
-def test_a_dead_ranks_descendants_go_with_it(make_group, tracked, worker_class):
+def test_a_dead_ranks_descendants_go_with_it(make_group, tracked, worker_class, killed):
+    """SIGKILL of rank 1, or of its keeper (the rank's parent-death signal, armed before
+    exec, takes the rank): its whole tree goes, while the group lives on, rank 0 with its
+    own subprocesses."""
     group = make_group(worker_class, procs_per_node=2)
     trees = group.call("spawn_tree", timeout=30)
     tracked.add_trees(trees[1:], ranks=[1])
     pid = group.health()[1].pid
     tracked.add(pid, "rank 1")
-    os.kill(pid, signal.SIGKILL)
-    killed = time.monotonic()
-    tracked.assert_gone(killed, "rank 1's SIGKILL")
-    # ... while the group lives on, rank 0 with its own subprocesses
-    assert group.call("whoami", workers=[0], timeout=10) == [0]
-    assert all(helpers.pid_alive(p) for p in trees[0].values())
-
-
-@pytest.mark.parametrize("worker_class", WORKER_CLASSES, ids=lambda c: c.__name__)
-def test_a_rank_whose_keeper_is_killed_goes_with_its_tree(make_group, tracked, worker_class):
-    group = make_group(worker_class, procs_per_node=2)
-    trees = group.call("spawn_tree", timeout=30)
-    tracked.add_trees(trees[1:], ranks=[1])
-    pid = group.health()[1].pid
-    tracked.add(pid, "rank 1")
-    keeper = psutil.Process(pid).ppid()  # the parent-death signal it armed before exec
-    os.kill(keeper, signal.SIGKILL)
-    killed = time.monotonic()
-    tracked.assert_gone(killed, "its keeper's SIGKILL")
-    with pytest.raises(px.WorkerDied, match="SIGKILL"):
-        group.call("whoami", workers=[1], timeout=10)
+    os.kill(pid if killed == "rank" else psutil.Process(pid).ppid(), signal.SIGKILL)
+    started = time.monotonic()
+    tracked.assert_gone(started, f"the SIGKILL of rank 1's {killed}")
+    if killed == "keeper":
+        with pytest.raises(px.WorkerDied, match="SIGKILL"):
+            group.call("whoami", workers=[1], timeout=10)
     assert group.call("whoami", workers=[0], timeout=10) == [0]
     assert all(helpers.pid_alive(p) for p in trees[0].values())
 
