@@ -108,3 +108,16 @@ def test_no_import_circle_at_run_time():
         if module not in index:
             visit(module)
     assert not circles, f"import circles: {circles}"
+
+
+def test_worker_group_is_made_of_parts_not_mixins():
+    from phalanx.controller.group import WorkerGroup
+
+    assert WorkerGroup.__mro__ == (WorkerGroup, object), WorkerGroup.__mro__
+
+
+def test_a_rank_has_one_state_and_health_keeps_its_words():
+    from phalanx.controller.ranks import RankState
+
+    assert {state.health for state in RankState} == {"starting", "ready", "unresponsive",
+                                                     "dead"}
