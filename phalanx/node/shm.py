@@ -42,19 +42,19 @@ def supported() -> bool:
     return hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
 
 
-Layout = list[tuple[int, int]]  # (offset, length) of the stream, then of each buffer
+Extents = list[tuple[int, int]]  # (offset, length) of the stream, then of each buffer
 
 
-def layout_of(parts: Sequence[Any]) -> tuple[Layout, int]:
+def extents_of(parts: Sequence[Any]) -> tuple[Extents, int]:
     """Where each part goes in a block, and the bytes they need in all."""
-    layout = []
+    extents = []
     offset = 0
     for part in parts:
         offset = -(-offset // _ALIGN) * _ALIGN
         length = memoryview(part).nbytes
-        layout.append((offset, length))
+        extents.append((offset, length))
         offset += length
-    return layout, max(offset, 1)
+    return extents, max(offset, 1)
 
 
 class Block:
@@ -74,28 +74,28 @@ class Block:
             raise
 
     @classmethod
-    def holding(cls, parts: Sequence[Any]) -> tuple[Block, Layout]:
+    def holding(cls, parts: Sequence[Any]) -> tuple[Block, Extents]:
         """A block of just the right size, with ``parts`` written in."""
-        layout, size = layout_of(parts)
-        return cls(size).fill(parts, layout)
+        extents, size = extents_of(parts)
+        return cls(size).fill(parts, extents)
 
-    def fill(self, parts: Sequence[Any], layout: Layout) -> tuple[Block, Layout]:
+    def fill(self, parts: Sequence[Any], extents: Extents) -> tuple[Block, Extents]:
         """:meth:`write` ``parts`` in, closing this block if that fails; the block and
-        its layout."""
+        its extents."""
         try:
-            self.write(parts, layout)
+            self.write(parts, extents)
         except BaseException:
             self.close()
             raise
-        return self, layout
+        return self, extents
 
-    def write(self, parts: Sequence[Any], layout: Layout) -> None:
+    def write(self, parts: Sequence[Any], extents: Extents) -> None:
         """Copy ``parts`` in: a new block through the kernel (which makes its pages as it
         goes), a reused one through a mapping of this process kept for it (its pages and
         their mapping exist: a plain memory copy, twice as fast)."""
         if self._map is None and not self._used:
             self._used = True
-            for part, (offset, length) in zip(parts, layout, strict=True):
+            for part, (offset, length) in zip(parts, extents, strict=True):
                 view = memoryview(part).cast("B")
                 done = 0
                 while done < length:
@@ -107,14 +107,14 @@ class Block:
                 self._map.madvise(_MADV_POPULATE_WRITE)
             except OSError:  # before Linux 5.14
                 pass
-        for part, (offset, length) in zip(parts, layout, strict=True):
+        for part, (offset, length) in zip(parts, extents, strict=True):
             self._map[offset:offset + length] = memoryview(part).cast("B")
 
-    def location(self, layout: Layout, release: bool = False, writable: bool = False) -> tuple:
-        """What SHARE tells ranks: ``(pid, fd, name, layout, capacity, release,
+    def location(self, extents: Extents, release: bool = False, writable: bool = False) -> tuple:
+        """What SHARE tells ranks: ``(pid, fd, name, extents, capacity, release,
         writable)``; ``release``: say RELEASED once no view of the object is left (a pooled
         block); ``writable``: its views must be writable (torch tensors)."""
-        return os.getpid(), self.fd, self.token, layout, self.capacity, release, writable
+        return os.getpid(), self.fd, self.token, extents, self.capacity, release, writable
 
     def close(self) -> None:
         """Drop the holder's descriptor: the memory goes once no rank maps it any more."""
@@ -205,23 +205,23 @@ class Holder:
         self._lock = threading.Lock()
         self._held: dict[int, tuple[Block, str, Location]] = {}  # ref id -> block, token, where
 
-    def write(self, parts: Sequence[Any]) -> tuple[Block, Layout]:
+    def write(self, parts: Sequence[Any]) -> tuple[Block, Extents]:
         """A block holding ``parts`` (the pickle stream, then each out-of-band buffer), not
         yet anyone's: :meth:`keep` it, or close it."""
         if self._pool is None:
             return Block.holding(parts)
-        layout, size = layout_of(parts)
+        extents, size = extents_of(parts)
         with self._lock:
             block = self._pool.take(size)
-        return block.fill(parts, layout)
+        return block.fill(parts, extents)
 
-    def keep(self, ref_id: int, token: str, written: tuple[Block, Layout], *,
+    def keep(self, ref_id: int, token: str, written: tuple[Block, Extents], *,
              writable: bool = False) -> Location:
         """Hold the block :meth:`write` returned as object ``ref_id``'s copy (an earlier
         copy is closed); where ranks find it (``writable``: their views must be writable,
         as torch tensors want)."""
-        block, layout = written
-        location = block.location(layout, release=self._pool is not None, writable=writable)
+        block, extents = written
+        location = block.location(extents, release=self._pool is not None, writable=writable)
         with self._lock:
             previous = self._held.pop(ref_id, None)
             self._held[ref_id] = (block, token, location)
