@@ -51,6 +51,12 @@ _RESULT = protocol.RESULT
 _YIELD = protocol.YIELD
 _HEARTBEAT = protocol.HEARTBEAT
 
+# The longest single sleep of a waiting thread, in seconds. A poll's timeout overflows past
+# 2**31 ms (~25 days: "timeout is too large"), a lock's past threading.TIMEOUT_MAX, so a
+# longer wait (any float timeout is allowed, inf included) sleeps in slices of this and
+# checks its deadline after each: a wake-up an hour costs nothing.
+_LONGEST_SLEEP = 3600.0
+
 
 def _no_stacks(ranks: list[int]) -> dict[int, str]:
     return {}
@@ -213,7 +219,8 @@ class Dispatcher:
                         if self._lead.acquire(False):
                             self._lead.release()
                             break  # the leader stepped down: try to lead
-                        cond.wait(remaining)
+                        cond.wait(None if remaining is None
+                                  else min(remaining, _LONGEST_SLEEP))
                 finally:
                     self._followers -= 1
 
@@ -291,6 +298,10 @@ class Dispatcher:
                     self._cond.notify_all()
 
     def _pump(self, timeout: float | None) -> None:
+        """Handle what arrives within ``timeout`` s (None: until something does); may
+        return early, every caller loops on its own condition and deadline."""
+        if timeout is not None and timeout > _LONGEST_SLEEP:
+            timeout = _LONGEST_SLEEP
         if self._released:  # nothing left to read: a waiter is answered by another thread
             time.sleep(0.01 if timeout is None else min(timeout, 0.01))
             return

@@ -551,11 +551,12 @@ class WorkerGroup:
     def shutdown(
         self,
         cleanup: str | None = None,
-        timeout: float = config.DEFAULT_SHUTDOWN_TIMEOUT,
+        timeout: float | None = config.DEFAULT_SHUTDOWN_TIMEOUT,
         force: bool = False,
     ) -> None:
         """Stop every worker: optional ``cleanup`` method on all live ranks, a graceful exit
-        within ``timeout``, then SIGTERM and SIGKILL of each worker's process tree.
+        within ``timeout`` (None: as long as they take), then SIGTERM and SIGKILL of each
+        worker's process tree.
 
         Idle workers exit on their own (running their atexit handlers); workers still busy
         with a call are terminated at once, since its result could not be delivered.
@@ -565,8 +566,8 @@ class WorkerGroup:
         """
         if self._gate.closed:
             return
-        check_seconds(timeout, "shutdown timeout")
-        deadline = time.monotonic() + timeout
+        timeout = check_seconds(timeout, "shutdown timeout")
+        deadline = time.monotonic() + (float("inf") if timeout is None else timeout)
         try:
             if cleanup is not None and not force:
                 try:

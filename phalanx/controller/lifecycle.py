@@ -37,6 +37,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# The longest a teardown waits for idle ranks to exit on their own, in seconds: what
+# ``shutdown(timeout=None)`` (or a huge timeout) hands the backend, whose waits take a
+# finite number (Ray's turns it into integer milliseconds, a lock's stops at
+# threading.TIMEOUT_MAX). A year is as long as it takes.
+_LONGEST_EXIT_WAIT = 365 * 24 * 3600.0
+
 
 class Gate:
     """Whether a group is open: :meth:`check` raises once :meth:`close` was called."""
@@ -152,8 +158,9 @@ class Lifecycle:
         logger.info("restarted %d workers", world_size)
 
     def teardown(self, deadline: float, force: bool) -> None:
-        """Close the gate and stop every part and every rank process by ``deadline`` (see
-        :meth:`WorkerGroup.shutdown <phalanx.controller.group.WorkerGroup.shutdown>`)."""
+        """Close the gate and stop every part and every rank process by ``deadline`` (a
+        ``time.monotonic()`` value; inf: no limit), see
+        :meth:`WorkerGroup.shutdown <phalanx.controller.group.WorkerGroup.shutdown>`."""
         slots = self._table.known()
         self._gate.close()
         self._membership.stop()
@@ -165,7 +172,7 @@ class Lifecycle:
         if not force:
             for slot in idle:
                 slot.channel.send(protocol.shutdown_frame(slot.rank))
-            remaining = max(0.0, deadline - time.monotonic())
+            remaining = min(max(0.0, deadline - time.monotonic()), _LONGEST_EXIT_WAIT)
             self._backend.wait_exited(channels_of(idle), remaining)
         self._dispatcher.close(
             lambda method, rank: GroupClosed(

@@ -177,6 +177,39 @@ def test_a_hanging_cleanup_is_bounded_by_the_shutdown_timeout(make_group):
     assert helpers.wait_dead(pids, 1)
 
 
+@pytest.mark.parametrize("timeout", [None, float("inf")])
+def test_a_shutdown_with_no_limit_waits_for_the_cleanup_and_the_exit(make_group, tmp_path,
+                                                                      timeout):
+    group = make_group(Probe, kwargs={"marker_dir": str(tmp_path)}, procs_per_node=2)
+    pids = group.call("pid")
+    group.shutdown(cleanup="cleanup", timeout=timeout)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1"]
+    assert helpers.wait_dead(pids, 1)
+    with pytest.raises(GroupClosed):
+        group.call("pid")
+
+
+def test_a_bad_shutdown_timeout_is_refused_before_anything_stops(make_group):
+    group = make_group(Probe)
+    for bad, error in ((-1, ValueError), (float("nan"), ValueError), ("30", TypeError)):
+        with pytest.raises(error, match="shutdown timeout"):
+            group.shutdown(timeout=bad)
+    assert group.call("rank") == [0]
+
+
+def test_timeouts_of_any_length_are_waited_out(make_group):
+    # a poll's timeout overflows past 2**31 ms (~25 days), a lock's past ~292 years
+    group = make_group(Probe, procs_per_node=2)
+    for timeout in (3e6, 1e9, 1e12, float("inf")):
+        assert group.call("sleep", 0.01, "x", timeout=timeout) == ["x", "x"]
+        assert group.call_one(1, "rank", timeout=timeout) == 1
+        future = group.call_async("sleep", 0.01, "y")
+        assert future.futures[1].result(timeout=timeout) == "y"
+        assert future.result(timeout=timeout) == ["y", "y"]
+    group.recreate(1, timeout=1e12)
+    assert group.call("rank", timeout=1e12) == [0, 1]
+
+
 def test_forced_shutdown_skips_cleanup_and_does_not_wait(make_group, tmp_path):
     group = make_group(Probe, kwargs={"marker_dir": str(tmp_path)}, procs_per_node=2)
     pids = group.call("pid")
