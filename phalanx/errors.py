@@ -266,8 +266,21 @@ class ProcessFailure:
         return signal_name(self.exitcode)
 
     @property
+    def never_started(self) -> bool:
+        """Whether its process never ran: the node side has an exit status for it but never
+        had its pid (it could not start it). A rank whose node was lost before its pid was
+        heard of has neither, and may have run."""
+        return self.pid is None and self.exitcode is not None
+
+    @property
     def cause(self) -> str:
-        return self.reason or likely_cause(self.exitcode)
+        if self.reason:
+            return self.reason
+        if self.never_started:  # the exit code is the node side's, not the rank's
+            return ("its node could not start its process (a working directory or a program "
+                    "that does not exist there?); the node side logged why: \"could not "
+                    "start a worker: ...\"")
+        return likely_cause(self.exitcode)
 
     def as_dict(self) -> dict:
         """Plain data, as a node side sends it in an EXITED message."""
@@ -295,15 +308,13 @@ class WorkerDied(PhalanxError):
     """A worker process ended while calls were pending on it (or was called while dead).
 
     ``.exitcode`` is negative when a signal killed it; ``.signal`` is then its name;
-    ``.stderr_tail`` holds the last lines it wrote to stderr; ``.cause`` a likely explanation.
+    ``.stderr_tail`` holds the last lines it wrote to stderr; ``.cause`` a likely explanation;
+    ``.before_sent`` whether it was known dead before ``.method`` was sent to it.
     """
 
-    def __init__(self, failure: ProcessFailure, *, method: str | None = None) -> None:
-        during = f" while running {method}()" if method else ""
-        text = (
-            f"rank {failure.rank} (node {failure.node}, pid {failure.pid}) died{during}: "
-            f"{failure.cause}"
-        )
+    def __init__(self, failure: ProcessFailure, *, method: str | None = None,
+                 before_sent: bool = False) -> None:
+        text = f"{_what_happened(failure, method, before_sent)}: {failure.cause}"
         if failure.stack:
             where = innermost_user_frames(failure.stack)
             if where:
@@ -320,6 +331,22 @@ class WorkerDied(PhalanxError):
         self.stderr_tail = failure.stderr_tail
         self.cause = failure.cause
         self.method = method
+        self.before_sent = before_sent
+
+
+def _what_happened(failure: ProcessFailure, method: str | None, before_sent: bool) -> str:
+    """``rank 1 (node 0, pid 7) died while running step()``, or what happened instead:
+    it never started, or it was dead before ``method()`` was sent to it."""
+    if failure.never_started:
+        during = f", so {method}() never ran" if method else ""
+        return f"rank {failure.rank} (node {failure.node}) never started{during}"
+    pid = "" if failure.pid is None else f", pid {failure.pid}"
+    where = f"rank {failure.rank} (node {failure.node}{pid})"
+    if method is None:
+        return f"{where} died"
+    if before_sent:
+        return f"{where} was already dead when {method}() was sent"
+    return f"{where} died while running {method}()"
 
 
 class WorkerUnresponsive(WorkerDied):
@@ -328,16 +355,19 @@ class WorkerUnresponsive(WorkerDied):
     half-alive. ``.silent_for`` says how long it was silent; ``.stack`` holds its threads'
     stacks when it was declared unresponsive (or why they could not be taken)."""
 
-    def __init__(self, failure: ProcessFailure, *, method: str | None = None) -> None:
-        super().__init__(failure, method=method)
+    def __init__(self, failure: ProcessFailure, *, method: str | None = None,
+                 before_sent: bool = False) -> None:
+        super().__init__(failure, method=method, before_sent=before_sent)
         self.silent_for = failure.silent_for
         self.stack = failure.stack
 
 
-def death_error(failure: ProcessFailure, method: str | None = None) -> WorkerDied:
-    """The error for calls pending on a rank that ended this way."""
+def death_error(failure: ProcessFailure, method: str | None = None, *,
+                before_sent: bool = False) -> WorkerDied:
+    """The error for calls pending on a rank that ended this way (``before_sent``: the
+    rank was known dead before the call was sent to it)."""
     kind = WorkerUnresponsive if failure.silent_for is not None else WorkerDied
-    return kind(failure, method=method)
+    return kind(failure, method=method, before_sent=before_sent)
 
 
 class StartupError(PhalanxError):

@@ -423,11 +423,13 @@ class Dispatcher:
 
     @staticmethod
     def fail_if_dead(slot: Slot, call_id: int, future: Completion) -> None:
-        """Close the race between sending to a slot and its death being processed."""
+        """Close the race between sending to a slot and its death being processed: a call
+        sent to a rank known dead by then fails as sent too late."""
         if not slot.alive:
             slot.pending.pop(call_id, None)
             failure = slot.failure
-            future.fail_rank(slot.rank, death_error(failure, future.method))  # type: ignore[arg-type]
+            future.fail_rank(slot.rank, death_error(failure, future.method,  # type: ignore[arg-type]
+                                                    before_sent=True))
 
     def remove(self, slot: Slot) -> None:
         """Stop routing the rank's events to ``slot`` (it is being replaced or stopped)."""

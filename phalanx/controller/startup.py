@@ -322,8 +322,9 @@ def startup_error(slot: Slot) -> StartupError:
     """The error for a slot whose constructor raised or whose process died."""
     failure = slot.init_failure
     if failure is not None:
+        pid = "" if slot.pid is None else f", pid {slot.pid}"  # READY brings it
         error = StartupError(
-            f"rank {slot.rank} (node {slot.node}, pid {slot.pid}) failed while "
+            f"rank {slot.rank} (node {slot.node}{pid}) failed while "
             f"{failure.stage}: {failure.exc_type}: {failure.message}\n\n"
             f"Remote traceback:\n{failure.traceback.rstrip()}",
             rank=slot.rank,
@@ -336,6 +337,7 @@ def startup_error(slot: Slot) -> StartupError:
     if slot.failure is None:  # pragma: no cover - a dead slot always has its record
         raise RuntimeError(f"rank {slot.rank} failed without a failure record")
     died = death_error(slot.failure)
-    error = StartupError(f"rank {slot.rank} died during start-up: {died}", rank=slot.rank)
+    error = StartupError(str(died) if slot.failure.never_started else
+                         f"rank {slot.rank} died during start-up: {died}", rank=slot.rank)
     error.__cause__ = died
     return error

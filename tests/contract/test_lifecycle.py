@@ -49,6 +49,21 @@ def test_recreate_replaces_a_killed_rank_with_the_same_identity(make_group, rank
     assert [h.alive for h in group.health()] == [True, True]
 
 
+def test_a_call_to_a_rank_dead_before_it_was_sent_says_so(make_group, ranks):
+    group = make_group(Probe, procs_per_node=2)
+    pids = group.call("pid")
+    ranks.kill(group, 1, wait=False)
+    assert helpers.wait_dead(pids[1])
+    time.sleep(1.5)  # its death reaches the controller (on Ray too); no call waits on it
+    # Either the call learns of the death as it is sent, or the watchdog's poll (once a
+    # second) did before and the call is refused; never "died while running pid()".
+    with pytest.raises(WorkerDied, match=rf"^rank 1 \(node 0, pid {pids[1]}\) "
+                       r"(was already dead when pid\(\) was sent|died): "):
+        group.call("pid", timeout=10)
+    with pytest.raises(WorkerDied, match=rf"^rank 1 \(node 0, pid {pids[1]}\) died: "):
+        group.call("pid", timeout=10)  # known dead now: refused before anything is sent
+
+
 def test_recreate_a_live_rank_stops_the_old_process(make_group):
     group = make_group(Probe, procs_per_node=2)
     old = group.call_one(0, "pid")

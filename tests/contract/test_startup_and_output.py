@@ -23,7 +23,7 @@ def test_a_failing_constructor_fails_the_start_with_its_traceback(backend, tmp_p
     error = info.value
     assert error.rank == 1
     message = str(error)
-    assert "rank 1" in message
+    assert "rank 1 (node 0" in message and "pid None" not in message
     assert "RuntimeError: constructor failed on rank 1" in message
     assert "Traceback" in message and "__init__" in message
     assert "constructor failed on rank 1" in error.traceback
@@ -31,6 +31,20 @@ def test_a_failing_constructor_fails_the_start_with_its_traceback(backend, tmp_p
     pids = pids_in(tmp_path)  # the start fails fast: slower ranks may not have got this far
     assert 1 <= len(pids) <= 3
     assert helpers.wait_dead(pids, 1), "the other ranks must be torn down"
+
+
+def test_a_rank_that_never_started_says_so(backend, tmp_path):
+    with pytest.raises(StartupError) as info:
+        WorkerGroup(SlowConstructor, args=(0,), procs_per_node=2, backend=backend,
+                    echo_output=False, cwd=str(tmp_path / "missing"))
+    message = str(info.value)
+    assert isinstance(info.value.__cause__, WorkerDied)
+    if getattr(backend, "name", backend) == "ray":  # there the rank's process applies cwd:
+        assert "No such file or directory" in message and "pid None" not in message
+        return  # it starts, then dies of it
+    assert message.startswith(f"rank {info.value.rank} (node 0) never started: its node "
+                              "could not start its process"), message
+    assert "pid" not in message and "exit" not in message
 
 
 def test_a_worker_dying_in_its_constructor_fails_the_start(backend):
