@@ -46,6 +46,16 @@ SHARE_POOL_BLOCKS = 4  # bytes, and this many blocks
 RAY_CAUSE_WAIT = 0.25
 RAY_SIGNAL_TIMEOUT = 10.0  # seconds for a signal to reach a rank through its actor
 RAY_KILL_WAIT = 10.0  # seconds for killed actors to be reported gone
+# What an agent takes from a controller (phalanx.backends.cluster.messages.check_request):
+# a count or a size over its limit is refused, naming the field, before any work starts.
+AGENT_MAX_FRAME_SEGMENTS = 1 << 18  # segments in one frame (its table: 2 MiB)
+AGENT_MAX_PORTS = 1024  # free ports one PORTS request picks
+AGENT_MAX_RANKS = 4096  # ranks of one node: a LAUNCH's starts, a STOP's or a WAIT's list
+AGENT_MAX_FILES = 1 << 17  # shipped code: files in a SYNC or TREE listing, a BLOBS batch
+AGENT_MAX_TREE = 1 << 16  # agents one ADOPT places below this one
+AGENT_MAX_ENV = 4096  # variables of one rank's environment, entries of its sys.path (LAUNCH)
+# requests of one controller in progress at once (each waits on a thread of its own)
+AGENT_MAX_REQUESTS = 1024
 
 # Set by the controller for each worker (the framework-agnostic names are in frameworks.py).
 ENV_FD = "PHALANX_FD"  # file descriptor of the worker's control socket

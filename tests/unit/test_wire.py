@@ -7,7 +7,9 @@ import os
 import pickle
 import select
 import socket
+import struct
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -218,5 +220,83 @@ def test_large_frames_survive_arbitrary_chunking(kind, sizes, cut):
             link.write(data[pos : pos + cut])
             received += link.drain()
         assert [segments_of(f) for f in received] == [segments, [b"next"]]
+    finally:
+        link.close()
+
+
+# --------------------------------------------------------------------------- limits
+
+
+def _prefix(nseg: int, body: int) -> bytes:
+    """A frame's prefix: its number of segments, the bytes of its table and segments."""
+    return struct.pack("<IQ", nseg, body)
+
+
+def test_a_frame_over_the_segment_limit_is_refused_from_its_prefix(link):
+    link.reader.limit, link.reader.max_segments = 1 << 30, 10
+    link.write(_prefix(11, 8 * 11))
+    with pytest.raises(framing.FrameTooLarge, match=r"a frame of 11 segments \(the limit is "
+                                                    r"10 segments\)"):
+        link.drain()
+
+
+@pytest.mark.parametrize(("data", "words"), [
+    (_prefix(0, 0), r"a malformed frame header \(0 segments in 0 bytes\)"),
+    (_prefix(3, 16) + bytes(16), r"a malformed frame header \(3 segments in 16 bytes\)"),
+    (_prefix(2, 20) + struct.pack("<2Q", 1, 9) + bytes(4),
+     r"its 2 segments' lengths add up to 10 bytes, its body holds 4"),
+    (_prefix(3, 1 << 20) + struct.pack("<3Q", 1, 2, 3) + bytes(64),
+     r"its 3 segments' lengths add up to 6 bytes"),
+], ids=["no-segments", "table-past-body", "pair", "large"])
+def test_a_malformed_prefix_or_table_is_refused(link, data, words):
+    link.reader.limit = 1 << 30
+    link.write(data)
+    with pytest.raises(framing.FrameTooLarge, match=words):
+        link.drain()
+
+
+def test_an_announced_gigabyte_is_not_allocated_before_it_arrives():
+    psutil = pytest.importorskip("psutil")
+    link = Link("socket")
+    try:
+        link.reader.limit = 1 << 30
+        body = (1 << 30) - 64
+        rss = psutil.Process().memory_info().rss
+        link.write(_prefix(2, body) + struct.pack("<2Q", 16, body - 32) + bytes(16 + (1 << 20)))
+        assert link.drain() == []
+        grown = psutil.Process().memory_info().rss - rss
+        assert grown < 16 << 20, f"the reader took {grown >> 20} MiB for 1 MiB received"
+    finally:
+        link.close()
+
+
+@pytest.mark.parametrize("kind", STREAM_KINDS)
+def test_a_frame_past_its_first_extent_grows_and_round_trips(kind):
+    link = Link(kind)
+    try:
+        sizes = [100, 23 << 20, 5, 17 << 20]  # over _WHOLE_FRAME: received into growing memory
+        segments = [bytes([i + 1]) * size for i, size in enumerate(sizes)]
+        data = as_bytes(framing.frame(segments)) + as_bytes(framing.frame([b"next"]))
+        thread = link.write_in_thread(data)
+        got = link.receive(2)
+        thread.join(10)
+        assert [segments_of(f) for f in got] == [segments, [b"next"]]
+    finally:
+        link.close()
+
+
+def test_a_partial_segment_table_is_read_in_linear_time():
+    """A 64 MiB table arriving in 256 KiB reads: the partial table is kept, never copied
+    again on each read (that took 5.6 s; this reader has no segment limit)."""
+    link = Link("socket")
+    try:
+        nseg = 8 << 20
+        thread = link.write_in_thread(_prefix(nseg, 9 * nseg) + bytes(8 * nseg - 8))
+        started = time.monotonic()
+        while thread.is_alive() or link.drain():
+            select.select([link.b.read_fd], [], [], 0.05)
+            assert link.reader.recv_frames(block=False) == []
+        took = time.monotonic() - started
+        assert took < 2.0, f"reading a 64 MiB partial table took {took:.1f} s"
     finally:
         link.close()

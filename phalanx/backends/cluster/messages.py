@@ -31,7 +31,12 @@ One authenticated connection per node (:mod:`phalanx.wire.handshake`) carries, a
                          OUTPUT    (stream,)                         payload: bytes, rank
                          OUTPUT_END (stream,)                        the rank's stream ended
                          FAULT     (reason,)                         why it drops the
-                                                                     connection (last)
+                                                                     connection (last); with
+                                                                     a request id: why it
+                                                                     refused that request
+                                                                     (a count over its
+                                                                     limit), the session
+                                                                     goes on
                          LOST      (ids, reason)                     nodes of its subtree
                                                                      it lost (a tree)
                          RESULTS   (counts,), rank = MANY            a call's results of
@@ -44,15 +49,22 @@ A node's own message names, in the header's rank field, the tree node it is for 
 agent the connection reaches): an agent of a tree hands it to the child whose subtree
 holds that node, and the answer comes back up unchanged.
 
+Every field of a controller's message is checked by :func:`check_request` before the agent
+does anything with it: a count or size over its limit in :mod:`phalanx.config` is refused
+(:class:`OverLimit`, naming the field, the value and the limit), and a message of an unknown
+kind or with fields of the wrong number or type is :class:`Malformed`.
+
 An EXITED from an agent carries the rank's launch (its incarnation) as ``call_id``, so a
 death reported late is never taken for that of the rank started after it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from phalanx import config
 from phalanx.wire import framing, protocol
 
 LAUNCH = 64
@@ -99,6 +111,12 @@ def output_end(rank: int, stream: int) -> list[Any]:
     return framing.frame([protocol.header(OUTPUT_END, 0, rank, stream)])
 
 
+def fault(reason: str, request_id: int = 0) -> list[Any]:
+    """The agent's FAULT: why it ends the session, or (``request_id``) why it refused that
+    request and goes on."""
+    return framing.frame([protocol.header(FAULT, request_id, 0, reason)])
+
+
 def ping() -> list[Any]:
     return framing.frame([protocol.header(PING, 0, 0)])
 
@@ -116,3 +134,128 @@ def lost(ids: Sequence[int], reason: str) -> list[Any]:
 def is_node_message(kind: int) -> bool:
     """Whether a message kind is the node's own (not a rank's)."""
     return kind >= LAUNCH
+
+
+# --------------------------------------------------------------------------- checking
+
+
+class Malformed(ValueError):
+    """A controller's message the agent cannot read: an unknown kind, fields of the wrong
+    number or type (the session ends, after a FAULT naming what was wrong)."""
+
+
+class OverLimit(ValueError):
+    """A well-formed request with a count or size over the agent's limit (refused with a
+    FAULT naming the field, the value and the limit; the session goes on)."""
+
+
+_Check = Callable[[str, str, Any], None]
+
+
+def _limit(name: str) -> int:
+    return getattr(config, name)
+
+
+def _over(what: str, value: int, name: str) -> None:
+    if value > _limit(name):
+        raise OverLimit(f"{what} is {value}, over the agent's limit of {_limit(name)} "
+                        f"(phalanx.config.{name})")
+
+
+def _integer(low: int = 0, limit: str | None = None) -> _Check:
+    def check(kind: str, field: str, value: Any) -> None:
+        if type(value) is not int:
+            raise Malformed(f"{kind} {field} is a {type(value).__name__}, not an integer")
+        if value < low:
+            raise Malformed(f"{kind} {field} is {value}, under {low}")
+        if limit is not None:
+            _over(f"{kind} {field}", value, limit)
+    return check
+
+
+def _seconds(kind: str, field: str, value: Any) -> None:
+    if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
+        raise Malformed(f"{kind} {field} is {value!r}, not a number of seconds")
+
+
+def _of_type(*types: type) -> _Check:
+    def check(kind: str, field: str, value: Any) -> None:
+        if type(value) not in types:
+            raise Malformed(f"{kind} {field} is a {type(value).__name__}, not a "
+                            f"{' or '.join(t.__name__ for t in types)}")
+    return check
+
+
+def _items(limit: str, each: _Check | None = None) -> _Check:
+    """A list (or tuple) of at most ``config.<limit>`` items, each passing ``each``."""
+    def check(kind: str, field: str, value: Any) -> None:
+        if type(value) not in (list, tuple):
+            raise Malformed(f"{kind} {field} is a {type(value).__name__}, not a list")
+        _over(f"{kind} {field}: its length", len(value), limit)
+        if each is not None:
+            for item in value:
+                each(kind, field, item)
+    return check
+
+
+def _start(kind: str, field: str, value: Any) -> None:
+    """One rank's start in a LAUNCH: (rank, node, incarnation, env)."""
+    if type(value) not in (list, tuple) or len(value) != 4:
+        raise Malformed(f"{kind} {field} holds {type(value).__name__} {value!r:.80}, not "
+                        "(rank, node, incarnation, environment)")
+    for name, number in zip(("rank", "node", "incarnation"), value[:3], strict=False):
+        _integer()(kind, f"{field}: a {name}", number)
+    env = value[3]
+    if type(env) is not dict:
+        raise Malformed(f"{kind} {field}: an environment is a {type(env).__name__}, not a dict")
+    _over(f"{kind} {field}: the variables of one", len(env), "AGENT_MAX_ENV")
+    if not all(type(k) is str and type(v) is str for k, v in env.items()):
+        raise Malformed(f"{kind} {field}: an environment holds something else than text")
+
+
+_TEXT = _of_type(str)
+_FLAG = _of_type(bool)
+_RANKS = _items("AGENT_MAX_RANKS", _integer())
+
+# Each request's name and fields, in order, with their checks.
+_REQUESTS: dict[int, tuple[str, tuple[tuple[str, _Check], ...]]] = {
+    LAUNCH: ("LAUNCH", (("starts", _items("AGENT_MAX_RANKS", _start)),
+                        ("sys_path", _items("AGENT_MAX_ENV", _TEXT)),
+                        ("options", _of_type(dict)), ("cwd", _of_type(str, type(None))))),
+    STOP: ("STOP", (("ranks", _RANKS), ("grace", _seconds), ("force", _FLAG))),
+    SIGNAL: ("SIGNAL", (("rank", _integer()), ("signal", _integer(1)))),
+    STACKS: ("STACKS", (("rank", _integer()), ("timeout", _seconds))),
+    PORTS: ("PORTS", (("count", _integer(0, "AGENT_MAX_PORTS")),)),
+    WAIT: ("WAIT", (("ranks", _RANKS), ("timeout", _seconds))),
+    PING: ("PING", ()),
+    SYNC: ("SYNC", (("version", _TEXT), ("listing", _items("AGENT_MAX_FILES")))),
+    BLOBS: ("BLOBS", (("hashes", _items("AGENT_MAX_FILES", _TEXT)),)),
+    TREE: ("TREE", (("version", _TEXT), ("listing", _items("AGENT_MAX_FILES")))),
+    ADOPT: ("ADOPT", (("id", _integer()), ("entries", _items("AGENT_MAX_TREE")),
+                      ("fanout", _integer(2, "AGENT_MAX_TREE")), ("timeout", _seconds))),
+    HOLD: ("HOLD", (("id", _integer()), ("token", _TEXT), ("writable", _FLAG))),
+    DROP: ("DROP", (("id", _integer()),)),
+}
+
+# The ranks' messages a controller sends through an agent.
+RANK_KINDS = frozenset((protocol.INIT, protocol.CALL, protocol.CALL_STREAM, protocol.SHUTDOWN,
+                        protocol.INJECT))
+
+
+def check_request(kind: int, fields: Any, payload: Sequence[Any]) -> None:
+    """Check a controller's message to a node before anything is done with it: Malformed
+    or OverLimit naming what is wrong (a rank's message: only its kind)."""
+    if kind in RANK_KINDS:
+        return
+    spec = _REQUESTS.get(kind)
+    if spec is None:
+        raise Malformed(f"a message of unknown kind {kind}")
+    name, params = spec
+    if type(fields) is not tuple or len(fields) != len(params):
+        count = len(fields) if type(fields) is tuple else type(fields).__name__
+        raise Malformed(f"{name} with {count} fields (it has {len(params)}"
+                        f"{': ' if params else ''}{', '.join(p for p, _ in params)})")
+    for (field, check), value in zip(params, fields, strict=True):
+        check(name, field, value)
+    if kind == BLOBS and len(payload) != len(fields[0]):
+        raise Malformed(f"BLOBS with {len(fields[0])} hashes for {len(payload)} files")

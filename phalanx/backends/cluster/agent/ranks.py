@@ -15,6 +15,13 @@ controller:
 
 Put objects the controller sends (HOLD) are the session's :class:`NodeObjects`.
 
+Nothing from the controller is acted on before it is checked: the frame's size and segment
+count from its prefix (:class:`phalanx.wire.framing.FrameReader`), then its header and every
+field (:func:`phalanx.backends.cluster.messages.check_request`). A count over its limit in
+:mod:`phalanx.config` is refused with a FAULT naming the field, the value and the limit, and
+the session goes on; a frame or message that cannot be read gets a FAULT saying what was
+wrong, one warning in the log, and the session ends.
+
 Requests that wait (STOP, STACKS, WAIT) run on short threads so the relay never stalls. A
 controller whose connection ends, or that stays silent past ``heartbeat_timeout``, is gone:
 every rank of its session is stopped, with everything those ranks started.
@@ -82,6 +89,7 @@ class Session:
         self._writer = framing.BacklogWriter("phalanx-agent-writer")
         self._conn = framing.Connection(streams.socket_stream(sock), self._writer)
         self._conn.reader.limit = max_frame
+        self._conn.reader.max_segments = config.AGENT_MAX_FRAME_SEGMENTS
         self._heartbeat_timeout = heartbeat_timeout
         self._count = counters
         self._cwd = cwd or os.getcwd()
@@ -93,6 +101,7 @@ class Session:
         self._wake = streams.WakePipe()
         self._lock = threading.Lock()
         self._launched: list[tuple[int, _Rank]] = []  # from request threads, to register
+        self._requests = 0  # requests running on threads of their own (lock held)
         self._closing = False
         self._outbox: list[Any] | None = None
         self._dying: list[_Rank] = []  # ended, their EXITED not sent yet
@@ -173,10 +182,7 @@ class Session:
         try:
             frames = self._conn.reader.recv_frames(block=False)
         except framing.FrameTooLarge as exc:  # say why before hanging up
-            self.reason = f"the controller sent {exc}"
-            self._send(agentwire.request(agentwire.FAULT, 0, f"it refused {exc}"))
-            self._closing = True
-            return False
+            return self._refuse(str(exc))
         except framing.ConnectionLost as exc:
             self.reason = self.reason or f"the controller's connection ended ({exc})"
             self._closing = True
@@ -187,7 +193,19 @@ class Session:
         if branch.adopting:
             branch.register_children()
         for segs in frames:
-            kind, call_id, ranks, extra = protocol.parse(segs[0])
+            try:
+                kind, call_id, ranks, extra = protocol.parse(segs[0])
+            except Exception as exc:  # noqa: BLE001 - unpickling bad bytes raises anything
+                return self._refuse(f"a malformed message header ({type(exc).__name__}: "
+                                    f"{exc})")
+            try:
+                agentwire.check_request(kind, extra, segs[1:])
+            except agentwire.Malformed as exc:
+                return self._refuse(f"a malformed message ({exc})")
+            except agentwire.OverLimit as exc:  # refused before any work; the session goes on
+                logger.warning("refused a request of the controller: %s", exc)
+                self._send(agentwire.fault(f"it refused a request: {exc}", call_id))
+                continue
             if agentwire.is_node_message(kind):
                 if ranks[0] and ranks[0] != branch.tree_id:
                     branch.route_down(ranks[0], kind, call_id, extra, segs)
@@ -217,6 +235,16 @@ class Session:
                 except framing.ConnectionLost:
                     pass  # its death is reported from the status pipe
         return True
+
+    def _refuse(self, what: str) -> bool:
+        """The controller sent something the session cannot go on after: a FAULT says
+        what, one line in the log (no traceback: it is the peer's fault, not a bug), and
+        the session ends."""
+        logger.warning("ending a controller's session: it sent %s", what)
+        self.reason = f"the controller sent {what}"
+        self._send(agentwire.fault(f"it refused {what}"))
+        self._closing = True
+        return False
 
     # -- ranks ------------------------------------------------------------------------
 
@@ -316,6 +344,18 @@ class Session:
         if handler is None:
             self._send(agentwire.reply(request_id, False, f"unknown request kind {kind}"))
             return
+        if kind != agentwire.PORTS:  # on a thread of its own: as many as the limit allows
+            with self._lock:
+                if self._requests >= config.AGENT_MAX_REQUESTS:
+                    busy = self._requests
+                else:
+                    busy, self._requests = 0, self._requests + 1
+            if busy:
+                why = (f"requests in progress: {busy}, the agent's limit "
+                       "(phalanx.config.AGENT_MAX_REQUESTS)")
+                logger.warning("refused a request of the controller: %s", why)
+                self._send(agentwire.fault(f"it refused a request: {why}", request_id))
+                return
 
         def run() -> None:
             try:
@@ -324,9 +364,13 @@ class Session:
                 self._send(agentwire.reply(request_id, False, f"{type(exc).__name__}: {exc}"))
             else:
                 self._send(agentwire.reply(request_id, True, value))
+            finally:
+                if kind != agentwire.PORTS:
+                    with self._lock:
+                        self._requests -= 1
 
         if kind == agentwire.PORTS:
-            run()  # instant
+            run()  # instant (its count is bounded: config.AGENT_MAX_PORTS)
         else:
             threading.Thread(target=run, name="phalanx-agent-request", daemon=True).start()
 
