@@ -27,6 +27,7 @@ import pytest
 import phalanx as px
 from phalanx.backends.cluster import messages as agentwire
 from phalanx.backends.cluster import tree as agenttree
+from phalanx.backends.cluster.agent.branch import malformed_from_child
 from phalanx.wire import framing, protocol
 from tests import helpers
 from tests.agentcluster import free_port, listening, terminate
@@ -276,3 +277,23 @@ def test_the_agent_still_serves_after_all_of_it(agent):
         assert group.call("rank") == [0]
     assert helpers.wait_until(lambda: not agent.children(), 10), "the group's ranks stayed"
     assert "Traceback" not in agent.log_text()
+
+
+def _results(counts, ranks=(3, 4), segments=3) -> list:
+    return [protocol.header(agentwire.RESULTS, 9, list(ranks), counts),
+            *[b"x"] * segments]
+
+
+@pytest.mark.parametrize(("segs", "words"), [
+    (_results([1, 2]), None),
+    ([protocol.header(agentwire.FAULT, 0, 0, "it stopped")], None),
+    (_results([1, 1]), "a malformed RESULTS (counts [1, 1] for 2 ranks and 3 segments)"),
+    (_results([3]), "counts [3] for 2 ranks"),
+    (_results([-1, 4]), "counts [-1, 4]"),
+    (_results("12"), "counts '12'"),
+    ([protocol.pack_head(agentwire.RESULTS, 9, 0) + b"\x80\x05junk"],
+     "a malformed message header (UnpicklingError"),
+], ids=["results", "fault", "short", "too-few-counts", "negative", "not-a-list", "pickle"])
+def test_a_childs_results_are_checked_before_the_relay_reads_them(segs, words):
+    found = malformed_from_child(segs)
+    assert found is None if words is None else words in found, found

@@ -13,6 +13,10 @@ sends them up as one RESULTS message, in rank order -- so the controller reads o
 per top agent, not one per rank. Errors, deaths and lost children go up at once (a failure
 anywhere reaches the controller without waiting for the rest), and the ranks they concern
 are no longer waited for.
+
+A child is an agent with the token, but its messages are still checked before they are
+read: a FAULT or RESULTS that is malformed (counts that do not give each rank its own
+segments, a header that does not parse) loses that child, as its connection ending would.
 """
 
 from __future__ import annotations
@@ -33,6 +37,24 @@ GATHER_WINDOW = 0.05  # s: the longest an agent holds a result waiting for its s
 
 _RESULT = protocol.RESULT
 _RESULTS = agentwire.RESULTS
+
+
+def malformed_from_child(segs: list[Any]) -> str | None:
+    """What is wrong with a child's FAULT or RESULTS, before the relay reads it (None: it
+    is well formed): a RESULTS' counts must give each of its ranks its own segments."""
+    try:
+        kind, _, ranks, extra = protocol.parse(segs[0])
+    except Exception as exc:  # noqa: BLE001 - unpickling bad bytes raises anything
+        return f"a malformed message header ({type(exc).__name__}: {exc})"
+    if kind == agentwire.FAULT:
+        return None if len(extra) == 1 else f"a FAULT with {len(extra)} fields"
+    counts = extra[0] if len(extra) == 1 else None
+    if (type(counts) is not list or len(counts) != len(ranks)
+            or not all(type(c) is int and c >= 0 for c in counts)
+            or sum(counts) != len(segs) - 1):
+        return (f"a malformed RESULTS (counts {counts!r:.80} for {len(ranks)} ranks and "
+                f"{len(segs) - 1} segments)")
+    return None
 
 
 class _Child:
@@ -220,12 +242,21 @@ class Branch:
             return
         child.heard = time.monotonic()
         for segs in frames:
+            if len(segs[0]) < protocol.HEAD_SIZE:
+                self._lose_child(child, f"it sent a malformed message header ({len(segs[0])} "
+                                 "bytes)")
+                return
             kind = segs[0][0]
             if kind == agentwire.PING or kind == agentwire.WELCOME:
                 continue
-            if kind == agentwire.FAULT:
-                self._lose_child(child, str(protocol.parse(segs[0])[3][0]))
-                return
+            if kind == agentwire.FAULT or kind == _RESULTS:
+                why = malformed_from_child(segs)
+                if why is not None:
+                    self._lose_child(child, f"it sent {why}")
+                    return
+                if kind == agentwire.FAULT:
+                    self._lose_child(child, str(protocol.parse(segs[0])[3][0]))
+                    return
             self.up(segs)
 
     def check_children(self, now: float) -> None:
