@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(not shm.supported(),
 @given(st.lists(st.integers(min_value=0, max_value=10_000), min_size=1, max_size=20))
 def test_layout_places_parts_aligned_in_order_without_overlap(sizes):
     parts = [b"x" * n for n in sizes]
-    layout, total = shm.layout_of(parts)
+    layout, total = shm.extents_of(parts)
     assert [n for _, n in layout] == sizes
     end = 0
     for offset, length in layout:
@@ -169,7 +169,7 @@ def test_a_holder_without_a_pool_gives_each_object_a_block_of_its_own():
         where = holder.hold(1, "tok", segments, writable=True)
         assert holder.where(1) == where and holder.objects() == [(1, "tok", where)]
         _, _, _, _, capacity, release, writable = where
-        assert capacity == shm.layout_of(segments)[1] and not release and writable
+        assert capacity == shm.extents_of(segments)[1] and not release and writable
         shares = shmrank.RankShares()
         shares.add(1, "tok", where)
         assert np.array_equal(shares.resolve(1, "tok"), np.arange(100.0))
