@@ -182,6 +182,27 @@ def test_a_launch_over_its_limits_starts_nothing(agent, controller, fields, word
     assert agent.children() == before
 
 
+@pytest.mark.parametrize(("kind", "fields", "words"), [
+    (agentwire.STOP, (list(range(4097)), 1.0, True), "STOP ranks: its length is 4097"),
+    (agentwire.WAIT, (list(range(4097)), 1.0), "WAIT ranks: its length is 4097"),
+    (agentwire.SYNC, ("v", [["f", "h", 0, 0]] * ((1 << 17) + 1)),
+     "SYNC listing: its length is 131073, over the agent's limit of 131072"),
+    (agentwire.BLOBS, (["h"] * ((1 << 17) + 1),), "BLOBS hashes: its length is 131073"),
+    (agentwire.ADOPT, (1, [], 1 << 20, 5.0), "ADOPT fanout is 1048576, over the agent's limit"),
+    (agentwire.ADOPT, (1, [[2, "h", 1]] * ((1 << 16) + 1), 2, 5.0),
+     "ADOPT entries: its length is 65537"),
+], ids=["stop", "wait", "sync", "blobs", "fanout", "adopt"])
+def test_each_count_over_its_limit_is_refused_and_the_session_goes_on(
+        controller, kind, fields, words):
+    c = controller()
+    c.request(kind, 5, *fields)
+    got, call_id, (reason,) = c.next((agentwire.FAULT, agentwire.REPLY))
+    assert (got, call_id) == (agentwire.FAULT, 5)
+    assert words in reason and "phalanx.config.AGENT_MAX_" in reason, reason
+    c.request(agentwire.PORTS, 6, 1)
+    assert c.next((agentwire.FAULT, agentwire.REPLY))[:2] == (agentwire.REPLY, 6)
+
+
 def test_an_announced_gigabyte_costs_the_agent_what_arrived(agent, controller):
     c = controller()
     rss = agent.rss()

@@ -405,7 +405,8 @@ class Session:
                 self._watch(rank.process.death_fd, "death", rank)
 
     def _stop(self, ranks: list[int], grace: float, force: bool, payload: list[Any]) -> None:
-        procs = [r.process.proc for n, r in list(self._ranks.items()) if n in ranks]
+        wanted = set(ranks)  # up to config.AGENT_MAX_RANKS of them
+        procs = [r.process.proc for n, r in list(self._ranks.items()) if n in wanted]
         node.stop_processes(procs, grace=grace, force=force)
 
     def _stacks(self, rank: int, timeout: float, payload: list[Any]) -> str:
@@ -440,7 +441,8 @@ class Session:
         return str(self._code().build(version, [tuple(entry) for entry in listing]))
 
     def _wait(self, ranks: list[int], timeout: float, payload: list[Any]) -> None:
-        node.wait_all_exit([r.process.proc for n, r in list(self._ranks.items()) if n in ranks],
+        wanted = set(ranks)
+        node.wait_all_exit([r.process.proc for n, r in list(self._ranks.items()) if n in wanted],
                            timeout)
 
     # -- bookkeeping ------------------------------------------------------------------
