@@ -56,6 +56,7 @@ AGENT_MAX_TREE = 1 << 16  # agents one ADOPT places below this one
 AGENT_MAX_ENV = 4096  # variables of one rank's environment, entries of its sys.path (LAUNCH)
 # requests of one controller in progress at once (each waits on a thread of its own)
 AGENT_MAX_REQUESTS = 1024
+AGENT_MAX_HELD = 4096  # put objects one controller holds on a node (each a memfd)
 
 # Set by the controller for each worker (the framework-agnostic names are in frameworks.py).
 ENV_FD = "PHALANX_FD"  # file descriptor of the worker's control socket

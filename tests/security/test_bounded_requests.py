@@ -25,9 +25,11 @@ import psutil
 import pytest
 
 import phalanx as px
+from phalanx import config
 from phalanx.backends.cluster import messages as agentwire
 from phalanx.backends.cluster import tree as agenttree
 from phalanx.backends.cluster.agent.branch import malformed_from_child
+from phalanx.backends.cluster.agent.share import NodeObjects
 from phalanx.wire import framing, protocol
 from tests import helpers
 from tests.agentcluster import free_port, listening, terminate
@@ -318,3 +320,23 @@ def _results(counts, ranks=(3, 4), segments=3) -> list:
 def test_a_childs_results_are_checked_before_the_relay_reads_them(segs, words):
     found = malformed_from_child(segs)
     assert found is None if words is None else words in found, found
+
+
+def test_a_hold_past_the_most_objects_held_is_refused_before_it_is_written(monkeypatch):
+    from phalanx.node import shm
+
+    if not shm.supported():
+        pytest.skip("put objects need Linux's memfd_create")
+    monkeypatch.setattr(config, "AGENT_MAX_HELD", 2)
+    objects = NodeObjects(threading.Lock(), list)
+    try:
+        objects.hold(1, "a" * 16, False, [b"one"])
+        objects.hold(2, "b" * 16, False, [b"two"])
+        objects.check_room(2)  # replacing a held object takes no room
+        with pytest.raises(agentwire.OverLimit, match=r"HOLD: the objects held are 3, over "
+                                                      r"the agent's limit of 2"):
+            objects.check_room(3)
+        objects.drop(1)
+        objects.check_room(3)
+    finally:
+        objects.close()

@@ -344,6 +344,13 @@ class Session:
         if handler is None:
             self._send(agentwire.reply(request_id, False, f"unknown request kind {kind}"))
             return
+        if kind == agentwire.HOLD:
+            try:
+                self._objects.check_room(fields[0])
+            except agentwire.OverLimit as exc:
+                logger.warning("refused a request of the controller: %s", exc)
+                self._send(agentwire.fault(f"it refused a request: {exc}", request_id))
+                return
         if kind != agentwire.PORTS:  # on a thread of its own: as many as the limit allows
             with self._lock:
                 if self._requests >= config.AGENT_MAX_REQUESTS:

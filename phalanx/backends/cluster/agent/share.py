@@ -3,8 +3,9 @@
 The controller sends each object once per node (HOLD, the pickle and its buffers as the
 payload); the session writes it into a shared-memory block -- the node side's one holder,
 :class:`phalanx.node.shm.Holder` -- and tells every rank of the node where it is (SHARE),
-and every rank started there later too. DROP frees it: the ranks forget it (UNSHARE) and
-the block goes once no rank maps it. Blocks live only in the agent's memory: they end with
+and every rank started there later too; at most ``config.AGENT_MAX_HELD`` objects at once,
+each a descriptor of the agent's. DROP frees it: the ranks forget it (UNSHARE) and the
+block goes once no rank maps it. Blocks live only in the agent's memory: they end with
 the session, however it ends.
 """
 
@@ -14,6 +15,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from phalanx import config
+from phalanx.backends.cluster import messages as agentwire
 from phalanx.node import shm
 from phalanx.wire import framing, protocol
 
@@ -30,6 +33,15 @@ class NodeObjects:
         self._lock = lock
         self._ranks = ranks
         self._holder = shm.Holder()
+
+    def check_room(self, ref_id: int) -> None:
+        """Before a HOLD starts: OverLimit if it would hold one object more than
+        ``config.AGENT_MAX_HELD`` (replacing one held already takes no room)."""
+        held = len(self._holder.objects())
+        if held >= config.AGENT_MAX_HELD and self._holder.where(ref_id) is None:
+            raise agentwire.OverLimit(f"HOLD: the objects held are {held + 1}, over the "
+                                      f"agent's limit of {config.AGENT_MAX_HELD} "
+                                      "(phalanx.config.AGENT_MAX_HELD)")
 
     def hold(self, ref_id: int, token: str, writable: bool, payload: list[Any]) -> int:
         """HOLD: write the object into a block; every rank of the node hears of it. The
