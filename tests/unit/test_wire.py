@@ -300,3 +300,25 @@ def test_a_partial_segment_table_is_read_in_linear_time():
         assert took < 2.0, f"reading a 64 MiB partial table took {took:.1f} s"
     finally:
         link.close()
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "dropped"])
+def test_a_large_frames_buffer_is_reused_only_once_nothing_views_it(keep):
+    """Two 18 MiB frames in a row: the second may reuse the first's buffer, never while
+    the first's segments are still held."""
+    link = Link("socket")
+    try:
+        frames = [[b"h", bytes([n]) * (18 << 20), bytes([n + 10]) * 3] for n in (1, 2, 3)]
+        kept = []
+        for segments in frames:
+            thread = link.write_in_thread(as_bytes(framing.frame(segments)))
+            (got,) = link.receive(1)
+            thread.join(10)
+            assert segments_of(got) == segments
+            if keep:
+                kept.append(got)
+            del got
+        for segments, got in zip(frames, kept, strict=False):
+            assert segments_of(got) == segments, "a later frame overwrote a held one"
+    finally:
+        link.close()
