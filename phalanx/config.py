@@ -40,6 +40,34 @@ AUTO_SHARE_BYTES = 1 << 20
 SHARE_BLOCK_PREFIX = "phalanx-"  # every shared-memory block's name (memfd:phalanx-<token>)
 SHARE_POOL_BYTES = 1 << 30  # freed blocks the controller keeps for reuse: at most this many
 SHARE_POOL_BLOCKS = 4  # bytes, and this many blocks
+# The cluster agent (phalanx agent). Connections before authentication are bounded: each
+# holds a thread and a descriptor until it proves the token or its handshake times out, so
+# a burst of silent connections could otherwise take every descriptor the agent has.
+AGENT_HANDSHAKE_TIMEOUT = 5.0  # seconds a connecting controller has to prove the token
+AGENT_MAX_UNAUTHENTICATED = 64  # connections still in their handshake, all peers together
+AGENT_MAX_UNAUTHENTICATED_PER_PEER = 16  # of them from one peer address
+AGENT_LISTEN_BACKLOG = 512  # connections the kernel queues before the agent accepts them
+# After accept() failed (no descriptor left, no thread could start), how long the agent
+# waits before it tries again: the first retry soon, then up to the maximum.
+AGENT_ACCEPT_BACKOFF = 0.05
+AGENT_ACCEPT_BACKOFF_MAX = 1.0
+# The agent's HTTP port (/health, /metrics): a client has this long for its whole request
+# (not per read: a header line every few seconds does not keep it), and at most this many
+# connections are served at once; more are closed at once.
+AGENT_HTTP_REQUEST_TIMEOUT = 5.0
+AGENT_HTTP_MAX_CONNECTIONS = 32
+AGENT_HTTP_BACKLOG = 128
+# A rank stopped in px.breakpoint() (phalanx.rank.debugger): connections waiting to be
+# checked are served together, one thread, so strangers that connect and say nothing delay
+# no one; each has this long to send the token, and past the most held at once the oldest is
+# dropped (the owner's client sends its token at once).
+DEBUG_TOKEN_TIMEOUT = 5.0
+DEBUG_MAX_PENDING = 128
+DEBUG_BACKLOG = 128
+# The shared token, read by a controller and an agent; kept out of every rank's environment
+# (phalanx.node.spawn), since user code runs there.
+ENV_TOKEN = "PHALANX_TOKEN"
+WITHHELD_FROM_RANKS = (ENV_TOKEN,)
 # Ray backend
 # After a rank's stream ends, the longest wait for how it ended (its actor reports the exit
 # status within a few ms; the wait only runs out when that is slow, e.g. on a loaded node)

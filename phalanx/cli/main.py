@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from phalanx import __version__
+from phalanx import __version__, config
 from phalanx.backends.cluster import k8s
 from phalanx.launcher import flags as runflags
 from phalanx.launcher import report as runreport
@@ -121,6 +121,13 @@ def _non_negative(value: str) -> int:
 
 def _seconds(value: str) -> float:
     return _number(value, float, 0, "a number of seconds >= 0")
+
+
+def _positive_seconds(value: str) -> float:
+    seconds = _number(value, float, 0, "a number of seconds > 0")
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {value!r}")
+    return seconds
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -261,6 +268,10 @@ def _add_agent(commands: Any) -> None:  # argparse's subparsers (a class with no
                        help="the shared token (default: $PHALANX_TOKEN)")
     agent.add_argument("--heartbeat-timeout", type=_seconds, default=30.0, metavar="SECONDS",
                        help="a controller silent this long is gone (default: 30)")
+    agent.add_argument("--handshake-timeout", type=_positive_seconds,
+                       default=config.AGENT_HANDSHAKE_TIMEOUT, metavar="SECONDS",
+                       help="a connection has this long to prove the token, or it is "
+                            f"closed (default: {config.AGENT_HANDSHAKE_TIMEOUT:g})")
     agent.add_argument("--max-frame-mib", type=_positive, default=1024, metavar="MIB",
                        help="refuse frames larger than this from a controller (default: 1024)")
     agent.add_argument("--store", metavar="DIR",
@@ -296,6 +307,7 @@ def _agent(options: argparse.Namespace) -> int:
         options.http_port if options.http_port is not None else options.port + 1)
     return agent.run(options.host, options.port, token, http_port=http_port,
                      heartbeat_timeout=options.heartbeat_timeout,
+                     handshake_timeout=options.handshake_timeout,
                      max_frame=options.max_frame_mib << 20, tls=tls, store=options.store)
 
 

@@ -207,9 +207,13 @@ class RankSpawner:
         init_options = dict(options)
         started: list[NodeRank] = []
         try:
+            # This node's environment, less what is kept from user code: an agent started
+            # with $PHALANX_TOKEN must not hand the cluster's token to every rank it runs.
+            inherited = {key: value for key, value in os.environ.items()
+                         if key not in config.WITHHELD_FROM_RANKS}
             for rank, node, incarnation, env in starts:
                 started.append(self._start(supervisor, rank, node, incarnation,
-                                           merge_env(os.environ, env, None, None), cwd))
+                                           merge_env(inherited, env, None, None), cwd))
                 started[-1].send(protocol.init_frame(rank, sys_path, init_options, payload))
         except BaseException:
             stop_processes([r.proc for r in started], force=True)

@@ -149,6 +149,7 @@ def test_the_pods_mount_the_generated_secret_read_only():
     (volume,) = pod["volumes"]
     assert volume["secret"]["secretName"] == secret["metadata"]["name"]
     assert {"key": "token", "path": "token"} in volume["secret"]["items"]
+    assert volume["secret"]["defaultMode"] == 0o400  # the agent refuses a readable token
     (mount,) = container([kinds["StatefulSet"]])["volumeMounts"]
     assert (mount["name"], mount["mountPath"], mount["readOnly"]) == (
         volume["name"], "/etc/phalanx", True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import select
 import socket
 import threading
 import time
@@ -13,10 +14,12 @@ import time
 import pytest
 
 from phalanx.backends.cluster.agent.http import METRICS_CONTENT_TYPE, AgentMetrics, HealthServer
+from tests import helpers
 
 GAUGES = ["ranks_alive", "controllers_connected"]
 COUNTERS = ["controllers_total", "calls_total", "received_bytes_total", "sent_bytes_total",
-            "restarts_total", "auth_failures_total"]
+            "restarts_total", "auth_failures_total", "connections_refused_total",
+            "accept_errors_total"]
 
 
 @pytest.fixture
@@ -67,21 +70,20 @@ def parse_exposition(text: str) -> dict[str, dict]:
 # -- /health ----------------------------------------------------------------------------
 
 
-def test_health_ok_includes_the_health_fields(serve):
-    server = serve(lambda: {"ranks": 4, "node": "n0"})
+def test_health_ok_shows_a_stranger_only_the_status(serve):
+    # what health() adds for the agent's own use (its version, its controllers) stays in
+    server = serve(lambda: {"ok": True, "version": "1.2.3", "controllers": 2, "node": "n0"})
     status, headers, body = request(server, "/health")
     assert status == 200
     assert headers["Content-Type"] == "application/json"
-    assert json.loads(body) == {"status": "ok", "ranks": 4, "node": "n0"}
+    assert json.loads(body) == {"status": "ok"}
 
 
 def test_health_503_when_health_reports_not_ok(serve):
-    server = serve(lambda: {"ok": False, "reason": "no controller"})
+    server = serve(lambda: {"ok": False, "reason": "no controller", "version": "1.2.3"})
     status, _, body = request(server, "/health")
     assert status == 503
-    report = json.loads(body)
-    assert report["status"] == "unhealthy"
-    assert report["reason"] == "no controller"
+    assert json.loads(body) == {"status": "unhealthy", "reason": "no controller"}
 
 
 def test_health_503_when_health_raises(serve):
@@ -92,7 +94,8 @@ def test_health_503_when_health_raises(serve):
     assert status == 503
     report = json.loads(body)
     assert report["status"] == "unhealthy"
-    assert "RuntimeError: supervisor gone" in report["error"]
+    # the exception's type, not its text (which could quote anything)
+    assert "RuntimeError" in report["reason"] and "supervisor gone" not in report["reason"]
 
 
 def test_health_503_when_health_returns_no_dict(serve):
@@ -193,6 +196,67 @@ def test_silent_client_is_dropped_after_the_request_timeout(serve):
         started = time.monotonic()
         assert silent.recv(1024) == b""  # closed by the server
         assert time.monotonic() - started < 3
+
+
+def test_a_trickling_client_is_cut_at_the_request_deadline(serve):
+    # one header byte every 0.3 s: each read is well within the deadline, the request never
+    # is; the server must close the connection at the deadline, not serve it at the end
+    server = serve(request_timeout=1.0)
+    with socket.create_connection(server.address) as slow:
+        slow.sendall(b"GET /health HTTP/1.1\r\n")
+        started = time.monotonic()
+        cut = None
+        for _ in range(40):  # 12 s of trickling at most
+            try:
+                slow.sendall(b"X")
+            except OSError:
+                cut = time.monotonic() - started
+                break
+            readable, _, _ = select.select([slow], [], [], 0.3)
+            if readable:
+                try:
+                    data = slow.recv(1024)
+                except OSError:
+                    data = b""
+                assert data == b"", f"the trickling client was answered: {data[:80]!r}"
+                cut = time.monotonic() - started
+                break
+        print(f"trickling client cut after {cut} s")
+        assert cut is not None and cut < 2.5, cut
+
+
+def test_the_connection_cap_holds_and_frees(serve):
+    server = serve(request_timeout=30, max_connections=3)
+    held = [socket.create_connection(server.address) for _ in range(3)]
+    try:
+        time.sleep(0.3)  # all three taken and being served (silently)
+        with socket.create_connection(server.address) as extra:
+            extra.settimeout(5)
+            started = time.monotonic()
+            try:
+                assert extra.recv(1024) == b""  # closed at once, unserved
+            except ConnectionResetError:
+                pass
+            assert time.monotonic() - started < 1
+        assert threading.active_count() < 40
+    finally:
+        for sock in held:
+            sock.close()
+    # once they are gone, requests are served again
+    assert helpers.wait_until(lambda: _status(server) == 200, 5)
+
+
+def test_max_connections_must_be_a_positive_integer():
+    for bad in (0, -1, 1.5, None):
+        with pytest.raises(ValueError, match="max_connections"):
+            HealthServer("127.0.0.1", 0, AgentMetrics(), dict, max_connections=bad)
+
+
+def _status(server: HealthServer) -> int | None:
+    try:
+        return request(server, "/health")[0]
+    except OSError:
+        return None
 
 
 def test_oversized_request_line_is_refused(serve):

@@ -12,8 +12,9 @@ connects to each pod's agent. The manifest is three objects, printed as YAML doc
                  most one per node; each runs
                    phalanx agent --host 0.0.0.0 --port PORT --http-port HTTP_PORT
                                  --token-file /etc/phalanx/token
-                 with the Secret mounted read-only at /etc/phalanx and GET /health on the
-                 http port as its readiness and liveness probes
+                 with the Secret mounted read-only at /etc/phalanx (the token file at mode
+                 0400, since the agent refuses a token file its group or others can read)
+                 and GET /health on the http port as its readiness and liveness probes
 
 On the controller, :func:`hosts` gives the agents' addresses::
 
@@ -53,6 +54,9 @@ CLUSTER_DOMAIN = "cluster.local"  # Kubernetes' default; clusters may be set up 
 TOKEN_DIR = "/etc/phalanx"  # where the pods mount the Secret
 TOKEN_KEY = "token"  # the Secret's key, and so the file's name under TOKEN_DIR
 TOKEN_BYTES = 32  # of randomness in a generated token (43 URL-safe characters)
+# The token file's mode in the pod: Kubernetes' default (0644) would be refused by the agent.
+# The file belongs to root: the agent runs as root (the image's default) to read it.
+TOKEN_MODE = 0o400
 APP_NAME = "phalanx-agent"  # app.kubernetes.io/name of every object
 CONTAINER_NAME = "agent"
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -209,6 +213,7 @@ def _stateful_set(name: str, replicas: int, image: str, namespace: str,
                         "secretName": token_secret,
                         # only the token, whatever else an existing Secret holds
                         "items": [{"key": TOKEN_KEY, "path": TOKEN_KEY}],
+                        "defaultMode": TOKEN_MODE,
                     }}],
                 },
             },

@@ -4,19 +4,22 @@ The controller (:class:`~phalanx.backends.cluster.backend.ClusterBackend`'s ``to
 ``token_file=`` or ``$PHALANX_TOKEN``) and every agent (``phalanx agent --token-file`` or
 ``$PHALANX_TOKEN``) hold the same secret; the handshake (:mod:`phalanx.wire.handshake`)
 proves it both ways. Both sides read it with these rules, so they refuse the same tokens.
+
+A token file is refused, as ssh refuses a private key, unless only its owner can read or
+write it (no group or other bits: ``chmod 600 FILE``) and that owner is this user (or root,
+who can read anything anyway): a file others can read gives the token away, and a file
+another user owns can be replaced by them with a token of their choosing.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import stat
 from collections.abc import Mapping
-from pathlib import Path
 
-logger = logging.getLogger(__name__)
+from phalanx import config
 
-TOKEN_ENV = "PHALANX_TOKEN"
+TOKEN_ENV = config.ENV_TOKEN
 MIN_TOKEN = 16  # bytes: a shorter shared secret is refused
 
 
@@ -25,15 +28,7 @@ def read_token(token_file: str | None, environ: Mapping[str, str] | None = None)
     is none or it is too short to be a secret."""
     env = os.environ if environ is None else environ
     if token_file is not None:
-        path = Path(token_file)
-        try:
-            token = path.read_bytes().strip()
-        except OSError as exc:
-            raise ValueError(f"cannot read the token file {token_file}: {exc}") from None
-        mode = path.stat().st_mode
-        if mode & (stat.S_IROTH | stat.S_IWOTH):
-            logger.warning("the token file %s can be read by anyone on this machine",
-                           token_file)
+        token = _read_private(token_file)
         where = f"the token file {token_file}"
     elif env.get(TOKEN_ENV):
         token, where = env[TOKEN_ENV].strip().encode(), f"${TOKEN_ENV}"
@@ -45,6 +40,47 @@ def read_token(token_file: str | None, environ: Mapping[str, str] | None = None)
                          f"{MIN_TOKEN} (e.g. python -c 'import secrets; "
                          "print(secrets.token_urlsafe(32))')")
     return token
+
+
+def _read_private(token_file: str) -> bytes:
+    """The token file's contents, once it is known to be private (see the module docstring).
+    The checks are made on the open descriptor, so the file read is the file checked
+    (and a FIFO put in its place cannot block the open)."""
+    try:
+        fd = os.open(token_file, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        raise ValueError(f"cannot read the token file {token_file}: "
+                         f"{exc.strerror or exc}") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        check_private(token_file, info.st_mode, info.st_uid)
+        try:
+            return f.read().strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read the token file {token_file}: "
+                             f"{exc.strerror or exc}") from None
+
+
+def check_private(token_file: str, mode: int, owner: int, uid: int | None = None) -> None:
+    """ValueError, naming the fix, unless a file of ``mode`` owned by ``owner`` is private to
+    user ``uid`` (this process's user by default)."""
+    uid = os.getuid() if uid is None else uid
+    if owner not in (uid, 0):
+        raise ValueError(f"the token file {token_file} belongs to user {owner}, not to this "
+                         f"user ({uid}): another user could change it: copy it to a file "
+                         f"of your own, then chmod 600 that file")
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"the token file {token_file} is not a regular file")
+    if stat.S_IMODE(mode) & 0o077:
+        who = []
+        for name, shift in (("its group", 3), ("others", 0)):
+            bits = (mode >> shift) & 0o7
+            verbs = [verb for verb, bit in (("read", 4), ("write", 2), ("run", 1)) if bits & bit]
+            if verbs:
+                who.append(f"{name} can {' and '.join(verbs)} it")
+        raise ValueError(f"the token file {token_file} has mode {stat.S_IMODE(mode):04o}: "
+                         f"{'; '.join(who)}. A token file must be private to its owner: "
+                         f"chmod 600 {token_file}")
 
 
 def given_token(token: str | bytes) -> bytes:

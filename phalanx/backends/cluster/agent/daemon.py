@@ -13,7 +13,18 @@ agent and starts, drives and stops that node's ranks through it
   the log naming both versions and the side to upgrade;
 - after it, frames over ``--max-frame-mib`` are refused (the connection ends, with the
   reason in the log) instead of being allocated;
-- each connection has a thread of its own, so one misbehaving client delays no other.
+- each connection has a thread of its own, so one misbehaving client delays no other;
+- connections still in their handshake are capped (:class:`Admission`): at most
+  ``config.AGENT_MAX_UNAUTHENTICATED`` in all (fewer when the descriptor limit is low: a
+  quarter of ``RLIMIT_NOFILE``, so that silent strangers never take the descriptors a
+  group's ranks need) and ``config.AGENT_MAX_UNAUTHENTICATED_PER_PEER`` from one address;
+  one more is closed unheard at once. Each has ``--handshake-timeout`` seconds in all, TLS
+  included, then a watchdog shuts it down;
+- the accept loop never dies: when accept() fails (no descriptor left: EMFILE, ENFILE) or
+  no thread can start for a connection, it logs once, reports the reason in
+  :meth:`Agent.health` (``/health`` answers 503 meanwhile), and backs off
+  (``config.AGENT_ACCEPT_BACKOFF`` doubling to ``config.AGENT_ACCEPT_BACKOFF_MAX``) until a
+  descriptor and a thread can be had again; then it logs that it recovered and accepts.
 
 It outlives its controllers: when one goes (its connection ends, or it is silent past
 ``--heartbeat-timeout``) its ranks are stopped, with everything they started, and the agent
@@ -23,12 +34,15 @@ serves the next one. ``--http-port`` serves ``/health`` (for Kubernetes probes) 
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import resource
 import signal
 import socket
 import ssl
 import threading
+import time
 from typing import Any
 
 from phalanx import __version__, config
@@ -43,6 +57,80 @@ logger = logging.getLogger(__name__)
 DEFAULT_PORT = config.AGENT_PORT
 
 
+# accept() failures that say nothing about the agent: the peer was gone before it was taken
+_PEER_GONE = (errno.ECONNABORTED, errno.EPROTO, errno.EPERM)
+
+
+class Admission:
+    """Connections not authenticated yet: how many in all and per peer address, and the
+    deadline of each. :meth:`admit` before a connection gets a thread, :meth:`release` once
+    it authenticated (or failed); :meth:`expire` shuts down those past their deadline, so a
+    handshake that trickles (TLS reads one record at a time, each under its own timeout)
+    still ends on time."""
+
+    def __init__(self, limit: int, per_peer: int, timeout: float) -> None:
+        if limit < 1 or per_peer < 1 or not timeout > 0:
+            raise ValueError(f"an admission needs limits of at least 1 and a positive "
+                             f"timeout, not {limit!r}, {per_peer!r}, {timeout!r}")
+        self.limit, self.per_peer, self.timeout = limit, per_peer, timeout
+        self._lock = threading.Lock()
+        # each connection -> its peer, deadline and descriptor's number (the TLS wrapper
+        # takes the descriptor from the socket object admitted)
+        self._pending: dict[socket.socket, tuple[str, float, int]] = {}
+        self._per_peer: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def admit(self, sock: socket.socket, peer: str) -> str | None:
+        """Take ``sock`` in (None), or say why not (the caller closes it)."""
+        with self._lock:
+            if len(self._pending) >= self.limit:
+                return f"{self.limit} connections are already in their handshake"
+            if self._per_peer.get(peer, 0) >= self.per_peer:
+                return f"{self.per_peer} connections from {peer} are already in their handshake"
+            self._pending[sock] = (peer, time.monotonic() + self.timeout, sock.fileno())
+            self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
+        return None
+
+    def release(self, sock: socket.socket) -> None:
+        with self._lock:
+            entry = self._pending.pop(sock, None)
+            if entry is not None:
+                left = self._per_peer[entry[0]] - 1
+                if left:
+                    self._per_peer[entry[0]] = left
+                else:
+                    del self._per_peer[entry[0]]
+
+    def expire(self) -> int:
+        """Shut down every connection past its deadline (its thread then fails and releases
+        it); how many."""
+        now = time.monotonic()
+        with self._lock:  # a connection is released before it is closed: the fd is its own
+            late = [fd for _, deadline, fd in self._pending.values() if deadline <= now]
+            for fd in late:
+                view = socket.socket(fileno=fd)  # the same descriptor, not a copy
+                try:
+                    view.shutdown(socket.SHUT_RDWR)
+                except OSError:  # its peer reset it meanwhile
+                    pass
+                finally:
+                    view.detach()
+        return len(late)
+
+
+def unauthenticated_limit(nofile: int | None = None) -> int:
+    """How many connections may be in their handshake at once: the configured cap, or a
+    quarter of this process's descriptor limit if that is less (at least 4)."""
+    if nofile is None:
+        nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if nofile == resource.RLIM_INFINITY or nofile <= 0:
+        return config.AGENT_MAX_UNAUTHENTICATED
+    return max(4, min(config.AGENT_MAX_UNAUTHENTICATED, nofile // 4))
+
+
 class Agent:
     """Listens for controllers; one :class:`Session` per authenticated connection."""
 
@@ -50,9 +138,13 @@ class Agent:
 
     def __init__(self, host: str, port: int, token: bytes, *,
                  heartbeat_timeout: float = config.DEFAULT_HEARTBEAT_TIMEOUT,
-                 max_frame: int = 1 << 30, handshake_timeout: float = 5.0,
+                 max_frame: int = 1 << 30,
+                 handshake_timeout: float = config.AGENT_HANDSHAKE_TIMEOUT,
                  metrics: Any = None, tls: ssl.SSLContext | None = None,
-                 store: str | os.PathLike[str] | None = None) -> None:
+                 store: str | os.PathLike[str] | None = None,
+                 max_unauthenticated: int | None = None,
+                 max_unauthenticated_per_peer: int = config.AGENT_MAX_UNAUTHENTICATED_PER_PEER
+                 ) -> None:
         from phalanx.backends.cluster.codesync import Store, default_store
 
         self._store = Store(store if store is not None else default_store())
@@ -62,37 +154,141 @@ class Agent:
         self._max_frame = max_frame
         self._handshake_timeout = handshake_timeout
         self._metrics = metrics
+        limit = unauthenticated_limit() if max_unauthenticated is None else max_unauthenticated
+        self._admission = Admission(limit, min(limit, max_unauthenticated_per_peer),
+                                    handshake_timeout)
         try:
-            self._listener = socket.create_server((host, port), backlog=128)
+            self._listener = socket.create_server((host, port),
+                                                  backlog=config.AGENT_LISTEN_BACKLOG)
         except OSError as exc:
             raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
         self._sessions: set[Session] = set()
         self._lock = threading.Lock()
         self._stopping = threading.Event()
+        self._accept_error: str | None = None  # why the control port cannot accept now
 
     @property
     def address(self) -> tuple[str, int]:
         return self._listener.getsockname()[:2]
 
     def health(self) -> dict[str, Any]:
+        """``ok`` false, with the ``reason``, while stopping or while the control port cannot
+        accept connections; how many controllers it serves."""
         with self._lock:
             sessions = len(self._sessions)
-        return {"ok": not self._stopping.is_set(), "controllers": sessions,
-                "version": __version__}
+            accept_error = self._accept_error
+        report: dict[str, Any] = {"ok": True, "controllers": sessions,
+                                  "version": __version__}
+        if self._stopping.is_set():
+            report.update(ok=False, reason="the agent is stopping")
+        elif accept_error is not None:
+            report.update(ok=False, reason=f"the control port cannot accept connections: "
+                                           f"{accept_error}")
+        return report
 
     def serve_forever(self) -> None:
-        """Accept controllers until :meth:`stop` (each on a thread of its own)."""
+        """Accept controllers until :meth:`stop` (each on a thread of its own); never ends
+        on an error of its own (see the module docstring)."""
         host, port = self.address
         logger.info("phalanx agent %s listening on %s:%d", __version__, host, port)
+        watchdog = threading.Thread(target=self._expire_handshakes, daemon=True,
+                                    name="phalanx-agent-handshakes")
+        watchdog.start()
         while not self._stopping.is_set():
             try:
-                sock, peer = self._listener.accept()
-            except OSError:
+                failure = self._accept_one()
+            except OSError as exc:
+                if self._stopping.is_set():
+                    break
+                failure = f"accept() failed: {exc.strerror or exc}"
+            if failure is not None:
+                self._weather(failure)
+
+    def _weather(self, failure: str) -> None:
+        """Report ``failure`` (once), then back off until a descriptor and a thread can be
+        had again. (With no descriptor left accept() fails at once, whether a connection
+        waits or not, so retrying accept itself would only spin; once it would not fail,
+        a blocking accept waits for the next connection as usual.)"""
+        started = time.monotonic()
+        logger.warning("the control port cannot take a connection: %s; retrying (health "
+                       "reports it until it can)", failure)
+        with self._lock:
+            self._accept_error = failure
+        self._count("accept_errors_total", 1)
+        backoff, attempts = config.AGENT_ACCEPT_BACKOFF, 1
+        while not self._stopping.wait(backoff):
+            backoff = min(backoff * 2, config.AGENT_ACCEPT_BACKOFF_MAX)
+            missing = self._missing_resource()
+            if missing is None:
                 break
+            attempts += 1
+            self._count("accept_errors_total", 1)
+            with self._lock:
+                self._accept_error = missing
+        with self._lock:
+            self._accept_error = None
+        if not self._stopping.is_set():
+            logger.warning("the control port can take connections again (after %d failed "
+                           "attempts over %.1f s)", attempts, time.monotonic() - started)
+
+    def _missing_resource(self) -> str | None:
+        """What a connection could not have now (a descriptor, a thread), or None."""
+        try:
+            os.close(os.dup(self._listener.fileno()))
+        except OSError as exc:
+            return f"accept() failed: {exc.strerror or exc}"
+        # named as a connection's thread: the same start is what must work again
+        probe = threading.Thread(target=lambda: None, daemon=True, name="phalanx-agent-conn")
+        try:
+            probe.start()
+        except RuntimeError as exc:
+            return f"no thread could start for a connection: {exc}"
+        probe.join()
+        return None
+
+    def _accept_one(self) -> str | None:
+        """Take one connection and start its thread; why that failed, if it did."""
+        try:
+            sock, peer = self._listener.accept()
+        except OSError as exc:
+            if exc.errno in _PEER_GONE:
+                return None
+            raise
+        refused = self._admission.admit(sock, peer[0])
+        if refused is not None:
+            self._count("connections_refused_total", 1)
+            logger.info("closed %s:%s unheard: %s", peer[0], peer[1], refused)
+            sock.close()
+            return None
+        try:
             threading.Thread(target=self._serve, args=(sock, peer), daemon=True,
                              name="phalanx-agent-conn").start()
+        except RuntimeError as exc:  # "can't start new thread": out of memory or pids
+            self._admission.release(sock)
+            sock.close()
+            return f"no thread could start for a connection: {exc}"
+        return None
 
-    def _serve(self, sock: socket.socket, peer: tuple) -> None:
+    def _expire_handshakes(self) -> None:
+        interval = min(0.5, self._handshake_timeout / 4)
+        while not self._stopping.wait(interval):
+            self._admission.expire()
+
+    def _serve(self, raw: socket.socket, peer: tuple) -> None:
+        try:
+            sock, proved = self._authenticate(raw, peer)
+        finally:
+            # released before anything is closed: the watchdog shuts connections down by
+            # their descriptor's number, which a closed one would hand to the next socket
+            self._admission.release(raw)
+        if not proved:
+            sock.close()  # the TLS wrapper, when there is one (the raw socket is detached)
+            return
+        self._run_session(sock, peer)
+
+    def _authenticate(self, raw: socket.socket, peer: tuple) -> tuple[socket.socket, bool]:
+        """The connection (TLS wrapped, if TLS) and whether its peer proved the token."""
+        sock = raw
         try:
             if self._tls is not None:  # TLS first; the token is then proved inside it
                 sock.settimeout(self._handshake_timeout)
@@ -102,12 +298,13 @@ class Agent:
         except (AuthenticationError, ssl.SSLError) as exc:
             self._count("auth_failures_total", 1)
             logger.warning("refused %s:%s: %s", peer[0], peer[1], exc)
-            sock.close()
-            return
+            return sock, False
         except OSError as exc:
             logger.info("connection from %s:%s failed: %s", peer[0], peer[1], exc)
-            sock.close()
-            return
+            return sock, False
+        return sock, True
+
+    def _run_session(self, sock: socket.socket, peer: tuple) -> None:
         session = self.session_class(sock, heartbeat_timeout=self._heartbeat_timeout,
                           max_frame=self._max_frame, counters=self._count, store=self._store,
                           secret=self._token)
@@ -162,15 +359,21 @@ def tls_context(cert: str, key: str) -> ssl.SSLContext:
 
 def run(host: str, port: int, token: bytes, *, http_port: int | None,
         heartbeat_timeout: float, max_frame: int, tls: ssl.SSLContext | None = None,
-        store: str | None = None) -> int:
+        store: str | None = None,
+        handshake_timeout: float = config.AGENT_HANDSHAKE_TIMEOUT) -> int:
     """``phalanx agent``: serve until SIGINT or SIGTERM; the exit status."""
+    # The token is read: from here on no process this agent starts (its supervisors, their
+    # ranks) inherits $PHALANX_TOKEN. (Ranks run as this user, so they could still read a
+    # token file: see the README's agent section.)
+    os.environ.pop(config.ENV_TOKEN, None)
     metrics = server = None
     try:
         from phalanx.backends.cluster.agent.http import AgentMetrics, HealthServer
 
         metrics = AgentMetrics()
         agent = Agent(host, port, token, heartbeat_timeout=heartbeat_timeout,
-                      max_frame=max_frame, metrics=metrics, tls=tls, store=store)
+                      max_frame=max_frame, handshake_timeout=handshake_timeout,
+                      metrics=metrics, tls=tls, store=store)
         if http_port is not None:
             server = HealthServer(host, http_port, metrics, agent.health)
     except OSError as exc:

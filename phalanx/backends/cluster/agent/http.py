@@ -4,11 +4,22 @@
 (:mod:`phalanx.wire.handshake`); this second port is deliberately not, so it serves only what a
 kubelet or a Prometheus server may read, and nothing that changes state::
 
-    GET /health   200 application/json {"status": "ok", **health()}
-                  503 {"status": "unhealthy", ...} when health() says {"ok": False, ...},
-                      raises, or returns something that is not a dict
+    GET /health   200 application/json {"status": "ok"}
+                  503 {"status": "unhealthy", "reason": "..."} when health() says
+                      {"ok": False, "reason": ...}, raises, or returns something that is
+                      not a dict
     GET /metrics  200 text/plain; version=0.0.4  AgentMetrics.render()
     other paths   404;  POST, PUT, DELETE, ...  405 (Allow: GET, HEAD)
+
+What a stranger may read here, and why no more:
+
+- ``/health`` says ok or not, and why not (a probe needs the first, whoever is paged the
+  second). It does not say the agent's version (which would tell an attacker which
+  release's bugs to try), how many controllers it serves, nor anything health() adds for
+  the agent's own use: only ``status`` and ``reason`` leave this port.
+- ``/metrics`` is the fixed table ``_METRICS``: counts and gauges of numbers, no labels, no
+  names, addresses, versions or paths. A count tells an attacker no more than watching the
+  traffic would (that the agent is busy, that refusals happen).
 
 Design:
 
@@ -16,11 +27,23 @@ Design:
   the Prometheus text format by hand: a dozen lines do not justify a dependency on every
   node, and the metric names are the agent's contract with dashboards, so they are listed
   here in one table (``_METRICS``) rather than created wherever they are first used.
-- :class:`HealthServer` is a :class:`http.server.ThreadingHTTPServer` on daemon threads.
-  Every request is bounded: a client has ``request_timeout`` seconds to send its request
-  (a connection that sends nothing is dropped, not kept on a thread), and http.server's
-  own limits refuse a request line over 64 KiB (414) and headers over 64 KiB a line or 100
-  lines (431). ``health()`` runs on the request's thread, so it must be quick.
+- :class:`HealthServer` is a :class:`http.server.ThreadingHTTPServer` on daemon threads,
+  every connection bounded:
+
+  - a deadline per connection, not per read: a client has ``request_timeout`` seconds
+    (``config.AGENT_HTTP_REQUEST_TIMEOUT``) from its connection being taken to its answer
+    sent, then the serving loop shuts the connection down, however it trickles (one header
+    line every few seconds kept a connection for as long as it liked when the timeout was
+    per read);
+  - at most ``max_connections`` (``config.AGENT_HTTP_MAX_CONNECTIONS``) are served at once;
+    one more is closed as soon as it is taken, so strangers hold a bounded number of threads;
+  - a listen backlog of ``config.AGENT_HTTP_BACKLOG``, so probes are not refused in a burst;
+  - http.server's own limits refuse a request line over 64 KiB (414) and headers over
+    64 KiB a line or 100 lines (431);
+  - when accept() fails (no descriptor left), the loop waits a moment before it tries
+    again instead of spinning on the still-readable listener.
+
+  ``health()`` runs on the request's thread, so it must be quick.
 - The socket is bound in the constructor, so a port that is taken fails where the agent
   starts, with the address in the message, not later on a background thread.
 - Requests are logged at DEBUG only: probes arrive every few seconds on every node.
@@ -36,19 +59,27 @@ import logging
 import math
 import socket
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from socketserver import TCPServer
 from urllib.parse import urlsplit
+
+from phalanx import config
 
 logger = logging.getLogger(__name__)
 
 PREFIX = "phalanx_agent_"
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Seconds a client has to send its request and to take the answer. A kubelet probe sends
-# its request at once; the bound is for connections that never do. (Belongs in config.py
-# with the other timeouts once the agent lands.)
-REQUEST_TIMEOUT = 5.0
+# its request at once; the bound is for connections that never do.
+REQUEST_TIMEOUT = config.AGENT_HTTP_REQUEST_TIMEOUT
+MAX_CONNECTIONS = config.AGENT_HTTP_MAX_CONNECTIONS
+# Only these fields of health() leave the port (see the module docstring).
+_PUBLIC_HEALTH = ("status", "reason")
+# accept() errors that mean "no resource now": wait this long before trying again
+_ACCEPT_RETRY = 0.05
+_OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 # How long close() may wait for the serving loop to notice (socketserver polls for its
 # shutdown flag); ten idle wake-ups a second cost nothing measurable.
 _POLL_INTERVAL = 0.1
@@ -66,6 +97,10 @@ _METRICS: tuple[tuple[str, str, str], ...] = (
     ("sent_bytes_total", "counter", "Bytes sent on the control connections."),
     ("restarts_total", "counter", "Ranks started again after their first start."),
     ("auth_failures_total", "counter", "Connections that failed authentication."),
+    ("connections_refused_total", "counter",
+     "Control connections closed unheard: too many were in their handshake."),
+    ("accept_errors_total", "counter",
+     "Times the control port could not take a connection (no descriptor or thread left)."),
 )
 
 
@@ -132,18 +167,20 @@ def _format_value(value: float) -> str:
 
 
 def health_response(health: Callable[[], dict]) -> tuple[int, dict]:
-    """The status code and JSON body of ``GET /health`` (pure apart from calling health)."""
+    """The status code and JSON body of ``GET /health`` (pure apart from calling health):
+    only the fields a stranger may read (see the module docstring)."""
     try:
         report = health()
     except Exception as exc:  # a broken check is an unhealthy agent, not a dead port
         logger.debug("agent health check raised", exc_info=True)
-        return 503, {"status": "unhealthy", "error": f"{type(exc).__name__}: {exc}"}
+        return 503, {"status": "unhealthy",
+                     "reason": f"the health check failed ({type(exc).__name__})"}
     if not isinstance(report, dict):
         return 503, {"status": "unhealthy",
-                     "error": f"health() returned {type(report).__name__}, not a dict"}
-    status = "ok" if report.get("ok", True) is not False else "unhealthy"
-    body = {"status": status, **{k: v for k, v in report.items() if k != "status"}}
-    return (200 if status == "ok" else 503), body
+                     "reason": f"health() returned {type(report).__name__}, not a dict"}
+    if report.get("ok", True) is not False:
+        return 200, {"status": "ok"}
+    return 503, {"status": "unhealthy", "reason": str(report.get("reason", "not ok"))}
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -206,12 +243,17 @@ class _Handler(BaseHTTPRequestHandler):
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = config.AGENT_HTTP_BACKLOG
 
     def __init__(self, address: tuple[str, int], metrics: AgentMetrics,
-                 health: Callable[[], dict], request_timeout: float) -> None:
+                 health: Callable[[], dict], request_timeout: float,
+                 max_connections: int) -> None:
         self.metrics = metrics
         self.health = health
         self.request_timeout = request_timeout
+        self.max_connections = max_connections
+        self._deadlines: dict[socket.socket, float] = {}  # connections being served
+        self._deadlines_lock = threading.Lock()
         super().__init__(address, _Handler, bind_and_activate=False)
 
     def server_bind(self) -> None:
@@ -219,6 +261,53 @@ class _Server(ThreadingHTTPServer):
         # can stall for seconds in a pod without DNS; nothing here needs that name.
         TCPServer.server_bind(self)
         self.server_name, self.server_port = self.server_address[:2]
+
+    def get_request(self) -> tuple[socket.socket, object]:
+        try:
+            return super().get_request()
+        except OSError as exc:
+            if exc.errno in _OUT_OF_RESOURCES:
+                # the listener stays readable: without a pause the loop would spin on it
+                time.sleep(_ACCEPT_RETRY)
+            raise
+
+    def process_request(self, request: socket.socket, client_address: object) -> None:
+        with self._deadlines_lock:
+            full = len(self._deadlines) >= self.max_connections
+            if not full:
+                self._deadlines[request] = time.monotonic() + self.request_timeout
+        if full:
+            logger.debug("agent http: %d connections are served already; closed one from %s",
+                         self.max_connections, client_address)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread could start: the connection is not served
+            self._forget(request)
+            self.shutdown_request(request)
+            raise
+
+    def process_request_thread(self, request: socket.socket, client_address: object) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._forget(request)
+
+    def _forget(self, request: socket.socket) -> None:
+        with self._deadlines_lock:
+            self._deadlines.pop(request, None)
+
+    def service_actions(self) -> None:
+        # Run by serve_forever every poll interval: the per-connection deadline.
+        now = time.monotonic()
+        with self._deadlines_lock:
+            late = [sock for sock, deadline in self._deadlines.items() if deadline <= now]
+            for sock in late:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)  # its thread reads EOF and ends
+                except OSError:  # closed meanwhile
+                    pass
 
     def handle_error(self, request: object, client_address: object) -> None:
         # socketserver's default prints the traceback to stderr.
@@ -238,12 +327,16 @@ class HealthServer:
 
     def __init__(self, host: str, port: int, metrics: AgentMetrics,
                  health: Callable[[], dict], *,
-                 request_timeout: float = REQUEST_TIMEOUT) -> None:
+                 request_timeout: float = REQUEST_TIMEOUT,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         if not request_timeout > 0:
             raise ValueError(f"request_timeout must be a positive number of seconds, "
                              f"not {request_timeout!r}")
+        if not (isinstance(max_connections, int) and max_connections >= 1):
+            raise ValueError(f"max_connections must be a positive integer, "
+                             f"not {max_connections!r}")
         server_class = _Server6 if ":" in host else _Server
-        server = server_class((host, port), metrics, health, request_timeout)
+        server = server_class((host, port), metrics, health, request_timeout, max_connections)
         try:
             server.server_bind()
             server.server_activate()
