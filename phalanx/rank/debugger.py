@@ -11,6 +11,7 @@ markers); the client's side, ``phalanx debug``, is :mod:`phalanx.cli.debug`::
     write DIR/<pid>-<port>.json (0600) ---------> read the records, drop stale ones
     "[phalanx] rank R ... is waiting" on stderr
     accept <------------------------------------- connect, send "<token>\\n"
+    (every connection at once, see below)
     hmac.compare_digest(token)  ----- "ok\\n" --> (or "refused: ...\\n", and keep waiting)
     remove the record, close the listener
     pdb on the connection: its output as text,
@@ -22,6 +23,21 @@ Who may attach: the records live in a per-user directory (``PHALANX_DEBUG_DIR``,
 ``/tmp/phalanx-debug-<uid>``) that must be a directory of ours, kept at mode 0700; each record
 holds a random token that the client must send before the rank reads anything else from it.
 The socket listens on the loopback interface only, so attaching happens on the rank's host.
+
+Other users on the host can still reach that port, and ``/tmp`` is theirs too, so:
+
+- connections are checked together, on the waiting thread, with a selector: each has
+  ``config.DEBUG_TOKEN_TIMEOUT`` seconds in all to send its line, and past
+  ``config.DEBUG_MAX_PENDING`` held at once the oldest is dropped. Strangers that connect
+  and say nothing therefore delay no one: the owner's client sends its token as soon as it
+  is connected and is answered at once (when tokens were read one connection at a time,
+  four silent connections made ``phalanx debug`` time out again and again). The backlog is
+  ``config.DEBUG_BACKLOG``;
+- a path at ``/tmp/phalanx-debug-<uid>`` that is not a directory of ours (another user made
+  it first, or put a link there) is never used: both sides then use
+  ``~/.cache/phalanx/debug`` (the home directory from the password database, not
+  ``$HOME``, so that both find the same one). ``$PHALANX_DEBUG_DIR`` set to a path not ours
+  is refused, naming its owner and what to do.
 
 How the session ends:
 
@@ -45,7 +61,9 @@ import hmac
 import json
 import os
 import pdb
+import pwd
 import secrets
+import selectors
 import socket
 import stat
 import sys
@@ -55,8 +73,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from phalanx import config
+
 ENV_DEBUG_DIR = "PHALANX_DEBUG_DIR"  # where ranks register while they wait for a debugger
-TOKEN_TIMEOUT = 5.0  # seconds a connecting client has to send the token
+TOKEN_TIMEOUT = config.DEBUG_TOKEN_TIMEOUT  # seconds a connecting client has to send the token
 INPUT_MARKER = b"\0"  # rank -> client: "pdb now waits for one line of input"
 _TOKEN_LINE_LIMIT = 256  # bytes; a longer first line is not a token
 _START_TIME_SLACK = 1.0  # seconds; a pid whose process started later than recorded was reused
@@ -64,32 +84,69 @@ _RANK_VARS = ("RANK", "PHALANX_RANK")
 
 
 def default_dir(environ: Mapping[str, str] | None = None) -> Path:
-    """Where ranks register: ``$PHALANX_DEBUG_DIR``, else ``/tmp/phalanx-debug-<uid>``."""
+    """Where ranks register: ``$PHALANX_DEBUG_DIR``, else ``/tmp/phalanx-debug-<uid>``
+    unless something not ours is there, else ``~/.cache/phalanx/debug``."""
     env = os.environ if environ is None else environ
     chosen = env.get(ENV_DEBUG_DIR)
-    return Path(chosen) if chosen else Path("/tmp") / f"phalanx-debug-{os.getuid()}"
+    if chosen:
+        return Path(chosen)
+    shared = Path("/tmp") / f"phalanx-debug-{os.getuid()}"
+    try:
+        info = os.lstat(shared)
+    except FileNotFoundError:
+        return shared
+    except OSError:
+        info = None
+    if info is not None and stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid():
+        return shared
+    # Someone else took the name: a home directory is ours alone. From the password
+    # database, not $HOME, which a rank's environment may not share with the terminal.
+    return Path(pwd.getpwuid(os.getuid()).pw_dir) / ".cache" / "phalanx" / "debug"
 
 
 def private_dir(path: Path, *, create: bool) -> bool:
     """Make sure ``path`` is a directory only this user can use (mode 0700, tightened if
-    needed); create it when ``create``. False when it does not exist (and was not created).
-    Raises ``PermissionError`` for a path another user owns or that is not a directory: a
-    directory someone else controls could collect the tokens."""
+    needed); create it (mode 0700) when ``create``. False when it does not exist (and was
+    not created). Raises ``PermissionError`` naming the owner for a path another user owns
+    or that is not a directory: a directory someone else controls could collect the
+    tokens."""
     if create:
-        with contextlib.suppress(FileExistsError):
+        try:
             path.mkdir(mode=0o700, parents=True)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise PermissionError(f"cannot create the debugger's directory {path}: "
+                                  f"{exc.strerror or exc}; point {ENV_DEBUG_DIR} at a "
+                                  f"directory of yours (mode 0700)") from exc
     try:
         info = os.lstat(path)
     except FileNotFoundError:
         return False
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+    uid = os.getuid()
+    fix = (f"point {ENV_DEBUG_DIR} at a directory of yours (mode 0700), e.g. "
+           f"{ENV_DEBUG_DIR}=~/.cache/phalanx/debug, in the ranks' environment and in "
+           f"phalanx debug's")
+    if info.st_uid != uid:
         raise PermissionError(
-            f"{path} is not a directory of user {os.getuid()}; debugger records need a "
-            f"private one: point {ENV_DEBUG_DIR} at a directory of yours"
+            f"{path} belongs to user {_user_name(info.st_uid)}, not to you "
+            f"({_user_name(uid)}): phalanx keeps debugger tokens only in a directory of "
+            f"yours; {fix}"
         )
+    if not stat.S_ISDIR(info.st_mode):
+        kind = "a symbolic link" if stat.S_ISLNK(info.st_mode) else "not a directory"
+        raise PermissionError(f"{path} is {kind}; debugger records need a private "
+                              f"directory: {fix}")
     if info.st_mode & 0o077:
         os.chmod(path, 0o700)
     return True
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
 
 
 def _process_start(pid: int) -> float | None:
@@ -211,7 +268,7 @@ def breakpoint(*, timeout: float | None = None) -> bool:
     connection = None
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
         listener.bind(("127.0.0.1", 0))
-        listener.listen(4)
+        listener.listen(config.DEBUG_BACKLOG)
         token = secrets.token_hex(32)
         record = WaitingRank(
             rank=_rank_from_env(), pid=os.getpid(), host=socket.gethostname(),
@@ -245,36 +302,96 @@ def breakpoint(*, timeout: float | None = None) -> bool:
 
 def _accept(listener: socket.socket, token: bytes, deadline: float | None
             ) -> socket.socket | None:
-    """The first connection that sends ``token``, or None once ``deadline`` passed."""
-    while True:
-        if deadline is None:
-            listener.settimeout(None)
-        else:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            listener.settimeout(remaining)
+    """The first connection that sends ``token``, or None once ``deadline`` passed. Every
+    connection is checked at once (see the module docstring): one that stalls holds only
+    itself."""
+    pending: dict[socket.socket, tuple[float, bytearray]] = {}  # oldest first
+    listener.setblocking(False)
+    with selectors.DefaultSelector() as selector:
+        selector.register(listener, selectors.EVENT_READ)
+
+        def drop(conn: socket.socket) -> None:
+            selector.unregister(conn)
+            del pending[conn]
+            conn.close()
+
         try:
-            connection, _ = listener.accept()
-        except TimeoutError:
-            return None
-        if _authenticate(connection, token):
-            connection.settimeout(None)
-            connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            return connection
-        connection.close()
+            while True:
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    return None
+                for conn, (due, _) in list(pending.items()):
+                    if due <= now:  # a client that vanished or stalled
+                        drop(conn)
+                dues = [due for due, _ in pending.values()]
+                if deadline is not None:
+                    dues.append(deadline)
+                events = selector.select(None if not dues else max(0.0, min(dues) - now))
+                for key, _ in events:
+                    if key.fileobj is listener:
+                        for conn in _take(listener):
+                            if len(pending) >= config.DEBUG_MAX_PENDING:
+                                drop(next(iter(pending)))
+                            conn.setblocking(False)
+                            pending[conn] = (time.monotonic() + TOKEN_TIMEOUT, bytearray())
+                            selector.register(conn, selectors.EVENT_READ)
+                        continue
+                    conn: socket.socket = key.fileobj  # type: ignore[assignment]
+                    line = _line_so_far(conn, pending[conn][1])
+                    if line is None:
+                        continue
+                    selector.unregister(conn)
+                    del pending[conn]
+                    if _answer(conn, line, token):
+                        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                        return conn
+                    conn.close()
+        finally:
+            for conn in pending:
+                conn.close()
 
 
-def _authenticate(connection: socket.socket, token: bytes) -> bool:
-    """Read the client's first line and compare it with the token; answer either way. (The
-    client sends nothing else before the answer, so no byte of the session is read here.)"""
-    connection.settimeout(TOKEN_TIMEOUT)
+def _take(listener: socket.socket) -> list[socket.socket]:
+    """The connections waiting on the non-blocking ``listener``, as many as there are."""
+    taken = []
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return taken
+        except OSError:  # out of descriptors, or the peer already gone: try again later
+            return taken
+        taken.append(conn)
+
+
+def _line_so_far(conn: socket.socket, received: bytearray) -> bytes | None:
+    """Read what ``conn`` has; its first line once complete (b"" when it closed, or
+    ``_TOKEN_LINE_LIMIT`` bytes came without a newline), else None."""
     try:
-        received, _ = read_line(connection)
-        accepted = hmac.compare_digest(received.strip(), token)
-        connection.sendall(b"ok\n" if accepted else b"refused: wrong token\n")
-    except OSError:  # a client that vanished or stalled: wait for the next one
+        chunk = conn.recv(_TOKEN_LINE_LIMIT)
+    except (BlockingIOError, InterruptedError):
+        return None
+    except OSError:
+        return b""
+    if not chunk:
+        return b""
+    received += chunk
+    if b"\n" not in received and len(received) < _TOKEN_LINE_LIMIT:
+        return None
+    return bytes(received).partition(b"\n")[0]
+
+
+def _answer(conn: socket.socket, line: bytes, token: bytes) -> bool:
+    """Compare the client's first line with the token and answer either way. (The client
+    sends nothing else before the answer, so no byte of the session was read.)"""
+    accepted = bool(line) and hmac.compare_digest(line.strip(), token)
+    conn.settimeout(TOKEN_TIMEOUT)
+    try:
+        conn.sendall(b"ok\n" if accepted else b"refused: wrong token\n")
+    except OSError:  # it vanished meanwhile: wait for the next one
         return False
+    if accepted:
+        conn.settimeout(None)
     return accepted
 
 
