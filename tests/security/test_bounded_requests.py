@@ -30,6 +30,7 @@ from phalanx.backends.cluster import messages as agentwire
 from phalanx.backends.cluster import tree as agenttree
 from phalanx.backends.cluster.agent.branch import malformed_from_child
 from phalanx.backends.cluster.agent.share import NodeObjects
+from phalanx.backends.cluster.link import AgentLink
 from phalanx.wire import framing, protocol
 from tests import helpers
 from tests.agentcluster import free_port, listening, terminate
@@ -340,3 +341,18 @@ def test_a_hold_past_the_most_objects_held_is_refused_before_it_is_written(monke
         objects.check_room(3)
     finally:
         objects.close()
+
+
+def test_a_controllers_request_over_a_limit_fails_alone_and_the_node_stays(agent):
+    writer = framing.BacklogWriter("test-writer")
+    joined = agenttree.connect_agent(HOST, agent.port, agent.token, None, 5.0)
+    link = AgentLink(joined, writer, 1 << 30)
+    try:
+        with pytest.raises(px.PhalanxError, match=r"it refused a request: PORTS count is "
+                                                  r"1000000, over the agent's limit of 1024"):
+            link.request(agentwire.PORTS, 10**6, timeout=5)
+        assert link.lost_reason is None
+        assert len(set(link.request(agentwire.PORTS, 3, timeout=5))) == 3
+    finally:
+        link.close()
+        writer.stop()

@@ -364,6 +364,8 @@ class AgentLink(Link):
             elif kind == agentwire.LOST:
                 ids, reason = extra
                 self.lose_nodes([self.nodes[i] for i in ids if i in self.nodes], reason)
+            elif kind == agentwire.FAULT and call_id:  # one request refused: it alone fails
+                self._answer(call_id, False, str(extra[0]))
             elif kind == agentwire.FAULT:
                 self.lose(str(extra[0]))
                 return
