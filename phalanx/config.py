@@ -88,6 +88,7 @@ AGENT_MAX_HELD = 4096  # put objects one controller holds on a node (each a memf
 
 # Set by the controller for each worker (the framework-agnostic names are in frameworks.py).
 ENV_FD = "PHALANX_FD"  # file descriptor of the worker's control socket
+ENV_FRAME_KEYS = "PHALANX_FRAME_KEYS"  # its frame keys, when that socket crossed a network
 ENV_PARENT_PID = "PHALANX_PARENT_PID"  # the parent's pid, re-checked after PDEATHSIG
 ENV_STACKS_FD = "PHALANX_STACKS_FD"  # file the worker dumps its threads' stacks into
 STACKS_SIGNAL = signal.SIGRTMIN + 3  # asks for that dump (SIGUSR1/2 are the frameworks')

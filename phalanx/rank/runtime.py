@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from phalanx import __version__, config
 from phalanx.rank import faults
 from phalanx.rank import shared as shmrank
-from phalanx.wire import framing, pickling, protocol, streams
+from phalanx.wire import framing, pickling, protocol, seal, streams
 
 if TYPE_CHECKING:
     from phalanx.errors import RemoteFailure
@@ -547,8 +547,13 @@ def main() -> None:
     parent = int(os.environ.pop(config.ENV_PARENT_PID, "0"))
     _check_parent(parent)
     stream = _open_stream(os.environ.pop(config.ENV_FD))
+    # a socket to the controller over the network (a Ray actor's connect-back) comes with
+    # the keys of its handshake: every frame on it is sealed and checked (wire.seal)
+    keys = os.environ.pop(config.ENV_FRAME_KEYS, None)
+    auth = seal.FrameAuth.taken_over(keys) if keys else None
     _watch_for_hangup(stream)
-    conn = framing.Connection(stream, framing.BacklogWriter("phalanx-worker-writer"))
+    conn = framing.Connection(stream, framing.BacklogWriter("phalanx-worker-writer"),
+                              auth=auth)
     sys.exit(run(conn, WorkerRuntime(conn)))
 
 

@@ -18,6 +18,12 @@ sides reading while they write, so two peers sending to each other cannot deadlo
 The bytes travel over a :class:`Stream`: a pair of pipes between processes on one machine,
 a socket between machines. This module knows nothing of workers or groups; it only moves
 frames, and never looks inside segment 0.
+
+A connection made over the network carries the keys of its handshake (``auth``,
+:mod:`phalanx.wire.seal`): each frame is sealed as it is sent (its tag appended as one more
+segment) and a :class:`VerifyingReader` checks each complete frame the reader returns
+before anyone sees it, so no frame of a stranger is ever parsed. One that fails ends the
+connection (:class:`FrameRejected`, a :class:`ConnectionLost`), logged with the reason.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import struct
 import threading
 from typing import Any
 
+from phalanx.wire.seal import PREHASH, TAG_SIZE, Digests, FrameAuth
 from phalanx.wire.streams import MAX_SEGMENTS as _MAX_SEGMENTS
 from phalanx.wire.streams import Stream, WakePipe
 
@@ -315,6 +322,118 @@ class FrameReader:
         return spare
 
 
+# ------------------------------------------------------- authenticated frames (seal.py)
+
+
+class FrameRejected(ConnectionLost):
+    """A frame failed its tag (forged, altered, replayed or out of order): the stream
+    cannot be trusted from there on, and nothing in that frame was read."""
+
+
+class VerifyingReader:
+    """A :class:`FrameReader` whose every complete frame is checked against the
+    connection's keys before it is returned, its tag removed (``auth.check``). The first
+    frame that fails raises :class:`FrameRejected`, and so does every call after it."""
+
+    def __init__(self, reader: FrameReader, auth: FrameAuth, where: str = "") -> None:
+        self.reader = reader
+        self._auth = auth
+        self._where = where
+        self._rejected: FrameRejected | None = None
+
+    def recv_frames(self, block: bool = True) -> list[list[Any]]:
+        if self._rejected is not None:
+            raise self._rejected
+        frames = self.reader.recv_frames(block)
+        check = self._auth.check
+        for segs in frames:
+            if not check(segs):
+                number = self._auth.received
+                self._rejected = FrameRejected(
+                    f"frame {number} from the peer failed authentication (altered, forged "
+                    "or out of order: something between the two ends wrote to the stream)")
+                logger.warning("closing a connection%s: %s", self._where, self._rejected)
+                raise self._rejected
+            segs.pop()
+        return frames
+
+    # The reader's limits, as its owner sets them (a sealed frame has one more segment).
+    @property
+    def limit(self) -> int | None:
+        return self.reader.limit
+
+    @limit.setter
+    def limit(self, value: int | None) -> None:
+        self.reader.limit = value
+
+    @property
+    def max_segments(self) -> int | None:
+        value = getattr(self.reader, "max_segments", None)
+        return None if value is None else value - 1
+
+    @max_segments.setter
+    def max_segments(self, value: int | None) -> None:
+        self.reader.max_segments = None if value is None else value + 1
+
+
+_TAG_LENGTH = _LEN.pack(TAG_SIZE)
+
+
+def seal_frames(segments: list[Any], auth: FrameAuth,
+                digests: Digests | None = None) -> list[Any]:
+    """``segments`` (one frame or several, as :func:`frame` built them, maybe joined) with
+    each frame's tag appended as one more segment (``digests``: large segments' hashes,
+    shared by the connections of one writer). Each frame's prefix and table lie in one
+    buffer, and each of its segments in one buffer (:func:`frame` makes them so)."""
+    if len(segments) == 1 and type(segments[0]) is bytes:  # one small frame: nearly all
+        whole = segments[0]
+        nseg, body = _unpack_prefix(whole)
+        if len(whole) == _PREFIX_SIZE + body and body < PREHASH:
+            table_end = _PREFIX_SIZE + 8 * nseg
+            with memoryview(whole) as mv:  # its table and bytes are contiguous: one update
+                tag = auth.sign(nseg, mv[_PREFIX_SIZE:], ())
+                return [b"".join((_PREFIX.pack(nseg + 1, body + 8 + TAG_SIZE),
+                                  mv[_PREFIX_SIZE:table_end], _TAG_LENGTH, mv[table_end:],
+                                  tag))]
+    out: list[Any] = []
+    small = True
+    i, pos, count = 0, 0, len(segments)
+    buf = segments[0]
+    mv = _byte_view(buf)
+    while i < count:
+        nseg, body = _unpack_prefix(mv, pos)
+        start = pos + _PREFIX_SIZE
+        pos = start + 8 * nseg
+        table = mv[start:pos]
+        pieces: list[Any] = []
+        for length in _table(nseg).unpack_from(mv, start):
+            while pos == len(mv) and length:  # its own buffer (past any empty one)
+                i += 1
+                buf = segments[i]
+                mv, pos = _byte_view(buf), 0
+            if pos + length > len(mv):
+                raise ValueError("a frame's segment runs over two buffers")
+            pieces.append(buf if pos == 0 and length == len(mv) else mv[pos:pos + length])
+            pos += length
+        out.append(_PREFIX.pack(nseg + 1, body + 8 + TAG_SIZE) + table + _TAG_LENGTH)
+        out += pieces
+        out.append(auth.sign(nseg, table, pieces, digests))
+        small = small and body < _SMALL_FRAME
+        while pos == len(mv):  # the next frame's buffer (past any empty one)
+            i += 1
+            if i == count:
+                break
+            buf = segments[i]
+            mv, pos = _byte_view(buf), 0
+    if small and len(out) > 1:  # one plain send, as frame() makes small frames
+        return [b"".join(out)]
+    return out
+
+
+def _byte_view(buf: Any) -> memoryview:
+    return memoryview(buf) if type(buf) is bytes else memoryview(buf).cast("B")
+
+
 # --------------------------------------------------------------------------- sending
 
 
@@ -336,14 +455,22 @@ class Connection:
 
     ``send`` may be called from any thread and never blocks on the peer; receiving is done
     by one thread at a time (the worker's main loop, or the controller's dispatcher).
+    With ``auth`` (a network connection: the keys its handshake gave) every frame is sealed
+    as it is sent, in the order it is written, and ``reader`` verifies every frame.
     """
 
     def __init__(self, stream: Stream, writer: BacklogWriter,
-                 reader: FrameReader | None = None) -> None:
+                 reader: FrameReader | VerifyingReader | None = None,
+                 auth: FrameAuth | None = None) -> None:
         self.stream = stream
         self.read_fd = stream.read_fd
         self.write_fd = stream.write_fd
-        self.reader = reader or FrameReader(stream)  # one that may hold bytes read already
+        reader = reader or FrameReader(stream)  # one that may hold bytes read already
+        if auth is not None and not isinstance(reader, VerifyingReader):
+            reader = VerifyingReader(reader, auth)
+        self.reader: Any = reader
+        self._auth = auth  # the handshake's keys: every frame sent is sealed with them
+        self._digests = getattr(writer, "digests", None)  # large segments' hashes, shared
         self._write = stream.write_nowait
         self._lock = threading.Lock()
         self._backlog: collections.deque = collections.deque()
@@ -352,13 +479,18 @@ class Connection:
         self.closed = False
 
     def send(self, segments: list[Any]) -> None:
-        """Queue one frame (already built by :func:`frame`); raises ConnectionLost if broken."""
+        """Queue one frame, or several back to back (built by :func:`frame`); raises
+        ConnectionLost if broken."""
         with self._lock:
             if self._backlog or self.broken is not None or self.closed:
                 if self.broken is not None or self.closed:
                     raise ConnectionLost(f"connection is closed ({self.broken or 'closed'})")
+                if self._auth is not None:
+                    segments = seal_frames(segments, self._auth, self._digests)
                 self._backlog.extend(segments)
                 return
+            if self._auth is not None:
+                segments = seal_frames(segments, self._auth, self._digests)
             if len(segments) == 1:
                 total = len(segments[0])  # one bytes object: see frame()
             else:
@@ -411,6 +543,9 @@ class BacklogWriter:
     """
 
     def __init__(self, name: str = "phalanx-writer") -> None:
+        # the connections it writes for send one payload to many peers (a call to every
+        # agent): its large segments are hashed once for all their tags
+        self.digests = Digests()
         self._pending: set[Connection] = set()
         self._lock = threading.Lock()
         self._wake = WakePipe()

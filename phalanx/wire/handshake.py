@@ -13,7 +13,13 @@ talks to the side that holds the secret::
     connector -> acceptor   HMAC(secret, "connector" | greeting | nonce_a)
 
 ``greeting`` is everything the connector sent and the acceptor's version, so the proofs
-cover both versions. The versions are ``phalanx.__version__`` of each side, compared first
+cover both versions. The handshake also gives each side the keys that authenticate every
+frame after it (:mod:`phalanx.wire.seal`, derived from the secret, ``greeting`` and
+``nonce_a``): :func:`connect` returns them, :func:`accept` returns them in its
+:class:`Hello`, and the caller hands them to the connection
+(:class:`phalanx.wire.framing.Connection`'s ``auth``). Proving the secret once is not
+enough: a relay that forwarded these bytes could otherwise write frames of its own after
+them. The versions are ``phalanx.__version__`` of each side, compared first
 because pickles name module paths, which move between releases: two releases never get as
 far as exchanging one, and each side raises :class:`~phalanx.errors.VersionMismatch` naming
 both versions and the side to upgrade. The magic and the version come first in every
@@ -36,6 +42,7 @@ import time
 
 import phalanx
 from phalanx.errors import AuthenticationError, VersionMismatch
+from phalanx.wire import seal
 
 MAGIC = b"PHALANX2"
 _BEFORE_VERSIONS = b"PHALANX1"  # the magic of the releases whose handshake had no version
@@ -60,6 +67,8 @@ class Hello:
     role: int
     rank: int
     incarnation: int
+    # the connection's frame keys (set by accept; a Hello built to connect has none)
+    auth: seal.FrameAuth | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 def _mac(secret: bytes, label: bytes, *parts: bytes) -> bytes:
@@ -113,10 +122,10 @@ def _refuse(sock: socket.socket, deadline: float) -> None:
 
 def connect(sock: socket.socket, secret: bytes, hello: Hello, timeout: float,
             peer: str = "the controller", own: str = "this process",
-            version: str | None = None) -> None:
+            version: str | None = None) -> seal.FrameAuth:
     """The connecting side: introduce itself, compare versions, check the acceptor's proof,
-    prove its own. ``peer`` and ``own`` name the two sides in errors; ``version``: this
-    side's (default ``phalanx.__version__``)."""
+    prove its own; the keys of the frames that follow. ``peer`` and ``own`` name the two
+    sides in errors; ``version``: this side's (default ``phalanx.__version__``)."""
     deadline = time.monotonic() + timeout
     version = phalanx.__version__ if version is None else version
     nonce = secrets.token_bytes(32)
@@ -140,13 +149,15 @@ def connect(sock: socket.socket, secret: bytes, hello: Hello, timeout: float,
                                   "token or secret on one side)")
     sock.sendall(_mac(secret, b"connector", greeting, their_nonce))
     sock.settimeout(None)
+    return seal.derive(secret, greeting + their_nonce, connector=True)
 
 
 def accept(sock: socket.socket, secret: bytes, timeout: float, peer: str = "the peer",
            own: str = "this process", version: str | None = None) -> Hello:
     """The accepting side: read the greeting, compare versions, prove the secret, check the
-    peer's proof. ``peer`` and ``own`` name the two sides in errors; ``version``: this
-    side's (default ``phalanx.__version__``)."""
+    peer's proof; who it is, with the keys of the frames that follow (``auth``). ``peer``
+    and ``own`` name the two sides in errors; ``version``: this side's (default
+    ``phalanx.__version__``)."""
     deadline = time.monotonic() + timeout
     version = phalanx.__version__ if version is None else version
     magic = _read(sock, len(MAGIC), deadline)  # a stranger is told apart at once
@@ -171,4 +182,4 @@ def accept(sock: socket.socket, secret: bytes, timeout: float, peer: str = "the 
     if not hmac.compare_digest(proof, _mac(secret, b"connector", greeting, nonce)):
         raise AuthenticationError(f"a peer claiming to be rank {rank} failed to prove the secret")
     sock.settimeout(None)
-    return Hello(role, rank, incarnation)
+    return Hello(role, rank, incarnation, seal.derive(secret, greeting + nonce, connector=False))

@@ -32,6 +32,10 @@ Message kinds (payload = the segments after the header: a pickle and its buffers
                          HEARTBEAT                          a sign of life, sent from a thread
     node side -> ctrl    EXITED       (ProcessFailure fields)  the rank's process ended
 
+On a connection across the network every frame is authenticated before it gets here
+(:mod:`phalanx.wire.seal`): :func:`parse` unpickles a header's extra fields only from the
+peer that proved the secret, or from a process's own children.
+
 ``EXITED`` is what the node side of a backend (the local backend's process watcher, a Ray
 actor's watcher, an agent) reports when a rank's process is gone, with everything known
 about how: exit code or signal, last stderr lines, a likely cause. The dispatcher treats it

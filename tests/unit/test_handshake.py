@@ -3,15 +3,19 @@ another phalanx version before anything else (real sockets)."""
 
 from __future__ import annotations
 
+import select
 import socket
+import struct
 import threading
+import time
 
+import numpy as np
 import pytest
 
 import phalanx
 from phalanx import AuthenticationError
 from phalanx.errors import VersionMismatch
-from phalanx.wire import handshake
+from phalanx.wire import framing, handshake, pickling, protocol, seal, streams
 
 SECRET = b"s" * 32
 HELLO = handshake.Hello(handshake.ROLE_CONTROL, rank=3, incarnation=2)
@@ -44,7 +48,9 @@ def run_pair(accept_secret: bytes, connect_secret: bytes, accept_version=None,
 
 
 def test_both_sides_holding_the_secret_agree_on_who_connected():
-    assert run_pair(SECRET, SECRET) == {"hello": HELLO}
+    outcome = run_pair(SECRET, SECRET)
+    assert outcome == {"hello": HELLO}
+    assert isinstance(outcome["hello"].auth, seal.FrameAuth)
 
 
 def test_a_peer_with_the_wrong_secret_is_refused_on_both_sides():
@@ -136,3 +142,151 @@ def test_the_version_error_survives_pickling():
     again = pickle.loads(pickle.dumps(error))
     assert type(again) is VersionMismatch and str(again) == str(error)
     assert again.peer_version == "0.2.0"
+
+
+# -- the frames after it: keyed by the handshake, every one checked ----------------------
+
+
+def handshaken_pair():
+    """Two ends of a socketpair after a handshake: (connector's auth, acceptor's auth,
+    connector's socket, acceptor's socket)."""
+    a, b = socket.socketpair()
+    got: dict = {}
+    thread = threading.Thread(target=lambda: got.update(
+        hello=handshake.accept(a, SECRET, timeout=5)))
+    thread.start()
+    auth = handshake.connect(b, SECRET, HELLO, timeout=5)
+    thread.join(10)
+    return auth, got["hello"].auth, b, a
+
+
+def connections(writer):
+    up_auth, down_auth, up_sock, down_sock = handshaken_pair()
+    return (framing.Connection(streams.SocketStream(up_sock), writer, auth=up_auth),
+            framing.Connection(streams.SocketStream(down_sock), writer, auth=down_auth))
+
+
+def receive(conn, count, timeout=5.0):
+    frames = []
+    deadline = time.monotonic() + timeout
+    while len(frames) < count and time.monotonic() < deadline:
+        if select.select([conn.read_fd], [], [], 0.1)[0]:
+            frames += conn.reader.recv_frames(block=False)
+    return frames
+
+
+@pytest.fixture
+def writer():
+    writer = framing.BacklogWriter()
+    yield writer
+    writer.stop()
+
+
+def test_the_two_ends_derive_the_same_keys_one_per_direction(writer):
+    up, down = connections(writer)
+    try:
+        big = np.arange(300_000, dtype=np.float64)  # a frame received in place
+        up.send(framing.frame([b"head", b"pickle", memoryview(big)]))
+        down.send(framing.frame([b"answer", b"x" * 10]))
+        (first,) = receive(down, 1)
+        assert [bytes(s) for s in first[:2]] == [b"head", b"pickle"]
+        assert bytes(first[2]) == big.tobytes()  # the tag is gone, the data whole
+        assert receive(up, 1) == [[b"answer", b"x" * 10]]
+    finally:
+        up.close()
+        down.close()
+
+
+def test_several_frames_sent_as_one_write_are_each_sealed(writer):
+    up, down = connections(writer)
+    try:
+        frames = [framing.frame([protocol.pack_head(protocol.RESULT, i, 0), b"v" * i])
+                  for i in range(1, 6)]
+        up.send([b"".join(s for f in frames for s in f)])  # an agent's outbox: one bytes
+        up.send([s for f in frames for s in f])  # or a list of them
+        empties = [framing.frame([b"h", b"", b"x" * 100, bytearray(b""), memoryview(b"y")])
+                   for _ in range(2)]  # empty segments: buffers of their own, or none
+        up.send([s for f in empties for s in f])
+        got = receive(down, 12)
+        assert [protocol.unpack_head(f[0])[1] for f in got[:10]] == [1, 2, 3, 4, 5] * 2
+        assert [[bytes(s) for s in f] for f in got[10:]] == [[b"h", b"", b"x" * 100, b"",
+                                                               b"y"]] * 2
+    finally:
+        up.close()
+        down.close()
+
+
+@pytest.mark.parametrize("tamper", ["flip", "unsealed", "replay", "other_keys"])
+def test_a_frame_that_is_not_the_peers_next_one_ends_the_connection(writer, tamper, caplog):
+    up_auth, down_auth, up_sock, down_sock = handshaken_pair()
+    down = framing.Connection(streams.SocketStream(down_sock), writer, auth=down_auth)
+    sealed = b"".join(framing.seal_frames(framing.frame([b"head", b"payload"]), up_auth))
+    if tamper == "flip":
+        sent = sealed[:-20] + bytes([sealed[-20] ^ 1]) + sealed[-19:]
+    elif tamper == "unsealed":
+        sent = b"".join(framing.frame([b"head", b"payload"]))
+    elif tamper == "replay":
+        sent = sealed + sealed
+    else:
+        other, *rest = handshaken_pair()
+        for sock in rest[1:]:
+            sock.close()
+        sent = b"".join(framing.seal_frames(framing.frame([b"head", b"payload"]), other))
+    up_sock.sendall(sent)
+    with caplog.at_level("WARNING"), pytest.raises(framing.FrameRejected):
+        receive(down, 2)
+    assert "failed authentication" in caplog.text
+    with pytest.raises(framing.FrameRejected):  # and it stays so
+        down.reader.recv_frames(block=False)
+    down.close()
+    up_sock.close()
+
+
+def test_keys_handed_to_another_process_go_on_where_the_handshake_left_them():
+    up, down, a, b = handshaken_pair()
+    a.close()
+    b.close()
+    again = seal.FrameAuth.taken_over(up.handover())  # the rank's copy of the actor's
+    sealed = framing.seal_frames(framing.frame([b"head"]), again)
+    assert down.check(_segments(sealed))
+    with pytest.raises(ValueError, match="flowed already"):
+        again.handover()
+    with pytest.raises(ValueError):
+        seal.FrameAuth.taken_over("not:keys")
+
+
+def _segments(sealed):
+    data = b"".join(bytes(s) for s in sealed)
+    nseg = struct.unpack_from("<I", data)[0]
+    lengths = struct.unpack_from(f"<{nseg}Q", data, 12)
+    out, pos = [], 12 + 8 * nseg
+    for length in lengths:
+        out.append(data[pos:pos + length])
+        pos += length
+    return out
+
+
+def test_one_payload_sent_to_many_peers_is_hashed_once_and_checks_on_each(writer,
+                                                                         monkeypatch):
+    pairs = [connections(writer) for _ in range(3)]
+    hashed = []
+    real = seal.Digests.of
+
+    def counting(self, segment):
+        hashed.append(id(segment))
+        return real(self, segment)
+
+    monkeypatch.setattr(seal.Digests, "of", counting)
+    big = np.ones(1 << 18)
+    payload = pickling.dumps(big)
+    try:
+        for up, _ in pairs:
+            up.send(framing.frame([b"head", *payload]))
+        for _, down in pairs:
+            (got,) = receive(down, 1)
+            assert np.array_equal(pickling.loads(got[1:]), big)
+        assert len(hashed) == 3 and len(set(hashed)) == 1  # the same buffer, one digest
+    finally:
+        for up, down in pairs:
+            up.close()
+            down.close()

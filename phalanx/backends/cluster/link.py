@@ -260,7 +260,8 @@ class AgentLink(Link):
         waiter = [threading.Event(), False, None, target]
         where = self.where if target is None else target.where
         with self._lock:
-            lost = self.lost_reason if target is None else target.lost_reason
+            # the link's own loss too: a node not yet in self.nodes when it went is lost
+            lost = self.lost_reason or (target.lost_reason if target is not None else None)
             if lost is not None:
                 raise PhalanxError(f"lost {where}: {lost}")
             self._replies[request_id] = waiter
@@ -297,6 +298,8 @@ class AgentLink(Link):
                 frames = reader.recv_frames(block=False)
                 self.heard = time.monotonic()
                 self._route(frames, None)
+        except framing.FrameRejected as exc:
+            self.lose(f"its connection was tampered with ({exc})")
         except framing.FrameTooLarge as exc:
             self.lose(f"it sent {exc}")
         except framing.ConnectionLost as exc:
@@ -323,6 +326,9 @@ class AgentLink(Link):
         """The dispatcher's read (its thread): each rank's events go to its channel."""
         try:
             frames = self._conn.reader.recv_frames(block=False)
+        except framing.FrameRejected as exc:
+            self.lose(f"its connection was tampered with ({exc})")
+            return []
         except framing.FrameTooLarge as exc:
             self.lose(f"it sent {exc}")
             return []

@@ -13,7 +13,8 @@ Each node of a tree has an id (from 1, given by the controller): a request names
 it is for in its header's rank field (:mod:`phalanx.backends.cluster.messages`), and an agent
 hands it down to the child whose subtree holds that id. 0 means the agent the connection reaches.
 
-:func:`connect_agent` (a connection, the token proved both ways, the agent's WELCOME) and
+:func:`connect_agent` (a connection, the token proved both ways, the agent's WELCOME; every
+frame after the handshake sealed with its keys, :mod:`phalanx.wire.seal`) and
 :func:`form` (the chunks' heads, each having adopted its chunk) serve the controller and
 the agents alike.
 """
@@ -31,7 +32,7 @@ from typing import Any
 from phalanx import config
 from phalanx.backends.cluster import messages as agentwire
 from phalanx.errors import AuthenticationError
-from phalanx.wire import framing, handshake, protocol, streams
+from phalanx.wire import framing, handshake, protocol, seal, streams
 
 Entry = tuple[int, str, int]  # (tree id, host, port)
 
@@ -59,11 +60,12 @@ class Joined:
     port: int
     sock: socket.socket
     stream: streams.Stream
-    reader: framing.FrameReader  # holds whatever arrived after the WELCOME
+    reader: framing.VerifyingReader  # holds whatever arrived after the WELCOME
     welcome: dict[str, Any]
+    auth: seal.FrameAuth  # the handshake's frame keys (and how many frames each way)
 
     def connection(self, writer: framing.BacklogWriter) -> framing.Connection:
-        return framing.Connection(self.stream, writer, reader=self.reader)
+        return framing.Connection(self.stream, writer, reader=self.reader, auth=self.auth)
 
     def close(self) -> None:
         self.sock.close()
@@ -93,15 +95,17 @@ def connect_agent(host: str, port: int, secret: bytes, tls: ssl.SSLContext | Non
             raise
     try:
         try:
-            handshake.connect(sock, secret, handshake.Hello(handshake.ROLE_CONTROL, 0, 0),
-                              timeout, peer=f"the agent at {host}:{port}", own=own)
+            auth = handshake.connect(sock, secret,
+                                     handshake.Hello(handshake.ROLE_CONTROL, 0, 0), timeout,
+                                     peer=f"the agent at {host}:{port}", own=own)
         except handshake.HandshakeIncomplete as exc:
             raise OSError(f"the agent at {host}:{port}: {exc}") from None
         sock.settimeout(timeout)
         stream = streams.socket_stream(sock)
         if isinstance(stream, streams.TLSStream):
             stream.timeout = timeout
-        reader = framing.FrameReader(stream)
+        reader = framing.VerifyingReader(framing.FrameReader(stream), auth,
+                                         f" to the agent at {host}:{port}")
         reader.limit = 1 << 20
         frames: list[list[Any]] = []
         while not frames:
@@ -113,7 +117,11 @@ def connect_agent(host: str, port: int, secret: bytes, tls: ssl.SSLContext | Non
             stream.timeout = None
         sock.settimeout(None)
         reader.limit = None
-        return Joined(host, port, sock, stream, reader, extra[0])
+        return Joined(host, port, sock, stream, reader, extra[0], auth)
+    except framing.FrameRejected as exc:
+        sock.close()
+        raise OSError(f"the connection to the agent at {host}:{port} was tampered with: "
+                      f"{exc}") from None
     except framing.ConnectionLost:
         sock.close()
         raise OSError(f"the agent at {host}:{port} closed the connection") from None
@@ -129,8 +137,9 @@ def adopt(joined: Joined, own_id: int, rest: Sequence[Entry], fanout: int,
     "host:port", why)]}`` for the subtree below it. OSError if it does not answer in time."""
     joined.sock.settimeout(max(0.1, timeout) + 5.0)
     try:
-        joined.sock.sendall(b"".join(bytes(s) for s in agentwire.request(
-            agentwire.ADOPT, 1, own_id, [list(e) for e in rest], fanout, timeout)))
+        joined.sock.sendall(b"".join(framing.seal_frames(agentwire.request(
+            agentwire.ADOPT, 1, own_id, [list(e) for e in rest], fanout, timeout),
+            joined.auth)))
         while True:
             for segs in joined.reader.recv_frames(block=True):
                 kind, request_id, _, extra = protocol.parse(segs[0])
@@ -142,6 +151,9 @@ def adopt(joined: Joined, own_id: int, rest: Sequence[Entry], fanout: int,
                     return value
                 if kind == agentwire.FAULT:
                     raise OSError(f"the agent at {joined.host}:{joined.port}: {extra[0]}")
+    except framing.FrameRejected as exc:
+        raise OSError(f"the connection to the agent at {joined.host}:{joined.port} was "
+                      f"tampered with: {exc}") from None
     except framing.ConnectionLost:
         raise OSError(f"the agent at {joined.host}:{joined.port} closed the connection "
                       f"while adopting its part of the tree") from None

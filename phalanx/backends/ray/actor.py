@@ -37,15 +37,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from phalanx import config
-from phalanx.wire import handshake
+from phalanx.wire import handshake, seal
 
 CONCURRENCY = 4  # serve, plus stop / signal / the relay's calls beside it
 
 
 def _connect(
     controller: tuple[str, int, str], secret: bytes, hello: handshake.Hello
-) -> socket.socket:
-    """To the controller: its Unix socket when it runs on this machine, else over TCP."""
+) -> tuple[socket.socket, seal.FrameAuth]:
+    """To the controller: its Unix socket when it runs on this machine, else over TCP;
+    with the keys of the frames that follow the handshake."""
     address, port, local_name = controller
     sock = None
     if local_name:
@@ -64,8 +65,7 @@ def _connect(
                 "controller the cluster cannot reach needs RayBackend(transport='ray')"
             ) from exc
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    handshake.connect(sock, secret, hello, config.CONNECT_TIMEOUT)
-    return sock
+    return sock, handshake.connect(sock, secret, hello, config.CONNECT_TIMEOUT)
 
 
 def _control_stream(sock: socket.socket) -> tuple[int, ...]:
@@ -189,10 +189,13 @@ class RankActor:
         def hello(role: int) -> handshake.Hello:
             return handshake.Hello(role, rank, incarnation)
 
-        sockets = [_connect(controller, secret, hello(role)) for role in
-                   (handshake.ROLE_STDOUT, handshake.ROLE_STDERR, handshake.ROLE_CONTROL)]
+        connected = [_connect(controller, secret, hello(role)) for role in
+                     (handshake.ROLE_STDOUT, handshake.ROLE_STDERR, handshake.ROLE_CONTROL)]
+        sockets = [sock for sock, _ in connected]
         out, err, control_socket = sockets
         control = _control_stream(control_socket)
+        if len(control) == 1:  # the socket itself, across the network: the rank seals it
+            env = {**env, config.ENV_FRAME_KEYS: connected[2][1].handover()}
         try:
             proc = self._start_rank(env, cwd, control, out.fileno(), err.fileno())
         finally:

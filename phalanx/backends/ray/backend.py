@@ -206,7 +206,7 @@ class RayBackend(Backend):
             if hello.role == handshake.ROLE_CONTROL and sock.family == socket.AF_UNIX:
                 channel.connected_pipes(*hand_over_pipes(sock))
             else:
-                channel.connected(hello.role, sock)
+                channel.connected(hello.role, sock, hello.auth)
 
     def _watch_loop(self) -> None:
         """Learn from Ray how each serving actor ended."""

@@ -20,7 +20,7 @@ from phalanx import config
 from phalanx.backends.base import Channel, EventSink, RankStart
 from phalanx.errors import ProcessFailure
 from phalanx.output.logs import LogPump, OutputTap
-from phalanx.wire import framing, handshake, protocol, streams
+from phalanx.wire import framing, handshake, protocol, seal, streams
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,10 @@ class RayChannel(Channel):
 
     # -- connections (the acceptor thread) ---------------------------------------------
 
-    def connected(self, role: int, sock: socket.socket) -> None:
+    def connected(self, role: int, sock: socket.socket,
+                  auth: seal.FrameAuth | None = None) -> None:
+        """A connection of the rank's actor, its handshake done: its output streams, or
+        its control stream with ``auth``, the keys every frame on it is sealed with."""
         with self._lock:
             if self._closed:
                 sock.close()
@@ -102,7 +105,7 @@ class RayChannel(Channel):
                         self._outputs[handshake.ROLE_STDERR])
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._adopt(streams.SocketStream(sock))
+            self._adopt(streams.SocketStream(sock), auth)
 
     def connected_pipes(self, read_fd: int, write_fd: int) -> None:
         """The control stream of a rank on this machine: a pair of pipes."""
@@ -113,9 +116,11 @@ class RayChannel(Channel):
                 return
             self._adopt(streams.PipeStream(read_fd, write_fd, blocking_reads=False))
 
-    def _adopt(self, stream: streams.Stream) -> None:
-        """Take ``stream`` as the control stream (lock held): flush what was queued."""
-        conn = framing.Connection(stream, self._services.writer)
+    def _adopt(self, stream: streams.Stream, auth: seal.FrameAuth | None = None) -> None:
+        """Take ``stream`` as the control stream (lock held): flush what was queued.
+        ``auth``: the keys of a stream across the network (a pipe or a socketpair of this
+        process has none)."""
+        conn = framing.Connection(stream, self._services.writer, auth=auth)
         self._conn = conn
         for frame in self._queued:
             conn.send(frame)

@@ -50,7 +50,7 @@ from phalanx.backends.cluster.agent.ranks import Session
 from phalanx.backends.cluster.token import read_token as read_token  # for the CLI
 from phalanx.errors import AuthenticationError
 from phalanx.node.machine import machine_id, visible_gpus
-from phalanx.wire import handshake
+from phalanx.wire import handshake, seal
 
 logger = logging.getLogger(__name__)
 
@@ -276,38 +276,41 @@ class Agent:
 
     def _serve(self, raw: socket.socket, peer: tuple) -> None:
         try:
-            sock, proved = self._authenticate(raw, peer)
+            sock, auth = self._authenticate(raw, peer)
         finally:
             # released before anything is closed: the watchdog shuts connections down by
             # their descriptor's number, which a closed one would hand to the next socket
             self._admission.release(raw)
-        if not proved:
+        if auth is None:
             sock.close()  # the TLS wrapper, when there is one (the raw socket is detached)
             return
-        self._run_session(sock, peer)
+        self._run_session(sock, peer, auth)
 
-    def _authenticate(self, raw: socket.socket, peer: tuple) -> tuple[socket.socket, bool]:
-        """The connection (TLS wrapped, if TLS) and whether its peer proved the token."""
+    def _authenticate(self, raw: socket.socket,
+                      peer: tuple) -> tuple[socket.socket, seal.FrameAuth | None]:
+        """The connection (TLS wrapped, if TLS) and, if its peer proved the token, the
+        keys that authenticate every frame after the handshake (None: it did not)."""
         sock = raw
         try:
             if self._tls is not None:  # TLS first; the token is then proved inside it
                 sock.settimeout(self._handshake_timeout)
                 sock = self._tls.wrap_socket(sock, server_side=True)
-            handshake.accept(sock, self._token, self._handshake_timeout,
-                             peer=f"the controller at {peer[0]}:{peer[1]}", own="this agent")
+            hello = handshake.accept(sock, self._token, self._handshake_timeout,
+                                     peer=f"the controller at {peer[0]}:{peer[1]}",
+                                     own="this agent")
         except (AuthenticationError, ssl.SSLError) as exc:
             self._count("auth_failures_total", 1)
             logger.warning("refused %s:%s: %s", peer[0], peer[1], exc)
-            return sock, False
+            return sock, None
         except OSError as exc:
             logger.info("connection from %s:%s failed: %s", peer[0], peer[1], exc)
-            return sock, False
-        return sock, True
+            return sock, None
+        return sock, hello.auth
 
-    def _run_session(self, sock: socket.socket, peer: tuple) -> None:
+    def _run_session(self, sock: socket.socket, peer: tuple, auth: seal.FrameAuth) -> None:
         session = self.session_class(sock, heartbeat_timeout=self._heartbeat_timeout,
                           max_frame=self._max_frame, counters=self._count, store=self._store,
-                          secret=self._token)
+                          secret=self._token, auth=auth)
         with self._lock:
             if self._stopping.is_set():
                 sock.close()

@@ -56,7 +56,7 @@ from phalanx.backends.cluster.agent.branch import GATHER_WINDOW, Branch, Relay
 from phalanx.backends.cluster.agent.share import NodeObjects
 from phalanx.node import spawn as node
 from phalanx.node.machine import pick_free_ports
-from phalanx.wire import framing, protocol, streams
+from phalanx.wire import framing, protocol, seal, streams
 
 logger = logging.getLogger(__name__)
 
@@ -83,11 +83,13 @@ class Session:
 
     def __init__(self, sock: socket.socket, *, heartbeat_timeout: float, max_frame: int,
                  counters: Callable[[str, float], None], cwd: str | None = None,
-                 store: codesync.Store | None = None, secret: bytes | None = None) -> None:
+                 store: codesync.Store | None = None, secret: bytes | None = None,
+                 auth: seal.FrameAuth | None = None) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.address = sock.getsockname()[0]  # where the controller reached this node
         self._writer = framing.BacklogWriter("phalanx-agent-writer")
-        self._conn = framing.Connection(streams.socket_stream(sock), self._writer)
+        # auth: the handshake's frame keys, which seal and check every frame from here on
+        self._conn = framing.Connection(streams.socket_stream(sock), self._writer, auth=auth)
         self._conn.reader.limit = max_frame
         self._conn.reader.max_segments = config.AGENT_MAX_FRAME_SEGMENTS
         self._heartbeat_timeout = heartbeat_timeout
