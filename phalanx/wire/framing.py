@@ -385,16 +385,10 @@ def seal_frames(segments: list[Any], auth: FrameAuth,
     each frame's tag appended as one more segment (``digests``: large segments' hashes,
     shared by the connections of one writer). Each frame's prefix and table lie in one
     buffer, and each of its segments in one buffer (:func:`frame` makes them so)."""
-    if len(segments) == 1 and type(segments[0]) is bytes:  # one small frame: nearly all
-        whole = segments[0]
-        nseg, body = _unpack_prefix(whole)
-        if len(whole) == _PREFIX_SIZE + body and body < PREHASH:
-            table_end = _PREFIX_SIZE + 8 * nseg
-            with memoryview(whole) as mv:  # its table and bytes are contiguous: one update
-                tag = auth.sign(nseg, mv[_PREFIX_SIZE:], ())
-                return [b"".join((_PREFIX.pack(nseg + 1, body + 8 + TAG_SIZE),
-                                  mv[_PREFIX_SIZE:table_end], _TAG_LENGTH, mv[table_end:],
-                                  tag))]
+    if len(segments) == 1 and type(segments[0]) is bytes:  # small frames: nearly all
+        sealed = _seal_small(segments[0], auth)
+        if sealed is not None:
+            return sealed
     out: list[Any] = []
     small = True
     i, pos, count = 0, 0, len(segments)
@@ -428,6 +422,27 @@ def seal_frames(segments: list[Any], auth: FrameAuth,
     if small and len(out) > 1:  # one plain send, as frame() makes small frames
         return [b"".join(out)]
     return out
+
+
+def _seal_small(whole: bytes, auth: FrameAuth) -> list[bytes] | None:
+    """Whole frames back to back in one ``bytes`` (one frame, or an agent's outbox), none
+    with a segment of ``PREHASH`` bytes, sealed into one ``bytes``: each frame's table and
+    segments are contiguous, one update of its tag. None when that is not what it holds."""
+    frames = []
+    pos, size = 0, len(whole)
+    while pos < size:  # first all of them, so that nothing is signed for a None
+        nseg, body = _unpack_prefix(whole, pos)
+        if body >= PREHASH or pos + _PREFIX_SIZE + body > size:
+            return None
+        frames.append((nseg, body, pos + _PREFIX_SIZE))
+        pos += _PREFIX_SIZE + body
+    out: list[Any] = []
+    with memoryview(whole) as mv:
+        for nseg, body, start in frames:
+            table_end, end = start + 8 * nseg, start + body
+            out += (_PREFIX.pack(nseg + 1, body + 8 + TAG_SIZE), mv[start:table_end],
+                    _TAG_LENGTH, mv[table_end:end], auth.sign(nseg, mv[start:end], ()))
+        return [b"".join(out)]
 
 
 def _byte_view(buf: Any) -> memoryview:
