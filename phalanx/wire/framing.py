@@ -21,9 +21,10 @@ frames, and never looks inside segment 0.
 
 A connection made over the network carries the keys of its handshake (``auth``,
 :mod:`phalanx.wire.seal`): each frame is sealed as it is sent (its tag appended as one more
-segment) and a :class:`VerifyingReader` checks each complete frame the reader returns
-before anyone sees it, so no frame of a stranger is ever parsed. One that fails ends the
-connection (:class:`FrameRejected`, a :class:`ConnectionLost`), logged with the reason.
+segment) and a :class:`~phalanx.wire.seal.VerifyingReader` checks each complete frame the
+reader returns before anyone sees it, so no frame of a stranger is ever parsed. One that
+fails ends the connection (:class:`~phalanx.wire.seal.FrameRejected`, a
+:class:`ConnectionLost`), logged with the reason.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ import struct
 import threading
 from typing import Any
 
-from phalanx.wire.seal import PREHASH, TAG_SIZE, Digests, FrameAuth
+from phalanx.wire.seal import PREHASH, TAG_SIZE, Digests, FrameAuth, VerifyingReader
 from phalanx.wire.streams import MAX_SEGMENTS as _MAX_SEGMENTS
-from phalanx.wire.streams import Stream, WakePipe
+from phalanx.wire.streams import ConnectionLost, Stream, WakePipe
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +49,6 @@ _RECV_CHUNK = 256 * 1024
 # Frames at least this large are received in place into their own buffer instead of
 # being accumulated in the stream buffer and sliced out of it.
 _BIG_FRAME = 512 * 1024
-
-
-class ConnectionLost(Exception):
-    """The peer closed the stream or the socket failed (internal, never reaches users)."""
 
 
 class FrameTooLarge(ConnectionLost):
@@ -322,58 +319,7 @@ class FrameReader:
         return spare
 
 
-# ------------------------------------------------------- authenticated frames (seal.py)
-
-
-class FrameRejected(ConnectionLost):
-    """A frame failed its tag (forged, altered, replayed or out of order): the stream
-    cannot be trusted from there on, and nothing in that frame was read."""
-
-
-class VerifyingReader:
-    """A :class:`FrameReader` whose every complete frame is checked against the
-    connection's keys before it is returned, its tag removed (``auth.check``). The first
-    frame that fails raises :class:`FrameRejected`, and so does every call after it."""
-
-    def __init__(self, reader: FrameReader, auth: FrameAuth, where: str = "") -> None:
-        self.reader = reader
-        self._auth = auth
-        self._where = where
-        self._rejected: FrameRejected | None = None
-
-    def recv_frames(self, block: bool = True) -> list[list[Any]]:
-        if self._rejected is not None:
-            raise self._rejected
-        frames = self.reader.recv_frames(block)
-        check = self._auth.check
-        for segs in frames:
-            if not check(segs):
-                number = self._auth.received
-                self._rejected = FrameRejected(
-                    f"frame {number} from the peer failed authentication (altered, forged "
-                    "or out of order: something between the two ends wrote to the stream)")
-                logger.warning("closing a connection%s: %s", self._where, self._rejected)
-                raise self._rejected
-            segs.pop()
-        return frames
-
-    # The reader's limits, as its owner sets them (a sealed frame has one more segment).
-    @property
-    def limit(self) -> int | None:
-        return self.reader.limit
-
-    @limit.setter
-    def limit(self, value: int | None) -> None:
-        self.reader.limit = value
-
-    @property
-    def max_segments(self) -> int | None:
-        value = getattr(self.reader, "max_segments", None)
-        return None if value is None else value - 1
-
-    @max_segments.setter
-    def max_segments(self, value: int | None) -> None:
-        self.reader.max_segments = None if value is None else value + 1
+# ------------------------------------------------------- sealing frames (seal.py)
 
 
 _TAG_LENGTH = _LEN.pack(TAG_SIZE)

@@ -20,6 +20,10 @@ _PIPE_BUFFER = 1024 * 1024  # the default /proc/sys/fs/pipe-max-size
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 
 
+
+class ConnectionLost(Exception):
+    """The peer closed the stream or the socket failed (internal, never reaches users)."""
+
 class Stream:
     """A byte stream to one peer: where frames are read from and written to.
 

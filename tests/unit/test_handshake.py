@@ -233,10 +233,10 @@ def test_a_frame_that_is_not_the_peers_next_one_ends_the_connection(writer, tamp
             sock.close()
         sent = b"".join(framing.seal_frames(framing.frame([b"head", b"payload"]), other))
     up_sock.sendall(sent)
-    with caplog.at_level("WARNING"), pytest.raises(framing.FrameRejected):
+    with caplog.at_level("WARNING"), pytest.raises(seal.FrameRejected):
         receive(down, 2)
     assert "failed authentication" in caplog.text
-    with pytest.raises(framing.FrameRejected):  # and it stays so
+    with pytest.raises(seal.FrameRejected):  # and it stays so
         down.reader.recv_frames(block=False)
     down.close()
     up_sock.close()

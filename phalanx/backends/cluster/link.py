@@ -28,7 +28,7 @@ from phalanx.backends.cluster import messages as agentwire
 from phalanx.backends.cluster import tree as agenttree
 from phalanx.errors import PhalanxError, ProcessFailure
 from phalanx.output.logs import LogPump, OutputTap
-from phalanx.wire import framing, protocol, streams
+from phalanx.wire import framing, protocol, seal, streams
 
 logger = logging.getLogger(__name__)
 
@@ -298,7 +298,7 @@ class AgentLink(Link):
                 frames = reader.recv_frames(block=False)
                 self.heard = time.monotonic()
                 self._route(frames, None)
-        except framing.FrameRejected as exc:
+        except seal.FrameRejected as exc:
             self.lose(f"its connection was tampered with ({exc})")
         except framing.FrameTooLarge as exc:
             self.lose(f"it sent {exc}")
@@ -326,7 +326,7 @@ class AgentLink(Link):
         """The dispatcher's read (its thread): each rank's events go to its channel."""
         try:
             frames = self._conn.reader.recv_frames(block=False)
-        except framing.FrameRejected as exc:
+        except seal.FrameRejected as exc:
             self.lose(f"its connection was tampered with ({exc})")
             return []
         except framing.FrameTooLarge as exc:

@@ -60,7 +60,7 @@ class Joined:
     port: int
     sock: socket.socket
     stream: streams.Stream
-    reader: framing.VerifyingReader  # holds whatever arrived after the WELCOME
+    reader: seal.VerifyingReader  # holds whatever arrived after the WELCOME
     welcome: dict[str, Any]
     auth: seal.FrameAuth  # the handshake's frame keys (and how many frames each way)
 
@@ -104,7 +104,7 @@ def connect_agent(host: str, port: int, secret: bytes, tls: ssl.SSLContext | Non
         stream = streams.socket_stream(sock)
         if isinstance(stream, streams.TLSStream):
             stream.timeout = timeout
-        reader = framing.VerifyingReader(framing.FrameReader(stream), auth,
+        reader = seal.VerifyingReader(framing.FrameReader(stream), auth,
                                          f" to the agent at {host}:{port}")
         reader.limit = 1 << 20
         frames: list[list[Any]] = []
@@ -118,7 +118,7 @@ def connect_agent(host: str, port: int, secret: bytes, tls: ssl.SSLContext | Non
         sock.settimeout(None)
         reader.limit = None
         return Joined(host, port, sock, stream, reader, extra[0], auth)
-    except framing.FrameRejected as exc:
+    except seal.FrameRejected as exc:
         sock.close()
         raise OSError(f"the connection to the agent at {host}:{port} was tampered with: "
                       f"{exc}") from None
@@ -151,7 +151,7 @@ def adopt(joined: Joined, own_id: int, rest: Sequence[Entry], fanout: int,
                     return value
                 if kind == agentwire.FAULT:
                     raise OSError(f"the agent at {joined.host}:{joined.port}: {extra[0]}")
-    except framing.FrameRejected as exc:
+    except seal.FrameRejected as exc:
         raise OSError(f"the connection to the agent at {joined.host}:{joined.port} was "
                       f"tampered with: {exc}") from None
     except framing.ConnectionLost:
