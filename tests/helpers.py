@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import re
+import secrets
 import subprocess
 import sys
 import textwrap
@@ -76,6 +77,15 @@ def long_lived_group(*args, **kwargs):
     finally:
         LONG_LIVED.remove(group)
         group.shutdown(timeout=5)
+
+
+def token_file(directory: Path) -> str:
+    """A fresh cluster token in ``directory``/token, private to its owner (as agents
+    require: a token file others can read is refused)."""
+    path = Path(directory) / "token"
+    path.write_text(secrets.token_urlsafe(32))
+    path.chmod(0o600)
+    return str(path)
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.02) -> bool:

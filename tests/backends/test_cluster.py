@@ -102,10 +102,7 @@ def agent_env() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def token_file(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("cluster") / "token"
-    path.write_text(secrets.token_urlsafe(32))
-    path.chmod(0o600)
-    return str(path)
+    return helpers.token_file(tmp_path_factory.mktemp("cluster"))
 
 
 @pytest.fixture(scope="module")

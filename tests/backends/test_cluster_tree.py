@@ -16,7 +16,6 @@ naming its whole subtree, the survivors still served, no rank of the lost subtre
 from __future__ import annotations
 
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -108,9 +107,7 @@ class NineAgents:
 @pytest.fixture(scope="module")
 def nine(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tree")
-    token_file = directory / "token"
-    token_file.write_text(secrets.token_urlsafe(32))
-    token_file.chmod(0o600)
+    token_file = helpers.token_file(directory)
     agents = NineAgents(str(token_file), str(directory / "store"))
     try:
         for i in range(len(ADDRESSES)):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import resource
-import secrets
 import select
 import socket
 import subprocess
@@ -40,10 +39,7 @@ FLOOD_SOURCES = [f"127.0.1.{i}" for i in range(1, 11)]  # 20 connections from ea
 
 @pytest.fixture(scope="module")
 def token_file(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("floods") / "token"
-    path.write_text(secrets.token_urlsafe(32))
-    path.chmod(0o600)
-    return str(path)
+    return helpers.token_file(tmp_path_factory.mktemp("floods"))
 
 
 def _lowered_nofile() -> None:  # runs in the agent's process, before it execs

@@ -12,7 +12,6 @@ spoken to with the real token over the connection a controller makes
 from __future__ import annotations
 
 import os
-import secrets
 import select
 import socket
 import struct
@@ -20,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -69,9 +69,7 @@ class Agent:
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory):
     where = tmp_path_factory.mktemp("bounded")
-    token_file = where / "token"
-    token_file.write_text(secrets.token_urlsafe(32))
-    token_file.chmod(0o600)
+    token_file = Path(helpers.token_file(where))
     log = str(where / "agent.log")
     port = free_port(HOST)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
