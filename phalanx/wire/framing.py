@@ -443,15 +443,13 @@ class Connection:
         """Queue one frame, or several back to back (built by :func:`frame`); raises
         ConnectionLost if broken."""
         with self._lock:
-            if self._backlog or self.broken is not None or self.closed:
-                if self.broken is not None or self.closed:
-                    raise ConnectionLost(f"connection is closed ({self.broken or 'closed'})")
-                if self._auth is not None:
-                    segments = seal_frames(segments, self._auth, self._digests)
+            if self.broken is not None or self.closed:
+                raise ConnectionLost(f"connection is closed ({self.broken or 'closed'})")
+            if self._auth is not None:  # sealed in the order they will be written
+                segments = seal_frames(segments, self._auth, self._digests)
+            if self._backlog:
                 self._backlog.extend(segments)
                 return
-            if self._auth is not None:
-                segments = seal_frames(segments, self._auth, self._digests)
             if len(segments) == 1:
                 total = len(segments[0])  # one bytes object: see frame()
             else:
