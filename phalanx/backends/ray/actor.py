@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -40,32 +41,55 @@ from phalanx import config
 from phalanx.wire import handshake, seal
 
 CONCURRENCY = 4  # serve, plus stop / signal / the relay's calls beside it
+_RETRY_DELAY, _RETRY_DELAY_MAX = 0.05, 1.0  # seconds between tries of a cut-short handshake
+
+
+def _open(controller: tuple[str, int, str], timeout: float) -> socket.socket:
+    """A connection to the controller's listener: its Unix socket (a path in a directory of
+    the controller user's alone) when this actor can reach it -- the same machine, the same
+    user --, else TCP."""
+    address, port, local_path = controller
+    if local_path:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(local_path)
+            return sock
+        except OSError:  # another machine, another user (or no such socket)
+            sock.close()
+    try:
+        sock = socket.create_connection((address, port), timeout=timeout)
+    except OSError as exc:
+        raise ConnectionError(
+            f"could not connect back to the controller at {address}:{port} ({exc}); a "
+            "controller the cluster cannot reach needs RayBackend(transport='ray')"
+        ) from exc
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
 
 
 def _connect(
     controller: tuple[str, int, str], secret: bytes, hello: handshake.Hello
 ) -> tuple[socket.socket, seal.FrameAuth]:
-    """To the controller: its Unix socket when it runs on this machine, else over TCP;
-    with the keys of the frames that follow the handshake."""
-    address, port, local_name = controller
-    sock = None
-    if local_name:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    """To the controller, with the keys of the frames that follow the handshake. A
+    handshake cut short (the listener closed it unheard while full, or it was reset) is
+    tried again, backing off, within ``config.CONNECT_TIMEOUT``; a wrong proof is not."""
+    deadline = time.monotonic() + config.CONNECT_TIMEOUT
+    delay = _RETRY_DELAY
+    while True:
+        sock = _open(controller, max(0.1, deadline - time.monotonic()))
         try:
-            sock.connect("\0" + local_name)
-        except OSError:  # another machine (or no abstract namespace)
+            return sock, handshake.connect(sock, secret, hello,
+                                           max(0.1, deadline - time.monotonic()))
+        except (handshake.HandshakeIncomplete, OSError):
             sock.close()
-            sock = None
-    if sock is None:
-        try:
-            sock = socket.create_connection((address, port), timeout=config.CONNECT_TIMEOUT)
-        except OSError as exc:
-            raise ConnectionError(
-                f"could not connect back to the controller at {address}:{port} ({exc}); a "
-                "controller the cluster cannot reach needs RayBackend(transport='ray')"
-            ) from exc
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock, handshake.connect(sock, secret, hello, config.CONNECT_TIMEOUT)
+            if time.monotonic() + delay >= deadline:
+                raise
+        except BaseException:
+            sock.close()
+            raise
+        time.sleep(delay)
+        delay = min(delay * 2, _RETRY_DELAY_MAX)
 
 
 def _control_stream(sock: socket.socket) -> tuple[int, ...]:

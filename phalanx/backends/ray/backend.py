@@ -40,6 +40,7 @@ from phalanx.backends.ray import session as ray_session
 from phalanx.backends.ray.channel import (
     Bundle,
     ChannelServices,
+    Listener,
     RayChannel,
     RelayChannel,
     hand_over_pipes,
@@ -55,11 +56,11 @@ from phalanx.backends.ray.placement import (
     relays,
 )
 from phalanx.backends.ray.store import RayShares
-from phalanx.errors import AuthenticationError, StartupError
+from phalanx.errors import StartupError
 from phalanx.node import shm
 from phalanx.output import console
 from phalanx.output.logs import LogPump, OutputOptions
-from phalanx.wire import framing, handshake, protocol, streams
+from phalanx.wire import framing, handshake, protocol
 from phalanx.world.layout import Layout
 
 logger = logging.getLogger(__name__)
@@ -119,7 +120,7 @@ class RayBackend(Backend):
         self._session: ray_session.Lease | None = None
         self._stopping = False
         self._threads: list[threading.Thread] = []
-        self._listeners: list[socket.socket] = []
+        self._listener: Listener | None = None
         self._logs: LogPump | None = None
         self._writer: framing.BacklogWriter | None = None
         self._shares: RayShares | None = None
@@ -156,57 +157,30 @@ class RayBackend(Backend):
                            "cluster cannot connect back to a Ray Client driver): same "
                            "results, Ray's speed")
         else:
-            self._listen(ray.util.get_node_ip_address())
-        loops = [(self._watch_loop, "phalanx-ray-watch")]
-        if self._listeners:
-            loops.append((self._accept_loop, "phalanx-ray-accept"))
-        for target, name in loops:
-            thread = threading.Thread(target=target, name=name, daemon=True)
-            thread.start()
-            self._threads.append(thread)
+            self._listen(ray_session.driver_address(ray))
+        thread = threading.Thread(target=self._watch_loop, name="phalanx-ray-watch",
+                                  daemon=True)
+        thread.start()
+        self._threads.append(thread)
 
     def _listen(self, host: str) -> None:
-        """Where this group's ranks connect: TCP on ``host`` (the address the cluster
-        knows this node by), and a Unix socket for ranks on this machine (a name in the
-        abstract namespace: nothing on disk to clean up, and it does not exist elsewhere):
-        it lets the controller hand them pipes, which cost less per call than TCP."""
-        self._host = host
-        tcp = socket.create_server((host, 0), backlog=128)
-        self._port = tcp.getsockname()[1]
-        self._listeners = [tcp]
-        self._local_name = f"phalanx-{secrets.token_hex(8)}"
-        try:
-            local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            local.bind("\0" + self._local_name)
-            local.listen(128)
-            self._listeners.append(local)
-        except OSError:  # no abstract namespace (not Linux): TCP for everyone
-            self._local_name = ""
+        """Where this group's ranks connect (:class:`~phalanx.backends.ray.channel.Listener`):
+        TCP on ``host``, and a Unix socket of this user's alone for ranks on this machine."""
+        self._listener = Listener(host, self._secret, self._arrived,
+                                  timeout=config.HANDSHAKE_TIMEOUT)
+        self._host, self._port = host, self._listener.port
+        self._local_name = self._listener.local_path
 
-    def _accept_loop(self) -> None:
-        import select
-
-        while not self._stopping:
-            try:
-                ready, _, _ = select.select(self._listeners, [], [])
-                sock, _ = ready[0].accept()
-            except (OSError, ValueError):
-                return  # closed
-            try:
-                hello = handshake.accept(sock, self._secret, config.HANDSHAKE_TIMEOUT,
-                                         peer="a rank's Ray actor", own="this controller")
-            except AuthenticationError as exc:
-                logger.warning("refused a connection to the Ray group's listener: %s", exc)
-                sock.close()
-                continue
-            channel = self._channels.get((hello.rank, hello.incarnation))
-            if channel is None:
-                sock.close()
-                continue
-            if hello.role == handshake.ROLE_CONTROL and sock.family == socket.AF_UNIX:
-                channel.connected_pipes(*hand_over_pipes(sock))
-            else:
-                channel.connected(hello.role, sock, hello.auth)
+    def _arrived(self, hello: handshake.Hello, sock: socket.socket) -> None:
+        """A connection whose peer proved the secret (its handshake's thread): to its
+        rank's channel, or closed if that rank's incarnation is gone."""
+        channel = self._channels.get((hello.rank, hello.incarnation))
+        if channel is None:
+            sock.close()
+        elif hello.role == handshake.ROLE_CONTROL and sock.family == socket.AF_UNIX:
+            channel.connected_pipes(*hand_over_pipes(sock))
+        else:
+            channel.connected(hello.role, sock, hello.auth)
 
     def _watch_loop(self) -> None:
         """Learn from Ray how each serving actor ended."""
@@ -408,8 +382,8 @@ class RayBackend(Backend):
         if not self.opened or self._stopping:
             return
         self._stopping = True
-        for listener in self._listeners:
-            streams.close_socket(listener)  # wakes the acceptor thread blocked on it
+        if self._listener is not None:
+            self._listener.close()
         try:
             if self._session is not None:
                 self._release_cluster_side()

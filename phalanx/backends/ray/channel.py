@@ -1,6 +1,7 @@
 """The Ray backend's channels: one rank's control stream, output and Ray's account of its
 actor (:class:`RayChannel`), and the same for ranks whose streams must travel as Ray calls
-(:class:`RelayChannel`, a Ray Client driver). See :mod:`phalanx.backends.ray.backend`.
+(:class:`RelayChannel`, a Ray Client driver); and the :class:`Listener` the actors connect
+back to. See :mod:`phalanx.backends.ray.backend`.
 
 A channel uses three things of its backend, handed to it as :class:`ChannelServices`: the
 ``ray`` module (to reach the rank's actor), the thread that writes every control stream,
@@ -10,15 +11,22 @@ and the pump that shows the ranks' output.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
+import resource
+import select
+import shutil
 import socket
+import tempfile
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 from phalanx import config
 from phalanx.backends.base import Channel, EventSink, RankStart
-from phalanx.errors import ProcessFailure
+from phalanx.errors import AuthenticationError, ProcessFailure
 from phalanx.output.logs import LogPump, OutputTap
 from phalanx.wire import framing, handshake, protocol, seal, streams
 
@@ -305,3 +313,225 @@ class RelayChannel(RayChannel):
             # the dispatcher sees the control stream end (the downstream thread's pending
             # recv would keep a merely closed socket open)
             streams.close_socket(self._far)
+
+
+# Connections still in their handshake (each holds a thread and a descriptor until its peer
+# proves the secret or its deadline passes): at most this many in all (fewer under a low
+# descriptor limit: a quarter of it) and from one address; one more is closed unheard (an
+# actor refused so tries again, within its connect timeout).
+MAX_HANDSHAKES = 128
+MAX_HANDSHAKES_PER_PEER = 32
+ACCEPT_BACKOFF, ACCEPT_BACKOFF_MAX = 0.05, 1.0  # after accept() failed (EMFILE, ...)
+_PEER_GONE = (errno.ECONNABORTED, errno.EPROTO, errno.EPERM)  # accept(): the peer was gone
+_LOCAL_PEER = "this machine"  # the peer of every Unix-socket connection (this user's alone)
+_SOCKET_DIR_BASE_MAX = 80  # characters: a Unix socket's path has at most 107
+
+
+def handshake_limit(nofile: int | None = None) -> int:
+    """How many connections may be in their handshake at once: :data:`MAX_HANDSHAKES`, or a
+    quarter of this process's descriptor limit if that is less (at least 4)."""
+    if nofile is None:
+        nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if nofile == resource.RLIM_INFINITY or nofile <= 0:
+        return MAX_HANDSHAKES
+    return max(4, min(MAX_HANDSHAKES, nofile // 4))
+
+
+class Listener:
+    """Where the actors of one group connect back: TCP on ``host``, and a Unix socket for
+    actors on this machine (it lets the controller hand them pipes, which cost less per
+    call than TCP) at a path in a directory of this user's alone (mode 0700, removed by
+    :meth:`close`): another local user cannot connect to it, and an actor that cannot reach
+    it (another machine, another user, another file system) uses TCP.
+
+    One thread accepts; each connection's handshake (:func:`phalanx.wire.handshake.accept`,
+    ``timeout`` s in all) runs on a thread of its own, so a peer that stalls delays no
+    other. At most ``limit`` connections are in their handshake at once, ``per_peer`` from
+    one address; one more is closed unheard. Whatever goes wrong with one connection (a
+    wrong proof, garbage, a reset, a timeout) ends that connection alone, logged once; an
+    accept() that fails (no descriptor left) is logged once and retried, backing off, until
+    it works again. ``arrived(hello, sock)`` takes each connection whose peer proved the
+    secret (on that connection's thread)."""
+
+    def __init__(self, host: str, secret: bytes,
+                 arrived: Callable[[handshake.Hello, socket.socket], None], *,
+                 timeout: float = config.HANDSHAKE_TIMEOUT, limit: int | None = None,
+                 per_peer: int = MAX_HANDSHAKES_PER_PEER) -> None:
+        self.host = host
+        self.limit = handshake_limit() if limit is None else limit
+        self.per_peer = min(self.limit, per_peer)
+        self._secret = secret
+        self._arrived = arrived
+        self._timeout = timeout
+        self._lock = threading.Lock()
+        self._pending: dict[str, int] = {}  # peer -> its connections in their handshake
+        self._refusing = False  # a refusal was logged at warning since the last quiet moment
+        self._stopping = threading.Event()
+        tcp = socket.create_server((host, 0), backlog=128)
+        tcp.setblocking(False)
+        self.port: int = tcp.getsockname()[1]
+        self._sockets = [tcp]
+        self.local_path = ""
+        self._dir = ""
+        self._open_local()
+        self._thread = threading.Thread(target=self._accept_loop, name="phalanx-ray-accept",
+                                        daemon=True)
+        self._thread.start()
+
+    @property
+    def in_handshake(self) -> int:
+        with self._lock:
+            return sum(self._pending.values())
+
+    def _open_local(self) -> None:
+        base = tempfile.gettempdir()
+        if len(base) > _SOCKET_DIR_BASE_MAX:
+            base = "/tmp"
+        local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._dir = tempfile.mkdtemp(prefix="phalanx-ray-", dir=base)  # mode 0700
+            path = os.path.join(self._dir, "s")
+            local.bind(path)
+            local.listen(128)
+            local.setblocking(False)
+        except OSError as exc:  # TCP for everyone
+            logger.debug("no Unix socket for the Ray group's local ranks: %s", exc)
+            local.close()
+            self._remove_dir()
+            return
+        self._sockets.append(local)
+        self.local_path = path
+
+    def _remove_dir(self) -> None:
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = ""
+
+    def close(self) -> None:
+        """Stop accepting (bounded: the acceptor wakes within a moment); remove the Unix
+        socket's directory. Connections in their handshake end by their deadline."""
+        self._stopping.set()
+        for sock in self._sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the acceptor's select
+            except OSError:
+                pass
+        self._thread.join(timeout=5)
+        for sock in self._sockets:
+            sock.close()
+        self._remove_dir()
+
+    # -- the acceptor thread -------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        failing: tuple[float, int] | None = None  # since when accept() fails, how often
+        backoff = ACCEPT_BACKOFF
+        while not self._stopping.is_set():
+            try:
+                ready, _, _ = select.select(self._sockets, [], [], 0.5)
+            except (OSError, ValueError):  # closed: we are stopping
+                if self._stopping.is_set():
+                    return
+                logger.exception("the Ray group's listener could not wait for connections")
+                self._stopping.wait(ACCEPT_BACKOFF_MAX)
+                continue
+            failure = None
+            for listener in ready:
+                failure = self._accept_one(listener) or failure
+            if failure is None:
+                if failing is not None:
+                    logger.warning("the Ray group's listener takes connections again (after "
+                                   "%d failed attempts over %.1f s)", failing[1],
+                                   time.monotonic() - failing[0])
+                    failing, backoff = None, ACCEPT_BACKOFF
+                continue
+            if failing is None:
+                logger.warning("the Ray group's listener cannot take a connection: %s; "
+                               "retrying", failure)
+                failing = (time.monotonic(), 0)
+            failing = (failing[0], failing[1] + 1)
+            self._stopping.wait(backoff)
+            backoff = min(backoff * 2, ACCEPT_BACKOFF_MAX)
+
+    def _accept_one(self, listener: socket.socket) -> str | None:
+        """Take one connection and start its handshake's thread; why that failed, if it
+        did."""
+        try:
+            sock, address = listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError as exc:
+            if self._stopping.is_set() or exc.errno in _PEER_GONE:
+                return None
+            return f"accept() failed: {exc.strerror or exc}"
+        peer = address[0] if sock.family != socket.AF_UNIX else _LOCAL_PEER
+        refused = self._admit(peer)
+        if refused is not None:
+            sock.close()
+            return None
+        try:
+            sock.setblocking(True)
+            threading.Thread(target=self._handshake, args=(sock, peer), daemon=True,
+                             name="phalanx-ray-handshake").start()
+        except (RuntimeError, OSError) as exc:  # "can't start new thread"
+            self._release(peer)
+            sock.close()
+            return f"no thread could start for a connection: {exc}"
+        return None
+
+    def _admit(self, peer: str) -> str | None:
+        with self._lock:
+            pending = sum(self._pending.values())
+            per_peer = self.limit if peer == _LOCAL_PEER else self.per_peer
+            if pending >= self.limit:
+                refused = f"{self.limit} connections are already in their handshake"
+            elif self._pending.get(peer, 0) >= per_peer:
+                refused = f"{per_peer} connections from {peer} are already in their handshake"
+            else:
+                self._pending[peer] = self._pending.get(peer, 0) + 1
+                return None
+            first, self._refusing = not self._refusing, True
+        if first:
+            logger.warning("the Ray group's listener closed a connection from %s unheard: %s "
+                           "(more such are logged at debug level)", peer, refused)
+        else:
+            logger.debug("closed a connection from %s unheard: %s", peer, refused)
+        return refused
+
+    def _release(self, peer: str) -> None:
+        with self._lock:
+            left = self._pending.get(peer, 0) - 1
+            if left > 0:
+                self._pending[peer] = left
+            else:
+                self._pending.pop(peer, None)
+            if not self._pending:
+                self._refusing = False
+
+    # -- one connection's thread ---------------------------------------------------------
+
+    def _handshake(self, sock: socket.socket, peer: str) -> None:
+        try:
+            try:
+                hello = handshake.accept(sock, self._secret, self._timeout,
+                                         peer=f"a rank's Ray actor (from {peer})",
+                                         own="this controller")
+            finally:
+                self._release(peer)
+            self._arrived(hello, sock)
+        except handshake.HandshakeIncomplete as exc:  # a timeout, a reset, a stranger
+            logger.debug("a connection from %s to the Ray group's listener ended: %s",
+                         peer, exc)
+            sock.close()
+        except AuthenticationError as exc:  # a wrong proof, garbage, another version
+            logger.warning("refused a connection from %s to the Ray group's listener: %s",
+                           peer, exc)
+            sock.close()
+        except OSError as exc:  # a reset while we wrote
+            logger.debug("a connection from %s to the Ray group's listener failed: %s",
+                         peer, exc)
+            sock.close()
+        except Exception:  # one connection's failure is its own
+            logger.warning("a connection from %s to the Ray group's listener failed",
+                           peer, exc_info=True)
+            sock.close()

@@ -81,3 +81,19 @@ def acquire(
         _owned = True
         _users = 1
         return Lease(owned=True)
+
+
+def driver_address(ray: Any) -> str:
+    """The address by which the cluster's nodes reach this process: that of the Ray node
+    it runs on, as Ray knows it (the node's ``NodeManagerAddress``, which is also what
+    every other node reaches that node's raylet at; 127.0.0.1 when Ray runs there), not
+    whatever address the host would use outward."""
+    try:
+        node_id = ray.get_runtime_context().get_node_id()
+        for node in ray.nodes():
+            if node.get("NodeID") == node_id and node.get("NodeManagerAddress"):
+                return node["NodeManagerAddress"]
+    except Exception as exc:  # noqa: BLE001 - Ray's own answer below
+        logger.debug("the driver's Ray node was not found: %s", exc)
+    logger.debug("the driver's node is not in Ray's node table; using Ray's node address")
+    return ray.util.get_node_ip_address()

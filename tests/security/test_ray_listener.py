@@ -1,0 +1,387 @@
+"""The Ray backend's connect-back listener (``phalanx.backends.ray.channel.Listener``) with
+strangers about: anyone who can reach the controller's TCP port, and other users of its
+machine.
+
+- silent strangers (6, each holding a connection in its handshake) delay no rank: a group
+  starts, and a rank is recreated, while every one of them still waits for its deadline;
+- a connection reset after the greeting, or half-way through the handshake, and garbage,
+  end that connection alone: the accept thread lives on and ``recreate()`` works;
+- connections in their handshake are capped, in all and per peer address; one more is
+  closed unheard, and an accept() that fails (EMFILE) is retried, logged once;
+- the TCP listener binds the address the cluster knows the driver's Ray node by (127.0.0.2
+  in the shared test cluster, whose nodes live on 127.0.0.2-4), not the host's outward one;
+- the Unix socket for ranks on this machine is a path in a directory of the owner's alone
+  (0700, removed at shutdown): another user (nobody, when the tests run as root) cannot
+  connect to it.
+
+The listener's own cases need no Ray; those with a group use the shared Ray cluster
+(tests/raycluster.py). Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import select
+import socket
+import stat
+import struct
+import threading
+import time
+
+import pytest
+
+import phalanx as px
+from phalanx import config
+from phalanx.backends.ray.channel import Listener
+from phalanx.wire import handshake
+from tests.workers import Probe
+
+SECRET = b"s" * 32
+STRANGERS = 6
+NOBODY = 65534
+
+
+def greeting(role: int = handshake.ROLE_CONTROL, rank: int = 0, incarnation: int = 1) -> bytes:
+    version = px.__version__.encode()
+    return (handshake.MAGIC + bytes([len(version)]) + version
+            + struct.pack("<BII32s", role, rank, incarnation, os.urandom(32)))
+
+
+def reset(sock: socket.socket) -> None:
+    """Close with a TCP reset (SO_LINGER 0), not a FIN."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+def closed_by_peer(sock: socket.socket, within: float) -> bool:
+    """Whether the other side ends ``sock`` within ``within`` seconds (EOF or a reset)."""
+    deadline = time.monotonic() + within
+    while (left := deadline - time.monotonic()) > 0:
+        if not select.select([sock], [], [], left)[0]:
+            return False
+        try:
+            if not sock.recv(4096):
+                return True
+        except OSError:
+            return True
+    return False
+
+
+class Arrivals:
+    """The listener's ``arrived``: records each authenticated hello, closes the socket."""
+
+    def __init__(self) -> None:
+        self.hellos: list[handshake.Hello] = []
+        self.cond = threading.Condition()
+
+    def __call__(self, hello: handshake.Hello, sock: socket.socket) -> None:
+        sock.close()
+        with self.cond:
+            self.hellos.append(hello)
+            self.cond.notify_all()
+
+    def wait(self, count: int, timeout: float) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: len(self.hellos) >= count, timeout)
+
+
+@pytest.fixture
+def arrivals():
+    return Arrivals()
+
+
+@pytest.fixture
+def listener(arrivals):
+    made: list[Listener] = []
+
+    def make(**kwargs) -> Listener:
+        made.append(Listener("127.0.0.1", SECRET, arrivals, **kwargs))
+        return made[-1]
+
+    yield make
+    for one in made:
+        one.close()
+
+
+@pytest.fixture
+def held():
+    socks: list[socket.socket] = []
+    yield socks
+    for sock in socks:
+        sock.close()
+
+
+def connect_rank(where: tuple | str, rank: int = 0, timeout: float = 5.0) -> float:
+    """A real actor's handshake; how long it took."""
+    started = time.monotonic()
+    if isinstance(where, str):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        sock.connect(where)
+    else:
+        sock = socket.create_connection(where, timeout=timeout)
+    with sock:
+        handshake.connect(sock, SECRET, handshake.Hello(handshake.ROLE_CONTROL, rank, 1),
+                          timeout)
+    return time.monotonic() - started
+
+
+def silent(address: tuple, count: int, held: list, source: str | None = None) -> None:
+    for _ in range(count):
+        held.append(socket.create_connection(
+            address, timeout=5, source_address=(source, 0) if source else None))
+
+
+# -- the listener alone ------------------------------------------------------------------
+
+
+def test_silent_strangers_delay_no_rank(listener, arrivals, held):
+    ours = listener(timeout=30.0)
+    silent(("127.0.0.1", ours.port), STRANGERS, held)
+    assert _wait(lambda: ours.in_handshake == STRANGERS, 5)
+    took = [connect_rank(("127.0.0.1", ours.port), rank) for rank in range(3)]
+    took.append(connect_rank(ours.local_path, 3))
+    assert arrivals.wait(4, 5)
+    assert max(took) < 1.0, took
+    assert ours.in_handshake == STRANGERS  # all of them still waiting for their deadline
+
+
+def test_a_silent_stranger_is_dropped_at_its_deadline(listener, held):
+    ours = listener(timeout=0.5)
+    silent(("127.0.0.1", ours.port), 1, held)
+    started = time.monotonic()
+    assert closed_by_peer(held[0], 5)
+    assert time.monotonic() - started < 3
+    assert _wait(lambda: ours.in_handshake == 0, 2)
+
+
+@pytest.mark.parametrize("how", ["greeting-then-reset", "versions-then-reset",
+                                 "proofs-then-reset", "garbage", "eof"])
+def test_one_connection_failing_ends_it_alone(listener, arrivals, how, caplog):
+    ours = listener()
+    with caplog.at_level(logging.DEBUG, logger="phalanx.backends.ray.channel"):
+        for _ in range(3):  # more than once: the accept thread lived through the first
+            sock = socket.create_connection(("127.0.0.1", ours.port), timeout=5)
+            if how == "garbage":
+                sock.sendall(b"GET / HTTP/1.1\r\n\r\n")
+                assert closed_by_peer(sock, 5)
+                sock.close()
+                continue
+            if how == "eof":
+                sock.close()
+                continue
+            hello = greeting()
+            sock.sendall(hello[:len(handshake.MAGIC) + 1 + len(px.__version__)]
+                         if how == "greeting-then-reset" else hello)
+            if how != "greeting-then-reset":
+                _recv_exactly(sock, 1 + len(px.__version__))
+            if how == "proofs-then-reset":
+                _recv_exactly(sock, 32 + 32)  # the listener's nonce and proof
+            reset(sock)
+        assert _wait(lambda: ours.in_handshake == 0, 5)
+        assert connect_rank(("127.0.0.1", ours.port)) < 1.0
+        assert arrivals.wait(1, 5)
+    assert ours._thread.is_alive()
+    failures = [r for r in caplog.records if "listener" in r.getMessage()
+                and r.levelno >= logging.DEBUG and "closed" not in r.getMessage()]
+    assert len(failures) <= 3, [r.getMessage() for r in failures]  # once each, at most
+
+
+def test_handshakes_are_capped_in_all_and_per_peer(listener, held):
+    ours = listener(timeout=30.0, limit=4, per_peer=2)
+    address = ("127.0.0.1", ours.port)
+    silent(address, 2, held, source="127.0.0.1")
+    assert _wait(lambda: ours.in_handshake == 2, 5)
+    silent(address, 1, held, source="127.0.0.1")  # a third from the same address
+    assert closed_by_peer(held[-1], 5)
+    silent(address, 2, held, source="127.0.0.9")  # another address still gets in
+    assert _wait(lambda: ours.in_handshake == 4, 5)
+    silent(address, 1, held, source="127.0.0.10")  # past the cap in all
+    assert closed_by_peer(held[-1], 5)
+    for sock in held[:2]:
+        sock.close()  # two handshakes end: room again
+    assert _wait(lambda: ours.in_handshake == 2, 5)
+    assert connect_rank(address) < 1.0
+
+
+class _FailingAccept:
+    """A listening socket whose accept() fails with EMFILE a few times first."""
+
+    def __init__(self, sock: socket.socket, failures: int) -> None:
+        self._sock = sock
+        self.failures = failures
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def accept(self):
+        if self.failures:
+            self.failures -= 1
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return self._sock.accept()
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+def test_a_failing_accept_is_retried_and_logged_once(listener, arrivals, caplog):
+    ours = listener()
+    failing = _FailingAccept(ours._sockets[0], failures=5)
+    ours._sockets[0] = failing
+    time.sleep(0.7)  # the acceptor's current wait (0.5 s at most) ends: it waits on ours next
+    with caplog.at_level(logging.WARNING, logger="phalanx.backends.ray.channel"):
+        assert connect_rank(("127.0.0.1", ours.port), timeout=10) < 8
+        assert arrivals.wait(1, 5)
+    assert failing.failures == 0 and ours._thread.is_alive()
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("cannot take a connection" in m for m in messages) == 1, messages
+    assert sum("takes connections again" in m for m in messages) == 1, messages
+    ours._sockets[0] = failing._sock
+
+
+def test_the_local_socket_is_in_a_directory_of_ours_alone(listener):
+    ours = listener()
+    directory = os.path.dirname(ours.local_path)
+    info = os.stat(directory)
+    assert stat.S_IMODE(info.st_mode) == 0o700 and info.st_uid == os.geteuid()
+    assert stat.S_ISSOCK(os.stat(ours.local_path).st_mode)
+    assert not ours.local_path.startswith("\0")  # not the abstract namespace
+    ours.close()
+    assert not os.path.exists(directory)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running as another user needs root; the "
+                    "directory's mode is checked by the test above")
+def test_another_user_cannot_connect_to_the_local_socket(listener):
+    ours = listener()
+    pid = os.fork()  # a child that becomes nobody and tries (no interpreter to start)
+    if pid == 0:
+        code = 3
+        try:
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(5)
+            sock.connect(ours.local_path)
+            code = 0
+        except PermissionError:
+            code = 13
+        except BaseException:
+            code = 4
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 10
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the child trying the socket as another user did not end")
+    assert os.waitstatus_to_exitcode(done[1]) == 13  # EACCES: connected would be 0
+    assert connect_rank(ours.local_path) < 1.0  # while we still can
+
+
+def _wait(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _recv_exactly(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        assert chunk, f"closed after {len(data)} of {size} bytes"
+        data += chunk
+    return data
+
+
+# -- with a group on the shared Ray cluster -------------------------------------------------
+
+
+class Crowded(px.RayBackend):
+    """A Ray backend whose listener strangers connect to (and stay silent) as soon as it
+    listens, before any rank connects; ``tcp_only``: the ranks use TCP too (on the test
+    cluster every node is on this machine, so they would all take the Unix socket). A group
+    makes its own copy of the backend it is given: this one is ``group._backend``."""
+
+    strangers = 0
+    tcp_only = False
+
+    def _listen(self, host: str) -> None:
+        super()._listen(host)
+        if self.tcp_only:
+            self._local_name = ""
+        self.held: list[socket.socket] = []
+        silent((self._host, self._port), self.strangers, self.held)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            for sock in getattr(self, "held", ()):
+                sock.close()
+
+
+def crowded(strangers: int = 0, tcp_only: bool = False) -> Crowded:
+    return type("Crowded", (Crowded,), {"strangers": strangers, "tcp_only": tcp_only})()
+
+
+@pytest.fixture
+def on_ray(ray_cluster, monkeypatch):
+    pytest.importorskip("ray", reason="the ray backend needs ray (pip install 'phalanx[ray]')")
+    # strangers that outlast the group's start and a recreate: none of them may delay it
+    monkeypatch.setattr(config, "HANDSHAKE_TIMEOUT", 60.0)
+    return ray_cluster
+
+
+@pytest.mark.parametrize("tcp_only", [False, True], ids=["local", "tcp"])
+def test_silent_strangers_delay_neither_start_nor_recreate(on_ray, tcp_only):
+    import ray
+
+    started = time.monotonic()
+    with px.WorkerGroup(Probe, procs_per_node=2, backend=crowded(STRANGERS, tcp_only),
+                        echo_output=False, start_timeout=50) as group:
+        backend = group._backend
+        start_took = time.monotonic() - started
+        old = group.call_one(1, "pid")
+        started = time.monotonic()
+        group.recreate(1, timeout=50)
+        recreate_took = time.monotonic() - started
+        assert group.call_one(1, "pid") != old
+        # every stranger is still in its handshake: the ranks got past them all
+        assert backend._listener.in_handshake == STRANGERS
+        # and the address bound is the driver's Ray node's, as the cluster knows it
+        node_id = ray.get_runtime_context().get_node_id()
+        ours = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
+        assert backend._host == ours == "127.0.0.2"
+        assert backend._listener._sockets[0].getsockname()[:2] == (ours, backend._port)
+    print(f"\n{STRANGERS} silent strangers: start {start_took:.2f} s, "
+          f"recreate {recreate_took:.2f} s")
+
+
+@pytest.mark.parametrize("how", ["greeting-then-reset", "proofs-then-reset"])
+def test_a_reset_handshake_leaves_recreate_working(on_ray, how):
+    with px.WorkerGroup(Probe, procs_per_node=2, backend=crowded(tcp_only=True),
+                        echo_output=False, start_timeout=50) as group:
+        backend = group._backend
+        for _ in range(2):
+            sock = socket.create_connection((backend._host, backend._port), timeout=5)
+            hello = greeting(rank=1, incarnation=99)
+            if how == "greeting-then-reset":
+                sock.sendall(hello[:len(handshake.MAGIC) + 1 + len(px.__version__)])
+            else:
+                sock.sendall(hello)
+                _recv_exactly(sock, 1 + len(px.__version__) + 32 + 32)
+            reset(sock)
+        assert _wait(lambda: backend._listener.in_handshake == 0, 5)
+        assert backend._listener._thread.is_alive()
+        old = group.call_one(1, "pid")
+        group.recreate(1, timeout=50)
+        assert group.call_one(1, "pid") != old
+        assert group.call("pid")[0] == group.call_one(0, "pid")
