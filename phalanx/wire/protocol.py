@@ -3,7 +3,7 @@
 :mod:`phalanx.wire.framing` moves frames (lists of byte segments); this module says what they mean.
 Segment 0 of every frame is a header::
 
-    <u8 kind><u64 call_id><u32 rank>[ method name | pickled extra fields ]
+    <u8 kind><u64 call_id><u32 rank>[ method name | extra fields ]
 
 ``rank`` is the destination of a message to the workers and the source of a message from
 them, so one connection can carry several ranks (a node agent's, say). A message for
@@ -32,9 +32,10 @@ Message kinds (payload = the segments after the header: a pickle and its buffers
                          HEARTBEAT                          a sign of life, sent from a thread
     node side -> ctrl    EXITED       (ProcessFailure fields)  the rank's process ended
 
-On a connection across the network every frame is authenticated before it gets here
-(:mod:`phalanx.wire.seal`): :func:`parse` unpickles a header's extra fields only from the
-peer that proved the secret, or from a process's own children.
+The extra fields are plain data (:mod:`phalanx.wire.plain`: numbers, text, lists, dicts),
+never a pickle, so reading a header runs no code whoever sent it. On a connection across the
+network every frame is authenticated before it gets here (:mod:`phalanx.wire.seal`), and
+only then is its payload unpickled.
 
 ``EXITED`` is what the node side of a backend (the local backend's process watcher, a Ray
 actor's watcher, an agent) reports when a rank's process is gone, with everything known
@@ -49,7 +50,7 @@ import struct
 from collections.abc import Sequence
 from typing import Any
 
-from phalanx.wire import framing
+from phalanx.wire import framing, plain
 
 INIT = 4
 CALL = 1
@@ -89,18 +90,19 @@ def _ranks_part(rank: int | Sequence[int]) -> bytes:
 
 def header(kind: int, call_id: int, rank: int | Sequence[int], *extra: Any) -> bytes:
     """Segment 0 of a frame. CALL and CALL_STREAM carry the method name as text; the other
-    kinds carry their extra fields pickled (RESULT and YIELD carry none)."""
+    kinds carry their extra fields as plain data (RESULT and YIELD carry none)."""
     head = bytes([kind]) + struct.pack("<Q", call_id) + _ranks_part(rank)
     if kind == CALL or kind == CALL_STREAM:
         (method,) = extra
         return head + method.encode()
     if not extra:
         return head
-    return head + pickle.dumps(extra, protocol=5)
+    return head + plain.dumps(extra)
 
 
 def parse(segment: Any) -> tuple[int, int, tuple[int, ...], tuple]:
-    """``(kind, call_id, ranks, extra)`` of a header (the inverse of :func:`header`)."""
+    """``(kind, call_id, ranks, extra)`` of a header (the inverse of :func:`header`);
+    :class:`ValueError` if it is malformed."""
     kind, call_id, rank = _HEAD.unpack_from(segment)
     pos = HEAD_SIZE
     if rank == MANY:
@@ -113,7 +115,7 @@ def parse(segment: Any) -> tuple[int, int, tuple[int, ...], tuple]:
     rest = bytes(segment[pos:])
     if kind == CALL or kind == CALL_STREAM:
         return kind, call_id, ranks, (rest.decode(),)
-    return kind, call_id, ranks, (pickle.loads(rest) if rest else ())
+    return kind, call_id, ranks, (plain.loads(rest) if rest else ())
 
 
 def body_offset(segment: Any) -> int:

@@ -3,7 +3,6 @@ what was built, through the wire framing; headers for one rank or several round-
 
 from __future__ import annotations
 
-import pickle
 import socket
 import struct
 import threading
@@ -14,6 +13,7 @@ from hypothesis import strategies as st
 
 from phalanx.errors import ProcessFailure, RemoteFailure, likely_cause
 from phalanx.wire import framing, pickling, protocol, streams
+from phalanx.wire import plain as wireplain
 from phalanx.wire.protocol import (
     CALL,
     CALL_STREAM,
@@ -144,7 +144,7 @@ def test_any_header_round_trips(kind, call_id, rank, data):
     if kind in (CALL, CALL_STREAM):
         assert bytes(segment[offset:]).decode() == extra[0]
     elif extra:
-        assert pickle.loads(segment[offset:]) == extra
+        assert wireplain.loads(segment[offset:]) == extra
     else:
         assert offset == len(segment)
 
