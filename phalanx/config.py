@@ -29,6 +29,9 @@ SPAWN_TIMEOUT = 30.0  # seconds for the node supervisor to report a new worker's
 STACKS_TIMEOUT = 1.0  # seconds a rank has to dump its threads' stacks
 STACKS_ON_TIMEOUT = 1.0  # a CallTimeout of at least this many seconds carries stacks
 DEFAULT_HEARTBEAT_TIMEOUT = 180.0  # seconds of silence before a rank is unresponsive
+# seconds a cluster node's agent may give no sign of life (it sends one every second, from a
+# thread of its own) before the node is lost: frozen, its machine gone, or its link cut
+DEFAULT_NODE_TIMEOUT = 15.0
 AGENT_PORT = 32300  # phalanx agent's control port (its HTTP port: the next one)
 DEFAULT_STRAGGLER_WARNING = 120.0  # seconds after a call's first answer to name late ranks
 CLEANUP_WAIT = 5.0  # seconds for a rank's keeper to end what the rank left running

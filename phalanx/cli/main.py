@@ -268,6 +268,10 @@ def _add_agent(commands: Any) -> None:  # argparse's subparsers (a class with no
                        help="the shared token (default: $PHALANX_TOKEN)")
     agent.add_argument("--heartbeat-timeout", type=_seconds, default=30.0, metavar="SECONDS",
                        help="a controller silent this long is gone (default: 30)")
+    agent.add_argument("--node-timeout", type=_positive_seconds,
+                       default=config.DEFAULT_NODE_TIMEOUT, metavar="SECONDS",
+                       help="in a tree, a child agent silent this long is lost with its "
+                            f"subtree (default: {config.DEFAULT_NODE_TIMEOUT:g})")
     agent.add_argument("--handshake-timeout", type=_positive_seconds,
                        default=config.AGENT_HANDSHAKE_TIMEOUT, metavar="SECONDS",
                        help="a connection has this long to prove the token, or it is "
@@ -307,6 +311,7 @@ def _agent(options: argparse.Namespace) -> int:
         options.http_port if options.http_port is not None else options.port + 1)
     return agent.run(options.host, options.port, token, http_port=http_port,
                      heartbeat_timeout=options.heartbeat_timeout,
+                     node_timeout=options.node_timeout,
                      handshake_timeout=options.handshake_timeout,
                      max_frame=options.max_frame_mib << 20, tls=tls, store=options.store)
 

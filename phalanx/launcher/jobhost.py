@@ -39,6 +39,7 @@ from phalanx.launcher.policy import AttemptStatus, RestartDecision, decide
 from phalanx.launcher.report import Failure
 from phalanx.launcher.roster import Member, Roster, layout_counts, root_cause
 from phalanx.node.machine import free_port
+from phalanx.wire.streams import keep_alive  # also the launchers' (multinode)
 
 logger = logging.getLogger(__name__)
 
@@ -85,14 +86,6 @@ class Lines:
         if not isinstance(message, dict) or not isinstance(message.get("type"), str):
             raise JobError(f"not a launcher's message: {line[:80]!r}")
         return message
-
-
-def keep_alive(sock: socket.socket) -> None:
-    """TCP keepalive, so a peer whose machine vanished is noticed within half a minute."""
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for option, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
-        if hasattr(socket, option):
-            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
 @dataclasses.dataclass(frozen=True)

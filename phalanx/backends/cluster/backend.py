@@ -13,8 +13,18 @@ whose payload is the same for several of them crosses it once (``rank = MANY``; 
 hands it to each), and their replies, output and deaths come back over it
 (:mod:`phalanx.backends.cluster.messages`). Each rank still has a channel of its own
 (:class:`AgentRankChannel`), so the group sees them exactly as local ranks. A node lost --
-its agent killed, its connection cut, or silent past ``heartbeat_timeout`` -- fails every
+its agent killed, its connection ended, or silent past ``node_timeout`` -- fails every
 call pending on its ranks at once, naming the node and the agent.
+
+Node liveness is the agents' own, apart from the ranks': each agent sends a sign of life
+every second from a thread of its own (neither its ranks' code nor its busy relay can delay
+it), and anything else it sends counts too. An agent silent for ``node_timeout`` (default
+``config.DEFAULT_NODE_TIMEOUT``, 15 s) -- stopped (SIGSTOP), its machine gone, its link cut
+-- is lost, its ranks with it, while they may still be running. A rank that hangs on a live
+node is the group's to judge, by its own ``heartbeat_timeout``. Bytes from an agent that
+wait unread here are read before anyone is judged, so a controller that falls behind
+(stopped, starved) does not take its agents for silent ones. Every control connection has
+TCP keepalive too (:func:`phalanx.wire.streams.keep_alive`).
 
 From ``tree_threshold`` agents on, the controller connects to at most ``fanout`` of them
 and the agents form a tree below those (:mod:`phalanx.backends.cluster.tree`). Nodes lost, and with
@@ -72,9 +82,13 @@ class ClusterBackend(Backend):
     are listed. ``token`` (or ``token_file``, or ``$PHALANX_TOKEN``): the shared secret the
     agents were started with. ``quorum``: how many agents must answer before the group
     starts (default: all listed); ``quorum_timeout``: how long to wait for them.
-    ``heartbeat_timeout``: a node silent this long is lost. ``max_frame``: the largest frame
-    accepted from an agent. ``tls``: True, a CA file or an ``ssl.SSLContext``. ``sync``: a
-    directory shipped to every node before ranks start (``group.reload()`` re-ships it).
+    ``node_timeout``: an agent that gives no sign of life this long (frozen, its machine
+    gone, its link cut) is lost, with its node (agents send one every second).
+    ``heartbeat_timeout``: a node silent this long is lost too (the shorter of the two
+    judges; the group's own ``heartbeat_timeout`` judges its ranks). ``max_frame``: the
+    largest frame accepted from an agent. ``tls``: True, a CA file or an
+    ``ssl.SSLContext``. ``sync``: a directory shipped to every node before ranks start
+    (``group.reload()`` re-ships it).
     ``dns_interval``: how often the name is resolved again while the group lives (None:
     never). ``tree_threshold``: from this many agents on they form a tree, each with at
     most ``fanout`` children, and the controller holds at most ``fanout`` connections.
@@ -90,6 +104,7 @@ class ClusterBackend(Backend):
                  token_file: str | None = None, quorum: int | None = None,
                  quorum_timeout: float = 300.0,
                  heartbeat_timeout: float = config.DEFAULT_HEARTBEAT_TIMEOUT,
+                 node_timeout: float = config.DEFAULT_NODE_TIMEOUT,
                  max_frame: int = 1 << 30, tls: bool | str | ssl.SSLContext | None = None,
                  sync: str | os.PathLike[str] | None = None,
                  dns_interval: float | None = 5.0, tree_threshold: int = 100,
@@ -130,10 +145,14 @@ class ClusterBackend(Backend):
         if not quorum_timeout > 0:
             raise ValueError(f"quorum_timeout must be > 0 seconds, got {quorum_timeout!r}")
         self.quorum_timeout = quorum_timeout
-        if not (isinstance(heartbeat_timeout, (int, float)) and heartbeat_timeout >= 2):
-            raise ValueError(f"heartbeat_timeout must be at least 2 seconds (agents send a "
-                             f"sign of life every second), got {heartbeat_timeout!r}")
+        for name, value in (("heartbeat_timeout", heartbeat_timeout),
+                            ("node_timeout", node_timeout)):
+            if isinstance(value, bool) or not (isinstance(value, (int, float))
+                                               and 2 <= value < float("inf")):
+                raise ValueError(f"{name} must be at least 2 seconds (agents send a sign "
+                                 f"of life every second), got {value!r}")
         self.heartbeat_timeout = heartbeat_timeout
+        self.node_timeout = node_timeout
         self.max_frame = max_frame
         self.tls = tls
         self._dialer = Dialer(secret, _tls_context(tls))
@@ -179,7 +198,8 @@ class ClusterBackend(Backend):
                  {"dns": self.dns, "port": self.port, "nameserver": self.nameserver})
         return {**where, "token": self.token, "token_file": self.token_file,
                 "quorum": self.quorum, "quorum_timeout": self.quorum_timeout,
-                "heartbeat_timeout": self.heartbeat_timeout, "max_frame": self.max_frame,
+                "heartbeat_timeout": self.heartbeat_timeout,
+                "node_timeout": self.node_timeout, "max_frame": self.max_frame,
                 "tls": self.tls, "sync": self.sync, "dns_interval": self.dns_interval,
                 "tree_threshold": self.tree_threshold, "fanout": self.fanout}
 
@@ -328,15 +348,27 @@ class ClusterBackend(Backend):
         return sorted((n for tree in nodes for n in tree), key=lambda n: n.tree_id)
 
     def _heartbeats(self) -> None:
-        interval = max(0.05, min(5.0, self.heartbeat_timeout / 5))
-        while not self._stopping.wait(interval):
-            now = time.monotonic()
+        """Judge each agent's silence (often: a node lost is known within a fraction of a
+        second of its limit), and ping the agents (they judge this controller by theirs)."""
+        name, limit = min(("node_timeout", self.node_timeout),
+                          ("heartbeat_timeout", self.heartbeat_timeout), key=lambda x: x[1])
+        check = max(0.05, min(0.5, limit / 10))
+        ping_every = max(0.05, min(5.0, self.heartbeat_timeout / 5))
+        next_ping = time.monotonic()
+        while not self._stopping.wait(check):
+            ping = time.monotonic() >= next_ping
+            if ping:
+                next_ping = time.monotonic() + ping_every
             for link in list(self.members.links):
                 if link.lost_reason is not None:
                     continue
-                if now - link.heard > self.heartbeat_timeout:
-                    link.lose(f"it was silent for {now - link.heard:.0f} s")
-                else:
+                if link.unread():  # read before judging: its bytes are signs of life
+                    link.catch_up(check)
+                silent = time.monotonic() - link.heard
+                if silent > limit and not link.unread():
+                    link.lose(f"it was silent for {silent:.0f} s ({name}={limit:g} s: its "
+                              f"agent frozen, its machine gone or its link cut)")
+                elif ping:
                     link.send(agentwire.ping())
 
     # -- nodes ------------------------------------------------------------------------

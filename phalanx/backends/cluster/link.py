@@ -236,6 +236,8 @@ class AgentLink(Link):
         self._replies: dict[int, list[Any]] = {}  # request id -> [Event, ok, value, node]
         self._channels: dict[int, AgentRankChannel] = {}  # rank -> its current channel
         self.lost_reason: str | None = None
+        # when bytes last came from the agent: its own PING every second (from a thread of
+        # its own), or anything else it sends -- only a running agent sends either
         self.heard = time.monotonic()
         self._sink: EventSink | None = None  # once the dispatcher watches the socket
         self._handing_over = False
@@ -335,10 +337,33 @@ class AgentLink(Link):
         except framing.ConnectionLost as exc:
             self.lose(f"its connection ended ({exc})")
             return []
+        self.heard = time.monotonic()  # bytes came, whether a frame is complete or not
         if frames:
-            self.heard = time.monotonic()
             self._route(frames, self._sink)
         return []
+
+    def unread(self) -> bool:
+        """Whether bytes from the agent wait unread (then it is not silent: this side is
+        behind)."""
+        pending = getattr(self._conn.stream, "pending", None)  # TLS: decrypted already
+        try:
+            if pending is not None and pending():
+                return True
+            poller = select.poll()
+            poller.register(self._conn.read_fd, select.POLLIN)
+            return bool(poller.poll(0))
+        except (OSError, ValueError):  # closed meanwhile: its loss is on its way
+            return False
+
+    def catch_up(self, timeout: float) -> None:
+        """Read what waits from the agent now: through the group's dispatcher once it
+        watches the socket (as a waiting thread would), at most ``timeout`` seconds; before,
+        the link's own thread reads it anyway."""
+        sink = self._sink
+        if sink is None or self.lost_reason is not None:
+            return
+        before = self.heard
+        sink.wait(lambda: self.heard != before or self.lost_reason is not None, timeout)
 
     def _route(self, frames: list[list[Any]], pumping: EventSink | None) -> None:
         """Sort a read: answers, output and deaths here; rank events to their channels,

@@ -22,6 +22,7 @@ segments, a header that does not parse) loses that child, as its connection endi
 from __future__ import annotations
 
 import logging
+import select
 import threading
 import time
 from collections.abc import Callable
@@ -57,6 +58,13 @@ def malformed_from_child(segs: list[Any]) -> str | None:
     return None
 
 
+def _unread(conn: framing.Connection) -> bool:
+    """Whether bytes from the peer wait on ``conn`` unread."""
+    poller = select.poll()
+    poller.register(conn.read_fd, select.POLLIN)
+    return bool(poller.poll(0))
+
+
 class _Child:
     """A child of this node in a tree: its connection and the nodes of its subtree."""
 
@@ -83,7 +91,7 @@ class Relay(NamedTuple):
     writer: framing.BacklogWriter  # writes to the children's connections
     lock: threading.Lock  # the session's; guards children adopted by a request thread
     wake: Callable[[], None]  # wake the relay from another thread
-    heartbeat_timeout: float  # a child silent this long is lost
+    node_timeout: float  # a child silent this long is lost (frozen, gone, cut off)
     send: Callable[[list[Any]], None]  # a frame up, now (any thread)
     queue: Callable[[list[Any]], None]  # a frame up, with the rest of this pass
     watch: Callable[[int, Any], None]  # poll a child's descriptor: from_child(child) then
@@ -260,10 +268,19 @@ class Branch:
             self.up(segs)
 
     def check_children(self, now: float) -> None:
-        """Lose the children silent too long; ping the others."""
+        """Lose the children silent too long; ping the others. Each child sends a sign of
+        life every second from a thread of its own, and anything it sends counts; one whose
+        bytes wait unread here is not silent (this relay is behind): it is read first."""
+        limit = self._relay.node_timeout
         for child in list(self._children):
-            if now - child.heard > self._relay.heartbeat_timeout:
-                self._lose_child(child, f"it was silent for {now - child.heard:.0f} s")
+            if now - child.heard > limit and _unread(child.conn):
+                self.from_child(child)
+            if child not in self._children:
+                continue
+            if now - child.heard > limit:
+                self._lose_child(child, f"it was silent for {now - child.heard:.0f} s "
+                                        f"(node_timeout={limit:g} s: frozen, its machine "
+                                        f"gone or its link cut)")
             else:
                 self._to_child(child, agentwire.ping())
 

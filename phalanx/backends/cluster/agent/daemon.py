@@ -28,8 +28,10 @@ agent and starts, drives and stops that node's ranks through it
 
 It outlives its controllers: when one goes (its connection ends, or it is silent past
 ``--heartbeat-timeout``) its ranks are stopped, with everything they started, and the agent
-serves the next one. ``--http-port`` serves ``/health`` (for Kubernetes probes) and
-``/metrics`` (Prometheus text) over plain HTTP.
+serves the next one. It sends each controller a sign of life every second from a thread of
+its own (the controller loses the node after its ``node_timeout`` of silence); in a tree, a
+child agent silent for ``--node-timeout`` is lost with its subtree. ``--http-port`` serves
+``/health`` (for Kubernetes probes) and ``/metrics`` (Prometheus text) over plain HTTP.
 """
 
 from __future__ import annotations
@@ -138,6 +140,7 @@ class Agent:
 
     def __init__(self, host: str, port: int, token: bytes, *,
                  heartbeat_timeout: float = config.DEFAULT_HEARTBEAT_TIMEOUT,
+                 node_timeout: float = config.DEFAULT_NODE_TIMEOUT,
                  max_frame: int = 1 << 30,
                  handshake_timeout: float = config.AGENT_HANDSHAKE_TIMEOUT,
                  metrics: Any = None, tls: ssl.SSLContext | None = None,
@@ -151,6 +154,7 @@ class Agent:
         self._token = token
         self._tls = tls
         self._heartbeat_timeout = heartbeat_timeout
+        self._node_timeout = node_timeout  # a child agent (a tree) silent this long is lost
         self._max_frame = max_frame
         self._handshake_timeout = handshake_timeout
         self._metrics = metrics
@@ -309,8 +313,9 @@ class Agent:
 
     def _run_session(self, sock: socket.socket, peer: tuple, auth: seal.FrameAuth) -> None:
         session = self.session_class(sock, heartbeat_timeout=self._heartbeat_timeout,
-                          max_frame=self._max_frame, counters=self._count, store=self._store,
-                          secret=self._token, auth=auth)
+                                     node_timeout=self._node_timeout,
+                                     max_frame=self._max_frame, counters=self._count,
+                                     store=self._store, secret=self._token, auth=auth)
         with self._lock:
             if self._stopping.is_set():
                 sock.close()
@@ -363,7 +368,8 @@ def tls_context(cert: str, key: str) -> ssl.SSLContext:
 def run(host: str, port: int, token: bytes, *, http_port: int | None,
         heartbeat_timeout: float, max_frame: int, tls: ssl.SSLContext | None = None,
         store: str | None = None,
-        handshake_timeout: float = config.AGENT_HANDSHAKE_TIMEOUT) -> int:
+        handshake_timeout: float = config.AGENT_HANDSHAKE_TIMEOUT,
+        node_timeout: float = config.DEFAULT_NODE_TIMEOUT) -> int:
     """``phalanx agent``: serve until SIGINT or SIGTERM; the exit status."""
     # The token is read: from here on no process this agent starts (its supervisors, their
     # ranks) inherits $PHALANX_TOKEN. (Ranks run as this user, so they could still read a
@@ -375,7 +381,8 @@ def run(host: str, port: int, token: bytes, *, http_port: int | None,
 
         metrics = AgentMetrics()
         agent = Agent(host, port, token, heartbeat_timeout=heartbeat_timeout,
-                      max_frame=max_frame, handshake_timeout=handshake_timeout,
+                      node_timeout=node_timeout, max_frame=max_frame,
+                      handshake_timeout=handshake_timeout,
                       metrics=metrics, tls=tls, store=store)
         if http_port is not None:
             server = HealthServer(host, http_port, metrics, agent.health)

@@ -26,12 +26,19 @@ Requests that wait (STOP, STACKS, WAIT) run on short threads so the relay never 
 controller whose connection ends, or that stays silent past ``heartbeat_timeout``, is gone:
 every rank of its session is stopped, with everything those ranks started.
 
+The session's sign of life (PING, every second) does not come from the relay: one thread
+of the agent's process (:class:`Pulse`) sends it for every session, so that neither the
+ranks' code nor a busy relay loop can delay it. Only a frozen agent (stopped, its machine
+gone) or a cut link silences it: the controller (or, in a tree, the parent agent) judges
+that silence by its ``node_timeout``. Every control connection also has TCP keepalive
+(:func:`phalanx.wire.streams.keep_alive`).
+
 In a tree (:mod:`phalanx.backends.cluster.tree`) the session's :class:`Branch` holds its
 children's connections: a node's request for another node goes to the child whose subtree
 holds it, a rank's message to the children whose subtrees hold its ranks (the payload once
 per child, the header naming that subtree's ranks), and whatever a child sends comes up
 unchanged -- results gathered for a moment, failures at once. A child lost (its connection
-ended, or silent past ``heartbeat_timeout``) is reported up as LOST with every node of its
+ended, or silent past the agent's ``node_timeout``) is reported up as LOST with every node of its
 subtree; those below it see their upstream go and stop their ranks.
 
 The session is made of parts, each with its own state: the spawner (starting ranks), the
@@ -63,6 +70,54 @@ logger = logging.getLogger(__name__)
 _READ = 1 << 16
 
 
+class Pulse:
+    """One thread that sends each session's sign of life (PING) up, every session's own
+    interval: nothing a session's relay loop or its ranks do can delay it. Started with the
+    first session, it ends when the last one does."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._due: dict[Session, float] = {}  # session -> when its next PING goes
+        self._changed = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def add(self, session: Session) -> None:
+        with self._lock:
+            self._due[session] = time.monotonic()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="phalanx-agent-pulse",
+                                                daemon=True)
+                self._thread.start()
+        self._changed.set()
+
+    def remove(self, session: Session) -> None:
+        with self._lock:
+            self._due.pop(session, None)
+        self._changed.set()
+
+    def _run(self) -> None:
+        while True:
+            now = time.monotonic()
+            with self._lock:
+                if not self._due:
+                    self._thread = None
+                    return
+                due = [s for s, when in self._due.items() if when <= now]
+                for session in due:
+                    self._due[session] = now + session.ping_interval
+                wait = min(self._due.values()) - now
+            for session in due:
+                try:
+                    session.ping()
+                except Exception:  # a bug in one session must not silence the others
+                    logger.exception("an agent session's PING failed")
+            self._changed.wait(max(0.0, min(1.0, wait)))
+            self._changed.clear()
+
+
+PULSE = Pulse()  # the agent process's
+
+
 class _Rank:
     """One running rank of the session: its process on this node, and what the relay keeps
     of it (its output pipes, relayed here)."""
@@ -84,8 +139,10 @@ class Session:
     def __init__(self, sock: socket.socket, *, heartbeat_timeout: float, max_frame: int,
                  counters: Callable[[str, float], None], cwd: str | None = None,
                  store: codesync.Store | None = None, secret: bytes | None = None,
-                 auth: seal.FrameAuth | None = None) -> None:
+                 auth: seal.FrameAuth | None = None,
+                 node_timeout: float = config.DEFAULT_NODE_TIMEOUT) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        streams.keep_alive(sock)
         self.address = sock.getsockname()[0]  # where the controller reached this node
         self._writer = framing.BacklogWriter("phalanx-agent-writer")
         # auth: the handshake's frame keys, which seal and check every frame from here on
@@ -93,6 +150,8 @@ class Session:
         self._conn.reader.limit = max_frame
         self._conn.reader.max_segments = config.AGENT_MAX_FRAME_SEGMENTS
         self._heartbeat_timeout = heartbeat_timeout
+        # a sign of life every second: whoever judges this node's silence may do so after two
+        self.ping_interval = max(0.05, min(1.0, heartbeat_timeout / 5, node_timeout / 5))
         self._count = counters
         self._cwd = cwd or os.getcwd()
         self._store = store
@@ -110,7 +169,7 @@ class Session:
         self.ended = threading.Event()
         self.reason = ""
         self._branch = Branch(Relay(self._writer, self._lock, self._wake.wake,
-                                    heartbeat_timeout, self._send, self._queue,
+                                    node_timeout, self._send, self._queue,
                                     self._watch_child, self._unwatch), secret)
         self._objects = NodeObjects(self._lock, self._node_ranks)
 
@@ -126,10 +185,10 @@ class Session:
         self._send(agentwire.request(agentwire.WELCOME, 0, welcome))
         self._watch(self._conn.read_fd, "controller", None)
         self._watch(self._wake.fd, "wake", None)
+        PULSE.add(self)  # this node's sign of life, from a thread of its own
         heard = time.monotonic()
-        # a sign of life every second: a controller may judge silence after two
-        interval = max(0.05, min(1.0, self._heartbeat_timeout / 5))
-        next_ping = heard + interval
+        interval = self.ping_interval  # how often the children are judged and pinged
+        next_check = heard + interval
         branch = self._branch
         try:
             while not self._closing:
@@ -137,12 +196,11 @@ class Session:
                 if now - heard > self._heartbeat_timeout:
                     self.reason = f"the controller was silent for {now - heard:.0f} s"
                     break
-                if now >= next_ping:
-                    self._send(agentwire.ping())
-                    next_ping = now + interval
+                if now >= next_check:
+                    next_check = now + interval
                     if branch.has_children:
                         branch.check_children(now)
-                wait = min(next_ping, heard + self._heartbeat_timeout) - now
+                wait = min(next_check, heard + self._heartbeat_timeout) - now
                 if self._dying:
                     wait = min(wait, min(r.exit_by for r in self._dying) - now)
                 if branch.gathering:
@@ -456,6 +514,11 @@ class Session:
 
     # -- bookkeeping ------------------------------------------------------------------
 
+    def ping(self) -> None:
+        """This node's sign of life, up (the pulse's thread)."""
+        if not self._closing:
+            self._send(agentwire.ping())
+
     def _send(self, frame: list[Any]) -> None:
         try:
             self._conn.send(frame)
@@ -505,6 +568,7 @@ class Session:
 
     def _end(self) -> None:
         """The controller is gone: stop every rank and everything they started."""
+        PULSE.remove(self)
         ranks = list(self._ranks.values())
         if ranks:
             logger.warning("stopping %d rank(s) of a controller that went away: %s",

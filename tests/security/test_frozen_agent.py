@@ -1,0 +1,216 @@
+"""A node's liveness is its agent's, apart from the ranks' hang detection: a frozen agent
+(SIGSTOP: no EOF, only silence, while its ranks keep running) is a lost node -- a
+``MembershipChanged`` -- within ``node_timeout`` (default ``config.DEFAULT_NODE_TIMEOUT``)
+and two seconds, not at the ranks' ``heartbeat_timeout``; a rank that hangs on a live node
+is judged by the group's ``heartbeat_timeout`` and never taken for a lost node; every
+control connection has TCP keepalive; the agent's sign of life comes from a thread of its
+own.
+
+The agents frozen here are this module's own (on 127.0.0.11-12, stopped when each test
+ends), so the session's shared agents stay healthy. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import phalanx as px
+from phalanx import config
+from phalanx.backends.cluster import tree as agenttree
+from phalanx.backends.cluster.agent import ranks as agentranks
+from phalanx.backends.cluster.agent.daemon import Agent
+from phalanx.errors import WorkerUnresponsive
+from phalanx.launcher import jobhost
+from phalanx.wire import streams
+from tests import helpers
+from tests.agentcluster import free_port, listening, terminate
+from tests.workers import Probe
+
+FROZEN_HOST = "127.0.0.11"
+SLACK = 2.0  # seconds past node_timeout a frozen agent may take to be a lost node
+
+
+@pytest.fixture(scope="module")
+def token_file(tmp_path_factory) -> str:
+    return helpers.token_file(tmp_path_factory.mktemp("frozen"))
+
+
+@pytest.fixture
+def own_agent(token_file):
+    """``own_agent(host, *flags)``: a ``phalanx agent`` of this test's own, at its default
+    settings but for ``flags``; its (address, process). Resumed (SIGCONT) and stopped when
+    the test ends, with whatever it still runs."""
+    procs: list[subprocess.Popen] = []
+
+    def start(host: str, *flags: str) -> tuple[str, subprocess.Popen]:
+        port = free_port(host)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(helpers.REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "phalanx", "agent", "--host", host, "--port", str(port),
+             "--token-file", token_file, "--no-http", *flags],
+            env=env, cwd=helpers.REPO, stdin=subprocess.DEVNULL)
+        procs.append(proc)
+        assert helpers.wait_until(lambda: proc.poll() is not None or listening(host, port),
+                                  20, interval=0.05)
+        assert proc.poll() is None, f"the agent exited ({proc.returncode})"
+        return f"{host}:{port}", proc
+
+    try:
+        yield start
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
+        terminate(procs)
+
+
+# --------------------------------------------------------------------------- a frozen agent
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_frozen_agent_is_a_lost_node_within_the_default_node_timeout(own_agent, token_file):
+    address, proc = own_agent(FROZEN_HOST)
+    backend = px.ClusterBackend([address], token_file=token_file)  # the defaults throughout
+    assert backend.node_timeout == config.DEFAULT_NODE_TIMEOUT
+    with px.WorkerGroup(Probe, backend=backend, procs_per_node=2, echo_output=False) as group:
+        assert group.call("rank") == [0, 1]
+        future = group.call_async("sleep", 120)
+        os.kill(proc.pid, signal.SIGSTOP)  # no EOF, only silence; its ranks keep running
+        try:
+            started = time.monotonic()
+            with pytest.raises(px.MembershipChanged, match=r"removed node 0 .*silent for "
+                                                           r"\d+ s \(node_timeout=15 s"):
+                future.result(timeout=config.DEFAULT_NODE_TIMEOUT + 30)
+            took = time.monotonic() - started
+            print(f"a frozen agent was a lost node after {took:.1f} s "
+                  f"(node_timeout={config.DEFAULT_NODE_TIMEOUT:g} s)")
+            assert config.DEFAULT_NODE_TIMEOUT - 1.5 < took <= config.DEFAULT_NODE_TIMEOUT + SLACK
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+
+
+def test_a_frozen_agent_is_lost_at_a_short_node_timeout_too(own_agent, token_file):
+    address, proc = own_agent(FROZEN_HOST)
+    backend = px.ClusterBackend([address], token_file=token_file, node_timeout=2)
+    with px.WorkerGroup(Probe, backend=backend, echo_output=False) as group:
+        future = group.call_async("sleep", 60)
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(px.MembershipChanged, match=r"node_timeout=2 s"):
+                future.result(timeout=20)
+            assert time.monotonic() - started <= 2 + SLACK
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+
+
+# --------------------------------------------------------------------------- a hung rank
+
+
+@pytest.mark.timeout(60)
+def test_a_hung_rank_on_a_live_node_is_judged_by_heartbeat_timeout_not_as_a_lost_node(
+        own_agent, token_file):
+    address, _ = own_agent("127.0.0.12")
+    heartbeat = 5.0  # the ranks' limit; the node's is shorter, and must not trip
+    backend = px.ClusterBackend([address], token_file=token_file, node_timeout=2)
+    changes: list = []
+    with px.WorkerGroup(Probe, backend=backend, procs_per_node=2, echo_output=False,
+                        heartbeat_timeout=heartbeat) as group:
+        group.on_membership_change(changes.append)
+        group.send_signal(signal.SIGSTOP, workers=[1])  # hung: not even its heartbeats
+        started = time.monotonic()
+        with pytest.raises(WorkerUnresponsive) as info:
+            group.call("rank")
+        took = time.monotonic() - started
+        assert not isinstance(info.value, px.MembershipChanged)
+        assert info.value.rank == 1
+        assert heartbeat - 1.0 < took < heartbeat + 10, took
+        assert changes == [], changes
+        # the node is still the group's: its other rank answers
+        assert group.call("rank", workers=[0]) == [0]
+
+
+# --------------------------------------------------------------------------- keepalive
+
+
+def test_every_control_connection_has_tcp_keepalive(tmp_path):
+    token = b"k" * 32
+    agent = Agent("127.0.0.1", 0, token, store=str(tmp_path / "store"))
+    serving = threading.Thread(target=agent.serve_forever, daemon=True)
+    serving.start()
+    joined = None
+    try:
+        host, port = agent.address
+        # the controller's side (and a branch agent's to its children: the same dialer)
+        joined = agenttree.connect_agent(host, port, token, None, 5.0)
+        # the agent's side of it
+        assert helpers.wait_until(lambda: len(agent._sessions) == 1, 5)
+        (session,) = agent._sessions
+        accepted = session._conn.stream.sock
+        for sock in (joined.sock, accepted):
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            if hasattr(socket, "TCP_KEEPIDLE"):
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 10
+    finally:
+        if joined is not None:
+            joined.close()
+        agent.stop()
+        serving.join(5)
+
+
+def test_the_launchers_keepalive_is_the_same_helper():
+    assert jobhost.keep_alive is streams.keep_alive
+
+
+# --------------------------------------------------------------------------- the pulse
+
+
+class _Busy:
+    """A session whose relay never runs: only the pulse can speak for it."""
+
+    def __init__(self, interval: float) -> None:
+        self.ping_interval = interval
+        self.pings: list[float] = []
+
+    def ping(self) -> None:
+        self.pings.append(time.monotonic())
+
+
+def test_the_sign_of_life_comes_from_a_thread_of_its_own():
+    pulse = agentranks.Pulse()
+    sessions = [_Busy(0.1), _Busy(0.25)]
+    for session in sessions:
+        pulse.add(session)  # type: ignore[arg-type]
+    time.sleep(1.0)
+    for session in sessions:
+        pulse.remove(session)  # type: ignore[arg-type]
+    fast, slow = (len(s.pings) for s in sessions)
+    assert 6 <= fast <= 12 and 3 <= slow <= 6, (fast, slow)
+    gaps = [b - a for a, b in zip(sessions[0].pings, sessions[0].pings[1:], strict=False)]
+    assert max(gaps) < 0.3, gaps
+    assert helpers.wait_until(lambda: pulse._thread is None, 3), "the pulse outlived its sessions"
+
+
+# --------------------------------------------------------------------------- settings
+
+
+@pytest.mark.parametrize("value", [1, 1.9, 0, -5, True, "15", float("inf"), float("nan")])
+def test_node_timeout_is_checked_like_heartbeat_timeout(token_file, value):
+    with pytest.raises(ValueError, match="node_timeout must be at least 2 seconds"):
+        px.ClusterBackend(["127.0.0.1:1"], token_file=token_file, node_timeout=value)
+
+
+def test_a_copy_of_the_backend_keeps_its_node_timeout(token_file):
+    backend = px.ClusterBackend(["127.0.0.1:1"], token_file=token_file, node_timeout=7.5)
+    assert backend.settings()["node_timeout"] == 7.5
+    assert type(backend)(**backend.settings()).node_timeout == 7.5
