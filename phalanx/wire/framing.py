@@ -37,7 +37,7 @@ import struct
 import threading
 from typing import Any
 
-from phalanx.wire.seal import PREHASH, TAG_SIZE, Digests, FrameAuth, VerifyingReader
+from phalanx.wire.seal import PREHASH, TAG_SIZE, FrameAuth, VerifyingReader
 from phalanx.wire.streams import MAX_SEGMENTS as _MAX_SEGMENTS
 from phalanx.wire.streams import ConnectionLost, Stream, WakePipe
 
@@ -325,11 +325,9 @@ class FrameReader:
 _TAG_LENGTH = _LEN.pack(TAG_SIZE)
 
 
-def seal_frames(segments: list[Any], auth: FrameAuth,
-                digests: Digests | None = None) -> list[Any]:
+def seal_frames(segments: list[Any], auth: FrameAuth) -> list[Any]:
     """``segments`` (one frame or several, as :func:`frame` built them, maybe joined) with
-    each frame's tag appended as one more segment (``digests``: large segments' hashes,
-    shared by the connections of one writer). Each frame's prefix and table lie in one
+    each frame's tag appended as one more segment. Each frame's prefix and table lie in one
     buffer, and each of its segments in one buffer (:func:`frame` makes them so)."""
     if len(segments) == 1 and type(segments[0]) is bytes:  # small frames: nearly all
         sealed = _seal_small(segments[0], auth)
@@ -357,7 +355,7 @@ def seal_frames(segments: list[Any], auth: FrameAuth,
             pos += length
         out.append(_PREFIX.pack(nseg + 1, body + 8 + TAG_SIZE) + table + _TAG_LENGTH)
         out += pieces
-        out.append(auth.sign(nseg, table, pieces, digests))
+        out.append(auth.sign(nseg, table, pieces))
         small = small and body < _SMALL_FRAME
         while pos == len(mv):  # the next frame's buffer (past any empty one)
             i += 1
@@ -431,7 +429,6 @@ class Connection:
             reader = VerifyingReader(reader, auth)
         self.reader: Any = reader
         self._auth = auth  # the handshake's keys: every frame sent is sealed with them
-        self._digests = getattr(writer, "digests", None)  # large segments' hashes, shared
         self._write = stream.write_nowait
         self._lock = threading.Lock()
         self._backlog: collections.deque = collections.deque()
@@ -446,7 +443,7 @@ class Connection:
             if self.broken is not None or self.closed:
                 raise ConnectionLost(f"connection is closed ({self.broken or 'closed'})")
             if self._auth is not None:  # sealed in the order they will be written
-                segments = seal_frames(segments, self._auth, self._digests)
+                segments = seal_frames(segments, self._auth)
             if self._backlog:
                 self._backlog.extend(segments)
                 return
@@ -502,9 +499,6 @@ class BacklogWriter:
     """
 
     def __init__(self, name: str = "phalanx-writer") -> None:
-        # the connections it writes for send one payload to many peers (a call to every
-        # agent): its large segments are hashed once for all their tags
-        self.digests = Digests()
         self._pending: set[Connection] = set()
         self._lock = threading.Lock()
         self._wake = WakePipe()

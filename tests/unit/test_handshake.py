@@ -3,6 +3,7 @@ another phalanx version before anything else (real sockets)."""
 
 from __future__ import annotations
 
+import os
 import select
 import socket
 import struct
@@ -160,6 +161,13 @@ def handshaken_pair():
     return auth, got["hello"].auth, b, a
 
 
+def _auth_pair():
+    up_auth, down_auth, up_sock, down_sock = handshaken_pair()
+    up_sock.close()
+    down_sock.close()
+    return up_auth, down_auth
+
+
 def connections(writer):
     up_auth, down_auth, up_sock, down_sock = handshaken_pair()
     return (framing.Connection(streams.SocketStream(up_sock), writer, auth=up_auth),
@@ -266,27 +274,32 @@ def _segments(sealed):
     return out
 
 
-def test_one_payload_sent_to_many_peers_is_hashed_once_and_checks_on_each(writer,
-                                                                         monkeypatch):
+@pytest.mark.parametrize("chunk", [seal.CHUNK, 3000], ids=["one-piece", "pieces"])
+def test_a_large_payload_sent_to_many_peers_checks_on_each(writer, monkeypatch, chunk):
+    monkeypatch.setattr(seal, "CHUNK", chunk)  # a segment over CHUNK: GMAC'd in pieces
     pairs = [connections(writer) for _ in range(3)]
-    hashed = []
-    real = seal.Digests.of
-
-    def counting(self, segment):
-        hashed.append(id(segment))
-        return real(self, segment)
-
-    monkeypatch.setattr(seal.Digests, "of", counting)
-    big = np.ones(1 << 18)
+    big = np.arange(1 << 16, dtype=np.float64)
     payload = pickling.dumps(big)
     try:
         for up, _ in pairs:
-            up.send(framing.frame([b"head", *payload]))
+            up.send(framing.frame([b"head", *payload, bytes(9000)]))
         for _, down in pairs:
             (got,) = receive(down, 1)
-            assert np.array_equal(pickling.loads(got[1:]), big)
-        assert len(hashed) == 3 and len(set(hashed)) == 1  # the same buffer, one digest
+            assert np.array_equal(pickling.loads(got[1:-1]), big)
+            assert got[-1] == bytes(9000)
     finally:
         for up, down in pairs:
             up.close()
             down.close()
+
+
+@pytest.mark.parametrize("where", [0, 4000, -1], ids=["first", "middle", "last"])
+def test_one_flipped_byte_of_a_large_segment_fails_its_tag(where):
+    up_auth, down_auth = _auth_pair()
+    large = bytearray(os.urandom(3 * seal.PREHASH))
+    sealed = framing.seal_frames(framing.frame([b"head", bytes(large)]), up_auth)
+    segments = _segments(sealed)
+    altered = bytearray(segments[1])
+    altered[where] ^= 1
+    assert not down_auth.check([segments[0], bytes(altered), segments[2]])
+    assert down_auth.check(segments)  # the untouched frame still checks, as frame 0
