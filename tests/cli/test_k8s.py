@@ -29,6 +29,7 @@ VARIANTS = {
     "defaults": dict(name="agents", replicas=1, image="app"),
     "all options": FULL,
     "token secret": dict(FULL, token_secret="team.phalanx-token"),
+    "tls secret": dict(FULL, tls_secret="trainer-tls"),
     "cpu only": dict(name="a1", replicas=2, image="app", cpu="500m"),
     "gpus only": dict(name="a1", replicas=2, image="app", gpus=1),
 }
@@ -162,6 +163,23 @@ def test_token_secret_omits_the_secret_and_is_mounted_instead():
     assert volume["secret"]["secretName"] == "existing"
 
 
+def test_tls_secret_mounts_the_certificate_and_key_the_agent_serves_with():
+    objects = k8s.manifest(**dict(FULL, tls_secret="trainer-tls"))
+    pod = by_kind(objects)["StatefulSet"]["spec"]["template"]["spec"]
+    token, tls = pod["volumes"]
+    assert token["secret"]["items"] == [{"key": "token", "path": "token"}]
+    assert tls["secret"]["secretName"] == "trainer-tls"
+    assert [item["key"] for item in tls["secret"]["items"]] == ["tls.crt", "tls.key"]
+    assert tls["secret"]["defaultMode"] == 0o400
+    agent = container(objects)
+    mount = next(m for m in agent["volumeMounts"] if m["name"] == "tls")
+    command = agent["command"]
+    cert, key = (command[command.index(flag) + 1] for flag in ("--tls-cert", "--tls-key"))
+    assert (cert, key) == (f"{mount['mountPath']}/tls.crt", f"{mount['mountPath']}/tls.key")
+    assert mount["readOnly"] and mount["mountPath"] != "/etc/phalanx"
+    assert "--tls-cert" not in container(k8s.manifest(**FULL))["command"]
+
+
 def test_resources_come_from_cpu_memory_and_gpus():
     assert container(k8s.manifest(**FULL))["resources"] == {
         "requests": {"cpu": "16", "memory": "64Gi"},
@@ -237,6 +255,7 @@ BAD = [
     (["--http-port", "70000"], "--http-port"),
     (["--port", "8000", "--http-port", "8000"], "--http-port"),
     (["--token-secret", "My_Secret"], "--token-secret"),
+    (["--tls-secret", "-tls"], "--tls-secret"),
     (["--cpu", "lots"], "--cpu"),
     (["--cpu", "0"], "--cpu"),
     (["--memory", "-1Gi"], "--memory"),

@@ -14,7 +14,18 @@ connects to each pod's agent. The manifest is three objects, printed as YAML doc
                                  --token-file /etc/phalanx/token
                  with the Secret mounted read-only at /etc/phalanx (the token file at mode
                  0400, since the agent refuses a token file its group or others can read)
-                 and GET /health on the http port as its readiness and liveness probes
+                 and GET /health on the http port as its readiness and liveness probes;
+                 with --tls-secret, also --tls-cert and --tls-key from that Secret
+
+When to use TLS: every frame is authenticated whatever the network (a relay can neither
+inject nor alter one), but without TLS none is encrypted, so whoever can read the pods'
+traffic reads the calls' arguments, results and output. On a cluster network others can
+sniff (no encryption between nodes, other tenants on the same nodes, a Service reachable
+from outside the cluster), give ``--tls-secret`` a ``kubernetes.io/tls`` Secret whose
+certificate names the pods (``*.NAME.NAMESPACE.svc.cluster.local``), and
+``ClusterBackend(tls="ca.pem")`` the CA that signed it; on a network that is encrypted
+already (a service mesh's mTLS, WireGuard between nodes) the token and the frame MACs are
+enough.
 
 On the controller, :func:`hosts` gives the agents' addresses::
 
@@ -57,6 +68,7 @@ TOKEN_BYTES = 32  # of randomness in a generated token (43 URL-safe characters)
 # The token file's mode in the pod: Kubernetes' default (0644) would be refused by the agent.
 # The file belongs to root: the agent runs as root (the image's default) to read it.
 TOKEN_MODE = 0o400
+TLS_DIR = "/etc/phalanx-tls"  # where the pods mount a kubernetes.io/tls Secret (--tls-secret)
 APP_NAME = "phalanx-agent"  # app.kubernetes.io/name of every object
 CONTAINER_NAME = "agent"
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -82,9 +94,12 @@ _QUANTITY = re.compile(r"(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+|[numkMGTPE]|[KMGTPE]i)
 def manifest(name: str, replicas: int, image: str, namespace: str = DEFAULT_NAMESPACE,
              port: int = DEFAULT_PORT, http_port: int | None = None,
              token_secret: str | None = None, cpu: str | None = None,
-             memory: str | None = None, gpus: int = 0) -> list[dict[str, Any]]:
+             memory: str | None = None, gpus: int = 0,
+             tls_secret: str | None = None) -> list[dict[str, Any]]:
     """The Kubernetes objects that run ``replicas`` agents: a Secret with a fresh token
     (unless ``token_secret`` names an existing one), a headless Service and a StatefulSet.
+    ``tls_secret`` names an existing ``kubernetes.io/tls`` Secret (keys ``tls.crt`` and
+    ``tls.key``): the agents serve TLS with it.
 
     ``http_port`` defaults to ``port + 1``; ``cpu`` and ``memory`` (quantities such as
     ``"8"``, ``"500m"``, ``"64Gi"``) become each pod's requests and limits, ``gpus`` its
@@ -112,6 +127,10 @@ def manifest(name: str, replicas: int, image: str, namespace: str = DEFAULT_NAME
         raise ValueError(f"--token-secret must name a Secret: lowercase letters, digits, '-' "
                          f"and '.', at most 253 characters, starting and ending with a letter "
                          f"or digit; got {token_secret!r}")
+    if tls_secret is not None and not _is_subdomain(tls_secret):
+        raise ValueError(f"--tls-secret must name a Secret: lowercase letters, digits, '-' "
+                         f"and '.', at most 253 characters, starting and ending with a letter "
+                         f"or digit; got {tls_secret!r}")
     resources = _resources(cpu, memory, gpus)
 
     labels = {"app.kubernetes.io/name": APP_NAME, "app.kubernetes.io/instance": name}
@@ -121,7 +140,7 @@ def manifest(name: str, replicas: int, image: str, namespace: str = DEFAULT_NAME
         objects.append(_secret(token_secret, namespace, labels))
     objects.append(_service(name, namespace, labels, port, http_port))
     objects.append(_stateful_set(name, replicas, image, namespace, labels, port, http_port,
-                                 token_secret, resources))
+                                 token_secret, resources, tls_secret))
     return objects
 
 
@@ -168,9 +187,25 @@ def _service(name: str, namespace: str, labels: dict[str, str], port: int,
 
 def _stateful_set(name: str, replicas: int, image: str, namespace: str,
                   labels: dict[str, str], port: int, http_port: int, token_secret: str,
-                  resources: dict[str, Any]) -> dict[str, Any]:
+                  resources: dict[str, Any], tls_secret: str | None = None) -> dict[str, Any]:
     command = ["phalanx", "agent", "--host", "0.0.0.0", "--port", str(port),
                "--http-port", str(http_port), "--token-file", f"{TOKEN_DIR}/{TOKEN_KEY}"]
+    volumes: list[dict[str, Any]] = [{"name": "token", "secret": {
+        "secretName": token_secret,
+        # only the token, whatever else an existing Secret holds
+        "items": [{"key": TOKEN_KEY, "path": TOKEN_KEY}],
+        "defaultMode": TOKEN_MODE,
+    }}]
+    mounts = [{"name": "token", "mountPath": TOKEN_DIR, "readOnly": True}]
+    if tls_secret is not None:
+        command += ["--tls-cert", f"{TLS_DIR}/tls.crt", "--tls-key", f"{TLS_DIR}/tls.key"]
+        volumes.append({"name": "tls", "secret": {
+            "secretName": tls_secret,
+            "items": [{"key": "tls.crt", "path": "tls.crt"},
+                      {"key": "tls.key", "path": "tls.key"}],
+            "defaultMode": TOKEN_MODE,
+        }})
+        mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": image,
@@ -183,7 +218,7 @@ def _stateful_set(name: str, replicas: int, image: str, namespace: str,
                            **READINESS_PROBE},
         "livenessProbe": {"httpGet": {"path": HEALTH_PATH, "port": "http"},
                           **LIVENESS_PROBE},
-        "volumeMounts": [{"name": "token", "mountPath": TOKEN_DIR, "readOnly": True}],
+        "volumeMounts": mounts,
     }
     if resources:
         container["resources"] = resources
@@ -209,12 +244,7 @@ def _stateful_set(name: str, replicas: int, image: str, namespace: str,
                         }],
                     }},
                     "containers": [container],
-                    "volumes": [{"name": "token", "secret": {
-                        "secretName": token_secret,
-                        # only the token, whatever else an existing Secret holds
-                        "items": [{"key": TOKEN_KEY, "path": TOKEN_KEY}],
-                        "defaultMode": TOKEN_MODE,
-                    }}],
+                    "volumes": volumes,
                 },
             },
         },
@@ -389,6 +419,10 @@ NAME of REPLICAS pods (at most one per node), each running
   phalanx agent --host 0.0.0.0 --port PORT --http-port HTTP_PORT --token-file
                 /etc/phalanx/token
 with GET /health on the http port as its readiness and liveness probes.
+
+Frames are authenticated on any network, not encrypted: where others can read the pods'
+traffic, give --tls-secret a kubernetes.io/tls Secret (certificate for
+*.NAME.NAMESPACE.svc.cluster.local) and the backend tls="ca.pem".
 """
 
 MANIFEST_EPILOG = """\
@@ -406,6 +440,7 @@ examples:
   phalanx k8s manifest --name trainer --replicas 4 --image registry.example.com/app:1.0 \\
       --namespace ml --cpu 16 --memory 64Gi --gpus 8 | kubectl apply -f -
   phalanx k8s manifest --name trainer --replicas 2 --image app:1.0 --token-secret mine
+  phalanx k8s manifest --name trainer --replicas 2 --image app:1.0 --tls-secret trainer-tls
 """
 
 
@@ -442,6 +477,10 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     parser.add_argument("--token-secret", metavar="SECRET",
                         help=f"use this existing Secret's {TOKEN_KEY!r} key as the token "
                              "instead of printing a new Secret")
+    parser.add_argument("--tls-secret", metavar="SECRET",
+                        help="an existing kubernetes.io/tls Secret: the agents serve TLS with "
+                             "its tls.crt and tls.key (use it where others can read the "
+                             "pods' traffic)")
     parser.add_argument("--cpu", metavar="QUANTITY",
                         help="CPU request and limit of each pod, e.g. 16 or 500m")
     parser.add_argument("--memory", metavar="QUANTITY",
@@ -460,7 +499,8 @@ def main(options: argparse.Namespace) -> int:
         text = to_yaml(manifest(
             options.name, options.replicas, options.image, namespace=options.namespace,
             port=options.port, http_port=options.http_port, token_secret=options.token_secret,
-            cpu=options.cpu, memory=options.memory, gpus=options.gpus))
+            cpu=options.cpu, memory=options.memory, gpus=options.gpus,
+            tls_secret=options.tls_secret))
     except ValueError as exc:
         print(f"phalanx k8s manifest: {exc}", file=sys.stderr)
         return USAGE_ERROR
