@@ -24,7 +24,7 @@ import pathlib
 import select
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import BinaryIO
 
 from phalanx import config
@@ -142,12 +142,13 @@ class _StderrTail:
 
 
 class _Stream:
-    __slots__ = ("buffer", "closed", "continued", "echo", "fd", "file", "is_stderr", "rank",
-                 "tail")
+    __slots__ = ("buffer", "closed", "continued", "decode", "echo", "fd", "file", "is_stderr",
+                 "rank", "tail")
 
     def __init__(self, fd: int, rank: int, tail: _StderrTail | None, echo: bool,
-                 file: BinaryIO | None):
+                 file: BinaryIO | None, decode: Callable[[bytes], bytes] | None = None):
         self.fd = fd
+        self.decode = decode  # bytes read -> the output they carry (see LogPump.attach)
         self.rank = rank
         self.is_stderr = tail is not None
         self.buffer = bytearray()  # the line being received: up to a piece and one read
@@ -192,15 +193,20 @@ class LogPump:
         self._thread = threading.Thread(target=self._run, name="phalanx-logs", daemon=True)
         self._thread.start()
 
-    def attach(self, rank: int, stdout_fd: int, stderr_fd: int) -> OutputTap:
+    def attach(self, rank: int, stdout_fd: int, stderr_fd: int,
+               decoders: Sequence[Callable[[bytes], bytes] | None] = (None, None)
+               ) -> OutputTap:
         """Start reading one worker's pipes (the pump owns and closes the descriptors).
-        Lines and log files carry the rank as shown (``first_rank`` added)."""
+        Lines and log files carry the rank as shown (``first_rank`` added). ``decoders``:
+        for a stream that carries its output framed (sealed frames across the network),
+        what turns the bytes read into the output (``b""``: none yet); one that raises ends
+        that stream there."""
         tail = _StderrTail()
         echo = self._options.shows(rank)
         shown = rank + self._options.first_rank
         streams = [
-            _Stream(stdout_fd, shown, None, echo, self._open_log(shown, "stdout")),
-            _Stream(stderr_fd, shown, tail, echo, self._open_log(shown, "stderr")),
+            _Stream(stdout_fd, shown, None, echo, self._open_log(shown, "stdout"), decoders[0]),
+            _Stream(stderr_fd, shown, tail, echo, self._open_log(shown, "stderr"), decoders[1]),
         ]
         for stream in streams:
             os.set_blocking(stream.fd, False)
@@ -284,6 +290,16 @@ class LogPump:
             return True
         except OSError:
             data = b""
+        if data and stream.decode is not None:
+            try:
+                data = stream.decode(data)
+            except Exception as exc:  # noqa: BLE001 - the rest of it cannot be trusted
+                logger.warning("rank %d's %s ends here: %s", stream.rank,
+                               "stderr" if stream.is_stderr else "stdout", exc)
+                data = b""
+            else:
+                if not data:
+                    return True  # a frame still arriving
         if not data:
             if stream.buffer or stream.continued:
                 self._end_line(stream)  # the last line had no newline

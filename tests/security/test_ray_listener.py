@@ -12,7 +12,11 @@ machine.
   in the shared test cluster, whose nodes live on 127.0.0.2-4), not the host's outward one;
 - the Unix socket for ranks on this machine is a path in a directory of the owner's alone
   (0700, removed at shutdown): another user (nobody, when the tests run as root) cannot
-  connect to it.
+  connect to it;
+- a rank's output across the network travels as frames sealed with its connection's keys
+  (``actor.SealedOutput``, checked by ``actor.OutputUnsealer`` in the controller's output
+  pump): bytes injected into the connection end that stream, and no line of theirs is
+  shown or logged.
 
 The listener's own cases need no Ray; those with a group use the shared Ray cluster
 (tests/raycluster.py). Every wait is bounded.
@@ -34,8 +38,10 @@ import pytest
 
 import phalanx as px
 from phalanx import config
+from phalanx.backends.ray.actor import OutputUnsealer, SealedOutput
 from phalanx.backends.ray.channel import Listener
-from phalanx.wire import handshake
+from phalanx.output.logs import LogPump, OutputOptions, log_path
+from phalanx.wire import framing, handshake, seal
 from tests.workers import Probe
 
 SECRET = b"s" * 32
@@ -301,6 +307,80 @@ def _recv_exactly(sock: socket.socket, size: int) -> bytes:
     return data
 
 
+# -- a rank's output across the network ------------------------------------------------------
+
+
+def keys() -> tuple[seal.FrameAuth, seal.FrameAuth]:
+    """The two ends' frame keys of one handshake: the actor's, the controller's."""
+    transcript = os.urandom(64)
+    return (seal.derive(SECRET, transcript, connector=True),
+            seal.derive(SECRET, transcript, connector=False))
+
+
+def sealed(data: bytes, auth: seal.FrameAuth) -> bytes:
+    return b"".join(framing.seal_frames(framing.frame([data]), auth))
+
+
+def test_sealed_output_round_trips_in_any_pieces():
+    actor, controller = keys()
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        output = SealedOutput(ours, actor)
+        rank_end = os.dup(output.write_fd)  # what the rank would hold
+        output.start()
+        ours.close()  # the actor's own copy (the relay holds its own)
+        written = b"hello\n" + b"x" * 200_000 + b"\nbye\n"
+        with os.fdopen(rank_end, "wb") as rank:
+            for i in range(0, len(written), 5000):
+                rank.write(written[i:i + 5000])
+                rank.flush()
+        received = b""
+        theirs.settimeout(5)
+        while chunk := theirs.recv(65536):
+            received += chunk
+        output.join(5)
+    assert written not in received  # not as it was written
+    unseal = OutputUnsealer(controller)
+    got = b"".join(unseal(received[i:i + 777]) for i in range(0, len(received), 777))
+    assert got == written
+
+
+@pytest.mark.parametrize("injected", ["raw text", "a forged frame", "a replayed frame"])
+def test_bytes_injected_into_sealed_output_end_it(injected):
+    actor, controller = keys()
+    first = sealed(b"rank says hi\n", actor)
+    bad = {"raw text": b"spoofed line\n",
+           "a forged frame": sealed(b"spoofed line\n", seal.derive(b"x" * 32, b"t", True)),
+           "a replayed frame": first}[injected]
+    unseal = OutputUnsealer(controller)
+    assert unseal(first) == b"rank says hi\n"
+    with pytest.raises(Exception) as info:
+        unseal(bad)
+    assert "spoofed" not in str(info.value)
+
+
+def test_the_output_pump_shows_no_injected_line(tmp_path, caplog):
+    actor, controller = keys()
+    pump = LogPump(OutputOptions(echo=False, log_dir=tmp_path))
+    out_r, out_w = socket.socketpair()
+    err_r, err_w = socket.socketpair()
+    try:
+        tap = pump.attach(0, out_r.detach(), err_r.detach(),
+                          (OutputUnsealer(controller), None))
+        out_w.sendall(sealed(b"the rank's own line\n", actor))
+        time.sleep(0.2)
+        with caplog.at_level(logging.WARNING, logger="phalanx.output.logs"):
+            out_w.sendall(b"[rank 0] spoofed line\n" + sealed(b"after\n", actor))
+            out_w.close()
+            err_w.close()
+            assert tap.wait_closed(5)
+    finally:
+        pump.stop(5)
+    shown = log_path(tmp_path, 0, "stdout").read_bytes()
+    assert shown == b"the rank's own line\n"
+    assert any("stdout ends here" in r.getMessage() for r in caplog.records)
+
+
 # -- with a group on the shared Ray cluster -------------------------------------------------
 
 
@@ -385,3 +465,18 @@ def test_a_reset_handshake_leaves_recreate_working(on_ray, how):
         group.recreate(1, timeout=50)
         assert group.call_one(1, "pid") != old
         assert group.call("pid")[0] == group.call_one(0, "pid")
+
+
+def test_output_across_the_network_arrives_sealed_and_whole(on_ray, tmp_path):
+    with px.WorkerGroup(Probe, procs_per_node=2, backend=crowded(tcp_only=True),
+                        echo_output=False, log_dir=tmp_path, start_timeout=50) as group:
+        channels = list(group._backend._channels.values())
+        assert all(len(c._decoders) == 2 for c in channels)  # both streams: sealed
+        group.call("say", "on stdout")
+        group.call("say", "on stderr", True)
+        group.call("say_long_lines", 100_000, 3)
+    for rank in range(2):
+        out = log_path(tmp_path, rank, "stdout").read_text()
+        err = log_path(tmp_path, rank, "stderr").read_text()
+        assert out.splitlines() == ["on stdout"] + [str(rank) * 100_000] * 3
+        assert "on stderr" in err.splitlines()

@@ -7,12 +7,15 @@ then :meth:`RankActor.serve`:
 
 1. connects three streams back to the controller -- stdout, stderr, control -- each
    proving the group's secret (:mod:`phalanx.wire.handshake`): over TCP, or over a Unix socket
-   when the controller runs on the same machine;
+   when the controller runs on the same machine as the same user (a handshake cut short,
+   as by a listener full of strangers, is tried again);
 2. hands the rank's process its environment over the actor's own (Ray's
    ``CUDA_VISIBLE_DEVICES`` included), its control stream and its stdout/stderr: the rank
    talks to the controller directly, at phalanx's speed, and everything it and its
    subprocesses print reaches the controller's output pump once (Ray's log forwarding
-   never sees it);
+   never sees it). Across the network every frame is sealed with its connection's keys
+   (:mod:`phalanx.wire.seal`): the rank seals its control stream itself, and the output
+   goes through a pipe to a thread here that seals it (:class:`SealedOutput`);
 3. waits for it and returns its exit status, which is how the controller learns that a
    rank died of SIGSEGV or ``os._exit(3)`` -- Ray itself only says that a worker died.
 
@@ -42,6 +45,7 @@ from phalanx.wire import handshake, seal
 
 CONCURRENCY = 4  # serve, plus stop / signal / the relay's calls beside it
 _RETRY_DELAY, _RETRY_DELAY_MAX = 0.05, 1.0  # seconds between tries of a cut-short handshake
+OUTPUT_CHUNK = 65536  # the most output bytes a sealed frame carries (a pipe's capacity)
 
 
 def _open(controller: tuple[str, int, str], timeout: float) -> socket.socket:
@@ -103,6 +107,89 @@ def _control_stream(sock: socket.socket) -> tuple[int, ...]:
     if len(fds) != 2:
         raise ConnectionError("the controller did not hand over the rank's pipes")
     return tuple(fds)
+
+
+class SealedOutput:
+    """One output stream of a rank across the network: the rank writes to a pipe, and a
+    thread here sends what it reads as frames sealed with the connection's keys
+    (:mod:`phalanx.wire.seal`), so that nothing else that reaches the controller's socket
+    can pass for the rank's output (:class:`OutputUnsealer` checks them there). Ends, with
+    the connection, when every writer of the pipe has closed it."""
+
+    def __init__(self, sock: socket.socket, auth: seal.FrameAuth) -> None:
+        self._sock = socket.socket(fileno=os.dup(sock.fileno()))
+        self._sock.settimeout(None)
+        self._auth = auth
+        self._read_fd, self.write_fd = os.pipe()
+        self._thread = threading.Thread(target=self._relay, name="phalanx-output", daemon=True)
+
+    def start(self) -> None:
+        """Once the rank holds the write end: this process's copy is closed."""
+        os.close(self.write_fd)
+        self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    def _relay(self) -> None:
+        from phalanx.wire import framing
+
+        try:
+            while data := os.read(self._read_fd, OUTPUT_CHUNK):
+                self._sock.sendall(b"".join(framing.seal_frames(framing.frame([data]),
+                                                                self._auth)))
+        except OSError:  # the controller is gone: nobody reads this output any more
+            pass
+        finally:
+            os.close(self._read_fd)
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._sock.close()
+
+
+class OutputUnsealer:
+    """The controller's side of a :class:`SealedOutput`: fed the bytes received, it returns
+    the output in the frames that passed their tags (``b""`` while a frame is incomplete),
+    and raises :class:`~phalanx.wire.streams.ConnectionLost` at the first that does not
+    (or that is malformed or larger than a :class:`SealedOutput` makes one): the stream
+    cannot be trusted from there on."""
+
+    def __init__(self, auth: seal.FrameAuth) -> None:
+        from phalanx.wire import framing
+
+        self._data: bytes = b""
+        self._pos = 0
+        self._auth = auth
+        self._reader = framing.FrameReader(self)  # type: ignore[arg-type]  # read_into: all
+        self._reader.limit = OUTPUT_CHUNK + 64  # the data, its tag and their lengths
+        self._reader.max_segments = 2
+
+    def read_into(self, buf: Any, nbytes: int, block: bool) -> int:
+        """The frame reader's stream: what :meth:`__call__` was fed."""
+        n = min(nbytes, len(self._data) - self._pos)
+        if n <= 0:
+            raise BlockingIOError
+        buf[:n] = self._data[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def __call__(self, data: bytes) -> bytes:
+        self._data, self._pos = data, 0
+        out = []
+        while self._pos < len(data):
+            before = self._pos
+            for segments in self._reader.recv_frames(block=False):
+                if not self._auth.check(segments):
+                    raise seal.FrameRejected(
+                        f"output frame {self._auth.received} failed authentication (forged, "
+                        "altered or out of order: something else wrote to the connection)")
+                out += segments[:-1]
+            if self._pos == before:  # pragma: no cover - a reader that took nothing
+                break
+        self._data = b""
+        return b"".join(out)
 
 
 class _Relay:
@@ -216,19 +303,30 @@ class RankActor:
         connected = [_connect(controller, secret, hello(role)) for role in
                      (handshake.ROLE_STDOUT, handshake.ROLE_STDERR, handshake.ROLE_CONTROL)]
         sockets = [sock for sock, _ in connected]
-        out, err, control_socket = sockets
-        control = _control_stream(control_socket)
+        control = _control_stream(sockets[2])
         if len(control) == 1:  # the socket itself, across the network: the rank seals it
             env = {**env, config.ENV_FRAME_KEYS: connected[2][1].handover()}
+        # the rank's stdout and stderr: over a Unix socket the sockets themselves, across
+        # the network pipes to threads here that seal what it writes (SealedOutput)
+        outputs = [sock.fileno() if sock.family == socket.AF_UNIX else SealedOutput(sock, auth)
+                   for sock, auth in connected[:2]]
         try:
-            proc = self._start_rank(env, cwd, control, out.fileno(), err.fileno())
+            proc = self._start_rank(env, cwd, control,
+                                    *(o if isinstance(o, int) else o.write_fd for o in outputs))
         finally:
             for sock in sockets:
-                sock.close()  # the rank holds its own copies
+                sock.close()  # the rank holds its own copies (a SealedOutput its own)
             if len(control) == 2:
                 for fd in control:
                     os.close(fd)
-        return self._supervise(proc)
+            for output in outputs:
+                if isinstance(output, SealedOutput):
+                    output.start()  # closes its copy of the pipe's write end
+        served = self._supervise(proc)
+        for output in outputs:  # its last words reach the controller before its status
+            if isinstance(output, SealedOutput):
+                output.join(config.CLEANUP_WAIT)
+        return served
 
     def _start_rank(self, env: Mapping[str, str], cwd: str | None, control: tuple[int, ...],
                     out: int, err: int) -> Any:

@@ -6,7 +6,10 @@ they died; phalanx does everything else as it does locally. Each actor
 TCP and proves a per-group secret handed to it through Ray (the handshake also compares
 both sides' phalanx versions: a Ray worker of another release is refused), so a call
 costs what it costs locally instead of a Ray task's milliseconds (Ray's Compiled Graphs
-make the same move).
+make the same move). The listener (:class:`~phalanx.backends.ray.channel.Listener`) binds
+the address the cluster knows the driver's Ray node by, runs each handshake on its own
+thread with its own deadline, caps those in progress, and outlives whatever one
+connection does; ranks on this machine connect to a Unix socket of this user's alone.
 
 Reservation (:meth:`RayBackend._reserve`): the placement group, ready within
 ``start_timeout`` or a :class:`~phalanx.errors.StartupError` saying what was asked and
@@ -151,7 +154,7 @@ class RayBackend(Backend):
         self._services = ChannelServices(ray, self._writer, self._logs)
         self._watch_lock = threading.Lock()
         self._watched: dict[Any, RayChannel] = {}
-        self._host, self._port, self._local_name = "", 0, ""
+        self._host, self._port, self._local_name = "", 0, ""  # (the Unix socket's path)
         if self._relayed:
             console.notice("phalanx: calls to this group go through Ray's own calls (the "
                            "cluster cannot connect back to a Ray Client driver): same "

@@ -87,6 +87,7 @@ class RayChannel(Channel):
         self._queued: list[list[Any]] = []
         self._sink: EventSink | None = None
         self._outputs: dict[int, int] = {}  # role -> socket fd, until both are in
+        self._decoders: dict[int, Any] = {}  # role -> its OutputUnsealer (across the network)
         self._tap: OutputTap | None = None
         self._exitcode: int | None = None
         self._reason: str | None = None
@@ -100,17 +101,25 @@ class RayChannel(Channel):
     def connected(self, role: int, sock: socket.socket,
                   auth: seal.FrameAuth | None = None) -> None:
         """A connection of the rank's actor, its handshake done: its output streams, or
-        its control stream with ``auth``, the keys every frame on it is sealed with."""
+        its control stream; ``auth``: the keys every frame on it is sealed with (across the
+        network the output travels sealed too: :class:`~phalanx.backends.ray.actor.
+        SealedOutput`; over a Unix socket, of this user's alone, as it was written)."""
         with self._lock:
             if self._closed:
                 sock.close()
                 return
             if role != handshake.ROLE_CONTROL:
+                if auth is not None and sock.family != socket.AF_UNIX:
+                    from phalanx.backends.ray.actor import OutputUnsealer
+
+                    self._decoders[role] = OutputUnsealer(auth)
                 self._outputs[role] = sock.detach()
                 if len(self._outputs) == 2:
                     self._tap = self._services.logs.attach(
                         self.rank, self._outputs[handshake.ROLE_STDOUT],
-                        self._outputs[handshake.ROLE_STDERR])
+                        self._outputs[handshake.ROLE_STDERR],
+                        (self._decoders.get(handshake.ROLE_STDOUT),
+                         self._decoders.get(handshake.ROLE_STDERR)))
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._adopt(streams.SocketStream(sock), auth)
