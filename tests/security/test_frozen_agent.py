@@ -114,6 +114,30 @@ def test_a_frozen_agent_is_lost_at_a_short_node_timeout_too(own_agent, token_fil
             os.kill(proc.pid, signal.SIGCONT)
 
 
+@pytest.mark.timeout(60)
+def test_a_frozen_agent_inside_a_tree_is_lost_by_its_parent_within_its_node_timeout(
+        own_agent, token_file):
+    # tree_threshold=2, fanout=2: the controller reaches node 0 and node 2; node 0 holds
+    # node 1's connection, and judges its silence by its own --node-timeout
+    started_agents = [own_agent(f"127.0.0.{i}", "--node-timeout", "2") for i in (11, 12, 13)]
+    backend = px.ClusterBackend([a for a, _ in started_agents], token_file=token_file,
+                                tree_threshold=2, fanout=2)
+    with px.WorkerGroup(Probe, backend=backend, nodes=3, echo_output=False) as group:
+        assert group._backend.connection_count() == 2
+        future = group.call_async("sleep", 6)  # then nodes 0 and 2 take the next call
+        child = started_agents[1][1]
+        os.kill(child.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(px.MembershipChanged, match=r"removed node 1 .*silent for "
+                                                           r"\d+ s \(node_timeout=2 s"):
+                future.result(timeout=20)
+            assert time.monotonic() - started <= 2 + SLACK
+            assert group.call("rank", workers=[0, 2], timeout=20) == [0, 2]
+        finally:
+            os.kill(child.pid, signal.SIGCONT)
+
+
 # --------------------------------------------------------------------------- a hung rank
 
 

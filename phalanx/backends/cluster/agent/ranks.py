@@ -192,6 +192,8 @@ class Session:
         branch = self._branch
         try:
             while not self._closing:
+                # what this pass sends the controller (a lost child's LOST too): one write
+                self._outbox = []
                 now = time.monotonic()
                 if now - heard > self._heartbeat_timeout:
                     self.reason = f"the controller was silent for {now - heard:.0f} s"
@@ -205,7 +207,8 @@ class Session:
                     wait = min(wait, min(r.exit_by for r in self._dying) - now)
                 if branch.gathering:
                     wait = min(wait, GATHER_WINDOW)
-                self._outbox = []  # what this pass sends the controller: one write
+                if self._outbox:  # a lost child's LOST: up at once
+                    wait = 0
                 for fd, _ in self._poller.poll(max(0, int(wait * 1000)) + 1):
                     what, rank = self._by_fd.get(fd, ("gone", None))
                     if what == "controller":
