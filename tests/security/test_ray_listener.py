@@ -307,6 +307,30 @@ def _recv_exactly(sock: socket.socket, size: int) -> bytes:
     return data
 
 
+class _FakeRay:
+    """What ``session.driver_address`` asks of Ray: the driver's node, the node table, and
+    Ray's guess at this host's address (here its outward one, which must not win)."""
+
+    def __init__(self, nodes: list[dict]) -> None:
+        self._nodes = nodes
+        self.util = type("util", (), {"get_node_ip_address": staticmethod(lambda: "10.1.2.3")})
+
+    def get_runtime_context(self):
+        return type("ctx", (), {"get_node_id": staticmethod(lambda: "driver")})()
+
+    def nodes(self) -> list[dict]:
+        return self._nodes
+
+
+def test_the_listener_binds_the_drivers_ray_node_address():
+    from phalanx.backends.ray import session
+
+    table = [{"NodeID": "other", "NodeManagerAddress": "127.0.0.3"},
+             {"NodeID": "driver", "NodeManagerAddress": "127.0.0.1"}]
+    assert session.driver_address(_FakeRay(table)) == "127.0.0.1"
+    assert session.driver_address(_FakeRay(table[:1])) == "10.1.2.3"  # not in the table
+
+
 # -- a rank's output across the network ------------------------------------------------------
 
 
