@@ -138,6 +138,27 @@ def test_a_frozen_agent_inside_a_tree_is_lost_by_its_parent_within_its_node_time
             os.kill(child.pid, signal.SIGCONT)
 
 
+@pytest.mark.timeout(60)
+def test_a_controller_that_falls_behind_does_not_take_its_agents_for_silent_ones(
+        own_agent, token_file):
+    address, _ = own_agent("127.0.0.12")
+    backend = px.ClusterBackend([address], token_file=token_file, node_timeout=2)
+    changes: list = []
+    with px.WorkerGroup(Probe, backend=backend, echo_output=False) as group:
+        group.on_membership_change(changes.append)
+        blocked = threading.Event()
+
+        def block(future) -> None:  # on the thread that pumps: nothing is read meanwhile
+            blocked.set()
+            time.sleep(5)
+
+        group.call_async("rank").add_done_callback(block)
+        assert blocked.wait(10)
+        time.sleep(6)  # the agent's signs of life waited unread, past node_timeout
+        assert group.call("rank", timeout=10) == [0]
+        assert changes == [], changes
+
+
 # --------------------------------------------------------------------------- a hung rank
 
 
