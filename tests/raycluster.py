@@ -3,6 +3,8 @@
 Ray's own test cluster (``ray.cluster_utils.Cluster``): a head node on 127.0.0.2 and two
 worker nodes on 127.0.0.3 and 127.0.0.4, each with its own raylet, so ranks on different
 nodes see different ``MASTER_ADDR``/``NODE_RANK`` values and a node can be removed.
+Each node declares ``GPUS_PER_NODE`` GPUs (there are none: Ray only counts them and sets
+``CUDA_VISIBLE_DEVICES``), so that placement by GPUs, fractions included, is tested.
 The test code reaches the workers the way it reaches a real cluster: ``PYTHONPATH`` in the
 job's runtime environment.
 """
@@ -14,6 +16,7 @@ import time
 from tests.helpers import REPO
 
 CPUS_PER_NODE = 8  # logical CPUs: enough bundles for the contract suite's groups
+GPUS_PER_NODE = 2  # logical GPUs: Ray's bookkeeping only
 # (not 127.0.0.1: Ray rewrites that address to the machine's own when connecting)
 NODE_ADDRESSES = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
 
@@ -28,11 +31,13 @@ def start():
     before = {p.pid for p in psutil.Process().children()}
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": CPUS_PER_NODE, "include_dashboard": False,
+        head_node_args={"num_cpus": CPUS_PER_NODE, "num_gpus": GPUS_PER_NODE,
+                        "include_dashboard": False,
                         "node_ip_address": NODE_ADDRESSES[0]},
     )
     for address in NODE_ADDRESSES[1:]:
-        cluster.add_node(num_cpus=CPUS_PER_NODE, node_ip_address=address)
+        cluster.add_node(num_cpus=CPUS_PER_NODE, num_gpus=GPUS_PER_NODE,
+                         node_ip_address=address)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, _node_ip_address=NODE_ADDRESSES[0],
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}}, log_to_driver=True)
@@ -57,7 +62,8 @@ def add_node(cluster, address: str):
     from tests import helpers
 
     before = {p.pid for p in psutil.Process().children()}
-    node = cluster.add_node(num_cpus=CPUS_PER_NODE, node_ip_address=address)
+    node = cluster.add_node(num_cpus=CPUS_PER_NODE, num_gpus=GPUS_PER_NODE,
+                            node_ip_address=address)
     cluster.wait_for_nodes()
     helpers.CLUSTER_ROOTS.update(p.pid for p in psutil.Process().children()
                                  if p.pid not in before)

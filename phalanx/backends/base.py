@@ -114,6 +114,22 @@ class Boot:
     options: Mapping[str, Any]
     sys_path: tuple[str, ...]  # the controller's, applied on nodes that share its files
     cwd: str | None = None  # None: the node side decides (local: the controller's cwd)
+    # the options of a @ray.remote class given as the target (see plain_target), for
+    # Backend.adopt_target_options; the payload holds the class it wraps
+    target_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    target_name: str = ""  # that class's name, for messages
+
+
+def plain_target(target: Any) -> tuple[Any, dict[str, Any], str]:
+    """A ``@ray.remote`` class (Ray's ``ActorClass``) is the user's class underneath: that
+    class, the options given to ``@ray.remote(...)`` and its name; anything else is itself,
+    with no options. Told by its type's name, without importing Ray."""
+    if not any(c.__name__ == "ActorClass" and c.__module__ == "ray.actor"
+               for c in type(target).__mro__):
+        return target, {}, ""
+    meta = target.__ray_metadata__
+    cls = getattr(meta.modified_class, "__ray_actor_class__", meta.modified_class)
+    return cls, dict(getattr(target, "_default_options", None) or {}), cls.__qualname__
 
 
 class Link(abc.ABC):
@@ -197,6 +213,18 @@ class Backend(abc.ABC):
             raise RuntimeError(f"this {self.name} backend already serves a group")
         self.opened = True
         self._open(output)
+
+    def adopt_target_options(self, options: Mapping[str, Any], target_name: str) -> None:
+        """Take the options of the ``@ray.remote`` class ``target_name`` that is the group's
+        target (once, before the first :meth:`reserve`); raises if they cannot be honoured.
+        Only Ray places ranks by them: any other backend runs the class it wraps, and
+        refuses a class that sets options."""
+        if options:
+            given = ", ".join(f"{k}={v!r}" for k, v in options.items())
+            raise ValueError(
+                f"{target_name} is a @ray.remote({given}) class: the {self.name} backend runs "
+                "the class it wraps but cannot honour Ray's options; remove them (a plain "
+                "@ray.remote class runs on every backend) or use backend=px.RayBackend(...)")
 
     def gpus_per_node(self, nodes: int) -> int | None:
         """GPUs each node offers, if known before the ranks are placed (for

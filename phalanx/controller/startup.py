@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from phalanx import __version__, config
 from phalanx.backends import Backend, Boot, RankStart
+from phalanx.backends.base import plain_target
 from phalanx.controller.ranks import Slot, channels_of
 from phalanx.errors import SerializationError, StartupError, death_error
 from phalanx.options import check_count
@@ -51,6 +52,10 @@ def check_target(target: Any, args: Any, kwargs: Any) -> None:
     """TypeError unless ``target`` is a class, callable or module, ``args`` a sequence and
     ``kwargs`` a mapping (or None)."""
     if not (callable(target) or isinstance(target, types.ModuleType)):
+        if hasattr(target, "remote") and hasattr(target, "bind"):  # Cls.options(...) of Ray's
+            raise TypeError(f"target {target!r} is a @ray.remote class's .options(...): pass "
+                            "the class itself, its resources as px.RayBackend("
+                            "resources_per_worker=...)")
         raise TypeError(f"target must be a class, a callable or a module, got {target!r}")
     if not isinstance(args, (tuple, list)):
         raise TypeError(f"args must be a tuple or list, got {type(args).__name__}")
@@ -90,7 +95,9 @@ def make_boot(target: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None
               cwd: str | None, options: dict[str, Any]) -> Boot:
     """The INIT every rank gets: the target and its constructor arguments pickled once
     (SerializationError if they cannot be), the options with this phalanx's version, this
-    interpreter's path."""
+    interpreter's path. A ``@ray.remote`` class travels as the class it wraps, its options
+    beside it (``Boot.target_options``, for the backend)."""
+    target, target_options, target_name = plain_target(target)
     try:
         payload = pickling.dumps((target, tuple(args), dict(kwargs or {})))
     except Exception as exc:
@@ -101,7 +108,8 @@ def make_boot(target: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None
         ) from exc
     # every rank compares it with its own before unpickling anything (rank.runtime)
     options = {**options, "version": __version__}
-    return Boot(payload=payload, options=options, sys_path=tuple(sys.path), cwd=cwd)
+    return Boot(payload=payload, options=options, sys_path=tuple(sys.path), cwd=cwd,
+                target_options=target_options, target_name=target_name)
 
 
 class Starter:
@@ -168,6 +176,9 @@ class Starter:
         decide addresses and ports on them."""
         if layout is not None:
             self._layout = layout
+        if not self._nodes and self._boot.target_name:  # a @ray.remote class: its options
+            self._backend.adopt_target_options(self._boot.target_options,
+                                               self._boot.target_name)
         nodes = self._backend.reserve(
             self._layout, gpus_per_worker=self._placement.gpus_per_worker,
             timeout=self.start_timeout,

@@ -1,13 +1,21 @@
-"""The ray backend's pure rules: bundles, what can never be placed, rank order, and how
-Ray's account of a death is put in one line. No Ray needed."""
+"""The ray backend's pure rules: bundles, what can never be placed, rank order, the bundles
+of a user's placement group, a @ray.remote class's options, and how Ray's account of a
+death is put in one line. No Ray needed."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from phalanx.backends.base import plain_target
 from phalanx.backends.ray.placement import (
     bundle_for,
+    bundle_shortfall,
+    bundles_of_ranks,
+    check_bundle_indices,
+    check_resources,
+    class_settings,
     describe_ray_error,
     order_bundles,
     placement_problem,
@@ -21,6 +29,89 @@ def test_a_bundle_defaults_to_one_cpu_and_adds_gpus_per_worker():
     assert bundle_for(None, 2) == {"CPU": 1.0, "GPU": 2.0}
     assert bundle_for({"GPU": 1}, 4) == {"GPU": 1.0}  # asked explicitly: kept as asked
     assert bundle_for({"CPU": 2, "TPU": 0}, 0) == {"CPU": 2.0}  # zero entries dropped
+
+
+def test_fractions_are_resources_as_ray_spells_them():
+    assert check_resources({"GPU": 0.5, "CPU": 1}) == {"GPU": 0.5, "CPU": 1}
+    assert bundle_for({"GPU": 0.5, "CPU": 1}, 0) == {"GPU": 0.5, "CPU": 1.0}
+    with pytest.raises(ValueError, match="finer than Ray counts"):
+        check_resources({"GPU": 0.00001})
+    with pytest.raises(ValueError, match="non-negative"):
+        check_resources({"GPU": -0.5})
+
+
+def test_bundle_indices_are_distinct_indices_of_the_group():
+    assert check_bundle_indices(None, 3) is None
+    assert check_bundle_indices((2, 0), 3) == [2, 0]
+    assert check_bundle_indices([5], None) == [5]  # the count is not known yet
+    for bad, error, words in [([], TypeError, "non-empty list"), ("01", TypeError, "list"),
+                              ([0, True], ValueError, "True"), ([1, -1], ValueError, "-1"),
+                              ([1, 1, 0], ValueError, r"distinct: \[1\]"),
+                              ([0, 3], ValueError, "has 3 bundles")]:
+        with pytest.raises(error, match=words):
+            check_bundle_indices(bad, 3)
+
+
+def test_rank_i_takes_bundle_i_or_the_ith_index_and_too_many_ranks_name_both():
+    assert bundles_of_ranks(2, 4, None) == [0, 1]
+    assert bundles_of_ranks(2, 4, [3, 1, 0]) == [3, 1]
+    with pytest.raises(ValueError, match=r"a group of 5 ranks needs 5 bundles .* has 3 bundles"):
+        bundles_of_ranks(5, 3, None)
+    with pytest.raises(ValueError, match=r"3 ranks .* bundle_indices names 2 of its 4 bundles"):
+        bundles_of_ranks(3, 4, [0, 1])
+
+
+def test_a_rank_asking_more_than_its_bundle_names_both():
+    specs = {0: {"CPU": 2.0, "GPU": 1.0}, 1: {"CPU": 1.0}}
+    half = {"CPU": 1.0, "GPU": 0.5}
+    assert bundle_shortfall([half], [0], specs) is None
+    assert bundle_shortfall([specs[0], specs[1]], [0, 1], specs) is None
+    problem = bundle_shortfall([half, half], [0, 1], specs)
+    assert problem == ("each rank asks {'CPU': 1.0, 'GPU': 0.5}, but bundle 1 of the placement "
+                       "group has {'CPU': 1.0} (short of ['GPU'])")
+    # thirds add up to a whole within Ray's precision
+    assert bundle_shortfall([{"GPU": 1 / 3 * 3}], [0], specs) is None
+
+
+def test_a_ray_class_gives_its_resources_and_runtime_env():
+    env = {"env_vars": {"A": "1"}}
+    assert class_settings({}, "C", None, None) == (None, None)
+    assert class_settings({"num_cpus": 1}, "C", None, None) == ({"CPU": 1}, None)
+    assert class_settings({"num_gpus": 0.5, "resources": {"x": 1}, "runtime_env": env}, "C",
+                          None, None) == ({"x": 1, "GPU": 0.5}, env)
+    # the backend's, when the class says nothing or the same
+    assert class_settings({}, "C", {"CPU": 2}, env) == ({"CPU": 2}, env)
+    assert class_settings({"num_cpus": 2}, "C", {"CPU": 2.0}, None) == ({"CPU": 2.0}, None)
+    with pytest.raises(ValueError, match=r"C asks @ray.remote\(num_gpus=1\) per rank, but "
+                                         r"RayBackend\(resources_per_worker=\{'GPU': 0.5\}\)"):
+        class_settings({"num_gpus": 1}, "C", {"GPU": 0.5}, None)
+    with pytest.raises(ValueError, match=r"runtime_env=.*RayBackend\(runtime_env="):
+        class_settings({"runtime_env": env}, "C", None, {"pip": ["x"]})
+
+
+@pytest.mark.parametrize(("option", "instead"), [
+    ("max_restarts", "group.recreate"), ("max_concurrency", "WorkerGroup(concurrency=N)"),
+    ("concurrency_groups", "WorkerGroup(concurrency=N)"), ("lifetime", "as long as the group"),
+    ("scheduling_strategy", "placement_group="), ("label_selector", "remove it"),
+])
+def test_other_ray_class_options_are_refused_saying_what_to_write_instead(option, instead):
+    with pytest.raises(ValueError) as info:
+        class_settings({"num_cpus": 1, option: 3}, "Trainer", None, None)
+    message = str(info.value)
+    assert f"@ray.remote({option}=...) of Trainer" in message and instead in message
+
+
+def test_a_plain_target_is_itself_and_a_ray_class_its_class_underneath():
+    class Plain:
+        pass
+
+    assert plain_target(Plain) == (Plain, {}, "")
+    assert plain_target(len) == (len, {}, "")
+    ray = pytest.importorskip("ray")
+    wrapped = ray.remote(num_cpus=1, max_restarts=2)(Plain)
+    assert plain_target(wrapped) == (Plain, {"num_cpus": 1, "max_restarts": 2},
+                                     Plain.__qualname__)
+    assert plain_target(ray.remote(Plain))[:2] == (Plain, {})
 
 
 def test_what_no_node_can_hold_is_named():

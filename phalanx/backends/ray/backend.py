@@ -52,7 +52,11 @@ from phalanx.backends.ray.placement import (
     STRATEGIES,
     TRANSPORTS,
     bundle_for,
+    bundle_shortfall,
+    bundles_of_ranks,
+    check_bundle_indices,
     check_resources,
+    class_settings,
     describe_ray_error,
     order_bundles,
     placement_problem,
@@ -77,9 +81,19 @@ class RayBackend(Backend):
     ``RAY_ADDRESS`` names, else starts a local Ray (stopped again once no group uses it);
     ``"auto"`` or ``"host:port"`` joins that cluster. phalanx stops only what it started.
     ``placement_strategy``: ``PACK``, ``SPREAD``, ``STRICT_PACK`` or ``STRICT_SPREAD``.
-    ``resources_per_worker``: one rank's bundle, e.g. ``{"CPU": 1}`` (the default) or
-    ``{"GPU": 1}``. ``runtime_env`` and ``namespace`` are used when phalanx connects to
-    Ray (``runtime_env`` also for every actor); actors are named
+    ``resources_per_worker``: one rank's resources as Ray spells them, fractions included,
+    e.g. ``{"CPU": 1}`` (the default), ``{"GPU": 1}`` or ``{"GPU": 0.5, "CPU": 1}``.
+    ``placement_group``: a placement group of the user's (``ray.util.placement_group``):
+    the ranks go on its bundles, rank ``i`` on bundle ``i`` or on ``bundle_indices[i]``,
+    then in node order (ranks of one node contiguous, nodes in the order of their first
+    bundle, the given order within a node); phalanx waits for it to be ready within
+    ``start_timeout`` but never creates nor removes it, and ``placement_strategy`` does not
+    apply. Each rank takes its whole bundle unless ``resources_per_worker`` (or the
+    ``@ray.remote`` class's options) says less, so that groups can share bundles.
+    A ``@ray.remote`` class as the target runs as the class it wraps; its ``num_cpus``,
+    ``num_gpus`` and ``resources`` are the resources per rank, its ``runtime_env`` the
+    ranks' (other options are refused). ``runtime_env`` and ``namespace`` are used when
+    phalanx connects to Ray (``runtime_env`` also for every actor); actors are named
     ``{name_prefix}-r{rank}-i{incarnation}`` (a fresh name per incarnation).
     ``transport``: ``"direct"`` (each rank connects back to this process), ``"ray"`` (calls
     travel as Ray calls through each rank's actor: for a controller the cluster cannot
@@ -98,6 +112,8 @@ class RayBackend(Backend):
         namespace: str | None = None,
         name_prefix: str | None = None,
         transport: str = "auto",
+        placement_group: Any = None,
+        bundle_indices: Sequence[int] | None = None,
     ) -> None:
         if address is not None and not isinstance(address, str):
             raise TypeError(f"address must be a string or None, got {address!r}")
@@ -109,6 +125,8 @@ class RayBackend(Backend):
                              f"got {placement_strategy!r}")
         if runtime_env is not None and not isinstance(runtime_env, Mapping):
             raise TypeError(f"runtime_env must be a dict, got {type(runtime_env).__name__}")
+        self.placement_group = placement_group
+        self.bundle_indices = _check_placement_group(placement_group, bundle_indices)
         self.address = address
         self.placement_strategy = placement_strategy
         self.resources_per_worker = check_resources(resources_per_worker)
@@ -116,6 +134,11 @@ class RayBackend(Backend):
         self.namespace = namespace
         self.name_prefix = name_prefix
         self.transport = transport
+        # per rank, from resources_per_worker or a @ray.remote target (adopt_target_options)
+        self._rank_resources = self.resources_per_worker
+        self._actor_env = self.runtime_env  # the rank actors' runtime_env
+        self._own_pg = False  # whether self._pg is one this backend made (and removes)
+        self._seat_resources: dict[int, dict[str, float]] = {}  # bundle index -> per rank
         self._relayed = relays(address, transport)
         self._bundles: list[Bundle] = []
         self._channels: dict[tuple[int, int], RayChannel] = {}
@@ -137,7 +160,18 @@ class RayBackend(Backend):
             "namespace": self.namespace,
             "name_prefix": self.name_prefix,
             "transport": self.transport,
+            # the user's PlacementGroup itself: settings copy a backend in this process
+            # (create_backend), and a PlacementGroup pickles (its id, its bundles) anyway
+            "placement_group": self.placement_group,
+            "bundle_indices": self.bundle_indices,
         }
+
+    def adopt_target_options(self, options: Mapping[str, Any], target_name: str) -> None:
+        """A ``@ray.remote`` class's ``num_cpus``/``num_gpus``/``resources`` become the
+        resources per rank, its ``runtime_env`` the ranks' (see
+        :func:`~phalanx.backends.ray.placement.class_settings`)."""
+        self._rank_resources, self._actor_env = class_settings(
+            options, target_name, self.resources_per_worker, self.runtime_env)
 
     # -- opening -----------------------------------------------------------------------
 
@@ -218,41 +252,12 @@ class RayBackend(Backend):
 
     def _reserve(self, layout: Layout, *, gpus_per_worker: int, timeout: float) -> list[Node]:
         ray = self._ray
-        from ray.util.placement_group import placement_group, remove_placement_group
-
         deadline = time.monotonic() + timeout
-        per_rank = bundle_for(self.resources_per_worker, gpus_per_worker)
-        if layout.nodes == 1:  # Ray places every rank: one bundle each, the user's strategy
-            bundles = [per_rank] * layout.world_size
-            strategy = self.placement_strategy
-            pg_index = list(range(layout.world_size))
-        else:  # a layout asked for: one bundle per node, on distinct Ray nodes
-            bundles = [{k: v * n for k, v in per_rank.items()} for n in layout.counts]
-            strategy = "STRICT_SPREAD"
-            pg_index = [layout.node_of(r) for r in range(layout.world_size)]
-        self._per_rank = per_rank
-        asked = f"{len(bundles)} bundles {bundles[0]} (strategy {strategy})"
-        alive = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-        problem = placement_problem(bundles, strategy, alive)
-        if problem is not None:
-            raise StartupError(f"Ray cannot place {asked}: {problem} (cluster resources: "
-                               f"{ray.cluster_resources()})")
-        self._pg = placement_group(bundles, strategy=strategy, name=f"{self._prefix}-pg")
-        if not self._pg.wait(timeout_seconds=max(1, int(deadline - time.monotonic() + 0.999))):
-            remove_placement_group(self._pg)
-            self._pg = None
-            raise StartupError(
-                f"Ray did not place {asked} within {timeout:g} s (available now: "
-                f"{ray.available_resources()}; in total: {ray.cluster_resources()}); raise "
-                "start_timeout= or free resources"
-            )
-        table = ray.util.placement_group_table(self._pg)
-        node_of_bundle = [table["bundles_to_node_id"][i] for i in range(len(bundles))]
-        seats = [Bundle(pg_index[r], node_id=node_of_bundle[pg_index[r]])
-                 for r in range(layout.world_size)]
-        if layout.nodes == 1:  # rank order: by node, then by bundle
-            order = [i for group in order_bundles(node_of_bundle) for i in group]
-            seats = [seats[i] for i in order]
+        self._release_reservation()  # reserving again (a resize): the previous one goes
+        if self.placement_group is not None:
+            seats = self._seats_in_user_pg(layout, gpus_per_worker, deadline, timeout)
+        else:
+            seats = self._seats_in_own_pg(layout, gpus_per_worker, deadline, timeout)
         self._bundles = seats
         for rank, seat in enumerate(seats):
             self._new_actor(seat, rank)
@@ -271,15 +276,97 @@ class RayBackend(Backend):
                               same_host=address == self._host))
         return nodes
 
+    def _seats_in_own_pg(self, layout: Layout, gpus_per_worker: int, deadline: float,
+                         timeout: float) -> list[Bundle]:
+        """A placement group of phalanx's own for the layout, ready, and each rank's seat in
+        it, in rank order (by node, then by bundle)."""
+        ray = self._ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        per_rank = bundle_for(self._rank_resources, gpus_per_worker)
+        if layout.nodes == 1:  # Ray places every rank: one bundle each, the user's strategy
+            bundles = [per_rank] * layout.world_size
+            strategy = self.placement_strategy
+            pg_index = list(range(layout.world_size))
+        else:  # a layout asked for: one bundle per node, on distinct Ray nodes
+            bundles = [{k: v * n for k, v in per_rank.items()} for n in layout.counts]
+            strategy = "STRICT_SPREAD"
+            pg_index = [layout.node_of(r) for r in range(layout.world_size)]
+        self._seat_resources = dict.fromkeys(range(len(bundles)), per_rank)
+        asked = f"{len(bundles)} bundles {bundles[0]} (strategy {strategy})"
+        alive = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        problem = placement_problem(bundles, strategy, alive)
+        if problem is not None:
+            raise StartupError(f"Ray cannot place {asked}: {problem} (cluster resources: "
+                               f"{ray.cluster_resources()})")
+        self._pg = placement_group(bundles, strategy=strategy, name=f"{self._prefix}-pg")
+        self._own_pg = True
+        if not self._pg.wait(timeout_seconds=_wait_seconds(deadline)):
+            remove_placement_group(self._pg)
+            self._pg = None
+            raise StartupError(
+                f"Ray did not place {asked} within {timeout:g} s (available now: "
+                f"{ray.available_resources()}; in total: {ray.cluster_resources()}); raise "
+                "start_timeout= or free resources"
+            )
+        table = ray.util.placement_group_table(self._pg)
+        node_of_bundle = [table["bundles_to_node_id"][i] for i in range(len(bundles))]
+        seats = [Bundle(pg_index[r], node_id=node_of_bundle[pg_index[r]])
+                 for r in range(layout.world_size)]
+        if layout.nodes == 1:  # rank order: by node, then by bundle
+            order = [i for group in order_bundles(node_of_bundle) for i in group]
+            seats = [seats[i] for i in order]
+        return seats
+
+    def _seats_in_user_pg(self, layout: Layout, gpus_per_worker: int, deadline: float,
+                          timeout: float) -> list[Bundle]:
+        """Each rank's seat in the user's placement group, in rank order: its bundles checked
+        against the group before anything starts, the group waited for until ready. Ranks go
+        by node (nodes in the order of their first bundle), in the given order within one."""
+        ray = self._ray
+        pg = self.placement_group
+        table = ray.util.placement_group_table(pg)
+        name = f"placement group {table.get('name') or pg.id.hex()}"
+        if table.get("state") == "REMOVED":
+            raise StartupError(f"the {name} given as RayBackend(placement_group=) was removed")
+        specs = {int(i): dict(spec) for i, spec in table["bundles"].items()}
+        try:
+            chosen = bundles_of_ranks(layout.world_size, len(specs), self.bundle_indices)
+        except ValueError as exc:
+            raise StartupError(f"cannot run the group in the {name}: {exc}") from None
+        # each rank takes its whole bundle unless told how much of it
+        per_rank = [bundle_for(self._rank_resources or specs[i], gpus_per_worker)
+                    for i in chosen]
+        problem = bundle_shortfall(per_rank, chosen, specs)
+        if problem is not None:
+            raise StartupError(f"cannot run the group in the {name}: {problem}")
+        if not pg.wait(timeout_seconds=_wait_seconds(deadline)):
+            state = ray.util.placement_group_table(pg).get("state")
+            raise StartupError(
+                f"the {name} was not ready within {timeout:g} s (state {state}; available "
+                f"now: {ray.available_resources()}); raise start_timeout= or free resources")
+        self._pg, self._own_pg = pg, False
+        self._seat_resources = dict(zip(chosen, per_rank, strict=True))
+        node_of = ray.util.placement_group_table(pg)["bundles_to_node_id"]
+        seats = [Bundle(i, node_id=node_of[i]) for i in chosen]
+        groups = order_bundles([seat.node_id for seat in seats])
+        if layout.nodes > 1 and tuple(len(g) for g in groups) != tuple(layout.counts):
+            raise StartupError(
+                f"the layout asks {list(layout.counts)} ranks per node, but the bundles "
+                f"{chosen} of the {name} hold {[len(g) for g in groups]} ranks per node; "
+                "with placement_group=, give the world size alone (procs_per_node=N)")
+        return [seats[r] for group in groups for r in group]
+
     def _new_actor(self, b: Bundle, rank: int) -> None:
         ray = self._ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from phalanx.backends.ray.actor import CONCURRENCY, RankActor
 
-        resources = dict(self._per_rank)
+        resources = dict(self._seat_resources[b.index])
         cpus = resources.pop("CPU", 0.0)
         gpus = resources.pop("GPU", 0.0)
+        memory = resources.pop("memory", None)
         b.incarnation += 1
         b.used = False
         options: dict[str, Any] = {
@@ -292,10 +379,12 @@ class RayBackend(Backend):
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
                 placement_group=self._pg, placement_group_bundle_index=b.index),
         }
+        if memory:
+            options["memory"] = memory
         if self.namespace is not None:
             options["namespace"] = self.namespace
-        if self.runtime_env is not None:
-            options["runtime_env"] = self.runtime_env
+        if self._actor_env is not None:
+            options["runtime_env"] = self._actor_env
         b.actor = ray.remote(RankActor).options(**options).remote()
 
     def _live_bundle(self, rank: int) -> Bundle:
@@ -425,18 +514,52 @@ class RayBackend(Backend):
         return options
 
     def _release_cluster_side(self) -> None:
-        """Kill every actor this backend made and remove its placement group."""
-        ray = self._ray
+        """Kill every actor this backend made and remove its placement group (never the
+        user's)."""
         if self._shares is not None:
             self._shares.close()
+        self._release_reservation()
+
+    def _release_reservation(self) -> None:
+        """Kill the actors of the current reservation and remove its placement group if it
+        is phalanx's own (a user's ``placement_group=`` is left as it is)."""
+        ray = self._ray
         for b in self._bundles:
             if b.actor is not None:
                 try:
                     ray.kill(b.actor, no_restart=True)
                 except Exception:  # noqa: BLE001 - already gone
                     pass
-        if self._pg is not None:
+        if self._pg is not None and self._own_pg:
             from ray.util.placement_group import remove_placement_group
 
             remove_placement_group(self._pg)
-            self._pg = None
+        self._pg, self._own_pg = None, False
+
+
+def _wait_seconds(deadline: float) -> int:
+    """Whole seconds (at least one) until ``deadline``, for Ray's placement-group wait."""
+    return max(1, int(deadline - time.monotonic() + 0.999))
+
+
+def _check_placement_group(pg: Any, indices: Any) -> list[int] | None:
+    """``placement_group=`` and ``bundle_indices=`` checked before anything is sent: a
+    PlacementGroup, and distinct indices of its bundles (their range once Ray says how many
+    it has, if this process did not make it)."""
+    if pg is None:
+        if indices is not None:
+            raise ValueError("bundle_indices= names bundles of a placement group: give it as "
+                             "placement_group=")
+        return None
+    try:
+        from ray.util.placement_group import PlacementGroup
+    except ImportError:  # pragma: no cover - no Ray, so no placement group either
+        PlacementGroup = ()
+    if not isinstance(pg, PlacementGroup):
+        raise TypeError("placement_group must be a Ray placement group (from "
+                        f"ray.util.placement_group(...)), got {type(pg).__name__}: {pg!r}")
+    if pg.id.is_nil():
+        raise ValueError("placement_group is Ray's empty placement group: give one made by "
+                         "ray.util.placement_group(...)")
+    cache = pg.bundle_cache  # known here when this process made it: no need to ask Ray
+    return check_bundle_indices(indices, len(cache) if cache else None)

@@ -1,6 +1,7 @@
 """The ray backend's placement rules, pure (no Ray, no I/O): one rank's bundle, why a request
-could never be placed, the rank order over bundles, and Ray's account of a death in one
-line. Tested without a cluster (tests/unit/test_ray_placement.py).
+could never be placed, the rank order over bundles, the bundles of a user's placement group
+a group takes, what a ``@ray.remote`` class's options mean for a group, and Ray's account
+of a death in one line. Tested without a cluster (tests/unit/test_ray_placement.py).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from collections.abc import Mapping, Sequence
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 TRANSPORTS = ("auto", "direct", "ray")
+RESOURCE_UNIT = 0.0001  # the finest amount of a resource Ray counts
 
 
 def relays(address: str | None, transport: str) -> bool:
@@ -30,7 +32,136 @@ def check_resources(resources: Mapping[str, float] | None) -> dict[str, float] |
                 or not isinstance(value, (int, float)) or value < 0:
             raise ValueError(f"resources_per_worker entries must be name -> non-negative "
                              f"number, got {key!r}: {value!r}")
+        if 0 < value < RESOURCE_UNIT:
+            raise ValueError(f"resources_per_worker {key!r}: {value!r} is finer than Ray "
+                             f"counts resources ({RESOURCE_UNIT:g})")
     return dict(resources)
+
+
+def check_bundle_indices(indices: object, bundles: int | None) -> list[int] | None:
+    """``bundle_indices=`` (pure): None, or a list of distinct bundle indices, each below
+    ``bundles`` (the placement group's bundle count, when known here)."""
+    if indices is None:
+        return None
+    if not isinstance(indices, (list, tuple)) or not indices:
+        raise TypeError(f"bundle_indices must be a non-empty list of bundle indices, got "
+                        f"{indices!r}")
+    bad = [i for i in indices if isinstance(i, bool) or not isinstance(i, int) or i < 0]
+    if bad:
+        raise ValueError(f"bundle_indices must be non-negative ints, got {bad[0]!r} in "
+                         f"{list(indices)}")
+    if len(set(indices)) != len(indices):
+        twice = sorted({i for i in indices if list(indices).count(i) > 1})
+        raise ValueError(f"bundle_indices must be distinct: {twice} appear more than once in "
+                         f"{list(indices)}")
+    if bundles is not None and max(indices) >= bundles:
+        raise ValueError(f"bundle_indices {list(indices)} name bundle {max(indices)}; the "
+                         f"placement group has {bundles} bundles (0..{bundles - 1})")
+    return list(indices)
+
+
+def bundles_of_ranks(world_size: int, bundles: int, indices: Sequence[int] | None) -> list[int]:
+    """The bundle of each rank, before ranks are put in node order (pure): bundle ``i`` for
+    rank ``i``, or ``indices[i]``; ValueError naming both counts when there are too few."""
+    chosen = list(range(bundles)) if indices is None else list(indices)
+    if indices is not None:
+        check_bundle_indices(indices, bundles)
+    if world_size > len(chosen):
+        which = (f"bundle_indices names {len(chosen)} of its {bundles} bundles"
+                 if indices is not None else f"it has {bundles} bundles")
+        raise ValueError(f"a group of {world_size} ranks needs {world_size} bundles of the "
+                         f"placement group (one per rank); {which}")
+    return chosen[:world_size]
+
+
+def bundle_shortfall(per_rank: Sequence[Mapping[str, float]], bundle_indices: Sequence[int],
+                     specs: Mapping[int, Mapping[str, float]]) -> str | None:
+    """Why a rank's resources do not fit the bundle it is given (pure), naming what the rank
+    asks and what the bundle has; None when every one fits."""
+    for asked, index in zip(per_rank, bundle_indices, strict=True):
+        has = specs[index]
+        short = {k: v for k, v in asked.items() if has.get(k, 0.0) + 1e-9 < v}
+        if short:
+            return (f"each rank asks {dict(asked)}, but bundle {index} of the placement group "
+                    f"has {dict(has)} (short of {sorted(short)})")
+    return None
+
+
+# -- a @ray.remote class as a group's target -----------------------------------------------
+
+# What to write instead of each option of @ray.remote(...) a group cannot take as it is.
+_INSTEAD = {
+    "max_restarts": "phalanx replaces dead ranks itself: group.recreate(rank), group.restart() "
+                    "or `phalanx run --max-restarts`",
+    "max_task_retries": "retry the call yourself; a rank's death fails its calls",
+    "max_concurrency": "WorkerGroup(concurrency=N)",
+    "concurrency_groups": "WorkerGroup(concurrency=N)",
+    "name": "RayBackend(name_prefix=...) (each rank's actor gets its own name)",
+    "namespace": "RayBackend(namespace=...)",
+    "lifetime": "nothing: a group's actors live as long as the group",
+    "scheduling_strategy": "RayBackend(placement_group=..., bundle_indices=...) or "
+                           "RayBackend(placement_strategy=...)",
+    "placement_group": "RayBackend(placement_group=...)",
+    "memory": "RayBackend(resources_per_worker={'memory': ...})",
+    "accelerator_type": "RayBackend(resources_per_worker={'accelerator_type:<type>': 0.001})",
+    "object_store_memory": "nothing: put objects are held by phalanx (group.put)",
+}
+CLASS_RESOURCES = ("num_cpus", "num_gpus", "resources")
+CLASS_OPTIONS = (*CLASS_RESOURCES, "runtime_env")
+
+
+def class_settings(
+    options: Mapping[str, object], class_name: str,
+    resources_per_worker: Mapping[str, float] | None, runtime_env: Mapping[str, object] | None,
+) -> tuple[dict[str, float] | None, dict[str, object] | None]:
+    """What the options of a ``@ray.remote`` class given as a group's target mean for the
+    group (pure): its resources per rank and its actors' runtime_env. ``num_cpus``,
+    ``num_gpus`` and ``resources`` are one rank's resources (when ``resources_per_worker``
+    is not given or says the same), ``runtime_env`` the ranks' (unless the backend's says
+    otherwise); any other option is refused, naming it and what to write instead."""
+    other = [k for k in options if k not in CLASS_OPTIONS]
+    if other:
+        key = other[0]
+        instead = _INSTEAD.get(key, "remove it")
+        raise ValueError(f"@ray.remote({key}=...) of {class_name} has no meaning for a phalanx "
+                         f"group: instead, {instead} (a group takes only "
+                         f"{', '.join(CLASS_OPTIONS)} from @ray.remote)")
+    resources: dict[str, float] | None = None
+    if any(options.get(k) is not None for k in CLASS_RESOURCES):
+        resources = {}
+        extra = options.get("resources") or {}
+        if not isinstance(extra, Mapping):
+            raise TypeError(f"@ray.remote(resources=...) of {class_name} must be a dict, got "
+                            f"{extra!r}")
+        resources.update(extra)
+        if options.get("num_cpus") is not None:
+            resources["CPU"] = options["num_cpus"]  # type: ignore[assignment]
+        if options.get("num_gpus") is not None:
+            resources["GPU"] = options["num_gpus"]  # type: ignore[assignment]
+        resources = check_resources(resources)
+        spelled = ", ".join(f"{k}={options[k]!r}" for k in CLASS_RESOURCES
+                            if options.get(k) is not None)
+        if resources_per_worker is not None and _amounts(resources) != _amounts(
+                resources_per_worker):
+            raise ValueError(f"{class_name} asks @ray.remote({spelled}) per rank, but "
+                             f"RayBackend(resources_per_worker={dict(resources_per_worker)}) "
+                             "asks otherwise: give one of the two")
+    if resources_per_worker is not None:
+        resources = dict(resources_per_worker)
+    env = options.get("runtime_env")
+    if env is not None:
+        env = dict(env)  # type: ignore[call-overload]
+        if runtime_env is not None and dict(runtime_env) != env:
+            raise ValueError(f"{class_name} asks @ray.remote(runtime_env={env}), but "
+                             f"RayBackend(runtime_env={dict(runtime_env)}) says otherwise: "
+                             "give one of the two")
+    else:
+        env = dict(runtime_env) if runtime_env is not None else None
+    return resources, env  # type: ignore[return-value]
+
+
+def _amounts(resources: Mapping[str, float]) -> dict[str, float]:
+    return {k: float(v) for k, v in resources.items() if v}
 
 
 def bundle_for(resources: Mapping[str, float] | None, gpus_per_worker: int) -> dict[str, float]:
