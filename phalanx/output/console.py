@@ -13,6 +13,13 @@ from typing import TextIO
 _lock = threading.RLock()
 
 
+def holding() -> threading.RLock:
+    """The console's lock: ``with console.holding():`` no worker line or notice is written
+    meanwhile (a caller that reads what the console wrote, say a test's capture, reads
+    whole lines and loses none to a write in the middle of its read)."""
+    return _lock
+
+
 def write_line(prefix: str, line: str, *, stderr: bool = False) -> None:
     """Write one worker line as ``[rank 3] text`` to the controller's stdout or stderr."""
     stream: TextIO = sys.stderr if stderr else sys.stdout

@@ -3,11 +3,24 @@
 from __future__ import annotations
 
 import re
+import threading
 
 import pytest
 
+from phalanx.output import console
 from tests import helpers
 from tests.workers import Probe
+
+
+def _read_captured(capfd):
+    """What was captured since the last read, taken while no worker line is being written.
+
+    pytest takes a capture as ``seek(0)``, ``read()``, ``seek(0)``, ``truncate()`` on the
+    file the log pump's thread writes to (sharing its offset): a line written in between
+    lands before the read position or is cut away, with the lines it overwrote. The pump
+    writes every line under the console's lock, so reading under it loses none."""
+    with console.holding():
+        return capfd.readouterr()
 
 
 def _wait_for_lines(capfd, out_lines: list[str], err_lines: list[str], timeout: float = 20.0):
@@ -16,7 +29,7 @@ def _wait_for_lines(capfd, out_lines: list[str], err_lines: list[str], timeout: 
 
     def seen() -> bool:
         nonlocal out, err
-        chunk = capfd.readouterr()
+        chunk = _read_captured(capfd)
         out, err = out + chunk.out, err + chunk.err
         return set(out_lines) <= set(out.splitlines()) and set(err_lines) <= set(
             err.splitlines()
@@ -24,6 +37,25 @@ def _wait_for_lines(capfd, out_lines: list[str], err_lines: list[str], timeout: 
 
     helpers.wait_until(seen, timeout, interval=0.05)
     return out.splitlines(), err.splitlines()
+
+
+def test_lines_written_while_the_capture_is_read_are_all_kept(capfd):
+    """The waits above read the capture while the pump's thread writes to it: nothing the
+    pump wrote may go missing (a plain ``capfd.readouterr()`` loses lines here)."""
+    count = 5000
+
+    def write() -> None:
+        for i in range(count):
+            console.write_line("[rank 0]", f"line {i}")
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    out = ""
+    while writer.is_alive():
+        out += _read_captured(capfd).out
+    writer.join()
+    out += _read_captured(capfd).out
+    assert out.splitlines() == [f"[rank 0] line {i}" for i in range(count)]
 
 
 def test_each_line_is_prefixed_with_its_rank(make_group, capfd):

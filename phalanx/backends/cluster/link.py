@@ -383,7 +383,8 @@ class AgentLink(Link):
                 self._answer(call_id, *extra)
             elif kind == agentwire.OUTPUT or kind == agentwire.OUTPUT_END:
                 channel = self._channels.get(rank)
-                if channel is not None:
+                # an earlier launch's last output (its end above all) is not the new one's
+                if channel is not None and channel.incarnation == call_id:
                     data = bytes(segs[1]) if kind == agentwire.OUTPUT else None
                     channel.output(extra[0], data)
             elif kind == protocol.EXITED:

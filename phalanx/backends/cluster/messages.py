@@ -29,6 +29,7 @@ One authenticated connection per node (:mod:`phalanx.wire.handshake`) carries, a
     agent -> controller  WELCOME   (node facts: host, gpus, machine, pid, version)
                          REPLY     (ok, value)                       to a request id
                          OUTPUT    (stream,)                         payload: bytes, rank
+                                                                     (its launch: call_id)
                          OUTPUT_END (stream,)                        the rank's stream ended
                          FAULT     (reason,)                         why it drops the
                                                                      connection (last); with
@@ -54,8 +55,9 @@ does anything with it: a count or size over its limit in :mod:`phalanx.config` i
 (:class:`OverLimit`, naming the field, the value and the limit), and a message of an unknown
 kind or with fields of the wrong number or type is :class:`Malformed`.
 
-An EXITED from an agent carries the rank's launch (its incarnation) as ``call_id``, so a
-death reported late is never taken for that of the rank started after it.
+An EXITED, OUTPUT or OUTPUT_END from an agent carries the rank's launch (its incarnation)
+as ``call_id``, so a death or output reported late is never taken for that of the rank
+started after it (an earlier launch's OUTPUT_END would end the new one's stream).
 """
 
 from __future__ import annotations
@@ -103,12 +105,14 @@ def reply(request_id: int, ok: bool, value: Any) -> list[Any]:
     return framing.frame([protocol.header(REPLY, request_id, 0, ok, value)])
 
 
-def output(rank: int, stream: int, data: bytes) -> list[Any]:
-    return framing.frame([protocol.header(OUTPUT, 0, rank, stream), data])
+def output(rank: int, incarnation: int, stream: int, data: bytes) -> list[Any]:
+    """Bytes a rank's launch ``incarnation`` wrote to ``stream``."""
+    return framing.frame([protocol.header(OUTPUT, incarnation, rank, stream), data])
 
 
-def output_end(rank: int, stream: int) -> list[Any]:
-    return framing.frame([protocol.header(OUTPUT_END, 0, rank, stream)])
+def output_end(rank: int, incarnation: int, stream: int) -> list[Any]:
+    """The end of ``stream`` of a rank's launch ``incarnation``."""
+    return framing.frame([protocol.header(OUTPUT_END, incarnation, rank, stream)])
 
 
 def fault(reason: str, request_id: int = 0) -> list[Any]:

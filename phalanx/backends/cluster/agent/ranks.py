@@ -349,12 +349,12 @@ class Session:
             data = b""
         stream = rank.outputs.get(fd, agentwire.STDOUT)
         if data:
-            self._queue(agentwire.output(rank.rank, stream, data))
+            self._queue(agentwire.output(rank.rank, rank.incarnation, stream, data))
             return
         self._unwatch(fd)
         os.close(fd)
         rank.outputs.pop(fd, None)
-        self._queue(agentwire.output_end(rank.rank, stream))
+        self._queue(agentwire.output_end(rank.rank, rank.incarnation, stream))
 
     def _died(self, rank: _Rank) -> None:
         code = rank.process.exitcode(0)
