@@ -108,9 +108,11 @@ def test_a_request_no_node_can_hold_fails_at_once_saying_what_was_asked():
     assert "cluster resources" in message
 
 
-def test_gpus_come_from_ray_and_a_cluster_without_them_is_told_at_once():
-    with pytest.raises(StartupError, match=r"no node can hold one bundle .*'GPU': 1.0"):
-        px.WorkerGroup(Probe, procs_per_node=2, gpus_per_worker=1, backend="ray",
+def test_gpus_come_from_ray_and_more_than_a_node_has_is_told_at_once():
+    too_many = raycluster.GPUS_PER_NODE + 1
+    with pytest.raises(StartupError,
+                       match=rf"no node can hold one bundle .*'GPU': {too_many}\.0"):
+        px.WorkerGroup(Probe, procs_per_node=2, gpus_per_worker=too_many, backend="ray",
                        echo_output=False)
     with pytest.raises(ValueError, match="auto"):
         px.WorkerGroup(Probe, procs_per_node="auto", framework="torch", backend="ray",
