@@ -398,7 +398,7 @@ class Listener:
             base = "/tmp"
         local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self._dir = tempfile.mkdtemp(prefix="phalanx-ray-", dir=base)  # mode 0700
+            self._dir = tempfile.mkdtemp(prefix="phalanx-listen-", dir=base)  # mode 0700
             path = os.path.join(self._dir, "s")
             local.bind(path)
             local.listen(128)
