@@ -4,6 +4,7 @@ carried over the rank's channel, and an unresponsive rank killed through its act
 from __future__ import annotations
 
 import signal
+import time
 
 import pytest
 
@@ -32,7 +33,11 @@ def test_stacks_of_ray_ranks_name_what_their_main_thread_runs():
     with px.WorkerGroup(Probe, procs_per_node=2, backend="ray", echo_output=False) as group:
         future = group.call_async("sleep", 30, workers=[1])
         try:
-            stacks = group.stacks()
+            # the call reaches rank 1's main thread a moment after call_async returns
+            stacks: dict = {}
+            deadline = time.monotonic() + 20
+            while "in sleep" not in stacks.get(1, "") and time.monotonic() < deadline:
+                stacks = group.stacks()
         finally:
             group.send_signal(signal.SIGINT, workers=[1])
         assert sorted(stacks) == [0, 1]
