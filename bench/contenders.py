@@ -137,15 +137,14 @@ class PhalanxRayContender(PhalanxContender):
     backend = "ray"
 
     def stop(self) -> None:
-        """Shut the group down and wait until its ranks and their actors are gone."""
+        """Shut the group down and wait until its ranks (their actors' processes) are gone."""
         group, self.group = self.group, None
         if group is None:
             return
         procs = []
         for health in group.health():
             try:
-                rank = psutil.Process(health.pid)  # type: ignore[arg-type]
-                procs += [rank, rank.parent()]  # the rank and the actor that runs it
+                procs.append(psutil.Process(health.pid))  # type: ignore[arg-type]  # its actor
             except (psutil.Error, ValueError, TypeError):
                 pass
         group.shutdown()

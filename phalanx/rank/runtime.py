@@ -15,7 +15,10 @@ file descriptor is in ``PHALANX_FD``. It then
 ``sys.exit()`` in user code ends the worker with that code, as it would a script; any other
 exception is reported to the controller and the worker keeps serving.
 
-The same loop runs under every backend: it only needs a connected stream socket.
+The same loop runs under every backend: it only needs a connected stream socket. On Ray
+it runs inside the rank's actor process instead (:func:`serve_in_actor`, called by
+:mod:`phalanx.backends.ray.actor` on the actor's main thread), which outlives the rank:
+there ``sys.exit(code)`` returns ``code`` rather than ending the process.
 """
 
 from __future__ import annotations
@@ -49,17 +52,19 @@ def _check_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def arm_stack_dumps() -> None:
-    """Dump every thread's stack into the file the node side gave us on
-    ``config.STACKS_SIGNAL``: from the C signal handler, so it works whatever the threads
-    are doing (see :mod:`phalanx.node.stacks`)."""
-    fd = os.environ.pop(config.ENV_STACKS_FD, None)
+def arm_stack_dumps(fd: int | None = None) -> None:
+    """Dump every thread's stack into the file the node side gave us (``fd``, or the one
+    ``config.ENV_STACKS_FD`` names) on ``config.STACKS_SIGNAL``: from the C signal handler,
+    so it works whatever the threads are doing (see :mod:`phalanx.node.stacks`)."""
     if fd is None:
-        return
+        named = os.environ.pop(config.ENV_STACKS_FD, None)
+        if named is None:
+            return
+        fd = int(named)
     import faulthandler  # only with a stack file: a rank's start-up stays light
 
-    os.set_inheritable(int(fd), False)
-    faulthandler.register(config.STACKS_SIGNAL, file=int(fd), all_threads=True, chain=False)
+    os.set_inheritable(fd, False)
+    faulthandler.register(config.STACKS_SIGNAL, file=fd, all_threads=True, chain=False)
 
 
 def _beat(conn: framing.Connection, rank: int, interval: float) -> None:
@@ -513,22 +518,48 @@ def _take_assignment(sock: socket.socket) -> streams.Stream:
     return streams.SocketStream(socket.socket(fileno=control[0]))
 
 
-def run(conn: framing.Connection, runtime: WorkerRuntime) -> int:
+def run(conn: framing.Connection, runtime: WorkerRuntime, *, in_process: bool = False) -> int:
     """Build the user object and serve until SHUTDOWN or end of stream; the exit status.
-    ``sys.exit`` in user code ends the process here (after the framework's cleanup)."""
+    ``sys.exit`` in user code ends the process here (after the framework's cleanup), or,
+    ``in_process`` (a process that outlives its rank: a Ray actor), returns its code."""
     try:
         if not runtime.initialise():
-            _flush_and_exit(conn, 1, runtime=runtime)
-        code = runtime.serve()
+            if not in_process:
+                _flush_and_exit(conn, 1, runtime=runtime)
+            code = 1
+        else:
+            code = runtime.serve()
     except _WorkerExit as exc:
-        _flush_and_exit(conn, exc.code, runtime=runtime)
+        if not in_process:
+            _flush_and_exit(conn, exc.code, runtime=runtime)
+        code = exc.code
     except framing.ConnectionLost:
         code = 0
     except KeyboardInterrupt:  # SIGINT while idle (e.g. sent with group.send_signal): exit
         code = 128 + signal.SIGINT
+    except SystemExit:  # raised outside a call (a handler of the host process's)
+        if in_process:
+            runtime.cleanup()
+            _drain(conn)
+        raise
     runtime.cleanup()
     _drain(conn)
+    sys.stdout.flush()
+    sys.stderr.flush()
     return code
+
+
+def serve_in_actor(conn: framing.Connection, stacks_fd: int | None = None) -> int:
+    """The rank run inside a process that outlives it (its Ray actor's, on the actor's main
+    thread): build the user object and serve ``conn`` until SHUTDOWN or end of stream;
+    the exit status (``sys.exit(code)`` in user code gives ``code``). The caller set up the
+    rank's environment, output and signals, and ends what the rank left behind; with
+    ``stacks_fd``, every thread's stack is dumped there on ``config.STACKS_SIGNAL``."""
+    global _STARTED
+    _STARTED = (time.monotonic(), 0.0)  # the process was there before the rank
+    if stacks_fd is not None:
+        arm_stack_dumps(stacks_fd)
+    return run(conn, WorkerRuntime(conn), in_process=True)
 
 
 def _default_signals() -> None:

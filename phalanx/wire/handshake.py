@@ -53,6 +53,7 @@ _REFUSAL_DRAIN = 1.0  # seconds to read what a refused peer still sends, so it g
 ROLE_CONTROL = 0
 ROLE_STDOUT = 1
 ROLE_STDERR = 2
+ROLE_SIDE = 3  # a Ray rank's side stream: signals, stacks, stops (phalanx.node.warden)
 
 
 class HandshakeIncomplete(AuthenticationError):

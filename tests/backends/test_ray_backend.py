@@ -340,15 +340,14 @@ def test_single_controller_frameworks_run_on_node_zero_of_the_ray_nodes():
 # keeper -> rank).
 
 def track_rank(tracked: Tracked, pid: int, rank: int) -> None:
-    """The rank's process, its keeper and its actor's supervisor (checked to be so)."""
-    tracked.add(pid, f"rank {rank}")
-    keeper = psutil.Process(pid).parent()
-    supervisor = keeper.parent()
-    assert "phalanx.node.keeper" in " ".join(supervisor.cmdline()), \
-        f"rank {rank} does not run under a node supervisor: {supervisor.cmdline()}"
-    assert keeper.cmdline() == supervisor.cmdline()  # a fork of it
-    tracked.add(keeper.pid, f"rank {rank}'s keeper")
-    tracked.add(supervisor.pid, f"rank {rank}'s supervisor")
+    """The rank's process -- its Ray actor's worker (checked to be so) -- and its warden."""
+    assert "ray::" in " ".join(psutil.Process(pid).cmdline()), \
+        f"rank {rank} does not run in a Ray worker: {psutil.Process(pid).cmdline()}"
+    tracked.add(pid, f"rank {rank}'s actor")
+    wardens = [c for c in psutil.Process(pid).children()
+               if "phalanx.node.warden" in " ".join(c.cmdline())]
+    assert len(wardens) == 1, [c.cmdline() for c in psutil.Process(pid).children()]
+    tracked.add(wardens[0].pid, f"rank {rank}'s warden")
 
 
 def start_tracked(tracked: Tracked, ranks: int = 2):
@@ -376,12 +375,10 @@ def test_nothing_a_killed_ray_rank_started_outlives_it(tracked):
     try:
         started = time.monotonic()
         group.send_signal(signal.SIGKILL, workers=[0])
-        # its actor, and the supervisor under it, serve the next incarnation
-        tracked.assert_gone(started, "rank 0's SIGKILL",
-                            lambda label: label.startswith("rank 0") and "supervisor" not in label)
+        tracked.assert_gone(started, "rank 0's SIGKILL", lambda label: label.startswith("rank 0"))
         # ... while the group lives on, rank 1 with its own subprocesses
         assert group.call("whoami", workers=[1], timeout=10) == [1]
-        assert len(tracked.alive(lambda label: label.startswith("rank 1"))) == 7
+        assert len(tracked.alive(lambda label: label.startswith("rank 1"))) == 6
     finally:
         group.shutdown(timeout=5)
 
@@ -393,7 +390,7 @@ def test_nothing_a_ray_rank_started_outlives_its_actor(tracked):
         ray.kill(group._backend._bundles[1].actor)  # rank 1's
         tracked.assert_gone(started, "ray.kill of rank 1's actor",
                             lambda label: label.startswith("rank 1"))
-        assert len(tracked.alive(lambda label: label.startswith("rank 0"))) == 7
+        assert len(tracked.alive(lambda label: label.startswith("rank 0"))) == 6
         assert group.call("whoami", workers=[0], timeout=10) == [0]
     finally:
         group.shutdown(timeout=5)
@@ -408,7 +405,7 @@ def test_recreate_leaves_nothing_of_the_old_ray_rank(tracked):
         tracked.assert_gone(time.monotonic(), f"recreate(1) (which took {took:.1f} s)",
                             lambda label: label.startswith("rank 1"))
         assert group.call("whoami", timeout=10) == [0, 1]
-        assert len(tracked.alive(lambda label: label.startswith("rank 0"))) == 7
+        assert len(tracked.alive(lambda label: label.startswith("rank 0"))) == 6
     finally:
         group.shutdown(timeout=5)
 

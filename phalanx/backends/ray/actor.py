@@ -1,40 +1,48 @@
 """The node side of the Ray backend: what runs inside each rank's Ray actor.
 
-The actor is generic (it imports no user code) and supervises its rank the way a node
-does locally: through a node supervisor of its own (:mod:`phalanx.node.supervisor`), started
-with the actor. The controller asks the first actor of each node for free ports on it;
-then :meth:`RankActor.serve`:
+On the direct transport the rank runs *in its actor's worker process*, on the actor's main
+thread, as a user's plain Ray actor would: :class:`RankActor` is a sync actor with
+``max_concurrency=1`` and no concurrency groups (with either, Ray runs methods on another
+thread, and ``signal.signal`` in user code would fail). So Ray inside a rank is Ray inside
+an actor: ``ray.is_initialized()``, the actor's id, its node, the controller's job,
+``ray.get_gpu_ids()`` (the bundle's GPUs, as ``CUDA_VISIBLE_DEVICES`` says),
+``get_current_placement_group()`` (the group's), and ``ObjectRef``s travelling in a call's
+arguments (:func:`share_ray_refs`: phalanx's pickling uses Ray's own reducer for them). The
+controller asks the first actor of each node for free ports on it; then
+:meth:`RankActor.serve`, on the main thread:
 
-1. connects three streams back to the controller -- stdout, stderr, control -- each
-   proving the group's secret (:mod:`phalanx.wire.handshake`): over TCP, or over a Unix socket
-   when the controller runs on the same machine as the same user (a handshake cut short,
-   as by a listener full of strangers, is tried again);
-2. hands the rank's process its environment over the actor's own (Ray's
-   ``CUDA_VISIBLE_DEVICES`` included), its control stream and its stdout/stderr: the rank
-   talks to the controller directly, at phalanx's speed, and everything it and its
-   subprocesses print reaches the controller's output pump once (Ray's log forwarding
-   never sees it). Across the network every frame is sealed with its connection's keys
-   (:mod:`phalanx.wire.seal`): the rank seals its control stream itself, and the output
-   goes through a pipe to a thread here that seals it (:class:`SealedOutput`);
-3. waits for it and returns its exit status, which is how the controller learns that a
-   rank died of SIGSEGV or ``os._exit(3)`` -- Ray itself only says that a worker died.
+1. connects four streams back to the controller -- stdout, stderr, control, side -- each
+   proving the group's secret (:mod:`phalanx.wire.handshake`): over TCP, or over a Unix
+   socket when the controller runs on the same machine as the same user (which then hands
+   over a pair of pipes for the control stream);
+2. starts the rank's warden (:mod:`phalanx.node.warden`, fork and exec), which holds the
+   side stream: signals, stacks and stops reach the rank through it while user code runs,
+   and it ends whatever the actor started if the actor is killed (``ray.kill``, Ray's
+   out-of-memory killer), reporting the exit status where it is known;
+3. becomes a child subreaper, applies the rank's environment to ``os.environ`` (Ray's own
+   ``CUDA_VISIBLE_DEVICES`` for the bundle is kept), changes to its directory, points fds 1
+   and 2 at the output streams (across the network, pipes to threads here that seal what
+   is written: :class:`SealedOutput`), so everything the rank and its subprocesses print
+   reaches the controller's output pump once (Ray's log forwarding never sees it);
+4. runs the rank (:func:`phalanx.rank.runtime.serve_in_actor`) over the control stream
+   (sealed across the network), ends what it left behind, restores the actor's output and
+   signals, and returns the pid and exit status (``sys.exit(code)`` in user code: ``code``).
+   A death of the actor itself (a signal, ``os._exit``) is reported by the warden: the
+   actor notes ``os._exit`` and fatal signals it sends itself before they take effect.
 
-The rank's process is started early, while the controller is still placing the other
-actors (:class:`phalanx.node.spawn.PrestartedWorker`), under the supervisor, which is started
-first on the same thread: by the time the rank is assigned its imports are done.
-
-Process tree: actor -> supervisor -> keeper -> rank -> whatever the rank starts. The
-keeper ends everything the rank left behind when the rank exits; the supervisor ends
-everything below it when the actor dies (``ray.kill``, the controller's death, a lost
-node: its parent is gone), and a keeper whose supervisor was SIGKILLed ends its rank's
-tree itself. :meth:`stop` and :meth:`signal` run beside ``serve`` (a threaded actor) and
-reach the rank's whole process tree, as on the local backend.
+The relay transport (a controller the nodes cannot connect to) needs concurrent Ray calls
+beside ``serve``: ``RelayedRankActor`` (:mod:`phalanx.backends.ray.relay`), a threaded
+actor whose rank is a child process under a node supervisor, its streams moved by Ray calls.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -43,9 +51,16 @@ from typing import Any
 from phalanx import config
 from phalanx.wire import handshake, seal
 
-CONCURRENCY = 4  # serve, plus stop / signal / the relay's calls beside it
+CONCURRENCY = 1  # the direct RankActor: its methods run on the actor's main thread
 _RETRY_DELAY, _RETRY_DELAY_MAX = 0.05, 1.0  # seconds between tries of a cut-short handshake
 OUTPUT_CHUNK = 65536  # the most output bytes a sealed frame carries (a pipe's capacity)
+_FATAL_BY_DEFAULT = frozenset(
+    int(s) for s in (signal.SIGHUP, signal.SIGQUIT, signal.SIGILL, signal.SIGABRT,
+                     signal.SIGFPE, signal.SIGKILL, signal.SIGSEGV, signal.SIGPIPE,
+                     signal.SIGALRM, signal.SIGTERM, signal.SIGBUS, signal.SIGUSR1,
+                     signal.SIGUSR2))
+
+logger = logging.getLogger(__name__)
 
 
 def _open(controller: tuple[str, int, str], timeout: float) -> socket.socket:
@@ -192,93 +207,145 @@ class OutputUnsealer:
         return b"".join(out)
 
 
-class _Relay:
-    """The actor's ends of a relayed rank's streams, and what they wrote meanwhile."""
+def share_ray_refs() -> None:
+    """Have phalanx's pickling (cloudpickle, through :mod:`copyreg`) reduce Ray's
+    ``ObjectRef`` and ``ActorHandle`` as Ray's own serialization does, with their owner's
+    address: a ref passed in a call's arguments (or returned) can be ``ray.get`` where it
+    arrives. Ray pins a ref pickled outside its own calls for this process's lifetime (as
+    for any ``ray.cloudpickle.dumps`` of one). In a process connected to Ray; once is
+    enough, again is harmless."""
+    import copyreg
 
-    def __init__(self, ends: list[socket.socket]) -> None:
-        self._ends = ends
-        self._outbox: list[tuple[int, bytes]] = []
-        self._cond = threading.Condition()
-        self._ended = False
-        self._next = 0
-        self._early: dict[int, bytes] = {}
-        self._in_lock = threading.Lock()
+    import ray
+    from ray import cloudpickle as ray_pickle
 
-    def start(self) -> None:
-        threading.Thread(target=self._read, name="phalanx-relay", daemon=True).start()
+    ray._private.worker.global_worker.get_serialization_context()  # registers Ray's reducers
+    for cls in (ray.ObjectRef, ray.actor.ActorHandle):
+        reducer = ray_pickle.CloudPickler.dispatch.get(cls)
+        if reducer is not None and copyreg.dispatch_table.get(cls) is not reducer:
+            copyreg.pickle(cls, reducer)
 
-    def _read(self) -> None:
-        import select
 
-        open_ends = {end.fileno(): (i, end) for i, end in enumerate(self._ends)}
-        while open_ends:
-            ready, _, _ = select.select(list(open_ends), [], [])
-            for fd in ready:
-                index, end = open_ends[fd]
-                try:
-                    data = end.recv(1 << 20)
-                except OSError:
-                    data = b""
-                if not data:
-                    del open_ends[fd]
-                    continue
-                with self._cond:
-                    self._outbox.append((index, data))
-                    self._cond.notify_all()
-        with self._cond:
-            self._ended = True
-            self._cond.notify_all()
+class _Notes:
+    """The actor's end of its warden's pipe: how the actor is about to end, written before
+    it does (``exit N``, ``signal N``), and ``done N`` once it ended its rank itself."""
 
-    def deliver(self, seq: int, data: bytes) -> None:
-        with self._in_lock:
-            self._early[seq] = data
-            while self._next in self._early:
-                chunk = self._early.pop(self._next)
-                self._next += 1
-                try:
-                    self._ends[0].sendall(chunk)
-                except OSError:  # the rank is gone; its death is reported by serve
-                    pass
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._lock = threading.Lock()
 
-    def poll(self, timeout: float) -> list[tuple[int, bytes]]:
-        with self._cond:
-            if not self._outbox and not self._ended:
-                self._cond.wait(timeout)
-            out, self._outbox = self._outbox, []
-            if not out and self._ended:
-                return [(-1, b"")]
-            return out
+    def write(self, word: str, number: int) -> None:
+        with self._lock:
+            if self.fd < 0:
+                return
+            try:
+                os.write(self.fd, f"{word} {int(number)}\n".encode())
+            except OSError:  # the warden is gone
+                pass
+
+    def close(self) -> None:
+        with self._lock:
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+
+
+class _HostPatches:
+    """What the actor's process is while it runs a rank: SIGINT unblocked on its main thread
+    (a Ray worker's blocks it) and raising KeyboardInterrupt, as in a fresh Python program;
+    SIGTERM noted (``terminated``) and then handled by Ray's handler, which raises
+    SystemExit so that Ray's worker exits as Ray means it to (Ray ends a worker with
+    SIGTERM first); and ``os._exit``/``os.kill`` noting, before they take effect, how the
+    process is about to end (the warden reports it: Ray does not know an exit status).
+    :meth:`restore` puts Ray's back."""
+
+    def __init__(self, notes: _Notes) -> None:
+        self._handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        self._mask = signal.pthread_sigmask(signal.SIG_SETMASK, set())
+        self.terminated = False
+        ray_term = self._handlers[signal.SIGTERM]
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            self.terminated = True
+            notes.write("signal", signum)
+            if callable(ray_term):
+                ray_term(signum, frame)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, on_sigterm)
+        self._exit, self._kill = os._exit, os.kill
+        real_exit, real_kill, me = os._exit, os.kill, os.getpid()
+
+        def _exit(code: int) -> None:
+            notes.write("exit", code)
+            real_exit(code)
+
+        def kill(pid: int, sig: int) -> None:
+            if pid in (0, me, -os.getpgrp()) and _fatal(int(sig)):
+                notes.write("signal", int(sig))
+            real_kill(pid, sig)
+
+        os._exit, os.kill = _exit, kill  # type: ignore[assignment]
+
+    def restore(self) -> None:
+        os._exit, os.kill = self._exit, self._kill  # type: ignore[assignment]
+        for sig, handler in self._handlers.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, self._mask)
+
+
+def _fatal(sig: int) -> bool:
+    """Whether ``sig`` ends this process as things stand (no Python handler for it)."""
+    if sig == signal.SIGKILL:
+        return True
+    try:
+        return sig in _FATAL_BY_DEFAULT and signal.getsignal(sig) in (signal.SIG_DFL, None)
+    except ValueError:
+        return False
+
+
+def _end_leftovers(spare: int, timeout: float = config.CLEANUP_WAIT) -> None:
+    """SIGKILL everything below this process (a subreaper) but ``spare`` (the warden), and
+    reap what was killed, until nothing is left or ``timeout`` passes."""
+    from phalanx.node import proctree
+
+    deadline = time.monotonic() + timeout
+    killed: set[int] = set()
+    while True:
+        left = [pid for pid in proctree.descendants(os.getpid()) if pid != spare]
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for pid in list(killed):
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0]:
+                    killed.discard(pid)
+            except ChildProcessError:  # not our child (a grandchild), or reaped
+                killed.discard(pid)
+        if not left or time.monotonic() >= deadline:
+            if left:
+                logger.error("processes %s of the rank survived SIGKILL for %.1f s", left,
+                             timeout)
+            return
+        time.sleep(0.005)
 
 
 class RankActor:
-    """One rank's place in Ray: placed in its bundle, supervising the rank's process."""
+    """One rank's place in Ray, on the direct transport: its actor's process runs the rank
+    on its main thread (a sync actor: ``max_concurrency=1``, no concurrency groups)."""
 
     def __init__(self) -> None:
-        from phalanx.node.stacks import StackFile
-
-        self._proc: Any = None  # a phalanx.node.supervisor.SupervisedProcess
-        self._stack_file = StackFile()  # the rank dumps its stacks here on request
-        self._supervisor: Any = None  # a phalanx.node.supervisor.Supervisor
-        self._spare: Any = None  # a phalanx.node.spawn.PrestartedWorker
-        self._relay_ready = threading.Event()
-        self._relay: Any = None
-        # The supervisor, then the rank's interpreter under it, start now, beside the
-        # constructor (which returns at once), while the controller is still placing the
-        # other actors: by the time this rank is assigned its imports are done.
-        self._spare_thread = threading.Thread(target=self._prestart, daemon=True)
-        self._spare_thread.start()
-
-    def _prestart(self) -> None:
-        from phalanx.node import spawn as node
-        from phalanx.node.supervisor import Supervisor
-
-        try:
-            self._supervisor = Supervisor()
-            self._spare = node.PrestartedWorker(self._supervisor,
-                                                {**os.environ, "PYTHONUNBUFFERED": "1"},
-                                                stacks_fd=self._stack_file.fd)
-        except OSError:  # serve() tries again, and fails with the reason
-            self._spare = None
+        # imported now, while the controller places the other actors: the rank's start
+        # does not wait for them
+        from phalanx.node import proctree, warden  # noqa: F401
+        from phalanx.rank import runtime  # noqa: F401
+        from phalanx.wire import framing, pickling, protocol  # noqa: F401
 
     def free_ports(self, host: str, count: int) -> list[int]:
         """``count`` distinct ports free on this node now."""
@@ -294,117 +361,198 @@ class RankActor:
         incarnation: int,
         env: Mapping[str, str],
         cwd: str | None,
+        own_process: bool = False,
     ) -> dict:
-        """Run rank ``rank`` until its process ends; its pid and exit status."""
-
-        def hello(role: int) -> handshake.Hello:
-            return handshake.Hello(role, rank, incarnation)
-
-        connected = [_connect(controller, secret, hello(role)) for role in
-                     (handshake.ROLE_STDOUT, handshake.ROLE_STDERR, handshake.ROLE_CONTROL)]
-        sockets = [sock for sock, _ in connected]
-        control = _control_stream(sockets[2])
-        if len(control) == 1:  # the socket itself, across the network: the rank seals it
-            env = {**env, config.ENV_FRAME_KEYS: connected[2][1].handover()}
-        # the rank's stdout and stderr: over a Unix socket the sockets themselves, across
-        # the network pipes to threads here that seal what it writes (SealedOutput)
-        outputs = [sock.fileno() if sock.family == socket.AF_UNIX else SealedOutput(sock, auth)
-                   for sock, auth in connected[:2]]
+        """Run rank ``rank`` in this process until it ends; its pid and exit status.
+        ``own_process``: in a child process instead (``python -m phalanx.rank.runtime``),
+        for a rank that joins a Ray of its own (``framework="ray"``), which a process
+        already connected to this Ray cannot."""
+        roles = (handshake.ROLE_STDOUT, handshake.ROLE_STDERR, handshake.ROLE_CONTROL,
+                 handshake.ROLE_SIDE)
+        connected: list[tuple[socket.socket, seal.FrameAuth]] = []
         try:
-            proc = self._start_rank(env, cwd, control,
-                                    *(o if isinstance(o, int) else o.write_fd for o in outputs))
+            for role in roles:
+                connected.append(_connect(controller, secret,
+                                          handshake.Hello(role, rank, incarnation)))
+            control = _control_stream(connected[2][0])
+        except BaseException:
+            for sock, _ in connected:
+                sock.close()
+            raise
+        return _InActor(connected, control).run(env, cwd, own_process)
+
+
+class _InActor:
+    """One run of a rank in its actor's process (see :meth:`RankActor.serve`)."""
+
+    def __init__(self, connected: list[tuple[socket.socket, seal.FrameAuth]],
+                 control: tuple[int, ...]) -> None:
+        self.connected = connected
+        self.control = control
+        self.local = connected[0][0].family == socket.AF_UNIX
+
+    def run(self, env: Mapping[str, str], cwd: str | None, own_process: bool) -> dict:
+        from phalanx.node import proctree
+        from phalanx.node.stacks import StackFile
+        from phalanx.rank import runtime
+        from phalanx.wire import framing, streams
+
+        stack_file = StackFile()
+        notes = self._start_warden(stack_file)
+        patches = _HostPatches(notes) if not own_process else None
+        saved: tuple[int, int] | None = None
+        outputs: list[Any] = []
+        writer = framing.BacklogWriter("phalanx-worker-writer")
+        conn = None
+        code = 1
+        try:
+            proctree.become_subreaper()
+            rank_env = {name: value for name, value in env.items()  # Ray's GPUs are kept
+                        if name != "CUDA_VISIBLE_DEVICES" or name not in os.environ}
+            rank_env["PYTHONUNBUFFERED"] = "1"  # the rank's Python subprocesses
+            saved, outputs = self._redirect_output()
+            if own_process:
+                code = self._run_child(rank_env, cwd, stack_file, notes)
+                return {"pid": self._child_pid, "exitcode": code}
+            os.environ.update(rank_env)
+            if cwd:
+                try:
+                    os.chdir(cwd)
+                except OSError as exc:  # the rank's death, told on its stderr
+                    print(f"phalanx: the rank cannot start in {cwd}: {exc}", file=sys.stderr,
+                          flush=True)
+                    return {"pid": os.getpid(), "exitcode": code}
+            share_ray_refs()  # refs the rank returns keep their owner too
+            # imports resolve as in a rank's own interpreter (``python -c``): its working
+            # directory first, then PYTHONPATH, then the actor's own path (Ray's)
+            front = [os.getcwd(), *filter(None, os.environ.get("PYTHONPATH", "").split(
+                os.pathsep))]
+            sys.path[:] = list(dict.fromkeys([*front, *sys.path]))
+            for fd in self.control:
+                os.set_inheritable(fd, False)  # not for the user's subprocesses
+            if len(self.control) == 2:
+                stream: streams.Stream = streams.PipeStream(*self.control, blocking_reads=True)
+                auth = None
+                self.connected[2][0].close()
+            else:
+                sock, auth = self.connected[2]
+                sock.setblocking(True)
+                stream = streams.SocketStream(sock)
+            conn = framing.Connection(stream, writer, auth=auth)
+            try:
+                code = runtime.serve_in_actor(conn, stack_file.fd)
+            except SystemExit:  # Ray's SIGTERM handler: the worker exits as Ray means it to
+                code = -signal.SIGTERM if patches is not None and patches.terminated else 1
+                raise
         finally:
-            for sock in sockets:
-                sock.close()  # the rank holds its own copies (a SealedOutput its own)
-            if len(control) == 2:
-                for fd in control:
+            import faulthandler
+
+            faulthandler.unregister(config.STACKS_SIGNAL)
+            if conn is not None:
+                conn.close()
+            elif len(self.control) == 2:
+                for fd in self.control:
                     os.close(fd)
+            writer.stop()
+            _end_leftovers(self._warden.pid)
+            if saved is not None:  # the rank's output ends: its last words go first
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os.dup2(saved[0], 1)
+                os.dup2(saved[1], 2)
+                os.close(saved[0])
+                os.close(saved[1])
+            for sock, _ in self.connected[:2]:
+                sock.close()
             for output in outputs:
-                if isinstance(output, SealedOutput):
-                    output.start()  # closes its copy of the pipe's write end
-        served = self._supervise(proc)
-        for output in outputs:  # its last words reach the controller before its status
-            if isinstance(output, SealedOutput):
                 output.join(config.CLEANUP_WAIT)
-        return served
+            if patches is not None:
+                patches.restore()
+            notes.write("done", code)
+            notes.close()
+            try:
+                self._warden.wait(config.CLEANUP_WAIT)
+            except subprocess.TimeoutExpired:
+                self._warden.kill()
+                self._warden.wait(config.CLEANUP_WAIT)
+            stack_file.close()
+        return {"pid": os.getpid(), "exitcode": code}
 
-    def _start_rank(self, env: Mapping[str, str], cwd: str | None, control: tuple[int, ...],
-                    out: int, err: int) -> Any:
-        """The rank's process: the interpreter started early if it fits, else a new one
-        (under the same supervisor)."""
-        from phalanx.node import spawn as node
-        from phalanx.node.supervisor import Supervisor
+    def _run_child(self, env: Mapping[str, str], cwd: str | None, stack_file: Any,
+                   notes: _Notes) -> int:
+        """The rank in a child process of this one, given the control stream; its exit
+        status once it ended (minus the signal that killed it)."""
+        from phalanx.node.spawn import worker_argv
 
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
-        self._spare_thread.join()
-        spare, self._spare = self._spare, None
-        if spare is not None and spare.proc.alive() and spare.fits(full_env):
-            proc = spare.assign(env, cwd, control, out, err)
+        full_env = {**os.environ, **env, config.ENV_STACKS_FD: str(stack_file.fd)}
+        if len(self.control) == 2:
+            full_env[config.ENV_FD] = "pipe:{},{}".format(*self.control)
+            fds = (*self.control, stack_file.fd)
         else:
-            if spare is not None:
-                spare.discard()
-            if self._supervisor is None:
-                self._supervisor = Supervisor()
-            spec = "socket:{0}" if len(control) == 1 else "pipe:{0},{1}"
-            proc = self._supervisor.spawn(node.worker_argv(), full_env, cwd,
-                                          stacks_fd=self._stack_file.fd,
-                                          stream=(spec, control), output=(out, err))
-        self._proc = proc
-        return proc
-
-    def _supervise(self, proc: Any) -> dict:
-        """Wait for the rank's process, and for its keeper to end what it left behind;
-        its pid and exit status."""
-        code = proc.exitcode(None)
-        proc.wait_cleaned(config.CLEANUP_WAIT)
-        proc.release()
-        return {"pid": proc.pid, "exitcode": code}
-
-    # -- relayed through Ray calls (the controller cannot be reached from here) -----------
-
-    def serve_relayed(self, env: Mapping[str, str], cwd: str | None) -> dict:
-        """As :meth:`serve`, for a controller this node cannot connect to (a Ray Client
-        driver): the rank's streams end here, and the controller moves their bytes with
-        :meth:`deliver` and :meth:`poll`. Same messages, Ray's speed."""
-        pairs = [socket.socketpair() for _ in range(3)]  # control, stdout, stderr
-        self._relay = _Relay([mine for mine, _ in pairs])
-        self._relay_ready.set()
+            sock, auth = self.connected[2]
+            full_env[config.ENV_FD] = f"socket:{sock.fileno()}"
+            full_env[config.ENV_FRAME_KEYS] = auth.handover()
+            fds = (sock.fileno(), stack_file.fd)
         try:
-            proc = self._start_rank(env, cwd, (pairs[0][1].fileno(),), pairs[1][1].fileno(),
-                                    pairs[2][1].fileno())
+            child = subprocess.Popen(worker_argv(), env=full_env, cwd=cwd or None,
+                                     pass_fds=fds, stdin=subprocess.DEVNULL)
+        except OSError as exc:  # the rank's death, told on its stderr
+            print(f"phalanx: the rank cannot start in {cwd}: {exc}", file=sys.stderr,
+                  flush=True)
+            self._child_pid = None
+            return 1
+        self._child_pid = child.pid
+        notes.write("rank", child.pid)
+        if len(self.control) == 2:  # the child holds them now
+            for fd in self.control:
+                os.close(fd)
+            self.control = ()
+        self.connected[2][0].close()
+        return child.wait()
+
+    def _start_warden(self, stack_file: Any) -> _Notes:
+        """The rank's warden (:mod:`phalanx.node.warden`), holding the side stream."""
+        from phalanx.node import warden
+
+        side, side_auth = self.connected[3]
+        notes_r, notes_w = os.pipe()
+        env = dict(os.environ)
+        if not self.local:
+            env[config.ENV_FRAME_KEYS] = side_auth.handover()
+        fds = (side.fileno(), notes_r, stack_file.fd)
+        try:
+            self._warden = subprocess.Popen(
+                warden.argv(*fds, os.getpid(), site=not self.local), pass_fds=fds,
+                stdin=subprocess.DEVNULL, env=env,
+                # a group of its own: Ray kills a dead worker's process group at once,
+                # and the warden must outlive the actor to end and report what it left
+                start_new_session=True)
+        except BaseException:
+            os.close(notes_w)
+            raise
         finally:
-            for _, theirs in pairs:
-                theirs.close()
-        self._relay.start()
-        return self._supervise(proc)
+            os.close(notes_r)
+            side.close()
+        return _Notes(notes_w)
 
-    def deliver(self, seq: int, data: bytes) -> None:
-        """Bytes from the controller for the rank's control stream, in ``seq`` order
-        (Ray may run two calls of a threaded actor out of order)."""
-        self._relay_ready.wait(config.CONNECT_TIMEOUT)
-        self._relay.deliver(seq, data)
-
-    def poll(self, timeout: float) -> list[tuple[int, bytes]]:
-        """What the rank wrote since the last poll, as ``(stream, bytes)`` (0: control,
-        1: stdout, 2: stderr), waiting up to ``timeout`` s for something; ``(-1, b"")``
-        once every stream has ended."""
-        self._relay_ready.wait(config.CONNECT_TIMEOUT)
-        return self._relay.poll(timeout)
-
-    def stop(self, grace: float) -> None:
-        """SIGTERM the rank's process tree, SIGKILL after ``grace`` s, reap."""
-        from phalanx.node import spawn as node
-
-        if self._proc is not None:
-            node.stop_processes([self._proc], grace=grace, force=grace <= 0)
-
-    def stacks(self, timeout: float) -> str:
-        """Every thread's stack of the rank's process (see :mod:`phalanx.node.stacks`)."""
-        if self._proc is None:
-            return "(no stack: the rank's process has not started)"
-        return self._stack_file.take(self._proc.pid, timeout)
-
-    def signal(self, sig: int) -> None:
-        """Deliver ``sig`` to the rank's process group, as a terminal would."""
-        if self._proc is not None:
-            self._proc.signal_group(sig)
+    def _redirect_output(self) -> tuple[tuple[int, int], list[SealedOutput]]:
+        """fds 1 and 2 to the rank's output streams: over a Unix socket the sockets
+        themselves, across the network pipes to threads here that seal what is written.
+        What the previous ones were (to restore), and the sealing threads."""
+        sealed = [SealedOutput(sock, auth) for sock, auth in self.connected[:2]
+                  if sock.family != socket.AF_UNIX]
+        targets = [sock.fileno() for sock, _ in self.connected[:2]] if not sealed \
+            else [output.write_fd for output in sealed]
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = (os.dup(1), os.dup(2))
+        os.dup2(targets[0], 1)
+        os.dup2(targets[1], 2)
+        for output in sealed:
+            output.start()  # closes its copy of the pipe's write end: fds 1 and 2 hold it
+        for stream in (sys.stdout, sys.stderr):  # what the rank prints arrives promptly
+            try:
+                stream.reconfigure(line_buffering=True, write_through=True)
+            except (AttributeError, ValueError, OSError):
+                pass
+        return saved, sealed

@@ -18,11 +18,13 @@ bundle, each asked where it landed. Ranks are numbered by node, then by bundle; 
 are the Ray nodes as they are, so ``NODE_RANK``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and
 ``MASTER_ADDR`` tell the truth on a real cluster.
 
-A rank's death reaches the group as soon as its control stream ends (at once, on any
-node). The bury waits a moment for the rank's actor to report the exit status of the
-process it supervises (or for Ray's account when the actor itself died: ray.kill, a lost
-node, Ray's memory monitor); an account that arrives later still replaces the record kept
-for the rank. The pure placement rules live in :mod:`phalanx.backends.ray.placement`.
+The rank runs inside its actor's worker process (:mod:`phalanx.backends.ray.actor`), so
+Ray inside a rank is Ray inside an actor. A rank's death reaches the group as soon as its
+control stream ends (at once, on any node). The bury waits a moment for the exit status
+(the rank's own ``sys.exit``, or what its warden, :mod:`phalanx.node.warden`, saw) or for
+Ray's account (ray.kill, a lost node, Ray's memory monitor); an account that arrives later
+still replaces the record kept for the rank. The pure placement rules live in
+:mod:`phalanx.backends.ray.placement`.
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ from phalanx.backends.ray.channel import (
     ChannelServices,
     Listener,
     RayChannel,
-    RelayChannel,
     hand_over_pipes,
+    ray_exit_code,
 )
 from phalanx.backends.ray.placement import (
     STRATEGIES,
@@ -62,6 +64,7 @@ from phalanx.backends.ray.placement import (
     placement_problem,
     relays,
 )
+from phalanx.backends.ray.relay import RelayChannel
 from phalanx.backends.ray.store import RayShares
 from phalanx.errors import StartupError
 from phalanx.node import shm
@@ -244,7 +247,7 @@ class RayBackend(Backend):
                 try:
                     served = ray.get(ref, timeout=5.0)
                 except Exception as exc:  # noqa: BLE001 - Ray's account of the death
-                    channel.ray_reports(describe_ray_error(exc))
+                    channel.ray_reports(describe_ray_error(exc), exitcode=ray_exit_code(exc))
                 else:
                     channel.ray_reports(None, served)
 
@@ -362,6 +365,7 @@ class RayBackend(Backend):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from phalanx.backends.ray.actor import CONCURRENCY, RankActor
+        from phalanx.backends.ray.relay import RELAY_CONCURRENCY, RelayedRankActor
 
         resources = dict(self._seat_resources[b.index])
         cpus = resources.pop("CPU", 0.0)
@@ -374,7 +378,9 @@ class RayBackend(Backend):
             "num_gpus": gpus,
             "resources": resources or None,
             "max_restarts": 0,
-            "max_concurrency": CONCURRENCY,
+            # direct: the rank runs on the actor's main thread (a sync actor, one call at
+            # a time); relayed: the relay's calls run beside serve_relayed
+            "max_concurrency": RELAY_CONCURRENCY if self._relayed else CONCURRENCY,
             "name": f"{self._prefix}-r{rank}-i{b.incarnation}",
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
                 placement_group=self._pg, placement_group_bundle_index=b.index),
@@ -385,7 +391,8 @@ class RayBackend(Backend):
             options["namespace"] = self.namespace
         if self._actor_env is not None:
             options["runtime_env"] = self._actor_env
-        b.actor = ray.remote(RankActor).options(**options).remote()
+        actor_class = RelayedRankActor if self._relayed else RankActor
+        b.actor = ray.remote(actor_class).options(**options).remote()
 
     def _live_bundle(self, rank: int) -> Bundle:
         """The rank's bundle with an actor that has not served yet: a new one (a fresh
@@ -422,6 +429,10 @@ class RayBackend(Backend):
     ) -> None:
         sys_path = boot.sys_path if node.same_host else ()
         cwd = boot.cwd or (os.getcwd() if node.same_host else None)
+        if not self._relayed:  # ObjectRefs in calls keep their owner (Ray's own reducer)
+            from phalanx.backends.ray.actor import share_ray_refs
+
+            share_ray_refs()
         for start in ranks:
             b = self._live_bundle(start.rank)
             b.used = True
@@ -434,9 +445,12 @@ class RayBackend(Backend):
                 channel.serve_ref = b.actor.serve_relayed.remote(dict(start.env), cwd)
                 channel.start_relay()
             else:
+                # a rank that joins a Ray of the group's own (framework="ray") cannot run
+                # in a process already connected to this one: its actor starts it apart
                 channel.serve_ref = b.actor.serve.remote(
                     (self._host, self._port, self._local_name), self._secret, start.rank,
-                    b.incarnation, dict(start.env), cwd)
+                    b.incarnation, dict(start.env), cwd,
+                    own_process=boot.options.get("framework") == "ray")
             with self._watch_lock:
                 self._watched[channel.serve_ref] = channel
 
@@ -445,11 +459,18 @@ class RayBackend(Backend):
         ours = [c for c in channels if isinstance(c, RayChannel)]
         for channel in ours:
             channel.stopped_on_purpose()
-        # the actors stop their ranks' process trees (SIGTERM, grace, SIGKILL), then go
-        stops = [c.actor.stop.remote(0.0 if force else grace) for c in ours]
+        # the ranks' process trees are stopped (SIGTERM, grace, SIGKILL), then the actors
+        # go: a direct rank's by its warden over the side stream (its actor's main thread
+        # is the rank's), a relayed rank's by its (threaded) actor
+        wait = 0.0 if force else grace
+        deadline = time.monotonic() + wait + config.RAY_KILL_WAIT
+        asked = [(c, c.begin_stop(wait)) for c in ours if not isinstance(c, RelayChannel)]
+        stops = [c.actor.stop.remote(wait) for c in ours if isinstance(c, RelayChannel)]
+        for channel, request in asked:
+            channel.end_stop(request, deadline)
         if stops:
-            ray.wait(stops, num_returns=len(stops), timeout=grace + config.RAY_KILL_WAIT,
-                     fetch_local=False)
+            ray.wait(stops, num_returns=len(stops),
+                     timeout=max(0.0, deadline - time.monotonic()), fetch_local=False)
         for channel in ours:
             try:
                 ray.kill(channel.actor, no_restart=True)

@@ -1,7 +1,8 @@
-"""The Ray backend's channels: one rank's control stream, output and Ray's account of its
-actor (:class:`RayChannel`), and the same for ranks whose streams must travel as Ray calls
-(:class:`RelayChannel`, a Ray Client driver); and the :class:`Listener` the actors connect
-back to. See :mod:`phalanx.backends.ray.backend`.
+"""The Ray backend's channels: one rank's control stream, output, side stream (to its
+warden: :class:`SideStream`) and Ray's account of its actor (:class:`RayChannel`), and the
+same for ranks whose streams must travel as Ray calls (``RelayChannel``, in
+:mod:`phalanx.backends.ray.relay`); and the :class:`Listener` the actors connect back to.
+See :mod:`phalanx.backends.ray.backend`.
 
 A channel uses three things of its backend, handed to it as :class:`ChannelServices`: the
 ``ray`` module (to reach the rank's actor), the thread that writes every control stream,
@@ -27,6 +28,7 @@ from typing import Any
 from phalanx import config
 from phalanx.backends.base import Channel, EventSink, RankStart
 from phalanx.errors import AuthenticationError, ProcessFailure
+from phalanx.node.warden import SideStream
 from phalanx.output.logs import LogPump, OutputTap
 from phalanx.wire import framing, handshake, protocol, seal, streams
 
@@ -55,6 +57,15 @@ class Bundle:
     used: bool = False  # its actor has served (or been launched): the next needs a new one
 
 
+def ray_exit_code(exc: BaseException) -> int | None:
+    """The exit code of an actor's worker process when Ray's error gives one (``sys.exit``
+    outside a rank's calls: "exits with an exit code 5"); None otherwise."""
+    import re
+
+    found = re.search(r"exits? with an exit code (-?\d+)", str(exc))
+    return int(found.group(1)) if found else None
+
+
 def hand_over_pipes(sock: socket.socket) -> tuple[int, int]:
     """For a rank connected over a Unix socket (same machine): make its control pipes, send
     the rank's ends through the socket, close it; the controller's ends (read, write)."""
@@ -67,6 +78,11 @@ def hand_over_pipes(sock: socket.socket) -> tuple[int, int]:
         os.close(from_rank_w)
         sock.close()
     return from_rank_r, to_rank_w
+
+
+# Ray's account of an actor whose process ended (it cannot tell how): where the exit
+# status is known, that is the account to give
+_RAY_SAW_A_WORKER_DIE = "Ray: the actor is dead because its worker process has died"
 
 
 class RayChannel(Channel):
@@ -92,6 +108,9 @@ class RayChannel(Channel):
         self._exitcode: int | None = None
         self._reason: str | None = None
         self._reason_known = threading.Event()
+        self._side: SideStream | None = None  # to the rank's warden, once connected
+        self._side_ready = threading.Event()
+        self._status_known = threading.Event()  # the warden said how the rank ended
         self._buried = False
         self._posted = False  # an EXITED event went to the group
         self._closed = False
@@ -107,6 +126,12 @@ class RayChannel(Channel):
         with self._lock:
             if self._closed:
                 sock.close()
+                return
+            if role == handshake.ROLE_SIDE:
+                self._side = SideStream(sock, auth if sock.family != socket.AF_UNIX else None,
+                                        self._services.writer, self.warden_reports,
+                                        f"phalanx-side-{self.rank}")
+                self._side_ready.set()
                 return
             if role != handshake.ROLE_CONTROL:
                 if auth is not None and sock.family != socket.AF_UNIX:
@@ -163,14 +188,18 @@ class RayChannel(Channel):
             self._bury_later()
             return []
 
-    def ray_reports(self, reason: str | None, served: dict | None = None) -> None:
+    def ray_reports(self, reason: str | None, served: dict | None = None,
+                    exitcode: int | None = None) -> None:
         """How the rank ended (watcher thread): ``served`` is what the actor's ``serve``
         returned (the rank's pid and exit status); ``reason`` Ray's account when the
-        actor itself died."""
+        actor itself died, with the ``exitcode`` Ray gives (if it does and nothing better
+        is known)."""
         with self._lock:
             if served is not None:
                 self.pid = served.get("pid", self.pid)
                 self._exitcode = served.get("exitcode")
+            elif self._exitcode is None:
+                self._exitcode = exitcode
             self._reason = reason
             late = self._posted and not self._closed
             never_connected = self._conn is None
@@ -179,6 +208,20 @@ class RayChannel(Channel):
             self._bury_later(wait_for_reason=False)
         elif late and self._sink is not None:
             # a later account replaces the record kept for the (already dead) rank
+            self._sink.post(self, [self._exited()])
+
+    def warden_reports(self, pid: int, status: int | None, how: str) -> None:
+        """How the rank's actor ended, as its warden saw it (side stream's thread): the
+        exit status where it is known (``how``: ``returned``, ``note`` -- ``os._exit`` or
+        a fatal signal the rank sent itself --, ``kernel`` or ``delivered``)."""
+        with self._lock:
+            changed = status is not None and self._exitcode != status
+            if status is not None:
+                self._exitcode = status
+                self.pid = pid
+            late = changed and self._posted and not self._closed
+        self._status_known.set()
+        if late and self._sink is not None:
             self._sink.post(self, [self._exited()])
 
     def stopped_on_purpose(self) -> None:
@@ -198,7 +241,10 @@ class RayChannel(Channel):
 
     def _bury(self, wait_for_reason: bool) -> None:
         if wait_for_reason:
+            deadline = time.monotonic() + config.RAY_CAUSE_WAIT
             self._reason_known.wait(config.RAY_CAUSE_WAIT)
+            if self._side is not None:  # the warden's word on the exit status
+                self._status_known.wait(max(0.0, deadline - time.monotonic()))
         if self._tap is not None:
             self._tap.wait_closed(config.OUTPUT_WAIT)
         with self._lock:
@@ -224,24 +270,58 @@ class RayChannel(Channel):
         except framing.ConnectionLost:
             pass  # its death arrives as EXITED
 
+    def _side_stream(self, timeout: float) -> SideStream | None:
+        """The side stream, waited for up to ``timeout`` s (the rank's actor connects it
+        as it starts the rank); None if the rank has none (not started, or gone)."""
+        if not self._side_ready.is_set() and self.serve_ref is not None and not self._buried:
+            self._side_ready.wait(timeout)
+        return self._side
+
     def signal(self, rank: int, sig: int) -> None:
-        """Through the actor, which runs beside the rank on its node (any node)."""
-        try:
-            self._services.ray.get(self.actor.signal.remote(int(sig)),
-                                   timeout=config.RAY_SIGNAL_TIMEOUT)
-        except Exception as exc:  # noqa: BLE001 - the actor is gone: so is the rank
-            logger.debug("signal %s to rank %d not delivered: %s", sig, self.rank, exc)
+        """Through the rank's warden, beside it on its node (any node)."""
+        side = self._side_stream(config.RAY_SIGNAL_TIMEOUT)
+        answer = None
+        if side is not None:
+            from phalanx.node import warden
+
+            answer = side.request(warden.SIGNAL, int(sig), config.RAY_SIGNAL_TIMEOUT)
+        if answer is None:  # the warden is gone: so is the rank
+            logger.debug("signal %s to rank %d not delivered", sig, self.rank)
 
     def stacks(self, rank: int, timeout: float) -> str:
-        """Taken by the actor, on the rank's node."""
-        try:
-            return self._services.ray.get(self.actor.stacks.remote(timeout),
-                                          timeout=timeout + config.RAY_SIGNAL_TIMEOUT)
-        except Exception as exc:  # noqa: BLE001 - the actor is gone, or too slow to answer
-            return f"(no stack: its Ray actor did not answer: {type(exc).__name__}: {exc})"
+        """Taken by the rank's warden, on the rank's node."""
+        side = self._side_stream(config.RAY_SIGNAL_TIMEOUT)
+        if side is None:
+            return "(no stack: the rank's actor has not started it)"
+        from phalanx.node import warden
+
+        answer = side.request(warden.STACKS, float(timeout),
+                              timeout + config.RAY_SIGNAL_TIMEOUT)
+        if answer is None:
+            return "(no stack: the rank's warden did not answer; its actor may be gone)"
+        return str(answer)
+
+    def begin_stop(self, grace: float) -> int | None:
+        """Ask the warden to stop the rank's process tree (SIGTERM, ``grace`` s, SIGKILL);
+        the request's id for :meth:`end_stop`, None if there is no warden to ask."""
+        side = self._side
+        if side is None:
+            return None
+        from phalanx.node import warden
+
+        return side.ask(warden.STOP, float(grace))
+
+    def end_stop(self, request: int | None, deadline: float) -> None:
+        """Wait, until ``deadline`` at most, for the stop :meth:`begin_stop` asked for."""
+        side = self._side
+        if side is not None and request is not None:
+            side.answer(request, deadline)
 
     def exit_record(self, rank: int) -> ProcessFailure:
         reason = self._reason
+        if self._exitcode is not None and reason is not None and reason.startswith(
+                _RAY_SAW_A_WORKER_DIE):  # the exit status says more than Ray's "it died"
+            reason = None
         if reason is None and self._exitcode is None:
             reason = "its control connection closed; Ray had not said why yet"
         tail = self._tap.stderr_tail() if self._tap is not None else ()
@@ -253,6 +333,9 @@ class RayChannel(Channel):
             self._buried = True
             conn, self._conn = self._conn, None
             outputs, self._outputs = self._outputs, {}
+            side, self._side = self._side, None
+        if side is not None:
+            side.close()
         if conn is not None:
             if self._sink is not None:
                 self._sink.unwatch(conn.read_fd, self)
@@ -260,68 +343,6 @@ class RayChannel(Channel):
         if self._tap is None:
             for fd in outputs.values():
                 os.close(fd)
-
-
-class RelayChannel(RayChannel):
-    """A rank whose streams the controller cannot receive directly (a Ray Client driver):
-    its actor holds them, and two threads here move their bytes with Ray calls. The
-    control stream still ends in a local socket watched by the dispatcher, so every
-    message, death and record is handled exactly as for a direct rank."""
-
-    _POLL = 0.5  # seconds a poll call waits on the actor for something to carry
-
-    def __init__(self, services: ChannelServices, start: RankStart, bundle: Bundle) -> None:
-        super().__init__(services, start, bundle)
-        mine, self._far = socket.socketpair()
-        out_r, self._out_w = os.pipe()
-        err_r, self._err_w = os.pipe()
-        self._tap = services.logs.attach(self.rank, out_r, err_r)
-        with self._lock:
-            self._adopt(streams.SocketStream(mine))
-
-    def start_relay(self) -> None:
-        for target, name in ((self._downstream, "down"), (self._upstream, "up")):
-            threading.Thread(target=target, name=f"phalanx-relay-{name}-{self.rank}",
-                             daemon=True).start()
-
-    def _downstream(self) -> None:
-        """Controller -> rank: what the group sent, in order."""
-        seq = 0
-        while True:
-            try:
-                data = self._far.recv(1 << 20)
-            except OSError:
-                return
-            if not data:
-                return
-            self.actor.deliver.remote(seq, data)
-            seq += 1
-
-    def _upstream(self) -> None:
-        """Rank -> controller: its messages and output, until its streams end."""
-        ray = self._services.ray
-        try:
-            while not self._closed:
-                try:
-                    items = ray.get(self.actor.poll.remote(self._POLL), timeout=60)
-                except Exception as exc:  # noqa: BLE001 - the actor is gone: so is the rank
-                    logger.debug("relay of rank %d ends: %s", self.rank, exc)
-                    return
-                for stream, data in items:
-                    if stream < 0:
-                        return
-                    if stream == 0:
-                        self._far.sendall(data)
-                    else:
-                        os.write(self._out_w if stream == 1 else self._err_w, data)
-        except OSError:
-            return
-        finally:
-            for fd in (self._out_w, self._err_w):
-                os.close(fd)
-            # the dispatcher sees the control stream end (the downstream thread's pending
-            # recv would keep a merely closed socket open)
-            streams.close_socket(self._far)
 
 
 # Connections still in their handshake (each holds a thread and a descriptor until its peer

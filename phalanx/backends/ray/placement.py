@@ -218,7 +218,10 @@ def order_bundles(bundle_nodes: Sequence[str]) -> list[list[int]]:
 
 def describe_ray_error(exc: BaseException) -> str:
     """A one-line account of how Ray says an actor died (pure): the sentence of its message
-    that gives the reason, with the worker's exit type and detail when Ray has them."""
+    that gives the reason, with the worker's exit type and detail (and exit code) when Ray
+    has them."""
+    import re
+
     text = " ".join(str(exc).split())
     lowered = text.lower()
     unreachable = lowered.find("could not connect back to the controller")
@@ -238,7 +241,15 @@ def describe_ray_error(exc: BaseException) -> str:
         detail = ""
         kind = lowered.find("worker exit type:")
         if kind >= 0:
-            detail = " (" + text[kind:].split(". ", 1)[0] + ")"
+            detail = text[kind:].split(". ", 1)[0]
+            if "connection error code" in detail.lower():  # Ray saw its socket close
+                detail = (detail.split(" Worker exit detail:", 1)[0] + "; the process ended "
+                          "without telling Ray why: a signal, os._exit or the kernel's "
+                          "out-of-memory killer")
+            code = re.search(r"exits? with an exit code (-?\d+)", text[kind:])
+            if code:
+                detail += f"; exit code {code.group(1)}"
+            detail = f" ({detail})"
         return f"Ray: {sentence[0].lower()}{sentence[1:]}{detail}"
     if "unavailable" in lowered:
         return "Ray: the actor is unreachable (its node may have failed)"
