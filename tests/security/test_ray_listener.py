@@ -258,6 +258,18 @@ def test_the_local_socket_is_in_a_directory_of_ours_alone(listener):
     assert not os.path.exists(directory)
 
 
+def test_a_killed_controllers_directory_is_removed_by_the_next_listener(listener):
+    live = listener()
+    base = os.path.dirname(os.path.dirname(live.local_path))
+    stale = os.path.join(base, "phalanx-listen-stale-test")
+    os.mkdir(stale, 0o700)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
+        dead.bind(os.path.join(stale, "s"))  # bound, then closed: what a SIGKILL leaves
+    listener()
+    assert not os.path.exists(stale)
+    assert os.path.exists(live.local_path)  # a listener still serving keeps its own
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="running as another user needs root; the "
                     "directory's mode is checked by the test above")
 def test_another_user_cannot_connect_to_the_local_socket(listener):

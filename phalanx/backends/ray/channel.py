@@ -355,6 +355,28 @@ ACCEPT_BACKOFF, ACCEPT_BACKOFF_MAX = 0.05, 1.0  # after accept() failed (EMFILE,
 _PEER_GONE = (errno.ECONNABORTED, errno.EPROTO, errno.EPERM)  # accept(): the peer was gone
 _LOCAL_PEER = "this machine"  # the peer of every Unix-socket connection (this user's alone)
 _SOCKET_DIR_BASE_MAX = 80  # characters: a Unix socket's path has at most 107
+_DIR_PREFIX = "phalanx-listen-"
+
+
+def _remove_stale_dirs(base: str) -> None:
+    """Remove the private directories of this user's listeners that nobody listens on any
+    more (a controller SIGKILLed cannot remove its own): their socket refuses to connect."""
+    try:
+        names = [n for n in os.listdir(base) if n.startswith(_DIR_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        where = os.path.join(base, name)
+        try:
+            if os.lstat(where).st_uid != os.getuid():
+                continue
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                probe.settimeout(0.5)
+                probe.connect(os.path.join(where, "s"))
+        except ConnectionRefusedError:  # a socket file no process listens on
+            shutil.rmtree(where, ignore_errors=True)
+        except OSError:  # listening (or full), not ours, or half made: leave it
+            continue
 
 
 def handshake_limit(nofile: int | None = None) -> int:
@@ -417,9 +439,10 @@ class Listener:
         base = tempfile.gettempdir()
         if len(base) > _SOCKET_DIR_BASE_MAX:
             base = "/tmp"
+        _remove_stale_dirs(base)
         local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self._dir = tempfile.mkdtemp(prefix="phalanx-listen-", dir=base)  # mode 0700
+            self._dir = tempfile.mkdtemp(prefix=_DIR_PREFIX, dir=base)  # mode 0700
             path = os.path.join(self._dir, "s")
             local.bind(path)
             local.listen(128)
