@@ -184,3 +184,16 @@ def accept(sock: socket.socket, secret: bytes, timeout: float, peer: str = "the 
         raise AuthenticationError(f"a peer claiming to be rank {rank} failed to prove the secret")
     sock.settimeout(None)
     return Hello(role, rank, incarnation, seal.derive(secret, greeting + nonce, connector=False))
+
+
+def connection_cap(cap: int, nofile: int | None = None) -> int:
+    """How many connections a listener lets be in their handshake at once: ``cap``, or a
+    quarter of this process's descriptor limit (``nofile``; by default the current soft
+    limit) if that is less, and at least 4 -- so strangers cannot take every descriptor."""
+    import resource  # only a listener asks
+
+    if nofile is None:
+        nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if nofile == resource.RLIM_INFINITY or nofile <= 0:
+        return cap
+    return max(4, min(cap, nofile // 4))

@@ -15,7 +15,6 @@ import dataclasses
 import errno
 import logging
 import os
-import resource
 import select
 import shutil
 import socket
@@ -379,16 +378,6 @@ def _remove_stale_dirs(base: str) -> None:
             continue
 
 
-def handshake_limit(nofile: int | None = None) -> int:
-    """How many connections may be in their handshake at once: :data:`MAX_HANDSHAKES`, or a
-    quarter of this process's descriptor limit if that is less (at least 4)."""
-    if nofile is None:
-        nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    if nofile == resource.RLIM_INFINITY or nofile <= 0:
-        return MAX_HANDSHAKES
-    return max(4, min(MAX_HANDSHAKES, nofile // 4))
-
-
 class Listener:
     """Where the actors of one group connect back: TCP on ``host``, and a Unix socket for
     actors on this machine (it lets the controller hand them pipes, which cost less per
@@ -410,7 +399,7 @@ class Listener:
                  timeout: float = config.HANDSHAKE_TIMEOUT, limit: int | None = None,
                  per_peer: int = MAX_HANDSHAKES_PER_PEER) -> None:
         self.host = host
-        self.limit = handshake_limit() if limit is None else limit
+        self.limit = handshake.connection_cap(MAX_HANDSHAKES) if limit is None else limit
         self.per_peer = min(self.limit, per_peer)
         self._secret = secret
         self._arrived = arrived

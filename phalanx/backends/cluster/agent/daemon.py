@@ -39,7 +39,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import resource
 import signal
 import socket
 import ssl
@@ -126,11 +125,7 @@ class Admission:
 def unauthenticated_limit(nofile: int | None = None) -> int:
     """How many connections may be in their handshake at once: the configured cap, or a
     quarter of this process's descriptor limit if that is less (at least 4)."""
-    if nofile is None:
-        nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    if nofile == resource.RLIM_INFINITY or nofile <= 0:
-        return config.AGENT_MAX_UNAUTHENTICATED
-    return max(4, min(config.AGENT_MAX_UNAUTHENTICATED, nofile // 4))
+    return handshake.connection_cap(config.AGENT_MAX_UNAUTHENTICATED, nofile)
 
 
 class Agent:
