@@ -12,6 +12,10 @@ Every buffer of an object (a numpy array's data, a torch tensor's) is handed to 
 a view of a small ctypes object over the block's mapping: whatever the rank builds from it
 keeps that object referenced, so its reference count says whether the rank still holds
 any view of the object -- what RELEASED promises the holder before it reuses the block.
+
+On Ray a rank in its actor's worker is told where the object is in Ray's object store
+instead (:data:`RAY_LOCATION`): it reads it with ``ray.get``, its arrays read-only views
+of the node's store, and Ray keeps those pages while any view lives.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from phalanx.config import SHARE_BLOCK_PREFIX as NAME
+
+RAY_LOCATION = "ray"  # a location in Ray's object store (phalanx.backends.ray.store)
+RAY_GET_TIMEOUT = 120.0  # seconds for Ray to bring an object to this node
 
 if TYPE_CHECKING:
     import mmap
@@ -89,6 +96,11 @@ class RankShares:
             if where is None or where[0] != token:
                 raise NotShared(f"shared object {ref_id} is not on this rank's node (freed, "
                                 "or put by another group)")
+            if where[1][0] == RAY_LOCATION:
+                obj = _from_ray(ref_id, where[1], private)
+                if not private:
+                    self._objects[ref_id] = obj
+                return obj
             pid, fd, name, layout, capacity, _, writable = where[1]
             writable = writable or private
             block = None if writable else self._maps.get(name)
@@ -115,6 +127,8 @@ class RankShares:
             return
         with self._lock:
             location = entry[1]
+            if location[0] == RAY_LOCATION:  # the rank's views keep Ray's pages
+                return
             if not location[5]:  # a block of its own (not pooled): unmap it with the views
                 self._owners.pop(ref_id, None)
                 self._maps.pop(location[2], None)
@@ -143,6 +157,29 @@ class RankShares:
 def _in_use(owners: Any) -> bool:
     # an owner referenced only by the list (and by getrefcount's argument) has no view
     return any(sys.getrefcount(owners[i]) > 2 for i in range(len(owners)))
+
+
+def _from_ray(ref_id: int, location: tuple, private: bool) -> Any:
+    """An object in Ray's store, this process being a Ray worker of the controller's
+    cluster: its buffers are read-only views of the node's store (objects whose views
+    must be writable come through the node's block instead)."""
+    import ray
+    from ray._private.serialization import _object_ref_deserializer
+
+    _, binary, owner, status = location
+    ref = _object_ref_deserializer(binary, "", owner, status, None)
+    try:
+        parts = ray.get(ref, timeout=RAY_GET_TIMEOUT)
+    except Exception as exc:  # noqa: BLE001 - Ray's errors have no common base
+        raise NotShared(f"shared object {ref_id} could not be read from Ray's object "
+                        f"store: {type(exc).__name__}: {exc}") from None
+    del ref
+    head, *rest = parts
+    if private:  # never sent so (see ray.store), but a private copy is what it asks
+        buffers = [bytearray(part) for part in rest]
+    else:
+        buffers = [memoryview(part) for part in rest]
+    return pickle.loads(memoryview(head), buffers=buffers)
 
 
 def _unpickle(block: mmap.mmap, layout: list, writable: bool, owners: list[Any]) -> Any:

@@ -447,10 +447,11 @@ class RayBackend(Backend):
             else:
                 # a rank that joins a Ray of the group's own (framework="ray") cannot run
                 # in a process already connected to this one: its actor starts it apart
+                own = boot.options.get("framework") == "ray"
+                channel.ray_worker = not own
                 channel.serve_ref = b.actor.serve.remote(
                     (self._host, self._port, self._local_name), self._secret, start.rank,
-                    b.incarnation, dict(start.env), cwd,
-                    own_process=boot.options.get("framework") == "ray")
+                    b.incarnation, dict(start.env), cwd, own_process=own)
             with self._watch_lock:
                 self._watched[channel.serve_ref] = channel
 
@@ -512,8 +513,8 @@ class RayBackend(Backend):
                 self._session = None
 
     def share(self, obj: Any, channels: Sequence[Channel]) -> None:
-        """Into Ray's object store once; on each node, a store actor maps it for the ranks
-        (:mod:`phalanx.backends.ray.store`)."""
+        """Into Ray's object store once; ranks in Ray workers read it from there, others
+        through a store actor on their node (:mod:`phalanx.backends.ray.store`)."""
         if self._shares is None:
             self._shares = RayShares(self._ray, self._store_options)
         self._shares.share(obj, channels, lambda c: self._bundles[c.rank].node_id)

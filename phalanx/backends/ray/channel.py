@@ -96,6 +96,7 @@ class RayChannel(Channel):
         self.actor = bundle.actor
         self.pid: int | None = None  # the rank's process (READY says it; so does serve)
         self.serve_ref: Any = None
+        self.ray_worker = True  # the rank runs in its actor's Ray worker (not framework="ray")
         self._services = services
         self._lock = threading.Lock()
         self._conn: framing.Connection | None = None

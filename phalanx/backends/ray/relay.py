@@ -215,6 +215,7 @@ class RelayChannel(RayChannel):
 
     def __init__(self, services: ChannelServices, start: RankStart, bundle: Bundle) -> None:
         super().__init__(services, start, bundle)
+        self.ray_worker = False  # a child of its actor: it reads put objects from the node
         mine, self._far = socket.socketpair()
         out_r, self._out_w = os.pipe()
         err_r, self._err_w = os.pipe()

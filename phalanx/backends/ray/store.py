@@ -1,13 +1,20 @@
-"""The Ray backend's put objects: Ray's object store between nodes, shared memory on each.
+"""The Ray backend's put objects: Ray's object store, read where the ranks run.
 
 ``share`` puts the object's pickle and buffers into Ray's object store once
-(``ray.put``); on each Ray node that runs ranks of the group, a :class:`NodeStore` actor
-(no CPU, pinned to the node, one per node for the group's life) resolves that reference
--- Ray moves the bytes to the node once, and hands them over from its object store
-without a copy -- and writes them into a shared-memory block, held by the node side's one
-holder (:class:`phalanx.node.shm.Holder`), that every rank of the node maps. The ranks are
-processes below their own actors, not Ray workers: they read the node's block, never Ray's
-store directly.
+(``ray.put``). A rank that runs in its actor's Ray worker (the usual case) is told the
+reference (its id and owner, :data:`RAY_LOCATION`) and reads it with ``ray.get`` from
+its node's object store: Ray moves the bytes to each node once, and the rank's arrays
+are views of the store's memory, with no copy (:mod:`phalanx.rank.shared`). The
+controller holds the reference until the object is freed; a rank's views keep their
+pages after that, as Ray's own do.
+
+An object whose views must be writable (a call's own arguments, torch tensors), and
+every object for a rank in a process of its own (``framework="ray"``, or relayed: a
+child of its actor, no Ray worker of this cluster), goes through its node instead: on
+each Ray node that runs such ranks, a :class:`NodeStore` actor (no CPU, pinned to the
+node, one per node for the group's life) resolves the reference and writes the bytes
+into a shared-memory block, held by the node side's one holder
+(:class:`phalanx.node.shm.Holder`), that those ranks map (copy-on-write where writable).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from typing import Any
 
 from phalanx.errors import PhalanxError
 from phalanx.node import shm
+from phalanx.rank.shared import RAY_LOCATION  # in Ray's store: (id, owner, status, copy?)
 from phalanx.wire import protocol
 
 logger = logging.getLogger(__name__)
@@ -66,8 +74,19 @@ class RayShares:
                 self._objects[obj.id] = data
                 obj.segments = None  # Ray's store has it now
         by_node: dict[str, list[Any]] = {}
+        direct = []
+        writable = obj.private or obj.tensors  # copy-on-write mappings of a node's block
         for channel in channels:
-            by_node.setdefault(node_of(channel), []).append(channel)
+            if getattr(channel, "ray_worker", False) and not writable:
+                direct.append(channel)
+            else:
+                by_node.setdefault(node_of(channel), []).append(channel)
+        if direct:
+            location = self._ray_location(data)
+            for channel in direct:
+                channel.send(protocol.share_frame(channel.rank, obj.id, obj.token, location))
+        if not by_node:
+            return
         asked = {}
         for node_id in by_node:
             if (obj.id, node_id) not in self._held:
@@ -83,6 +102,14 @@ class RayShares:
             location = self._held[(obj.id, node_id)]
             for channel in on_node:
                 channel.send(protocol.share_frame(channel.rank, obj.id, obj.token, location))
+
+    def _ray_location(self, data: Any) -> tuple:
+        """Where a rank in a Ray worker finds ``data``: its id and its owner (this
+        process, which keeps the reference until the object is freed: nothing is pinned
+        beyond that, as the plain pickling of a reference would)."""
+        core = self._ray._private.worker.global_worker.core_worker
+        _, owner, status = core.serialize_object_ref(data)
+        return (RAY_LOCATION, data.binary(), owner, status)
 
     def unshare(self, obj: Any, channels: Sequence[Any]) -> None:
         with self._lock:
