@@ -118,6 +118,7 @@ class Boot:
     # Backend.adopt_target_options; the payload holds the class it wraps
     target_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     target_name: str = ""  # that class's name, for messages
+    python: str | None = None  # the interpreter ranks run (None: the node's own default)
 
 
 def plain_target(target: Any) -> tuple[Any, dict[str, Any], str]:

@@ -20,48 +20,34 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from phalanx import config
-from phalanx.backends import Backend, create_backend
+from phalanx.backends import Backend
 from phalanx.controller.calls import Sender
 from phalanx.controller.dispatch import Dispatcher
 from phalanx.controller.futures import GroupFuture, ShardedFuture, StreamFuture
 from phalanx.controller.injection import inject_fault
 from phalanx.controller.lifecycle import Gate, Lifecycle
 from phalanx.controller.membership import Membership
-from phalanx.controller.meshcalls import Mesh, map_payloads
+from phalanx.controller.meshcalls import map_payloads
 from phalanx.controller.methods import MethodNames, MethodProxy
 from phalanx.controller.ranks import RankTable
+from phalanx.controller.request import plan_group
 from phalanx.controller.shared import ObjectRef, SharedObjects
-from phalanx.controller.startup import (
-    Starter,
-    check_part_of,
-    check_rank_env,
-    check_rendezvous,
-    check_target,
-    make_boot,
-)
+from phalanx.controller.startup import Starter
 from phalanx.controller.watch import RankHealth, StackReport, StartupReport, Watcher
 from phalanx.controller.watchdog import Watchdog
 from phalanx.errors import MembershipEvent, PhalanxError
-from phalanx.node.machine import require_package
-from phalanx.options import check_count, check_seconds
-from phalanx.output.logs import OutputOptions
+from phalanx.options import check_seconds
 from phalanx.world.frameworks import WorldPart
-from phalanx.world.layout import merge_env
-from phalanx.world.placement import place
 from phalanx.world.selection import Workers
 
 if TYPE_CHECKING:
+    from phalanx.controller.pool import ResourcePool
     from phalanx.controller.ranks import Slot
     from phalanx.world.sharding import NamedSharding
 
 logger = logging.getLogger(__name__)
 
 _live_groups: weakref.WeakSet[WorkerGroup] = weakref.WeakSet()
-
-
-def _heartbeat_interval(timeout: float | None) -> float | None:
-    """How often ranks send a heartbeat: a few times per timeout, at most every 5 s."""
-    return None if timeout is None else min(5.0, max(0.01, timeout / 5))
 
 
 @atexit.register
@@ -112,13 +98,17 @@ class WorkerGroup:
         args: Sequence[Any] = (),
         kwargs: Mapping[str, Any] | None = None,
         *,
-        nodes: int = 1,
-        procs_per_node: int | str | Sequence[int] = 1,
+        nodes: int | None = None,
+        procs_per_node: int | str | Sequence[int] | None = None,
         env: Mapping[str, str] | None = None,
         rank_env: Mapping[int, Mapping[str, str]] | None = None,
+        rank_kwargs: (Mapping[int, Mapping[str, Any]]
+                      | Callable[[int], Mapping[str, Any]] | None) = None,
         framework: str | None = None,
-        gpus_per_worker: int = 0,
+        gpus_per_worker: int | None = None,
         backend: str | Backend = "local",
+        pool: ResourcePool | None = None,
+        python: str | os.PathLike[str] | None = None,
         concurrency: int = 1,
         start_timeout: float | None = None,
         echo_output: bool = True,
@@ -128,63 +118,49 @@ class WorkerGroup:
         cwd: str | None = None,
         mesh: NamedSharding | Mapping[str, int] | None = None,
         dp_axis: str = "dp",
+        tied_axes: Sequence[str] | None = None,
+        dp_leaders: Sequence[int] | None = None,
         heartbeat_timeout: float | None = config.DEFAULT_HEARTBEAT_TIMEOUT,
         straggler_warning: float | None = config.DEFAULT_STRAGGLER_WARNING,
         master_addr: str | None = None,
         master_port: int | None = None,
         part_of: WorldPart | None = None,
     ) -> None:
-        settings = config.Settings.from_env()
-        check_target(target, args, kwargs)
-        check_count(concurrency, "concurrency")
-        check_count(nodes, "nodes")
-        check_rendezvous(master_addr, master_port)
-        heartbeat_timeout = check_seconds(heartbeat_timeout, "heartbeat_timeout",
-                                          allow_zero=False)
-        straggler_warning = check_seconds(straggler_warning, "straggler_warning",
-                                          allow_zero=False)
-        self._backend: Backend = create_backend(backend)  # checks the name; starts nothing
-        placement = place(framework, nodes, procs_per_node, gpus_per_worker,
-                          self._backend.gpus_per_node(nodes))
-        require_package(placement.framework)
-        world_size = placement.layout.world_size
-        if part_of is not None:
-            check_part_of(part_of, master_addr, master_port, placement)
-        output = OutputOptions.build(echo_output, collapse_output, log_ranks, log_dir,
-                                     world_size, 0 if part_of is None else part_of.first_rank)
-        check_rank_env(rank_env, world_size)
-        self._mesh = Mesh(mesh, dp_axis, world_size)
-        for rank in range(world_size):  # type errors in env now, before any resource
-            merge_env({}, {}, env, (rank_env or {}).get(rank))
-        start_timeout = check_seconds(
-            settings.start_timeout if start_timeout is None else start_timeout,
-            "start_timeout", allow_zero=False)
-        target_name = getattr(target, "__qualname__", getattr(target, "__name__", "target"))
-        boot = make_boot(target, args, kwargs, cwd=cwd, options={
-            "concurrency": concurrency, "framework": framework,
-            "heartbeat": _heartbeat_interval(heartbeat_timeout)})
+        plan = plan_group(
+            target, args, kwargs, nodes=nodes, procs_per_node=procs_per_node, env=env,
+            rank_env=rank_env, rank_kwargs=rank_kwargs, framework=framework,
+            gpus_per_worker=gpus_per_worker, backend=backend, pool=pool, python=python,
+            concurrency=concurrency, start_timeout=start_timeout,
+            output=(echo_output, collapse_output, log_ranks, log_dir), cwd=cwd, mesh=mesh,
+            dp_axis=dp_axis, tied_axes=tied_axes, dp_leaders=dp_leaders,
+            heartbeat_timeout=heartbeat_timeout, straggler_warning=straggler_warning,
+            master_addr=master_addr, master_port=master_port, part_of=part_of)
+        self._backend: Backend = plan.backend
+        self._mesh = plan.mesh
+        self._lease = plan.lease
+        target_name = plan.target_name
 
         # -- the parts (drawn in phalanx.controller's docstring) ---------------------------
         backend_ = self._backend
         self._gate = gate = Gate()
         self._dispatcher = dispatcher = Dispatcher(
             self._on_death, stacks_of=self._stacks_of, on_released=backend_.released)
-        self._ranks = ranks = RankTable(world_size, dispatcher)
+        self._ranks = ranks = RankTable(plan.placement.layout.world_size, dispatcher)
         self._shared = shared = SharedObjects(backend_, dispatcher.poll_now,
                                               ranks.live_channels)
         self._methods = methods = MethodNames(target_name)
         self._sender = sender = Sender(ranks, dispatcher, shared, backend_)
         self._starter = starter = Starter(
-            backend_, placement, boot, env=env or {}, rank_env=rank_env or {},
+            backend_, plan.placement, plan.boot, env=env or {}, rank_env=rank_env or {},
             part_of=part_of,
             rendezvous=((master_addr, master_port)
                         if master_addr is not None or master_port is not None else None),
-            start_timeout=start_timeout, progress=settings.progress,
+            start_timeout=plan.start_timeout, progress=plan.progress,
             dispatcher=dispatcher, table=ranks, shared=shared, methods=methods)
         self._watch = watch = Watcher(ranks, dispatcher, gate)
         watchdog = Watchdog(dispatcher, ranks.live, watch.take_stacks,
-                            heartbeat_timeout=heartbeat_timeout,
-                            straggler_warning=straggler_warning)
+                            heartbeat_timeout=plan.heartbeat_timeout,
+                            straggler_warning=plan.straggler_warning)
         self._membership = membership = Membership(  # listens before the backend opens
             backend=backend_, dispatcher=dispatcher, table=ranks, starter=starter,
             mesh=self._mesh, gate=gate)
@@ -199,7 +175,7 @@ class WorkerGroup:
         self._encode = sender.encode
         self._send = sender.send
         try:
-            backend_.open(output)
+            backend_.open(plan.output)
             # Exit handlers run last-registered first: ours must run before those of what
             # the backend may have started just now (Ray's disconnects from the cluster).
             atexit.unregister(_shutdown_at_exit)
@@ -212,6 +188,8 @@ class WorkerGroup:
             watchdog.stop()
             dispatcher.release()
             backend_.close()
+            if self._lease is not None:
+                self._lease.release()
             raise
         _live_groups.add(self)
         logger.info("started %d workers of %s", self.world_size, target_name)
@@ -576,7 +554,11 @@ class WorkerGroup:
                     logger.warning("cleanup method %r failed: %s", cleanup, exc)
         finally:
             _live_groups.discard(self)
-            self._lifecycle.teardown(deadline, force)
+            try:
+                self._lifecycle.teardown(deadline, force)
+            finally:
+                if self._lease is not None:  # its pool's slots are free again
+                    self._lease.release()
 
     def __enter__(self) -> WorkerGroup:
         return self

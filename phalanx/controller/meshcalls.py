@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from phalanx.world import sharding as sh
 
 if TYPE_CHECKING:
+    from phalanx.world.layout import Layout
     from phalanx.world.sharding import NamedSharding, ShardedPlan
 
 
@@ -81,7 +82,9 @@ class Mesh:
     """
 
     def __init__(self, mesh: NamedSharding | Mapping[str, int] | None, dp_axis: str,
-                 world_size: int) -> None:
+                 world_size: int, *, layout: Layout | None = None,
+                 tied_axes: Sequence[str] | None = None,
+                 dp_leaders: Sequence[int] | None = None) -> None:
         self.sharding: NamedSharding | None = None
         self._dp_leaders = list(range(world_size))
         self._plans: dict[tuple, tuple[ShardedPlan, list[int]]] = {}  # by call options

@@ -91,15 +91,52 @@ def check_rank_env(rank_env: Mapping[int, Any] | None, world_size: int) -> None:
             raise ValueError(f"rank_env names ranks {bad} outside 0..{world_size - 1}")
 
 
+def check_rank_kwargs(rank_kwargs: Any, world_size: int) -> dict[int, dict[str, Any]]:
+    """``rank_kwargs=``: a mapping rank -> keywords, or a callable rank -> keywords, as one
+    table of the ranks that have any (TypeError / ValueError naming the rank otherwise)."""
+    if rank_kwargs is None:
+        return {}
+    if callable(rank_kwargs) and not isinstance(rank_kwargs, Mapping):
+        table = {}
+        for rank in range(world_size):
+            try:
+                table[rank] = rank_kwargs(rank)
+            except Exception as exc:
+                raise ValueError(f"rank_kwargs({rank}) raised {type(exc).__name__}: "
+                                 f"{exc}") from exc
+    elif isinstance(rank_kwargs, Mapping):
+        bad = [r for r in rank_kwargs
+               if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size]
+        if bad:
+            raise ValueError(f"rank_kwargs names ranks {bad} outside 0..{world_size - 1}")
+        table = dict(rank_kwargs)
+    else:
+        raise TypeError(f"rank_kwargs must be a dict rank -> keywords or a callable rank -> "
+                        f"keywords, got {type(rank_kwargs).__name__}")
+    checked = {}
+    for rank, own in table.items():
+        if own is None:
+            continue
+        if not isinstance(own, Mapping) or not all(isinstance(k, str) for k in own):
+            raise TypeError(f"rank_kwargs for rank {rank} must be a dict of keyword "
+                            f"arguments, got {own!r}")
+        if own:
+            checked[rank] = dict(own)
+    return checked
+
+
 def make_boot(target: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None, *,
-              cwd: str | None, options: dict[str, Any]) -> Boot:
-    """The INIT every rank gets: the target and its constructor arguments pickled once
-    (SerializationError if they cannot be), the options with this phalanx's version, this
-    interpreter's path. A ``@ray.remote`` class travels as the class it wraps, its options
+              cwd: str | None, options: dict[str, Any], python: str | None = None,
+              rank_kwargs: Mapping[int, Mapping[str, Any]] | None = None) -> Boot:
+    """The INIT every rank gets: the target, its constructor arguments and each rank's own
+    keywords (``rank_kwargs``) pickled once (SerializationError if they cannot be), the
+    options with this phalanx's version; ``python``: the interpreter the ranks run (None:
+    the node's default). A ``@ray.remote`` class travels as the class it wraps, its options
     beside it (``Boot.target_options``, for the backend)."""
     target, target_options, target_name = plain_target(target)
     try:
-        payload = pickling.dumps((target, tuple(args), dict(kwargs or {})))
+        payload = pickling.dumps((target, tuple(args), dict(kwargs or {}),
+                                  dict(rank_kwargs or {})))
     except Exception as exc:
         raise SerializationError(
             f"could not pickle the target or its constructor arguments: "
@@ -109,7 +146,7 @@ def make_boot(target: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None
     # every rank compares it with its own before unpickling anything (rank.runtime)
     options = {**options, "version": __version__}
     return Boot(payload=payload, options=options, sys_path=tuple(sys.path), cwd=cwd,
-                target_options=target_options, target_name=target_name)
+                target_options=target_options, target_name=target_name, python=python)
 
 
 class Starter:

@@ -63,6 +63,16 @@ def require_package(framework: Framework) -> None:
         raise FrameworkNotInstalled(framework.name, framework.package, framework.install)
 
 
+def check_interpreter(python: object) -> str | None:
+    """``python=``: None (the node's default), or a path to a Python interpreter, as a
+    string (TypeError otherwise)."""
+    if python is None:
+        return None
+    if not isinstance(python, (str, os.PathLike)) or not os.fspath(python):
+        raise TypeError(f"python must be the path of a Python interpreter, got {python!r}")
+    return os.fspath(python)
+
+
 def machine_id() -> str:
     """This machine and mount namespace: equal for processes that see the same files (a
     controller then knows its cwd and sys.path mean something on an agent's node), distinct

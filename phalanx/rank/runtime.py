@@ -232,7 +232,9 @@ class WorkerRuntime:
                 timings["framework"] = clock() - began
                 stage = "unpickling the target"
             began = clock()
-            target, args, kwargs = pickling.loads(segs[1:])
+            target, args, kwargs, own = pickling.loads(segs[1:])
+            if self.rank in own:  # rank_kwargs=: this rank's, over the common ones
+                kwargs = {**kwargs, **own[self.rank]}
             timings["import"] = clock() - began
             stage = "constructing the worker object"
             began = clock()

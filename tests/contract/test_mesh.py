@@ -7,7 +7,7 @@ import time
 import psutil
 import pytest
 
-import phalanx.controller.group as group_module
+import phalanx.controller.request as group_module
 from phalanx import NamedSharding, ShardedFuture, WorkerDied, WorkerError, WorkerGroup
 from tests import helpers
 from tests.workers import CountingPickles, MeshProbe, Probe

@@ -1,0 +1,141 @@
+"""What a ``WorkerGroup(...)`` asks for, checked before anything starts: :func:`plan_group`.
+
+Every argument of the constructor that decides what starts where -- the target and its
+arguments, the layout, the framework, the resource pool, the interpreter, the per-rank
+arguments and variables, the mesh, the output -- is checked here, in one pass, and turned
+into a :class:`GroupPlan` the group builds its parts from. Nothing here starts a process or
+opens a connection: a bad argument is an error before any resource is taken.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from phalanx import config
+from phalanx.backends import Backend, Boot, create_backend
+from phalanx.controller.meshcalls import Mesh
+from phalanx.controller.startup import (
+    check_part_of,
+    check_rank_env,
+    check_rank_kwargs,
+    check_rendezvous,
+    check_target,
+    make_boot,
+)
+from phalanx.node.machine import check_interpreter, require_package
+from phalanx.options import check_count, check_seconds
+from phalanx.output.logs import OutputOptions
+from phalanx.world.layout import merge_env
+from phalanx.world.placement import Placement, place
+
+if TYPE_CHECKING:
+    import os
+
+    from phalanx.controller.pool import Lease, ResourcePool
+    from phalanx.world.frameworks import WorldPart
+    from phalanx.world.sharding import NamedSharding
+
+
+def heartbeat_interval(timeout: float | None) -> float | None:
+    """How often ranks send a heartbeat: a few times per timeout, at most every 5 s."""
+    return None if timeout is None else min(5.0, max(0.01, timeout / 5))
+
+
+@dataclasses.dataclass
+class GroupPlan:
+    """A checked request: what the group's parts are built from."""
+
+    backend: Backend
+    placement: Placement
+    boot: Boot
+    output: OutputOptions
+    mesh: Mesh
+    start_timeout: float
+    heartbeat_timeout: float | None
+    straggler_warning: float | None
+    target_name: str
+    progress: bool
+    lease: Lease | None  # the pool's slots the group takes, held until it shuts down
+
+
+def plan_group(
+    target: Any,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any] | None,
+    *,
+    nodes: int | None,
+    procs_per_node: int | str | Sequence[int] | None,
+    env: Mapping[str, str] | None,
+    rank_env: Mapping[int, Mapping[str, str]] | None,
+    rank_kwargs: Mapping[int, Mapping[str, Any]] | Callable[[int], Mapping[str, Any]] | None,
+    framework: str | None,
+    gpus_per_worker: int | None,
+    backend: str | Backend,
+    pool: ResourcePool | None,
+    python: str | os.PathLike[str] | None,
+    concurrency: int,
+    start_timeout: float | None,
+    output: tuple[bool, bool, Sequence[int] | None, str | os.PathLike[str] | None],
+    cwd: str | None,
+    mesh: NamedSharding | Mapping[str, int] | None,
+    dp_axis: str,
+    tied_axes: Sequence[str] | None,
+    dp_leaders: Sequence[int] | None,
+    heartbeat_timeout: float | None,
+    straggler_warning: float | None,
+    master_addr: str | None,
+    master_port: int | None,
+    part_of: WorldPart | None,
+) -> GroupPlan:
+    """Check every argument of ``WorkerGroup(...)`` (the errors its docstring promises)
+    and decide what starts where. Takes the pool's slots last, once all else is right."""
+    settings = config.Settings.from_env()
+    check_target(target, args, kwargs)
+    check_count(concurrency, "concurrency")
+    check_rendezvous(master_addr, master_port)
+    heartbeat_timeout = check_seconds(heartbeat_timeout, "heartbeat_timeout",
+                                      allow_zero=False)
+    straggler_warning = check_seconds(straggler_warning, "straggler_warning",
+                                      allow_zero=False)
+    python = check_interpreter(python)
+    seat = None
+    if pool is not None:
+        from phalanx.controller.pool import seat_on
+
+        seat = seat_on(pool, backend, nodes, procs_per_node, gpus_per_worker)
+        backend_ = seat.backend
+        nodes, procs_per_node, gpus_per_worker = seat.nodes, seat.counts, seat.gpus_per_worker
+    else:
+        backend_ = create_backend(backend)  # checks the name; starts nothing
+    nodes = 1 if nodes is None else nodes
+    check_count(nodes, "nodes")
+    placement = place(framework, nodes, 1 if procs_per_node is None else procs_per_node,
+                      gpus_per_worker or 0, backend_.gpus_per_node(nodes))
+    require_package(placement.framework)
+    world_size = placement.layout.world_size
+    if part_of is not None:
+        check_part_of(part_of, master_addr, master_port, placement)
+    echo_output, collapse_output, log_ranks, log_dir = output
+    options = OutputOptions.build(echo_output, collapse_output, log_ranks, log_dir,
+                                  world_size, 0 if part_of is None else part_of.first_rank)
+    check_rank_env(rank_env, world_size)
+    per_rank = check_rank_kwargs(rank_kwargs, world_size)
+    group_mesh = Mesh(mesh, dp_axis, world_size, layout=placement.layout,
+                      tied_axes=tied_axes, dp_leaders=dp_leaders)
+    for rank in range(world_size):  # type errors in env now, before any resource
+        merge_env({}, {}, env, (rank_env or {}).get(rank))
+    start_timeout = check_seconds(
+        settings.start_timeout if start_timeout is None else start_timeout,
+        "start_timeout", allow_zero=False)
+    boot = make_boot(target, args, kwargs, cwd=cwd, python=python, rank_kwargs=per_rank,
+                     options={"concurrency": concurrency, "framework": framework,
+                              "heartbeat": heartbeat_interval(heartbeat_timeout)})
+    lease = None if seat is None else seat.take(world_size)
+    return GroupPlan(
+        backend=backend_, placement=placement, boot=boot, output=options, mesh=group_mesh,
+        start_timeout=start_timeout, heartbeat_timeout=heartbeat_timeout,
+        straggler_warning=straggler_warning,
+        target_name=getattr(target, "__qualname__", getattr(target, "__name__", "target")),
+        progress=settings.progress, lease=lease)
