@@ -41,6 +41,7 @@ _EXPORTS = {
     "NodeInfo": "phalanx.errors",
     "ObjectFreed": "phalanx.errors",
     "ObjectRef": "phalanx.controller.shared",
+    "ResourcePool": "phalanx.controller.pool",
     "InjectedFault": "phalanx.rank.faults",
     "PhalanxError": "phalanx.errors",
     "ProcessFailure": "phalanx.errors",
@@ -83,6 +84,7 @@ __all__ = [
     "RankFuture",
     "RankHealth",
     "RayBackend",
+    "ResourcePool",
     "SerializationError",
     "ShardedFuture",
     "StackReport",
@@ -102,6 +104,7 @@ if TYPE_CHECKING:
     from phalanx.backends.ray.backend import RayBackend
     from phalanx.controller.futures import GroupFuture, RankFuture, ShardedFuture
     from phalanx.controller.group import WorkerGroup
+    from phalanx.controller.pool import ResourcePool
     from phalanx.controller.shared import ObjectRef
     from phalanx.controller.spmd import spmd
     from phalanx.controller.watch import RankHealth, StackReport, StartupReport

@@ -42,6 +42,7 @@ from phalanx.world.layout import Layout
 if TYPE_CHECKING:
     from phalanx.controller.shared import SharedObject
     from phalanx.output.logs import OutputOptions
+    from phalanx.world.pools import PoolSlot
 
 logger = logging.getLogger(__name__)
 
@@ -192,6 +193,24 @@ class Channel(abc.ABC):
         """Release descriptors and threads (the processes are stopped by the backend)."""
 
 
+class SlotReservation(Protocol):
+    """What a backend reserved for a resource pool (:meth:`Backend.reserve_slots`)."""
+
+    @property
+    def gpus_per_worker(self) -> int:
+        """What a group placed on it asks per rank (0 where the backend assigns GPUs)."""
+        ...
+
+    def backend_for(self, slots: Sequence[PoolSlot], share: float) -> Backend:
+        """A fresh backend for one group whose rank i sits on ``slots[i]``, taking
+        ``share`` of each slot (1/colocate)."""
+        ...
+
+    def release(self) -> None:
+        """Free what was reserved (idempotent)."""
+        ...
+
+
 class Backend(abc.ABC):
     """Reserves nodes and starts, signals and stops the ranks of one group on them."""
 
@@ -202,6 +221,9 @@ class Backend(abc.ABC):
     # Told of every membership change (nodes lost, or joining and leaving a DNS name),
     # before the ranks of a lost node are reported dead; set by the group. Any thread.
     on_membership: Callable[[MembershipEvent], None] | None = None
+    # Set on the backend of a group placed on a resource pool whose nodes list their own
+    # GPUs (agents): per node, the positions (start, stop) of the GPUs its ranks take.
+    gpu_windows: Sequence[tuple[int, int]] | None = None
 
     def settings(self) -> dict[str, Any]:
         """The constructor arguments this backend was configured with."""
@@ -227,6 +249,13 @@ class Backend(abc.ABC):
                 "the class it wraps but cannot honour Ray's options; remove them (a plain "
                 "@ray.remote class runs on every backend) or use backend=px.RayBackend(...)")
 
+    def reserve_slots(self, counts: Sequence[int], *, gpus: int,
+                      resources: Mapping[str, float], timeout: float) -> SlotReservation:
+        """Reserve a resource pool's slots once (``counts[n]`` on node ``n``, each with
+        ``gpus`` GPUs and ``resources``), for groups placed on them later; raises, naming
+        what is short, when they cannot be had. Never opens this backend."""
+        raise NotImplementedError(f"the {self.name} backend cannot hold resource pools")
+
     def gpus_per_node(self, nodes: int) -> int | None:
         """GPUs each node offers, if known before the ranks are placed (for
         ``procs_per_node="auto"``); None when only placement tells."""
@@ -239,6 +268,10 @@ class Backend(abc.ABC):
         number of ranks: the nodes as they really are.
         """
         nodes = self._reserve(layout, gpus_per_worker=gpus_per_worker, timeout=timeout)
+        if self.gpu_windows is not None:
+            nodes = [dataclasses.replace(node, gpus=None if node.gpus is None else
+                                         node.gpus[slice(*self.gpu_windows[node.index])])
+                     for node in nodes]
         if sum(n.ranks for n in nodes) != layout.world_size:  # pragma: no cover - a bug
             raise RuntimeError(f"{self.name} reserved {nodes} for {layout.world_size} ranks")
         return nodes

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from phalanx import config
 from phalanx.backends.base import Backend, Boot, Channel, EventSink, Node, RankStart
@@ -35,6 +35,9 @@ from phalanx.node.machine import pick_free_ports, visible_gpus
 from phalanx.output.logs import LogPump, OutputOptions, OutputTap
 from phalanx.wire import framing, protocol
 from phalanx.world.layout import Layout, split_gpus
+
+if TYPE_CHECKING:
+    from phalanx.world.pools import PoolSlot
 
 _LOOPBACK = "127.0.0.1"
 
@@ -156,6 +159,7 @@ class LocalBackend(Backend):
 
     def __init__(self) -> None:
         self._gpus = visible_gpus()
+        self._node_gpus: list[tuple[str, ...]] | None = None  # on a pool: each node's
         self._objects = shm.Holder(shm.Pool(_alive))  # every simulated node's copies
         self._objects_lock = threading.Lock()  # an object is written once, however shared
 
@@ -170,6 +174,9 @@ class LocalBackend(Backend):
         return len(self._gpus) // nodes if nodes > 1 else len(self._gpus)
 
     def _reserve(self, layout: Layout, *, gpus_per_worker: int, timeout: float) -> list[Node]:
+        if self._node_gpus is not None:  # placed on a pool's slots
+            return [Node(index=n, address=_LOOPBACK, ranks=layout.counts[n], gpus=gpus)
+                    for n, gpus in enumerate(self._node_gpus)]
         shares = (split_gpus(len(self._gpus), layout.nodes) if layout.nodes > 1
                   else (tuple(range(len(self._gpus))),))
         return [
@@ -177,6 +184,22 @@ class LocalBackend(Backend):
                  gpus=tuple(self._gpus[i] for i in shares[n]))
             for n in range(layout.nodes)
         ]
+
+    def reserve_slots(self, counts: Sequence[int], *, gpus: int,
+                      resources: Mapping[str, float], timeout: float) -> LocalSlots:
+        """This machine's GPUs, ``gpus`` for each slot in order (the simulated nodes share
+        them); ValueError when there are not enough."""
+        if resources:
+            raise ValueError(f"resources_per_proc={dict(resources)} means Ray resources: the "
+                             "local backend has none (give GPUs as gpus_per_proc=)")
+        total = sum(counts)
+        if gpus and gpus * total > len(self._gpus):
+            raise ValueError(
+                f"a pool of {total} slots x {gpus} GPU(s) needs {gpus * total} GPUs; this "
+                f"machine offers {len(self._gpus)} ({', '.join(self._gpus) or 'none'}"
+                f"{', from CUDA_VISIBLE_DEVICES' if 'CUDA_VISIBLE_DEVICES' in os.environ else ''})")
+        return LocalSlots([tuple(self._gpus[k * gpus:(k + 1) * gpus]) for k in range(total)],
+                          gpus)
 
     @property
     def supervisor_pid(self) -> int | None:
@@ -267,3 +290,22 @@ def _stop_and_close(processes: Sequence[node.NodeRank]) -> None:
     node.stop_processes([p.proc for p in processes], force=True)
     for process in processes:
         process.close()
+
+
+class LocalSlots:
+    """A resource pool's slots on this machine: each slot's GPU ids."""
+
+    def __init__(self, gpus: list[tuple[str, ...]], per_slot: int) -> None:
+        self.gpus = gpus
+        self.gpus_per_worker = per_slot
+
+    def backend_for(self, slots: Sequence[PoolSlot], share: float) -> LocalBackend:
+        backend = LocalBackend()
+        per_node: dict[int, list[str]] = {}
+        for slot in slots:
+            per_node.setdefault(slot.node, []).extend(self.gpus[slot.index])
+        backend._node_gpus = [tuple(ids) for ids in per_node.values()]
+        return backend
+
+    def release(self) -> None:
+        return None  # nothing on this machine is held for the pool itself

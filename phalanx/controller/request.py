@@ -132,10 +132,10 @@ def plan_group(
     boot = make_boot(target, args, kwargs, cwd=cwd, python=python, rank_kwargs=per_rank,
                      options={"concurrency": concurrency, "framework": framework,
                               "heartbeat": heartbeat_interval(heartbeat_timeout)})
-    lease = None if seat is None else seat.take(world_size)
+    target_name = getattr(target, "__qualname__", getattr(target, "__name__", "target"))
+    lease = None if seat is None else seat.take(f"{target_name}, {world_size} ranks")
     return GroupPlan(
         backend=backend_, placement=placement, boot=boot, output=options, mesh=group_mesh,
         start_timeout=start_timeout, heartbeat_timeout=heartbeat_timeout,
-        straggler_warning=straggler_warning,
-        target_name=getattr(target, "__qualname__", getattr(target, "__name__", "target")),
+        straggler_warning=straggler_warning, target_name=target_name,
         progress=settings.progress, lease=lease)

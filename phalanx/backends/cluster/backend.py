@@ -40,7 +40,7 @@ import os
 import ssl
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from phalanx import config
@@ -386,6 +386,13 @@ class ClusterBackend(Backend):
                      ranks=layout.counts[n], gpus=tuple(agent.welcome.get("gpus") or ()),
                      same_host=agent.same_host)
                 for n, agent in enumerate(agents[:layout.nodes])]
+
+    def reserve_slots(self, counts: Sequence[int], *, gpus: int,
+                      resources: Mapping[str, float], timeout: float) -> Any:
+        """The first agents of ``hosts`` (:mod:`phalanx.backends.cluster.pool`)."""
+        from phalanx.backends.cluster.pool import reserve_slots
+
+        return reserve_slots(self, counts, gpus, resources)
 
     def available_nodes(self) -> int:
         return self.members.available(self._in_use or len(self.members.nodes))

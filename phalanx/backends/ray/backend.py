@@ -178,6 +178,13 @@ class RayBackend(Backend):
 
     # -- opening -----------------------------------------------------------------------
 
+    def reserve_slots(self, counts: Sequence[int], *, gpus: int,
+                      resources: Mapping[str, float], timeout: float) -> Any:
+        """One placement group, a bundle per slot (:mod:`phalanx.backends.ray.pool`)."""
+        from phalanx.backends.ray.pool import reserve_slots
+
+        return reserve_slots(self, counts, gpus, resources, timeout)
+
     def _open(self, output: OutputOptions) -> None:
         self._session = ray_session.acquire(self.address, namespace=self.namespace,
                                             runtime_env=self.runtime_env, min_cpus=output.world)

@@ -1,0 +1,265 @@
+"""``px.ResourcePool``: slots reserved once, on which several groups are placed.
+
+A pool reserves ``nodes x procs_per_node`` slots (one rank's place each: a node and, on
+it, ``gpus_per_proc`` GPUs and ``resources_per_proc``) on one backend, once: on this
+machine, GPU ids from ``CUDA_VISIBLE_DEVICES`` or the devices present; on Ray, one
+placement group with a bundle per slot; on agents, their nodes. ``WorkerGroup(...,
+pool=pool)`` places rank i on slot i. Up to ``colocate`` groups share each slot: rank i
+of each runs on the same node with the same ``CUDA_VISIBLE_DEVICES`` (on Ray each takes
+``1/colocate`` of the slot's bundle). ``pool.split([4, 4])`` gives disjoint sub-pools in
+slot order. A slot is free again when its group shuts down; the pool outlives its groups,
+and ``close()`` frees what it reserved (shutting down any group still on it first).
+
+The books are :mod:`phalanx.world.pools`' (pure); what a slot stands for is the backend's
+(:meth:`Backend.reserve_slots <phalanx.backends.base.Backend.reserve_slots>`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import threading
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from phalanx import config
+from phalanx.backends import Backend, create_backend
+from phalanx.options import check_count, check_seconds
+from phalanx.world import pools
+
+if TYPE_CHECKING:
+    from phalanx.backends.base import SlotReservation
+    from phalanx.controller.group import WorkerGroup
+
+logger = logging.getLogger(__name__)
+
+_names = itertools.count(1)
+_groups = itertools.count(1)  # names of the groups placed on pools, for messages
+
+
+@dataclasses.dataclass
+class _Reserved:
+    """What a pool and all its sub-pools share: the reservation and the books."""
+
+    backend: Backend  # the configured backend the pool was made on (never opened)
+    reservation: SlotReservation | None
+    book: pools.SlotBook
+    gpus_per_proc: int
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    groups: weakref.WeakSet[Any] = dataclasses.field(default_factory=weakref.WeakSet)
+    closed: bool = False
+
+
+class ResourcePool:
+    """Slots reserved once for several groups (see the module docstring).
+
+    ``procs_per_node`` may be a list (one count per node, uneven allowed);
+    ``resources_per_proc`` are Ray resources beside the GPUs (``{"CPU": 2}``; Ray only);
+    ``colocate`` is how many groups may share each slot. A context manager.
+    """
+
+    def __init__(
+        self,
+        nodes: int = 1,
+        procs_per_node: int | Sequence[int] = 1,
+        gpus_per_proc: int = 0,
+        resources_per_proc: Mapping[str, float] | None = None,
+        colocate: int = 1,
+        backend: str | Backend = "local",
+        *,
+        timeout: float | None = None,
+    ) -> None:
+        layout = pools.pool_layout(check_count(nodes, "nodes"), procs_per_node)
+        if isinstance(gpus_per_proc, bool) or not isinstance(gpus_per_proc, int) \
+                or gpus_per_proc < 0:
+            raise ValueError(f"gpus_per_proc must be a non-negative integer, got "
+                             f"{gpus_per_proc!r}")
+        check_count(colocate, "colocate")
+        if resources_per_proc is not None and not isinstance(resources_per_proc, Mapping):
+            raise TypeError(f"resources_per_proc must be a dict such as {{'CPU': 2}}, got "
+                            f"{type(resources_per_proc).__name__}")
+        timeout = check_seconds(config.Settings.from_env().start_timeout
+                                if timeout is None else timeout, "timeout", allow_zero=False)
+        template = create_backend(backend)
+        self.name = f"pool-{next(_names)}"
+        self._slots = pools.slots_of(layout.counts)
+        reservation = template.reserve_slots(
+            layout.counts, gpus=gpus_per_proc, resources=dict(resources_per_proc or {}),
+            timeout=timeout)
+        self._shared = _Reserved(template, reservation,
+                                 pools.SlotBook(len(self._slots), colocate), gpus_per_proc)
+        logger.info("%s reserved %d slots on the %s backend", self.name, len(self._slots),
+                    template.name)
+
+    @classmethod
+    def _sub(cls, parent: ResourcePool, slots: list[pools.PoolSlot], name: str) -> ResourcePool:
+        pool = cls.__new__(cls)
+        pool.name = name
+        pool._slots = slots
+        pool._shared = parent._shared
+        return pool
+
+    # -- what it holds ------------------------------------------------------------------
+
+    @property
+    def slots(self) -> int:
+        """How many slots (ranks' places) it has."""
+        return len(self._slots)
+
+    @property
+    def counts(self) -> list[int]:
+        """Its slots per node."""
+        return [len(group) for group in pools.by_node(self._slots)]
+
+    @property
+    def colocate(self) -> int:
+        return self._shared.book.colocate
+
+    @property
+    def gpus_per_proc(self) -> int:
+        return self._shared.gpus_per_proc
+
+    @property
+    def backend(self) -> str:
+        return self._shared.backend.name
+
+    def placed(self) -> dict[int, list[str]]:
+        """Slot index -> the groups sitting on it now (slots with none left out)."""
+        with self._shared.lock:
+            return self._shared.book.placed(self._slots)
+
+    # -- sub-pools and the end -----------------------------------------------------------
+
+    def split(self, sizes: Sequence[int]) -> list[ResourcePool]:
+        """Disjoint sub-pools of ``sizes[k]`` slots each, in slot order (what is left over
+        belongs to none). Each is used like a pool; they share this pool's reservation."""
+        counts = pools.split_counts(sizes, len(self._slots))
+        subs, first = [], 0
+        for k, size in enumerate(counts):
+            subs.append(ResourcePool._sub(self, self._slots[first:first + size],
+                                          f"{self.name}.{k}"))
+            first += size
+        return subs
+
+    def close(self) -> None:
+        """Free what the pool reserved (its placement group on Ray). Groups still placed
+        on it are shut down first. Idempotent; closing a sub-pool closes the whole pool."""
+        shared = self._shared
+        with shared.lock:
+            if shared.closed:
+                return
+            shared.closed = True
+            groups = list(shared.groups)
+        for group in groups:
+            logger.warning("closing %s: shutting down %r, still placed on it", self.name, group)
+            group.shutdown()
+        if shared.reservation is not None:
+            shared.reservation.release()
+        logger.info("%s closed", self.name)
+
+    def __enter__(self) -> ResourcePool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = ", closed" if self._shared.closed else ""
+        return (f"<ResourcePool {self.name}: {self.slots} slots {self.counts} per node on "
+                f"{self.backend}, {self.gpus_per_proc} GPU(s) each, colocate="
+                f"{self.colocate}{state}>")
+
+
+@dataclasses.dataclass
+class Lease:
+    """The slots one group sits on, until it shuts down."""
+
+    pool: ResourcePool
+    slots: list[pools.PoolSlot]
+    name: str
+    released: bool = False
+    group: Any = None
+
+    def adopt(self, group: WorkerGroup) -> None:
+        """The group now holds these slots (so closing the pool shuts it down)."""
+        with self.pool._shared.lock:
+            if not self.released:
+                self.group = weakref.ref(group)
+                self.pool._shared.groups.add(group)
+
+    def release(self) -> None:
+        shared = self.pool._shared
+        with shared.lock:
+            if self.released:
+                return
+            self.released = True
+            shared.book.give_back(self.slots, self.name)
+            group = self.group() if self.group is not None else None
+            if group is not None:
+                shared.groups.discard(group)
+
+
+@dataclasses.dataclass
+class Seat:
+    """Where a group will sit on a pool: its backend, its layout, its slots."""
+
+    pool: ResourcePool
+    backend: Backend
+    nodes: int
+    counts: list[int]
+    gpus_per_worker: int
+    slots: list[pools.PoolSlot]
+
+    def take(self, name: str) -> Lease:
+        """Book the slots for a group of ``name`` (its target, its size; ValueError if
+        another group took them meanwhile: the check is repeated under the pool's lock)."""
+        shared = self.pool._shared
+        name = f"group {next(_groups)} ({name})"
+        with shared.lock:
+            _check_free(self.pool, self.slots)
+            shared.book.take(self.slots, name)
+        return Lease(self.pool, self.slots, name)
+
+
+def seat_on(pool: object, backend: object, nodes: int | None,
+            procs_per_node: int | str | Sequence[int] | None,
+            gpus_per_worker: int | None) -> Seat:
+    """Check that a group fits ``pool`` (its layout, its GPUs, free slots) and make the
+    backend that places its ranks there; every error before anything starts."""
+    if not isinstance(pool, ResourcePool):
+        raise TypeError(f"pool must be a px.ResourcePool, got {pool!r}")
+    shared = pool._shared
+    if shared.closed:
+        raise ValueError(f"{pool!r} is closed")
+    if backend != "local" and backend is not shared.backend:
+        raise ValueError(f"pool= places the group on the pool's backend "
+                         f"({shared.backend.name}); leave backend= out")
+    if isinstance(procs_per_node, str):
+        raise ValueError(f"procs_per_node={procs_per_node!r} cannot be used with pool=: "
+                         "the pool's slots say how many ranks each node runs")
+    if gpus_per_worker not in (None, shared.gpus_per_proc):
+        raise ValueError(f"gpus_per_worker={gpus_per_worker} but {pool.name}'s slots hold "
+                         f"{shared.gpus_per_proc} GPU(s) each; leave gpus_per_worker out")
+    counts = pools.layout_on(pool._slots, nodes, procs_per_node)
+    slots = pools.chosen_slots(pool._slots, counts)
+    with shared.lock:
+        _check_free(pool, slots)
+    assert shared.reservation is not None
+    placed = shared.reservation.backend_for(slots, 1.0 / shared.book.colocate)
+    return Seat(pool, placed, len(counts), counts, shared.reservation.gpus_per_worker, slots)
+
+
+def _check_free(pool: ResourcePool, slots: Sequence[pools.PoolSlot]) -> None:
+    shared = pool._shared
+    if shared.closed:
+        raise ValueError(f"{pool!r} is closed")
+    full = shared.book.full(slots)
+    if full:
+        taken = shared.book.placed(full)
+        held = "; ".join(f"slot {i}: {', '.join(names)}" for i, names in taken.items())
+        raise ValueError(
+            f"{pool.name} ({len(pool._slots)} slots, {pool.counts} per node, colocate="
+            f"{shared.book.colocate}) has no room on slots {[s.index for s in full]} for "
+            f"another group: {held}")
