@@ -1,0 +1,25 @@
+"""examples/colocated_rl.py runs as a user runs it: two colocated groups on one pool learn
+the bandit, and the generators hold the trainers' weights after every step (the example
+exits non-zero otherwise)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import REPO
+
+pytest.importorskip("torch", reason="the example trains with torch (pip install torch==2.13.0)")
+
+
+def test_colocated_rl_example_learns_and_keeps_the_generators_in_step():
+    done = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "colocated_rl.py"), "--steps", "20"],
+        capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "policy and generators ready" in done.stdout
+    first, last = (float(x) for x in
+                   done.stdout.split("mean reward ")[-1].split(" (chance")[0].split(" -> "))
+    assert last > first and last > 0.4, done.stdout[-1500:]
