@@ -32,6 +32,7 @@ from phalanx.controller.methods import MethodNames, MethodProxy
 from phalanx.controller.ranks import RankTable
 from phalanx.controller.request import plan_group
 from phalanx.controller.shared import ObjectRef, SharedObjects
+from phalanx.controller.slices import GroupSlice
 from phalanx.controller.startup import Starter
 from phalanx.controller.watch import RankHealth, StackReport, StartupReport, Watcher
 from phalanx.controller.watchdog import Watchdog
@@ -43,7 +44,7 @@ from phalanx.world.selection import Workers
 if TYPE_CHECKING:
     from phalanx.controller.pool import ResourcePool
     from phalanx.controller.ranks import Slot
-    from phalanx.world.sharding import NamedSharding
+    from phalanx.world.sharding import Coordinates, NamedSharding
 
 logger = logging.getLogger(__name__)
 
@@ -247,6 +248,13 @@ class WorkerGroup:
     def dp_leader(self, shard: int) -> int:
         """The rank that leads data-parallel replica ``shard``."""
         return self._mesh.dp_leader(shard)
+
+    def slice(self, **coords: Coordinates) -> GroupSlice:
+        """The ranks at ``coords`` of the mesh (``dp=1``, ``tp=range(0, 2)``, ``pp=[0, 2]``)
+        as a :class:`~phalanx.controller.slices.GroupSlice`: the group's calls, on those
+        ranks only. An int removes its axis, a range or list keeps it, narrowed; unknown
+        axes or coordinates out of range raise ValueError."""
+        return GroupSlice(self, self._mesh.sliced(coords))
 
     # -- calls ------------------------------------------------------------------------
 

@@ -67,6 +67,12 @@ def _take(value: Any, path: tuple[int, ...]) -> Any:
     return value
 
 
+def _describe(layout: Layout) -> str:
+    counts = layout.counts
+    per_node = counts[0] if len(set(counts)) == 1 else list(counts)
+    return f"of {layout.nodes} node(s) x {per_node} rank(s)"
+
+
 def _names(axes: Sequence[str]) -> tuple[str, ...]:
     if isinstance(axes, str):
         raise TypeError(f"axes must be a list of axis names, got the string {axes!r}")
@@ -77,8 +83,13 @@ class Mesh:
     """A group's mesh (``mesh=``; None: every rank is its own data-parallel replica).
 
     Interface: :attr:`sharding`, :attr:`dp_size`, :meth:`dp_leader`, :meth:`require`,
-    :meth:`rank0_only`, :meth:`plan` and :meth:`payloads` for ``call_sharded``, and
-    :meth:`resized` when a resize changes the world's size (only without a mesh).
+    :meth:`rank0_only`, :meth:`plan` and :meth:`payloads` for ``call_sharded``,
+    :meth:`sliced` for a slice's mesh, and :meth:`resized` when a resize changes the
+    world's size (only without a mesh).
+
+    Checked at construction, before anything starts: ``tied_axes`` (ranks differing only
+    along them must share a node of ``layout``) and ``dp_leaders`` (one rank per
+    data-parallel replica, each of its replica; default: coordinate 0 on every other axis).
     """
 
     def __init__(self, mesh: NamedSharding | Mapping[str, int] | None, dp_axis: str,
@@ -86,11 +97,33 @@ class Mesh:
                  tied_axes: Sequence[str] | None = None,
                  dp_leaders: Sequence[int] | None = None) -> None:
         self.sharding: NamedSharding | None = None
+        self._dp_axis = dp_axis
         self._dp_leaders = list(range(world_size))
         self._plans: dict[tuple, tuple[ShardedPlan, list[int]]] = {}  # by call options
-        if mesh is not None:
-            self.sharding = sh.sharding_for(mesh, world_size)
-            self._dp_leaders = sh.dp_leaders(self.sharding, dp_axis)
+        if mesh is None:
+            if tied_axes or isinstance(tied_axes, str):
+                self.require("tied_axes")
+            if dp_leaders is not None:
+                self.require("dp_leaders")
+            return
+        self.sharding = sharding = sh.sharding_for(mesh, world_size)
+        if tied_axes is not None:
+            sh.tied_groups(sharding, tied_axes)  # the axes' names, even with no layout
+            if layout is not None:
+                sh.check_tied(sharding, tied_axes, layout.node_of, _describe(layout))
+        if dp_leaders is None:
+            self._dp_leaders = sh.dp_leaders(sharding, dp_axis)
+        else:
+            self._dp_leaders = sh.check_dp_leaders(sharding, dp_axis, dp_leaders)
+
+    def sliced(self, coords: Mapping[str, sh.Coordinates]) -> Mesh:
+        """The mesh of the ranks at ``coords`` (see :func:`~phalanx.world.sharding.slice_sharding`),
+        with plans of its own; its data-parallel leaders follow the default rule."""
+        sub = sh.slice_sharding(self.require("slice()"), coords)
+        part = Mesh(None, self._dp_axis, 0)
+        part.sharding = sub
+        part._dp_leaders = sh.dp_leaders(sub, self._dp_axis)
+        return part
 
     def resized(self, world_size: int) -> None:
         """The world has ``world_size`` ranks now (a mesh keeps its size)."""

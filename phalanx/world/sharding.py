@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -376,3 +376,129 @@ def sharding_for(mesh: NamedSharding | Mapping[str, int], world_size: int) -> Na
             f"(it has {sharding.size} ranks for a world size of {world_size})"
         )
     return sharding
+
+
+# -- slices, tied axes, data-parallel leaders ---------------------------------------------
+
+Coordinates = int | range | Sequence[int]
+"""One axis of a slice: an int (the axis goes), or a range or list of coordinates (it stays,
+narrowed to them, in increasing order)."""
+
+
+def _describe_axes(sharding: NamedSharding) -> str:
+    return ", ".join(f"{name!r} (size {size})" for name, size in sharding.shape.items()) or "none"
+
+
+def _coordinates(axis: str, size: int, value: Coordinates, what: str) -> int | list[int]:
+    if _is_int(value):
+        picked: int | list[int] = int(value)  # type: ignore[arg-type]
+        chosen = [picked]
+    elif isinstance(value, (range, list, tuple)):
+        chosen = list(value)
+        for c in chosen:
+            if not _is_int(c):
+                raise TypeError(f"{what}: axis {axis!r} takes integer coordinates, got {c!r}")
+        chosen = [int(c) for c in chosen]
+        if not chosen:
+            raise ValueError(f"{what}: axis {axis!r} (size {size}) is given no coordinate")
+        if len(set(chosen)) != len(chosen):
+            raise ValueError(f"{what}: axis {axis!r} is given a coordinate twice: {chosen}")
+        picked = sorted(chosen)
+    else:
+        raise TypeError(f"{what}: axis {axis!r} takes an int, a range or a list of ints, "
+                        f"got {type(value).__name__} {value!r}")
+    for c in chosen:
+        if not 0 <= c < size:
+            raise ValueError(f"{what}: coordinate {c} is out of range for axis {axis!r} "
+                             f"of size {size} (0..{size - 1})")
+    return picked
+
+
+def slice_sharding(sharding: NamedSharding, coords: Mapping[str, Coordinates],
+                   what: str = "slice()") -> NamedSharding:
+    """The part of ``sharding`` at ``coords`` (``{"dp": 1, "tp": range(0, 2)}``): an int
+    removes its axis, a range or list keeps it with only those coordinates (renumbered from
+    0 in increasing order). The result holds the same rank ids; with every axis given an int
+    it has no axis and one rank."""
+    shape = sharding.shape
+    for axis in coords:
+        if axis not in shape:
+            raise ValueError(f"{what}: unknown axis {axis!r}; the mesh's axes are "
+                             f"{_describe_axes(sharding)}")
+    index: list[Any] = []
+    for axis, size in shape.items():
+        if axis in coords:
+            index.append(_coordinates(axis, size, coords[axis], what))
+        else:
+            index.append(slice(None))
+    array = sharding.layout
+    for dim in reversed(range(len(index))):  # one axis at a time: no numpy broadcasting
+        array = array[(slice(None),) * dim + (index[dim],)]
+    names = [a for a in shape if not _is_int(coords.get(a, ()))]
+    return NamedSharding(array, names)
+
+
+def tied_groups(sharding: NamedSharding, tied_axes: Sequence[str]) -> list[list[int]]:
+    """The ranks that differ only along ``tied_axes`` (one group per coordinate of the other
+    axes, each in rank order), sorted by their first rank."""
+    if isinstance(tied_axes, str):
+        raise TypeError(f"tied_axes must be a list of axis names, got the string {tied_axes!r}")
+    for axis in tied_axes:
+        if axis not in sharding.names:
+            raise ValueError(f"tied_axes: unknown axis {axis!r}; the mesh's axes are "
+                             f"{_describe_axes(sharding)}")
+    others = [a for a in sharding.names if a not in tied_axes]
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for rank in sharding.ranks:
+        coords = sharding._coords[rank]
+        groups.setdefault(tuple(coords[a] for a in others), []).append(rank)
+    return sorted(groups.values())
+
+
+def check_tied(sharding: NamedSharding, tied_axes: Sequence[str],
+               node_of: Callable[[int], int], layout: str = "") -> None:
+    """ValueError unless the ranks of each of :func:`tied_groups` sit on one node
+    (``node_of(rank)``); the message names the axes, the ranks and their nodes
+    (``layout``: a description of the layout to add to it)."""
+    for group in tied_groups(sharding, tied_axes):
+        nodes = sorted({node_of(r) for r in group})
+        if len(nodes) > 1:
+            where = "; ".join(
+                f"node {n}: ranks {[r for r in group if node_of(r) == n]}" for n in nodes)
+            raise ValueError(
+                f"tied_axes {list(tied_axes)}: ranks {group} differ only along "
+                f"{', '.join(repr(a) for a in tied_axes)} and must be on one node, but the "
+                f"layout{' ' + layout if layout else ''} puts them on nodes {nodes} ({where})"
+            )
+
+
+def check_dp_leaders(sharding: NamedSharding, dp_axis: str, leaders: Sequence[int]) -> list[int]:
+    """``leaders`` checked as a group's data-parallel leaders: one per replica (coordinate
+    of ``dp_axis``; the whole mesh is one replica without that axis), each a rank of its
+    replica, so distinct and in range. Returns them as a list."""
+    if isinstance(leaders, (str, bytes)) or not isinstance(leaders, Sequence):
+        raise TypeError(f"dp_leaders must be a list of ranks, got {type(leaders).__name__} "
+                        f"{leaders!r}")
+    leaders = list(leaders)
+    for rank in leaders:
+        if not _is_int(rank):
+            raise TypeError(f"dp_leaders must hold integer ranks, got {rank!r}")
+    has_dp = dp_axis in sharding.names
+    replicas = sharding.get_axis_size(dp_axis) if has_dp else 1
+    if len(leaders) != replicas:
+        along = f"{replicas} along {dp_axis!r}" if has_dp else f"no {dp_axis!r} axis: 1"
+        raise ValueError(f"dp_leaders {leaders} must hold one rank per data-parallel replica "
+                         f"({along}), got {len(leaders)}")
+    world = sharding.size
+    for rank in leaders:
+        if not sharding.contains_worker_id(rank):
+            raise ValueError(f"dp_leaders {leaders}: rank {rank} is outside the group's ranks "
+                             f"0..{world - 1}")
+    if len(set(leaders)) != len(leaders):
+        raise ValueError(f"dp_leaders {leaders} names a rank twice")
+    for i, rank in enumerate(leaders):
+        members = sharding.get_ranks_by_coord(**{dp_axis: i}) if has_dp else sharding.ranks
+        if int(rank) not in members:
+            raise ValueError(f"dp_leaders {leaders}: leader {i} (rank {rank}) is not a rank of "
+                             f"data-parallel replica {i} (ranks {members})")
+    return [int(r) for r in leaders]

@@ -1,0 +1,157 @@
+"""A slice of a group: ``group.slice(dp=1)``, a view with the group's call API restricted
+to the ranks at some coordinates of its mesh (:class:`GroupSlice`).
+
+A slice holds no machinery of its own. Its rank list and its mesh (with ``call_sharded``'s
+plans, made once per call options as the group's are) are computed when it is made; every
+call goes through the group's own path with that rank list as ``workers=``, so a slice
+costs no more per call than the group, and fails as the group does (``GroupClosed`` once it
+is shut down, ``WorkerDied`` for a dead rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from phalanx.controller.futures import ShardedFuture
+from phalanx.controller.meshcalls import Mesh
+from phalanx.controller.methods import MethodProxy
+
+if TYPE_CHECKING:
+    from phalanx.controller.futures import GroupFuture, StreamFuture
+    from phalanx.controller.group import WorkerGroup
+    from phalanx.world.sharding import Coordinates, NamedSharding
+
+
+class GroupSlice:
+    """The ranks of ``group`` at some coordinates of its mesh (made by ``group.slice``).
+
+    Ranks keep their group numbers: :attr:`ranks` lists them in order, :meth:`call_one`
+    takes one of them, and :attr:`sharding` holds them on the axes the slice kept (an int
+    coordinate removes its axis, a range or list keeps it, narrowed). ``call``,
+    ``call_async``, ``map``, ``map_async``, ``call_one``, ``call_stream`` and
+    ``call_sharded`` (over the kept axes) work as on the group; ``slice.train.call(...)``
+    too. ``rank0_only_axes`` names axes of the slice.
+    """
+
+    def __init__(self, group: WorkerGroup, mesh: Mesh) -> None:
+        group._check_open()
+        self._group = group
+        self._mesh = mesh
+        self._sharding: NamedSharding = mesh.require("slice()")
+        self._ranks: list[int] = self._sharding.ranks
+        self._members = frozenset(self._ranks)
+        # The whole mesh: the group's own selection, which a call on it takes the short way.
+        whole = self._ranks == list(range(group.world_size))
+        self._workers: str | list[int] = "all" if whole else self._ranks
+
+    # -- what it holds ----------------------------------------------------------------
+
+    @property
+    def ranks(self) -> list[int]:
+        """The group's ranks in this slice, in order."""
+        return list(self._ranks)
+
+    @property
+    def world_size(self) -> int:
+        return len(self._ranks)
+
+    size = world_size
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        """The slice's axes and their sizes (``{}`` when every axis was given an int)."""
+        return self._sharding.shape
+
+    @property
+    def sharding(self) -> NamedSharding:
+        """The slice's axes, holding the group's ranks."""
+        return self._sharding
+
+    @property
+    def group(self) -> WorkerGroup:
+        return self._group
+
+    def slice(self, **coords: Coordinates) -> GroupSlice:
+        """A slice of this slice, by coordinates of its own axes."""
+        return GroupSlice(self._group, self._mesh.sliced(coords))
+
+    # -- calls: the group's, on these ranks -------------------------------------------
+
+    def _pick(self, rank0_only_axes: Sequence[str] | None) -> str | list[int]:
+        if rank0_only_axes:
+            return self._mesh.rank0_only(self._ranks, rank0_only_axes)
+        return self._workers
+
+    def call(self, method: str, *args: Any, timeout: float | None = None,
+             rank0_only_axes: Sequence[str] | None = None, **kwargs: Any) -> list[Any]:
+        """``group.call`` on the slice's ranks; results in rank order."""
+        return self._group.call(method, *args, workers=self._pick(rank0_only_axes),
+                                timeout=timeout, **kwargs)
+
+    def call_async(self, method: str, *args: Any,
+                   rank0_only_axes: Sequence[str] | None = None, **kwargs: Any) -> GroupFuture:
+        """``group.call_async`` on the slice's ranks."""
+        return self._group.call_async(method, *args, workers=self._pick(rank0_only_axes),
+                                      **kwargs)
+
+    def call_one(self, rank: int, method: str, *args: Any, timeout: float | None = None,
+                 **kwargs: Any) -> Any:
+        """Call ``method`` on ``rank`` (a group rank of this slice) and return its value."""
+        if rank not in self._members:
+            raise ValueError(f"rank {rank!r} is not in this slice (its ranks are {self._ranks})")
+        return self._group.call_one(rank, method, *args, timeout=timeout, **kwargs)
+
+    def map(self, method: str, *arg_lists: Sequence[Any], timeout: float | None = None,
+            rank0_only_axes: Sequence[str] | None = None,
+            common_kwargs: Mapping[str, Any] | None = None,
+            **kwarg_lists: Sequence[Any]) -> list[Any]:
+        """``group.map`` with one item per rank of the slice; results in rank order."""
+        return self._group.map(method, *arg_lists, workers=self._pick(rank0_only_axes),
+                               timeout=timeout, common_kwargs=common_kwargs, **kwarg_lists)
+
+    def map_async(self, method: str, *arg_lists: Sequence[Any],
+                  rank0_only_axes: Sequence[str] | None = None,
+                  common_kwargs: Mapping[str, Any] | None = None,
+                  **kwarg_lists: Sequence[Any]) -> GroupFuture:
+        """``group.map_async`` with one item per rank of the slice."""
+        return self._group.map_async(method, *arg_lists, workers=self._pick(rank0_only_axes),
+                                     common_kwargs=common_kwargs, **kwarg_lists)
+
+    def call_stream(self, method: str, *args: Any, timeout: float | None = None,
+                    **kwargs: Any) -> StreamFuture:
+        """``group.call_stream`` on the slice's ranks: ``(rank, item)`` pairs."""
+        return self._group.call_stream(method, *args, workers=self._workers, timeout=timeout,
+                                       **kwargs)
+
+    def call_sharded(
+        self,
+        method: str,
+        *args: Any,
+        in_sharded_axes: Sequence[str] = (),
+        replicate_on_axes: Sequence[str] = (),
+        output_is_replicated: Sequence[str] = (),
+        dummy_calls_to_free_axes: bool = False,
+        common_kwargs: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> ShardedFuture:
+        """``group.call_sharded`` over the slice's axes (data nested along those of
+        ``in_sharded_axes``, which must be axes of the slice)."""
+        group = self._group
+        group._check_open()
+        group._check_method(method)
+        plan, keep = self._mesh.plan(in_sharded_axes, replicate_on_axes,
+                                     output_is_replicated, dummy_calls_to_free_axes)
+        ranks, payloads = Mesh.payloads(plan, args, kwargs, common_kwargs,
+                                        group._ranks.checked, group._encode)
+        return ShardedFuture(group._send(method, ranks, payloads), plan.result_ranks, keep)
+
+    def __getattr__(self, name: str) -> MethodProxy:
+        group = self.__dict__.get("_group")
+        if group is not None and not name.startswith("_") and name in group._methods:
+            return MethodProxy(self, name)  # type: ignore[arg-type]
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    def __repr__(self) -> str:
+        name = self._group._methods.target_name
+        return f"<GroupSlice of {name} ranks={self._ranks} mesh={self.mesh}>"
