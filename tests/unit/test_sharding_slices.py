@@ -270,3 +270,8 @@ def test_mesh_refuses_a_layout_that_splits_a_tied_group():
         Mesh({"dp": 2, "tp": 2}, "dp", 4, layout=Layout(1, 4), tied_axes=["xp"])
     with pytest.raises(ValueError, match="not a rank of data-parallel replica"):
         Mesh({"dp": 2, "tp": 2}, "dp", 4, dp_leaders=[2, 0])
+
+
+def test_a_group_without_a_mesh_has_no_slices():
+    with pytest.raises(ValueError, match=r"slice\(\) needs a group created with mesh="):
+        Mesh(None, "dp", 4).sliced({"dp": 0})
