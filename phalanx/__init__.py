@@ -61,6 +61,7 @@ _EXPORTS = {
     "RayBackend": "phalanx.backends.ray.backend",
     "WorkerGroup": "phalanx.controller.group",
     "breakpoint": "phalanx.rank.debugger",
+    "rendezvous": "phalanx.controller.joint",
     "spmd": "phalanx.controller.spmd",
 }
 
@@ -96,6 +97,7 @@ __all__ = [
     "WorkerUnresponsive",
     "__version__",
     "breakpoint",
+    "rendezvous",
     "spmd",
 ]
 
@@ -104,6 +106,7 @@ if TYPE_CHECKING:
     from phalanx.backends.ray.backend import RayBackend
     from phalanx.controller.futures import GroupFuture, RankFuture, ShardedFuture
     from phalanx.controller.group import WorkerGroup
+    from phalanx.controller.joint import rendezvous
     from phalanx.controller.pool import ResourcePool
     from phalanx.controller.shared import ObjectRef
     from phalanx.controller.spmd import spmd

@@ -299,6 +299,10 @@ class Backend(abc.ABC):
         for channel in channels:
             channel.close()
 
+    def free_port(self, node: Node) -> int:
+        """A port free now on ``node``, whose ranks are running (for a joint world)."""
+        return self.ports(node, 1)[0]
+
     def available_nodes(self) -> int | None:
         """How many nodes a group reserving now could have, if that can change while it
         runs (nodes lost, added); None for backends whose nodes do not change."""

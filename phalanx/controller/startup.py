@@ -259,6 +259,11 @@ class Starter:
             self._starts[rank] = dataclasses.replace(start, env={**start.env,
                                                                  READMIT_ENV: "1"})
 
+    def free_port(self) -> tuple[str, int]:
+        """Node 0's address and a port free there now (for a world beyond the group's)."""
+        node = self._nodes[0]
+        return node.address, self._backend.free_port(node)
+
     def rendezvous(self) -> dict[str, str]:
         """The variables every rank got with the same value (``MASTER_ADDR``, ...)."""
         envs = [dict(start.env) for start in self._starts]

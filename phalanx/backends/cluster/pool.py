@@ -26,14 +26,12 @@ class ClusterSlots:
         self.gpus_per_worker = gpus
 
     def backend_for(self, slots: Sequence[PoolSlot], share: float) -> ClusterBackend:
-        from phalanx.backends.cluster.backend import ClusterBackend
-
         nodes: dict[int, list[PoolSlot]] = {}
         for slot in slots:
             nodes.setdefault(slot.node, []).append(slot)
         settings = self._template.settings()
         settings["hosts"] = [self._template.hosts[n] for n in nodes]
-        backend = ClusterBackend(**settings)
+        backend = type(self._template)(**settings)  # configured as the pool's
         g = self.gpus_per_worker
         if g:
             backend.gpu_windows = [(on[0].local * g, (on[-1].local + 1) * g)

@@ -522,25 +522,21 @@ class RayBackend(Backend):
     def share(self, obj: Any, channels: Sequence[Channel]) -> None:
         """Into Ray's object store once; ranks in Ray workers read it from there, others
         through a store actor on their node (:mod:`phalanx.backends.ray.store`)."""
-        if self._shares is None:
-            self._shares = RayShares(self._ray, self._store_options)
-        self._shares.share(obj, channels, lambda c: self._bundles[c.rank].node_id)
+        self._node_side().share(obj, channels, lambda c: self._bundles[c.rank].node_id)
 
     def unshare(self, obj: Any, channels: Sequence[Channel]) -> None:
         if self._shares is not None:
             self._shares.unshare(obj, channels)
 
-    def _store_options(self, node_id: str, index: int) -> dict[str, Any]:
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    def free_port(self, node: Node) -> int:
+        """Asked of the node's store actor (its ranks' actors are busy running them)."""
+        return self._node_side().free_port(self._bundles[self._first_rank[node.index]].node_id,
+                                           node.address, self._start_timeout)
 
-        options: dict[str, Any] = {
-            "num_cpus": 0, "max_concurrency": 4, "name": f"{self._prefix}-store{index}",
-            "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
-        if self.namespace is not None:
-            options["namespace"] = self.namespace
-        if self.runtime_env is not None:
-            options["runtime_env"] = self.runtime_env
-        return options
+    def _node_side(self) -> RayShares:
+        if self._shares is None:
+            self._shares = RayShares(self._ray, self._prefix, self.namespace, self.runtime_env)
+        return self._shares
 
     def _release_cluster_side(self) -> None:
         """Kill every actor this backend made and remove its placement group (never the

@@ -43,14 +43,12 @@ class RaySlots:
         self._released = False
 
     def backend_for(self, slots: Sequence[PoolSlot], share: float) -> RayBackend:
-        from phalanx.backends.ray.backend import RayBackend
-
         settings = self._template.settings()
         settings.update(placement_group=self.placement_group,
                         bundle_indices=[self.bundles[s.index] for s in slots],
                         resources_per_worker={k: _fraction(v, share)
                                               for k, v in self.bundle.items()})
-        return RayBackend(**settings)
+        return type(self._template)(**settings)  # a fresh one, configured as the pool's
 
     def release(self) -> None:
         if self._released:

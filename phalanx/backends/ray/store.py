@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from phalanx.errors import PhalanxError
@@ -49,13 +49,20 @@ class NodeStore:
     def drop(self, ref_id: int) -> None:
         self._objects.drop(ref_id)
 
+    def free_ports(self, host: str, count: int) -> list[int]:
+        """``count`` distinct ports free on this node now."""
+        from phalanx.node.machine import pick_free_ports
+
+        return pick_free_ports(host, count)
+
 
 class RayShares:
     """Which objects are in Ray's store, and which node's store holds each, where."""
 
-    def __init__(self, ray: Any, actor_options: Callable[[str, int], dict[str, Any]]) -> None:
+    def __init__(self, ray: Any, prefix: str, namespace: str | None,
+                 runtime_env: Mapping[str, Any] | None) -> None:
         self._ray = ray
-        self._actor_options = actor_options  # (node id, index) -> options for a store
+        self._prefix, self._namespace, self._runtime_env = prefix, namespace, runtime_env
         self._stores: dict[str, Any] = {}  # Ray node id -> its NodeStore actor
         self._objects: dict[int, Any] = {}  # ref id -> its ObjectRef in Ray's store
         self._held: dict[tuple[int, str], tuple] = {}  # (ref id, node id) -> location
@@ -124,10 +131,28 @@ class RayShares:
             if store is not None:
                 store.drop.remote(obj.id)
 
+    def free_port(self, node_id: str, host: str, timeout: float) -> int:
+        """A port free now on the node (asked of its store actor)."""
+        try:
+            return self._ray.get(self._store(node_id).free_ports.remote(host, 1),
+                                 timeout=timeout)[0]
+        except Exception as exc:  # noqa: BLE001 - Ray's errors have no common base
+            raise PhalanxError(f"could not find a free port on Ray node {node_id[:12]}: "
+                               f"{type(exc).__name__}: {exc}") from None
+
     def _store(self, node_id: str) -> Any:
         store = self._stores.get(node_id)
         if store is None:
-            options = self._actor_options(node_id, len(self._stores))
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            options: dict[str, Any] = {
+                "num_cpus": 0, "max_concurrency": 4,
+                "name": f"{self._prefix}-store{len(self._stores)}",
+                "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
+            if self._namespace is not None:
+                options["namespace"] = self._namespace
+            if self._runtime_env is not None:
+                options["runtime_env"] = dict(self._runtime_env)
             store = self._ray.remote(NodeStore).options(**options).remote()
             self._stores[node_id] = store
         return store

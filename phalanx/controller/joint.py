@@ -1,0 +1,46 @@
+"""``px.rendezvous(*groups)``: one joint world over the ranks of several groups.
+
+Frameworks that move weights from training ranks to generation ranks over a collective
+(NeMo-RL, verl, OpenRLHF) each build that process group by hand. phalanx knows every
+group's ranks and nodes, so it can hand out the world: the first group's ranks come
+first, then the second's, and so on; the rendezvous is a port free now on the first
+group's node 0. Each rank's dict is what ``torch.distributed.init_process_group(
+init_method=f"tcp://{MASTER_ADDR}:{MASTER_PORT}", rank=RANK, world_size=WORLD_SIZE)``
+needs -- passed in a call, so no rank's environment changes and the groups' own worlds
+stay as they are.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from phalanx.errors import GroupClosed
+
+if TYPE_CHECKING:
+    from phalanx.controller.group import WorkerGroup
+
+
+def rendezvous(*groups: WorkerGroup) -> list[list[dict[str, str]]]:
+    """Per group, one dict per rank: ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE`` and
+    that rank's ``RANK`` in the joint world of all the groups' ranks (the first group's
+    first). TypeError / ValueError / GroupClosed naming the group that cannot take part."""
+    from phalanx.controller.group import WorkerGroup
+
+    if not groups:
+        raise TypeError("rendezvous() needs at least one WorkerGroup")
+    for i, group in enumerate(groups):
+        if not isinstance(group, WorkerGroup):
+            raise TypeError(f"rendezvous() takes WorkerGroups; argument {i} is {group!r}")
+        if group._gate.closed:
+            raise GroupClosed(f"rendezvous(): group {i} ({group!r}) was shut down")
+    if len({id(g) for g in groups}) != len(groups):
+        raise ValueError("rendezvous(): a group is given twice; each takes part once")
+    address, port = groups[0]._starter.free_port()
+    world = sum(g.world_size for g in groups)
+    out, first = [], 0
+    for group in groups:
+        out.append([{"MASTER_ADDR": address, "MASTER_PORT": str(port),
+                     "WORLD_SIZE": str(world), "RANK": str(first + rank)}
+                    for rank in range(group.world_size)])
+        first += group.world_size
+    return out
