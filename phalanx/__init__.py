@@ -40,7 +40,10 @@ _EXPORTS = {
     "MembershipEvent": "phalanx.errors",
     "NodeInfo": "phalanx.errors",
     "ObjectFreed": "phalanx.errors",
+    "ObjectLost": "phalanx.errors",
     "ObjectRef": "phalanx.controller.shared",
+    "ResultRef": "phalanx.controller.kept",
+    "GroupSlice": "phalanx.controller.slices",
     "ResourcePool": "phalanx.controller.pool",
     "InjectedFault": "phalanx.rank.faults",
     "PhalanxError": "phalanx.errors",
@@ -72,12 +75,14 @@ __all__ = [
     "FrameworkNotInstalled",
     "GroupClosed",
     "GroupFuture",
+    "GroupSlice",
     "InjectedFault",
     "MembershipChanged",
     "MembershipEvent",
     "NamedSharding",
     "NodeInfo",
     "ObjectFreed",
+    "ObjectLost",
     "ObjectRef",
     "PhalanxError",
     "ProcessFailure",
@@ -86,6 +91,7 @@ __all__ = [
     "RankHealth",
     "RayBackend",
     "ResourcePool",
+    "ResultRef",
     "SerializationError",
     "ShardedFuture",
     "StackReport",
@@ -107,8 +113,10 @@ if TYPE_CHECKING:
     from phalanx.controller.futures import GroupFuture, RankFuture, ShardedFuture
     from phalanx.controller.group import WorkerGroup
     from phalanx.controller.joint import rendezvous
+    from phalanx.controller.kept import ResultRef
     from phalanx.controller.pool import ResourcePool
     from phalanx.controller.shared import ObjectRef
+    from phalanx.controller.slices import GroupSlice
     from phalanx.controller.spmd import spmd
     from phalanx.controller.watch import RankHealth, StackReport, StartupReport
     from phalanx.errors import (
@@ -117,6 +125,7 @@ if TYPE_CHECKING:
         FrameworkNotInstalled,
         GroupClosed,
         ObjectFreed,
+        ObjectLost,
         PhalanxError,
         ProcessFailure,
         QuorumTimeout,

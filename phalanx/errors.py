@@ -12,6 +12,8 @@
      │                               the GIL): killed; carries how long and its stacks
      ├── CallTimeout (TimeoutError)  a call's ``timeout`` passed before every rank answered
      ├── GroupClosed                 the group was shut down (pending calls end with this)
+     ├── ObjectFreed (ValueError)    a put object's or kept result's handle used once freed
+     ├── ObjectLost                  a kept result is gone with the rank that made it
      ├── SerializationError          the controller could not pickle a call's arguments (nothing
      │                               was sent) or could not unpickle a rank's result
      ├── AuthenticationError         a peer failed to prove the group's secret (it is dropped)
@@ -407,7 +409,13 @@ class GroupClosed(PhalanxError):
 
 
 class ObjectFreed(PhalanxError, ValueError):
-    """A put object's handle (ObjectRef) was used after the object was freed."""
+    """A handle (a put object's ObjectRef, a kept result's ResultRef) was used after it
+    was freed."""
+
+
+class ObjectLost(PhalanxError):
+    """A result kept on a rank (a ``keep=True`` handle) is gone with the rank (or node) that
+    made it; the message names the producing group, rank and why."""
 
 
 class SerializationError(PhalanxError):

@@ -21,8 +21,10 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from phalanx.controller.futures import GroupFuture, StreamFuture
+from phalanx.controller.kept import KeptFuture, KeptResults
 from phalanx.controller.shared import CAPTURE
-from phalanx.errors import ObjectFreed, SerializationError
+from phalanx.errors import ObjectFreed, ObjectLost, SerializationError
+from phalanx.rank.kept import KEEP
 from phalanx.wire import pickling, protocol
 
 _clock = time.monotonic
@@ -51,13 +53,14 @@ class Sender:
         self._shared = shared
         self._backend = backend
         self._call_ids = itertools.count(1)
+        self.kept: KeptResults = KeptResults("the group", self.send, self.encode)
         self._polled = 0.0  # when send() last polled for deaths already in
 
     def encode(self, args: tuple, kwargs: dict, rank: int | None = None) -> list[Any]:
         """The payload of ``(args, kwargs)`` (``rank``: the one it is for, for messages)."""
         try:
             return pickling.dumps_plain((args, kwargs)) or self._shared.encode((args, kwargs))
-        except ObjectFreed:
+        except (ObjectFreed, ObjectLost):
             raise
         except Exception as exc:
             where = "" if rank is None else f" for rank {rank}"
@@ -77,10 +80,12 @@ class Sender:
         defer: bool = False,
         stream: bool = False,
         workers: Workers = "all",
+        keep: bool = False,
     ) -> GroupFuture:
         """Register a call's futures and send it: one payload for every rank, or one per
         rank (``defer``: at the future's first wait; ``stream``: the workers stream items
-        back, a :class:`StreamFuture`; ``workers``: the selection it was made with)."""
+        back, a :class:`StreamFuture`; ``workers``: the selection it was made with;
+        ``keep``: the results stay on the ranks, handles come back)."""
         # Learn of deaths that already happened: a rank found dead now fails this call as
         # "already dead when it was sent", not "died while running it". At most one poll
         # per _POLL_EVERY: one per call cost a quarter of W3's pipelined throughput.
@@ -92,9 +97,12 @@ class Sender:
         tolerant = type(workers) is str and workers in ("ready", "any")
         if stream:
             future: GroupFuture = StreamFuture(method, ranks, self._dispatcher, tolerant)
+        elif keep:
+            future = KeptFuture(method, ranks, self._dispatcher, tolerant, self.kept, call_id)
+            method = KEEP + method  # the rank keeps the result (phalanx.rank.kept)
         else:
             future = GroupFuture(method, ranks, self._dispatcher, tolerant)
-        if CAPTURE.refs or (payloads and len(payloads[0]) > 1):  # handles, or buffers
+        if CAPTURE.refs or CAPTURE.kept or (payloads and len(payloads[0]) > 1):
             payloads = self._shared.prepare(future, payloads)
         if len(payloads) == 1 and len(ranks) > 1 and self._backend.shared_links:
             # one frame per node connection (an agent's), whatever its number of ranks

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from phalanx.errors import (
+    ObjectLost,
     ProcessFailure,
     RemoteFailure,
     WorkerError,
@@ -387,6 +388,10 @@ class Dispatcher:
             future = slot.pending.pop(call_id, None)
             if future is not None:
                 failure = RemoteFailure(*extra[0])
+                if failure.exc_type == "ObjectLost":  # a kept result it needed is gone
+                    future.fail_rank(slot.rank, ObjectLost(
+                        f"{failure.message} (for {future.method}() on rank {slot.rank})"))
+                    return
                 error = WorkerError(
                     failure, rank=slot.rank, node=slot.node, pid=slot.pid, method=future.method
                 )

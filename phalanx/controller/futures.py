@@ -47,7 +47,6 @@ from phalanx.options import check_seconds
 
 if TYPE_CHECKING:
     from phalanx.controller.dispatch import Dispatcher
-    from phalanx.controller.shared import SharedObject, SharedObjects
 
 _loads = pickle.loads
 logger = logging.getLogger(__name__)
@@ -133,8 +132,8 @@ class GroupFuture:
         # Dispatcher.wait); anything that looks at the future sends them first.
         self._kickoff: Callable[[], None] | None = None
         self._callbacks: list[Callable[[GroupFuture], Any]] | None = None
-        # (owner, objects): put objects the call's arguments name, held until it ends
-        self._holds: tuple[SharedObjects, list[SharedObject]] | None = None
+        # [(owner, objects)]: what the call's arguments name, held until it ends
+        self._holds: list[tuple[Any, list[Any]]] | None = None
         # made on workers="ready" / "any": a change of the group's nodes does not fail it
         self.tolerant = tolerant
 
@@ -146,10 +145,12 @@ class GroupFuture:
         anything else that looks at the future runs it first."""
         self._kickoff = send
 
-    def hold(self, owner: SharedObjects, objects: list[SharedObject]) -> None:
-        """Keep ``objects`` (put objects the arguments name) in use until every rank is
-        done; then ``owner.unhold(objects)``."""
-        self._holds = (owner, objects)
+    def hold(self, owner: Any, objects: list[Any]) -> None:
+        """Keep ``objects`` (put objects, kept results the arguments name) in use until
+        every rank is done; then ``owner.unhold(objects)``."""
+        if self._holds is None:
+            self._holds = []
+        self._holds.append((owner, objects))
 
     def _index(self, rank: int) -> int:
         if self._positions is not None:
@@ -190,8 +191,9 @@ class GroupFuture:
         """Run the done-callbacks, once; once every rank is done, let go of what the
         call's arguments held."""
         if self._remaining == 0 and self._holds is not None:
-            (owner, objects), self._holds = self._holds, None
-            owner.unhold(objects)
+            holds, self._holds = self._holds, None
+            for owner, objects in holds:
+                owner.unhold(objects)
         if self._callbacks is None:
             return
         callbacks, self._callbacks = self._callbacks, None

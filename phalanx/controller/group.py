@@ -145,12 +145,14 @@ class WorkerGroup:
         backend_ = self._backend
         self._gate = gate = Gate()
         self._dispatcher = dispatcher = Dispatcher(
-            self._on_death, stacks_of=self._stacks_of, on_released=backend_.released)
+            self._on_death, stacks_of=lambda ranks: self._watch.stacks_of(ranks),
+            on_released=backend_.released)
         self._ranks = ranks = RankTable(plan.placement.layout.world_size, dispatcher)
         self._shared = shared = SharedObjects(backend_, dispatcher.poll_now,
                                               ranks.live_channels)
         self._methods = methods = MethodNames(target_name)
         self._sender = sender = Sender(ranks, dispatcher, shared, backend_)
+        sender.kept.label = f"the {target_name} group"  # in messages on kept results
         self._starter = starter = Starter(
             backend_, plan.placement, plan.boot, env=env or {}, rank_env=rank_env or {},
             part_of=part_of,
@@ -271,13 +273,14 @@ class WorkerGroup:
         *args: Any,
         workers: Workers = "all",
         rank0_only_axes: Sequence[str] | None = None,
+        keep: bool = False,
         **kwargs: Any,
     ) -> GroupFuture:
         """Send the same arguments (pickled once) to every selected rank."""
         self._check_method(method)
         ranks = self._select(workers, rank0_only_axes)
         payload = self._encode(args, kwargs)
-        return self._send(method, ranks, [payload], workers=workers)
+        return self._send(method, ranks, [payload], workers=workers, keep=keep)
 
     def call(
         self,
@@ -286,26 +289,30 @@ class WorkerGroup:
         workers: Workers = "all",
         timeout: float | None = None,
         rank0_only_axes: Sequence[str] | None = None,
+        keep: bool = False,
         **kwargs: Any,
     ) -> list[Any]:
         """Call ``method(*args, **kwargs)`` on the selected ranks; results in rank order.
 
         ``rank0_only_axes`` (with a mesh) keeps only the ranks at coordinate 0 on those axes.
+        ``keep=True`` (here and in every call form) leaves each result on its rank and
+        returns a ``ResultRef`` per rank, for calls of any group (:mod:`.kept`).
         """
         if timeout is not None:
             check_seconds(timeout)
         self._check_method(method)
         ranks = self._select(workers, rank0_only_axes)
         payload = self._encode(args, kwargs)
-        return self._send(method, ranks, [payload], defer=True, workers=workers).result(timeout)
+        return self._send(method, ranks, [payload], defer=True, workers=workers,
+                          keep=keep).result(timeout)
 
-    def call_one(
-        self, rank: int, method: str, *args: Any, timeout: float | None = None, **kwargs: Any
-    ) -> Any:
+    def call_one(self, rank: int, method: str, *args: Any, timeout: float | None = None,
+                 keep: bool = False, **kwargs: Any) -> Any:
         """Call ``method`` on one rank and return its value."""
         if not isinstance(rank, int) or isinstance(rank, bool):
             raise TypeError(f"rank must be an integer, got {rank!r}")
-        return self.call(method, *args, workers=[rank], timeout=timeout, **kwargs)[0]
+        return self.call(method, *args, workers=[rank], timeout=timeout, keep=keep,
+                         **kwargs)[0]
 
     def map_async(
         self,
@@ -314,6 +321,7 @@ class WorkerGroup:
         workers: Workers = "all",
         rank0_only_axes: Sequence[str] | None = None,
         common_kwargs: Mapping[str, Any] | None = None,
+        keep: bool = False,
         **kwarg_lists: Sequence[Any],
     ) -> GroupFuture:
         """Each positional/keyword argument is a list with one item per called rank
@@ -321,7 +329,7 @@ class WorkerGroup:
         ranks, payloads = self._map_payloads(
             method, arg_lists, workers, rank0_only_axes, common_kwargs, kwarg_lists
         )
-        return self._send(method, ranks, payloads, workers=workers)
+        return self._send(method, ranks, payloads, workers=workers, keep=keep)
 
     def _map_payloads(
         self,
@@ -344,6 +352,7 @@ class WorkerGroup:
         timeout: float | None = None,
         rank0_only_axes: Sequence[str] | None = None,
         common_kwargs: Mapping[str, Any] | None = None,
+        keep: bool = False,
         **kwarg_lists: Sequence[Any],
     ) -> list[Any]:
         """Call ``method`` with one item of each list per rank; results in rank order."""
@@ -352,7 +361,8 @@ class WorkerGroup:
         ranks, payloads = self._map_payloads(
             method, arg_lists, workers, rank0_only_axes, common_kwargs, kwarg_lists
         )
-        return self._send(method, ranks, payloads, defer=True, workers=workers).result(timeout)
+        return self._send(method, ranks, payloads, defer=True, workers=workers,
+                          keep=keep).result(timeout)
 
     def call_stream(
         self,
@@ -381,6 +391,7 @@ class WorkerGroup:
         output_is_replicated: Sequence[str] = (),
         dummy_calls_to_free_axes: bool = False,
         common_kwargs: Mapping[str, Any] | None = None,
+        keep: bool = False,
         **kwargs: Any,
     ) -> ShardedFuture:
         """Send each rank its slice of nested-list data (NeMo-RL's sharded-data rules; see
@@ -388,12 +399,12 @@ class WorkerGroup:
         self._check_open()
         self._mesh.require("call_sharded")
         self._check_method(method)
-        plan, keep = self._mesh.plan(in_sharded_axes, replicate_on_axes,
+        plan, kept = self._mesh.plan(in_sharded_axes, replicate_on_axes,
                                      output_is_replicated, dummy_calls_to_free_axes)
         ranks, payloads = self._mesh.payloads(plan, args, kwargs, common_kwargs,
                                               self._ranks.checked, self._encode)
-        future = self._send(method, ranks, payloads)
-        return ShardedFuture(future, plan.result_ranks, keep)
+        future = self._send(method, ranks, payloads, keep=keep)
+        return ShardedFuture(future, plan.result_ranks, kept)
 
     def __getattr__(self, name: str) -> MethodProxy:
         methods = self.__dict__.get("_methods")
@@ -427,10 +438,9 @@ class WorkerGroup:
         :class:`~phalanx.errors.WorkerError`."""
         self._watch.send_signal(sig, workers)
 
-    def _stacks_of(self, ranks: list[int]) -> dict[int, str]:
-        return self._watch.stacks_of(ranks)
-
     def _on_death(self, slot: Slot) -> None:
+        self._sender.kept.lost(slot.rank, "its process died" if slot.failure is None
+                               else f"its process died ({slot.failure.cause})")
         if not self._gate.closed and slot.ever_ready and slot.failure is not None:
             logger.warning("rank %d (pid %s) died: %s", slot.rank, slot.pid, slot.failure.cause)
 
@@ -566,6 +576,7 @@ class WorkerGroup:
             _live_groups.discard(self)
             try:
                 self._lifecycle.teardown(deadline, force)
+                self._sender.kept.close()
             finally:
                 if self._lease is not None:  # its pool's slots are free again
                     self._lease.release()

@@ -49,6 +49,7 @@ class _Capture(threading.local):
     def __init__(self) -> None:
         self.owner: SharedObjects | None = None
         self.refs: list[ObjectRef] = []
+        self.kept: list[Any] = []  # ResultRefs (phalanx.controller.kept) it named
 
 
 _capture = CAPTURE = _Capture()  # CAPTURE.refs: whether a call has anything to hold
@@ -175,6 +176,10 @@ class SharedObjects:
             raise SerializationError(
                 f"could not pickle the object to put: {type(exc).__name__}: {exc}; nothing "
                 "was stored", stage="pickling the object to put") from exc
+        if _capture.kept:
+            _capture.kept = []
+            raise TypeError("a kept result's handle (ResultRef) cannot be put: pass it in "
+                            "the calls that need it")
         refs = self.taken()
         ref = self._store(segments, type(value).__name__)
         if refs:  # an object holding other put objects keeps them while it lives
@@ -262,6 +267,10 @@ class SharedObjects:
                 for obj in objs:
                     obj.users += 1
             future.hold(self, objs)
+        if _capture.kept:  # results kept on ranks: held by their own groups' tables
+            kept, _capture.kept = _capture.kept, []
+            for owner in {id(r._owner): r._owner for r in kept}.values():
+                future.hold(owner, owner.use([r for r in kept if r._owner is owner]))
         if transient is not None:
             transient.free()  # released once the call ends
         return payloads

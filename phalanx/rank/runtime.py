@@ -36,8 +36,9 @@ import types
 from typing import TYPE_CHECKING, Any
 
 from phalanx import __version__, config
-from phalanx.rank import faults
+from phalanx.rank import faults, kept
 from phalanx.rank import shared as shmrank
+from phalanx.rank.kept import BUILTIN, KEEP
 from phalanx.wire import framing, pickling, protocol, seal, streams
 
 if TYPE_CHECKING:
@@ -351,6 +352,9 @@ class WorkerRuntime:
     ) -> None:
         # One try block; ``stage`` says which side of the call an exception came from.
         stage = "unpickling the arguments"
+        keep = method[0] == KEEP  # keep=True: the result stays here (phalanx.rank.kept)
+        if keep:
+            method = method[1:]
         try:
             if self._faults and method in self._faults:
                 stage = "running the method"
@@ -358,7 +362,8 @@ class WorkerRuntime:
                 stage = "unpickling the arguments"
             args, kwargs = pickling.loads(segs[1:])
             stage = "looking up the method"
-            fn = getattr(self.obj, method, _MISSING)
+            fn = (getattr(self.obj, method, _MISSING) if method[0] != BUILTIN
+                  else kept.builtin(method) or _MISSING)
             if fn is _MISSING:
                 available = ", ".join(public_methods(self.obj)) or "none"
                 raise AttributeError(
@@ -378,7 +383,7 @@ class WorkerRuntime:
                 self._stream(call_id, result)
                 return
             stage = "pickling the result"
-            payload = pickling.dumps_fast(result)
+            payload = kept.KEPT.keep(call_id, result) if keep else pickling.dumps_fast(result)
         except SystemExit as exc:
             raise _WorkerExit(exit_code_of(exc.code)) from None
         except BaseException as exc:  # noqa: BLE001 - reported to the controller
@@ -559,6 +564,7 @@ def serve_in_actor(conn: framing.Connection, stacks_fd: int | None = None) -> in
     ``stacks_fd``, every thread's stack is dumped there on ``config.STACKS_SIGNAL``."""
     global _STARTED
     _STARTED = (time.monotonic(), 0.0)  # the process was there before the rank
+    kept.IN_RAY_WORKER = True  # results it keeps go to Ray's object store
     if stacks_fd is not None:
         arm_stack_dumps(stacks_fd)
     return run(conn, WorkerRuntime(conn), in_process=True)
