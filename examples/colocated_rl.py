@@ -5,12 +5,14 @@ The task is a contextual bandit: each sample is a context vector, the policy (a 
 softmax over ``--actions`` actions) picks an action, and the reward is 1 when it is the
 action a hidden linear rule prefers. Each step:
 
-1. the generation group (2 ranks, numpy only, in its own interpreter with ``--python``)
-   samples contexts, actions and rewards with the weights it holds;
-2. the policy group (2 ranks, DDP over gloo) trains on them -- rank i on generator i's
-   samples, which ran on the same slot -- with REINFORCE;
-3. the new weights go to the generators (one ``put()``, read by both), and every
-   generator is checked to hold exactly the trainers' weights.
+1. the generation group (2 ranks, in its own interpreter with ``--python``) samples
+   contexts, actions and rewards with the weights it holds, and keeps them on its ranks
+   (``keep=True``: the controller gets handles, not the samples);
+2. the policy group (2 ranks, DDP over gloo) trains on them -- rank i reads generator
+   i's samples, which ran on the same slot, straight from it -- with REINFORCE;
+3. the new weights go from trainer 0 to the generators over a gloo broadcast in one
+   world of all four ranks (``px.rendezvous``), and every generator is checked to hold
+   exactly the trainers' weights.
 
 The mean reward climbs from chance (1/actions) as the policy learns.
 
@@ -42,8 +44,30 @@ def _rule(actions: int):
     return np.random.default_rng(1234).standard_normal((CONTEXT, actions))  # hidden
 
 
+def join_world(world: dict):
+    """A gloo process group over the ranks of both groups (``px.rendezvous``), beside the
+    policy's own DDP world."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    rank, size = int(world["RANK"]), int(world["WORLD_SIZE"])
+    store = dist.TCPStore(world["MASTER_ADDR"], int(world["MASTER_PORT"]), size,
+                          is_master=rank == 0, timeout=timedelta(seconds=60))
+    return dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=60))
+
+
+def broadcast(group, tensor) -> None:
+    """``tensor`` from the joint world's rank 0 (the first trainer) to every rank."""
+    import torch.distributed as dist
+
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([tensor], options).wait()
+
+
 class Generator:
-    """Samples with the weights it was last given (numpy: no torch in its environment)."""
+    """Samples with the weights it was last given (numpy; torch only for the broadcast)."""
 
     def __init__(self, actions: int) -> None:
         import os
@@ -56,10 +80,18 @@ class Generator:
         self.weights = {"weight": np.zeros((actions, CONTEXT), np.float32),
                         "bias": np.zeros(actions, np.float32)}
 
-    def load(self, weights: dict) -> str:
-        import numpy as np
+    def join(self, world: dict) -> None:
+        import torch
 
-        self.weights = {k: np.array(v) for k, v in weights.items()}  # its own copy
+        self.world = join_world(world)
+        self.flat = torch.zeros(self.actions * CONTEXT + self.actions)
+
+    def receive(self) -> str:
+        """The new weights, broadcast by the first trainer."""
+        broadcast(self.world, self.flat)
+        flat = self.flat.numpy()
+        self.weights = {"weight": flat[:-self.actions].reshape(self.actions, CONTEXT).copy(),
+                        "bias": flat[-self.actions:].copy()}
         return _digest(self.weights)
 
     def generate(self, step: int) -> dict:
@@ -106,11 +138,20 @@ class Policy:
         self.optimizer.step()
         return float(rewards.mean())
 
-    def weights(self) -> dict:
-        return {k: v.detach().numpy().copy() for k, v in self.net.state_dict().items()}
+    def join(self, world: dict) -> None:
+        self.world = join_world(world)
+
+    def send(self) -> str:
+        """Broadcast the weights (trainer 0's; every member takes part) and their digest."""
+        import torch
+
+        with torch.no_grad():
+            flat = torch.cat([self.net.weight.reshape(-1), self.net.bias]).contiguous()
+        broadcast(self.world, flat)
+        return self.digest()
 
     def digest(self) -> str:
-        return _digest(self.weights())
+        return _digest({k: v.detach().numpy() for k, v in self.net.state_dict().items()})
 
 
 def main() -> None:
@@ -130,15 +171,17 @@ def main() -> None:
             px.WorkerGroup(Generator, args=(opts.actions,), pool=pool,
                            python=opts.python) as generators:
         print(f"{pool}: policy and generators ready in {time.perf_counter() - started:.1f} s")
+        worlds = px.rendezvous(policy, generators)  # trainers are ranks 0-1, generators 2-3
+        for joined in [policy.map_async("join", worlds[0]),
+                       generators.map_async("join", worlds[1])]:
+            joined.result(timeout=60)
         rewards = []
         for step in range(opts.steps):
-            samples = generators.call("generate", step)
+            samples = generators.call("generate", step, keep=True)  # handles: they stay
             rewards.append(sum(policy.map("train", samples)) / len(samples))
-            weights = policy.call_one(0, "weights")
-            ref = generators.put(weights)
-            held = generators.call("load", ref)
-            ref.free()
-            expected = policy.call("digest")
+            sent = policy.call_async("send")
+            held = generators.call("receive", timeout=60)
+            expected = sent.result(timeout=60)
             if set(held) != set(expected) or len(set(expected)) != 1:
                 raise SystemExit(f"step {step}: generators hold {held}, trainers {expected}")
             if step % 5 == 0 or step == opts.steps - 1:
