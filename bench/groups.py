@@ -1,4 +1,4 @@
-"""W10: several groups in one job, on each backend (local, Ray, agents).
+"""W13: several groups in one job, on each backend (local, Ray, agents).
 
 - **start**: one 4-rank group, against two 2-rank groups colocated on one
   ``px.ResourcePool(procs_per_node=2, colocate=2)`` started one after the other (the pool's
@@ -114,18 +114,18 @@ def main(argv: list[str] | None = None) -> int:
 
             agents = _Agents().__enter__()
         for name in names:
-            print(f"W10 on {name} ...", file=sys.stderr, flush=True)
+            print(f"W13 on {name} ...", file=sys.stderr, flush=True)
             backend = _backend(name, agents)
             for label, values in _start(backend, trials).items():
-                rows.append(Row(f"W10.start.{name}.{label.strip()}", f"W10 start, {label}",
+                rows.append(Row(f"W13.start.{name}.{label.strip()}", f"W13 start, {label}",
                                 "s", "lower", raw={name: values}))
             lat = _slices(backend, trials)
             for label, values in lat.items():
-                rows.append(Row(f"W10.call.{name}.{label}", f"W10 no-op call, {label}",
+                rows.append(Row(f"W13.call.{name}.{label}", f"W13 no-op call, {label}",
                                 "us/call", "lower", raw={name: values}))
             for a, b in (("slice(dp=0)", "group, ranks 0-1"),
                          ("slice(dp=range(2))", "whole group")):
-                rows.append(Row(f"W10.slice_ratio.{name}.{a}", f"W10 {a} / {b}", "x", "lower",
+                rows.append(Row(f"W13.slice_ratio.{name}.{a}", f"W13 {a} / {b}", "x", "lower",
                                 raw={name: [median(lat[a]) / median(lat[b])]}))
     finally:
         if agents is not None:
