@@ -10,7 +10,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import socket
-from collections.abc import Mapping
+import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from phalanx.errors import FrameworkNotInstalled
@@ -64,13 +65,85 @@ def require_package(framework: Framework) -> None:
 
 
 def check_interpreter(python: object) -> str | None:
-    """``python=``: None (the node's default), or a path to a Python interpreter, as a
-    string (TypeError otherwise)."""
+    """``python=``: None (the node's default), or the path of a Python interpreter, as a
+    string (TypeError otherwise; ValueError for one with a NUL or too long). A relative path
+    is the controller's: it is made absolute against its working directory. Whether it
+    exists is checked where the ranks run (:func:`require_interpreter`)."""
     if python is None:
         return None
     if not isinstance(python, (str, os.PathLike)) or not os.fspath(python):
         raise TypeError(f"python must be the path of a Python interpreter, got {python!r}")
-    return os.fspath(python)
+    path = os.fspath(python)
+    if not isinstance(path, str):
+        raise TypeError(f"python must be the path of a Python interpreter, got {python!r}")
+    if "\0" in path or len(path) > MAX_INTERPRETER_PATH:
+        raise ValueError(f"python={path!r:.200} is not a path (a NUL, or over "
+                         f"{MAX_INTERPRETER_PATH} characters)")
+    return os.path.abspath(os.path.expanduser(path))
+
+
+MAX_INTERPRETER_PATH = 4096  # PATH_MAX: what a LAUNCH may carry as its python
+
+
+def require_interpreter(python: str, where: str = "this machine") -> str:
+    """``python`` as given, if it is an executable file on this machine; ValueError naming
+    it (and ``where``) otherwise. Run by the node side before it starts any rank."""
+    if not os.path.isabs(python):
+        raise ValueError(f"python={python!r}: the interpreter's path must be absolute")
+    if not os.path.isfile(python):
+        why = "is not a file" if os.path.exists(python) else "does not exist"
+        raise ValueError(f"python={python!r}: no such interpreter on {where} (the path "
+                         f"{why}); give the path of a Python inside the group's environment, "
+                         "e.g. /path/to/venv/bin/python")
+    if not os.access(python, os.X_OK):
+        raise ValueError(f"python={python!r}: the interpreter on {where} is not executable")
+    return python
+
+
+def interpreter_problem(python: str, version: str, where: str) -> tuple[str, str] | None:
+    """What keeps ``python`` on this machine from running a rank of phalanx ``version``:
+    ``("missing", why)`` (no such executable file), ``("unusable", why)`` (it cannot import
+    phalanx, or has another release), or None. Runs it once (outside any cwd that holds
+    phalanx), for a node side that cannot see a rank's own start fail (a Ray worker)."""
+    import subprocess
+
+    try:
+        require_interpreter(python, where)
+    except ValueError as exc:
+        return "missing", str(exc)
+    probe = "import sys, phalanx; sys.stdout.write(phalanx.__version__)"
+    try:
+        done = subprocess.run([python, "-c", probe], capture_output=True, text=True,
+                              cwd="/", timeout=60, stdin=subprocess.DEVNULL, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return "unusable", f"the interpreter {python} on {where} could not be run: {exc}"
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines() or [f"exit code {done.returncode}"]
+        return "unusable", (f"the interpreter {python} (python=) on {where} cannot run a "
+                            f"rank: {lines[-1]}; install phalanx into its environment")
+    if done.stdout.strip() != version:
+        return "unusable", (f"the interpreter {python} (python=) on {where} runs phalanx "
+                            f"{done.stdout.strip()} but the controller runs phalanx {version}: "
+                            f"install phalanx {version} into its environment")
+    return None
+
+
+def without_own_install(sys_path: Sequence[str]) -> tuple[str, ...]:
+    """The entries of ``sys_path`` (this interpreter's, or a controller's on the same
+    machine) that are not part of this Python's own installation: for ranks that run
+    another interpreter (``python=``), which have their standard library and packages of
+    their own; what is left is the user's code (a script's directory, the cwd, edits)."""
+    import sysconfig
+
+    own = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix,
+                                         sys.base_exec_prefix) if p}
+    own.update(os.path.realpath(p) for p in sysconfig.get_paths().values() if p)
+
+    def installed(entry: str) -> bool:  # "" (the cwd) is the user's
+        real = os.path.realpath(entry) if entry else ""
+        return any(real == p or real.startswith(p.rstrip(os.sep) + os.sep) for p in own)
+
+    return tuple(entry for entry in sys_path if not installed(entry))
 
 
 def machine_id() -> str:

@@ -1,7 +1,8 @@
 """Starting a node's ranks, holding them, burying them, stopping them.
 
 One way ranks start, for the local backend and for a cluster agent alike
-(:class:`RankSpawner`): a fresh interpreter running :mod:`phalanx.rank.runtime`, started by
+(:class:`RankSpawner`): a fresh interpreter (this one, or the group's ``python=``, which
+imports phalanx from its own environment) running :mod:`phalanx.rank.runtime`, started by
 the node's supervisor (:mod:`phalanx.node.supervisor`), which the spawner starts when it
 opens (the local backend: it boots while the group prepares) or with the first rank (an
 agent). Each rank gets
@@ -42,6 +43,7 @@ from typing import Any
 
 from phalanx import config
 from phalanx.errors import ProcessFailure
+from phalanx.node.machine import require_interpreter, without_own_install
 from phalanx.node.stacks import StackFile
 from phalanx.node.supervisor import SupervisedProcess, Supervisor
 from phalanx.wire import framing, protocol, streams
@@ -55,11 +57,30 @@ _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
 _WORKER_BOOT = (
     "import sys; sys.path.insert(0, {root!r}); from phalanx.rank.runtime import main; main()"
 )
+# Another interpreter (``python=``) imports phalanx from its own environment: nothing is put
+# on its path, and the cwd ``-c`` puts first is left out until phalanx is imported. One that
+# cannot import it says so on stderr, naming itself (the rank's failure record shows it).
+_OWN_BOOT = (
+    "import sys\n"
+    "cwd = sys.path.pop(0) if sys.path and sys.path[0] == '' else None\n"
+    "try:\n"
+    "    from phalanx.rank.runtime import main\n"
+    "except ImportError as exc:\n"
+    "    sys.stderr.write(f'phalanx: the interpreter {sys.executable} (python=) cannot run a '\n"
+    "                     f'rank: {type(exc).__name__}: {exc}; install phalanx into its '\n"
+    "                     'environment\\n')\n"
+    "    sys.exit(1)\n"
+    "if cwd is not None:\n"
+    "    sys.path.insert(0, cwd)\n"
+    "main()\n"
+)
 _DRAIN_READS = 10_000  # a dead rank's pipe holds at most its capacity: far fewer reads
 
 
-def worker_argv() -> list[str]:
-    """The command line of a worker interpreter."""
+def worker_argv(python: str | None = None) -> list[str]:
+    """The command line of a worker interpreter: this one, or ``python`` (``python=``)."""
+    if python is not None:
+        return [python, "-c", _OWN_BOOT]
     return [sys.executable, "-c", _WORKER_BOOT.format(root=_PACKAGE_ROOT)]
 
 
@@ -197,12 +218,17 @@ class RankSpawner:
 
     def launch(self, starts: Iterable[tuple[int, int, int, Mapping[str, str]]],
                cwd: str, sys_path: Sequence[str], options: Mapping[str, Any],
-               payload: list[Any]) -> list[NodeRank]:
+               payload: list[Any], python: str | None = None) -> list[NodeRank]:
         """Start ranks ``(rank, node, incarnation, env)`` in ``cwd`` and send each its INIT
         (``sys_path``, ``options`` and the pickled target ``payload``); ``env`` holds
-        phalanx's and the user's variables, layered here over this node's environment. If
-        one cannot be started, those started already are stopped and released before the
-        error propagates."""
+        phalanx's and the user's variables, layered here over this node's environment.
+        ``python``: the interpreter they run (``python=``; None: this one), checked here
+        first (ValueError naming it before any rank starts); ``sys_path`` then loses what
+        belongs to this Python's installation. If one cannot be started, those started
+        already are stopped and released before the error propagates."""
+        if python is not None:
+            require_interpreter(python, f"{socket.gethostname()} (the ranks' node)")
+            sys_path = without_own_install(sys_path)
         supervisor = self._started()
         init_options = dict(options)
         started: list[NodeRank] = []
@@ -213,7 +239,7 @@ class RankSpawner:
                          if key not in config.WITHHELD_FROM_RANKS}
             for rank, node, incarnation, env in starts:
                 started.append(self._start(supervisor, rank, node, incarnation,
-                                           merge_env(inherited, env, None, None), cwd))
+                                           merge_env(inherited, env, None, None), cwd, python))
                 started[-1].send(protocol.init_frame(rank, sys_path, init_options, payload))
         except BaseException:
             stop_processes([r.proc for r in started], force=True)
@@ -229,10 +255,10 @@ class RankSpawner:
             return self._supervisor
 
     def _start(self, supervisor: Supervisor, rank: int, node: int, incarnation: int,
-               env: Mapping[str, str], cwd: str) -> NodeRank:
+               env: Mapping[str, str], cwd: str, python: str | None) -> NodeRank:
         stack_file = StackFile()
         try:
-            proc = supervisor.spawn(worker_argv(), env, cwd, stacks_fd=stack_file.fd)
+            proc = supervisor.spawn(worker_argv(python), env, cwd, stacks_fd=stack_file.fd)
         except BaseException:
             stack_file.close()
             raise

@@ -66,7 +66,7 @@ from phalanx.errors import (
     QuorumTimeout,
     VersionMismatch,
 )
-from phalanx.node.machine import machine_id
+from phalanx.node.machine import machine_id, require_interpreter, without_own_install
 from phalanx.output.logs import LogPump, OutputOptions
 from phalanx.world.layout import Layout
 
@@ -420,9 +420,16 @@ class ClusterBackend(Backend):
         if code is not None:  # the shipped code first, and the ranks run in it
             for start in starts:
                 start[3][codesync.ENV_VERSION] = self.code_version
-        sys_path = ([code] if code else []) + (list(boot.sys_path) if same else [])
+        options = dict(boot.options)
+        controller_path = boot.sys_path
+        if boot.python is not None:  # python=: a path on the agent's node, checked there
+            if same:  # the same files: checked here too, the error a ValueError
+                require_interpreter(boot.python, f"{agent.where} (this machine)")
+            options["python"] = boot.python
+            controller_path = without_own_install(controller_path)  # its own, not ours
+        sys_path = ([code] if code else []) + (list(controller_path) if same else [])
         cwd = code or ((boot.cwd or os.getcwd()) if same else None)
-        pids = agent.request(agentwire.LAUNCH, starts, sys_path, dict(boot.options), cwd,
+        pids = agent.request(agentwire.LAUNCH, starts, sys_path, options, cwd,
                             payload=boot.payload)
         for channel, pid in zip(channels, pids, strict=False):
             channel.pid = pid or None  # type: ignore[attr-defined]

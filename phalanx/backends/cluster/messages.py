@@ -219,13 +219,31 @@ def _start(kind: str, field: str, value: Any) -> None:
 
 _TEXT = _of_type(str)
 _FLAG = _of_type(bool)
+_MAX_PYTHON = 4096  # PATH_MAX: the longest interpreter path a LAUNCH may name
+
+
+def _launch_options(kind: str, field: str, value: Any) -> None:
+    """A LAUNCH's options: a dict; its ``python`` (the interpreter the ranks run, ``python=``),
+    if any, an absolute path of at most ``_MAX_PYTHON`` characters."""
+    _of_type(dict)(kind, field, value)
+    python = value.get("python")
+    if python is None:
+        return
+    if type(python) is not str:
+        raise Malformed(f"{kind} {field}: python is a {type(python).__name__}, not a path")
+    if len(python) > _MAX_PYTHON:
+        raise OverLimit(f"{kind} {field}: python is {len(python)} characters long, over "
+                        f"{_MAX_PYTHON}")
+    if not python.startswith("/") or "\0" in python:
+        raise Malformed(f"{kind} {field}: python={python!r:.200} is not an absolute path")
+
 _RANKS = _items("AGENT_MAX_RANKS", _integer())
 
 # Each request's name and fields, in order, with their checks.
 _REQUESTS: dict[int, tuple[str, tuple[tuple[str, _Check], ...]]] = {
     LAUNCH: ("LAUNCH", (("starts", _items("AGENT_MAX_RANKS", _start)),
                         ("sys_path", _items("AGENT_MAX_ENV", _TEXT)),
-                        ("options", _of_type(dict)), ("cwd", _of_type(str, type(None))))),
+                        ("options", _launch_options), ("cwd", _of_type(str, type(None))))),
     STOP: ("STOP", (("ranks", _RANKS), ("grace", _seconds), ("force", _FLAG))),
     SIGNAL: ("SIGNAL", (("rank", _integer()), ("signal", _integer(1)))),
     STACKS: ("STACKS", (("rank", _integer()), ("timeout", _seconds))),

@@ -45,10 +45,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from phalanx import config
+from phalanx import __version__, config
+from phalanx.errors import StartupError
 from phalanx.wire import handshake, seal
 
 CONCURRENCY = 1  # the direct RankActor: its methods run on the actor's main thread
@@ -61,6 +62,40 @@ _FATAL_BY_DEFAULT = frozenset(
                      signal.SIGUSR2))
 
 logger = logging.getLogger(__name__)
+
+
+# -- python=: the controller side's helpers (the actors run the group's interpreter) -----
+
+
+def rank_runtime_env(env: Mapping[str, Any] | None, python: str | None) -> dict | None:
+    """A rank actor's ``runtime_env``: the user's, ``python=`` as its ``py_executable``."""
+    return ({**(env or {}), "py_executable": python} if python is not None
+            else None if env is None else dict(env))
+
+
+def interpreter_path(python: str | None, sys_path: Sequence[str]) -> tuple[str, ...]:
+    """With ``python=``: the controller's ``sys_path`` less its own installation's."""
+    from phalanx.node.machine import without_own_install
+
+    return tuple(sys_path) if python is None else without_own_install(sys_path)
+
+
+def replace_idle(ray: Any, bundles: Sequence[Any], python: str | None,
+                 timeout: float = 60.0) -> None:
+    """Kill the idle actors of ``bundles`` (one node's, made for another interpreter):
+    made anew when their ranks launch. One first checks ``python=`` on the node (Ray would
+    retry a worker that cannot start): ValueError when it is no interpreter there,
+    StartupError when it cannot run a rank (no phalanx, another release)."""
+    idle = [b for b in bundles if not b.used and b.actor is not None]
+    if python is not None and idle and hasattr(idle[0].actor, "check_interpreter"):
+        problem = ray.get(idle[0].actor.check_interpreter.remote(python, __version__),
+                          timeout=timeout)
+        if problem is not None:
+            kind, why = problem
+            raise ValueError(why) if kind == "missing" else StartupError(why)
+    for b in idle:
+        ray.kill(b.actor, no_restart=True)
+        b.used = True
 
 
 def _open(controller: tuple[str, int, str], timeout: float) -> socket.socket:
@@ -352,6 +387,12 @@ class RankActor:
         from phalanx.node.machine import pick_free_ports
 
         return pick_free_ports(host, count)
+
+    def check_interpreter(self, python: str, version: str) -> tuple[str, str] | None:
+        """What keeps ``python`` from running a rank here (``interpreter_problem``)."""
+        from phalanx.node.machine import interpreter_problem
+
+        return interpreter_problem(python, version, f"Ray node {socket.gethostname()}")
 
     def serve(
         self,

@@ -140,6 +140,7 @@ class RayBackend(Backend):
         # per rank, from resources_per_worker or a @ray.remote target (adopt_target_options)
         self._rank_resources = self.resources_per_worker
         self._actor_env = self.runtime_env  # the rank actors' runtime_env
+        self._python, self._made_with = None, {}  # python=; rank -> what its actor runs
         self._own_pg = False  # whether self._pg is one this backend made (and removes)
         self._seat_resources: dict[int, dict[str, float]] = {}  # bundle index -> per rank
         self._relayed = relays(address, transport)
@@ -371,7 +372,7 @@ class RayBackend(Backend):
         ray = self._ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from phalanx.backends.ray.actor import CONCURRENCY, RankActor
+        from phalanx.backends.ray.actor import CONCURRENCY, RankActor, rank_runtime_env
         from phalanx.backends.ray.relay import RELAY_CONCURRENCY, RelayedRankActor
 
         resources = dict(self._seat_resources[b.index])
@@ -396,8 +397,8 @@ class RayBackend(Backend):
             options["memory"] = memory
         if self.namespace is not None:
             options["namespace"] = self.namespace
-        if self._actor_env is not None:
-            options["runtime_env"] = self._actor_env
+        options["runtime_env"] = rank_runtime_env(self._actor_env, self._python)
+        self._made_with[rank] = self._python
         actor_class = RelayedRankActor if self._relayed else RankActor
         b.actor = ray.remote(actor_class).options(**options).remote()
 
@@ -434,7 +435,12 @@ class RayBackend(Backend):
     def _launch(
         self, node: Node, ranks: list[RankStart], boot: Boot, channels: list[Channel]
     ) -> None:
-        sys_path = boot.sys_path if node.same_host else ()
+        from phalanx.backends.ray.actor import interpreter_path, replace_idle
+
+        sys_path = interpreter_path(boot.python, boot.sys_path if node.same_host else ())
+        self._python = boot.python  # python=: idle actors made without it are made anew
+        replace_idle(self._ray, [self._bundles[s.rank] for s in ranks if self._made_with.get(
+            s.rank) != boot.python], boot.python, timeout=self._start_timeout)
         cwd = boot.cwd or (os.getcwd() if node.same_host else None)
         if not self._relayed:  # ObjectRefs in calls keep their owner (Ray's own reducer)
             from phalanx.backends.ray.actor import share_ray_refs

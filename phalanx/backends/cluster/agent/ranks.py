@@ -446,8 +446,10 @@ class Session:
 
     def _launch(self, starts: list[tuple], sys_path: list[str], options: dict,
                 cwd: str | None, payload: list[Any]) -> list[int]:
+        options = dict(options)
+        python = options.pop("python", None)  # python=: an interpreter of this node's
         started = [_Rank(process) for process in self._spawner.launch(
-            starts, cwd or self._cwd, sys_path, options, payload)]
+            starts, cwd or self._cwd, sys_path, options, payload, python=python)]
         pids = [r.process.pid or 0 for r in started]  # before the relay reads their pipes
         with self._lock:
             for rank in started:
