@@ -214,7 +214,8 @@ class LocalBackend(Backend):
     ) -> None:
         started = self._spawner.launch(
             [(start.rank, start.node, 0, start.env) for start in ranks],
-            boot.cwd or os.getcwd(), boot.sys_path, boot.options, boot.payload)
+            boot.cwd or os.getcwd(), boot.sys_path, boot.options, boot.payload,
+            python=boot.python)
         for i, (start, process) in enumerate(zip(ranks, started, strict=True)):
             try:
                 tap = self._attach_output(start.rank, process)

@@ -21,24 +21,6 @@ from tests.workers import Probe
 _REPO = Path(__file__).resolve().parents[2]
 
 
-def _local_forwards_python() -> bool:
-    """Whether the local backend hands ``Boot.python`` to its spawner (a one-line change in
-    phalanx/backends/local.py, pending: until then its cases are skipped)."""
-    import inspect
-
-    from phalanx.backends.local import LocalBackend
-
-    return "python=boot.python" in inspect.getsource(LocalBackend._launch)
-
-
-@pytest.fixture(autouse=True)
-def _needs_wiring(request):
-    backend = request.node.callspec.params.get("backend") if hasattr(
-        request.node, "callspec") else None
-    if backend == "local" and not _local_forwards_python():
-        pytest.skip("the local backend does not pass Boot.python to RankSpawner.launch yet")
-
-
 class Interpreter:
     """What a rank sees of the interpreter it runs."""
 
