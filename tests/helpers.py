@@ -283,3 +283,16 @@ def shmem_bytes() -> int:
             if line.startswith("Shmem:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("no Shmem line in /proc/meminfo")
+
+
+def make_venv(path: Path, *entries: str) -> str:
+    """A venv at ``path`` (no pip: fast) whose site-packages names ``entries`` in a ``.pth``
+    file; its python."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True,
+                   timeout=60)
+    python = path / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; "
+                           "print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True, timeout=30).stdout.strip()
+    Path(site, "phalanx_test.pth").write_text("".join(f"{e}\n" for e in entries))
+    return str(python)

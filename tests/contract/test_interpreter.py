@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
 import sys
 import sysconfig
 import time
@@ -30,19 +29,6 @@ class Interpreter:
         return sys.executable, sys.prefix, os.path.dirname(os.path.abspath(phalanx.__file__))
 
 
-def _make_venv(path: Path, *entries: str) -> str:
-    """A venv at ``path`` (no pip: fast) whose site-packages names ``entries`` in a ``.pth``
-    file; its python."""
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True,
-                   timeout=60)
-    python = path / "bin" / "python"
-    site = subprocess.run([str(python), "-c", "import sysconfig; "
-                           "print(sysconfig.get_paths()['purelib'])"],
-                          check=True, capture_output=True, text=True, timeout=30).stdout.strip()
-    Path(site, "phalanx_test.pth").write_text("".join(f"{e}\n" for e in entries))
-    return str(python)
-
-
 @pytest.fixture(scope="session")
 def venvs(tmp_path_factory):
     """Three venvs: ``with_phalanx`` has phalanx installed into it (the way an editable
@@ -56,9 +42,9 @@ def venvs(tmp_path_factory):
                     ignore=shutil.ignore_patterns("__pycache__"))
     init = release / "phalanx" / "__init__.py"
     init.write_text(re.sub(r'__version__ = "[^"]*"', '__version__ = "99.0"', init.read_text()))
-    return {"with_phalanx": _make_venv(root / "with", str(_REPO), packages),
-            "without": _make_venv(root / "without", packages),
-            "other": _make_venv(root / "other", str(release), str(_REPO), packages)}
+    return {"with_phalanx": helpers.make_venv(root / "with", str(_REPO), packages),
+            "without": helpers.make_venv(root / "without", packages),
+            "other": helpers.make_venv(root / "other", str(release), str(_REPO), packages)}
 
 
 def test_ranks_run_the_given_interpreter(backend, venvs, make_group):

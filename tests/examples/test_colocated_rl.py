@@ -6,20 +6,34 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import sysconfig
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, make_venv
 
 pytest.importorskip("torch", reason="the example trains with torch (pip install torch==2.13.0)")
 
 
+def _run(*options: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / "examples" / "colocated_rl.py"), "--steps", "20",
+         *options], capture_output=True, text=True, timeout=180, cwd=REPO)
+
+
 def test_colocated_rl_example_learns_and_keeps_the_generators_in_step():
-    done = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "colocated_rl.py"), "--steps", "20"],
-        capture_output=True, text=True, timeout=180, cwd=REPO)
+    done = _run()
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "policy and generators ready" in done.stdout
     first, last = (float(x) for x in
                    done.stdout.split("mean reward ")[-1].split(" (chance")[0].split(" -> "))
     assert last > first and last > 0.4, done.stdout[-1500:]
+
+
+def test_the_generators_run_their_own_interpreter(tmp_path):
+    """A second venv with phalanx installed into it (as an editable install does: a
+    ``.pth`` naming the repository and this venv's packages)."""
+    python = make_venv(tmp_path / "gen-env", str(REPO), sysconfig.get_paths()["purelib"])
+    done = _run("--python", python)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "mean reward" in done.stdout
