@@ -1,0 +1,400 @@
+"""W11 and W12: one group's results handed to another group's ranks.
+
+- **W11**, results between groups: a 2-rank producer group makes a 64 MiB float32 array
+  per rank, a 2-rank consumer group sums them (consumer *i* the array of producer *1 - i*,
+  the sum checked); 10 rounds, the median round time and the controller's RSS growth,
+  four ways: ``keep=True`` handles, the values through the controller, raw Ray actors
+  passing ``ObjectRef``s, and phalanx on Ray with ``keep=True``;
+- **W12**, weights from trainers to generators: 1 GiB of a torch state dict (16 float32
+  tensors of 64 MiB) from trainer rank 0 to the 2 generator ranks, three ways: a gloo
+  broadcast in the joint world of ``px.rendezvous``, a ``keep=True`` handle, and
+  ``put()`` of the weights fetched to the controller; each generator copies them into
+  its own tensors, and ends with the trainer's (a checksum).
+
+    python -m bench.handoff [--quick] [--json PATH] [--only W11,W12] [--no-ray]
+
+Phase 1 measures the local backend with no Ray process running; phase 2 then starts a
+Ray of its own (``ray.init(address="local")``) and measures raw Ray actors and
+phalanx-ray, interleaved with each other, as ``bench.run`` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from bench.util import Row, clock, machine_info, settle, trial_order
+
+DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "handoff.json"
+MiB = 1 << 20
+ARRAY_BYTES = 64 * MiB  # W11: one producer rank's result
+TENSORS, TENSOR_BYTES = 16, 64 * MiB  # W12: 1 GiB of weights
+W11_WAYS = ("handles", "controller", "ray", "phalanx-ray")
+W12_WAYS = ("gloo broadcast", "handles", "put")
+
+
+# -- worker classes (importable by the ranks and by Ray's workers) ------------------------
+
+
+def _value(rank: int, round_: int) -> float:
+    return float(rank * 1000 + round_ + 1)
+
+
+class Producer:
+    def __init__(self, rank: int | None = None) -> None:
+        self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+
+    def make(self, round_: int) -> Any:
+        import numpy as np
+
+        return np.full(ARRAY_BYTES // 4, _value(self.rank, round_), dtype=np.float32)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class Consumer:
+    def consume(self, array: Any) -> float:
+        import numpy as np
+
+        return float(np.sum(array, dtype=np.float64))
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def _checksum(weights: dict[str, Any]) -> float:
+    import torch
+
+    return sum((i + 1) * float(t.sum(dtype=torch.float64)) for i, t in
+               enumerate(weights.values()))
+
+
+class Weights:
+    """A trainer (``fill=True``: seeded weights, the same on every trainer) or a generator
+    (zeros, loaded into)."""
+
+    def __init__(self, fill: bool = False) -> None:
+        import torch
+
+        torch.set_num_threads(1)
+        n = TENSOR_BYTES // 4
+        if fill:
+            gen = torch.Generator().manual_seed(0)
+            self.weights = {f"layer{i}.weight": torch.rand(n, generator=gen)
+                            for i in range(TENSORS)}
+        else:
+            self.weights = {f"layer{i}.weight": torch.zeros(n) for i in range(TENSORS)}
+
+    def state(self) -> dict[str, Any]:
+        return self.weights
+
+    def load(self, state: dict[str, Any]) -> None:
+        import warnings
+
+        with warnings.catch_warnings():  # tensors on read-only shared pages: copied here
+            warnings.simplefilter("ignore")
+            for name, tensor in state.items():
+                self.weights[name].copy_(tensor)
+
+    def reset(self) -> None:
+        for tensor in self.weights.values():
+            tensor.zero_()
+
+    def checksum(self) -> float:
+        return _checksum(self.weights)
+
+    def join(self, world: dict[str, str]) -> int:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        rank, size = int(world["RANK"]), int(world["WORLD_SIZE"])
+        store = dist.TCPStore(world["MASTER_ADDR"], int(world["MASTER_PORT"]), size,
+                              is_master=rank == 0, timeout=timedelta(seconds=120))
+        self.store = store  # the process group needs it alive
+        self.joint = dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=600))
+        return rank
+
+    def broadcast(self) -> None:
+        """Every tensor from the joint world's rank 0 (trainer 0) to everyone, in place."""
+        import torch.distributed as dist
+
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        for tensor in self.weights.values():
+            self.joint.broadcast([tensor], options).wait()
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def _rss_mib() -> float:
+    gc.collect()
+    return psutil.Process().memory_info().rss / MiB
+
+
+def _check_sums(got: list[float], round_: int) -> None:
+    want = [ARRAY_BYTES // 4 * _value(1 - i, round_) for i in range(2)]
+    if got != want:
+        raise AssertionError(f"W11 consumers summed {got}, expected {want}")
+
+
+def _rounds(ways: dict[str, Callable[[int], list[float]]], rounds: int,
+            out: dict[str, dict[str, Any]]) -> None:
+    """One warm-up round per way, then ``rounds`` rounds, ways alternating round by round
+    (order cycling through the permutations); each way's RSS growth is the sum of the
+    controller's RSS changes (after gc) across its own rounds."""
+    for way in ways.values():
+        _check_sums(way(0), 0)
+    for round_ in range(1, rounds + 1):
+        for name in trial_order(list(ways), round_):
+            settle()
+            before = _rss_mib()
+            began = clock()
+            sums = ways[name](round_)
+            took = clock() - began
+            _check_sums(sums, round_)
+            rec = out.setdefault(name, {"round_s": [], "rss_delta_mib": []})
+            rec["round_s"].append(took)
+            rec["rss_delta_mib"].append(_rss_mib() - before)
+
+
+# -- W11 ----------------------------------------------------------------------------------
+
+
+def _w11_local(rounds: int, out: dict[str, dict[str, Any]]) -> None:
+    import phalanx as px
+    from bench.handoff import Consumer, Producer
+
+    with px.WorkerGroup(Producer, procs_per_node=2, echo_output=False) as producers, \
+            px.WorkerGroup(Consumer, procs_per_node=2, echo_output=False) as consumers:
+
+        def handles(round_: int) -> list[float]:
+            refs = producers.call("make", round_, keep=True)
+            sums = consumers.map("consume", refs[::-1])
+            for ref in refs:
+                ref.free()
+            return sums
+
+        def controller(round_: int) -> list[float]:
+            values = producers.call("make", round_)
+            return consumers.map("consume", values[::-1])
+
+        _rounds({"handles": handles, "controller": controller}, rounds, out)
+
+
+def _w11_ray(rounds: int, out: dict[str, dict[str, Any]]) -> None:
+    import ray
+
+    import phalanx as px
+    from bench.handoff import Consumer, Producer
+
+    producer_cls, consumer_cls = ray.remote(Producer), ray.remote(Consumer)
+    actors_p = [producer_cls.remote(rank) for rank in range(2)]
+    actors_c = [consumer_cls.remote() for _ in range(2)]
+    ray.get([a.pid.remote() for a in actors_p + actors_c])
+    try:
+        with px.WorkerGroup(Producer, procs_per_node=2, backend="ray",
+                            echo_output=False) as producers, \
+                px.WorkerGroup(Consumer, procs_per_node=2, backend="ray",
+                               echo_output=False) as consumers:
+
+            def raw(round_: int) -> list[float]:
+                refs = [p.make.remote(round_) for p in actors_p]
+                pairs = zip(actors_c, refs[::-1], strict=True)
+                sums = ray.get([c.consume.remote(ref) for c, ref in pairs])
+                del refs
+                return sums
+
+            def handles(round_: int) -> list[float]:
+                refs = producers.call("make", round_, keep=True)
+                sums = consumers.map("consume", refs[::-1])
+                for ref in refs:
+                    ref.free()
+                return sums
+
+            _rounds({"ray": raw, "phalanx-ray": handles}, rounds, out)
+    finally:
+        for actor in actors_p + actors_c:
+            ray.kill(actor)
+
+
+# -- W12 ----------------------------------------------------------------------------------
+
+
+def _w12(trials: int, out: dict[str, list[float]]) -> None:
+    import phalanx as px
+    from bench.handoff import Weights
+
+    with px.WorkerGroup(Weights, args=(True,), procs_per_node=2,
+                        echo_output=False) as trainers, \
+            px.WorkerGroup(Weights, procs_per_node=2, echo_output=False) as generators:
+        want = trainers.call_one(0, "checksum")
+        worlds = px.rendezvous(trainers, generators)  # the joint world, built once, untimed
+        joined = [trainers.map_async("join", worlds[0]), generators.map_async("join", worlds[1])]
+        for future in joined:
+            future.result(timeout=300)
+
+        def broadcast() -> None:
+            sent = [trainers.call_async("broadcast"), generators.call_async("broadcast")]
+            for future in sent:
+                future.result(timeout=600)
+
+        def handles() -> None:
+            ref = trainers.call_one(0, "state", keep=True)
+            generators.call("load", ref)
+            ref.free()
+
+        def put() -> None:
+            w = trainers.call_one(0, "state")
+            ref = generators.put(w)
+            generators.call("load", ref)
+            ref.free()
+            del w
+
+        ways = {"gloo broadcast": broadcast, "handles": handles, "put": put}
+        for trial in range(-1, trials):  # trial -1: a warm-up of each way, untimed
+            for name in trial_order(list(ways), max(trial, 0)):
+                generators.call("reset")
+                settle()
+                began = clock()
+                ways[name]()
+                took = clock() - began
+                got = generators.call("checksum")
+                if not all(math.isclose(g, want, rel_tol=1e-12) for g in got):
+                    raise AssertionError(f"W12 {name}: generators' checksums {got}, "
+                                         f"the trainer's {want}")
+                if trial >= 0:
+                    out.setdefault(name, []).append(took)
+                print(f"  W12 {name}: {took:.3f} s{' (warm-up)' if trial < 0 else ''}",
+                      file=sys.stderr, flush=True)
+
+
+# -- report -------------------------------------------------------------------------------
+
+
+def _table(title: str, rows: list[Row], columns: list[str]) -> None:
+    width = max(len(r.label) for r in rows)
+    cw = max(12, *(len(c) for c in columns))
+    print(title)
+    print(f"{'':<{width}}  {'unit':<8}  " + "  ".join(f"{c:>{cw}}" for c in columns))
+    for row in rows:
+        cells = [row.value(c) for c in columns]
+        print(f"{row.label:<{width}}  {row.unit:<8}  " + "  ".join(
+            f"{'-':>{cw}}" if v is None else f"{v:>{cw}.3f}" for v in cells))
+
+
+def _target(text: str, ok: bool | None) -> dict[str, Any]:
+    verdict = "SKIP" if ok is None else "PASS" if ok else "FAIL"
+    print(f"  {verdict}  {text}")
+    return {"target": text, "result": verdict}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.handoff",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    parser.add_argument("--only", default="W11,W12")
+    parser.add_argument("--no-ray", action="store_true")
+    args = parser.parse_args(argv)
+    only = set(args.only.split(","))
+    rounds, trials = (4, 1) if args.quick else (10, 3)
+    info = machine_info()
+    notes: list[str] = []
+    errors: list[str] = []
+    w11: dict[str, dict[str, Any]] = {}
+    w12: dict[str, list[float]] = {}
+
+    def attempt(where: str, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception as exc:  # reported; the run goes on
+            text = f"{where}: {type(exc).__name__}: {exc}".splitlines()[0][:300]
+            errors.append(text)
+            print(f"  ! {text}", file=sys.stderr, flush=True)
+
+    if "W11" in only:
+        print("W11 on the local backend ...", file=sys.stderr, flush=True)
+        attempt("W11 local", lambda: _w11_local(rounds, w11))
+    if "W12" in only:
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            notes.append("W12 skipped: torch is not installed")
+        else:
+            print("W12 ...", file=sys.stderr, flush=True)
+            attempt("W12", lambda: _w12(trials, w12))
+    if "W11" in only:
+        ray = None
+        if args.no_ray:
+            notes.append("W11 ray and phalanx-ray skipped: --no-ray")
+        else:
+            try:
+                import ray
+            except ImportError:
+                notes.append("W11 ray and phalanx-ray skipped: ray is not installed")
+        if ray is not None:
+            print("W11 on Ray ...", file=sys.stderr, flush=True)
+            ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+            try:
+                attempt("W11 ray", lambda: _w11_ray(rounds, w11))
+            finally:
+                ray.shutdown()
+
+    rows11 = [Row("W11.round", f"W11 round, {ARRAY_BYTES // MiB} MiB x 2 ranks", "s", "lower",
+                  raw={k: v["round_s"] for k, v in w11.items()}),
+              Row("W11.rss", f"W11 controller RSS growth, {rounds} rounds", "MiB", "lower",
+                  raw={k: [sum(v["rss_delta_mib"])] for k, v in w11.items()})]
+    size_gb = TENSORS * TENSOR_BYTES / 1e9
+    rows12 = [Row("W12.time", f"W12 {TENSORS * TENSOR_BYTES // MiB} MiB to 2 generators", "s",
+                  "lower", raw=dict(w12)),
+              Row("W12.rate", "W12 effective rate (size x 2 / time)", "GB/s", "higher",
+                  raw={k: [2 * size_gb / t for t in v] for k, v in w12.items()})]
+    targets = []
+    if w11:
+        _table(f"W11 (median over {rounds} rounds)", rows11, list(W11_WAYS))
+    if w12:
+        print()
+        _table(f"W12 (median over {trials} trials)", rows12, list(W12_WAYS))
+    print("\nTargets")
+    if "W11" in only:
+        t, r = rows11[0], rows11[1]
+        h, c, y = t.value("handles"), t.value("controller"), t.value("ray")
+        targets.append(_target("W11: handles faster than Ray's object refs",
+                               None if h is None or y is None else h < y))
+        targets.append(_target("W11: handles >= 3x faster than through the controller",
+                               None if h is None or c is None else c >= 3 * h))
+        growth = r.value("handles")
+        targets.append(_target("W11: controller RSS growth with handles < 16 MiB",
+                               None if growth is None else growth < 16))
+    for note in notes:
+        print(f"note: {note}")
+    for error in errors:
+        print(f"error: {error}")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({
+        "finished_unix_time": time.time(), "rounds": rounds, "trials": trials,
+        "machine": info, "load_avg_at_end": os.getloadavg(),
+        "rows": [{"key": row.key, "label": row.label, "unit": row.unit,
+                  "values": {n: row.value(n) for n in row.raw}, "raw": row.raw}
+                 for row in rows11 + rows12],
+        "w11_raw": w11, "targets": targets, "notes": notes, "errors": errors,
+    }, indent=1))
+    print(f"JSON: {args.json}")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
