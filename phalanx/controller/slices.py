@@ -133,6 +133,7 @@ class GroupSlice:
         output_is_replicated: Sequence[str] = (),
         dummy_calls_to_free_axes: bool = False,
         common_kwargs: Mapping[str, Any] | None = None,
+        keep: bool = False,
         **kwargs: Any,
     ) -> ShardedFuture:
         """``group.call_sharded`` over the slice's axes (data nested along those of
@@ -140,11 +141,12 @@ class GroupSlice:
         group = self._group
         group._check_open()
         group._check_method(method)
-        plan, keep = self._mesh.plan(in_sharded_axes, replicate_on_axes,
+        plan, kept = self._mesh.plan(in_sharded_axes, replicate_on_axes,
                                      output_is_replicated, dummy_calls_to_free_axes)
         ranks, payloads = Mesh.payloads(plan, args, kwargs, common_kwargs,
                                         group._ranks.checked, group._encode)
-        return ShardedFuture(group._send(method, ranks, payloads), plan.result_ranks, keep)
+        future = group._send(method, ranks, payloads, keep=keep)
+        return ShardedFuture(future, plan.result_ranks, kept)
 
     def __getattr__(self, name: str) -> MethodProxy:
         group = self.__dict__.get("_group")

@@ -12,7 +12,6 @@ import os
 import socket
 import sys
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 from phalanx.errors import FrameworkNotInstalled
 from phalanx.world.frameworks import Framework
@@ -144,17 +143,3 @@ def without_own_install(sys_path: Sequence[str]) -> tuple[str, ...]:
         return any(real == p or real.startswith(p.rstrip(os.sep) + os.sep) for p in own)
 
     return tuple(entry for entry in sys_path if not installed(entry))
-
-
-def machine_id() -> str:
-    """This machine and mount namespace: equal for processes that see the same files (a
-    controller then knows its cwd and sys.path mean something on an agent's node), distinct
-    per pod."""
-    parts = []
-    for path, read in (("/proc/sys/kernel/random/boot_id", Path.read_text),
-                       ("/proc/self/ns/mnt", lambda p: os.readlink(p))):
-        try:
-            parts.append(str(read(Path(path))).strip())
-        except OSError:
-            parts.append(socket.gethostname())
-    return ":".join(parts)

@@ -66,8 +66,9 @@ from phalanx.errors import (
     QuorumTimeout,
     VersionMismatch,
 )
-from phalanx.node.machine import machine_id, require_interpreter, without_own_install
+from phalanx.node.machine import require_interpreter, without_own_install
 from phalanx.output.logs import LogPump, OutputOptions
+from phalanx.wire.memfd import machine_id
 from phalanx.world.layout import Layout
 
 logger = logging.getLogger(__name__)

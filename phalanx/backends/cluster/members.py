@@ -31,8 +31,8 @@ from phalanx.backends.cluster import messages as agentwire
 from phalanx.backends.cluster import tree as agenttree
 from phalanx.backends.cluster.link import AgentLink, AgentNode, Dialer, parse_host
 from phalanx.errors import MembershipEvent, NodeInfo, PhalanxError
-from phalanx.node.machine import machine_id
 from phalanx.wire import framing
+from phalanx.wire.memfd import machine_id
 
 logger = logging.getLogger(__name__)
 

@@ -50,8 +50,9 @@ from phalanx import __version__, config
 from phalanx.backends.cluster.agent.ranks import Session
 from phalanx.backends.cluster.token import read_token as read_token  # for the CLI
 from phalanx.errors import AuthenticationError
-from phalanx.node.machine import machine_id, visible_gpus
+from phalanx.node.machine import visible_gpus
 from phalanx.wire import handshake, seal
+from phalanx.wire.memfd import machine_id
 
 logger = logging.getLogger(__name__)
 
