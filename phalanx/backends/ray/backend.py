@@ -68,6 +68,7 @@ from phalanx.backends.ray.relay import RelayChannel
 from phalanx.backends.ray.store import RayShares
 from phalanx.errors import StartupError
 from phalanx.node import shm
+from phalanx.node.machine import pick_free_ports
 from phalanx.output import console
 from phalanx.output.logs import LogPump, OutputOptions
 from phalanx.wire import framing, handshake, protocol
@@ -412,7 +413,10 @@ class RayBackend(Backend):
         return b
 
     def ports(self, node: Node, count: int) -> list[int]:
-        """Asked of the node's first actor (the first thing that waits for it to start)."""
+        """Asked of the node's first actor (the first thing that waits for it to start);
+        on this machine, picked here (the ranks' starts need not wait for that actor)."""
+        if node.same_host:
+            return pick_free_ports(node.address, count)
         ray = self._ray
         b = self._live_bundle(self._first_rank[node.index])
         try:
