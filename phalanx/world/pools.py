@@ -73,6 +73,9 @@ def layout_on(slots: Sequence[PoolSlot], nodes: int | None,
             raise ValueError(f"procs_per_node={list(counts)} gives {len(counts)} nodes but "
                              f"nodes={nodes}")
     elif procs_per_node is None:
+        if nodes is not None and nodes > len(have):
+            raise ValueError(f"nodes={nodes} does not fit the pool's slots, on {len(have)} "
+                             f"node(s) ({have} per node)")
         counts = have[:nodes]
     else:
         counts = [procs_per_node] * (len(have) if nodes is None else nodes)
