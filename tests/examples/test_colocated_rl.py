@@ -21,19 +21,14 @@ def _run(*options: str) -> subprocess.CompletedProcess:
          *options], capture_output=True, text=True, timeout=180, cwd=REPO)
 
 
-def test_colocated_rl_example_learns_and_keeps_the_generators_in_step():
-    done = _run()
+def test_colocated_rl_example_learns_with_the_generators_in_their_own_interpreter(tmp_path):
+    """The generators run a second venv with phalanx installed into it (as an editable
+    install does: a ``.pth`` naming the repository and this venv's packages); without
+    ``--python`` they would run this interpreter, the path every other test takes."""
+    python = make_venv(tmp_path / "gen-env", str(REPO), sysconfig.get_paths()["purelib"])
+    done = _run("--python", python)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "policy and generators ready" in done.stdout
     first, last = (float(x) for x in
                    done.stdout.split("mean reward ")[-1].split(" (chance")[0].split(" -> "))
     assert last > first and last > 0.4, done.stdout[-1500:]
-
-
-def test_the_generators_run_their_own_interpreter(tmp_path):
-    """A second venv with phalanx installed into it (as an editable install does: a
-    ``.pth`` naming the repository and this venv's packages)."""
-    python = make_venv(tmp_path / "gen-env", str(REPO), sysconfig.get_paths()["purelib"])
-    done = _run("--python", python)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert "mean reward" in done.stdout
