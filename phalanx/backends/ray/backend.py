@@ -370,7 +370,6 @@ class RayBackend(Backend):
         return [seats[r] for group in groups for r in group]
 
     def _new_actor(self, b: Bundle, rank: int) -> None:
-        ray = self._ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from phalanx.backends.ray.actor import CONCURRENCY, RankActor, rank_runtime_env
@@ -401,7 +400,7 @@ class RayBackend(Backend):
         options["runtime_env"] = rank_runtime_env(self._actor_env, self._python)
         self._made_with[rank] = self._python
         actor_class = RelayedRankActor if self._relayed else RankActor
-        b.actor = ray.remote(actor_class).options(**options).remote()
+        b.actor = ray_session.remote_class(actor_class).options(**options).remote()
 
     def _live_bundle(self, rank: int) -> Bundle:
         """The rank's bundle with an actor that has not served yet: a new one (a fresh

@@ -24,6 +24,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from phalanx.backends.ray import session as ray_session
 from phalanx.errors import PhalanxError
 from phalanx.node import shm
 from phalanx.rank.shared import RAY_LOCATION  # in Ray's store: (id, owner, status, copy?)
@@ -153,7 +154,7 @@ class RayShares:
                 options["namespace"] = self._namespace
             if self._runtime_env is not None:
                 options["runtime_env"] = dict(self._runtime_env)
-            store = self._ray.remote(NodeStore).options(**options).remote()
+            store = ray_session.remote_class(NodeStore).options(**options).remote()
             self._stores[node_id] = store
         return store
 
