@@ -113,20 +113,27 @@ def main(argv: list[str] | None = None) -> int:
             from bench.cluster import _Agents
 
             agents = _Agents().__enter__()
+        by_key: dict[str, Row] = {}
+
+        def row(key: str, label: str, unit: str) -> Row:
+            if key not in by_key:
+                by_key[key] = Row(key, label, unit, "lower")
+                rows.append(by_key[key])
+            return by_key[key]
+
         for name in names:
             print(f"W13 on {name} ...", file=sys.stderr, flush=True)
             backend = _backend(name, agents)
             for label, values in _start(backend, trials).items():
-                rows.append(Row(f"W13.start.{name}.{label.strip()}", f"W13 start, {label}",
-                                "s", "lower", raw={name: values}))
+                row(f"W13.start.{label.strip()}", f"W13 start, {label}", "s").raw[name] = values
             lat = _slices(backend, trials)
             for label, values in lat.items():
-                rows.append(Row(f"W13.call.{name}.{label}", f"W13 no-op call, {label}",
-                                "us/call", "lower", raw={name: values}))
+                row(f"W13.call.{label}", f"W13 no-op call, {label}",
+                    "us/call").raw[name] = values
             for a, b in (("slice(dp=0)", "group, ranks 0-1"),
                          ("slice(dp=range(2))", "whole group")):
-                rows.append(Row(f"W13.slice_ratio.{name}.{a}", f"W13 {a} / {b}", "x", "lower",
-                                raw={name: [median(lat[a]) / median(lat[b])]}))
+                row(f"W13.slice_ratio.{a}", f"W13 {a} / {b}", "x").raw[name] = [
+                    median(lat[a]) / median(lat[b])]
     finally:
         if agents is not None:
             agents.__exit__()
