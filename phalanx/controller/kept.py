@@ -136,7 +136,8 @@ class KeptResults:
         self._encode = encode
         self._live: dict[int, set[KeptResult]] = {}  # rank -> its results with a handle
         self._to_drop: dict[int, list[int]] = {}  # rank -> call ids, not yet told
-        self._lock = threading.Lock()
+        # re-entrant: a handle's finalizer may run (the GC) while this thread holds it
+        self._lock = threading.RLock()
         self._wake = threading.Event()
         self._dropper: threading.Thread | None = None
         self._closed = False
