@@ -105,8 +105,10 @@ def read(location: tuple, producer: str) -> Any:
             raise ObjectLost(f"{producer} is lost: {exc}") from None
     machine, pid, fd, name, extents, capacity = location
     if machine != MACHINE:
-        raise ObjectLost(f"{producer} is kept on another machine; a rank reads kept "
-                         "results of its own machine only")
+        raise NotImplementedError(
+            f"{producer} is kept on another machine: a rank reads kept results of its own "
+            "machine (or Ray's object store) only; fetch it with .get() and pass the "
+            "value, or put() it")
     try:
         block = shared.map_block(pid, fd, name, capacity, False)
     except shared.NotShared as exc:
