@@ -97,8 +97,9 @@ def read(location: tuple, producer: str) -> Any:
     naming ``producer`` when it is gone."""
     if location[0] == shared.RAY_LOCATION:
         if not (IN_RAY_WORKER or _is_ray_driver()):
-            raise ObjectLost(f"{producer} is kept in Ray's object store, which only ranks on "
-                             "Ray (and the controller) can read")
+            raise NotImplementedError(
+                f"{producer} is kept in Ray's object store, which only ranks on Ray (and the "
+                "controller) can read; fetch it with .get() and pass the value")
         try:
             return shared._from_ray(0, location, False)
         except shared.NotShared as exc:
