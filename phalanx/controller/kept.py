@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from phalanx.controller.futures import GroupFuture
-from phalanx.controller.shared import CAPTURE
+from phalanx.controller.shared import CAPTURE, _size
 from phalanx.errors import ObjectFreed, ObjectLost
 from phalanx.rank import kept as rankkept
 
@@ -85,7 +85,7 @@ class ResultRef:
         is on this machine or on Ray; otherwise asked of the producing rank)."""
         self._owner.check(self._result, self)
         location = self._result.location
-        if location[0] == rankkept.shared.RAY_LOCATION or location[0] == rankkept.MACHINE:
+        if location[0] == rankkept.shared.RAY_LOCATION or location[0] == rankkept.machine():
             return rankkept.read(location, self._owner.describe(self._result))
         return self._owner.fetch(self._result, timeout)
 
@@ -111,13 +111,6 @@ class ResultRef:
         r = self._result
         state = ", freed" if r.freed else f", lost: {r.lost}" if r.lost else ""
         return f"<ResultRef {self._owner.describe(r)}: {_size(r.nbytes)}{state}>"
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} B"
 
 
 class KeptResults:

@@ -17,18 +17,27 @@ handles were freed: forget them; views other ranks hold keep their pages).
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from typing import Any
 
 from phalanx.errors import ObjectLost
 from phalanx.rank import shared
-from phalanx.wire import memfd, pickling
+from phalanx.wire import pickling
 
 KEEP = "~"  # a call's method name starts with it: keep its result here
 BUILTIN = "@"  # the name of a call phalanx's runtime serves itself
 IN_RAY_WORKER = False  # set when the rank runs in its Ray actor's worker (serve_in_actor)
-MACHINE = memfd.machine_id()
+
+
+@functools.cache
+def machine() -> str:
+    """This machine (:func:`phalanx.wire.memfd.machine_id`), asked once, on first use: a
+    rank that never keeps or reads a result does not pay for it at start-up."""
+    from phalanx.wire import memfd
+
+    return memfd.machine_id()
 
 
 class Kept:
@@ -47,13 +56,14 @@ class Kept:
             import ray
 
             held = ray.put([numpy.frombuffer(p, numpy.uint8) for p in parts])
-            core = ray._private.worker.global_worker.core_worker
-            _, owner, status = core.serialize_object_ref(held)
-            location: tuple = (shared.RAY_LOCATION, held.binary(), owner, status)
+            location: tuple = shared.ray_location(held)
         else:
+            from phalanx.wire import memfd
+
             block, extents = memfd.Block.holding(parts)
             held = (block, extents)
-            location = (MACHINE, os.getpid(), block.fd, block.token, extents, block.capacity)
+            location = (machine(), os.getpid(), block.fd, block.token, extents,
+                        block.capacity)
         with self._lock:
             self._held[call_id] = held
         return pickling.dumps_fast((nbytes, location))
@@ -66,11 +76,9 @@ class Kept:
             raise ObjectLost(f"no result of call {call_id} is kept on this rank")
         if isinstance(held, tuple):
             block, extents = held
-            return read((MACHINE, os.getpid(), block.fd, block.token, extents,
+            return read((machine(), os.getpid(), block.fd, block.token, extents,
                          block.capacity), f"the result of call {call_id}")
-        import ray
-
-        return _rebuild(ray.get(held))
+        return read(shared.ray_location(held), f"the result of call {call_id}")
 
     def drop(self, call_ids: list[int]) -> None:
         """Forget these results (``@drop``): their blocks close once no view maps them."""
@@ -104,8 +112,8 @@ def read(location: tuple, producer: str) -> Any:
             return shared._from_ray(0, location, False)
         except shared.NotShared as exc:
             raise ObjectLost(f"{producer} is lost: {exc}") from None
-    machine, pid, fd, name, extents, capacity = location
-    if machine != MACHINE:
+    _, pid, fd, name, extents, capacity = location
+    if location[0] != machine():
         raise NotImplementedError(
             f"{producer} is kept on another machine: a rank reads kept results of its own "
             "machine (or Ray's object store) only; fetch it with .get() and pass the "
@@ -115,11 +123,6 @@ def read(location: tuple, producer: str) -> Any:
     except shared.NotShared as exc:
         raise ObjectLost(f"{producer} is lost: {exc} (the rank that made it is gone)") from None
     return shared._unpickle(block, extents, False, [])
-
-
-def _rebuild(parts: list[Any]) -> Any:
-    head, *rest = parts
-    return pickling.loads([memoryview(head), *(memoryview(p) for p in rest)])
 
 
 def _is_ray_driver() -> bool:

@@ -159,6 +159,17 @@ def _in_use(owners: Any) -> bool:
     return any(sys.getrefcount(owners[i]) > 2 for i in range(len(owners)))
 
 
+def ray_location(ref: Any) -> tuple:
+    """Where a Ray worker of the same cluster finds the object of ``ref``: its id and its
+    owner, serialized without pinning it (as the plain pickling of a reference would);
+    the owner keeps it as long as it holds ``ref``. Read back by :func:`_from_ray`."""
+    import ray
+
+    core = ray._private.worker.global_worker.core_worker
+    _, owner, status = core.serialize_object_ref(ref)
+    return (RAY_LOCATION, ref.binary(), owner, status)
+
+
 def _from_ray(ref_id: int, location: tuple, private: bool) -> Any:
     """An object in Ray's store, this process being a Ray worker of the controller's
     cluster: its buffers are read-only views of the node's store (objects whose views

@@ -2,11 +2,11 @@
 
 ``share`` puts the object's pickle and buffers into Ray's object store once
 (``ray.put``). A rank that runs in its actor's Ray worker (the usual case) is told the
-reference (its id and owner, :data:`RAY_LOCATION`) and reads it with ``ray.get`` from
-its node's object store: Ray moves the bytes to each node once, and the rank's arrays
-are views of the store's memory, with no copy (:mod:`phalanx.rank.shared`). The
-controller holds the reference until the object is freed; a rank's views keep their
-pages after that, as Ray's own do.
+reference (its id and owner: :func:`phalanx.rank.shared.ray_location`) and reads it with
+``ray.get`` from its node's object store: Ray moves the bytes to each node once, and the
+rank's arrays are views of the store's memory, with no copy. The controller holds the
+reference until the object is freed; a rank's views keep their pages after that, as
+Ray's own do.
 
 An object whose views must be writable (a call's own arguments, torch tensors), and
 every object for a rank in a process of its own (``framework="ray"``, or relayed: a
@@ -27,7 +27,7 @@ from typing import Any
 from phalanx.backends.ray import session as ray_session
 from phalanx.errors import PhalanxError
 from phalanx.node import shm
-from phalanx.rank.shared import RAY_LOCATION  # in Ray's store: (id, owner, status, copy?)
+from phalanx.rank.shared import ray_location
 from phalanx.wire import protocol
 
 logger = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class RayShares:
             else:
                 by_node.setdefault(node_of(channel), []).append(channel)
         if direct:
-            location = self._ray_location(data)
+            location = ray_location(data)  # the controller holds data until freed
             for channel in direct:
                 channel.send(protocol.share_frame(channel.rank, obj.id, obj.token, location))
         if not by_node:
@@ -110,14 +110,6 @@ class RayShares:
             location = self._held[(obj.id, node_id)]
             for channel in on_node:
                 channel.send(protocol.share_frame(channel.rank, obj.id, obj.token, location))
-
-    def _ray_location(self, data: Any) -> tuple:
-        """Where a rank in a Ray worker finds ``data``: its id and its owner (this
-        process, which keeps the reference until the object is freed: nothing is pinned
-        beyond that, as the plain pickling of a reference would)."""
-        core = self._ray._private.worker.global_worker.core_worker
-        _, owner, status = core.serialize_object_ref(data)
-        return (RAY_LOCATION, data.binary(), owner, status)
 
     def unshare(self, obj: Any, channels: Sequence[Any]) -> None:
         with self._lock:
