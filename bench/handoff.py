@@ -180,18 +180,25 @@ def _w11_local(rounds: int, out: dict[str, dict[str, Any]]) -> None:
     with px.WorkerGroup(Producer, procs_per_node=2, echo_output=False) as producers, \
             px.WorkerGroup(Consumer, procs_per_node=2, echo_output=False) as consumers:
 
-        def handles(round_: int) -> list[float]:
-            refs = producers.call("make", round_, keep=True)
-            sums = consumers.map("consume", refs[::-1])
-            for ref in refs:
-                ref.free()
-            return sums
-
         def controller(round_: int) -> list[float]:
             values = producers.call("make", round_)
             return consumers.map("consume", values[::-1])
 
-        _rounds({"handles": handles, "controller": controller}, rounds, out)
+        _rounds({"handles": _by_handles(producers, consumers), "controller": controller},
+                rounds, out)
+
+
+def _by_handles(producers: Any, consumers: Any) -> Callable[[int], list[float]]:
+    """W11's handle way on any backend: kept results, each consumer given the other's."""
+
+    def handles(round_: int) -> list[float]:
+        refs = producers.call("make", round_, keep=True)
+        sums = consumers.map("consume", refs[::-1])
+        for ref in refs:
+            ref.free()
+        return sums
+
+    return handles
 
 
 def _w11_ray(rounds: int, out: dict[str, dict[str, Any]]) -> None:
@@ -217,14 +224,8 @@ def _w11_ray(rounds: int, out: dict[str, dict[str, Any]]) -> None:
                 del refs
                 return sums
 
-            def handles(round_: int) -> list[float]:
-                refs = producers.call("make", round_, keep=True)
-                sums = consumers.map("consume", refs[::-1])
-                for ref in refs:
-                    ref.free()
-                return sums
-
-            _rounds({"ray": raw, "phalanx-ray": handles}, rounds, out)
+            _rounds({"ray": raw, "phalanx-ray": _by_handles(producers, consumers)}, rounds,
+                    out)
     finally:
         for actor in actors_p + actors_c:
             ray.kill(actor)
