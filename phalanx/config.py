@@ -88,6 +88,11 @@ AGENT_MAX_ENV = 4096  # variables of one rank's environment, entries of its sys.
 # requests of one controller in progress at once (each waits on a thread of its own)
 AGENT_MAX_REQUESTS = 1024
 AGENT_MAX_HELD = 4096  # put objects one controller holds on a node (each a memfd)
+# Which processes may map each other's memory blocks (phalanx.wire.memfd.block_domain):
+# set on agents that stand for separate machines on one (tests, benchmarks), so that their
+# ranks pass kept results to each other as between machines, through the agents.
+ENV_BLOCK_DOMAIN = "PHALANX_BLOCK_DOMAIN"
+KEPT_COPY_TIMEOUT = 300.0  # s: for an agent to fetch a kept result from another's
 
 # Set by the controller for each worker (the framework-agnostic names are in frameworks.py).
 ENV_FD = "PHALANX_FD"  # file descriptor of the worker's control socket

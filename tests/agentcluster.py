@@ -1,5 +1,7 @@
 """Three ``phalanx agent`` daemons on this machine, on loopback addresses, for the cluster
-backend's tests: each node has an address of its own (127.0.0.2-4), as pods would.
+backend's tests: each node has an address of its own (127.0.0.2-4), as pods would, and a
+memory domain of its own (``PHALANX_BLOCK_DOMAIN``): a rank of one node never maps another
+node's blocks, so kept results cross between them as between machines, through the agents.
 
 They share one token (in a file only this user can read) and are started once per test
 run. While a group uses them, the ranks are the agents' descendants; once a test module's
@@ -44,9 +46,11 @@ def free_port(host: str) -> int:
 
 
 def start_agent(host: str, port: int, token_file: str, *extra: str,
-                store: str | None = None) -> subprocess.Popen:
+                store: str | None = None, domain: str | None = None) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO),
                                                          os.environ.get("PYTHONPATH", "")])}
+    if domain is not None:  # the node stands for a machine of its own (see the docstring)
+        env["PHALANX_BLOCK_DOMAIN"] = domain
     return subprocess.Popen(
         [sys.executable, "-m", "phalanx", "agent", "--host", host, "--port", str(port),
          "--token-file", token_file, "--no-http", "--heartbeat-timeout", "10",
@@ -69,7 +73,7 @@ def start(addresses: tuple[str, ...] = ADDRESSES) -> Agents:
         f.write(token)
     ports = [free_port(host) for host in addresses]
     store = os.path.join(os.path.dirname(token_file), f"phalanx-store-{os.getpid()}")
-    procs = [start_agent(host, port, token_file, store=store)
+    procs = [start_agent(host, port, token_file, store=store, domain=f"node-{host}")
              for host, port in zip(addresses, ports, strict=True)]
     hosts = [f"{host}:{port}" for host, port in zip(addresses, ports, strict=True)]
     deadline = time.monotonic() + START_TIMEOUT

@@ -218,6 +218,7 @@ class Backend(abc.ABC):
     opened = False
     shared_links = False  # whether its channels may share a link (see Channel.link)
     can_share = False  # whether it holds put objects on its nodes (share / unshare)
+    copies_kept = False  # whether its nodes copy other machines' kept results (copy_kept)
     # Told of every membership change (nodes lost, or joining and leaving a DNS name),
     # before the ranks of a lost node are reported dead; set by the group. Any thread.
     on_membership: Callable[[MembershipEvent], None] | None = None
@@ -325,6 +326,23 @@ class Backend(abc.ABC):
         (UNSHARE). Never waits for a node: it may run on the thread that ends calls."""
         if self.can_share:  # pragma: no cover - a bug
             raise NotImplementedError(f"the {self.name} backend shares but cannot unshare")
+
+    def source_of(self, channel: Channel) -> tuple[str, int] | None:
+        """Where the nodes of a backend that ``copies_kept`` fetch what ``channel``'s rank
+        keeps (its node agent's address); None where nodes do not fetch from each other."""
+        return None
+
+    def copy_kept(self, copy: Any, channels: Sequence[Channel]) -> None:
+        """Have each node of ``channels`` that cannot map the kept result ``copy.location``
+        (another machine than its producer's) hold a copy of it, fetched straight from the
+        producer's node (``copy.source``), and tell its ranks where it is (SHARE
+        ``copy.id``, before any later message to them). Raises, naming the node, when one
+        cannot. Only called where ``copies_kept``."""
+        raise NotImplementedError(f"the {self.name} backend does not copy kept results")
+
+    def release_copy(self, copy: Any) -> None:
+        """Free ``copy`` on every node holding it. Never waits for a node."""
+        return None
 
     def released(self, channel: Channel, ref_id: int) -> None:
         """A rank holds no view of freed object ``ref_id`` any more (RELEASED)."""

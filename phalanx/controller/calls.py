@@ -53,8 +53,13 @@ class Sender:
         self._shared = shared
         self._backend = backend
         self._call_ids = itertools.count(1)
-        self.kept: KeptResults = KeptResults("the group", self.send, self.encode)
+        self.kept: KeptResults = KeptResults("the group", self.send, self.encode,
+                                             self._source)
         self._polled = 0.0  # when send() last polled for deaths already in
+
+    def _source(self, rank: int) -> tuple | None:
+        channel = self._slots[rank].channel  # type: ignore[union-attr]
+        return None if channel is None else self._backend.source_of(channel)
 
     def encode(self, args: tuple, kwargs: dict, rank: int | None = None) -> list[Any]:
         """The payload of ``(args, kwargs)`` (``rank``: the one it is for, for messages)."""
@@ -103,7 +108,8 @@ class Sender:
         else:
             future = GroupFuture(method, ranks, self._dispatcher, tolerant)
         if CAPTURE.refs or CAPTURE.kept or (payloads and len(payloads[0]) > 1):
-            payloads = self._shared.prepare(future, payloads)
+            targets = [self._slots[r].channel for r in ranks] if CAPTURE.kept else ()
+            payloads = self._shared.prepare(future, payloads, [c for c in targets if c])
         if len(payloads) == 1 and len(ranks) > 1 and self._backend.shared_links:
             # one frame per node connection (an agent's), whatever its number of ranks
             deliver = functools.partial(self._deliver_shared, call_id, ranks, future,

@@ -49,6 +49,8 @@ class KeptResult:
     freed: bool = False
     dropped: bool = False  # the rank was told to forget it (or is gone)
     lost: str | None = None  # why it is gone, once its rank died
+    source: tuple | None = None  # its node, for nodes that copy it (Backend.source_of)
+    copies: list[Any] = dataclasses.field(default_factory=list)  # SharedObjects copying it
 
 
 class ResultRef:
@@ -99,7 +101,9 @@ class ResultRef:
             raise TypeError(f"{self!r} can only be passed in the arguments of a group's calls")
         self._owner.check(self._result, self)
         CAPTURE.kept.append(self)
-        return rankkept.read, (self._result.location, self._owner.describe(self._result))
+        result = self._result
+        return rankkept.read, (result.location, self._owner.describe(result),
+                               CAPTURE.owner.copy_of(result))
 
     def __copy__(self) -> ResultRef:
         return self
@@ -123,10 +127,12 @@ class KeptResults:
     """
 
     def __init__(self, label: str, send: Callable[..., GroupFuture],
-                 encode: Callable[..., list[Any]]) -> None:
+                 encode: Callable[..., list[Any]],
+                 source: Callable[[int], tuple | None] = lambda rank: None) -> None:
         self.label = label  # the group, in messages
         self._send = send
         self._encode = encode
+        self._source = source  # a rank -> its node, as other nodes fetch from it
         self._live: dict[int, set[KeptResult]] = {}  # rank -> its results with a handle
         self._to_drop: dict[int, list[int]] = {}  # rank -> call ids, not yet told
         # re-entrant: a handle's finalizer may run (the GC) while this thread holds it
@@ -137,7 +143,9 @@ class KeptResults:
 
     def adopt(self, rank: int, call_id: int, method: str, answer: tuple) -> ResultRef:
         nbytes, location = answer
-        result = KeptResult(rank, call_id, method, nbytes, tuple(location))
+        location = tuple(location)
+        source = None if location[0] == rankkept.shared.RAY_LOCATION else self._source(rank)
+        result = KeptResult(rank, call_id, method, nbytes, location, source=source)
         with self._lock:
             if self._closed:
                 result.freed = result.dropped = True
@@ -198,13 +206,16 @@ class KeptResults:
                 self._live.get(result.rank, set()).discard(result)
                 if not self._closed and result.lost is None:
                     self._to_drop.setdefault(result.rank, []).append(result.call_id)
+            copied = [r for r in results if r.copies]
             if not self._to_drop:
+                _release_copies(copied)
                 return
             if self._dropper is None:
                 self._dropper = threading.Thread(target=self._drop_loop, daemon=True,
                                                  name=f"phalanx-drop-{self.label}")
                 self._dropper.start()
         self._wake.set()
+        _release_copies(copied)
 
     def _drop_loop(self) -> None:
         while True:
@@ -225,23 +236,34 @@ class KeptResults:
     def lost(self, rank: int, why: str) -> None:
         """``rank`` died: its kept results went with it."""
         with self._lock:
-            for result in self._live.pop(rank, ()):
+            results = self._live.pop(rank, set())
+            for result in results:
                 result.lost = why
                 result.dropped = True
+        _release_copies(results)
 
     def close(self) -> None:
         """The group shuts down: every kept result goes with its rank."""
         with self._lock:
             self._closed = True
-            for results in self._live.values():
-                for result in results:
-                    result.freed = result.dropped = True
+            ended = [r for results in self._live.values() for r in results]
+            for result in ended:
+                result.freed = result.dropped = True
             self._live.clear()
             self._to_drop.clear()
         self._wake.set()  # the dropper ends
+        _release_copies(ended)
 
     def __len__(self) -> int:
         return sum(len(r) for r in self._live.values())
+
+
+def _release_copies(results: Any) -> None:
+    """Results gone: the groups whose nodes copied them drop their copies."""
+    for result in results:
+        copies, result.copies = result.copies, []
+        for consumer in copies:
+            consumer.drop_copy(result)
 
 
 class KeptFuture(GroupFuture):

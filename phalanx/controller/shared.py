@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from phalanx import config
-from phalanx.errors import ObjectFreed, SerializationError
+from phalanx.errors import ObjectFreed, ObjectLost, PhalanxError, SerializationError
 from phalanx.rank import shared as shmrank
 from phalanx.wire import pickling
 
@@ -69,6 +69,18 @@ class SharedObject:
     users: int = 0  # calls in flight that name it
     freed: bool = False  # no new call may name it
     released: bool = False  # the backend no longer holds it
+
+
+@dataclasses.dataclass(eq=False)
+class KeptCopy:
+    """A result kept on another group's rank, as this group's nodes of other machines
+    than the producer's hold it (``Backend.copy_kept``): a put object's id and token."""
+
+    id: int
+    token: str
+    location: tuple  # where the producer keeps it (phalanx.rank.kept)
+    source: tuple  # its producer's node, as the backend reaches it (Backend.source_of)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
 class ObjectRef:
@@ -154,6 +166,7 @@ class SharedObjects:
         self._channels = channels
         self._poll = poll
         self._objects: dict[int, SharedObject] = {}
+        self._copies: dict[Any, KeptCopy] = {}  # a KeptResult -> its copy on these nodes
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
         self._closed = False
@@ -250,10 +263,19 @@ class SharedObjects:
 
     # -- calls --------------------------------------------------------------------------
 
-    def prepare(self, future: GroupFuture, payloads: list[list[Any]]) -> list[list[Any]]:
-        """Before a call is sent: hold what its arguments name until it ends, and put its
-        arguments for the call if they are large (see AUTO_SHARE_BYTES)."""
+    def prepare(self, future: GroupFuture, payloads: list[list[Any]],
+                targets: Sequence[Channel] = ()) -> list[list[Any]]:
+        """Before a call to ``targets`` is sent: copy the kept results it names to those
+        of their nodes that are other machines than the producers', hold what its
+        arguments name until it ends, and put its arguments for the call if they are
+        large (see AUTO_SHARE_BYTES)."""
         refs = self.taken()
+        if _capture.kept and self._copies:
+            try:
+                self._copy(_capture.kept, targets)
+            except BaseException:
+                _capture.kept = []
+                raise
         transient = None
         if (len(payloads) == 1 and len(payloads[0]) > 1 and self._backend.can_share
                 and _nbytes(payloads[0][1:]) >= AUTO_SHARE_BYTES):
@@ -274,6 +296,44 @@ class SharedObjects:
         if transient is not None:
             transient.free()  # released once the call ends
         return payloads
+
+    # -- kept results of other machines ---------------------------------------------------
+
+    def copy_of(self, result: Any) -> tuple[int, str] | None:
+        """What a handle on kept ``result`` is pickled with for this group's ranks: the id
+        and token of the copy its nodes on other machines than the producer's hold
+        (None: this backend's nodes read every kept result where it is)."""
+        if not self._backend.copies_kept or result.source is None:
+            return None
+        with self._lock:
+            copy = self._copies.get(result)
+            if copy is None:
+                copy = self._copies[result] = KeptCopy(next(self._ids), secrets.token_hex(8),
+                                                       result.location, result.source)
+                result.copies.append(self)
+        return copy.id, copy.token
+
+    def _copy(self, kept: list[Any], targets: Sequence[Channel]) -> None:
+        for ref in {id(r._result): r for r in kept}.values():
+            copy = self._copies.get(ref._result)
+            if copy is None:
+                continue
+            with copy.lock:  # calls at once: one fetch per node
+                try:
+                    self._backend.copy_kept(copy, targets)
+                except PhalanxError as exc:
+                    raise ObjectLost(f"{ref._owner.describe(ref._result)} could not be "
+                                     f"fetched from its node: {exc}") from None
+
+    def drop_copy(self, result: Any) -> None:
+        """``result`` was freed or lost: the nodes holding a copy of it drop it."""
+        with self._lock:
+            copy = self._copies.pop(result, None)
+        if copy is not None and not self._closed:
+            try:
+                self._backend.release_copy(copy)
+            except Exception:  # a node gone meanwhile: its copy went with it
+                logger.exception("could not free the copy of a kept result")
 
     def unhold(self, objs: list[SharedObject]) -> None:
         """A call that named ``objs`` ended (every rank answered or was lost)."""
@@ -304,6 +364,7 @@ class SharedObjects:
         """The group shuts down: every object is freed, its ranks stopping anyway."""
         with self._lock:
             self._closed = True
+            self._copies.clear()  # they go with the ranks' nodes' sessions
             objects, self._objects = list(self._objects.values()), {}
             for obj in objects:
                 obj.freed = obj.released = True

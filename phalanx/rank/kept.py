@@ -8,7 +8,9 @@ here: pickled once (protocol 5) into an anonymous memory block of this process
 controller makes a handle of it (:class:`phalanx.controller.kept.ResultRef`). A rank whose
 call names the handle reads the value straight from here: on the same machine it maps the
 block through ``/proc/<pid>/fd/<n>`` (no copy: arrays are read-only views of it); on Ray
-it reads Ray's object store of its node. The controller never sees the bytes.
+it reads Ray's object store of its node; on an agent's node of another machine it maps
+the copy its agent fetched straight from the producer's agent. The controller never sees
+the bytes.
 
 Two built-in calls (names starting with :data:`BUILTIN`) serve the controller:
 ``@fetch`` (a kept value, for ``handle.get()`` from another machine) and ``@drop`` (the
@@ -33,11 +35,12 @@ IN_RAY_WORKER = False  # set when the rank runs in its Ray actor's worker (serve
 
 @functools.cache
 def machine() -> str:
-    """This machine (:func:`phalanx.wire.memfd.machine_id`), asked once, on first use: a
-    rank that never keeps or reads a result does not pay for it at start-up."""
+    """Whose blocks this process may map (:func:`phalanx.wire.memfd.block_domain`), asked
+    once, on first use: a rank that never keeps or reads a result does not pay for it at
+    start-up."""
     from phalanx.wire import memfd
 
-    return memfd.machine_id()
+    return memfd.block_domain()
 
 
 class Kept:
@@ -100,9 +103,11 @@ def builtin(name: str) -> Any:
     return {"@fetch": KEPT.fetch, "@drop": KEPT.drop}.get(name)
 
 
-def read(location: tuple, producer: str) -> Any:
+def read(location: tuple, producer: str, copy: tuple | None = None) -> Any:
     """A kept result, read where it is (what a handle unpickles to in a rank); ObjectLost
-    naming ``producer`` when it is gone."""
+    naming ``producer`` when it is gone. ``copy``: the id and token under which this
+    rank's node holds a copy of it, where the node is another machine than the
+    producer's (its agent fetched it from the producer's: see ``Backend.copy_kept``)."""
     if location[0] == shared.RAY_LOCATION:
         if not (IN_RAY_WORKER or _is_ray_driver()):
             raise NotImplementedError(
@@ -113,6 +118,12 @@ def read(location: tuple, producer: str) -> Any:
         except shared.NotShared as exc:
             raise ObjectLost(f"{producer} is lost: {exc}") from None
     _, pid, fd, name, extents, capacity = location
+    if location[0] != machine() and copy is not None:
+        try:
+            return shared.resolve(*copy)
+        except shared.NotShared as exc:
+            raise ObjectLost(f"{producer} is lost: this node's copy of it is gone "
+                             f"({exc})") from None
     if location[0] != machine():
         raise NotImplementedError(
             f"{producer} is kept on another machine: a rank reads kept results of its own "

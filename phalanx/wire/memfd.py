@@ -50,6 +50,13 @@ def machine_id() -> str:
     return ":".join(parts)
 
 
+def block_domain() -> str:
+    """Which processes may map each other's blocks: this machine (:func:`machine_id`), or
+    the domain ``$PHALANX_BLOCK_DOMAIN`` names -- set on agents that stand for separate
+    machines on one, whose ranks then pass kept results as between machines."""
+    return os.environ.get(config.ENV_BLOCK_DOMAIN) or machine_id()
+
+
 def extents_of(parts: Sequence[Any]) -> tuple[Extents, int]:
     """Where each part goes in a block, and the bytes they need in all."""
     extents = []

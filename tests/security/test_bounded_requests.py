@@ -258,8 +258,14 @@ def _segment_zero(kind: int, extra: bytes) -> bytes:
     (agentwire.request(agentwire.STOP, 1, [0]), "STOP with 1 fields (it has 3: ranks, grace"),
     (agentwire.request(99, 1), "a message of unknown kind 99"),
     (agentwire.request(protocol.RESULT, 1), "a message of unknown kind 2"),
+    (agentwire.request(agentwire.READ, 1, [1, 2]),
+     "READ block is list [1, 2], not (pid, fd, name, extents, capacity)"),
+    (agentwire.request(agentwire.READ, 1, [1, 3, "x", [[0, 100]], 64]),
+     "READ block: an extent is [0, 100], not (offset, length) within its 64 bytes"),
+    (agentwire.request(agentwire.COPY, 1, 5, "t", [1, 3, "x", [], 64], "h", 0, 1.0),
+     "COPY port is 0, under 1"),
 ], ids=["short-header", "pickled-fields", "wrong-type", "wrong-arity", "unknown-node-kind",
-        "unknown-rank-kind"])
+        "unknown-rank-kind", "read-fields", "read-extent", "copy-port"])
 def test_a_malformed_message_gets_a_fault_and_one_warning_without_traceback(
         agent, controller, frame, words):
     c = controller()
@@ -289,6 +295,19 @@ def test_a_malformed_frame_prefix_gets_a_fault_and_no_traceback(agent, controlle
     assert c.closed_by_agent()
     assert helpers.wait_until(lambda: words in agent.log_text(), 5)
     assert "Traceback" not in agent.log_text()
+
+
+def test_a_read_names_only_a_block_a_rank_keeps_not_any_descriptor(agent, controller):
+    # READ serves a kept result's memory block to another agent; a descriptor that is not
+    # one of phalanx's blocks (the agent's own stdin, a file) is refused, the session goes on
+    c = controller()
+    for pid, fd in ((agent.proc.pid, 0), (agent.proc.pid, 2), (1, 0)):
+        c.request(agentwire.READ, 7, [pid, fd, "0123456789abcdef", [[0, 8]], 4096])
+        kind, call_id, (ok, why) = c.next((agentwire.REPLY, agentwire.FAULT))
+        assert (kind, call_id, ok) == (agentwire.REPLY, 7, False), why
+        assert "the rank that kept it is gone" in why and "no longer holds it" in why, why
+    c.request(agentwire.PORTS, 8, 1)
+    assert c.next((agentwire.REPLY,))[2][0] is True
 
 
 def test_the_agent_still_serves_after_all_of_it(agent):

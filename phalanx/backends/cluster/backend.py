@@ -97,6 +97,7 @@ class ClusterBackend(Backend):
 
     name = "cluster"
     can_share = True
+    copies_kept = True
     shared_links = True
 
     def __init__(self, hosts: Sequence[str] | None = None, token: str | bytes | None = None,
@@ -478,6 +479,28 @@ class ClusterBackend(Backend):
                 agent.holding.discard(obj.id)
                 agent.link.send(agentwire.request(agentwire.DROP, 0, obj.id,
                                                   node=agent.tree_id))
+
+    def release_copy(self, copy: Any) -> None:
+        self.unshare(copy, ())  # a kept result's copy is held (and dropped) as a put object
+
+    def source_of(self, channel: Channel) -> tuple[str, int] | None:
+        agent = getattr(channel, "agent", None)
+        return None if agent is None else (agent.host, agent.port)
+
+    def copy_kept(self, copy: Any, channels: Sequence[Channel]) -> None:
+        """Each agent of ``channels`` on another machine than the producer's fetches the
+        result from the producer's agent (COPY, which READs it there) and holds it."""
+        host, port = copy.source
+        wait = config.KEPT_COPY_TIMEOUT
+
+        def fetch(agent: AgentNode) -> None:
+            agent.request(agentwire.COPY, copy.id, copy.token, list(copy.location[1:]), host,
+                          port, wait, timeout=wait + REQUEST_TIMEOUT)
+            agent.holding.add(copy.id)
+
+        _on_each([a for a in _by_agent(channels) if copy.id not in a.holding
+                  and a.welcome.get("blocks", a.welcome.get("machine")) != copy.location[0]],
+                 fetch, "phalanx-cluster-copy")
 
     def _stop(self, channels: list[Channel], *, grace: float, force: bool) -> None:
         for agent, ranks in _by_agent(channels).items():

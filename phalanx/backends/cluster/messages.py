@@ -26,6 +26,13 @@ One authenticated connection per node (:mod:`phalanx.wire.handshake`) carries, a
                                                                      hold for the node's ranks
                                                                      (phalanx.backends.cluster.agent.share)
                          DROP      (id,)                             it was freed; no reply
+                         COPY      (id, token, block, host, port,    fetch a kept result from
+                                    timeout)                         the agent at host:port
+                                                                     (READ) and hold it as
+                                                                     HOLD does
+    agent -> agent       READ      (block,)                          a rank's kept result:
+                                                                     the reply's payload is
+                                                                     its pickle and buffers
     agent -> controller  WELCOME   (node facts: host, gpus, machine, pid, version)
                          REPLY     (ok, value)                       to a request id
                          OUTPUT    (stream,)                         payload: bytes, rank
@@ -64,7 +71,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from phalanx import config
 from phalanx.wire import framing, protocol
@@ -82,6 +89,8 @@ TREE = 73
 ADOPT = 74
 HOLD = 75
 DROP = 76
+COPY = 77
+READ = 78
 WELCOME = 80
 REPLY = 81
 OUTPUT = 82
@@ -100,8 +109,19 @@ def request(kind: int, request_id: int, *fields: Any, payload: Sequence[Any] = (
     return framing.frame([protocol.header(kind, request_id, node, *fields), *payload])
 
 
+class WithPayload(NamedTuple):
+    """A request's answer with segments after its header (READ: a block's parts)."""
+
+    value: Any
+    payload: list[Any]
+
+
 def reply(request_id: int, ok: bool, value: Any) -> list[Any]:
-    """The agent's answer to request ``request_id``: a value, or (not ok) an error text."""
+    """The agent's answer to request ``request_id``: a value (or a :class:`WithPayload`),
+    or (not ok) an error text."""
+    if isinstance(value, WithPayload):
+        return framing.frame([protocol.header(REPLY, request_id, 0, ok, value.value),
+                              *value.payload])
     return framing.frame([protocol.header(REPLY, request_id, 0, ok, value)])
 
 
@@ -239,6 +259,26 @@ def _launch_options(kind: str, field: str, value: Any) -> None:
 
 _RANKS = _items("AGENT_MAX_RANKS", _integer())
 
+
+def _block(kind: str, field: str, value: Any) -> None:
+    """Where a rank keeps a result: (pid, fd, name, extents, capacity), as
+    :mod:`phalanx.rank.kept` says it (the extents: [offset, length] pairs)."""
+    if type(value) not in (list, tuple) or len(value) != 5:
+        raise Malformed(f"{kind} {field} is {type(value).__name__} {value!r:.80}, not "
+                        "(pid, fd, name, extents, capacity)")
+    pid, fd, name, extents, capacity = value
+    _integer(1)(kind, f"{field}: its pid", pid)
+    _integer()(kind, f"{field}: its descriptor", fd)
+    _TEXT(kind, f"{field}: its name", name)
+    _integer(1)(kind, f"{field}: its capacity", capacity)
+    _items("AGENT_MAX_FRAME_SEGMENTS")(kind, f"{field}: its extents", extents)
+    for extent in extents:
+        if (type(extent) not in (list, tuple) or len(extent) != 2
+                or not all(type(n) is int and 0 <= n for n in extent)
+                or extent[0] + extent[1] > capacity):
+            raise Malformed(f"{kind} {field}: an extent is {extent!r:.80}, not (offset, "
+                            f"length) within its {capacity} bytes")
+
 # Each request's name and fields, in order, with their checks.
 _REQUESTS: dict[int, tuple[str, tuple[tuple[str, _Check], ...]]] = {
     LAUNCH: ("LAUNCH", (("starts", _items("AGENT_MAX_RANKS", _start)),
@@ -257,6 +297,9 @@ _REQUESTS: dict[int, tuple[str, tuple[tuple[str, _Check], ...]]] = {
                       ("fanout", _integer(2, "AGENT_MAX_TREE")), ("timeout", _seconds))),
     HOLD: ("HOLD", (("id", _integer()), ("token", _TEXT), ("writable", _FLAG))),
     DROP: ("DROP", (("id", _integer()),)),
+    COPY: ("COPY", (("id", _integer()), ("token", _TEXT), ("block", _block), ("host", _TEXT),
+                    ("port", _integer(1)), ("timeout", _seconds))),
+    READ: ("READ", (("block", _block),)),
 }
 
 # The ranks' messages a controller sends through an agent.

@@ -52,7 +52,7 @@ from phalanx.backends.cluster.token import read_token as read_token  # for the C
 from phalanx.errors import AuthenticationError
 from phalanx.node.machine import visible_gpus
 from phalanx.wire import handshake, seal
-from phalanx.wire.memfd import machine_id
+from phalanx.wire.memfd import block_domain, machine_id
 
 logger = logging.getLogger(__name__)
 
@@ -323,6 +323,7 @@ class Agent:
         try:
             session.serve({"host": socket.gethostname(), "address": session.address,
                            "gpus": list(visible_gpus()), "machine": machine_id(),
+                           "blocks": block_domain(),
                            "pid": os.getpid(), "version": __version__, "cwd": os.getcwd()})
         finally:
             with self._lock:

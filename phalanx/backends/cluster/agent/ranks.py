@@ -13,7 +13,8 @@ controller:
   record (:meth:`phalanx.node.spawn.NodeRank.failure`), after its last frames and, for a
   moment (``config.OUTPUT_WAIT``), its last output.
 
-Put objects the controller sends (HOLD) are the session's :class:`NodeObjects`.
+Put objects the controller sends (HOLD), and copies of kept results fetched from other
+agents (COPY), are the session's :class:`NodeObjects`.
 
 Nothing from the controller is acted on before it is checked: the frame's size and segment
 count from its prefix (:class:`phalanx.wire.framing.FrameReader`), then its header and every
@@ -61,6 +62,7 @@ from phalanx.backends.cluster import codesync
 from phalanx.backends.cluster import messages as agentwire
 from phalanx.backends.cluster.agent.branch import GATHER_WINDOW, Branch, Relay
 from phalanx.backends.cluster.agent.share import NodeObjects
+from phalanx.backends.cluster.agent.share import read as read_kept
 from phalanx.node import spawn as node
 from phalanx.node.machine import pick_free_ports
 from phalanx.wire import framing, protocol, seal, streams
@@ -171,7 +173,7 @@ class Session:
         self._branch = Branch(Relay(self._writer, self._lock, self._wake.wake,
                                     node_timeout, self._send, self._queue,
                                     self._watch_child, self._unwatch), secret)
-        self._objects = NodeObjects(self._lock, self._node_ranks)
+        self._objects = NodeObjects(self._lock, self._node_ranks, secret, self._writer)
 
     @property
     def tree_id(self) -> int:
@@ -402,7 +404,8 @@ class Session:
                     agentwire.STACKS: self._stacks, agentwire.PORTS: self._ports,
                     agentwire.WAIT: self._wait, agentwire.SYNC: self._sync,
                     agentwire.BLOBS: self._blobs, agentwire.TREE: self._tree,
-                    agentwire.ADOPT: self._branch.adopt, agentwire.HOLD: self._objects.hold}
+                    agentwire.ADOPT: self._branch.adopt, agentwire.HOLD: self._objects.hold,
+                    agentwire.COPY: self._objects.copy, agentwire.READ: read_kept}
         handler = handlers.get(kind)
         if handler is None:
             self._send(agentwire.reply(request_id, False, f"unknown request kind {kind}"))

@@ -7,17 +7,27 @@ and every rank started there later too; at most ``config.AGENT_MAX_HELD`` object
 each a descriptor of the agent's. DROP frees it: the ranks forget it (UNSHARE) and the
 block goes once no rank maps it. Blocks live only in the agent's memory: they end with
 the session, however it ends.
+
+A result kept on a rank of another machine (``keep=True``) comes the same way, but from
+the producer's node, not from the controller: COPY names the producer's agent and where
+its rank keeps the result; this agent connects to that one (the token proved both ways,
+as between the agents of a tree), READs the block's parts, and holds them as HOLD would,
+under the id the controller gave the copy. The agent that is read maps its rank's block
+(``/proc/<pid>/fd/<n>``) and sends its parts; it never unpickles them.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from phalanx import config
 from phalanx.backends.cluster import messages as agentwire
+from phalanx.backends.cluster import tree as agenttree
 from phalanx.node import shm
+from phalanx.rank import shared as rankshared
 from phalanx.wire import framing, protocol
 
 
@@ -29,10 +39,14 @@ class NodeObjects:
     object exactly once. A rank is anything with ``rank`` (its number) and ``conn``.
     """
 
-    def __init__(self, lock: threading.Lock, ranks: Callable[[], list[Any]]) -> None:
+    def __init__(self, lock: threading.Lock, ranks: Callable[[], list[Any]],
+                 secret: bytes | None = None,
+                 writer: framing.BacklogWriter | None = None) -> None:
         self._lock = lock
         self._ranks = ranks
         self._holder = shm.Holder()
+        self._secret = secret  # to reach other agents (COPY)
+        self._writer = writer
 
     def check_room(self, ref_id: int) -> None:
         """Before a HOLD starts: OverLimit if it would hold one object more than
@@ -56,6 +70,43 @@ class NodeObjects:
                 _send(rank, protocol.share_frame(rank.rank, ref_id, token, location))
         return written[0].capacity
 
+    def copy(self, ref_id: int, token: str, block: list, host: str, port: int,
+             timeout: float, payload: list[Any]) -> int:
+        """COPY: fetch a kept result from the agent at ``host:port`` (READ) and hold it as
+        object ``ref_id`` (see :meth:`hold`). The copy's size."""
+        if self._holder.where(ref_id) is not None:
+            return 0  # held already (another call named it meanwhile)
+        self.check_room(ref_id)
+        if self._secret is None:
+            raise RuntimeError("this agent cannot reach other agents (it has no token)")
+        where = f"the agent at {host}:{port}"
+        try:
+            joined = agenttree.connect_agent(host, port, self._secret, None, timeout,
+                                             own="the agent of the consuming node")
+        except OSError as exc:
+            raise RuntimeError(f"could not reach {where}: {exc}") from None
+        try:
+            joined.sock.settimeout(timeout)
+            conn = joined.connection(self._writer or framing.BacklogWriter())
+            conn.send(agentwire.request(agentwire.READ, 1, list(block)))
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                for segs in conn.reader.recv_frames(block=True):
+                    kind, request_id, _, extra = protocol.parse(segs[0])
+                    if kind == agentwire.FAULT:
+                        raise RuntimeError(f"{where} refused to READ: {extra[0]}")
+                    if kind != agentwire.REPLY or request_id != 1:
+                        continue  # its PINGs
+                    ok, value = extra
+                    if not ok:
+                        raise RuntimeError(f"{where} could not READ it: {value}")
+                    return self.hold(ref_id, token, False, segs[1:])
+            raise RuntimeError(f"{where} did not answer READ within {timeout:g} s")
+        except (OSError, framing.ConnectionLost) as exc:
+            raise RuntimeError(f"the connection to {where} failed during READ: {exc}") from None
+        finally:
+            joined.close()
+
     def drop(self, ref_id: int) -> None:
         """DROP: the object was freed."""
         with self._lock:
@@ -73,6 +124,18 @@ class NodeObjects:
 
     def close(self) -> None:
         self._holder.close()
+
+
+def read(block: list, payload: list[Any]) -> agentwire.WithPayload:
+    """READ: the parts of a block a rank of this node keeps a result in, as the reply's
+    payload (views of a mapping of it: sent without a copy here)."""
+    pid, fd, name, extents, capacity = block
+    try:
+        mapping = rankshared.map_block(pid, fd, name, capacity, False)
+    except rankshared.NotShared as exc:
+        raise LookupError(f"the rank that kept it is gone: {exc}") from None
+    view = memoryview(mapping)
+    return agentwire.WithPayload(len(extents), [view[o:o + n] for o, n in extents])
 
 
 def _send(rank: Any, frame: list[Any]) -> None:
