@@ -5,6 +5,10 @@
   the sum checked); 10 rounds, the median round time and the controller's RSS growth,
   four ways: ``keep=True`` handles, the values through the controller, raw Ray actors
   passing ``ObjectRef``s, and phalanx on Ray with ``keep=True``;
+- **W11 soak**: 1,000 handoffs of 64 MiB by handles (500 rounds of the 2 ranks, each
+  handle freed after its round), then what is still held: the controller's, producers'
+  and consumers' RSS growth, the machine's shared memory (``Shmem`` in
+  ``/proc/meminfo``: where memory blocks live) and the results the producers still keep;
 - **W12**, weights from trainers to generators: 1 GiB of a torch state dict (16 float32
   tensors of 64 MiB) from trainer rank 0 to the 2 generator ranks, three ways: a gloo
   broadcast in the joint world of ``px.rendezvous``, a ``keep=True`` handle, and
@@ -12,6 +16,7 @@
   its own tensors, and ends with the trainer's (a checksum).
 
     python -m bench.handoff [--quick] [--json PATH] [--only W11,W12] [--no-ray]
+                            [--soak HANDOFFS]
 
 Phase 1 measures the local backend with no Ray process running; phase 2 then starts a
 Ray of its own (``ray.init(address="local")``) and measures raw Ray actors and
@@ -62,6 +67,14 @@ class Producer:
     def pid(self) -> int:
         return os.getpid()
 
+    def rss(self) -> int:
+        return psutil.Process().memory_info().rss
+
+    def kept(self) -> int:
+        from phalanx.rank.kept import KEPT
+
+        return len(KEPT)
+
 
 class Consumer:
     def consume(self, array: Any) -> float:
@@ -71,6 +84,9 @@ class Consumer:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def rss(self) -> int:
+        return psutil.Process().memory_info().rss
 
 
 def _checksum(weights: dict[str, Any]) -> float:
@@ -201,6 +217,44 @@ def _by_handles(producers: Any, consumers: Any) -> Callable[[int], list[float]]:
     return handles
 
 
+def _shmem_mib() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("Shmem:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _w11_soak(handoffs: int, out: dict[str, float]) -> None:
+    """``handoffs`` results of 64 MiB from producers to consumers by handles; what is held
+    afterwards, against after a warm-up of 10 rounds (into ``out``)."""
+    import phalanx as px
+    from bench.handoff import Consumer, Producer
+
+    with px.WorkerGroup(Producer, procs_per_node=2, echo_output=False) as producers, \
+            px.WorkerGroup(Consumer, procs_per_node=2, echo_output=False) as consumers:
+        handles = _by_handles(producers, consumers)
+
+        def held() -> list[float]:
+            settle()
+            return [_rss_mib(), sum(producers.call("rss")) / MiB,
+                    sum(consumers.call("rss")) / MiB, _shmem_mib()]
+
+        for round_ in range(10):
+            _check_sums(handles(round_), round_)
+        before = held()
+        began = clock()
+        for round_ in range(handoffs // 2):
+            _check_sums(handles(round_), round_)
+        out["seconds"] = clock() - began
+        after = held()
+        for key, was, now in zip(("controller_rss", "producers_rss", "consumers_rss",
+                                  "shmem"), before, after, strict=True):
+            out[f"{key}_growth_mib"] = now - was
+        out["kept_after"] = sum(producers.call("kept"))
+        out["handoffs"] = handoffs // 2 * 2
+
+
 def _w11_ray(rounds: int, out: dict[str, dict[str, Any]]) -> None:
     import ray
 
@@ -309,7 +363,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     parser.add_argument("--only", default="W11,W12")
     parser.add_argument("--no-ray", action="store_true")
+    parser.add_argument("--soak", type=int, default=None, metavar="HANDOFFS",
+                        help="handoffs of the W11 soak (default 1000; 0 skips it; --quick: 0)")
     args = parser.parse_args(argv)
+    soak = (0 if args.quick else 1000) if args.soak is None else args.soak
     only = set(args.only.split(","))
     rounds, trials = (4, 1) if args.quick else (10, 3)
     info = machine_info()
@@ -317,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     errors: list[str] = []
     w11: dict[str, dict[str, Any]] = {}
     w12: dict[str, list[float]] = {}
+    w11_soak: dict[str, float] = {}
 
     def attempt(where: str, fn: Callable[[], None]) -> None:
         try:
@@ -329,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
     if "W11" in only:
         print("W11 on the local backend ...", file=sys.stderr, flush=True)
         attempt("W11 local", lambda: _w11_local(rounds, w11))
+        if soak:
+            print(f"W11 soak: {soak} handoffs ...", file=sys.stderr, flush=True)
+            attempt("W11 soak", lambda: _w11_soak(soak, w11_soak))
     if "W12" in only:
         try:
             import torch  # noqa: F401
@@ -366,6 +427,14 @@ def main(argv: list[str] | None = None) -> int:
     targets = []
     if w11:
         _table(f"W11 (median over {rounds} rounds)", rows11, list(W11_WAYS))
+    if w11_soak:
+        print(f"\nW11 soak: {w11_soak['handoffs']:.0f} handoffs of {ARRAY_BYTES // MiB} MiB by "
+              f"handles in {w11_soak['seconds']:.1f} s; held afterwards (growth, MiB): "
+              f"controller RSS {w11_soak['controller_rss_growth_mib']:+.1f}, producers' RSS "
+              f"{w11_soak['producers_rss_growth_mib']:+.1f}, consumers' RSS "
+              f"{w11_soak['consumers_rss_growth_mib']:+.1f}, shared memory "
+              f"{w11_soak['shmem_growth_mib']:+.1f}; results still kept: "
+              f"{w11_soak['kept_after']:.0f}")
     if w12:
         print()
         _table(f"W12 (median over {trials} trials)", rows12, list(W12_WAYS))
@@ -380,6 +449,11 @@ def main(argv: list[str] | None = None) -> int:
         growth = r.value("handles")
         targets.append(_target("W11: controller RSS growth with handles < 16 MiB",
                                None if growth is None else growth < 16))
+        if w11_soak:
+            left = max(w11_soak[k] for k in w11_soak if k.endswith("_growth_mib"))
+            targets.append(_target(f"W11 soak: {w11_soak['handoffs']:.0f} handoffs leave no "
+                                   "memory held (every growth < 64 MiB, nothing kept)",
+                                   left < ARRAY_BYTES / MiB and w11_soak["kept_after"] == 0))
     for note in notes:
         print(f"note: {note}")
     for error in errors:
@@ -391,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": [{"key": row.key, "label": row.label, "unit": row.unit,
                   "values": {n: row.value(n) for n in row.raw}, "raw": row.raw}
                  for row in rows11 + rows12],
-        "w11_raw": w11, "targets": targets, "notes": notes, "errors": errors,
+        "w11_raw": w11, "w11_soak": w11_soak, "targets": targets, "notes": notes, "errors": errors,
     }, indent=1))
     print(f"JSON: {args.json}")
     return 1 if errors else 0
