@@ -6,8 +6,9 @@
   four ways: ``keep=True`` handles, the values through the controller, raw Ray actors
   passing ``ObjectRef``s, and phalanx on Ray with ``keep=True``;
 - **W11 soak**: 1,000 handoffs of 64 MiB by handles (500 rounds of the 2 ranks, each
-  handle freed after its round), then what is still held: the controller's, producers'
-  and consumers' RSS growth, the machine's shared memory (``Shmem`` in
+  handle freed after its round), then what is still held once the ranks closed the
+  blocks they keep for reuse (``POOL_IDLE``): the controller's, producers' and consumers'
+  RSS growth, the machine's shared memory (``Shmem`` in
   ``/proc/meminfo``: where memory blocks live) and the results the producers still keep;
 - **W12**, weights from trainers to generators: 1 GiB of a torch state dict (16 float32
   tensors of 64 MiB) from trainer rank 0 to the 2 generator ranks, three ways: a gloo
@@ -230,6 +231,7 @@ def _w11_soak(handoffs: int, out: dict[str, float]) -> None:
     afterwards, against after a warm-up of 10 rounds (into ``out``)."""
     import phalanx as px
     from bench.handoff import Consumer, Producer
+    from phalanx.rank.kept import POOL_IDLE
 
     with px.WorkerGroup(Producer, procs_per_node=2, echo_output=False) as producers, \
             px.WorkerGroup(Consumer, procs_per_node=2, echo_output=False) as consumers:
@@ -247,6 +249,7 @@ def _w11_soak(handoffs: int, out: dict[str, float]) -> None:
         for round_ in range(handoffs // 2):
             _check_sums(handles(round_), round_)
         out["seconds"] = clock() - began
+        time.sleep(POOL_IDLE + 1)  # the ranks close the blocks they pooled for reuse
         after = held()
         for key, was, now in zip(("controller_rss", "producers_rss", "consumers_rss",
                                   "shmem"), before, after, strict=True):

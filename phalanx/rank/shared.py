@@ -43,9 +43,12 @@ class NotShared(LookupError):
     """A call named a shared object this rank has no location for."""
 
 
-def map_block(pid: int, fd: int, name: str, size: int, private: bool) -> mmap.mmap:
+def map_block(pid: int, fd: int, name: str, size: int, private: bool,
+              locked: bool = False) -> mmap.mmap:
     """Map another process's block: shared (handed out read-only), or ``private``
-    (copy-on-write: writes stay this process's own)."""
+    (copy-on-write: writes stay this process's own); ``locked``: holding the block's read
+    lock while the mapping lives (a kept result's block, which its holder reuses once no
+    reader holds that lock: :meth:`phalanx.wire.memfd.Block.unread`)."""
     import mmap
 
     path = f"/proc/{pid}/fd/{fd}"
@@ -60,7 +63,14 @@ def map_block(pid: int, fd: int, name: str, size: int, private: bool) -> mmap.mm
     try:
         block = mmap.mmap(file, size, flags=mmap.MAP_PRIVATE if private else mmap.MAP_SHARED,
                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
+        if locked:
+            from phalanx.wire.memfd import read_lock
+
+            read_lock(file, block)  # closes the descriptor with the mapping
+    except BaseException:
+        os.close(file)
+        raise
+    if not locked:
         os.close(file)
     try:  # map every page now, in one go, without copying any (MAP_POPULATE would copy)
         block.madvise(getattr(mmap, "MADV_POPULATE_READ", 22))

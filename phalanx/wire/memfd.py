@@ -50,6 +50,17 @@ def machine_id() -> str:
     return ":".join(parts)
 
 
+def read_lock(fd: int, mapping: mmap.mmap) -> None:
+    """Hold a shared ``flock`` on ``fd`` (a reader's own descriptor of a block) for as long
+    as ``mapping`` lives, then close ``fd``: the block's holder does not reuse it meanwhile
+    (:meth:`Block.unread`)."""
+    import fcntl
+    import weakref
+
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    weakref.finalize(mapping, os.close, fd).atexit = False
+
+
 def block_domain() -> str:
     """Which processes may map each other's blocks: this machine (:func:`machine_id`), or
     the domain ``$PHALANX_BLOCK_DOMAIN`` names -- set on agents that stand for separate
@@ -127,6 +138,20 @@ class Block:
         writable)``; ``release``: say RELEASED once no view of the object is left (a pooled
         block); ``writable``: its views must be writable (torch tensors)."""
         return os.getpid(), self.fd, self.token, extents, self.capacity, release, writable
+
+    def unread(self) -> bool:
+        """Whether no other process reads this block now: each reader holds a shared
+        ``flock`` on its own descriptor of it while it maps it (:func:`read_lock`), so
+        an exclusive one is refused while any does -- and a reader's end, however it
+        ends, releases its lock."""
+        import fcntl
+
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        return True
 
     def close(self) -> None:
         """Drop the holder's descriptor: the memory goes once no rank maps it any more."""

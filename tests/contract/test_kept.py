@@ -35,6 +35,18 @@ class Producer:
     def pid(self) -> int:
         return os.getpid()
 
+    def blocks(self) -> list[str]:
+        """The memory blocks this rank keeps its results in (none on Ray)."""
+        from phalanx.rank.kept import KEPT
+
+        return sorted(held[0].token for held in KEPT._held.values() if type(held) is tuple)
+
+    def pooled(self) -> list[str]:
+        """The blocks of dropped results this rank keeps for its next ones."""
+        from phalanx.rank.kept import KEPT
+
+        return sorted(block.token for _, block in KEPT._pool)
+
 
 class Consumer:
     def total(self, array) -> tuple[float, bool]:
@@ -51,6 +63,16 @@ class Consumer:
 
     def ping(self) -> str:
         return "pong"
+
+    def hold(self, array) -> float:
+        self.held = array  # a view the rank keeps after the call
+        return float(array.sum())
+
+    def held_sum(self) -> float:
+        return float(self.held.sum())
+
+    def release(self) -> None:
+        self.held = None
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +174,42 @@ def test_a_dead_producer_is_an_object_lost_error_and_the_consumers_go_on(backend
             refs[1].get()
         assert c.call("total", refs[0]) == [(100.0, False)]  # the other rank's is there
         assert c.call("ping") == ["pong"]
+
+
+def test_a_result_a_rank_still_holds_is_never_overwritten_by_the_next(groups):
+    producers, consumers = groups
+    first = producers.call("make", MIB, keep=True)
+    assert consumers.map("hold", first) == [1.0 * MIB, 2.0 * MIB]  # views kept by the ranks
+    held = producers.call("blocks")
+    del first
+    gc.collect()
+    assert wait_until(lambda: producers.call("kept") == [0, 0], 10)
+    again = producers.call("make", MIB, 5.0, keep=True)
+    assert consumers.map("total", again) == [(5.0 * MIB, False), (6.0 * MIB, False)]
+    assert consumers.call("held_sum") == [1.0 * MIB, 2.0 * MIB]  # what they hold is intact
+    now = producers.call("blocks")
+    assert all(not set(h) & set(n) for h, n in zip(held, now, strict=True)), (held, now)
+    consumers.call("release")
+    del again
+
+
+def test_a_block_no_one_reads_any_more_is_reused_for_the_next_result(groups, backend):
+    if backend == "ray":
+        pytest.skip("on Ray, results are kept in Ray's object store, not in blocks")
+    producers, consumers = groups
+    first = producers.call("make", MIB, keep=True)
+    consumers.map("total", first)  # read, and no view left
+    blocks = producers.call("blocks")
+    del first
+    gc.collect()
+    assert wait_until(lambda: producers.call("kept") == [0, 0], 10)
+    pooled = producers.call("pooled")
+    assert all(set(b) <= set(p) for b, p in zip(blocks, pooled, strict=True)), (blocks, pooled)
+    second = producers.call("make", MIB, 3.0, keep=True)
+    now = producers.call("blocks")  # pooled blocks, written again
+    assert all(len(n) == 1 and n[0] in p for n, p in zip(now, pooled, strict=True)), (now, pooled)
+    assert consumers.map("total", second) == [(3.0 * MIB, False), (4.0 * MIB, False)]
+    assert [float(r.get().sum()) for r in second] == [3.0 * MIB, 4.0 * MIB]
 
 
 def test_handles_cannot_be_put(groups):

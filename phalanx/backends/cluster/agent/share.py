@@ -131,7 +131,7 @@ def read(block: list, payload: list[Any]) -> agentwire.WithPayload:
     payload (views of a mapping of it: sent without a copy here)."""
     pid, fd, name, extents, capacity = block
     try:
-        mapping = rankshared.map_block(pid, fd, name, capacity, False)
+        mapping = rankshared.map_block(pid, fd, name, capacity, False, locked=True)
     except rankshared.NotShared as exc:
         raise LookupError(f"the rank that kept it is gone: {exc}") from None
     view = memoryview(mapping)
