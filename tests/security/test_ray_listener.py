@@ -14,7 +14,7 @@ machine.
   (0700, removed at shutdown): another user (nobody, when the tests run as root) cannot
   connect to it;
 - a rank's output across the network travels as frames sealed with its connection's keys
-  (``actor.SealedOutput``, checked by ``actor.OutputUnsealer`` in the controller's output
+  (``sealed.SealedOutput``, checked by ``sealed.OutputUnsealer`` in the controller's output
   pump): bytes injected into the connection end that stream, and no line of theirs is
   shown or logged.
 
@@ -38,8 +38,8 @@ import pytest
 
 import phalanx as px
 from phalanx import config
-from phalanx.backends.ray.actor import OutputUnsealer, SealedOutput
 from phalanx.backends.ray.channel import Listener
+from phalanx.backends.ray.sealed import OutputUnsealer, SealedOutput
 from phalanx.output.logs import LogPump, OutputOptions, log_path
 from phalanx.wire import framing, handshake, seal
 from tests.workers import Probe

@@ -11,10 +11,10 @@ arguments (:func:`share_ray_refs`: phalanx's pickling uses Ray's own reducer for
 controller asks the first actor of each node for free ports on it; then
 :meth:`RankActor.serve`, on the main thread:
 
-1. connects four streams back to the controller -- stdout, stderr, control, side -- each
-   proving the group's secret (:mod:`phalanx.wire.handshake`): over TCP, or over a Unix
-   socket when the controller runs on the same machine as the same user (which then hands
-   over a pair of pipes for the control stream);
+1. connects four streams back to the controller -- stdout, stderr, control, side -- at
+   once, each proving the group's secret (:mod:`phalanx.wire.handshake`): over TCP, or
+   over a Unix socket when the controller runs on the same machine as the same user
+   (which then hands over a pair of pipes for the control stream);
 2. starts the rank's warden (:mod:`phalanx.node.warden`, fork and exec), which holds the
    side stream: signals, stacks and stops reach the rank through it while user code runs,
    and it ends whatever the actor started if the actor is killed (``ray.kill``, Ray's
@@ -22,8 +22,9 @@ controller asks the first actor of each node for free ports on it; then
 3. becomes a child subreaper, applies the rank's environment to ``os.environ`` (Ray's own
    ``CUDA_VISIBLE_DEVICES`` for the bundle is kept), changes to its directory, points fds 1
    and 2 at the output streams (across the network, pipes to threads here that seal what
-   is written: :class:`SealedOutput`), so everything the rank and its subprocesses print
-   reaches the controller's output pump once (Ray's log forwarding never sees it);
+   is written: :mod:`phalanx.backends.ray.sealed`), so everything the rank and its
+   subprocesses print reaches the controller's output pump once (Ray's log forwarding
+   never sees it);
 4. runs the rank (:func:`phalanx.rank.runtime.serve_in_actor`) over the control stream
    (sealed across the network), ends what it left behind, restores the actor's output and
    signals, and returns the pid and exit status (``sys.exit(code)`` in user code: ``code``).
@@ -54,7 +55,6 @@ from phalanx.wire import handshake, seal
 
 CONCURRENCY = 1  # the direct RankActor: its methods run on the actor's main thread
 _RETRY_DELAY, _RETRY_DELAY_MAX = 0.05, 1.0  # seconds between tries of a cut-short handshake
-OUTPUT_CHUNK = 65536  # the most output bytes a sealed frame carries (a pipe's capacity)
 _FATAL_BY_DEFAULT = frozenset(
     int(s) for s in (signal.SIGHUP, signal.SIGQUIT, signal.SIGILL, signal.SIGABRT,
                      signal.SIGFPE, signal.SIGKILL, signal.SIGSEGV, signal.SIGPIPE,
@@ -157,89 +157,6 @@ def _control_stream(sock: socket.socket) -> tuple[int, ...]:
     if len(fds) != 2:
         raise ConnectionError("the controller did not hand over the rank's pipes")
     return tuple(fds)
-
-
-class SealedOutput:
-    """One output stream of a rank across the network: the rank writes to a pipe, and a
-    thread here sends what it reads as frames sealed with the connection's keys
-    (:mod:`phalanx.wire.seal`), so that nothing else that reaches the controller's socket
-    can pass for the rank's output (:class:`OutputUnsealer` checks them there). Ends, with
-    the connection, when every writer of the pipe has closed it."""
-
-    def __init__(self, sock: socket.socket, auth: seal.FrameAuth) -> None:
-        self._sock = socket.socket(fileno=os.dup(sock.fileno()))
-        self._sock.settimeout(None)
-        self._auth = auth
-        self._read_fd, self.write_fd = os.pipe()
-        self._thread = threading.Thread(target=self._relay, name="phalanx-output", daemon=True)
-
-    def start(self) -> None:
-        """Once the rank holds the write end: this process's copy is closed."""
-        os.close(self.write_fd)
-        self._thread.start()
-
-    def join(self, timeout: float) -> None:
-        self._thread.join(timeout)
-
-    def _relay(self) -> None:
-        from phalanx.wire import framing
-
-        try:
-            while data := os.read(self._read_fd, OUTPUT_CHUNK):
-                self._sock.sendall(b"".join(framing.seal_frames(framing.frame([data]),
-                                                                self._auth)))
-        except OSError:  # the controller is gone: nobody reads this output any more
-            pass
-        finally:
-            os.close(self._read_fd)
-            try:
-                self._sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            self._sock.close()
-
-
-class OutputUnsealer:
-    """The controller's side of a :class:`SealedOutput`: fed the bytes received, it returns
-    the output in the frames that passed their tags (``b""`` while a frame is incomplete),
-    and raises :class:`~phalanx.wire.streams.ConnectionLost` at the first that does not
-    (or that is malformed or larger than a :class:`SealedOutput` makes one): the stream
-    cannot be trusted from there on."""
-
-    def __init__(self, auth: seal.FrameAuth) -> None:
-        from phalanx.wire import framing
-
-        self._data: bytes = b""
-        self._pos = 0
-        self._auth = auth
-        self._reader = framing.FrameReader(self)  # type: ignore[arg-type]  # read_into: all
-        self._reader.limit = OUTPUT_CHUNK + 64  # the data, its tag and their lengths
-        self._reader.max_segments = 2
-
-    def read_into(self, buf: Any, nbytes: int, block: bool) -> int:
-        """The frame reader's stream: what :meth:`__call__` was fed."""
-        n = min(nbytes, len(self._data) - self._pos)
-        if n <= 0:
-            raise BlockingIOError
-        buf[:n] = self._data[self._pos:self._pos + n]
-        self._pos += n
-        return n
-
-    def __call__(self, data: bytes) -> bytes:
-        self._data, self._pos = data, 0
-        out = []
-        while self._pos < len(data):
-            before = self._pos
-            for segments in self._reader.recv_frames(block=False):
-                if not self._auth.check(segments):
-                    raise seal.FrameRejected(
-                        f"output frame {self._auth.received} failed authentication (forged, "
-                        "altered or out of order: something else wrote to the connection)")
-                out += segments[:-1]
-            if self._pos == before:  # pragma: no cover - a reader that took nothing
-                break
-        self._data = b""
-        return b"".join(out)
 
 
 def share_ray_refs() -> None:
@@ -410,11 +327,27 @@ class RankActor:
         already connected to this Ray cannot."""
         roles = (handshake.ROLE_STDOUT, handshake.ROLE_STDERR, handshake.ROLE_CONTROL,
                  handshake.ROLE_SIDE)
-        connected: list[tuple[socket.socket, seal.FrameAuth]] = []
+        made: list[Any] = [None] * len(roles)
+
+        def connect(i: int) -> None:  # the four handshakes at once: a rank's start waits less
+            try:
+                made[i] = _connect(controller, secret,
+                                   handshake.Hello(roles[i], rank, incarnation))
+            except BaseException as exc:  # noqa: BLE001 - raised below, on the main thread
+                made[i] = exc
+
+        threads = [threading.Thread(target=connect, args=(i,), daemon=True,
+                                    name="phalanx-connect") for i in range(1, len(roles))]
+        for thread in threads:
+            thread.start()
+        connect(0)
+        for thread in threads:
+            thread.join()
+        connected = [m for m in made if isinstance(m, tuple)]
         try:
-            for role in roles:
-                connected.append(_connect(controller, secret,
-                                          handshake.Hello(role, rank, incarnation)))
+            failed = [m for m in made if isinstance(m, BaseException)]
+            if failed:
+                raise failed[0]
             control = _control_stream(connected[2][0])
         except BaseException:
             for sock, _ in connected:
@@ -576,10 +509,12 @@ class _InActor:
             side.close()
         return _Notes(notes_w)
 
-    def _redirect_output(self) -> tuple[tuple[int, int], list[SealedOutput]]:
+    def _redirect_output(self) -> tuple[tuple[int, int], list[Any]]:
         """fds 1 and 2 to the rank's output streams: over a Unix socket the sockets
         themselves, across the network pipes to threads here that seal what is written.
         What the previous ones were (to restore), and the sealing threads."""
+        from phalanx.backends.ray.sealed import SealedOutput
+
         sealed = [SealedOutput(sock, auth) for sock, auth in self.connected[:2]
                   if sock.family != socket.AF_UNIX]
         targets = [sock.fileno() for sock, _ in self.connected[:2]] if not sealed \

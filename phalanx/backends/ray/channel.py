@@ -135,7 +135,7 @@ class RayChannel(Channel):
                 return
             if role != handshake.ROLE_CONTROL:
                 if auth is not None and sock.family != socket.AF_UNIX:
-                    from phalanx.backends.ray.actor import OutputUnsealer
+                    from phalanx.backends.ray.sealed import OutputUnsealer
 
                     self._decoders[role] = OutputUnsealer(auth)
                 self._outputs[role] = sock.detach()
