@@ -11,16 +11,33 @@ never the controller, and never another backend (each stands alone).
 
 from __future__ import annotations
 
-from phalanx.backends.base import (
-    Backend,
-    Boot,
-    Channel,
-    EventSink,
-    Link,
-    Node,
-    RankStart,
-    Receiver,
-)
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from phalanx.backends.base import (
+        Backend,
+        Boot,
+        Channel,
+        EventSink,
+        Link,
+        Node,
+        RankStart,
+        Receiver,
+    )
+
+_FROM_BASE = frozenset(("Backend", "Boot", "Channel", "EventSink", "Link", "Node",
+                        "RankStart", "Receiver"))
+
+
+def __getattr__(name: str) -> Any:
+    """The boundary's names, from :mod:`.base` on first use: the node side (a Ray rank's
+    actor, an agent) imports its backend's package without paying for the controller's
+    half of it."""
+    if name in _FROM_BASE:
+        from phalanx.backends import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 BACKENDS = ("local", "ray")
 
@@ -29,6 +46,8 @@ def create_backend(spec: str | Backend) -> Backend:
     """A fresh, unopened backend for one group: by name (``"local"``, ``"ray"``), or a copy
     of a configured one (``px.RayBackend(...)``), so one configuration serves many groups.
     ``ValueError`` naming the known backends otherwise."""
+    from phalanx.backends.base import Backend
+
     if isinstance(spec, Backend):
         return type(spec)(**spec.settings())
     if spec == "local":
