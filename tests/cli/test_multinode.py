@@ -450,10 +450,10 @@ def test_c10d_starts_with_min_nodes_once_the_last_call_passed(tmp_path, launcher
     [(["--nnodes", "3", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port",
        "{port}"],
       "root cause: the job could not start: node ranks 1, 2 never joined (joined: node 0 "
-      "from {host}) within 2 s"),
+      "from {host}) within 1 s"),
      (["--nnodes", "2:3", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:{port}"],
       "root cause: the job could not start: 1 more node needed for the minimum of 2 (joined: "
-      "{host}) within 2 s"),
+      "{host}) within 1 s"),
      (["--nnodes", "3", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port",
        "{port}"],
       "phalanx run: no launcher hosts the job at 127.0.0.1:{port}")],
@@ -465,7 +465,7 @@ def test_a_join_that_never_completes_fails_after_the_join_timeout(tmp_path, laun
     port = free_port()
     args = [arg.format(port=port) for arg in rendezvous]
     began = time.monotonic()
-    alone = launchers.start("alone", *args, "--rdzv-conf", "join_timeout=2", "-n", "1", show)
+    alone = launchers.start("alone", *args, "--rdzv-conf", "join_timeout=1", "-n", "1", show)
     assert launchers.wait(alone, timeout=STOP_WITHIN) == [1], launchers.describe()
     assert time.monotonic() - began < 10
     assert expected.format(port=port, host=socket.gethostname()) in alone.stderr, \
