@@ -31,7 +31,6 @@ stream is :class:`SideStream`.
 
 from __future__ import annotations
 
-import logging
 import os
 import select
 import signal
@@ -44,8 +43,6 @@ from typing import Any
 
 from phalanx.node import proctree
 from phalanx.wire import framing, protocol, seal, streams
-
-logger = logging.getLogger(__name__)
 
 # side stream kinds, apart from the control stream's (phalanx.wire.protocol: below 32)
 # controller -> warden, call id: the request's, answered with ANSWER
@@ -331,7 +328,9 @@ class SideStream:
                     elif kind == EXITED:
                         self._exited(*extra)
         except (framing.ConnectionLost, OSError, ValueError) as exc:
-            logger.debug("a rank's side stream ended: %s", exc)
+            import logging  # not at import: this process starts without it
+
+            logging.getLogger(__name__).debug("a rank's side stream ended: %s", exc)
         finally:
             with self._cond:
                 self._ended = True

@@ -30,7 +30,6 @@ fails ends the connection (:class:`~phalanx.wire.seal.FrameRejected`, a
 from __future__ import annotations
 
 import collections
-import logging
 import mmap
 import select
 import struct
@@ -40,8 +39,6 @@ from typing import Any
 from phalanx.wire.seal import PREHASH, TAG_SIZE, FrameAuth, VerifyingReader
 from phalanx.wire.streams import MAX_SEGMENTS as _MAX_SEGMENTS
 from phalanx.wire.streams import ConnectionLost, Stream, WakePipe
-
-logger = logging.getLogger(__name__)
 
 _PREFIX = struct.Struct("<IQ")
 _LEN = struct.Struct("<Q")

@@ -39,7 +39,6 @@ nothing else can write to them.
 
 from __future__ import annotations
 
-import logging
 import struct
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -49,7 +48,6 @@ from phalanx.wire.streams import ConnectionLost
 if TYPE_CHECKING:
     from phalanx.wire.framing import FrameReader
 
-logger = logging.getLogger(__name__)
 
 TAG_SIZE = 16
 PREHASH = 8 * 1024  # segments this large enter a tag as their GMAC (faster from here)
@@ -212,7 +210,10 @@ class VerifyingReader:
                 self._rejected = FrameRejected(
                     f"frame {number} from the peer failed authentication (altered, forged "
                     "or out of order: something between the two ends wrote to the stream)")
-                logger.warning("closing a connection%s: %s", self._where, self._rejected)
+                import logging  # not at import: a rank's warden starts without it
+
+                logging.getLogger(__name__).warning("closing a connection%s: %s",
+                                                    self._where, self._rejected)
                 raise self._rejected
             segs.pop()
         return frames
