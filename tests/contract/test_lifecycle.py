@@ -54,7 +54,9 @@ def test_a_call_to_a_rank_dead_before_it_was_sent_says_so(make_group, ranks):
     pids = group.call("pid")
     ranks.kill(group, 1, wait=False)
     assert helpers.wait_dead(pids[1])
-    time.sleep(1.5)  # its death reaches the controller (on Ray too); no call waits on it
+    # its death reaches the controller (on Ray too); no call waits on it
+    assert helpers.wait_until(lambda: not group.health()[1].alive, 10), \
+        "the group did not learn of rank 1's death within 10 s"
     # Either the call learns of the death as it is sent, or the watchdog's poll (once a
     # second) did before and the call is refused; never "died while running pid()".
     with pytest.raises(WorkerDied, match=rf"^rank 1 \(node 0, pid {pids[1]}\) "
