@@ -744,8 +744,21 @@ def test_a_rank_ending_with_os_exit_0_has_succeeded(tmp_path):
         import os
         import time
 
-        if os.environ["RANK"] == "1":
-            time.sleep(1.5)  # still working when rank 0 is gone
+        if os.environ["RANK"] == "0":
+            with open("rank0.tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.replace("rank0.tmp", "rank0.pid")
+        else:  # still working when rank 0 is gone (waited for, 10 s at most)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                try:
+                    with open("rank0.pid") as f:
+                        os.kill(int(f.read()), 0)
+                except FileNotFoundError:
+                    pass
+                except ProcessLookupError:
+                    break
+                time.sleep(0.02)
             print("rank 1 finished", flush=True)
         os._exit(0)  # skipping interpreter teardown, as jobs do to avoid slow exits
     """)
@@ -761,7 +774,7 @@ def test_threads_the_program_left_running_are_waited_for(tmp_path):
         import time
 
         def upload():
-            time.sleep(1.0)
+            time.sleep(0.3)  # the main thread has long returned by then
             with open("uploaded", "w") as f:
                 f.write("done")
 
