@@ -12,9 +12,20 @@ from tests import helpers
 from tests.workers import NeedsTwoArguments, Probe
 
 
+@pytest.fixture(scope="module")
+def shared_group(backend):
+    with helpers.long_lived_group(Probe, procs_per_node=2, backend=backend,
+                                  echo_output=False) as group:
+        yield group
+
+
 @pytest.fixture
-def group(make_group):
-    return make_group(Probe, procs_per_node=2)
+def group(shared_group):
+    """The module's group, every rank alive (one a failed test left dead is recreated)."""
+    dead = [h.rank for h in shared_group.health() if not h.alive]
+    if dead:
+        shared_group.recreate(dead)
+    return shared_group
 
 
 def test_an_exception_whose_init_takes_two_arguments_is_rebuilt(group):
