@@ -77,7 +77,7 @@ class NodeObjects:
         if self._holder.where(ref_id) is not None:
             return 0  # held already (another call named it meanwhile)
         self.check_room(ref_id)
-        if self._secret is None:
+        if self._secret is None or self._writer is None:
             raise RuntimeError("this agent cannot reach other agents (it has no token)")
         where = f"the agent at {host}:{port}"
         try:
@@ -87,7 +87,7 @@ class NodeObjects:
             raise RuntimeError(f"could not reach {where}: {exc}") from None
         try:
             joined.sock.settimeout(timeout)
-            conn = joined.connection(self._writer or framing.BacklogWriter())
+            conn = joined.connection(self._writer)
             conn.send(agentwire.request(agentwire.READ, 1, list(block)))
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
