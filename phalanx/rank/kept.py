@@ -77,8 +77,7 @@ class Kept:
             extents, size = memfd.extents_of(parts)
             block = self._reusable(size) or memfd.Block(size)
             held = block.fill(parts, extents)
-            location = (machine(), os.getpid(), block.fd, block.token, extents,
-                        block.capacity)
+            location = _location(block, extents)
         with self._lock:
             self._held[call_id] = held
         return pickling.dumps_fast((nbytes, location))
@@ -91,8 +90,7 @@ class Kept:
             raise ObjectLost(f"no result of call {call_id} is kept on this rank")
         if isinstance(held, tuple):
             block, extents = held
-            return read((machine(), os.getpid(), block.fd, block.token, extents,
-                         block.capacity), f"the result of call {call_id}")
+            return read(_location(block, extents), f"the result of call {call_id}")
         return read(shared.ray_location(held), f"the result of call {call_id}")
 
     def drop(self, call_ids: list[int]) -> None:
@@ -145,6 +143,11 @@ class Kept:
 
 
 KEPT = Kept()
+
+
+def _location(block: Any, extents: list) -> tuple:
+    """Where a result kept in ``block`` of this process is, as :func:`read` takes it."""
+    return (machine(), os.getpid(), block.fd, block.token, extents, block.capacity)
 
 
 def builtin(name: str) -> Any:
