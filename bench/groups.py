@@ -23,7 +23,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from bench.util import Row, clock, settle
+from bench.util import Row, clock, compile_sources, settle
 
 BACKENDS = ("local", "ray", "cluster")
 CALLS = 400  # no-op calls per latency trial
@@ -93,6 +93,7 @@ def _backend(name: str, agents: Any) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
+    compile_sources()
     parser = argparse.ArgumentParser(prog="python -m bench.groups",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")

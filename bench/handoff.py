@@ -39,7 +39,7 @@ from typing import Any
 
 import psutil
 
-from bench.util import Row, clock, machine_info, settle, trial_order
+from bench.util import Row, clock, compile_sources, machine_info, settle, trial_order
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "handoff.json"
 MiB = 1 << 20
@@ -360,6 +360,7 @@ def _target(text: str, ok: bool | None) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    compile_sources()
     parser = argparse.ArgumentParser(prog="python -m bench.handoff",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")

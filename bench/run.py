@@ -23,6 +23,7 @@ from bench.util import (
     Errors,
     Row,
     clock,
+    compile_sources,
     cpu_snapshot,
     describe,
     machine_info,
@@ -216,6 +217,7 @@ def leftover_processes(before: set[int]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    compile_sources()
     sys.exit(run(parse_args(argv)))
 
 

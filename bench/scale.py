@@ -41,7 +41,7 @@ from typing import Any
 
 import psutil
 
-from bench.util import reap
+from bench.util import compile_sources, reap
 
 PROCESSES = 8
 FANOUT = 50
@@ -205,6 +205,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
+    compile_sources()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="10,100,1000")
     parser.add_argument("--calls", type=int, default=50)

@@ -183,6 +183,17 @@ def other_cpu_share(start: tuple[float, float, float], end: tuple[float, float, 
     return max(0.0, (end[1] - start[1]) - (end[2] - start[2])) / (end[0] - start[0])
 
 
+def compile_sources() -> None:
+    """Byte-compile phalanx and bench, as pip does for a phalanx it installs: with an
+    editable install where PYTHONDONTWRITEBYTECODE is set, every rank, warden and Ray
+    worker would compile them from source, and the start-up workloads would time that."""
+    import compileall
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for name in ("phalanx", "bench"):
+        compileall.compile_dir(os.path.join(root, name), quiet=1, workers=0)
+
+
 def machine_info() -> dict[str, Any]:
     info: dict[str, Any] = {
         "cpu_count": os.cpu_count(),
