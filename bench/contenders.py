@@ -129,9 +129,10 @@ class PhalanxContender(Contender):
 
 
 class PhalanxRayContender(PhalanxContender):
-    """phalanx on its Ray backend (a placement group, one actor per rank, the rank a child
-    of its actor); ``ray.init`` has been called by the runner, so the group joins that Ray.
-    W5 kills the rank's own process (``call_one(0, "pid")``), not its actor."""
+    """phalanx on its Ray backend (a placement group, one actor per rank, the rank running
+    in its actor's worker process); ``ray.init`` has been called by the runner, so the
+    group joins that Ray. W5 kills the rank's process (``call_one(0, "pid")``): its
+    actor's."""
 
     name = "phalanx-ray"
     backend = "ray"

@@ -37,7 +37,7 @@ from phalanx.wire import pickling
 
 KEEP = "~"  # a call's method name starts with it: keep its result here
 BUILTIN = "@"  # the name of a call phalanx's runtime serves itself
-IN_RAY_WORKER = False  # set when the rank runs in its Ray actor's worker (serve_in_actor)
+IN_RAY_WORKER = False  # set when the rank runs in its Ray actor's worker (start_in_actor)
 POOL_BLOCKS = 4  # dropped results' blocks a rank keeps for its next results
 POOL_IDLE = 2.0  # seconds a pooled block waits for a result before it is closed
 

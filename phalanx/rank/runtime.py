@@ -16,9 +16,10 @@ file descriptor is in ``PHALANX_FD``. It then
 exception is reported to the controller and the worker keeps serving.
 
 The same loop runs under every backend: it only needs a connected stream socket. On Ray
-it runs inside the rank's actor process instead (:func:`serve_in_actor`, called by
-:mod:`phalanx.backends.ray.actor` on the actor's main thread), which outlives the rank:
-there ``sys.exit(code)`` returns ``code`` rather than ending the process.
+it runs inside the rank's actor process instead (:func:`start_in_actor`, then
+:func:`finish`, called by :mod:`phalanx.backends.ray.actor` on the actor's main thread),
+which outlives the rank: there ``sys.exit(code)`` returns ``code`` rather than ending the
+process.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import inspect
 import os
 import select
 import signal
-import socket
 import struct
 import sys
 import threading
@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from phalanx import __version__, config
 from phalanx.rank import faults, kept
 from phalanx.rank import shared as shmrank
+from phalanx.rank.attach import open_stream
 from phalanx.rank.kept import BUILTIN, KEEP
 from phalanx.wire import framing, pickling, protocol, seal, streams
 
@@ -472,102 +473,81 @@ def _flush_and_exit(
     os._exit(code)
 
 
-def _open_stream(spec: str) -> streams.Stream:
-    """``pipe:R,W`` (local backend), ``socket:FD`` (a connected socket), or ``handoff:FD``
-    (started ahead of time: wait on that Unix socket for the rank's assignment)."""
-    kind, _, fds = spec.partition(":")
-    numbers = [int(fd) for fd in fds.split(",")]
-    for fd in numbers:
-        os.set_inheritable(fd, False)  # not for the user's subprocesses
-    if kind == "pipe":
-        return streams.PipeStream(numbers[0], numbers[1], blocking_reads=True)
-    if kind == "socket":
-        return streams.SocketStream(socket.socket(fileno=numbers[0]))
-    if kind == "handoff":
-        return _take_assignment(socket.socket(fileno=numbers[0]))
-    raise ValueError(f"{config.ENV_FD}={spec!r}: expected pipe:R,W, socket:FD or handoff:FD")
-
-
-def _take_assignment(sock: socket.socket) -> streams.Stream:
-    """Become a rank: receive its environment, cwd and connected sockets (control, stdout,
-    stderr) from the node side that started this process early (see
-    :class:`phalanx.node.spawn.PrestartedWorker`). Its end closing first means: not needed,
-    exit."""
-    import json  # only a process started ahead of its rank reads an assignment
-
-    head, fds, _, _ = socket.recv_fds(sock, 1 << 16, 4)
-    if not head:
-        os._exit(0)
-    size = struct.unpack_from("<I", head)[0]
-    data = bytearray(head[4:])
-    while len(data) < size:
-        more = sock.recv(size - len(data))
-        if not more:
-            os._exit(0)
-        data += more
-    sock.close()
-    assignment = json.loads(data)
-    count = assignment["control"]  # 1: a socket; 2: pipes (read end, write end)
-    control, (out, err) = fds[:count], fds[count:]
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.dup2(out, 1)
-    os.dup2(err, 2)
-    os.close(out)
-    os.close(err)
-    os.environ.update(assignment["env"])
-    if assignment.get("cwd"):
-        os.chdir(assignment["cwd"])
-    for fd in control:
-        os.set_inheritable(fd, False)
-    if count == 2:
-        return streams.PipeStream(control[0], control[1], blocking_reads=True)
-    return streams.SocketStream(socket.socket(fileno=control[0]))
-
-
-def run(conn: framing.Connection, runtime: WorkerRuntime, *, in_process: bool = False) -> int:
-    """Build the user object and serve until SHUTDOWN or end of stream; the exit status.
-    ``sys.exit`` in user code ends the process here (after the framework's cleanup), or,
-    ``in_process`` (a process that outlives its rank: a Ray actor), returns its code."""
+def _guarded(conn: framing.Connection, runtime: WorkerRuntime, step: Any,
+             in_process: bool) -> int | None:
+    """``step()``, or the exit status when the rank ends in it. ``sys.exit`` in user code
+    ends the process here (after the framework's cleanup), or, ``in_process`` (a process
+    that outlives its rank: a Ray actor), gives its code."""
     try:
-        if not runtime.initialise():
-            if not in_process:
-                _flush_and_exit(conn, 1, runtime=runtime)
-            code = 1
-        else:
-            code = runtime.serve()
+        return step()
     except _WorkerExit as exc:
         if not in_process:
             _flush_and_exit(conn, exc.code, runtime=runtime)
-        code = exc.code
+        return exc.code
     except framing.ConnectionLost:
-        code = 0
+        return 0
     except KeyboardInterrupt:  # SIGINT while idle (e.g. sent with group.send_signal): exit
-        code = 128 + signal.SIGINT
+        return 128 + signal.SIGINT
     except SystemExit:  # raised outside a call (a handler of the host process's)
         if in_process:
             runtime.cleanup()
             _drain(conn)
         raise
+
+
+def start(conn: framing.Connection, runtime: WorkerRuntime, *,
+          in_process: bool = False) -> int | None:
+    """Wait for INIT and build the user object: None once READY is sent, else the exit
+    status (the rank ended while starting)."""
+    def initialise() -> int | None:
+        if runtime.initialise():
+            return None
+        if not in_process:
+            _flush_and_exit(conn, 1, runtime=runtime)
+        return 1
+
+    return _guarded(conn, runtime, initialise, in_process)
+
+
+def finish(conn: framing.Connection, runtime: WorkerRuntime, code: int | None, *,
+           in_process: bool = False, first: Any = None) -> int:
+    """Serve until SHUTDOWN or end of stream (unless ``code``: the rank ended while
+    starting), after ``first()`` if given; then clean up. The exit status."""
+    def serve() -> int:
+        if first is not None:
+            first()
+        return runtime.serve()
+
+    if code is None:
+        code = _guarded(conn, runtime, serve, in_process)
     runtime.cleanup()
     _drain(conn)
     sys.stdout.flush()
     sys.stderr.flush()
-    return code
+    return code  # type: ignore[return-value]
 
 
-def serve_in_actor(conn: framing.Connection, stacks_fd: int | None = None) -> int:
-    """The rank run inside a process that outlives it (its Ray actor's, on the actor's main
-    thread): build the user object and serve ``conn`` until SHUTDOWN or end of stream;
-    the exit status (``sys.exit(code)`` in user code gives ``code``). The caller set up the
-    rank's environment, output and signals, and ends what the rank left behind; with
-    ``stacks_fd``, every thread's stack is dumped there on ``config.STACKS_SIGNAL``."""
+def run(conn: framing.Connection, runtime: WorkerRuntime, *, in_process: bool = False) -> int:
+    """Build the user object and serve until SHUTDOWN or end of stream; the exit status."""
+    return finish(conn, runtime, start(conn, runtime, in_process=in_process),
+                  in_process=in_process)
+
+
+def start_in_actor(conn: framing.Connection,
+                   stacks_fd: int | None = None) -> tuple[WorkerRuntime, int | None]:
+    """The rank started inside a process that outlives it (its Ray actor's, on the
+    actor's main thread): its runtime, and what :func:`start` gave. :func:`finish` (with
+    ``in_process=True``) serves it; there ``sys.exit(code)`` in user code gives ``code``.
+    The caller set up the rank's environment, output and signals, and ends what the rank
+    left behind; with ``stacks_fd``, every thread's stack is dumped there on
+    ``config.STACKS_SIGNAL``."""
     global _STARTED
     _STARTED = (time.monotonic(), 0.0)  # the process was there before the rank
     kept.IN_RAY_WORKER = True  # results it keeps go to Ray's object store
     if stacks_fd is not None:
         arm_stack_dumps(stacks_fd)
-    return run(conn, WorkerRuntime(conn), in_process=True)
+    runtime = WorkerRuntime(conn)
+    return runtime, start(conn, runtime, in_process=True)
 
 
 def _default_signals() -> None:
@@ -585,7 +565,7 @@ def main() -> None:
     arm_stack_dumps()
     parent = int(os.environ.pop(config.ENV_PARENT_PID, "0"))
     _check_parent(parent)
-    stream = _open_stream(os.environ.pop(config.ENV_FD))
+    stream = open_stream(os.environ.pop(config.ENV_FD))
     # a socket to the controller over the network (a Ray actor's connect-back) comes with
     # the keys of its handshake: every frame on it is sealed and checked (wire.seal)
     keys = os.environ.pop(config.ENV_FRAME_KEYS, None)

@@ -128,6 +128,41 @@ def test_ray_inside_a_rank_is_ray_inside_its_actor():
         assert v["cuda"] is not None and v["cuda"].split(",") == v["gpu_ids"]
 
 
+class BuiltWithRay(InActor):
+    """Keeps what Ray said while the user's constructor ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.built = self.ray_view()
+
+    def built_view(self) -> dict:
+        return self.built
+
+
+def test_the_constructor_sees_ray_as_the_methods_do():
+    # Node 0 (the controller's machine): each actor starts its rank in its own constructor.
+    # Node 1 (another address): its first actor is made ahead, to pick the node's ports,
+    # and starts its rank when the serve call comes. Users see no difference.
+    backend = px.RayBackend(resources_per_worker={"GPU": 1, "CPU": 1})
+    with px.WorkerGroup(BuiltWithRay, procs_per_node=[2, 1], backend=backend,
+                        echo_output=False) as group:
+        built = group.call("built_view", timeout=30)
+        now = group.call("ray_view", timeout=30)
+    assert built == now
+    assert all(v["actor_id"] and v["pg"] and len(v["gpu_ids"]) == 1 for v in built)
+
+
+def test_a_sigint_as_soon_as_the_group_is_ready_ends_the_idle_rank():
+    # The rank is ready once its constructor ran, which may be before Ray delivers the
+    # actor's serve call: a SIGINT for it waits for that call, then ends the idle rank with
+    # KeyboardInterrupt's exit status, as on every backend, not Ray's task loop.
+    with px.WorkerGroup(InActor, procs_per_node=2, backend="ray", echo_output=False) as group:
+        group.send_signal(signal.SIGINT, workers=[0])
+        assert helpers.wait_until(lambda: not group.health()[0].alive, 30, interval=0.05)
+        assert group.health()[0].exitcode == 128 + signal.SIGINT
+        assert group.call("pid", workers=[1], timeout=30)[0] > 0
+
+
 def test_an_object_ref_in_the_arguments_and_a_nested_task_in_the_group():
     ref = ray.put({"weights": [1, 2, 3]})
     with px.WorkerGroup(InActor, procs_per_node=2, backend="ray", echo_output=False) as group:

@@ -7,11 +7,14 @@ thread, and ``signal.signal`` in user code would fail). So Ray inside a rank is 
 an actor: ``ray.is_initialized()``, the actor's id, its node, the controller's job,
 ``ray.get_gpu_ids()`` (the bundle's GPUs, as ``CUDA_VISIBLE_DEVICES`` says),
 ``get_current_placement_group()`` (the group's), and ``ObjectRef``s travelling in a call's
-arguments (:func:`share_ray_refs`: phalanx's pickling uses Ray's own reducer for them). The
-controller asks the first actor of each node for free ports on it; then
-:meth:`RankActor.serve`, on the main thread:
+arguments (:func:`share_ray_refs`: phalanx's pickling uses Ray's own reducer for them).
 
-1. connects four streams back to the controller -- stdout, stderr, control, side -- at
+The controller makes each rank's actor when the rank launches, given its
+:class:`ActorStart`, and the actor's constructor starts the rank, on the main thread, with
+no second Ray call to wait for (an actor made earlier -- the first of a node on another
+machine, asked for the node's free ports -- does the same when its ``serve`` call comes):
+
+1. it connects four streams back to the controller -- stdout, stderr, control, side -- at
    once, each proving the group's secret (:mod:`phalanx.wire.handshake`): over TCP, or
    over a Unix socket when the controller runs on the same machine as the same user
    (which then hands over a pair of pipes for the control stream);
@@ -25,11 +28,16 @@ controller asks the first actor of each node for free ports on it; then
    is written: :mod:`phalanx.backends.ray.sealed`), so everything the rank and its
    subprocesses print reaches the controller's output pump once (Ray's log forwarding
    never sees it);
-4. runs the rank (:func:`phalanx.rank.runtime.serve_in_actor`) over the control stream
-   (sealed across the network), ends what it left behind, restores the actor's output and
-   signals, and returns the pid and exit status (``sys.exit(code)`` in user code: ``code``).
-   A death of the actor itself (a signal, ``os._exit``) is reported by the warden: the
-   actor notes ``os._exit`` and fatal signals it sends itself before they take effect.
+4. starts the rank (:func:`phalanx.rank.runtime.start_in_actor`): INIT, the user's
+   object built, READY. A SIGINT for the rank waits until it serves.
+
+Then :meth:`RankActor.serve`, Ray's one long call to the actor, serves the rank
+(:func:`phalanx.rank.runtime.finish`) over the control stream (sealed across the network),
+ends what it left behind, restores the actor's output and signals
+(:mod:`phalanx.backends.ray.hosting`), and returns the pid and exit status
+(``sys.exit(code)`` in user code: ``code``). A death of the actor itself (a signal,
+``os._exit``) is reported by the warden: the actor notes ``os._exit`` and fatal signals it
+sends itself before they take effect.
 
 The relay transport (a controller the nodes cannot connect to) needs concurrent Ray calls
 beside ``serve``: ``RelayedRankActor`` (:mod:`phalanx.backends.ray.relay`), a threaded
@@ -47,20 +55,15 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from phalanx import __version__, config
+from phalanx.backends.ray.hosting import HostPatches, Notes, end_leftovers
 from phalanx.errors import StartupError
 from phalanx.wire import handshake, seal
 
 CONCURRENCY = 1  # the direct RankActor: its methods run on the actor's main thread
 _RETRY_DELAY, _RETRY_DELAY_MAX = 0.05, 1.0  # seconds between tries of a cut-short handshake
-_FATAL_BY_DEFAULT = frozenset(
-    int(s) for s in (signal.SIGHUP, signal.SIGQUIT, signal.SIGILL, signal.SIGABRT,
-                     signal.SIGFPE, signal.SIGKILL, signal.SIGSEGV, signal.SIGPIPE,
-                     signal.SIGALRM, signal.SIGTERM, signal.SIGBUS, signal.SIGUSR1,
-                     signal.SIGUSR2))
-
 logger = logging.getLogger(__name__)
 
 
@@ -80,19 +83,25 @@ def interpreter_path(python: str | None, sys_path: Sequence[str]) -> tuple[str, 
     return tuple(sys_path) if python is None else without_own_install(sys_path)
 
 
-def replace_idle(ray: Any, bundles: Sequence[Any], python: str | None,
-                 timeout: float = 60.0) -> None:
+def replace_idle(ray: Any, bundles: Sequence[Any], python: str | None, *,
+                 here: bool = False, timeout: float = 60.0) -> None:
     """Kill the idle actors of ``bundles`` (one node's, made for another interpreter):
     made anew when their ranks launch. One first checks ``python=`` on the node (Ray would
-    retry a worker that cannot start): ValueError when it is no interpreter there,
+    retry a worker that cannot start): ``here`` (the controller's machine) in this process,
+    else asked of an idle actor there. ValueError when it is no interpreter there,
     StartupError when it cannot run a rank (no phalanx, another release)."""
+    from phalanx.node.machine import interpreter_problem
+
     idle = [b for b in bundles if not b.used and b.actor is not None]
-    if python is not None and idle and hasattr(idle[0].actor, "check_interpreter"):
+    problem = None
+    if python is not None and here:
+        problem = interpreter_problem(python, __version__, "this machine")
+    elif python is not None and idle and hasattr(idle[0].actor, "check_interpreter"):
         problem = ray.get(idle[0].actor.check_interpreter.remote(python, __version__),
                           timeout=timeout)
-        if problem is not None:
-            kind, why = problem
-            raise ValueError(why) if kind == "missing" else StartupError(why)
+    if problem is not None:
+        kind, why = problem
+        raise ValueError(why) if kind == "missing" else StartupError(why)
     for b in idle:
         ray.kill(b.actor, no_restart=True)
         b.used = True
@@ -178,126 +187,39 @@ def share_ray_refs() -> None:
             copyreg.pickle(cls, reducer)
 
 
-class _Notes:
-    """The actor's end of its warden's pipe: how the actor is about to end, written before
-    it does (``exit N``, ``signal N``), and ``done N`` once it ended its rank itself."""
+class ActorStart(NamedTuple):
+    """What a rank's actor needs to start its rank: the controller's listener (address,
+    port, the path of its Unix socket), the group's secret, the rank and its incarnation,
+    the rank's environment and working directory, and ``own_process`` (see
+    :meth:`RankActor.serve`)."""
 
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self._lock = threading.Lock()
-
-    def write(self, word: str, number: int) -> None:
-        with self._lock:
-            if self.fd < 0:
-                return
-            try:
-                os.write(self.fd, f"{word} {int(number)}\n".encode())
-            except OSError:  # the warden is gone
-                pass
-
-    def close(self) -> None:
-        with self._lock:
-            if self.fd >= 0:
-                os.close(self.fd)
-                self.fd = -1
-
-
-class _HostPatches:
-    """What the actor's process is while it runs a rank: SIGINT unblocked on its main thread
-    (a Ray worker's blocks it) and raising KeyboardInterrupt, as in a fresh Python program;
-    SIGTERM noted (``terminated``) and then handled by Ray's handler, which raises
-    SystemExit so that Ray's worker exits as Ray means it to (Ray ends a worker with
-    SIGTERM first); and ``os._exit``/``os.kill`` noting, before they take effect, how the
-    process is about to end (the warden reports it: Ray does not know an exit status).
-    :meth:`restore` puts Ray's back."""
-
-    def __init__(self, notes: _Notes) -> None:
-        self._handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-        self._mask = signal.pthread_sigmask(signal.SIG_SETMASK, set())
-        self.terminated = False
-        ray_term = self._handlers[signal.SIGTERM]
-
-        def on_sigterm(signum: int, frame: Any) -> None:
-            self.terminated = True
-            notes.write("signal", signum)
-            if callable(ray_term):
-                ray_term(signum, frame)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, on_sigterm)
-        self._exit, self._kill = os._exit, os.kill
-        real_exit, real_kill, me = os._exit, os.kill, os.getpid()
-
-        def _exit(code: int) -> None:
-            notes.write("exit", code)
-            real_exit(code)
-
-        def kill(pid: int, sig: int) -> None:
-            if pid in (0, me, -os.getpgrp()) and _fatal(int(sig)):
-                notes.write("signal", int(sig))
-            real_kill(pid, sig)
-
-        os._exit, os.kill = _exit, kill  # type: ignore[assignment]
-
-    def restore(self) -> None:
-        os._exit, os.kill = self._exit, self._kill  # type: ignore[assignment]
-        for sig, handler in self._handlers.items():
-            if handler is not None:
-                signal.signal(sig, handler)
-        signal.pthread_sigmask(signal.SIG_SETMASK, self._mask)
-
-
-def _fatal(sig: int) -> bool:
-    """Whether ``sig`` ends this process as things stand (no Python handler for it)."""
-    if sig == signal.SIGKILL:
-        return True
-    try:
-        return sig in _FATAL_BY_DEFAULT and signal.getsignal(sig) in (signal.SIG_DFL, None)
-    except ValueError:
-        return False
-
-
-def _end_leftovers(spare: int, timeout: float = config.CLEANUP_WAIT) -> None:
-    """SIGKILL everything below this process (a subreaper) but ``spare`` (the warden), and
-    reap what was killed, until nothing is left or ``timeout`` passes."""
-    from phalanx.node import proctree
-
-    deadline = time.monotonic() + timeout
-    killed: set[int] = set()
-    while True:
-        left = [pid for pid in proctree.descendants(os.getpid()) if pid != spare]
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                killed.add(pid)
-            except (ProcessLookupError, PermissionError):
-                pass
-        for pid in list(killed):
-            try:
-                if os.waitpid(pid, os.WNOHANG)[0]:
-                    killed.discard(pid)
-            except ChildProcessError:  # not our child (a grandchild), or reaped
-                killed.discard(pid)
-        if not left or time.monotonic() >= deadline:
-            if left:
-                logger.error("processes %s of the rank survived SIGKILL for %.1f s", left,
-                             timeout)
-            return
-        time.sleep(0.005)
+    controller: tuple[str, int, str]
+    secret: bytes
+    rank: int
+    incarnation: int
+    env: Mapping[str, str]
+    cwd: str | None
+    own_process: bool = False
 
 
 class RankActor:
     """One rank's place in Ray, on the direct transport: its actor's process runs the rank
-    on its main thread (a sync actor: ``max_concurrency=1``, no concurrency groups)."""
+    on its main thread (a sync actor: ``max_concurrency=1``, no concurrency groups).
 
-    def __init__(self) -> None:
+    Made with its :class:`ActorStart`, the actor starts its rank in its constructor: the
+    rank connects, builds the user's object and answers READY there, without waiting for
+    Ray to deliver a second call; :meth:`serve`, Ray's one long call to the actor, then
+    serves it. An actor made before its rank was known (the first of a node on another
+    machine, asked for the node's ports) is given its start by :meth:`serve` instead."""
+
+    def __init__(self, start: ActorStart | None = None) -> None:
         # imported now, while the controller places the other actors: the rank's start
         # does not wait for them
         from phalanx.node import proctree, warden  # noqa: F401
         from phalanx.rank import runtime  # noqa: F401
         from phalanx.wire import framing, pickling, protocol  # noqa: F401
+
+        self._rank = None if start is None else _InActor.begin(start)
 
     def free_ports(self, host: str, count: int) -> list[int]:
         """``count`` distinct ports free on this node now."""
@@ -311,83 +233,113 @@ class RankActor:
 
         return interpreter_problem(python, version, f"Ray node {socket.gethostname()}")
 
-    def serve(
-        self,
-        controller: tuple[str, int, str],
-        secret: bytes,
-        rank: int,
-        incarnation: int,
-        env: Mapping[str, str],
-        cwd: str | None,
-        own_process: bool = False,
-    ) -> dict:
-        """Run rank ``rank`` in this process until it ends; its pid and exit status.
-        ``own_process``: in a child process instead (``python -m phalanx.rank.runtime``),
-        for a rank that joins a Ray of its own (``framework="ray"``), which a process
-        already connected to this Ray cannot."""
-        roles = (handshake.ROLE_STDOUT, handshake.ROLE_STDERR, handshake.ROLE_CONTROL,
-                 handshake.ROLE_SIDE)
-        made: list[Any] = [None] * len(roles)
+    def serve(self, start: ActorStart | None = None) -> dict:
+        """Serve the rank until it ends; its pid and exit status. The rank is the one the
+        constructor started, or, given ``start``, one started now. ``own_process``: the
+        rank runs in a child process instead (``python -m phalanx.rank.runtime``), for a
+        rank that joins a Ray of its own (``framework="ray"``), which a process already
+        connected to this Ray cannot."""
+        rank, self._rank = self._rank, None
+        if rank is None:
+            if start is None:
+                raise RuntimeError("this rank's actor was made without its start, and "
+                                   "serve() was not given one")
+            rank = _InActor.begin(start)
+        return rank.finish()
 
-        def connect(i: int) -> None:  # the four handshakes at once: a rank's start waits less
-            try:
-                made[i] = _connect(controller, secret,
-                                   handshake.Hello(roles[i], rank, incarnation))
-            except BaseException as exc:  # noqa: BLE001 - raised below, on the main thread
-                made[i] = exc
 
-        threads = [threading.Thread(target=connect, args=(i,), daemon=True,
-                                    name="phalanx-connect") for i in range(1, len(roles))]
-        for thread in threads:
-            thread.start()
-        connect(0)
-        for thread in threads:
-            thread.join()
-        connected = [m for m in made if isinstance(m, tuple)]
+def _connect_all(start: ActorStart) -> tuple[list[tuple[socket.socket, seal.FrameAuth]],
+                                              tuple[int, ...]]:
+    """The rank's four streams to the controller (stdout, stderr, control, side), their
+    handshakes at once (a rank's start waits less); and the control stream's fds."""
+    roles = (handshake.ROLE_STDOUT, handshake.ROLE_STDERR, handshake.ROLE_CONTROL,
+             handshake.ROLE_SIDE)
+    made: list[Any] = [None] * len(roles)
+
+    def connect(i: int) -> None:
         try:
-            failed = [m for m in made if isinstance(m, BaseException)]
-            if failed:
-                raise failed[0]
-            control = _control_stream(connected[2][0])
-        except BaseException:
-            for sock, _ in connected:
-                sock.close()
-            raise
-        return _InActor(connected, control).run(env, cwd, own_process)
+            made[i] = _connect(start.controller, start.secret,
+                               handshake.Hello(roles[i], start.rank, start.incarnation))
+        except BaseException as exc:  # noqa: BLE001 - raised below, on the main thread
+            made[i] = exc
+
+    threads = [threading.Thread(target=connect, args=(i,), daemon=True,
+                                name="phalanx-connect") for i in range(1, len(roles))]
+    for thread in threads:
+        thread.start()
+    connect(0)
+    for thread in threads:
+        thread.join()
+    connected = [m for m in made if isinstance(m, tuple)]
+    try:
+        failed = [m for m in made if isinstance(m, BaseException)]
+        if failed:
+            raise failed[0]
+        return connected, _control_stream(connected[2][0])
+    except BaseException:
+        for sock, _ in connected:
+            sock.close()
+        raise
 
 
 class _InActor:
-    """One run of a rank in its actor's process (see :meth:`RankActor.serve`)."""
+    """One run of a rank in its actor's process: :meth:`begin` connects, sets the process
+    up and starts the rank (READY sent); :meth:`finish` serves it, ends what it left
+    behind and puts the process back as Ray made it (see the module's docstring)."""
 
     def __init__(self, connected: list[tuple[socket.socket, seal.FrameAuth]],
                  control: tuple[int, ...]) -> None:
         self.connected = connected
         self.control = control
         self.local = connected[0][0].family == socket.AF_UNIX
+        self.error: BaseException | None = None  # raised by finish()
+        self.ended = False
+        self.pid: int | None = os.getpid()
+        self.code = 1
+        self.conn: Any = None
+        self.runtime: Any = None
+        self.child: subprocess.Popen | None = None
+        self.saved: tuple[int, int] | None = None
+        self.outputs: list[Any] = []
+        self.patches: HostPatches | None = None
+        self.sigint_held = False  # a SIGINT came between the rank's start and its serving
+        self.stack_file: Any = None
+        self.notes: Notes | None = None
+        self.writer: Any = None
+        self._warden: subprocess.Popen | None = None
 
-    def run(self, env: Mapping[str, str], cwd: str | None, own_process: bool) -> dict:
+    @classmethod
+    def begin(cls, start: ActorStart) -> _InActor:
+        """The rank started (or how it failed to, raised by :meth:`finish`); SystemExit
+        (Ray ending the worker) propagates."""
+        try:
+            run = cls(*_connect_all(start))
+        except Exception as exc:  # noqa: BLE001 - the serve call's error
+            failed = cls.__new__(cls)
+            failed.error = exc
+            return failed
+        run._begin(start.env, start.cwd, start.own_process)
+        return run
+
+    def _begin(self, env: Mapping[str, str], cwd: str | None, own_process: bool) -> None:
         from phalanx.node import proctree
         from phalanx.node.stacks import StackFile
         from phalanx.rank import runtime
         from phalanx.wire import framing, streams
 
-        stack_file = StackFile()
-        notes = self._start_warden(stack_file)
-        patches = _HostPatches(notes) if not own_process else None
-        saved: tuple[int, int] | None = None
-        outputs: list[Any] = []
-        writer = framing.BacklogWriter("phalanx-worker-writer")
-        conn = None
-        code = 1
         try:
+            self.stack_file = StackFile()
+            self.notes = self._start_warden(self.stack_file)
+            self.patches = HostPatches(self.notes) if not own_process else None
+            self.writer = framing.BacklogWriter("phalanx-worker-writer")
             proctree.become_subreaper()
             rank_env = {name: value for name, value in env.items()  # Ray's GPUs are kept
                         if name != "CUDA_VISIBLE_DEVICES" or name not in os.environ}
             rank_env["PYTHONUNBUFFERED"] = "1"  # the rank's Python subprocesses
-            saved, outputs = self._redirect_output()
+            self.saved, self.outputs = self._redirect_output()
             if own_process:
-                code = self._run_child(rank_env, cwd, stack_file, notes)
-                return {"pid": self._child_pid, "exitcode": code}
+                self._spawn_child(rank_env, cwd)
+                return
             os.environ.update(rank_env)
             if cwd:
                 try:
@@ -395,7 +347,8 @@ class _InActor:
                 except OSError as exc:  # the rank's death, told on its stderr
                     print(f"phalanx: the rank cannot start in {cwd}: {exc}", file=sys.stderr,
                           flush=True)
-                    return {"pid": os.getpid(), "exitcode": code}
+                    self._end()
+                    return
             share_ray_refs()  # refs the rank returns keep their owner too
             # imports resolve as in a rank's own interpreter (``python -c``): its working
             # directory first, then PYTHONPATH, then the actor's own path (Ray's)
@@ -412,52 +365,102 @@ class _InActor:
                 sock, auth = self.connected[2]
                 sock.setblocking(True)
                 stream = streams.SocketStream(sock)
-            conn = framing.Connection(stream, writer, auth=auth)
-            try:
-                code = runtime.serve_in_actor(conn, stack_file.fd)
-            except SystemExit:  # Ray's SIGTERM handler: the worker exits as Ray means it to
-                code = -signal.SIGTERM if patches is not None and patches.terminated else 1
-                raise
-        finally:
-            import faulthandler
+            self.conn = framing.Connection(stream, self.writer, auth=auth)
+            self.runtime, code = runtime.start_in_actor(self.conn, self.stack_file.fd)
+            if code is not None:  # it ended while starting
+                self.code, self.runtime = code, None
+            # until serve() runs the rank, a SIGINT for it waits (Ray's loop is no place
+            # for a KeyboardInterrupt): serve() raises it (_let_sigint_in)
+            signal.signal(signal.SIGINT, self._held_sigint)
+        except SystemExit:  # Ray's SIGTERM handler: the worker exits as Ray means it to
+            self._terminated()
+            raise
+        except BaseException as exc:  # noqa: BLE001 - the serve call's error
+            self.error = exc
+            self._end()
 
-            faulthandler.unregister(config.STACKS_SIGNAL)
-            if conn is not None:
-                conn.close()
-            elif len(self.control) == 2:
-                for fd in self.control:
-                    os.close(fd)
-            writer.stop()
-            _end_leftovers(self._warden.pid)
-            if saved is not None:  # the rank's output ends: its last words go first
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os.dup2(saved[0], 1)
-                os.dup2(saved[1], 2)
-                os.close(saved[0])
-                os.close(saved[1])
-            for sock, _ in self.connected[:2]:
-                sock.close()
-            for output in outputs:
-                output.join(config.CLEANUP_WAIT)
-            if patches is not None:
-                patches.restore()
-            notes.write("done", code)
-            notes.close()
+    def finish(self) -> dict:
+        """Serve the rank until it ends, then end what it left behind; its pid and exit
+        status (raises how its start failed)."""
+        from phalanx.rank import runtime
+
+        if self.error is not None:
+            raise self.error
+        try:
+            if self.child is not None:
+                self.code = self.child.wait()
+            elif self.runtime is not None:
+                self.code = runtime.finish(self.conn, self.runtime, None, in_process=True,
+                                           first=self._let_sigint_in)
+        except SystemExit:  # Ray's SIGTERM handler: the worker exits as Ray means it to
+            self._terminated()
+            raise
+        finally:
+            self._end()
+        return {"pid": self.pid, "exitcode": self.code}
+
+    def _held_sigint(self, signum: int, frame: Any) -> None:
+        self.sigint_held = True
+
+    def _let_sigint_in(self) -> None:
+        """As the rank starts serving: SIGINT raises KeyboardInterrupt again, now if one
+        came while it waited."""
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if self.sigint_held:
+            raise KeyboardInterrupt
+
+    def _terminated(self) -> None:
+        self.code = -signal.SIGTERM if self.patches is not None and \
+            self.patches.terminated else 1
+        self._end()
+
+    def _end(self) -> None:
+        """End what the rank left behind and put the process back as it was (once)."""
+        if self.ended:
+            return
+        self.ended = True
+        import faulthandler
+
+        faulthandler.unregister(config.STACKS_SIGNAL)
+        if self.conn is not None:
+            self.conn.close()
+        elif len(self.control) == 2:
+            for fd in self.control:
+                os.close(fd)
+        if self.writer is not None:
+            self.writer.stop()
+        end_leftovers(spare=self._warden.pid if self._warden is not None else None)
+        if self.saved is not None:  # the rank's output ends: its last words go first
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(self.saved[0], 1)
+            os.dup2(self.saved[1], 2)
+            os.close(self.saved[0])
+            os.close(self.saved[1])
+        for sock, _ in self.connected[:2]:
+            sock.close()
+        for output in self.outputs:
+            output.join(config.CLEANUP_WAIT)
+        if self.patches is not None:
+            self.patches.restore()
+        if self.notes is not None:
+            self.notes.write("done", self.code)
+            self.notes.close()
+        if self._warden is not None:
             try:
                 self._warden.wait(config.CLEANUP_WAIT)
             except subprocess.TimeoutExpired:
                 self._warden.kill()
                 self._warden.wait(config.CLEANUP_WAIT)
-            stack_file.close()
-        return {"pid": os.getpid(), "exitcode": code}
+        if self.stack_file is not None:
+            self.stack_file.close()
 
-    def _run_child(self, env: Mapping[str, str], cwd: str | None, stack_file: Any,
-                   notes: _Notes) -> int:
-        """The rank in a child process of this one, given the control stream; its exit
-        status once it ended (minus the signal that killed it)."""
+    def _spawn_child(self, env: Mapping[str, str], cwd: str | None) -> None:
+        """The rank in a child process of this one, given the control stream (waited for
+        by :meth:`finish`)."""
         from phalanx.node.spawn import worker_argv
 
+        stack_file = self.stack_file
         full_env = {**os.environ, **env, config.ENV_STACKS_FD: str(stack_file.fd)}
         if len(self.control) == 2:
             full_env[config.ENV_FD] = "pipe:{},{}".format(*self.control)
@@ -468,23 +471,23 @@ class _InActor:
             full_env[config.ENV_FRAME_KEYS] = auth.handover()
             fds = (sock.fileno(), stack_file.fd)
         try:
-            child = subprocess.Popen(worker_argv(), env=full_env, cwd=cwd or None,
-                                     pass_fds=fds, stdin=subprocess.DEVNULL)
+            self.child = subprocess.Popen(worker_argv(), env=full_env, cwd=cwd or None,
+                                          pass_fds=fds, stdin=subprocess.DEVNULL)
         except OSError as exc:  # the rank's death, told on its stderr
             print(f"phalanx: the rank cannot start in {cwd}: {exc}", file=sys.stderr,
                   flush=True)
-            self._child_pid = None
-            return 1
-        self._child_pid = child.pid
-        notes.write("rank", child.pid)
+            self.pid = None
+            self._end()
+            return
+        self.pid = self.child.pid
+        self.notes.write("rank", self.child.pid)
         if len(self.control) == 2:  # the child holds them now
             for fd in self.control:
                 os.close(fd)
             self.control = ()
         self.connected[2][0].close()
-        return child.wait()
 
-    def _start_warden(self, stack_file: Any) -> _Notes:
+    def _start_warden(self, stack_file: Any) -> Notes:
         """The rank's warden (:mod:`phalanx.node.warden`), holding the side stream."""
         from phalanx.node import warden
 
@@ -507,7 +510,7 @@ class _InActor:
         finally:
             os.close(notes_r)
             side.close()
-        return _Notes(notes_w)
+        return Notes(notes_w)
 
     def _redirect_output(self) -> tuple[tuple[int, int], list[Any]]:
         """fds 1 and 2 to the rank's output streams: over a Unix socket the sockets

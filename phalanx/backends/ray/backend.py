@@ -13,8 +13,11 @@ connection does; ranks on this machine connect to a Unix socket of this user's a
 
 Reservation (:meth:`RayBackend._reserve`): the placement group, ready within
 ``start_timeout`` or a :class:`~phalanx.errors.StartupError` saying what was asked and
-what the cluster has (a request no node could ever hold fails at once); one actor per
-bundle, each asked where it landed. Ranks are numbered by node, then by bundle; the nodes
+what the cluster has (a request no node could ever hold fails at once), where each rank
+sits (:mod:`phalanx.backends.ray.seats`). A rank's actor is made when the rank launches,
+given its start, and starts its rank in its constructor; only the first actor of a node on
+another machine is made at once, to pick that node's ports. Ranks are numbered by node,
+then by bundle; the nodes
 are the Ray nodes as they are, so ``NODE_RANK``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and
 ``MASTER_ADDR`` tell the truth on a real cluster.
 
@@ -53,18 +56,13 @@ from phalanx.backends.ray.channel import (
 from phalanx.backends.ray.placement import (
     STRATEGIES,
     TRANSPORTS,
-    bundle_for,
-    bundle_shortfall,
-    bundles_of_ranks,
-    check_bundle_indices,
     check_resources,
     class_settings,
     describe_ray_error,
-    order_bundles,
-    placement_problem,
     relays,
 )
 from phalanx.backends.ray.relay import RelayChannel
+from phalanx.backends.ray.seats import check_placement_group, seats_in_own_pg, seats_in_user_pg
 from phalanx.backends.ray.store import RayShares
 from phalanx.errors import StartupError
 from phalanx.node import shm
@@ -130,7 +128,7 @@ class RayBackend(Backend):
         if runtime_env is not None and not isinstance(runtime_env, Mapping):
             raise TypeError(f"runtime_env must be a dict, got {type(runtime_env).__name__}")
         self.placement_group = placement_group
-        self.bundle_indices = _check_placement_group(placement_group, bundle_indices)
+        self.bundle_indices = check_placement_group(placement_group, bundle_indices)
         self.address = address
         self.placement_strategy = placement_strategy
         self.resources_per_worker = check_resources(resources_per_worker)
@@ -142,6 +140,7 @@ class RayBackend(Backend):
         self._rank_resources = self.resources_per_worker
         self._actor_env = self.runtime_env  # the rank actors' runtime_env
         self._python, self._made_with = None, {}  # python=; rank -> what its actor runs
+        self._checked: set[str | None] = {None}  # python= checked on this machine
         self._own_pg = False  # whether self._pg is one this backend made (and removes)
         self._seat_resources: dict[int, dict[str, float]] = {}  # bundle index -> per rank
         self._relayed = relays(address, transport)
@@ -267,14 +266,23 @@ class RayBackend(Backend):
         deadline = time.monotonic() + timeout
         self._release_reservation()  # reserving again (a resize): the previous one goes
         if self.placement_group is not None:
-            seats = self._seats_in_user_pg(layout, gpus_per_worker, deadline, timeout)
+            held = seats_in_user_pg(ray, self.placement_group, self.bundle_indices, layout,
+                                    bundle_for_rank=self._rank_resources,
+                                    gpus_per_worker=gpus_per_worker, deadline=deadline,
+                                    timeout=timeout)
         else:
-            seats = self._seats_in_own_pg(layout, gpus_per_worker, deadline, timeout)
-        self._bundles = seats
-        for rank, seat in enumerate(seats):
-            self._new_actor(seat, rank)
+            held = seats_in_own_pg(ray, layout, bundle_for_rank=self._rank_resources,
+                                   gpus_per_worker=gpus_per_worker,
+                                   strategy=self.placement_strategy,
+                                   name=f"{self._prefix}-pg", deadline=deadline,
+                                   timeout=timeout)
+        self._pg, self._own_pg, self._seat_resources = held.pg, held.own, held.resources
+        self._bundles = seats = held.seats
         # Where each rank is comes from the placement group itself: nothing waits here for
-        # the actors to start (the first call to each does), so their starts overlap.
+        # an actor to start. A rank's actor is made when the rank launches, given its
+        # start (it starts its rank in its constructor), except the first of a node on
+        # another machine, made now: it picks the node's ports. Relayed ranks' actors are
+        # all made now.
         addresses = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
         self._start_timeout = timeout
         nodes: list[Node] = []
@@ -286,90 +294,20 @@ class RayBackend(Backend):
             self._first_rank.append(ranks[0])
             nodes.append(Node(index=len(nodes), address=address, ranks=len(ranks), gpus=None,
                               same_host=address == self._host))
+            for rank in ranks if self._relayed else ranks[:1] if not nodes[-1].same_host \
+                    else ():
+                self._new_actor(seats[rank], rank)
         return nodes
 
-    def _seats_in_own_pg(self, layout: Layout, gpus_per_worker: int, deadline: float,
-                         timeout: float) -> list[Bundle]:
-        """A placement group of phalanx's own for the layout, ready, and each rank's seat in
-        it, in rank order (by node, then by bundle)."""
-        ray = self._ray
-        from ray.util.placement_group import placement_group, remove_placement_group
-
-        per_rank = bundle_for(self._rank_resources, gpus_per_worker)
-        if layout.nodes == 1:  # Ray places every rank: one bundle each, the user's strategy
-            bundles = [per_rank] * layout.world_size
-            strategy = self.placement_strategy
-            pg_index = list(range(layout.world_size))
-        else:  # a layout asked for: one bundle per node, on distinct Ray nodes
-            bundles = [{k: v * n for k, v in per_rank.items()} for n in layout.counts]
-            strategy = "STRICT_SPREAD"
-            pg_index = [layout.node_of(r) for r in range(layout.world_size)]
-        self._seat_resources = dict.fromkeys(range(len(bundles)), per_rank)
-        asked = f"{len(bundles)} bundles {bundles[0]} (strategy {strategy})"
-        alive = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-        problem = placement_problem(bundles, strategy, alive)
-        if problem is not None:
-            raise StartupError(f"Ray cannot place {asked}: {problem} (cluster resources: "
-                               f"{ray.cluster_resources()})")
-        self._pg = placement_group(bundles, strategy=strategy, name=f"{self._prefix}-pg")
-        self._own_pg = True
-        if not self._pg.wait(timeout_seconds=_wait_seconds(deadline)):
-            remove_placement_group(self._pg)
-            self._pg = None
-            raise StartupError(
-                f"Ray did not place {asked} within {timeout:g} s (available now: "
-                f"{ray.available_resources()}; in total: {ray.cluster_resources()}); raise "
-                "start_timeout= or free resources"
-            )
-        table = ray.util.placement_group_table(self._pg)
-        node_of_bundle = [table["bundles_to_node_id"][i] for i in range(len(bundles))]
-        seats = [Bundle(pg_index[r], node_id=node_of_bundle[pg_index[r]])
-                 for r in range(layout.world_size)]
-        if layout.nodes == 1:  # rank order: by node, then by bundle
-            order = [i for group in order_bundles(node_of_bundle) for i in group]
-            seats = [seats[i] for i in order]
-        return seats
-
-    def _seats_in_user_pg(self, layout: Layout, gpus_per_worker: int, deadline: float,
-                          timeout: float) -> list[Bundle]:
-        """Each rank's seat in the user's placement group, in rank order: its bundles checked
-        against the group before anything starts, the group waited for until ready. Ranks go
-        by node (nodes in the order of their first bundle), in the given order within one."""
-        ray = self._ray
-        pg = self.placement_group
-        table = ray.util.placement_group_table(pg)
-        name = f"placement group {table.get('name') or pg.id.hex()}"
-        if table.get("state") == "REMOVED":
-            raise StartupError(f"the {name} given as RayBackend(placement_group=) was removed")
-        specs = {int(i): dict(spec) for i, spec in table["bundles"].items()}
-        try:
-            chosen = bundles_of_ranks(layout.world_size, len(specs), self.bundle_indices)
-        except ValueError as exc:
-            raise StartupError(f"cannot run the group in the {name}: {exc}") from None
-        # each rank takes its whole bundle unless told how much of it
-        per_rank = [bundle_for(self._rank_resources or specs[i], gpus_per_worker)
-                    for i in chosen]
-        problem = bundle_shortfall(per_rank, chosen, specs)
-        if problem is not None:
-            raise StartupError(f"cannot run the group in the {name}: {problem}")
-        if not pg.wait(timeout_seconds=_wait_seconds(deadline)):
-            state = ray.util.placement_group_table(pg).get("state")
-            raise StartupError(
-                f"the {name} was not ready within {timeout:g} s (state {state}; available "
-                f"now: {ray.available_resources()}); raise start_timeout= or free resources")
-        self._pg, self._own_pg = pg, False
-        self._seat_resources = dict(zip(chosen, per_rank, strict=True))
-        node_of = ray.util.placement_group_table(pg)["bundles_to_node_id"]
-        seats = [Bundle(i, node_id=node_of[i]) for i in chosen]
-        groups = order_bundles([seat.node_id for seat in seats])
-        if layout.nodes > 1 and tuple(len(g) for g in groups) != tuple(layout.counts):
-            raise StartupError(
-                f"the layout asks {list(layout.counts)} ranks per node, but the bundles "
-                f"{chosen} of the {name} hold {[len(g) for g in groups]} ranks per node; "
-                "with placement_group=, give the world size alone (procs_per_node=N)")
-        return [seats[r] for group in groups for r in group]
-
     def _new_actor(self, b: Bundle, rank: int) -> None:
+        """A new actor for ``b`` (its next incarnation), made ahead of its rank's launch."""
+        b.incarnation += 1
+        b.used = False
+        self._make_actor(b, rank)
+
+    def _make_actor(self, b: Bundle, rank: int, start: Any = None) -> None:
+        """``b``'s actor for its current incarnation; with ``start`` (an ``ActorStart``),
+        one that starts its rank in its constructor."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from phalanx.backends.ray.actor import CONCURRENCY, RankActor, rank_runtime_env
@@ -379,8 +317,6 @@ class RayBackend(Backend):
         cpus = resources.pop("CPU", 0.0)
         gpus = resources.pop("GPU", 0.0)
         memory = resources.pop("memory", None)
-        b.incarnation += 1
-        b.used = False
         options: dict[str, Any] = {
             "num_cpus": cpus,
             "num_gpus": gpus,
@@ -400,7 +336,8 @@ class RayBackend(Backend):
         options["runtime_env"] = rank_runtime_env(self._actor_env, self._python)
         self._made_with[rank] = self._python
         actor_class = RelayedRankActor if self._relayed else RankActor
-        b.actor = ray_session.remote_class(actor_class).options(**options).remote()
+        made = ray_session.remote_class(actor_class).options(**options)
+        b.actor = made.remote() if start is None else made.remote(start)
 
     def _live_bundle(self, rank: int) -> Bundle:
         """The rank's bundle with an actor that has not served yet: a new one (a fresh
@@ -414,6 +351,8 @@ class RayBackend(Backend):
     def ports(self, node: Node, count: int) -> list[int]:
         """Asked of the node's first actor (the first thing that waits for it to start);
         on this machine, picked here (the ranks' starts need not wait for that actor)."""
+        if count == 0:
+            return []
         if node.same_host:
             return pick_free_ports(node.address, count)
         ray = self._ray
@@ -438,19 +377,28 @@ class RayBackend(Backend):
     def _launch(
         self, node: Node, ranks: list[RankStart], boot: Boot, channels: list[Channel]
     ) -> None:
-        from phalanx.backends.ray.actor import interpreter_path, replace_idle
+        from phalanx.backends.ray.actor import (
+            ActorStart,
+            interpreter_path,
+            replace_idle,
+            share_ray_refs,
+        )
 
         sys_path = interpreter_path(boot.python, boot.sys_path if node.same_host else ())
         self._python = boot.python  # python=: idle actors made without it are made anew
+        here = node.same_host and boot.python not in self._checked
         replace_idle(self._ray, [self._bundles[s.rank] for s in ranks if self._made_with.get(
-            s.rank) != boot.python], boot.python, timeout=self._start_timeout)
+            s.rank) != boot.python], boot.python, here=here, timeout=self._start_timeout)
+        if here:
+            self._checked.add(boot.python)
         cwd = boot.cwd or (os.getcwd() if node.same_host else None)
         if not self._relayed:  # ObjectRefs in calls keep their owner (Ray's own reducer)
-            from phalanx.backends.ray.actor import share_ray_refs
-
             share_ray_refs()
         for start in ranks:
-            b = self._live_bundle(start.rank)
+            b = self._bundles[start.rank]
+            ahead = b.actor is not None and not b.used  # made before its rank launched
+            if not ahead:
+                b.incarnation += 1
             b.used = True
             channel = (RelayChannel if self._relayed else RayChannel)(self._services, start, b)
             self._channels[(start.rank, b.incarnation)] = channel
@@ -458,6 +406,9 @@ class RayBackend(Backend):
             channel.send(protocol.init_frame(start.rank, sys_path, dict(boot.options),
                                              boot.payload))
             if isinstance(channel, RelayChannel):
+                if not ahead:
+                    self._make_actor(b, start.rank)
+                    channel.actor = b.actor
                 channel.serve_ref = b.actor.serve_relayed.remote(dict(start.env), cwd)
                 channel.start_relay()
             else:
@@ -465,9 +416,15 @@ class RayBackend(Backend):
                 # in a process already connected to this one: its actor starts it apart
                 own = boot.options.get("framework") == "ray"
                 channel.ray_worker = not own
-                channel.serve_ref = b.actor.serve.remote(
-                    (self._host, self._port, self._local_name), self._secret, start.rank,
-                    b.incarnation, dict(start.env), cwd, own_process=own)
+                actor_start = ActorStart((self._host, self._port, self._local_name),
+                                         self._secret, start.rank, b.incarnation,
+                                         dict(start.env), cwd, own)
+                if ahead:
+                    channel.serve_ref = b.actor.serve.remote(actor_start)
+                else:  # the rank starts in its actor's constructor: serve() serves it
+                    self._make_actor(b, start.rank, actor_start)
+                    channel.actor = b.actor
+                    channel.serve_ref = b.actor.serve.remote()
             with self._watch_lock:
                 self._watched[channel.serve_ref] = channel
 
@@ -569,31 +526,3 @@ class RayBackend(Backend):
 
             remove_placement_group(self._pg)
         self._pg, self._own_pg = None, False
-
-
-def _wait_seconds(deadline: float) -> int:
-    """Whole seconds (at least one) until ``deadline``, for Ray's placement-group wait."""
-    return max(1, int(deadline - time.monotonic() + 0.999))
-
-
-def _check_placement_group(pg: Any, indices: Any) -> list[int] | None:
-    """``placement_group=`` and ``bundle_indices=`` checked before anything is sent: a
-    PlacementGroup, and distinct indices of its bundles (their range once Ray says how many
-    it has, if this process did not make it)."""
-    if pg is None:
-        if indices is not None:
-            raise ValueError("bundle_indices= names bundles of a placement group: give it as "
-                             "placement_group=")
-        return None
-    try:
-        from ray.util.placement_group import PlacementGroup
-    except ImportError:  # pragma: no cover - no Ray, so no placement group either
-        PlacementGroup = ()
-    if not isinstance(pg, PlacementGroup):
-        raise TypeError("placement_group must be a Ray placement group (from "
-                        f"ray.util.placement_group(...)), got {type(pg).__name__}: {pg!r}")
-    if pg.id.is_nil():
-        raise ValueError("placement_group is Ray's empty placement group: give one made by "
-                         "ray.util.placement_group(...)")
-    cache = pg.bundle_cache  # known here when this process made it: no need to ask Ray
-    return check_bundle_indices(indices, len(cache) if cache else None)
