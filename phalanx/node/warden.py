@@ -33,16 +33,23 @@ from __future__ import annotations
 
 import os
 import select
-import signal
 import socket
 import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from phalanx.node import proctree
 from phalanx.wire import framing, protocol, seal, streams
+
+try:  # CPython's C module: signal.py's enums would be a good part of the warden's start
+    import _signal as signal
+except ImportError:  # pragma: no cover - another interpreter
+    import signal  # type: ignore[no-redef]
+
+TYPE_CHECKING = False  # typing's, without importing typing (the warden starts lean)
+if TYPE_CHECKING:
+    from typing import Any
 
 # side stream kinds, apart from the control stream's (phalanx.wire.protocol: below 32)
 # controller -> warden, call id: the request's, answered with ANSWER

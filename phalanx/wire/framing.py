@@ -34,11 +34,14 @@ import mmap
 import select
 import struct
 import threading
-from typing import Any
 
 from phalanx.wire.seal import PREHASH, TAG_SIZE, FrameAuth, VerifyingReader
 from phalanx.wire.streams import MAX_SEGMENTS as _MAX_SEGMENTS
 from phalanx.wire.streams import ConnectionLost, Stream, WakePipe
+
+TYPE_CHECKING = False  # typing's, without importing typing (the warden starts lean)
+if TYPE_CHECKING:
+    from typing import Any
 
 _PREFIX = struct.Struct("<IQ")
 _LEN = struct.Struct("<Q")

@@ -24,7 +24,10 @@ unknown tag, trailing bytes, more than :data:`MAX_DEPTH` levels of nesting.
 from __future__ import annotations
 
 import struct
-from typing import Any
+
+TYPE_CHECKING = False  # typing's, without importing typing (the warden starts lean)
+if TYPE_CHECKING:
+    from typing import Any
 
 MAX_DEPTH = 32
 

@@ -45,12 +45,14 @@ like any other message.
 
 from __future__ import annotations
 
-import pickle
 import struct
 from collections.abc import Sequence
-from typing import Any
 
 from phalanx.wire import framing, plain
+
+TYPE_CHECKING = False  # typing's, without importing typing (the warden starts lean)
+if TYPE_CHECKING:
+    from typing import Any
 
 INIT = 4
 CALL = 1
@@ -76,7 +78,7 @@ HEAD_SIZE = _HEAD.size
 _COUNT = struct.Struct("<H")
 unpack_head = _HEAD.unpack_from  # (kind, call_id, rank) of segment 0
 pack_head = _HEAD.pack  # (kind, call_id, rank) -> a header with no extra fields
-_NONE = pickle.dumps(None, protocol=5)
+_NONE = b"\x80\x05N."  # pickle.dumps(None, protocol=5): pickle is not imported here
 
 
 def _ranks_part(rank: int | Sequence[int]) -> bytes:

@@ -41,11 +41,13 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
 
 from phalanx.wire.streams import ConnectionLost
 
+TYPE_CHECKING = False  # typing's, without importing typing (the warden starts lean)
 if TYPE_CHECKING:
+    from typing import Any
+
     from phalanx.wire.framing import FrameReader
 
 

@@ -12,7 +12,10 @@ import fcntl
 import os
 import select
 import socket
-from typing import Any
+
+TYPE_CHECKING = False  # typing's, without importing typing (the warden starts lean)
+if TYPE_CHECKING:
+    from typing import Any
 
 MAX_SEGMENTS = 512  # buffers per writev/sendmsg call, well under IOV_MAX
 _SOCKET_BUFFER = 4 * 1024 * 1024
