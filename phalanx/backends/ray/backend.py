@@ -294,8 +294,8 @@ class RayBackend(Backend):
             self._first_rank.append(ranks[0])
             nodes.append(Node(index=len(nodes), address=address, ranks=len(ranks), gpus=None,
                               same_host=address == self._host))
-            for rank in ranks if self._relayed else ranks[:1] if not nodes[-1].same_host \
-                    else ():
+            made_now = ranks if self._relayed else [] if nodes[-1].same_host else ranks[:1]
+            for rank in made_now:
                 self._new_actor(seats[rank], rank)
         return nodes
 
