@@ -298,6 +298,7 @@ class _InActor:
         self.code = 1
         self.conn: Any = None
         self.runtime: Any = None
+        self.started_code: int | None = None
         self.child: subprocess.Popen | None = None
         self.saved: tuple[int, int] | None = None
         self.outputs: list[Any] = []
@@ -366,9 +367,10 @@ class _InActor:
                 sock.setblocking(True)
                 stream = streams.SocketStream(sock)
             self.conn = framing.Connection(stream, self.writer, auth=auth)
-            self.runtime, code = runtime.start_in_actor(self.conn, self.stack_file.fd)
-            if code is not None:  # it ended while starting
-                self.code, self.runtime = code, None
+            # started_code: not None when the rank ended while starting (finish() still
+            # sends what it queued, an INIT_ERROR, before the stream closes)
+            self.runtime, self.started_code = runtime.start_in_actor(self.conn,
+                                                                     self.stack_file.fd)
             # until serve() runs the rank, a SIGINT for it waits (Ray's loop is no place
             # for a KeyboardInterrupt): serve() raises it (_let_sigint_in)
             signal.signal(signal.SIGINT, self._held_sigint)
@@ -390,8 +392,8 @@ class _InActor:
             if self.child is not None:
                 self.code = self.child.wait()
             elif self.runtime is not None:
-                self.code = runtime.finish(self.conn, self.runtime, None, in_process=True,
-                                           first=self._let_sigint_in)
+                self.code = runtime.finish(self.conn, self.runtime, self.started_code,
+                                           in_process=True, first=self._let_sigint_in)
         except SystemExit:  # Ray's SIGTERM handler: the worker exits as Ray means it to
             self._terminated()
             raise
