@@ -344,7 +344,7 @@ class RayBackend(Backend):
         name, the same bundle, so the same node) once the previous one has served. Not
         waited for: the first call to it waits for it to start."""
         b = self._bundles[rank]
-        if b.used:
+        if b.used or b.actor is None:
             self._new_actor(b, rank)
         return b
 
