@@ -336,8 +336,7 @@ def test_single_controller_frameworks_run_on_node_zero_of_the_ray_nodes():
 # process group, in a new session, orphaned by a shell, double-forked into a session of
 # its own). Whatever ends the rank -- shutdown(), its own death, its actor's death, the
 # controller's death -- they must all be gone within two seconds, as on the local backend:
-# the rank runs under a node supervisor started by its actor (actor -> supervisor ->
-# keeper -> rank).
+# the rank runs in its actor's worker process, a subreaper, with its warden beside it.
 
 def track_rank(tracked: Tracked, pid: int, rank: int) -> None:
     """The rank's process -- its Ray actor's worker (checked to be so) -- and its warden."""
