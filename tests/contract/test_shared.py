@@ -219,7 +219,7 @@ def test_inject_fault_hang_is_caught_by_a_timeout(make_group):
     group = make_group(Holder, procs_per_node=WORLD)
     group.inject_fault(0, "ping", "hang")
     with pytest.raises(CallTimeout):
-        group.call("ping", timeout=1.0)
+        group.call("ping", timeout=0.5)
 
 
 @pytest.mark.parametrize("kind, options", [
