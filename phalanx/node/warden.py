@@ -243,18 +243,22 @@ class Warden:
         self._report(status, how)
 
     def _report(self, status: int | None, how: str) -> None:
-        if self.conn is None:
-            return
         self._send(EXITED, 0, self.actor, status, how)
+        conn = self.conn
+        if conn is None:  # no controller to tell (gone before, or while sending)
+            return
         deadline = time.monotonic() + 1.0
-        while self.conn.has_backlog() and time.monotonic() < deadline:
+        while conn.has_backlog() and time.monotonic() < deadline:
             time.sleep(0.005)
         try:
-            self.conn.close()
+            conn.close()
         except framing.ConnectionLost:
             pass
 
     def _send(self, kind: int, call_id: int, *extra: object) -> None:
+        """A frame to the controller; the connection is dropped once it is lost."""
+        if self.conn is None:
+            return
         try:
             self.conn.send(framing.frame([protocol.header(kind, call_id, 0, *extra)]))
         except framing.ConnectionLost:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from phalanx import GroupClosed, StartupError, WorkerDied
+from phalanx import GroupClosed, StartupError, WorkerDied, WorkerGroup
 from tests import helpers
 from tests.workers import FailsOnceFlagged, Probe
 
@@ -90,6 +90,18 @@ def test_a_failed_recreate_leaves_the_rank_dead_not_hanging(make_group, tmp_path
     flag.unlink()
     group.recreate(1)  # the rank can still be brought back
     assert group.call("rank", timeout=5) == [0, 1]
+
+
+def test_recreate_without_a_timeout_is_bounded_by_the_groups_start_timeout(tmp_path):
+    flag = tmp_path / "flag"
+    with WorkerGroup(FailsOnceFlagged, args=(str(flag), "hang"), procs_per_node=2,
+                     backend="local", start_timeout=1, echo_output=False) as group:
+        flag.touch()
+        started = time.monotonic()
+        with pytest.raises(StartupError) as info:
+            group.recreate(1)
+        assert info.value.rank == 1
+        assert time.monotonic() - started < 5  # the hang is 600 s
 
 
 def test_a_failed_restart_leaves_the_ranks_dead_not_hanging(make_group, tmp_path):
