@@ -40,12 +40,8 @@ import time
 from collections.abc import Callable
 
 from phalanx.node import proctree
+from phalanx.node.proctree import signals as signal  # _signal: no enums to import
 from phalanx.wire import framing, protocol, seal, streams
-
-try:  # CPython's C module: signal.py's enums would be a good part of the warden's start
-    import _signal as signal
-except ImportError:  # pragma: no cover - another interpreter
-    import signal  # type: ignore[no-redef]
 
 TYPE_CHECKING = False  # typing's, without importing typing (the warden starts lean)
 if TYPE_CHECKING:

@@ -288,11 +288,11 @@ class _InActor:
     behind and puts the process back as Ray made it (see the module's docstring)."""
 
     def __init__(self, connected: list[tuple[socket.socket, seal.FrameAuth]],
-                 control: tuple[int, ...]) -> None:
+                 control: tuple[int, ...], error: BaseException | None = None) -> None:
         self.connected = connected
         self.control = control
-        self.local = connected[0][0].family == socket.AF_UNIX
-        self.error: BaseException | None = None  # raised by finish()
+        self.local = bool(connected) and connected[0][0].family == socket.AF_UNIX
+        self.error = error  # how the start failed: raised by finish()
         self.ended = False
         self.pid: int | None = os.getpid()
         self.code = 1
@@ -316,9 +316,7 @@ class _InActor:
         try:
             run = cls(*_connect_all(start))
         except Exception as exc:  # noqa: BLE001 - the serve call's error
-            failed = cls.__new__(cls)
-            failed.error = exc
-            return failed
+            return cls([], (), error=exc)
         run._begin(start.env, start.cwd, start.own_process)
         return run
 

@@ -17,9 +17,8 @@ what the cluster has (a request no node could ever hold fails at once), where ea
 sits (:mod:`phalanx.backends.ray.seats`). A rank's actor is made when the rank launches,
 given its start, and starts its rank in its constructor; only the first actor of a node on
 another machine is made at once, to pick that node's ports. Ranks are numbered by node,
-then by bundle; the nodes
-are the Ray nodes as they are, so ``NODE_RANK``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and
-``MASTER_ADDR`` tell the truth on a real cluster.
+then by bundle; the nodes are the Ray nodes as they are, so ``NODE_RANK``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE`` and ``MASTER_ADDR`` tell the truth on a real cluster.
 
 The rank runs inside its actor's worker process (:mod:`phalanx.backends.ray.actor`), so
 Ray inside a rank is Ray inside an actor. A rank's death reaches the group as soon as its
