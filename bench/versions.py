@@ -1,27 +1,40 @@
-"""W2 and W3 of two versions of phalanx, alternately, in one run: a change's cost on the
-call path, measured against the commit before it on the same machine at the same time.
+"""W1, W2, W3 and W5 of two versions of phalanx, alternately, in one run: a change's cost
+on start-up, the call path and death detection, measured against the commit before it on
+the same machine at the same time.
 
     python -m bench.versions --old REV [--new PATH] [--batches 9] [--json PATH]
+                             [--w1-batches N] [--w5-batches N]
     python -m bench.versions --old REV --backend cluster   # W2 and W9 on node agents
 
 ``--old`` is a git revision (checked out into a temporary worktree) or a directory holding
 a phalanx tree; ``--new`` defaults to this checkout. Each version runs in a process of its
-own (its ``phalanx`` first on ``sys.path``) holding a group of 4 ranks (W2: one no-op call
-fanned out to all 4) and a group of 1 (W3: 20,000 pipelined no-ops), both on the local
-backend, built only with the public API so that any two versions compare. The driver asks
-them in turn, batch by batch, the order swapping every batch, so that whatever else the
-machine does lands on both alike. Prints a table and writes JSON.
+own (its ``phalanx`` first on ``sys.path``), on the local backend, built only with the
+public API so that any two versions compare. It holds a group of 4 ranks (W2: one no-op
+call fanned out to all 4), a group of 1 (W3: 20,000 pipelined no-ops) and a group of 4
+for W5, and starts a group of its own for each W1 trial. W1 and W5 are bench.run's own
+(``bench.measure.w1_startup``, ``PhalanxContender.kill_latency``), taken from this tree's
+bench/ in both versions' processes, so the same code measures both: W1 starts 4 workers
+until the constructor has returned on every one, then shuts them down until every process
+is gone (startup and teardown seconds apart); W5 SIGKILLs rank 0 50 ms into a
+``sleep(10)`` call and times ``os.kill`` until the caller's wait raises ``WorkerDied``,
+the rank recreated afterwards (``group.recreate(0)``, not timed). The driver asks the
+versions in turn, batch by batch, one sample of each workload a batch, the order
+swapping every batch, so that whatever else the machine does lands on both alike.
+``--batches`` counts W2 and W3's batches, ``--w1-batches`` and ``--w5-batches`` those of
+W1 and W5 (default: as many; 0 leaves one out). Prints a table of medians (about two
+minutes at the defaults on 2 cores) and writes JSON.
 
 With ``--backend cluster`` each version's process starts two ``phalanx agent`` of its own
 (127.0.0.2 and 127.0.0.3, a private token file) and measures, on 2 agents x 2 ranks, W2
 (one no-op call fanned out to the 4 ranks) and W9's broadcast (a 64 MiB float64 array
 sent to every rank: it crosses to each node once), as each node's bandwidth: 64 MiB over
-the call's seconds.
+the call's seconds (no W1 or W5 there).
 """
 
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import os
 import subprocess
@@ -30,15 +43,23 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.util import machine_info, median, settle
+from bench.util import compile_sources, machine_info, median, settle
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_JSON = REPO / "bench" / "results" / "versions.json"
 
-# The process serving one version: reads commands on stdin, answers seconds on stdout.
+# The process serving one version: reads commands on stdin, answers seconds on stdout (a
+# line of them; "error ..." when a trial failed). W1 and W5 are bench.measure's and
+# bench.contenders' own, from the bench/ of the tree being run (argv[1] holds only it).
 _SERVER = r'''
-import sys, time
+import dataclasses, logging, sys, time
+sys.path.insert(0, sys.argv[1])  # this tree's bench/, before the version's own tree
 import phalanx as px
+from bench.contenders import PhalanxContender
+from bench.measure import make_plan, w1_startup, warm_up
+from bench.util import Errors, settle
+
+logging.getLogger("phalanx").setLevel(logging.ERROR)  # W5's deaths are expected
 
 class Bench:
     def noop(self):
@@ -46,6 +67,10 @@ class Bench:
 
 fanout = px.WorkerGroup(Bench, procs_per_node=4, echo_output=False)
 single = px.WorkerGroup(Bench, procs_per_node=1, echo_output=False)
+starts = PhalanxContender()  # W1: started and shut down in each trial
+warm_up([starts], Errors())
+killed = PhalanxContender()  # W5: one group throughout, its rank 0 recreated after each kill
+killed.start(4)
 for _ in range(300):
     fanout.call("noop")
 for f in [single.call_async("noop", workers=[0]) for _ in range(2000)]:
@@ -59,16 +84,34 @@ for line in sys.stdin:
         t0 = time.perf_counter()
         for _ in range(count):
             call("noop")
+        answer = [time.perf_counter() - t0]
     elif kind == "w3":
         t0 = time.perf_counter()
         futures = [single.call_async("noop", workers=[0]) for _ in range(count)]
         for f in futures:
             f.result()
+        answer = [time.perf_counter() - t0]
+    elif kind == "w1":  # count trials: startup and teardown seconds of each
+        errors = Errors()
+        plan = dataclasses.replace(make_plan(False), w1_trials={4: count},
+                                   w1_ray_trials={4: count})
+        startup, teardown = w1_startup([starts], plan, errors)
+        if errors.items:
+            print("error", errors.items[0]["error"], flush=True)
+            continue
+        answer = [x for pair in zip(startup.raw[starts.name], teardown.raw[starts.name])
+                  for x in pair]
+    elif kind == "w5":  # count kills: seconds from os.kill until WorkerDied, each
+        answer = []
+        for _ in range(count):
+            settle()
+            answer.append(killed.kill_latency())
     else:
         break
-    print(time.perf_counter() - t0, flush=True)
+    print(*answer, flush=True)
 fanout.shutdown()
 single.shutdown()
+killed.stop()
 '''
 
 # The same for the cluster backend: two agents of this version's own, a group of 2 x 2.
@@ -147,13 +190,14 @@ BROADCAST_MIB = 64
 
 
 class Version:
-    """One version's serving process."""
+    """One version's serving process: ``tree``'s phalanx, and the bench/ that ``shim``
+    holds (this tree's), first on its path."""
 
-    def __init__(self, name: str, tree: Path, server: str = _SERVER) -> None:
+    def __init__(self, name: str, tree: Path, shim: Path, server: str = _SERVER) -> None:
         self.name, self.tree = name, tree
         env = {**os.environ, "PYTHONPATH": str(tree)}
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", server], cwd=tree, env=env, text=True,
+            [sys.executable, "-c", server, str(shim)], cwd=tree, env=env, text=True,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         )
         ready = self.proc.stdout.readline().split()  # type: ignore[union-attr]
@@ -161,10 +205,21 @@ class Version:
             raise RuntimeError(f"the {name} version ({tree}) did not start")
         self.module = ready[1]
 
-    def run(self, kind: str, count: int) -> float:
+    def ask(self, kind: str, count: int) -> list[float]:
+        """The server's answer to ``kind count``: its line of seconds."""
         self.proc.stdin.write(f"{kind} {count}\n")  # type: ignore[union-attr]
         self.proc.stdin.flush()  # type: ignore[union-attr]
-        return float(self.proc.stdout.readline())  # type: ignore[union-attr]
+        answer = self.proc.stdout.readline().split()  # type: ignore[union-attr]
+        if not answer:
+            raise RuntimeError(f"the {self.name} version ({self.tree}) ended during {kind}: "
+                               "its error is above")
+        if answer[0] == "error":
+            raise RuntimeError(f"{kind} failed on the {self.name} version ({self.tree}): "
+                               + " ".join(answer[1:]))
+        return [float(x) for x in answer]
+
+    def run(self, kind: str, count: int) -> float:
+        return self.ask(kind, count)[0]
 
     def close(self) -> None:
         try:
@@ -186,24 +241,63 @@ def _tree(spec: str, scratch: Path) -> Path:
     return where
 
 
+# What each workload's samples are, how they are shown, and their key in the JSON's medians.
+_ROWS = {
+    "W1.startup": ("W1 startup, 4 workers (s)", "{:>12.3f}", "{:,.3f}", "W1.startup.4_s"),
+    "W1.teardown": ("W1 teardown, 4 workers (s)", "{:>12.3f}", "{:,.3f}", "W1.teardown.4_s"),
+    "W2": ("W2 no-op fan-out to 4 (us/call)", "{:>12.1f}", "{:,.1f}", "W2.noop.4_us"),
+    "W3": ("W3 pipelined to 1 (calls/s)", "{:>12,.0f}", "{:,.1f}", "W3.pipelined_calls_per_s"),
+    "W5": ("W5 SIGKILL to WorkerDied (ms)", "{:>12.1f}", "{:,.1f}", "W5.kill_ms"),
+}
+_CLUSTER_ROWS = {
+    "W2": ("W2 no-op fan-out, 2x2 (us/call)", "{:>12.1f}", "{:,.1f}", "W2.noop.4_us"),
+    "W9": ("W9 64 MiB, MiB/s a node", "{:>12,.0f}", "{:,.1f}",
+           "W9.bcast_64MiB_MiB_per_s_per_node"),
+}
+
+
 def measure(versions: list[Version], batches: int, w2_calls: int, w3_calls: int,
-            cluster: bool = False) -> dict:
-    """Per version: W2 in us/call, then W3 in calls/s (or, on the cluster, W9 in MiB/s a
-    node: one 64 MiB broadcast per sample, ``w3_calls`` ignored)."""
+            cluster: bool = False, w1_batches: int = 0, w5_batches: int = 0) -> dict:
+    """Per version, one sample a batch of each workload: W1's startup and teardown in s
+    (local only, ``w1_batches`` of them), W2 in us/call, W3 in calls/s (or, on the
+    cluster, W9 in MiB/s a node: one 64 MiB broadcast per sample, ``w3_calls`` ignored),
+    then W5 in ms (local only, ``w5_batches``). The versions take turns, the order
+    swapping every batch."""
     other = "W9" if cluster else "W3"
-    raw: dict[str, dict[str, list[float]]] = {v.name: {"W2": [], other: []} for v in versions}
-    for batch in range(batches):
+    names = [*(["W1.startup", "W1.teardown"] if w1_batches else []), "W2", other,
+             *(["W5"] if w5_batches else [])]
+    raw: dict[str, dict[str, list[float]]] = {v.name: {n: [] for n in names} for v in versions}
+    for batch in range(max(batches, w1_batches, w5_batches)):
         order = versions if batch % 2 == 0 else versions[::-1]
-        for v in order:
-            settle()
-            raw[v.name]["W2"].append(v.run("w2", w2_calls) / w2_calls * 1e6)
-        for v in order:
-            settle()
-            if cluster:
-                raw[v.name]["W9"].append(BROADCAST_MIB / v.run("w9", 1))
-            else:
-                raw[v.name]["W3"].append(w3_calls / v.run("w3", w3_calls))
+        if batch < w1_batches:
+            for v in order:  # settle() is bench.measure's, in the server before each trial
+                startup, teardown = v.ask("w1", 1)
+                raw[v.name]["W1.startup"].append(startup)
+                raw[v.name]["W1.teardown"].append(teardown)
+        if batch < batches:
+            for v in order:
+                settle()
+                raw[v.name]["W2"].append(v.run("w2", w2_calls) / w2_calls * 1e6)
+            for v in order:
+                settle()
+                if cluster:
+                    raw[v.name]["W9"].append(BROADCAST_MIB / v.run("w9", 1))
+                else:
+                    raw[v.name]["W3"].append(w3_calls / v.run("w3", w3_calls))
+        if batch < w5_batches:
+            for v in order:  # settle() in the server, as bench.measure.w5_death does
+                raw[v.name]["W5"].append(v.run("w5", 1) * 1e3)
     return raw
+
+
+def _compile(trees: list[Path]) -> None:
+    """Byte-compile each version's phalanx, and this tree's phalanx and bench, as
+    bench.run does (:func:`bench.util.compile_sources`): where PYTHONDONTWRITEBYTECODE is
+    set, every rank of a fresh worktree would otherwise compile it anew, and W1 would time
+    that for one version only."""
+    compile_sources()
+    for tree in trees:
+        compileall.compile_dir(str(tree / "phalanx"), quiet=1, workers=0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,7 +305,11 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--old", required=True, help="git revision or phalanx tree")
     parser.add_argument("--new", default=str(REPO), help="phalanx tree (default: this one)")
-    parser.add_argument("--batches", type=int, default=9)
+    parser.add_argument("--batches", type=int, default=9, help="of W2 and W3 (or W9)")
+    parser.add_argument("--w1-batches", type=int, default=None,
+                        help="W1 trials a version (default: --batches; 0: no W1)")
+    parser.add_argument("--w5-batches", type=int, default=None,
+                        help="W5 kills a version (default: --batches; 0: no W5)")
     parser.add_argument("--w2-calls", type=int, default=500)
     parser.add_argument("--w3-calls", type=int, default=20_000)
     parser.add_argument("--backend", choices=("local", "cluster"), default="local")
@@ -219,44 +317,49 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cluster = args.backend == "cluster"
     server = _CLUSTER_SERVER if cluster else _SERVER
+    w1_batches = 0 if cluster else args.batches if args.w1_batches is None else args.w1_batches
+    w5_batches = 0 if cluster else args.batches if args.w5_batches is None else args.w5_batches
     with tempfile.TemporaryDirectory(prefix="phalanx-versions-") as scratch:
         old_tree = _tree(args.old, Path(scratch))
+        new_tree = Path(args.new).resolve()
+        shim = Path(scratch, "bench-only")  # this tree's bench/, and no phalanx beside it
+        shim.mkdir()
+        (shim / "bench").symlink_to(REPO / "bench", target_is_directory=True)
+        _compile([old_tree, new_tree])
         versions: list[Version] = []
         try:
-            versions = [Version("old", old_tree, server),
-                        Version("new", Path(args.new).resolve(), server)]
-            raw = measure(versions, args.batches, args.w2_calls, args.w3_calls, cluster)
+            versions = [Version("old", old_tree, shim, server),
+                        Version("new", new_tree, shim, server)]
+            for v in versions:
+                print(f"{v.name}: {v.module}", flush=True)
+            raw = measure(versions, args.batches, args.w2_calls, args.w3_calls, cluster,
+                          w1_batches, w5_batches)
         finally:
             for v in versions:
                 v.close()
             if old_tree.parent == Path(scratch):
                 subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force",
                                 str(old_tree)], check=False, capture_output=True)
+    rows = {k: row for k, row in (_CLUSTER_ROWS if cluster else _ROWS).items()
+            if k in raw["old"]}
+    medians = {k: {name: median(r[k]) for name, r in raw.items()} for k in rows}
     result: dict[str, Any] = {
         "old": args.old, "new": args.new, "backend": args.backend, "batches": args.batches,
+        "w1_batches": w1_batches, "w5_batches": w5_batches,
         "w2_calls": args.w2_calls, "w3_calls": args.w3_calls, "raw": raw,
+        "median": {row[3]: medians[k] for k, row in rows.items()},
+        "modules": {v.name: v.module for v in versions},
         "machine": machine_info(),
     }
-    w2 = {name: median(r["W2"]) for name, r in raw.items()}
-    if cluster:
-        other, other_key = "W9", "W9.bcast_64MiB_MiB_per_s_per_node"
-        rows = [("W2 no-op fan-out, 2x2 (us/call)", w2, "{:>12.1f}"),
-                ("W9 64 MiB, MiB/s a node", None, "{:>12,.0f}")]
-    else:
-        other, other_key = "W3", "W3.pipelined_calls_per_s"
-        rows = [("W2 no-op fan-out to 4 (us/call)", w2, "{:>12.1f}"),
-                ("W3 pipelined to 1 (calls/s)", None, "{:>12,.0f}")]
-    second = {name: median(r[other]) for name, r in raw.items()}
-    result["median"] = {"W2.noop.4_us": w2, other_key: second}
     print(f"{'workload':<34}{'old':>12}{'new':>12}{'new/old':>10}")
-    for label, values, number in rows:
-        values = values if values is not None else second
+    for k, (label, number, _, _) in rows.items():
+        values = medians[k]
         print(f"{label:<34}" + number.format(values["old"]) + number.format(values["new"])
               + f"{values['new'] / values['old']:>10.3f}")
-    for name in ("W2", other):
-        spread = {v: (min(r[name]), max(r[name])) for v, r in raw.items()}
-        print(f"  {name} range: " + ", ".join(f"{v} {lo:,.1f}..{hi:,.1f}"
-                                              for v, (lo, hi) in spread.items()))
+    for k, (_, _, bound, _) in rows.items():
+        spread = ", ".join(f"{name} {bound.format(min(r[k]))}..{bound.format(max(r[k]))}"
+                           for name, r in raw.items())
+        print(f"  {k} range: {spread}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     print(f"JSON: {args.json}")

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import importlib
 
+from phalanx.version import __version__
+
 # typing.TYPE_CHECKING without importing typing: the node supervisor imports this package,
 # and its start is on a rank's critical path.
 TYPE_CHECKING = False
-
-__version__ = "0.1.0"
 
 # Public name -> defining module. Loaded on first use, so that a worker process (which
 # imports phalanx.rank.runtime) does not pay for the controller's modules at start-up.
@@ -41,8 +41,9 @@ _EXPORTS = {
     "NodeInfo": "phalanx.errors",
     "ObjectFreed": "phalanx.errors",
     "ObjectLost": "phalanx.errors",
-    "ObjectRef": "phalanx.controller.shared",
-    "ResultRef": "phalanx.controller.kept",
+    "ObjectRef": "phalanx.controller.refs",
+    "RefState": "phalanx.controller.refs",
+    "ResultRef": "phalanx.controller.refs",
     "GroupSlice": "phalanx.controller.slices",
     "ResourcePool": "phalanx.controller.pool",
     "InjectedFault": "phalanx.rank.faults",
@@ -90,6 +91,7 @@ __all__ = [
     "RankFuture",
     "RankHealth",
     "RayBackend",
+    "RefState",
     "ResourcePool",
     "ResultRef",
     "SerializationError",
@@ -113,9 +115,8 @@ if TYPE_CHECKING:
     from phalanx.controller.futures import GroupFuture, RankFuture, ShardedFuture
     from phalanx.controller.group import WorkerGroup
     from phalanx.controller.joint import rendezvous
-    from phalanx.controller.kept import ResultRef
     from phalanx.controller.pool import ResourcePool
-    from phalanx.controller.shared import ObjectRef
+    from phalanx.controller.refs import ObjectRef, RefState, ResultRef
     from phalanx.controller.slices import GroupSlice
     from phalanx.controller.spmd import spmd
     from phalanx.controller.watch import RankHealth, StackReport, StartupReport
@@ -124,6 +125,9 @@ if TYPE_CHECKING:
         CallTimeout,
         FrameworkNotInstalled,
         GroupClosed,
+        MembershipChanged,
+        MembershipEvent,
+        NodeInfo,
         ObjectFreed,
         ObjectLost,
         PhalanxError,

@@ -46,7 +46,7 @@ from typing import Any
 from phalanx.dumps import innermost_user_frames
 
 
-def _rebuild(cls: type, args: tuple, state: dict) -> BaseException:
+def _rebuild(cls: type[BaseException], args: tuple, state: dict) -> BaseException:
     exc = cls.__new__(cls)
     exc.args = args
     exc.__dict__.update(state)
@@ -131,7 +131,8 @@ def _pickle_exception(exc: BaseException) -> bytes | None:
     ``__main__`` and mapped back to the originals there); the second way restores ``args``
     and the attributes without calling ``__init__``.
     """
-    import cloudpickle  # only when reporting an exception (see wire.dumps)
+    # only when reporting an exception (see wire.dumps); cloudpickle ships no type hints
+    import cloudpickle  # type: ignore[import-untyped]
 
     for candidate in (exc, _WithoutInit(exc)):
         try:
@@ -409,7 +410,7 @@ class GroupClosed(PhalanxError):
 
 
 class ObjectFreed(PhalanxError, ValueError):
-    """A handle (a put object's ObjectRef, a kept result's ResultRef) was used after it
+    """A handle (an ObjectRef: a put object's, or a kept result's ResultRef) was used after it
     was freed."""
 
 

@@ -3,7 +3,19 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, overload
+
+
+@overload
+def check_seconds(value: None, name: str = ..., *, allow_zero: bool = ...) -> None: ...
+
+
+@overload
+def check_seconds(value: float, name: str = ..., *, allow_zero: bool = ...) -> float: ...
+
+
+@overload
+def check_seconds(value: Any, name: str = ..., *, allow_zero: bool = ...) -> float | None: ...
 
 
 def check_seconds(value: Any, name: str = "timeout", *, allow_zero: bool = True) -> float | None:

@@ -24,6 +24,11 @@ Ray's account of it) is finished on a helper thread and posted.
 Transport errors stop here: :meth:`Channel.send` never raises for a lost connection; the
 loss arrives as an EXITED event for each rank the channel carried.
 
+What a backend offers beyond this -- holding put objects, copying kept results between
+machines, reserving a pool's slots, shipping code, nodes that change -- is a typed part it
+has or not, named once in :attr:`Backend.capabilities` (:mod:`.parts`); what crosses the
+boundary with them (held objects, kept copies) is defined in :mod:`.held`, below it.
+
 Template methods (as torch elastic's ``PContext``): the public methods hold the checks and
 the cleanup on failure; backends implement the ``_``-prefixed ones.
 """
@@ -36,13 +41,12 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from phalanx.backends.parts import Capabilities
 from phalanx.errors import MembershipEvent, ProcessFailure
 from phalanx.world.layout import Layout
 
 if TYPE_CHECKING:
-    from phalanx.controller.shared import SharedObject
     from phalanx.output.logs import OutputOptions
-    from phalanx.world.pools import PoolSlot
 
 logger = logging.getLogger(__name__)
 
@@ -193,32 +197,11 @@ class Channel(abc.ABC):
         """Release descriptors and threads (the processes are stopped by the backend)."""
 
 
-class SlotReservation(Protocol):
-    """What a backend reserved for a resource pool (:meth:`Backend.reserve_slots`)."""
-
-    @property
-    def gpus_per_worker(self) -> int:
-        """What a group placed on it asks per rank (0 where the backend assigns GPUs)."""
-        ...
-
-    def backend_for(self, slots: Sequence[PoolSlot], share: float) -> Backend:
-        """A fresh backend for one group whose rank i sits on ``slots[i]``, taking
-        ``share`` of each slot (1/colocate)."""
-        ...
-
-    def release(self) -> None:
-        """Free what was reserved (idempotent)."""
-        ...
-
-
 class Backend(abc.ABC):
     """Reserves nodes and starts, signals and stops the ranks of one group on them."""
 
     name = "abstract"
     opened = False
-    shared_links = False  # whether its channels may share a link (see Channel.link)
-    can_share = False  # whether it holds put objects on its nodes (share / unshare)
-    copies_kept = False  # whether its nodes copy other machines' kept results (copy_kept)
     # Told of every membership change (nodes lost, or joining and leaving a DNS name),
     # before the ranks of a lost node are reported dead; set by the group. Any thread.
     on_membership: Callable[[MembershipEvent], None] | None = None
@@ -229,6 +212,11 @@ class Backend(abc.ABC):
     def settings(self) -> dict[str, Any]:
         """The constructor arguments this backend was configured with."""
         return {}
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What it offers beyond the basics (:mod:`phalanx.backends.parts`): none here."""
+        return Capabilities()
 
     def open(self, output: OutputOptions) -> None:
         """Start what the backend needs to serve one group (threads, a Ray connection);
@@ -249,13 +237,6 @@ class Backend(abc.ABC):
                 f"{target_name} is a @ray.remote({given}) class: the {self.name} backend runs "
                 "the class it wraps but cannot honour Ray's options; remove them (a plain "
                 "@ray.remote class runs on every backend) or use backend=px.RayBackend(...)")
-
-    def reserve_slots(self, counts: Sequence[int], *, gpus: int,
-                      resources: Mapping[str, float], timeout: float) -> SlotReservation:
-        """Reserve a resource pool's slots once (``counts[n]`` on node ``n``, each with
-        ``gpus`` GPUs and ``resources``), for groups placed on them later; raises, naming
-        what is short, when they cannot be had. Never opens this backend."""
-        raise NotImplementedError(f"the {self.name} backend cannot hold resource pools")
 
     def gpus_per_node(self, nodes: int) -> int | None:
         """GPUs each node offers, if known before the ranks are placed (for
@@ -303,50 +284,6 @@ class Backend(abc.ABC):
     def free_port(self, node: Node) -> int:
         """A port free now on ``node``, whose ranks are running (for a joint world)."""
         return self.ports(node, 1)[0]
-
-    def available_nodes(self) -> int | None:
-        """How many nodes a group reserving now could have, if that can change while it
-        runs (nodes lost, added); None for backends whose nodes do not change."""
-        return None
-
-    def reload_code(self) -> str | None:
-        """Make the code the controller has now what ranks started from now on run; its
-        version, if the backend ships code (the cluster backend's ``sync``), else None."""
-        return None
-
-    def share(self, obj: SharedObject, channels: Sequence[Channel]) -> None:
-        """Hold the put object ``obj`` (its pickle and buffers, ``obj.segments``) once on
-        each node of ``channels``, and tell each of their ranks where it is (SHARE, before
-        any later message to it). Called again for ranks started later: a node that holds
-        it already only tells them. Raises, naming the node, when a node cannot hold it."""
-        raise NotImplementedError(f"the {self.name} backend cannot hold shared objects")
-
-    def unshare(self, obj: SharedObject, channels: Sequence[Channel]) -> None:
-        """Free ``obj`` on every node holding it; the ranks of ``channels`` forget it
-        (UNSHARE). Never waits for a node: it may run on the thread that ends calls."""
-        if self.can_share:  # pragma: no cover - a bug
-            raise NotImplementedError(f"the {self.name} backend shares but cannot unshare")
-
-    def source_of(self, channel: Channel) -> tuple[str, int] | None:
-        """Where the nodes of a backend that ``copies_kept`` fetch what ``channel``'s rank
-        keeps (its node agent's address); None where nodes do not fetch from each other."""
-        return None
-
-    def copy_kept(self, copy: Any, channels: Sequence[Channel]) -> None:
-        """Have each node of ``channels`` that cannot map the kept result ``copy.location``
-        (another machine than its producer's) hold a copy of it, fetched straight from the
-        producer's node (``copy.source``), and tell its ranks where it is (SHARE
-        ``copy.id``, before any later message to them). Raises, naming the node, when one
-        cannot. Only called where ``copies_kept``."""
-        raise NotImplementedError(f"the {self.name} backend does not copy kept results")
-
-    def release_copy(self, copy: Any) -> None:
-        """Free ``copy`` on every node holding it. Never waits for a node."""
-        return None
-
-    def released(self, channel: Channel, ref_id: int) -> None:
-        """A rank holds no view of freed object ``ref_id`` any more (RELEASED)."""
-        return None  # only a backend that reuses its blocks waits for this
 
     @abc.abstractmethod
     def _open(self, output: OutputOptions) -> None: ...

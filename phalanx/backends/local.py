@@ -13,7 +13,8 @@ with the process, before its keeper hears of the exit), EXITED goes out in the s
 -- no thread, no wait: a SIGKILLed rank's pending calls fail ~1.5 ms after the kill, most
 of it the kernel tearing the process down. Otherwise the death is finished on a short
 helper thread (a moment for the last stderr lines) and posted, so the dispatcher's pump
-never waits on it.
+never waits on it. Both are the node side's one routine for a dead rank
+(:class:`phalanx.node.spawn.Burial`).
 
 Put objects are held once, in this process, for every simulated node: a pooled
 :class:`phalanx.node.shm.Holder`.
@@ -28,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from phalanx import config
 from phalanx.backends.base import Backend, Boot, Channel, EventSink, Node, RankStart
+from phalanx.backends.held import HeldObject
+from phalanx.backends.parts import Capabilities
 from phalanx.errors import ProcessFailure
 from phalanx.node import shm
 from phalanx.node import spawn as node
@@ -44,7 +47,8 @@ _LOOPBACK = "127.0.0.1"
 
 class LocalChannel(Channel):
     """One local rank: its process on this node (control pipes, the keeper's status pipe,
-    its stack file) and the tap on its output."""
+    its stack file), the tap on its output, and its :class:`~phalanx.node.spawn.Burial`
+    (EXITED with the node side's record and the last lines of its stderr)."""
 
     def __init__(self, start: RankStart, process: node.NodeRank, tap: OutputTap) -> None:
         self.rank = start.rank
@@ -54,12 +58,12 @@ class LocalChannel(Channel):
         self._tap = tap
         self._sink: EventSink | None = None
         self._watched: list[int] = []
-        self._buried = False
-        self._lock = threading.Lock()
+        self._burial = node.Burial(start.rank, lambda: self.exit_record(start.rank),
+                                   self._post)
 
     def alive(self) -> bool:
         """Whether its process is still there (to answer, or to unmap)."""
-        return not self._buried and self.process.exitcode(0) is None
+        return not self._burial.claimed and self.process.exitcode(0) is None
 
     def attach(self, sink: EventSink) -> None:
         self._sink = sink
@@ -77,7 +81,8 @@ class LocalChannel(Channel):
             except framing.ConnectionLost:
                 self._unwatch(fd)
                 if process.death_fd is None:
-                    self._bury_later()
+                    if self._claim():
+                        self._burial.tell_later(self._settle)
                     return []
                 # Dying, or of no use: killed, and its exit status follows on the status
                 # pipe -- or was there already and was read just now, which the pipe's
@@ -90,21 +95,29 @@ class LocalChannel(Channel):
     def _died(self) -> list[list[Any]]:
         """Its process has exited: EXITED now if its last output is in, else posted from
         a helper thread once it is."""
-        if not self._mark_buried():
+        if not self._claim():
             return []
         if self._tap.wait_closed(0):
-            return [self.process.exited_message(self._tap.stderr_tail())]
-        self._bury_on_thread()
+            return [self._burial.exited()]
+        self._burial.tell_later(self._settle)
         return []
 
-    def _mark_buried(self) -> bool:
-        with self._lock:
-            if self._buried:
-                return False
-            self._buried = True
+    def _claim(self) -> bool:
+        """The first sign of its death: nothing of it is watched any more."""
+        if not self._burial.claim():
+            return False
         for fd in list(self._watched):
             self._unwatch(fd)
         return True
+
+    def _settle(self) -> None:
+        """What completes its record, a moment at most: its exit status, its last output."""
+        self.process.reap()
+        self._tap.wait_closed(config.OUTPUT_WAIT)
+
+    def _post(self, event: list[Any]) -> None:
+        if self._sink is not None:
+            self._sink.post(self, [event])
 
     def _unwatch(self, fd: int) -> None:
         try:  # atomic: the pump (a death) and close() may both get here
@@ -113,19 +126,6 @@ class LocalChannel(Channel):
             return
         if self._sink is not None:
             self._sink.unwatch(fd, self)
-
-    def _bury_later(self) -> None:
-        if self._mark_buried():
-            self._bury_on_thread()
-
-    def _bury_on_thread(self) -> None:
-        threading.Thread(target=self._bury, name=f"phalanx-bury-{self.rank}", daemon=True).start()
-
-    def _bury(self) -> None:
-        self.process.reap()
-        self._tap.wait_closed(config.OUTPUT_WAIT)
-        if self._sink is not None:
-            self._sink.post(self, [self.process.exited_message(self._tap.stderr_tail())])
 
     def send(self, frame: list[Any]) -> None:
         self.process.send(frame)  # a lost rank's death arrives as EXITED
@@ -140,8 +140,7 @@ class LocalChannel(Channel):
         return self.process.failure(self._tap.stderr_tail())
 
     def close(self) -> None:
-        with self._lock:
-            self._buried = True  # stopped on purpose: the group records it
+        self._burial.stop()  # stopped on purpose: the group records it
         for fd in list(self._watched):
             self._unwatch(fd)
         self.process.close()
@@ -155,13 +154,23 @@ def _alive(channel: Any) -> bool:
 
 class LocalBackend(Backend):
     name = "local"
-    can_share = shm.supported()
 
     def __init__(self) -> None:
         self._gpus = visible_gpus()
         self._node_gpus: list[tuple[str, ...]] | None = None  # on a pool: each node's
         self._objects = shm.Holder(shm.Pool(_alive))  # every simulated node's copies
         self._objects_lock = threading.Lock()  # an object is written once, however shared
+
+    def place_on(self, node_gpus: list[tuple[str, ...]]) -> None:
+        """Run the group on a pool's slots: node n gets ``node_gpus[n]`` (before
+        :meth:`reserve`)."""
+        self._node_gpus = node_gpus
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """It holds put objects (where this machine has memfd and /proc) and reserves
+        pools' slots (this machine's GPUs)."""
+        return Capabilities(objects=self if shm.supported() else None, slots=self)
 
     def _open(self, output: OutputOptions) -> None:
         self._writer = framing.BacklogWriter()
@@ -233,13 +242,11 @@ class LocalBackend(Backend):
             os.close(stderr_fd)
             raise
 
-    # -- shared objects (phalanx.controller.shared): one copy in this process for every node --
+    # -- held objects (ObjectHolding): one copy in this process for every node --------------
 
-    def share(self, obj: Any, channels: Sequence[Channel]) -> None:
+    def share(self, obj: HeldObject, channels: Sequence[Channel]) -> None:
         """Write the object into a block of this process (a pooled one, see
         :class:`phalanx.node.shm.Holder`) once; tell each rank where it is."""
-        if not self.can_share:
-            raise NotImplementedError("shared objects need Linux (memfd_create and /proc)")
         with self._objects_lock:
             location = self._objects.where(obj.id)
             if location is None:
@@ -252,7 +259,7 @@ class LocalBackend(Backend):
         for channel in channels:
             channel.send(protocol.share_frame(channel.ranks[0], obj.id, obj.token, location))
 
-    def unshare(self, obj: Any, channels: Sequence[Channel]) -> None:
+    def unshare(self, obj: HeldObject, channels: Sequence[Channel]) -> None:
         for channel in channels:
             channel.send(protocol.unshare_frame(channel.ranks[0], obj.id))
         # reused once each rank told of it let go of every view (RELEASED)
@@ -305,7 +312,7 @@ class LocalSlots:
         per_node: dict[int, list[str]] = {}
         for slot in slots:
             per_node.setdefault(slot.node, []).extend(self.gpus[slot.index])
-        backend._node_gpus = [tuple(ids) for ids in per_node.values()]
+        backend.place_on([tuple(ids) for ids in per_node.values()])
         return backend
 
     def release(self) -> None:

@@ -8,16 +8,17 @@ import importlib.util
 import logging
 import os
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
-from phalanx import __version__, config
+from phalanx import config
 from phalanx.backends.cluster import k8s
 from phalanx.launcher import flags as runflags
 from phalanx.launcher import report as runreport
 from phalanx.launcher.flags import parse_ranks
 from phalanx.launcher.options import JobOptions
 from phalanx.launcher.program import path_in_tree
+from phalanx.version import __version__
 from phalanx.world.frameworks import FRAMEWORKS
 
 USAGE_ERROR = 2
@@ -81,12 +82,15 @@ examples:
 """
 
 
-def _number(value: str, convert: type, minimum: float, what: str) -> float:
+_Number = TypeVar("_Number", int, float)
+
+
+def _number(value: str, convert: Callable[[str], _Number], minimum: float, what: str) -> _Number:
     try:
         number = convert(value)
     except ValueError:
-        number = None
-    if number is None or number < minimum:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value!r}") from None
+    if number < minimum:
         raise argparse.ArgumentTypeError(f"expected {what}, got {value!r}")
     return number
 
@@ -329,12 +333,12 @@ def _check_target(target: str, is_module: bool, no_python: bool = False) -> str 
         # its parent packages here in the launcher. A missing submodule fails on the ranks.
         sys.path.insert(0, os.getcwd())
         try:
-            found = importlib.util.find_spec(target.partition(".")[0]) is not None
+            importable = importlib.util.find_spec(target.partition(".")[0]) is not None
         except (ImportError, ValueError):
-            found = False
+            importable = False
         finally:
             sys.path.pop(0)
-        return None if found else f"no module named {target!r}"
+        return None if importable else f"no module named {target!r}"
     if not os.path.isfile(target):
         return f"no such file: {target!r}"
     return None

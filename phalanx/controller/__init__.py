@@ -5,7 +5,7 @@ state behind a small, documented interface, and none touches another's fields::
 
     Gate            lifecycle.py   open or closed
     Dispatcher      dispatch.py    the event pump: channels' events to futures, deaths
-    RankTable       ranks.py       every rank's slot and its state machine (RankState);
+    RankTable       ranks.py       every rank's entry and its state machine (RankState);
                                    workers= selections
     SharedObjects   shared.py      put() objects and the calls that hold them
     MethodNames     methods.py     the worker object's methods (and group.train.call())

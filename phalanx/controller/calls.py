@@ -3,9 +3,12 @@ frames to the ranks' channels, and the future that gathers the answers.
 
 A payload is the pickle of ``(args, kwargs)`` and its out-of-band buffers, made once per
 distinct set of arguments (``call`` pickles once for every rank; ``map`` once per rank).
-Arguments that name put objects, or carry large buffers, go through
-:mod:`phalanx.controller.shared` first. A call is registered on each slot's ``pending``
-table before its frame goes out, so that an answer (or the rank's death) always finds it.
+Encoding returns the handles the arguments name with their pickle
+(:class:`~phalanx.controller.shared.Encoded`); a call whose arguments name handles, or
+carry large buffers, goes through :meth:`SharedObjects.prepare
+<phalanx.controller.shared.SharedObjects.prepare>` first. A call is registered on each
+entry's ``pending`` table before its frame goes out, so that an answer (or the rank's
+death) always finds it.
 
 The sends of a synchronous call are deferred to the first wait on its future (see
 :meth:`Dispatcher.wait <phalanx.controller.dispatch.Dispatcher.wait>`): nothing then
@@ -20,9 +23,10 @@ import itertools
 import time
 from typing import TYPE_CHECKING, Any
 
+from phalanx.backends.held import NodeAddress
 from phalanx.controller.futures import GroupFuture, StreamFuture
 from phalanx.controller.kept import KeptFuture, KeptResults
-from phalanx.controller.shared import CAPTURE
+from phalanx.controller.shared import Encoded
 from phalanx.errors import ObjectFreed, ObjectLost, SerializationError
 from phalanx.rank.kept import KEEP
 from phalanx.wire import pickling, protocol
@@ -31,7 +35,7 @@ _clock = time.monotonic
 _POLL_EVERY = 0.001  # s: a death older than this is known before the next call goes out
 
 if TYPE_CHECKING:
-    from phalanx.backends.base import Backend
+    from phalanx.backends.base import Backend, Channel
     from phalanx.controller.dispatch import Dispatcher
     from phalanx.controller.ranks import RankTable
     from phalanx.controller.shared import SharedObjects
@@ -47,24 +51,36 @@ class Sender:
 
     def __init__(self, table: RankTable, dispatcher: Dispatcher, shared: SharedObjects,
                  backend: Backend) -> None:
-        self._slots = table.slots  # the same list for the group's life
+        self._entries = table.entries  # the same list for the group's life
         self._dispatcher = dispatcher
         self._fail_if_dead = dispatcher.fail_if_dead
         self._shared = shared
-        self._backend = backend
+        parts = backend.capabilities
+        self._copier = parts.kept_copies
+        self._shared_links = parts.shared_links
         self._call_ids = itertools.count(1)
-        self.kept: KeptResults = KeptResults("the group", self.send, self.encode,
-                                             self._source)
+        self._kept: KeptResults | None = None  # the group's, once it made them (keeps_in)
         self._polled = 0.0  # when send() last polled for deaths already in
 
-    def _source(self, rank: int) -> tuple | None:
-        channel = self._slots[rank].channel  # type: ignore[union-attr]
-        return None if channel is None else self._backend.source_of(channel)
+    def keeps_in(self, kept: KeptResults) -> None:
+        """``keep=True`` calls' results go to ``kept`` (the group's part)."""
+        self._kept = kept
 
-    def encode(self, args: tuple, kwargs: dict, rank: int | None = None) -> list[Any]:
+    def source_of(self, rank: int) -> NodeAddress | None:
+        """Where other nodes fetch what ``rank`` keeps (None: they read it where it is)."""
+        entry = self._entries[rank]
+        if self._copier is None or entry is None or entry.channel is None:
+            return None
+        return self._copier.source_of(entry.channel)
+
+    def encode(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+               rank: int | None = None) -> Encoded:
         """The payload of ``(args, kwargs)`` (``rank``: the one it is for, for messages)."""
+        plain = pickling.dumps_plain((args, kwargs))
+        if plain is not None:
+            return Encoded(plain)
         try:
-            return pickling.dumps_plain((args, kwargs)) or self._shared.encode((args, kwargs))
+            return self._shared.encode((args, kwargs))
         except (ObjectFreed, ObjectLost):
             raise
         except Exception as exc:
@@ -80,17 +96,19 @@ class Sender:
         self,
         method: str,
         ranks: list[int],
-        payloads: list[list[Any]],
+        payloads: list[Encoded],
         *,
         defer: bool = False,
         stream: bool = False,
         workers: Workers = "all",
         keep: bool = False,
-    ) -> GroupFuture:
+        timeout: float | None = None,
+    ) -> Any:
         """Register a call's futures and send it: one payload for every rank, or one per
         rank (``defer``: at the future's first wait; ``stream``: the workers stream items
-        back, a :class:`StreamFuture`; ``workers``: the selection it was made with;
-        ``keep``: the results stay on the ranks, handles come back)."""
+        back, a :class:`StreamFuture` waiting up to ``timeout`` for each; ``workers``: the
+        selection it was made with; ``keep``: the results stay on the ranks, handles come
+        back). The future: a :class:`GroupFuture`, or its kind for ``stream`` / ``keep``."""
         # Learn of deaths that already happened: a rank found dead now fails this call as
         # "already dead when it was sent", not "died while running it". At most one poll
         # per _POLL_EVERY: one per call cost a quarter of W3's pipelined throughput.
@@ -101,21 +119,29 @@ class Sender:
         call_id = next(self._call_ids)
         tolerant = type(workers) is str and workers in ("ready", "any")
         if stream:
-            future: GroupFuture = StreamFuture(method, ranks, self._dispatcher, tolerant)
+            future: GroupFuture = StreamFuture(method, ranks, self._dispatcher, tolerant,
+                                               timeout)
         elif keep:
-            future = KeptFuture(method, ranks, self._dispatcher, tolerant, self.kept, call_id)
+            if self._kept is None:  # pragma: no cover - the group sets it at once
+                raise RuntimeError("keep=True before the group's kept results were made")
+            future = KeptFuture(method, ranks, self._dispatcher, tolerant, self._kept,
+                                call_id)
             method = KEEP + method  # the rank keeps the result (phalanx.rank.kept)
         else:
             future = GroupFuture(method, ranks, self._dispatcher, tolerant)
-        if CAPTURE.refs or CAPTURE.kept or (payloads and len(payloads[0]) > 1):
-            targets = [self._slots[r].channel for r in ranks] if CAPTURE.kept else ()
-            payloads = self._shared.prepare(future, payloads, [c for c in targets if c])
-        if len(payloads) == 1 and len(ranks) > 1 and self._backend.shared_links:
+        refs = (payloads[0].refs if len(payloads) == 1 else
+                tuple(r for p in payloads if p.refs for r in p.refs))
+        if refs or (payloads and len(payloads[0].segments) > 1):
+            segments = self._shared.prepare(future, payloads, refs,
+                                            lambda: self._channels(ranks))
+        else:
+            segments = [p.segments for p in payloads]
+        if len(segments) == 1 and len(ranks) > 1 and self._shared_links:
             # one frame per node connection (an agent's), whatever its number of ranks
             deliver = functools.partial(self._deliver_shared, call_id, ranks, future,
-                                        method, payloads[0], stream)
+                                        method, segments[0], stream)
         else:
-            frames = protocol.call_frames(call_id, ranks, method, payloads, stream)
+            frames = protocol.call_frames(call_id, ranks, method, segments, stream)
             deliver = functools.partial(self._deliver, call_id, ranks, future, frames)
         if defer:
             future.defer(deliver)
@@ -123,33 +149,40 @@ class Sender:
             deliver()
         return future
 
+    def _channels(self, ranks: list[int]) -> list[Channel]:
+        """The channels of those of ``ranks`` that have one (where a call's kept results
+        must be readable)."""
+        entries = self._entries
+        return [s.channel for s in (entries[r] for r in ranks)
+                if s is not None and s.channel is not None]
+
     def _deliver(
         self, call_id: int, ranks: list[int], future: GroupFuture, frames: list[list[Any]]
     ) -> None:
-        slots = self._slots
+        entries = self._entries
         for i, rank in enumerate(ranks):
-            slot = slots[rank]
-            slot.pending[call_id] = future  # type: ignore[union-attr]
-            slot.channel.send(frames[i])  # type: ignore[union-attr]
-            if not slot.alive:  # type: ignore[union-attr]
-                self._fail_if_dead(slot, call_id, future)  # type: ignore[arg-type]
+            entry = entries[rank]
+            entry.pending[call_id] = future  # type: ignore[union-attr]
+            entry.channel.send(frames[i])  # type: ignore[union-attr]
+            if not entry.alive:  # type: ignore[union-attr]
+                self._fail_if_dead(entry, call_id, future)  # type: ignore[arg-type]
 
     def _deliver_shared(self, call_id: int, ranks: list[int], future: GroupFuture,
                         method: str, payload: list[Any], stream: bool) -> None:
         """The same payload to ``ranks``: once per link shared by several of them."""
-        slots = self._slots
+        entries = self._entries
         by_link: dict[Any, list[int]] = {}
         for rank in ranks:
-            by_link.setdefault(slots[rank].channel.link, []).append(rank)  # type: ignore[union-attr]
+            by_link.setdefault(entries[rank].channel.link, []).append(rank)  # type: ignore[union-attr]
         for link, on_link in by_link.items():
             if link is None or len(on_link) == 1:
                 frames = protocol.call_frames(call_id, on_link, method, [payload], stream)
                 self._deliver(call_id, on_link, future, frames)
                 continue
             for rank in on_link:
-                slots[rank].pending[call_id] = future  # type: ignore[union-attr]
+                entries[rank].pending[call_id] = future  # type: ignore[union-attr]
             link.send(protocol.call_frame(call_id, on_link, method, payload, stream))
             for rank in on_link:
-                slot = slots[rank]
-                if not slot.alive:  # type: ignore[union-attr]
-                    self._fail_if_dead(slot, call_id, future)  # type: ignore[arg-type]
+                entry = entries[rank]
+                if not entry.alive:  # type: ignore[union-attr]
+                    self._fail_if_dead(entry, call_id, future)  # type: ignore[arg-type]

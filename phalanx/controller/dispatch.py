@@ -13,9 +13,9 @@ of one) are posted and wake the leader through a self-pipe.
 Every event names its rank in its header (:mod:`phalanx.wire.protocol`); an event from a
 channel that no longer carries that rank (an earlier incarnation) is dropped.
 
-The dispatcher routes to the rank table's slots (:mod:`phalanx.controller.ranks`) and
+The dispatcher routes to the rank table's entries (:mod:`phalanx.controller.ranks`) and
 completes futures through their completion side
-(:class:`~phalanx.controller.futures.Completion`). It moves a slot only through the slot's
+(:class:`~phalanx.controller.futures.Completion`). It moves an entry only through the entry's
 own transitions (READY, INIT_ERROR, EXITED); :meth:`Dispatcher.bury` is the one routine
 for a dead rank, whoever learnt of the death.
 """
@@ -41,9 +41,9 @@ from phalanx.errors import (
 from phalanx.wire import protocol, streams
 
 if TYPE_CHECKING:
-    from phalanx.backends.base import Channel
+    from phalanx.backends.base import Channel, Receiver
     from phalanx.controller.futures import Completion, GroupFuture
-    from phalanx.controller.ranks import Slot
+    from phalanx.controller.ranks import RankEntry
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def _no_stacks(ranks: list[int]) -> dict[int, str]:
 class Dispatcher:
     """Receives for every rank of one group; driven by the threads that wait.
 
-    ``on_death(slot)`` is told of every rank that died while routed here (after its calls
+    ``on_death(entry)`` is told of every rank that died while routed here (after its calls
     failed); ``stacks_of(ranks)`` gives every thread's stack of those ranks, for errors
     that say where late ranks are (taking stacks is the backend's business);
     ``on_released(channel, ref_id)``: a rank let go of a freed shared object (RELEASED).
@@ -75,7 +75,7 @@ class Dispatcher:
 
     def __init__(
         self,
-        on_death: Callable[[Slot], None] | None = None,
+        on_death: Callable[[RankEntry], None] | None = None,
         *,
         stacks_of: Callable[[list[int]], dict[int, str]] = _no_stacks,
         on_released: Callable[[Channel, int], None] | None = None,
@@ -83,8 +83,8 @@ class Dispatcher:
         # epoll: waiting costs the same however many workers the group has.
         self._poller = select.epoll() if hasattr(select, "epoll") else select.poll()
         self._fd_lock = threading.Lock()  # watch/unwatch: the map and the poller agree
-        self._by_fd: dict[int, Channel] = {}
-        self._by_rank: dict[int, Slot] = {}
+        self._by_fd: dict[int, Receiver] = {}
+        self._by_rank: dict[int, RankEntry] = {}
         self._cond = threading.Condition(threading.Lock())
         self._lead = threading.Lock()  # held by the thread that pumps (the leader)
         self._followers = 0  # threads waiting for the leader to finish their future
@@ -106,7 +106,7 @@ class Dispatcher:
 
     # -- the sink channels deliver to (any thread) ------------------------------------
 
-    def watch(self, fd: int, channel: Channel) -> None:
+    def watch(self, fd: int, channel: Receiver) -> None:
         with self._fd_lock:
             self._by_fd[fd] = channel
             try:
@@ -115,7 +115,7 @@ class Dispatcher:
                 self._poller.modify(fd, select.POLLIN)
         self._wakeup.wake()  # a leader blocked in poll() must pick up the new descriptor
 
-    def unwatch(self, fd: int, channel: Channel | None = None) -> None:
+    def unwatch(self, fd: int, channel: Receiver | None = None) -> None:
         """Stop watching ``fd`` -- only if ``channel`` (when given) still owns it: once a
         channel closed its descriptor, the number may already belong to a new channel's,
         which a late unwatch must not take away (a rank that would never be heard)."""
@@ -146,11 +146,11 @@ class Dispatcher:
         by_rank = self._by_rank
         now = time.monotonic()
         for channel, rank, payload in results:
-            slot = by_rank.get(rank)
-            if slot is None or slot.channel is not channel:
+            entry = by_rank.get(rank)
+            if entry is None or entry.channel is not channel:
                 continue
-            slot.seen = now
-            future = slot.pending.pop(call_id, None)
+            entry.seen = now
+            future = entry.pending.pop(call_id, None)
             if future is not None:
                 future.resolve_rank(rank, payload)
 
@@ -179,9 +179,9 @@ class Dispatcher:
 
     # -- membership -------------------------------------------------------------------
 
-    def add(self, slot: Slot) -> None:
-        """Route the rank's events to ``slot`` (before its channel is attached)."""
-        self._by_rank[slot.rank] = slot
+    def add(self, entry: RankEntry) -> None:
+        """Route the rank's events to ``entry`` (before its channel is attached)."""
+        self._by_rank[entry.rank] = entry
 
     # -- waiting ----------------------------------------------------------------------
 
@@ -350,108 +350,108 @@ class Dispatcher:
 
     # -- events -----------------------------------------------------------------------
 
-    def _on_events(self, channel: Channel, events: list[list[Any]]) -> None:
+    def _on_events(self, channel: Receiver, events: list[list[Any]]) -> None:
         by_rank = self._by_rank
         now = time.monotonic()
         for segs in events:
             first = segs[0]
             kind, call_id, rank = _ROUTE(first)
-            slot = by_rank.get(rank)
-            if slot is None or slot.channel is not channel:
+            entry = by_rank.get(rank)
+            if entry is None or entry.channel is not channel:
                 if rank == protocol.MANY:  # e.g. EXITED for every rank of a lost node
                     self._on_many(channel, segs)
                 continue  # otherwise an earlier incarnation's last words
-            slot.seen = now
+            entry.seen = now
             if kind == _RESULT:  # the hot path
-                future = slot.pending.pop(call_id, None)
+                future = entry.pending.pop(call_id, None)
                 if future is not None:
                     future.resolve_rank(rank, segs[1:])
             elif kind == _YIELD:  # an item of a streamed call; RESULT ends the stream
-                future = slot.pending.get(call_id)
+                future = entry.pending.get(call_id)
                 if future is not None:
                     future.yield_rank(rank, segs[1:])
             elif kind == _HEARTBEAT:
                 pass
             else:
-                self._on_control(slot, kind, call_id, protocol.parse(first)[3])
+                self._on_control(entry, kind, call_id, protocol.parse(first)[3])
 
-    def _on_many(self, channel: Channel, segs: list[Any]) -> None:
+    def _on_many(self, channel: Receiver, segs: list[Any]) -> None:
         """A message naming several ranks: handled once per rank it names."""
         kind, call_id, ranks, extra = protocol.parse(segs[0])
         for rank in ranks:
-            slot = self._by_rank.get(rank)
-            if slot is not None and slot.channel is channel:
-                self._on_control(slot, kind, call_id, extra)
+            entry = self._by_rank.get(rank)
+            if entry is not None and entry.channel is channel:
+                self._on_control(entry, kind, call_id, extra)
 
-    def _on_control(self, slot: Slot, kind: int, call_id: int, extra: tuple) -> None:
+    def _on_control(self, entry: RankEntry, kind: int, call_id: int, extra: tuple) -> None:
         if kind == protocol.ERROR:
-            future = slot.pending.pop(call_id, None)
+            future = entry.pending.pop(call_id, None)
             if future is not None:
-                failure = RemoteFailure(*extra[0])
-                if failure.exc_type == "ObjectLost":  # a kept result it needed is gone
-                    future.fail_rank(slot.rank, ObjectLost(
-                        f"{failure.message} (for {future.method}() on rank {slot.rank})"))
+                remote = RemoteFailure(*extra[0])
+                if remote.exc_type == "ObjectLost":  # a kept result it needed is gone
+                    future.fail_rank(entry.rank, ObjectLost(
+                        f"{remote.message} (for {future.method}() on rank {entry.rank})"))
                     return
                 error = WorkerError(
-                    failure, rank=slot.rank, node=slot.node, pid=slot.pid, method=future.method
+                    remote, rank=entry.rank, node=entry.node, pid=entry.pid, method=future.method
                 )
-                future.fail_rank(slot.rank, chain_remote(error, failure))
+                future.fail_rank(entry.rank, chain_remote(error, remote))
         elif kind == protocol.READY:
-            slot.became_ready(*extra)
+            entry.became_ready(*extra)
         elif kind == protocol.INIT_ERROR:
-            slot.failed_to_start(RemoteFailure(*extra[0]))
+            entry.failed_to_start(RemoteFailure(*extra[0]))
         elif kind == protocol.RELEASED:
             if self._on_released is not None:
-                self._on_released(slot.channel, extra[0])
+                self._on_released(entry.channel, extra[0])
         elif kind == protocol.EXITED:
             failure = ProcessFailure.from_dict(extra[0])
-            if failure.pid is None and slot.pid is not None:
-                failure = dataclasses.replace(failure, pid=slot.pid)
-            if not slot.alive:  # a fuller account of a death already reported
-                slot.add_account(failure)
+            if failure.pid is None and entry.pid is not None:
+                failure = dataclasses.replace(failure, pid=entry.pid)
+            if not entry.alive:  # a fuller account of a death already reported
+                entry.add_account(failure)
                 return
-            self.bury(slot, failure)
+            self.bury(entry, failure)
             if self._on_death is not None:
-                self._on_death(slot)
+                self._on_death(entry)
         else:
-            logger.error("rank %d sent an unknown message kind %r", slot.rank, kind)
+            logger.error("rank %d sent an unknown message kind %r", entry.rank, kind)
 
     # -- death ------------------------------------------------------------------------
 
-    def bury(self, slot: Slot, failure: ProcessFailure) -> None:
-        """Record how a slot's process ended and fail every call pending on it: the one
+    def bury(self, entry: RankEntry, failure: ProcessFailure) -> None:
+        """Record how an entry's process ended and fail every call pending on it: the one
         routine for a dead rank (an EXITED event, a node lost, a rank stopped)."""
-        slot.exited(failure)  # .failure set first: senders that see it dead fail on their own
+        entry.exited(failure)  # .failure set first: senders that see it dead fail on their own
         self.deaths += 1
-        for future in slot.take_pending():
-            future.fail_rank(slot.rank, death_error(failure, future.method))
+        for future in entry.take_pending():
+            future.fail_rank(entry.rank, death_error(failure, future.method))
 
     @staticmethod
-    def fail_if_dead(slot: Slot, call_id: int, future: Completion) -> None:
-        """Close the race between sending to a slot and its death being processed: a call
+    def fail_if_dead(entry: RankEntry, call_id: int, future: Completion) -> None:
+        """Close the race between sending to an entry and its death being processed: a call
         sent to a rank known dead by then fails as sent too late."""
-        if not slot.alive:
-            slot.pending.pop(call_id, None)
-            failure = slot.failure
-            future.fail_rank(slot.rank, death_error(failure, future.method,  # type: ignore[arg-type]
+        if not entry.alive:
+            entry.pending.pop(call_id, None)
+            failure = entry.failure
+            future.fail_rank(entry.rank, death_error(failure, future.method,  # type: ignore[arg-type]
                                                     before_sent=True))
 
-    def remove(self, slot: Slot) -> None:
-        """Stop routing the rank's events to ``slot`` (it is being replaced or stopped)."""
+    def remove(self, entry: RankEntry) -> None:
+        """Stop routing the rank's events to ``entry`` (it is being replaced or stopped)."""
         self.deaths += 1
-        if self._by_rank.get(slot.rank) is slot:
-            del self._by_rank[slot.rank]
+        if self._by_rank.get(entry.rank) is entry:
+            del self._by_rank[entry.rank]
         self._wakeup.wake()
 
     def close(
-        self, error_factory: Callable[[str, int], BaseException], slots: list[Slot]
+        self, error_factory: Callable[[str, int], BaseException], entries: list[RankEntry]
     ) -> None:
-        """Fail every pending call (e.g. with GroupClosed) and stop watching all slots."""
-        for slot in slots:
-            if self._by_rank.get(slot.rank) is slot:
-                del self._by_rank[slot.rank]
-            for future in slot.take_pending():
-                future.fail_rank(slot.rank, error_factory(future.method, slot.rank))
+        """Fail every pending call (e.g. with GroupClosed) and stop watching all entries."""
+        for entry in entries:
+            if self._by_rank.get(entry.rank) is entry:
+                del self._by_rank[entry.rank]
+            for future in entry.take_pending():
+                future.fail_rank(entry.rank, error_factory(future.method, entry.rank))
         self._wakeup.wake()
         with self._cond:
             self._cond.notify_all()
@@ -465,6 +465,6 @@ class Dispatcher:
             self._tasks = []
         if got:
             self._lead.release()
-        if self._epoll:
+        if isinstance(self._poller, select.epoll):
             self._poller.close()
         self._wakeup.close()

@@ -60,11 +60,11 @@ class _Pending:
 
 
 _PENDING = _Pending()
-_POSITIONS_FROM = 8  # calls on more ranks than this find a rank's slot through a dict
+_POSITIONS_FROM = 8  # calls on more ranks than this find a rank's entry through a dict
 
 
 class Completion(Protocol):
-    """The completion side of a call's future (see the module docstring): what a slot's
+    """The completion side of a call's future (see the module docstring): what an entry's
     ``pending`` table holds, and what the dispatcher, a membership change and the
     watchdog use to complete a call or look at it."""
 
@@ -225,13 +225,27 @@ class GroupFuture:
     def _settled(self) -> bool:
         return self._remaining == 0 or self._failed >= 0 or self._cancelled
 
-    def _is_done(self, i: int) -> bool:
+    # -- one rank's outcome (what a RankFuture shows), by its position i in ranks --------
+
+    def rank_at(self, i: int) -> int:
+        return self._ranks[i]
+
+    def rank_done(self, i: int) -> bool:
+        """Whether the rank at ``i`` answered or failed (as known now)."""
         return self._values[i] is not _PENDING
 
-    def _error(self, i: int) -> BaseException | None:
+    def rank_done_now(self, i: int) -> bool:
+        """:meth:`rank_done`, once the call's sends are made and the answers already in
+        are taken."""
+        self._kick()
+        if not self.rank_done(i):
+            self._dispatcher.poll_now()
+        return self.rank_done(i)
+
+    def rank_error(self, i: int) -> BaseException | None:
         return None if self._errors is None else self._errors.get(i)
 
-    def _value(self, i: int) -> Any:
+    def rank_value(self, i: int) -> Any:
         """The decoded value of a rank that succeeded (decoded once, on first access)."""
         if self._decoded >> i & 1:
             return self._values[i]
@@ -257,7 +271,9 @@ class GroupFuture:
         if kickoff is not None:
             kickoff()
 
-    def _wait(self, is_done: Callable[[], bool], timeout: float | None) -> None:
+    def wait_for(self, is_done: Callable[[], bool], timeout: float | None) -> None:
+        """Wait until ``is_done()`` (the call's sends made first), receiving meanwhile;
+        CallTimeout naming the late ranks after ``timeout`` s."""
         if timeout is not None and not (type(timeout) is float and timeout >= 0):
             check_seconds(timeout)
         kickoff, self._kickoff = self._kickoff, None
@@ -284,7 +300,7 @@ class GroupFuture:
         if timeout is not None:
             check_seconds(timeout)
         if self._kickoff is not None or not (self._remaining == 0 or self._failed >= 0):
-            self._wait(self._settled, timeout)
+            self.wait_for(self._settled, timeout)
         if self._cancelled:
             raise concurrent.futures.CancelledError(f"{self.method}() was cancelled")
         if self._failed >= 0:
@@ -296,17 +312,17 @@ class GroupFuture:
                     for p in self._values
                 ]
             except Exception:  # noqa: BLE001 - redone value by value to name the rank
-                return [self._value(i) for i in range(len(self._values))]
+                return [self.rank_value(i) for i in range(len(self._values))]
             self._values = values
             self._decoded = (1 << len(values)) - 1
             return list(values)
-        return [self._value(i) for i in range(len(self._values))]
+        return [self.rank_value(i) for i in range(len(self._values))]
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The first failure, or None once every rank succeeded."""
         if timeout is not None:
             check_seconds(timeout)
-        self._wait(self._settled, timeout)
+        self.wait_for(self._settled, timeout)
         if self._cancelled:
             raise concurrent.futures.CancelledError(f"{self.method}() was cancelled")
         return None if self._failed < 0 else self._errors[self._failed]  # type: ignore[index]
@@ -336,7 +352,7 @@ class GroupFuture:
         while left:
             ready = [i for i in left if self._values[i] is not _PENDING]
             if not ready:
-                self._dispatcher.wait(lambda: any(self._is_done(i) for i in left), None)
+                self._dispatcher.wait(lambda: any(self.rank_done(i) for i in left), None)
                 continue
             for i in ready:
                 left.remove(i)
@@ -379,23 +395,19 @@ class RankFuture:
     def __init__(self, group: GroupFuture, index: int) -> None:
         self._group = group
         self._i = index
-        self.rank = group._ranks[index]
+        self.rank = group.rank_at(index)
 
     @property
     def method(self) -> str:
         return self._group.method
 
     def done(self) -> bool:
-        group = self._group
-        group._kick()
-        if not group._is_done(self._i):
-            group._dispatcher.poll_now()
-        return group._is_done(self._i)
+        return self._group.rank_done_now(self._i)
 
     def _wait(self, timeout: float | None) -> None:
         group, i = self._group, self._i
         try:
-            group._wait(lambda: group._is_done(i), timeout)
+            group.wait_for(lambda: group.rank_done(i), timeout)
         except CallTimeout as exc:
             stacks = {self.rank: exc.stacks[self.rank]} if self.rank in exc.stacks else None
             raise CallTimeout(group.method, timeout or 0.0, [self.rank], stacks) from None
@@ -405,21 +417,21 @@ class RankFuture:
         if timeout is not None:
             check_seconds(timeout)
         self._wait(timeout)
-        error = self._group._error(self._i)
+        error = self._group.rank_error(self._i)
         if error is not None:
             raise error
-        return self._group._value(self._i)
+        return self._group.rank_value(self._i)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         self._wait(timeout)
-        return self._group._error(self._i)
+        return self._group.rank_error(self._i)
 
     def __repr__(self) -> str:
         group = self._group
-        if not group._is_done(self._i):
+        if not group.rank_done(self._i):
             state = "pending"
         else:
-            state = "failed" if group._error(self._i) is not None else "done"
+            state = "failed" if group.rank_error(self._i) is not None else "done"
         return f"<RankFuture rank={self.rank} {group.method}() {state}>"
 
 
@@ -435,10 +447,10 @@ class StreamFuture(GroupFuture):
     __slots__ = ("_items", "timeout")
 
     def __init__(self, method: str, ranks: list[int], dispatcher: Dispatcher,
-                 tolerant: bool = False) -> None:
+                 tolerant: bool = False, timeout: float | None = None) -> None:
         super().__init__(method, ranks, dispatcher, tolerant)
-        self._items: collections.deque = collections.deque()
-        self.timeout: float | None = None
+        self._items: collections.deque[tuple[int, list[Any]]] = collections.deque()
+        self.timeout = timeout
 
     def yield_rank(self, rank: int, segments: list[Any]) -> None:
         """An item streamed by ``rank``, kept until the iterator takes it."""
@@ -556,9 +568,13 @@ def _await(future: GroupFuture | ShardedFuture) -> Generator[Any, None, list[Any
     loop = asyncio.get_running_loop()
     waiter = loop.create_future()
 
+    def settle() -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
     def wake(_: Any) -> None:
         if not loop.is_closed():
-            loop.call_soon_threadsafe(lambda: waiter.done() or waiter.set_result(None))
+            loop.call_soon_threadsafe(settle)
 
     future.add_done_callback(wake)
     try:

@@ -2,10 +2,8 @@
 
 The group is made of parts (drawn in :mod:`phalanx.controller`), each owning its state
 behind a small interface, and holds them; its public methods check their arguments and
-hand over to the part that does the work. Calls take the short way: the group holds the
-bound methods of the parts a call goes through (the gate's check, the method check, the
-rank table's selection, the sender's encode and send), so a call costs no more hops than
-when they were the group's own.
+hand over to the part that does the work. Every call form goes through the
+:class:`~phalanx.controller.callpath.CallPath` part, the one its slices use too.
 """
 
 from __future__ import annotations
@@ -21,17 +19,19 @@ from typing import TYPE_CHECKING, Any
 
 from phalanx import config
 from phalanx.backends import Backend
+from phalanx.controller.callpath import CallPath
 from phalanx.controller.calls import Sender
 from phalanx.controller.dispatch import Dispatcher
 from phalanx.controller.futures import GroupFuture, ShardedFuture, StreamFuture
 from phalanx.controller.injection import inject_fault
+from phalanx.controller.kept import KeptResults
 from phalanx.controller.lifecycle import Gate, Lifecycle
 from phalanx.controller.membership import Membership
-from phalanx.controller.meshcalls import map_payloads
 from phalanx.controller.methods import MethodNames, MethodProxy
 from phalanx.controller.ranks import RankTable
+from phalanx.controller.refs import ObjectRef
 from phalanx.controller.request import plan_group
-from phalanx.controller.shared import ObjectRef, SharedObjects
+from phalanx.controller.shared import SharedObjects
 from phalanx.controller.slices import GroupSlice
 from phalanx.controller.startup import Starter
 from phalanx.controller.watch import RankHealth, StackReport, StartupReport, Watcher
@@ -43,7 +43,7 @@ from phalanx.world.selection import Workers
 
 if TYPE_CHECKING:
     from phalanx.controller.pool import ResourcePool
-    from phalanx.controller.ranks import Slot
+    from phalanx.controller.ranks import RankEntry
     from phalanx.world.sharding import Coordinates, NamedSharding
 
 logger = logging.getLogger(__name__)
@@ -146,13 +146,16 @@ class WorkerGroup:
         self._gate = gate = Gate()
         self._dispatcher = dispatcher = Dispatcher(
             self._on_death, stacks_of=lambda ranks: self._watch.stacks_of(ranks),
-            on_released=backend_.released)
+            on_released=(None if backend_.capabilities.objects is None else
+                         backend_.capabilities.objects.released))
         self._ranks = ranks = RankTable(plan.placement.layout.world_size, dispatcher)
         self._shared = shared = SharedObjects(backend_, dispatcher.poll_now,
                                               ranks.live_channels)
         self._methods = methods = MethodNames(target_name)
         self._sender = sender = Sender(ranks, dispatcher, shared, backend_)
-        sender.kept.label = f"the {target_name} group"  # in messages on kept results
+        self._kept = KeptResults(f"the {target_name} group", sender.send, sender.encode,
+                                 sender.source_of)
+        sender.keeps_in(self._kept)
         self._starter = starter = Starter(
             backend_, plan.placement, plan.boot, env=env or {}, rank_env=rank_env or {},
             part_of=part_of,
@@ -171,12 +174,7 @@ class WorkerGroup:
             gate=gate, backend=backend_, dispatcher=dispatcher, table=ranks, starter=starter,
             membership=membership, methods=methods, sender=sender, shared=shared,
             watchdog=watchdog)
-        # The hot path: the parts' bound methods, held directly (see the module docstring).
-        self._check_open: Callable[[], None] = gate.check
-        self._check_method: Callable[[str], None] = methods.check
-        self._select_ranks: Callable[[Workers], list[int]] = ranks.select
-        self._encode = sender.encode
-        self._send = sender.send
+        self._calls = CallPath(gate, methods, ranks, self._mesh, sender)
         try:
             backend_.open(plan.output)
             # Exit handlers run last-registered first: ours must run before those of what
@@ -256,16 +254,14 @@ class WorkerGroup:
         as a :class:`~phalanx.controller.slices.GroupSlice`: the group's calls, on those
         ranks only. An int removes its axis, a range or list keeps it, narrowed; unknown
         axes or coordinates out of range raise ValueError."""
-        return GroupSlice(self, self._mesh.sliced(coords))
+        return GroupSlice(self, self._calls, self._mesh.sliced(coords))
 
-    # -- calls ------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """Whether the group was shut down (its calls raise GroupClosed)."""
+        return self._gate.closed
 
-    def _select(self, workers: Workers, rank0_only_axes: Sequence[str] | None) -> list[int]:
-        self._check_open()
-        ranks = self._select_ranks(workers)
-        if rank0_only_axes:
-            ranks = self._mesh.rank0_only(ranks, rank0_only_axes)
-        return ranks
+    # -- calls: the CallPath's, on the user's selection ------------------------------------
 
     def call_async(
         self,
@@ -277,10 +273,8 @@ class WorkerGroup:
         **kwargs: Any,
     ) -> GroupFuture:
         """Send the same arguments (pickled once) to every selected rank."""
-        self._check_method(method)
-        ranks = self._select(workers, rank0_only_axes)
-        payload = self._encode(args, kwargs)
-        return self._send(method, ranks, [payload], workers=workers, keep=keep)
+        return self._calls.call_async(method, args, kwargs, workers=workers,
+                                      rank0_only_axes=rank0_only_axes, keep=keep)
 
     def call(
         self,
@@ -298,21 +292,16 @@ class WorkerGroup:
         ``keep=True`` (here and in every call form) leaves each result on its rank and
         returns a ``ResultRef`` per rank, for calls of any group (:mod:`.kept`).
         """
-        if timeout is not None:
-            check_seconds(timeout)
-        self._check_method(method)
-        ranks = self._select(workers, rank0_only_axes)
-        payload = self._encode(args, kwargs)
-        return self._send(method, ranks, [payload], defer=True, workers=workers,
-                          keep=keep).result(timeout)
+        return self._calls.call(method, args, kwargs, workers=workers, timeout=timeout,
+                                rank0_only_axes=rank0_only_axes, keep=keep)
 
     def call_one(self, rank: int, method: str, *args: Any, timeout: float | None = None,
                  keep: bool = False, **kwargs: Any) -> Any:
         """Call ``method`` on one rank and return its value."""
         if not isinstance(rank, int) or isinstance(rank, bool):
             raise TypeError(f"rank must be an integer, got {rank!r}")
-        return self.call(method, *args, workers=[rank], timeout=timeout, keep=keep,
-                         **kwargs)[0]
+        return self._calls.call(method, args, kwargs, workers=[rank], timeout=timeout,
+                                keep=keep)[0]
 
     def map_async(
         self,
@@ -326,23 +315,9 @@ class WorkerGroup:
     ) -> GroupFuture:
         """Each positional/keyword argument is a list with one item per called rank
         (matched to them in rank order); ``common_kwargs`` go to every called rank."""
-        ranks, payloads = self._map_payloads(
-            method, arg_lists, workers, rank0_only_axes, common_kwargs, kwarg_lists
-        )
-        return self._send(method, ranks, payloads, workers=workers, keep=keep)
-
-    def _map_payloads(
-        self,
-        method: str,
-        arg_lists: tuple[Sequence[Any], ...],
-        workers: Workers,
-        rank0_only_axes: Sequence[str] | None,
-        common_kwargs: Mapping[str, Any] | None,
-        kwarg_lists: dict[str, Sequence[Any]],
-    ) -> tuple[list[int], list[list[Any]]]:
-        self._check_method(method)
-        ranks = self._select(workers, rank0_only_axes)
-        return ranks, map_payloads(self._encode, ranks, arg_lists, common_kwargs, kwarg_lists)
+        return self._calls.map_async(method, arg_lists, kwarg_lists, workers=workers,
+                                     rank0_only_axes=rank0_only_axes,
+                                     common_kwargs=common_kwargs, keep=keep)
 
     def map(
         self,
@@ -356,13 +331,9 @@ class WorkerGroup:
         **kwarg_lists: Sequence[Any],
     ) -> list[Any]:
         """Call ``method`` with one item of each list per rank; results in rank order."""
-        if timeout is not None:
-            check_seconds(timeout)
-        ranks, payloads = self._map_payloads(
-            method, arg_lists, workers, rank0_only_axes, common_kwargs, kwarg_lists
-        )
-        return self._send(method, ranks, payloads, defer=True, workers=workers,
-                          keep=keep).result(timeout)
+        return self._calls.map(method, arg_lists, kwarg_lists, workers=workers,
+                               timeout=timeout, rank0_only_axes=rank0_only_axes,
+                               common_kwargs=common_kwargs, keep=keep)
 
     def call_stream(
         self,
@@ -375,12 +346,8 @@ class WorkerGroup:
         """Call a generator method on the selected ranks and iterate ``(rank, item)`` pairs
         as they arrive. A method that is not a generator streams its value as one item.
         ``timeout`` bounds the wait for each next item (CallTimeout)."""
-        self._check_method(method)
-        ranks = self._select(workers, None)
-        payload = self._encode(args, kwargs)
-        future = self._send(method, ranks, [payload], stream=True, workers=workers)
-        future.timeout = timeout  # type: ignore[attr-defined]
-        return future  # type: ignore[return-value]
+        return self._calls.call_stream(method, args, kwargs, workers=workers,
+                                       timeout=timeout)
 
     def call_sharded(
         self,
@@ -396,15 +363,11 @@ class WorkerGroup:
     ) -> ShardedFuture:
         """Send each rank its slice of nested-list data (NeMo-RL's sharded-data rules; see
         :mod:`phalanx.world.sharding`); the future's result holds one value per kept rank."""
-        self._check_open()
-        self._mesh.require("call_sharded")
-        self._check_method(method)
-        plan, kept = self._mesh.plan(in_sharded_axes, replicate_on_axes,
-                                     output_is_replicated, dummy_calls_to_free_axes)
-        ranks, payloads = self._mesh.payloads(plan, args, kwargs, common_kwargs,
-                                              self._ranks.checked, self._encode)
-        future = self._send(method, ranks, payloads, keep=keep)
-        return ShardedFuture(future, plan.result_ranks, kept)
+        return self._calls.call_sharded(
+            self._mesh, method, args, kwargs, in_sharded_axes=in_sharded_axes,
+            replicate_on_axes=replicate_on_axes, output_is_replicated=output_is_replicated,
+            dummy_calls_to_free_axes=dummy_calls_to_free_axes, common_kwargs=common_kwargs,
+            keep=keep)
 
     def __getattr__(self, name: str) -> MethodProxy:
         methods = self.__dict__.get("_methods")
@@ -438,11 +401,11 @@ class WorkerGroup:
         :class:`~phalanx.errors.WorkerError`."""
         self._watch.send_signal(sig, workers)
 
-    def _on_death(self, slot: Slot) -> None:
-        self._sender.kept.lost(slot.rank, "its process died" if slot.failure is None
-                               else f"its process died ({slot.failure.cause})")
-        if not self._gate.closed and slot.ever_ready and slot.failure is not None:
-            logger.warning("rank %d (pid %s) died: %s", slot.rank, slot.pid, slot.failure.cause)
+    def _on_death(self, entry: RankEntry) -> None:
+        self._kept.lost(entry.rank, "its process died" if entry.failure is None
+                               else f"its process died ({entry.failure.cause})")
+        if not self._gate.closed and entry.ever_ready and entry.failure is not None:
+            logger.warning("rank %d (pid %s) died: %s", entry.rank, entry.pid, entry.failure.cause)
 
     # -- shared data, faults ----------------------------------------------------------
 
@@ -458,7 +421,7 @@ class WorkerGroup:
         reference to ``ref``, or the group's shutdown. A call in flight keeps the objects
         it names until it ends.
         """
-        self._check_open()
+        self._gate.check()
         return self._shared.put(obj)
 
     def inject_fault(self, rank: int, method: str, kind: str, *,
@@ -476,8 +439,8 @@ class WorkerGroup:
         Only the next call of ``method`` on ``rank`` is affected (including streamed
         calls); injecting again before it replaces the fault.
         """
-        self._check_open()
-        inject_fault(self._ranks, self._check_method, rank, method, kind, signal=signal,
+        self._gate.check()
+        inject_fault(self._ranks, self._methods.check, rank, method, kind, signal=signal,
                      code=code, message=message)
 
     # -- membership -------------------------------------------------------------------
@@ -530,6 +493,13 @@ class WorkerGroup:
         ``MASTER_PORT``, ``WORLD_SIZE``, ...): the group's current rendezvous."""
         return self._starter.rendezvous()
 
+    def free_port(self) -> tuple[str, int]:
+        """Node 0's address and a port free there now: where a world that the group's
+        ranks share with others can meet (see :func:`px.rendezvous
+        <phalanx.controller.joint.rendezvous>`)."""
+        self._gate.check()
+        return self._starter.free_port()
+
     def reload(self) -> str | None:
         """Ship the code again and restart every rank in place (same nodes, same layout).
 
@@ -576,7 +546,7 @@ class WorkerGroup:
             _live_groups.discard(self)
             try:
                 self._lifecycle.teardown(deadline, force)
-                self._sender.kept.close()
+                self._kept.close()
             finally:
                 if self._lease is not None:  # its pool's slots are free again
                     self._lease.release()

@@ -26,7 +26,7 @@ def inject_fault(table: RankTable, check_method: Callable[[str], None], rank: in
         raise ValueError(f"rank must be an int in 0..{len(table) - 1}, got {rank!r}")
     check_method(method)
     argument = argument_for(kind, signal=signal, code=code, message=message)
-    slot = table.slots[rank]
-    if slot is None or not slot.alive:
+    entry = table.entries[rank]
+    if entry is None or not entry.alive:
         raise ValueError(f"rank {rank} is not running: there is nothing to inject into")
-    slot.channel.send(protocol.inject_frame(rank, method, kind, argument))
+    entry.channel.send(protocol.inject_frame(rank, method, kind, argument))

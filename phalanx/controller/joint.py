@@ -31,11 +31,11 @@ def rendezvous(*groups: WorkerGroup) -> list[list[dict[str, str]]]:
     for i, group in enumerate(groups):
         if not isinstance(group, WorkerGroup):
             raise TypeError(f"rendezvous() takes WorkerGroups; argument {i} is {group!r}")
-        if group._gate.closed:
+        if group.closed:
             raise GroupClosed(f"rendezvous(): group {i} ({group!r}) was shut down")
     if len({id(g) for g in groups}) != len(groups):
         raise ValueError("rendezvous(): a group is given twice; each takes part once")
-    address, port = groups[0]._starter.free_port()
+    address, port = groups[0].free_port()
     world = sum(g.world_size for g in groups)
     out, first = [], 0
     for group in groups:

@@ -112,7 +112,7 @@ class Lifecycle:
                              [True] * len(self._table))
         if not fresh:
             raise ValueError("recreate() needs at least one rank")
-        old = [s for s in (self._table.slots[r] for r in fresh) if s is not None]
+        old = [s for s in (self._table.entries[r] for r in fresh) if s is not None]
         if old:
             self._starter.retire(old, grace=config.DEFAULT_TERM_GRACE)
         if readmit is not None:
@@ -140,7 +140,8 @@ class Lifecycle:
     def reload(self) -> str | None:
         """See :meth:`WorkerGroup.reload <phalanx.controller.group.WorkerGroup.reload>`."""
         self._gate.check()
-        version = self._backend.reload_code()
+        code = self._backend.capabilities.code
+        version = None if code is None else code.reload_code()
         self.restart()
         return version
 
@@ -148,8 +149,9 @@ class Lifecycle:
         """See :meth:`WorkerGroup.restart <phalanx.controller.group.WorkerGroup.restart>`."""
         self._gate.check()
         if self._membership.changed:
-            self._membership.relayout(self._backend.available_nodes()
-                                      or self._starter.layout.nodes, None)
+            changing = self._backend.capabilities.changing
+            self._membership.relayout(changing.available_nodes() if changing is not None
+                                      else self._starter.layout.nodes, None)
             return
         self._starter.retire(self._table.known(), grace=config.DEFAULT_TERM_GRACE)
         self._starter.new_launch()
@@ -161,29 +163,29 @@ class Lifecycle:
         """Close the gate and stop every part and every rank process by ``deadline`` (a
         ``time.monotonic()`` value; inf: no limit), see
         :meth:`WorkerGroup.shutdown <phalanx.controller.group.WorkerGroup.shutdown>`."""
-        slots = self._table.known()
+        entries = self._table.known()
         self._gate.close()
         self._membership.stop()
         self._watchdog.stop()
         # Idle workers are asked to exit and given until the deadline (atexit handlers,
         # framework cleanup); workers still busy with a call would only finish work whose
         # result nobody can receive any more, so they are terminated at once.
-        idle = [s for s in slots if s.alive and not s.pending]
+        idle = [s for s in entries if s.alive and not s.pending]
         if not force:
-            for slot in idle:
-                slot.channel.send(protocol.shutdown_frame(slot.rank))
+            for entry in idle:
+                entry.channel.send(protocol.shutdown_frame(entry.rank))
             remaining = min(max(0.0, deadline - time.monotonic()), _LONGEST_EXIT_WAIT)
             self._backend.wait_exited(channels_of(idle), remaining)
         self._dispatcher.close(
             lambda method, rank: GroupClosed(
                 f"the group was shut down while {method}() was pending on rank {rank}"
             ),
-            slots,
+            entries,
         )
         grace = min(config.DEFAULT_TERM_GRACE, max(0.0, deadline - time.monotonic()))
-        self._backend.stop(channels_of(slots), grace=grace, force=force)
-        for slot in slots:
-            slot.exited(None)
+        self._backend.stop(channels_of(entries), grace=grace, force=force)
+        for entry in entries:
+            entry.exited(None)
         self._shared.close()
         self._dispatcher.release()
         self._backend.close()

@@ -90,19 +90,19 @@ class Membership:
         """The dispatcher's thread: every running call not made on "ready" or "any"
         fails; then the ranks of removed nodes are dead (the account of how their
         processes ended, if one comes, is added then)."""
-        slots = self._table.slots
-        for slot in slots:
-            if slot is None or not slot.pending:
+        entries = self._table.entries
+        for entry in entries:
+            if entry is None or not entry.pending:
                 continue
-            for future in slot.take_pending(lambda f: not f.tolerant):
-                future.fail_rank(slot.rank, MembershipChanged(
+            for future in entry.take_pending(lambda f: not f.tolerant):
+                future.fail_rank(entry.rank, MembershipChanged(
                     event.added, event.removed, future.method, event.reason))
         for node in event.removed:
             for rank in node.ranks:
-                slot = slots[rank] if rank < len(slots) else None
-                if slot is not None and slot.alive and slot.node == node.node:
-                    self._dispatcher.bury(slot, ProcessFailure(
-                        rank, slot.node, slot.pid, None,
+                entry = entries[rank] if rank < len(entries) else None
+                if entry is not None and entry.alive and entry.node == node.node:
+                    self._dispatcher.bury(entry, ProcessFailure(
+                        rank, entry.node, entry.pid, None,
                         reason=f"its node left the group: {node}: {event.reason}"))
 
     def _notify(self, events: queue.SimpleQueue[MembershipEvent | None]) -> None:
@@ -126,7 +126,8 @@ class Membership:
         """See :meth:`WorkerGroup.resize <phalanx.controller.group.WorkerGroup.resize>`."""
         self._gate.check()
         timeout = check_seconds(timeout, allow_zero=False)
-        nodes = self._backend.available_nodes()
+        changing = self._backend.capabilities.changing
+        nodes = None if changing is None else changing.available_nodes()
         layout = self._starter.layout
         if nodes is None or (not self._changed and nodes == layout.nodes):
             return layout.world_size

@@ -9,13 +9,16 @@ so each is made once and kept.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from phalanx.world import sharding as sh
 
 if TYPE_CHECKING:
     from phalanx.world.layout import Layout
     from phalanx.world.sharding import NamedSharding, ShardedPlan
+
+
+P = TypeVar("P")  # a payload, as the group's encoder makes it
 
 
 def merge_common_kwargs(
@@ -31,12 +34,12 @@ def merge_common_kwargs(
 
 
 def map_payloads(
-    encode: Callable[..., list[Any]],
+    encode: Callable[..., P],
     ranks: list[int],
     arg_lists: tuple[Sequence[Any], ...],
     common_kwargs: Mapping[str, Any] | None,
-    kwarg_lists: dict[str, Sequence[Any]],
-) -> list[list[Any]]:
+    kwarg_lists: Mapping[str, Sequence[Any]],
+) -> list[P]:
     """``map()``'s payload for each of ``ranks``: item i of every list (checked to hold
     one item per rank), with the common keywords."""
     common = merge_common_kwargs(common_kwargs, kwarg_lists)
@@ -179,8 +182,8 @@ class Mesh:
         kwargs: dict[str, Any],
         common_kwargs: Mapping[str, Any] | None,
         live: Callable[[list[int]], list[int]],
-        encode: Callable[..., list[Any]],
-    ) -> tuple[list[int], list[list[Any]]]:
+        encode: Callable[..., P],
+    ) -> tuple[list[int], list[P]]:
         """The ranks ``plan`` calls (``live`` checks they are alive) and each one's payload:
         its slice of every argument (checked against the plan's sharded axes) and the
         common keywords, one pickle per distinct slice."""
@@ -192,7 +195,7 @@ class Mesh:
         common = merge_common_kwargs(common_kwargs, kwargs)
         ranks = live(plan.called_ranks)
         paths = plan.paths
-        encoded: dict[Any, list[Any]] = {}  # one pickle per distinct slice
+        encoded: dict[Any, P] = {}  # one pickle per distinct slice
         payloads = []
         for rank in ranks:
             path = paths[rank]

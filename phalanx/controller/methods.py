@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from phalanx.controller.futures import GroupFuture
     from phalanx.controller.group import WorkerGroup
+    from phalanx.controller.slices import GroupSlice
 
 
 class MethodNames:
@@ -53,7 +54,7 @@ class MethodNames:
 class MethodProxy:
     """``group.train.call(batch)`` reads as ``group.call("train", batch)``."""
 
-    def __init__(self, group: WorkerGroup, method: str) -> None:
+    def __init__(self, group: WorkerGroup | GroupSlice, method: str) -> None:
         self._group = group
         self._method = method
 

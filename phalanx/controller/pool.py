@@ -11,7 +11,7 @@ slot order. A slot is free again when its group shuts down; the pool outlives it
 and ``close()`` frees what it reserved (shutting down any group still on it first).
 
 The books are :mod:`phalanx.world.pools`' (pure); what a slot stands for is the backend's
-(:meth:`Backend.reserve_slots <phalanx.backends.base.Backend.reserve_slots>`).
+(the backend's :class:`~phalanx.backends.parts.SlotReserving` part).
 """
 
 from __future__ import annotations
@@ -26,11 +26,12 @@ from typing import TYPE_CHECKING, Any
 
 from phalanx import config
 from phalanx.backends import Backend, create_backend
+from phalanx.backends.parts import lacking
 from phalanx.options import check_count, check_seconds
 from phalanx.world import pools
 
 if TYPE_CHECKING:
-    from phalanx.backends.base import SlotReservation
+    from phalanx.backends.parts import SlotReservation
     from phalanx.controller.group import WorkerGroup
 
 logger = logging.getLogger(__name__)
@@ -83,23 +84,33 @@ class ResourcePool:
         timeout = check_seconds(config.Settings.from_env().start_timeout
                                 if timeout is None else timeout, "timeout", allow_zero=False)
         template = create_backend(backend)
-        self.name = f"pool-{next(_names)}"
-        self._slots = pools.slots_of(layout.counts)
-        reservation = template.reserve_slots(
+        reserving = template.capabilities.slots
+        if reserving is None:
+            raise lacking(template.name, "hold resource pools")
+        slots = pools.slots_of(layout.counts)
+        reservation = reserving.reserve_slots(
             layout.counts, gpus=gpus_per_proc, resources=dict(resources_per_proc or {}),
             timeout=timeout)
-        self._shared = _Reserved(template, reservation,
-                                 pools.SlotBook(len(self._slots), colocate), gpus_per_proc)
+        self._attach(_Reserved(template, reservation, pools.SlotBook(len(slots), colocate),
+                               gpus_per_proc), slots, f"pool-{next(_names)}")
         logger.info("%s reserved %d slots on the %s backend", self.name, len(self._slots),
                     template.name)
 
+    def _attach(self, shared: _Reserved, slots: list[pools.PoolSlot], name: str) -> None:
+        self.name = name
+        self._slots = slots
+        self._shared = shared
+
     @classmethod
     def _sub(cls, parent: ResourcePool, slots: list[pools.PoolSlot], name: str) -> ResourcePool:
-        pool = cls.__new__(cls)
-        pool.name = name
-        pool._slots = slots
-        pool._shared = parent._shared
+        pool = cls.__new__(cls)  # a sub-pool shares its parent's reservation: none made
+        pool._attach(parent.reserved, slots, name)  # noqa: SLF001 - its own class's set-up
         return pool
+
+    @property
+    def reserved(self) -> _Reserved:
+        """The reservation and the books this pool shares with its sub-pools."""
+        return self._shared
 
     # -- what it holds ------------------------------------------------------------------
 
@@ -124,6 +135,56 @@ class ResourcePool:
     @property
     def backend(self) -> str:
         return self._shared.backend.name
+
+    def booking_for(self, backend: object, nodes: int | None,
+                    procs_per_node: int | str | Sequence[int] | None,
+                    gpus_per_worker: int | None) -> Booking:
+        """Check that a group fits (its layout, its GPUs, free slots) and make the backend
+        that places its ranks here; every error before anything starts."""
+        shared = self._shared
+        if shared.closed:
+            raise ValueError(f"{self!r} is closed")
+        if backend != "local" and backend is not shared.backend:
+            raise ValueError(f"pool= places the group on the pool's backend "
+                             f"({shared.backend.name}); leave backend= out")
+        if isinstance(procs_per_node, str):
+            raise ValueError(f"procs_per_node={procs_per_node!r} cannot be used with pool=: "
+                             "the pool's slots say how many ranks each node runs")
+        if gpus_per_worker not in (None, shared.gpus_per_proc):
+            raise ValueError(f"gpus_per_worker={gpus_per_worker} but {self.name}'s slots "
+                             f"hold {shared.gpus_per_proc} GPU(s) each; leave gpus_per_worker "
+                             "out")
+        counts = pools.layout_on(self._slots, nodes, procs_per_node)
+        slots = pools.chosen_slots(self._slots, counts)
+        with shared.lock:
+            self._check_free(slots)
+        if shared.reservation is None:  # pragma: no cover - a pool always holds one
+            raise ValueError(f"{self!r} holds no reservation")
+        placed = shared.reservation.backend_for(slots, 1.0 / shared.book.colocate)
+        return Booking(self, placed, len(counts), counts, shared.reservation.gpus_per_worker,
+                    slots)
+
+    def book(self, slots: list[pools.PoolSlot], name: str) -> Lease:
+        """Book ``slots`` for a group of ``name``; ValueError if another group took them
+        meanwhile (checked again under the pool's lock)."""
+        shared = self._shared
+        with shared.lock:
+            self._check_free(slots)
+            shared.book.take(slots, name)
+        return Lease(shared, slots, name)
+
+    def _check_free(self, slots: Sequence[pools.PoolSlot]) -> None:
+        shared = self._shared
+        if shared.closed:
+            raise ValueError(f"{self!r} is closed")
+        full = shared.book.full(slots)
+        if full:
+            taken = shared.book.placed(full)
+            held = "; ".join(f"slot {i}: {', '.join(names)}" for i, names in taken.items())
+            raise ValueError(
+                f"{self.name} ({len(self._slots)} slots, {self.counts} per node, colocate="
+                f"{shared.book.colocate}) has no room on slots {[s.index for s in full]} "
+                f"for another group: {held}")
 
     def placed(self) -> dict[int, list[str]]:
         """Slot index -> the groups sitting on it now (slots with none left out)."""
@@ -176,7 +237,7 @@ class ResourcePool:
 class Lease:
     """The slots one group sits on, until it shuts down."""
 
-    pool: ResourcePool
+    shared: _Reserved  # the pool's reservation and books
     slots: list[pools.PoolSlot]
     name: str
     released: bool = False
@@ -184,13 +245,13 @@ class Lease:
 
     def adopt(self, group: WorkerGroup) -> None:
         """The group now holds these slots (so closing the pool shuts it down)."""
-        with self.pool._shared.lock:
+        with self.shared.lock:
             if not self.released:
                 self.group = weakref.ref(group)
-                self.pool._shared.groups.add(group)
+                self.shared.groups.add(group)
 
     def release(self) -> None:
-        shared = self.pool._shared
+        shared = self.shared
         with shared.lock:
             if self.released:
                 return
@@ -202,7 +263,7 @@ class Lease:
 
 
 @dataclasses.dataclass
-class Seat:
+class Booking:
     """Where a group will sit on a pool: its backend, its layout, its slots."""
 
     pool: ResourcePool
@@ -215,51 +276,13 @@ class Seat:
     def take(self, name: str) -> Lease:
         """Book the slots for a group of ``name`` (its target, its size; ValueError if
         another group took them meanwhile: the check is repeated under the pool's lock)."""
-        shared = self.pool._shared
-        name = f"group {next(_groups)} ({name})"
-        with shared.lock:
-            _check_free(self.pool, self.slots)
-            shared.book.take(self.slots, name)
-        return Lease(self.pool, self.slots, name)
+        return self.pool.book(self.slots, f"group {next(_groups)} ({name})")
 
 
-def seat_on(pool: object, backend: object, nodes: int | None,
-            procs_per_node: int | str | Sequence[int] | None,
-            gpus_per_worker: int | None) -> Seat:
-    """Check that a group fits ``pool`` (its layout, its GPUs, free slots) and make the
-    backend that places its ranks there; every error before anything starts."""
+def booking_on(pool: object, backend: object, nodes: int | None,
+               procs_per_node: int | str | Sequence[int] | None,
+               gpus_per_worker: int | None) -> Booking:
+    """:meth:`ResourcePool.booking_for`, once ``pool`` is checked to be one."""
     if not isinstance(pool, ResourcePool):
         raise TypeError(f"pool must be a px.ResourcePool, got {pool!r}")
-    shared = pool._shared
-    if shared.closed:
-        raise ValueError(f"{pool!r} is closed")
-    if backend != "local" and backend is not shared.backend:
-        raise ValueError(f"pool= places the group on the pool's backend "
-                         f"({shared.backend.name}); leave backend= out")
-    if isinstance(procs_per_node, str):
-        raise ValueError(f"procs_per_node={procs_per_node!r} cannot be used with pool=: "
-                         "the pool's slots say how many ranks each node runs")
-    if gpus_per_worker not in (None, shared.gpus_per_proc):
-        raise ValueError(f"gpus_per_worker={gpus_per_worker} but {pool.name}'s slots hold "
-                         f"{shared.gpus_per_proc} GPU(s) each; leave gpus_per_worker out")
-    counts = pools.layout_on(pool._slots, nodes, procs_per_node)
-    slots = pools.chosen_slots(pool._slots, counts)
-    with shared.lock:
-        _check_free(pool, slots)
-    assert shared.reservation is not None
-    placed = shared.reservation.backend_for(slots, 1.0 / shared.book.colocate)
-    return Seat(pool, placed, len(counts), counts, shared.reservation.gpus_per_worker, slots)
-
-
-def _check_free(pool: ResourcePool, slots: Sequence[pools.PoolSlot]) -> None:
-    shared = pool._shared
-    if shared.closed:
-        raise ValueError(f"{pool!r} is closed")
-    full = shared.book.full(slots)
-    if full:
-        taken = shared.book.placed(full)
-        held = "; ".join(f"slot {i}: {', '.join(names)}" for i, names in taken.items())
-        raise ValueError(
-            f"{pool.name} ({len(pool._slots)} slots, {pool.counts} per node, colocate="
-            f"{shared.book.colocate}) has no room on slots {[s.index for s in full]} for "
-            f"another group: {held}")
+    return pool.booking_for(backend, nodes, procs_per_node, gpus_per_worker)

@@ -1,16 +1,16 @@
 """The rank table: the controller's view of every rank, and each rank's state machine.
 
-A :class:`Slot` is one *incarnation* of one rank: the process a launch started, the channel
+A :class:`RankEntry` is one *incarnation* of one rank: the process a launch started, the channel
 its events come on, the calls pending on it, and where it is in its life, a
-:class:`RankState`. ``recreate()`` and ``restart()`` make new slots; the old ones stay known
-as dead until they are replaced. The :class:`RankTable` holds the group's current slot of
+:class:`RankState`. ``recreate()`` and ``restart()`` make new entries; the old ones stay known
+as dead until they are replaced. The :class:`RankTable` holds the group's current entry of
 every rank and resolves ``workers=`` selections against them.
 
-Who changes what: only a slot's own methods move it from state to state (the dispatcher
+Who changes what: only an entry's own methods move it from state to state (the dispatcher
 calls them as READY, INIT_ERROR and EXITED arrive, the watchdog when a rank falls silent,
-the shutdown when it stops them all); only the table places and drops slots. Two fields are
+the shutdown when it stops them all); only the table places and drops entries. Two fields are
 left plain for the hot path's sake, each with one writer documented on it:
-:attr:`Slot.seen` (stamped by the dispatcher on every message) and :attr:`Slot.pending`
+:attr:`RankEntry.seen` (stamped by the dispatcher on every message) and :attr:`RankEntry.pending`
 (a call's sender adds to it, the dispatcher takes its answers out).
 """
 
@@ -47,7 +47,7 @@ class RankState(enum.Enum):
         Silent past ``heartbeat_timeout`` (see :mod:`phalanx.controller.watchdog`): its
         stack is being taken, then it is killed. (``"unresponsive"``)
     ``EXITED``
-        Its process ended, or the group stopped it; :attr:`Slot.failure` says how, when
+        Its process ended, or the group stopped it; :attr:`RankEntry.failure` says how, when
         known. Final. (``"dead"``)
 
     Legal transitions (any other is ignored: a late message cannot revive a rank)::
@@ -92,7 +92,7 @@ _LEGAL = {
 }
 
 
-class Slot:
+class RankEntry:
     """The controller's view of one incarnation of one rank (see the module docstring).
 
     Read freely: ``rank``, ``node``, ``channel``, ``state``, ``alive`` (``state`` is not
@@ -204,54 +204,54 @@ class Slot:
         return [c for _, c in taken]
 
     def __repr__(self) -> str:
-        return f"<Slot rank {self.rank} node {self.node} {self.state.name}>"
+        return f"<RankEntry rank {self.rank} node {self.node} {self.state.name}>"
 
 
-def channels_of(slots: Sequence[Slot]) -> list[Channel]:
-    """The distinct channels of ``slots`` (a node channel may carry several of them)."""
-    return list({id(s.channel): s.channel for s in slots}.values())
+def channels_of(entries: Sequence[RankEntry]) -> list[Channel]:
+    """The distinct channels of ``entries`` (a node channel may carry several of them)."""
+    return list({id(s.channel): s.channel for s in entries}.values())
 
 
 class RankTable:
-    """The group's current slot of every rank (None: never started), and selections.
+    """The group's current entry of every rank (None: never started), and selections.
 
-    :attr:`slots` is read by the other parts (the sender holds it: it stays the same list
+    :attr:`entries` is read by the other parts (the sender holds it: it stays the same list
     object for the group's life); only :meth:`install` and :meth:`reset` change it.
     """
 
     def __init__(self, world_size: int, dispatcher: Dispatcher) -> None:
-        self.slots: list[Slot | None] = [None] * world_size
+        self.entries: list[RankEntry | None] = [None] * world_size
         self._all = list(range(world_size))  # never mutated: futures may share it
         self._dispatcher = dispatcher
         self._deaths_seen = -1  # dispatcher.deaths when every rank was last seen alive
 
     def __len__(self) -> int:
-        return len(self.slots)
+        return len(self.entries)
 
-    def install(self, slots: Sequence[Slot]) -> None:
-        """Fresh slots take their ranks' places (the old ones are retired already)."""
-        for slot in slots:
-            self.slots[slot.rank] = slot
+    def install(self, entries: Sequence[RankEntry]) -> None:
+        """Fresh entries take their ranks' places (the old ones are retired already)."""
+        for entry in entries:
+            self.entries[entry.rank] = entry
 
     def reset(self, world_size: int) -> None:
         """A new layout: ``world_size`` ranks, none started yet."""
-        self.slots[:] = [None] * world_size
+        self.entries[:] = [None] * world_size
         self._all = list(range(world_size))
         self._deaths_seen = -1
 
     # -- views --------------------------------------------------------------------------
 
-    def known(self) -> list[Slot]:
-        """Every rank's current slot, dead ones included."""
-        return [s for s in self.slots if s is not None]
+    def known(self) -> list[RankEntry]:
+        """Every rank's current entry, dead ones included."""
+        return [s for s in self.entries if s is not None]
 
-    def live(self) -> list[Slot]:
-        """The slots whose process runs."""
-        return [s for s in self.slots if s is not None and s.alive]
+    def live(self) -> list[RankEntry]:
+        """The entries whose process runs."""
+        return [s for s in self.entries if s is not None and s.alive]
 
     def alive_flags(self) -> list[bool]:
         """Per rank: whether it runs (what :func:`select_ranks` takes)."""
-        return [s is not None and s.alive for s in self.slots]
+        return [s is not None and s.alive for s in self.entries]
 
     def live_channels(self) -> list[Channel]:
         """The live ranks' channels, each once."""
@@ -281,28 +281,28 @@ class RankTable:
             self._deaths_seen = self._dispatcher.deaths
         ranks = select_ranks(workers, alive)
         for r in ranks:
-            slot = self.slots[r]
-            if slot is None or not slot.alive:
-                raise death_error(slot.failure if slot is not None else None)  # type: ignore[arg-type]
+            entry = self.entries[r]
+            if entry is None or not entry.alive:
+                raise death_error(entry.failure if entry is not None else None)  # type: ignore[arg-type]
         if workers == "any" and not ranks:
             raise GroupClosed("workers='any': no rank of this group is alive")
         return ranks
 
     def _all_usable(self, ranks: list[int]) -> bool:
-        slots = self.slots
+        entries = self.entries
         previous = -1
         for rank in ranks:
-            if type(rank) is not int or not previous < rank < len(slots):
+            if type(rank) is not int or not previous < rank < len(entries):
                 return False
-            slot = slots[rank]
-            if slot is None or not slot.alive:
+            entry = entries[rank]
+            if entry is None or not entry.alive:
                 return False
             previous = rank
         return True
 
     def __repr__(self) -> str:
         states: dict[Any, int] = {}
-        for slot in self.slots:
-            key = "unstarted" if slot is None else slot.state.name
+        for entry in self.entries:
+            key = "unstarted" if entry is None else entry.state.name
             states[key] = states.get(key, 0) + 1
-        return f"<RankTable {len(self.slots)} ranks: {states}>"
+        return f"<RankTable {len(self.entries)} ranks: {states}>"

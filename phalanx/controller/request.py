@@ -56,7 +56,7 @@ class GroupPlan:
     heartbeat_timeout: float | None
     straggler_warning: float | None
     target_name: str
-    progress: bool
+    progress: bool | None  # None: shown when stderr is a terminal
     lease: Lease | None  # the pool's slots the group takes, held until it shuts down
 
 
@@ -100,13 +100,14 @@ def plan_group(
     straggler_warning = check_seconds(straggler_warning, "straggler_warning",
                                       allow_zero=False)
     python = check_interpreter(python)
-    seat = None
+    booking = None
     if pool is not None:
-        from phalanx.controller.pool import seat_on
+        from phalanx.controller.pool import booking_on
 
-        seat = seat_on(pool, backend, nodes, procs_per_node, gpus_per_worker)
-        backend_ = seat.backend
-        nodes, procs_per_node, gpus_per_worker = seat.nodes, seat.counts, seat.gpus_per_worker
+        booking = booking_on(pool, backend, nodes, procs_per_node, gpus_per_worker)
+        backend_ = booking.backend
+        nodes, procs_per_node = booking.nodes, booking.counts
+        gpus_per_worker = booking.gpus_per_worker
     else:
         backend_ = create_backend(backend)  # checks the name; starts nothing
     nodes = 1 if nodes is None else nodes
@@ -133,7 +134,7 @@ def plan_group(
                      options={"concurrency": concurrency, "framework": framework,
                               "heartbeat": heartbeat_interval(heartbeat_timeout)})
     target_name = getattr(target, "__qualname__", getattr(target, "__name__", "target"))
-    lease = None if seat is None else seat.take(f"{target_name}, {world_size} ranks")
+    lease = None if booking is None else booking.take(f"{target_name}, {world_size} ranks")
     return GroupPlan(
         backend=backend_, placement=placement, boot=boot, output=options, mesh=group_mesh,
         start_timeout=start_timeout, heartbeat_timeout=heartbeat_timeout,

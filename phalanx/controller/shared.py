@@ -12,6 +12,11 @@ A call whose one set of arguments carries at least :data:`AUTO_SHARE_BYTES` of o
 buffers (large numpy arrays, torch CPU tensors) goes the same way without any change to
 the caller's code: its arguments are put for the length of the call.
 
+This part is also the group's encoder (:meth:`SharedObjects.encode`): it pickles a call's
+arguments, meeting every handle in them (:class:`~phalanx.controller.refs.ObjectRef`, put
+here or kept by any group) and returning the ones it met with the pickle (an
+:class:`Encoded`), so that the call holds them until it ends.
+
 A put object is freed by ``ref.free()``, when the last reference to its handle goes, or
 when the group shuts down. A call in flight keeps what it names: freeing an object a
 running call uses takes effect once that call has ended. Afterwards the handle raises
@@ -20,131 +25,61 @@ running call uses takes effect once that call has ended. Afterwards the handle r
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import secrets
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from phalanx import config
+from phalanx.backends.held import HeldObject, KeptCopy
+from phalanx.backends.parts import lacking
+from phalanx.controller.refs import ObjectRef, Record, RefState, ResultRef, check_usable
 from phalanx.errors import ObjectFreed, ObjectLost, PhalanxError, SerializationError
 from phalanx.rank import shared as shmrank
+from phalanx.rank.kept import BlockLocation
 from phalanx.wire import pickling
 
 if TYPE_CHECKING:
     from phalanx.backends.base import Backend, Channel
     from phalanx.controller.futures import GroupFuture
+    from phalanx.controller.kept import KeptRecord
 
 logger = logging.getLogger(__name__)
 
 AUTO_SHARE_BYTES = config.AUTO_SHARE_BYTES
 
 
-class _Capture(threading.local):
-    """Per thread: the SharedObjects encoding a call now, and the handles it named."""
+class Encoded(NamedTuple):
+    """What encoding a value made: the pickle and its buffers, and what it met on the way."""
 
-    def __init__(self) -> None:
-        self.owner: SharedObjects | None = None
-        self.refs: list[ObjectRef] = []
-        self.kept: list[Any] = []  # ResultRefs (phalanx.controller.kept) it named
-
-
-_capture = CAPTURE = _Capture()  # CAPTURE.refs: whether a call has anything to hold
+    segments: list[Any]
+    refs: tuple[ObjectRef, ...] = ()  # the handles it names, in order met
+    tensors: bool = False  # a torch tensor went out of band
 
 
-@dataclasses.dataclass(eq=False)
-class SharedObject:
-    """What a backend holds for one put object."""
+class PutRecord(Record):
+    """The controller's record of one put object: the backend's :class:`HeldObject`."""
 
-    id: int
-    token: str  # names its blocks, so a rank never maps anything else by mistake
-    segments: list[Any] | None  # the pickle and its buffers; None once no backend needs them
-    nbytes: int
-    label: str  # what it is, for messages ("ndarray", "the arguments of step()")
-    private: bool = False  # a call's own arguments: each rank gets writable copies
-    tensors: bool = False  # holds torch tensors (their views are writable copies)
-    users: int = 0  # calls in flight that name it
-    freed: bool = False  # no new call may name it
-    released: bool = False  # the backend no longer holds it
+    __slots__ = ("held",)
 
-
-@dataclasses.dataclass(eq=False)
-class KeptCopy:
-    """A result kept on another group's rank, as this group's nodes of other machines
-    than the producer's hold it (``Backend.copy_kept``): a put object's id and token."""
-
-    id: int
-    token: str
-    location: tuple  # where the producer keeps it (phalanx.rank.kept)
-    source: tuple  # its producer's node, as the backend reaches it (Backend.source_of)
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-
-
-class ObjectRef:
-    """A handle on an object stored once per node by :meth:`WorkerGroup.put`.
-
-    Pass it anywhere in a call's arguments; each rank receives the object. ``free()``
-    releases it (so does dropping the last reference, and the group's shutdown).
-    """
-
-    __slots__ = ("__weakref__", "_finalizer", "_obj", "_owner")
-
-    def __init__(self, owner: SharedObjects, obj: SharedObject) -> None:
-        self._owner = owner
-        self._obj = obj
-        self._finalizer = weakref.finalize(self, owner.free, obj)
-        self._finalizer.atexit = False  # the group's shutdown frees what is left
+    def __init__(self, held: HeldObject) -> None:
+        super().__init__()
+        self.held = held
 
     @property
     def id(self) -> int:
-        return self._obj.id
+        return self.held.id
 
     @property
     def nbytes(self) -> int:
-        """The size of its pickle and buffers: what each node holds."""
-        return self._obj.nbytes
+        return self.held.nbytes
 
     @property
-    def freed(self) -> bool:
-        return self._obj.freed
-
-    def free(self) -> None:
-        """Release the object on every node (once the calls in flight that use it end).
-        Idempotent."""
-        self._finalizer()
-
-    def __reduce__(self) -> tuple:
-        owner = _capture.owner
-        if owner is not self._owner:
-            raise TypeError(
-                f"{self!r} can only be passed in the arguments of calls of the WorkerGroup "
-                "that put it" + ("" if owner is None else " (this is another group's call)"))
-        if self._obj.freed:
-            raise ObjectFreed(f"{self!r} was freed; put the object again to use it")
-        _capture.refs.append(self)
-        obj = self._obj
-        return shmrank.resolve, ((obj.id, obj.token, True) if obj.private else
-                                 (obj.id, obj.token))
-
-    def __copy__(self) -> ObjectRef:
-        return self
-
-    def __deepcopy__(self, memo: dict) -> ObjectRef:
-        return self
-
-    def __repr__(self) -> str:
-        state = ", freed" if self._obj.freed else ""
-        return f"<ObjectRef {self._obj.id}: {self._obj.label}, {_size(self._obj.nbytes)}{state}>"
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} B"
+    def label(self) -> str:
+        return self.held.label
 
 
 def _nbytes(segments: Sequence[Any]) -> int:
@@ -152,24 +87,53 @@ def _nbytes(segments: Sequence[Any]) -> int:
 
 
 class SharedObjects:
-    """A group's put objects: what each holds, the calls that use them, their release.
+    """A group's put objects and its encoder: what each holds, the calls that use them,
+    their release.
 
-    The group's part behind ``put()``: :meth:`put`, :meth:`encode` / :meth:`prepare` for
-    a call's arguments, :meth:`unhold` when a call ends, :meth:`reach` for ranks just
-    started, :meth:`close`. ``poll()`` takes in what the ranks said (RELEASED: a block to
-    reuse); ``channels()`` gives the live ranks' channels, each once.
+    The group's part behind ``put()``: :meth:`put`, :meth:`encode` and :meth:`prepare`
+    for a call's arguments, :meth:`unhold` when a call ends, :meth:`reach` for ranks just
+    started, :meth:`close`; for handles, the :class:`~phalanx.controller.refs.Keeper`
+    interface. ``poll()`` takes in what the ranks said (RELEASED: a block to reuse);
+    ``channels()`` gives the live ranks' channels, each once.
     """
 
     def __init__(self, backend: Backend, poll: Callable[[], None],
                  channels: Callable[[], list[Channel]]) -> None:
-        self._backend = backend
+        parts = backend.capabilities
+        self._backend_name = backend.name
+        self._holder = parts.objects  # None: this backend holds no objects
+        self._copier = parts.kept_copies  # None: its nodes read kept results where they are
         self._channels = channels
         self._poll = poll
-        self._objects: dict[int, SharedObject] = {}
-        self._copies: dict[Any, KeptCopy] = {}  # a KeptResult -> its copy on these nodes
+        self._objects: dict[int, PutRecord] = {}
+        self._copies: dict[KeptRecord, KeptCopy] = {}  # a kept result -> its copy here
+        self._copying: dict[int, threading.Lock] = {}  # copy id -> one fetch at a time
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
         self._closed = False
+
+    # -- encoding -----------------------------------------------------------------------
+
+    def encode(self, value: Any) -> Encoded:
+        """Pickle ``value`` for a call, with the handles it names."""
+        plain = pickling.dumps_plain(value)  # the usual call: nothing in it to note
+        if plain is not None:
+            return Encoded(plain)
+        return self._encode(value, putting=False)
+
+    def _encode(self, value: Any, putting: bool) -> Encoded:
+        refs: list[ObjectRef] = []
+
+        def meet(obj: Any) -> Any:
+            if not isinstance(obj, ObjectRef):
+                return NotImplemented
+            refs.append(obj)
+            if putting and isinstance(obj, ResultRef):
+                return type(None), ()  # refused by put() once encoded
+            return obj.reduce_for(self)
+
+        segments, tensors = pickling.dumps_noting(value, meet)
+        return Encoded(segments, tuple(refs), tensors)
 
     # -- put and free -----------------------------------------------------------------
 
@@ -177,203 +141,208 @@ class SharedObjects:
         """Store ``value`` on every node (see :meth:`WorkerGroup.put
         <phalanx.controller.group.WorkerGroup.put>`); NotImplementedError on a backend
         that cannot."""
-        if not self._backend.can_share:
-            raise NotImplementedError(
-                f"the {self._backend.name} backend cannot hold shared objects")
-        pickling.pickled.tensors = False
+        if self._holder is None:
+            raise lacking(self._backend_name, "hold shared objects")
         try:
-            segments = self.encode(value)
-        except ObjectFreed:
+            encoded = self._encode(value, putting=True)
+        except (ObjectFreed, ObjectLost):
             raise
         except Exception as exc:
-            raise SerializationError(
-                f"could not pickle the object to put: {type(exc).__name__}: {exc}; nothing "
-                "was stored", stage="pickling the object to put") from exc
-        if _capture.kept:
-            _capture.kept = []
+            raise self._unpicklable(exc) from exc
+        if any(isinstance(r, ResultRef) for r in encoded.refs):
             raise TypeError("a kept result's handle (ResultRef) cannot be put: pass it in "
                             "the calls that need it")
-        refs = self.taken()
-        ref = self._store(segments, type(value).__name__)
-        if refs:  # an object holding other put objects keeps them while it lives
-            self._hold_for(ref, refs)
+        ref = self._store(encoded.segments, type(value).__name__, tensors=encoded.tensors)
+        if encoded.refs:  # an object holding other put objects keeps them while it lives
+            self._hold_for(ref, list(encoded.refs))
         return ref
 
-    def encode(self, value: Any) -> list[Any]:
-        """Pickle ``value`` for a call or a put, noting the handles it names (taken())."""
-        plain = pickling.dumps_plain(value)  # the usual call: nothing in it to note
-        if plain is not None:
-            return plain
-        _capture.owner = self
-        try:
-            return pickling.dumps(value)
-        finally:
-            _capture.owner = None
+    @staticmethod
+    def _unpicklable(exc: BaseException) -> SerializationError:
+        return SerializationError(
+            f"could not pickle the object to put: {type(exc).__name__}: {exc}; nothing "
+            "was stored", stage="pickling the object to put")
 
-    def taken(self) -> list[ObjectRef]:
-        """The handles named by what was encoded since the last taken()."""
-        refs = _capture.refs
-        if not refs:
-            return []
-        _capture.refs = []
-        return refs
-
-    def _store(self, segments: list[Any], label: str, private: bool = False) -> ObjectRef:
+    def _store(self, segments: list[Any], label: str, private: bool = False,
+               tensors: bool = False) -> ObjectRef:
         if self._closed:
             raise ObjectFreed("the group was shut down: nothing can be put any more")
-        obj = SharedObject(next(self._ids), secrets.token_hex(8), list(segments),
-                           _nbytes(segments), label, private,
-                           pickling.pickled.tensors)
+        assert self._holder is not None  # put() and prepare() check
+        held = HeldObject(next(self._ids), secrets.token_hex(8), list(segments),
+                          _nbytes(segments), label, private, tensors)
         self._poll()
         # Never under the lock: a node's answer may need the thread that ends calls.
-        self._backend.share(obj, self._channels())
+        self._holder.share(held, self._channels())
+        record = PutRecord(held)
         with self._lock:
-            self._objects[obj.id] = obj
-        logger.debug("put object %d (%s, %d bytes)", obj.id, label, obj.nbytes)
-        return ObjectRef(self, obj)
+            self._objects[held.id] = record
+        logger.debug("put object %d (%s, %d bytes)", held.id, label, held.nbytes)
+        return ObjectRef(self, record)
 
     def _hold_for(self, ref: ObjectRef, inner: list[ObjectRef]) -> None:
         """Keep ``inner`` alive and in use as long as ``ref`` lives."""
-        objs = [r._obj for r in inner]
+        records = [r.record for r in inner]
         with self._lock:
-            for obj in objs:
-                obj.users += 1
-        weakref.finalize(ref, self._unhold, objs, inner).atexit = False
+            for record in records:
+                record.users += 1
+        weakref.finalize(ref, self._unhold_inner, records, inner).atexit = False
 
-    def free(self, obj: SharedObject) -> None:
+    def free(self, record: PutRecord) -> None:
         with self._lock:
-            if obj.freed:
-                return
-            obj.freed = True
-            if obj.users:
-                return  # released when the last call using it ends
-            self._objects.pop(obj.id, None)
-            obj.released = True
-        self._release(obj)
+            if not record.free():
+                return  # in use: released when the last call using it ends
+            self._objects.pop(record.id, None)
+        self._release(record)
 
-    def _release(self, obj: SharedObject) -> None:
-        """Have the backend drop it (outside the lock; ``obj.released`` already set)."""
-        obj.segments = None
-        if self._closed:
+    def _release(self, record: PutRecord) -> None:
+        """Have the backend drop it (outside the lock; the record is RELEASED already)."""
+        record.held.segments = None
+        if self._closed or self._holder is None:
             return
         try:
-            self._backend.unshare(obj, self._channels())
+            self._holder.unshare(record.held, self._channels())
         except Exception:  # a node gone meanwhile: its copy went with it
-            logger.exception("could not free shared object %d", obj.id)
+            logger.exception("could not free shared object %d", record.id)
+
+    # -- the Keeper interface ------------------------------------------------------------
+
+    def describe(self, record: PutRecord) -> str:
+        return f"put object {record.id} ({record.label})"
+
+    def reduce(self, ref: ObjectRef, consumer: SharedObjects) -> tuple[Any, ...]:
+        if consumer is not self:
+            raise TypeError(f"{ref!r} can only be passed in the arguments of calls of the "
+                            "WorkerGroup that put it (this is another group's call)")
+        check_usable(ref.record, ref)
+        held = ref.record.held
+        return shmrank.resolve, ((held.id, held.token, True) if held.private else
+                                 (held.id, held.token))
 
     # -- calls --------------------------------------------------------------------------
 
-    def prepare(self, future: GroupFuture, payloads: list[list[Any]],
-                targets: Sequence[Channel] = ()) -> list[list[Any]]:
-        """Before a call to ``targets`` is sent: copy the kept results it names to those
-        of their nodes that are other machines than the producers', hold what its
-        arguments name until it ends, and put its arguments for the call if they are
-        large (see AUTO_SHARE_BYTES)."""
-        refs = self.taken()
-        if _capture.kept and self._copies:
-            try:
-                self._copy(_capture.kept, targets)
-            except BaseException:
-                _capture.kept = []
-                raise
+    def prepare(self, future: GroupFuture, payloads: list[Encoded],
+                refs: Sequence[ObjectRef], targets: Callable[[], list[Channel]]
+                ) -> list[list[Any]]:
+        """Before a call is sent, its payloads' segments: the kept results it names copied
+        to those of its ``targets()`` nodes that are other machines than the producers',
+        what its arguments name held until it ends, and its arguments put for the call
+        if they are large (see AUTO_SHARE_BYTES)."""
+        kept = [r for r in refs if isinstance(r, ResultRef)]
+        if kept and self._copies:
+            self._copy(kept, targets())
+        segments = [p.segments for p in payloads]
+        puts = [r.record for r in refs if not isinstance(r, ResultRef)]
         transient = None
-        if (len(payloads) == 1 and len(payloads[0]) > 1 and self._backend.can_share
-                and _nbytes(payloads[0][1:]) >= AUTO_SHARE_BYTES):
-            transient = self._store(payloads[0], f"the arguments of {future.method}()",
-                                    private=True)
-            payloads = [self.encode(transient)]
-            refs += self.taken()
-        if refs:
-            objs = [r._obj for r in refs]
+        if (len(payloads) == 1 and len(segments[0]) > 1 and self._holder is not None
+                and _nbytes(segments[0][1:]) >= AUTO_SHARE_BYTES):
+            transient = self._store(segments[0], f"the arguments of {future.method}()",
+                                    private=True, tensors=payloads[0].tensors)
+            handle = self.encode(transient)
+            segments = [handle.segments]
+            puts.append(transient.record)
+        if puts:
             with self._lock:
-                for obj in objs:
-                    obj.users += 1
-            future.hold(self, objs)
-        if _capture.kept:  # results kept on ranks: held by their own groups' tables
-            kept, _capture.kept = _capture.kept, []
-            for owner in {id(r._owner): r._owner for r in kept}.values():
-                future.hold(owner, owner.use([r for r in kept if r._owner is owner]))
+                for record in puts:
+                    record.users += 1
+            future.hold(self, puts)
+        if kept:  # results kept on ranks: held by their own groups' tables
+            owners: dict[int, Any] = {}
+            for ref in kept:
+                owners.setdefault(id(ref.owner), ref.owner)
+            for owner in owners.values():
+                future.hold(owner, owner.use([r for r in kept if r.owner is owner]))
         if transient is not None:
             transient.free()  # released once the call ends
-        return payloads
+        return segments
+
+    def unhold(self, records: list[PutRecord]) -> None:
+        """A call that named ``records`` ended (every rank answered or was lost)."""
+        done = []
+        with self._lock:
+            for record in records:
+                if record.unuse():
+                    self._objects.pop(record.id, None)
+                    done.append(record)
+        for record in done:
+            self._release(record)
+
+    def _unhold_inner(self, records: list[PutRecord], refs: list[ObjectRef]) -> None:
+        self.unhold(records)  # ``refs`` kept alive until the holding object goes
 
     # -- kept results of other machines ---------------------------------------------------
 
-    def copy_of(self, result: Any) -> tuple[int, str] | None:
+    def copy_of(self, result: KeptRecord) -> tuple[int, str] | None:
         """What a handle on kept ``result`` is pickled with for this group's ranks: the id
         and token of the copy its nodes on other machines than the producer's hold
         (None: this backend's nodes read every kept result where it is)."""
-        if not self._backend.copies_kept or result.source is None:
-            return None
+        location = result.location
+        if self._copier is None or result.source is None or not isinstance(
+                location, BlockLocation):
+            return None  # (Ray's store is read where it is)
         with self._lock:
             copy = self._copies.get(result)
             if copy is None:
-                copy = self._copies[result] = KeptCopy(next(self._ids), secrets.token_hex(8),
-                                                       result.location, result.source)
+                copy = self._copies[result] = KeptCopy(
+                    next(self._ids), secrets.token_hex(8), location, result.source)
+                self._copying[copy.id] = threading.Lock()
                 result.copies.append(self)
         return copy.id, copy.token
 
-    def _copy(self, kept: list[Any], targets: Sequence[Channel]) -> None:
-        for ref in {id(r._result): r for r in kept}.values():
-            copy = self._copies.get(ref._result)
-            if copy is None:
+    def _copy(self, kept: Sequence[ObjectRef], targets: Sequence[Channel]) -> None:
+        assert self._copier is not None  # only copy_of() makes copies
+        for ref in {id(r.record): r for r in kept}.values():
+            with self._lock:
+                copy = self._copies.get(ref.record)
+                lock = None if copy is None else self._copying.get(copy.id)
+            if copy is None or lock is None:
                 continue
-            with copy.lock:  # calls at once: one fetch per node
+            with lock:  # calls at once: one fetch per node
                 try:
-                    self._backend.copy_kept(copy, targets)
+                    self._copier.copy_kept(copy, targets)
                 except PhalanxError as exc:
-                    raise ObjectLost(f"{ref._owner.describe(ref._result)} could not be "
+                    raise ObjectLost(f"{ref.owner.describe(ref.record)} could not be "
                                      f"fetched from its node: {exc}") from None
 
-    def drop_copy(self, result: Any) -> None:
+    def drop_copy(self, result: KeptRecord) -> None:
         """``result`` was freed or lost: the nodes holding a copy of it drop it."""
         with self._lock:
             copy = self._copies.pop(result, None)
-        if copy is not None and not self._closed:
+            if copy is not None:
+                self._copying.pop(copy.id, None)
+        if copy is not None and not self._closed and self._copier is not None:
             try:
-                self._backend.release_copy(copy)
+                self._copier.release_copy(copy)
             except Exception:  # a node gone meanwhile: its copy went with it
                 logger.exception("could not free the copy of a kept result")
-
-    def unhold(self, objs: list[SharedObject]) -> None:
-        """A call that named ``objs`` ended (every rank answered or was lost)."""
-        done = []
-        with self._lock:
-            for obj in objs:
-                obj.users -= 1
-                if obj.users == 0 and obj.freed and not obj.released:
-                    obj.released = True
-                    self._objects.pop(obj.id, None)
-                    done.append(obj)
-        for obj in done:
-            self._release(obj)
-
-    def _unhold(self, objs: list[SharedObject], refs: list[ObjectRef]) -> None:
-        self.unhold(objs)
 
     # -- ranks --------------------------------------------------------------------------
 
     def reach(self, channels: Sequence[Channel]) -> None:
         """Ranks just started: have their nodes hold every live object too."""
+        if self._holder is None:
+            return
         with self._lock:
-            live = [o for o in self._objects.values() if not o.released]
-        for obj in live:
-            self._backend.share(obj, channels)
+            live = [r.held for r in self._objects.values()
+                    if r.state is not RefState.RELEASED]
+        for held in live:
+            self._holder.share(held, channels)
 
     def close(self) -> None:
         """The group shuts down: every object is freed, its ranks stopping anyway."""
         with self._lock:
             self._closed = True
             self._copies.clear()  # they go with the ranks' nodes' sessions
-            objects, self._objects = list(self._objects.values()), {}
-            for obj in objects:
-                obj.freed = obj.released = True
-                obj.segments = None
+            self._copying.clear()
+            records, self._objects = list(self._objects.values()), {}
+            for record in records:
+                record.move(RefState.RELEASED)
+                record.held.segments = None
+                if self._holder is None:
+                    continue
                 try:
-                    self._backend.unshare(obj, ())
+                    self._holder.unshare(record.held, ())
                 except Exception:  # pragma: no cover - logged: shutdown goes on
-                    logger.exception("could not free shared object %d", obj.id)
+                    logger.exception("could not free shared object %d", record.id)
 
     def __len__(self) -> int:
         return len(self._objects)
-

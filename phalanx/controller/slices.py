@@ -3,9 +3,9 @@ to the ranks at some coordinates of its mesh (:class:`GroupSlice`).
 
 A slice holds no machinery of its own. Its rank list and its mesh (with ``call_sharded``'s
 plans, made once per call options as the group's are) are computed when it is made; every
-call goes through the group's own path with that rank list as ``workers=``, so a slice
-costs no more per call than the group, and fails as the group does (``GroupClosed`` once it
-is shut down, ``WorkerDied`` for a dead rank).
+call goes through the group's own :class:`~phalanx.controller.callpath.CallPath` with that
+rank list as ``workers=``, so a slice costs no more per call than the group, and fails as
+the group does (``GroupClosed`` once it is shut down, ``WorkerDied`` for a dead rank).
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from phalanx.controller.futures import ShardedFuture
-from phalanx.controller.meshcalls import Mesh
 from phalanx.controller.methods import MethodProxy
 
 if TYPE_CHECKING:
-    from phalanx.controller.futures import GroupFuture, StreamFuture
+    from phalanx.controller.callpath import CallPath
+    from phalanx.controller.futures import GroupFuture, ShardedFuture, StreamFuture
     from phalanx.controller.group import WorkerGroup
+    from phalanx.controller.meshcalls import Mesh
     from phalanx.world.sharding import Coordinates, NamedSharding
 
 
@@ -34,9 +34,10 @@ class GroupSlice:
     too. ``rank0_only_axes`` names axes of the slice.
     """
 
-    def __init__(self, group: WorkerGroup, mesh: Mesh) -> None:
-        group._check_open()
+    def __init__(self, group: WorkerGroup, calls: CallPath, mesh: Mesh) -> None:
+        calls.check_open()
         self._group = group
+        self._calls = calls
         self._mesh = mesh
         self._sharding: NamedSharding = mesh.require("slice()")
         self._ranks: list[int] = self._sharding.ranks
@@ -74,7 +75,7 @@ class GroupSlice:
 
     def slice(self, **coords: Coordinates) -> GroupSlice:
         """A slice of this slice, by coordinates of its own axes."""
-        return GroupSlice(self._group, self._mesh.sliced(coords))
+        return GroupSlice(self._group, self._calls, self._mesh.sliced(coords))
 
     # -- calls: the group's, on these ranks -------------------------------------------
 
@@ -84,45 +85,50 @@ class GroupSlice:
         return self._workers
 
     def call(self, method: str, *args: Any, timeout: float | None = None,
-             rank0_only_axes: Sequence[str] | None = None, **kwargs: Any) -> list[Any]:
+             rank0_only_axes: Sequence[str] | None = None, keep: bool = False,
+             **kwargs: Any) -> list[Any]:
         """``group.call`` on the slice's ranks; results in rank order."""
-        return self._group.call(method, *args, workers=self._pick(rank0_only_axes),
-                                timeout=timeout, **kwargs)
+        return self._calls.call(method, args, kwargs, workers=self._pick(rank0_only_axes),
+                                timeout=timeout, keep=keep)
 
     def call_async(self, method: str, *args: Any,
-                   rank0_only_axes: Sequence[str] | None = None, **kwargs: Any) -> GroupFuture:
+                   rank0_only_axes: Sequence[str] | None = None, keep: bool = False,
+                   **kwargs: Any) -> GroupFuture:
         """``group.call_async`` on the slice's ranks."""
-        return self._group.call_async(method, *args, workers=self._pick(rank0_only_axes),
-                                      **kwargs)
+        return self._calls.call_async(method, args, kwargs,
+                                      workers=self._pick(rank0_only_axes), keep=keep)
 
     def call_one(self, rank: int, method: str, *args: Any, timeout: float | None = None,
-                 **kwargs: Any) -> Any:
+                 keep: bool = False, **kwargs: Any) -> Any:
         """Call ``method`` on ``rank`` (a group rank of this slice) and return its value."""
         if rank not in self._members:
             raise ValueError(f"rank {rank!r} is not in this slice (its ranks are {self._ranks})")
-        return self._group.call_one(rank, method, *args, timeout=timeout, **kwargs)
+        return self._calls.call(method, args, kwargs, workers=[rank], timeout=timeout,
+                                keep=keep)[0]
 
     def map(self, method: str, *arg_lists: Sequence[Any], timeout: float | None = None,
             rank0_only_axes: Sequence[str] | None = None,
-            common_kwargs: Mapping[str, Any] | None = None,
+            common_kwargs: Mapping[str, Any] | None = None, keep: bool = False,
             **kwarg_lists: Sequence[Any]) -> list[Any]:
         """``group.map`` with one item per rank of the slice; results in rank order."""
-        return self._group.map(method, *arg_lists, workers=self._pick(rank0_only_axes),
-                               timeout=timeout, common_kwargs=common_kwargs, **kwarg_lists)
+        return self._calls.map(method, arg_lists, kwarg_lists,
+                               workers=self._pick(rank0_only_axes), timeout=timeout,
+                               common_kwargs=common_kwargs, keep=keep)
 
     def map_async(self, method: str, *arg_lists: Sequence[Any],
                   rank0_only_axes: Sequence[str] | None = None,
-                  common_kwargs: Mapping[str, Any] | None = None,
+                  common_kwargs: Mapping[str, Any] | None = None, keep: bool = False,
                   **kwarg_lists: Sequence[Any]) -> GroupFuture:
         """``group.map_async`` with one item per rank of the slice."""
-        return self._group.map_async(method, *arg_lists, workers=self._pick(rank0_only_axes),
-                                     common_kwargs=common_kwargs, **kwarg_lists)
+        return self._calls.map_async(method, arg_lists, kwarg_lists,
+                                     workers=self._pick(rank0_only_axes),
+                                     common_kwargs=common_kwargs, keep=keep)
 
     def call_stream(self, method: str, *args: Any, timeout: float | None = None,
                     **kwargs: Any) -> StreamFuture:
         """``group.call_stream`` on the slice's ranks: ``(rank, item)`` pairs."""
-        return self._group.call_stream(method, *args, workers=self._workers, timeout=timeout,
-                                       **kwargs)
+        return self._calls.call_stream(method, args, kwargs, workers=self._workers,
+                                       timeout=timeout)
 
     def call_sharded(
         self,
@@ -138,22 +144,18 @@ class GroupSlice:
     ) -> ShardedFuture:
         """``group.call_sharded`` over the slice's axes (data nested along those of
         ``in_sharded_axes``, which must be axes of the slice)."""
-        group = self._group
-        group._check_open()
-        group._check_method(method)
-        plan, kept = self._mesh.plan(in_sharded_axes, replicate_on_axes,
-                                     output_is_replicated, dummy_calls_to_free_axes)
-        ranks, payloads = Mesh.payloads(plan, args, kwargs, common_kwargs,
-                                        group._ranks.checked, group._encode)
-        future = group._send(method, ranks, payloads, keep=keep)
-        return ShardedFuture(future, plan.result_ranks, kept)
+        return self._calls.call_sharded(
+            self._mesh, method, args, kwargs, in_sharded_axes=in_sharded_axes,
+            replicate_on_axes=replicate_on_axes, output_is_replicated=output_is_replicated,
+            dummy_calls_to_free_axes=dummy_calls_to_free_axes, common_kwargs=common_kwargs,
+            keep=keep)
 
     def __getattr__(self, name: str) -> MethodProxy:
-        group = self.__dict__.get("_group")
-        if group is not None and not name.startswith("_") and name in group._methods:
-            return MethodProxy(self, name)  # type: ignore[arg-type]
+        calls = self.__dict__.get("_calls")
+        if calls is not None and not name.startswith("_") and name in calls.methods:
+            return MethodProxy(self, name)
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
     def __repr__(self) -> str:
-        name = self._group._methods.target_name
+        name = self._calls.methods.target_name
         return f"<GroupSlice of {name} ranks={self._ranks} mesh={self.mesh}>"

@@ -5,7 +5,7 @@ The starter owns what a launch needs: the placement (framework, layout, GPUs per
 nodes the backend reserved, the addresses and ports of the current launch, every rank's
 start (its variables), and the boot message every rank gets (the pickled target and its
 constructor arguments). :meth:`Starter.start` launches ranks one batch per node, makes
-their slots, places them in the rank table once every one exists, and waits until each is
+their entries, places them in the rank table once every one exists, and waits until each is
 ready; a rank that fails makes the whole start fail, having stopped the ranks it started.
 :meth:`Starter.retire` is how a group stops ranks it replaces: they stop being routed,
 their processes are stopped, and the calls still pending on them fail.
@@ -21,13 +21,14 @@ import types
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from phalanx import __version__, config
+from phalanx import config
 from phalanx.backends import Backend, Boot, RankStart
 from phalanx.backends.base import plain_target
-from phalanx.controller.ranks import Slot, channels_of
+from phalanx.controller.ranks import RankEntry, channels_of
 from phalanx.errors import SerializationError, StartupError, death_error
 from phalanx.options import check_count
 from phalanx.output.console import Progress
+from phalanx.version import __version__
 from phalanx.wire import pickling
 from phalanx.world.frameworks import WorldPart, check_layout, worker_env
 from phalanx.world.layout import Layout, merge_env
@@ -283,66 +284,66 @@ class Starter:
         by_node: dict[int, list[RankStart]] = {}
         for rank in ranks:
             by_node.setdefault(self._layout.node_of(rank), []).append(self._starts[rank])
-        slots: list[Slot] = []
+        entries: list[RankEntry] = []
         started: list[Any] = []
         try:
             for node, starts in by_node.items():
                 channels = self._backend.launch(self._nodes[node], starts, self._boot)
                 for channel in channels:
                     for rank in channel.ranks:
-                        slot = Slot(rank, node, channel)
-                        slots.append(slot)
-                        self._dispatcher.add(slot)
+                        entry = RankEntry(rank, node, channel)
+                        entries.append(entry)
+                        self._dispatcher.add(entry)
                     channel.attach(self._dispatcher)
                     started.append(channel)
-            self._table.install(slots)
+            self._table.install(entries)
             if len(self._shared):  # what was put before: their nodes hold it too
                 self._shared.reach(started)
             await_ready(
                 self._dispatcher,
-                slots,
+                entries,
                 timeout=self.start_timeout if timeout is None else timeout,
                 progress=self._progress,
                 target_name=self._methods.target_name,
                 limit=limit,
             )
         except BaseException:
-            self.retire(slots, grace=0.0, force=True)  # they stay known as dead ranks
+            self.retire(entries, grace=0.0, force=True)  # they stay known as dead ranks
             raise
         if logger.isEnabledFor(logging.DEBUG):
-            for slot in slots:
-                logger.debug("rank %d start-up (s): %s", slot.rank, ", ".join(
-                    f"{k} {v:.3f}" for k, v in slot.timings.items()))
-        self._methods.learn(slots[0].methods)
+            for entry in entries:
+                logger.debug("rank %d start-up (s): %s", entry.rank, ", ".join(
+                    f"{k} {v:.3f}" for k, v in entry.timings.items()))
+        self._methods.learn(entries[0].methods)
 
-    def retire(self, slots: list[Slot], *, grace: float, force: bool = False) -> None:
-        """Stop ``slots``: no more routing to them, their processes stopped (``grace``
+    def retire(self, entries: list[RankEntry], *, grace: float, force: bool = False) -> None:
+        """Stop ``entries``: no more routing to them, their processes stopped (``grace``
         seconds to exit, or at once with ``force``), their pending calls failed."""
-        for slot in slots:
-            self._dispatcher.remove(slot)
-        self._backend.stop(channels_of(slots), grace=grace, force=force)
-        for slot in slots:
-            if slot.alive or slot.pending:
-                self._dispatcher.bury(slot, slot.channel.exit_record(slot.rank))
+        for entry in entries:
+            self._dispatcher.remove(entry)
+        self._backend.stop(channels_of(entries), grace=grace, force=force)
+        for entry in entries:
+            if entry.alive or entry.pending:
+                self._dispatcher.bury(entry, entry.channel.exit_record(entry.rank))
 
 
 def await_ready(
     dispatcher: Dispatcher,
-    slots: list[Slot],
+    entries: list[RankEntry],
     *,
     timeout: float,
     progress: bool | None,
     target_name: str,
     limit: str | None = None,
 ) -> None:
-    """Return once every slot is ready; raise :class:`StartupError` at the first failure
+    """Return once every entry is ready; raise :class:`StartupError` at the first failure
     (a constructor that raised, a worker that died) or when ``timeout`` passes (``limit``
     names the setting that gave it, for the message)."""
-    bar = Progress(f"starting {len(slots)} workers", len(slots), enabled=progress)
+    bar = Progress(f"starting {len(entries)} workers", len(entries), enabled=progress)
     deadline = time.monotonic() + timeout
 
-    def failed() -> list[Slot]:
-        return [s for s in slots if s.init_failure is not None or not s.alive]
+    def failed() -> list[RankEntry]:
+        return [s for s in entries if s.init_failure is not None or not s.alive]
 
     try:
         while True:
@@ -350,16 +351,16 @@ def await_ready(
             if bar.enabled:
                 step = min(0.1, step)
             all_ready = dispatcher.wait(
-                lambda: all(s.settled_start() for s in slots) or bool(failed()),
+                lambda: all(s.settled_start() for s in entries) or bool(failed()),
                 max(step, 0.0),
             )
-            bar.update(sum(s.ever_ready for s in slots))
+            bar.update(sum(s.ever_ready for s in entries))
             if failed():
                 raise startup_error(min(failed(), key=lambda s: s.rank))
             if all_ready:
                 return
             if time.monotonic() >= deadline:
-                late = [s.rank for s in slots if not s.ever_ready]
+                late = [s.rank for s in entries if not s.ever_ready]
                 limit = limit or f"start_timeout= (or {config.ENV_START_TIMEOUT})"
                 raise StartupError(
                     f"ranks {late} did not become ready within {timeout:g} s; raise "
@@ -371,26 +372,26 @@ def await_ready(
         bar.close()
 
 
-def startup_error(slot: Slot) -> StartupError:
-    """The error for a slot whose constructor raised or whose process died."""
-    failure = slot.init_failure
+def startup_error(entry: RankEntry) -> StartupError:
+    """The error for an entry whose constructor raised or whose process died."""
+    failure = entry.init_failure
     if failure is not None:
-        pid = "" if slot.pid is None else f", pid {slot.pid}"  # READY brings it
+        pid = "" if entry.pid is None else f", pid {entry.pid}"  # READY brings it
         error = StartupError(
-            f"rank {slot.rank} (node {slot.node}{pid}) failed while "
+            f"rank {entry.rank} (node {entry.node}{pid}) failed while "
             f"{failure.stage}: {failure.exc_type}: {failure.message}\n\n"
             f"Remote traceback:\n{failure.traceback.rstrip()}",
-            rank=slot.rank,
+            rank=entry.rank,
             traceback=failure.traceback,
         )
         original = failure.rebuild()
         if original is not None:
             error.__cause__ = original
         return error
-    if slot.failure is None:  # pragma: no cover - a dead slot always has its record
-        raise RuntimeError(f"rank {slot.rank} failed without a failure record")
-    died = death_error(slot.failure)
-    error = StartupError(str(died) if slot.failure.never_started else
-                         f"rank {slot.rank} died during start-up: {died}", rank=slot.rank)
+    if entry.failure is None:  # pragma: no cover - a dead entry always has its record
+        raise RuntimeError(f"rank {entry.rank} failed without a failure record")
+    died = death_error(entry.failure)
+    error = StartupError(str(died) if entry.failure.never_started else
+                         f"rank {entry.rank} died during start-up: {died}", rank=entry.rank)
     error.__cause__ = died
     return error

@@ -2,9 +2,9 @@
 ``health()``, ``stacks()``, ``startup_report()`` and ``send_signal()``, and the reports
 they return.
 
-The watcher only reads the rank table (each slot's state, its last sign of life, its
+The watcher only reads the rank table (each entry's state, its last sign of life, its
 start-up timings) and asks the ranks' channels for stacks and signals; it changes no
-slot. The watchdog (:mod:`phalanx.controller.watchdog`) uses its stack taking.
+entry. The watchdog (:mod:`phalanx.controller.watchdog`) uses its stack taking.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from phalanx.world.selection import Workers, select_ranks
 if TYPE_CHECKING:
     from phalanx.controller.dispatch import Dispatcher
     from phalanx.controller.lifecycle import Gate
-    from phalanx.controller.ranks import RankTable, Slot
+    from phalanx.controller.ranks import RankEntry, RankTable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,13 +87,13 @@ class StartupReport(list):
                          for row in rows)
 
 
-def _startup(slot: Slot) -> RankStartup:
-    t = slot.timings
+def _startup(entry: RankEntry) -> RankStartup:
+    t = entry.timings
     total = t.get("total")
     parts = [t.get(k) for k in ("interpreter", "waiting", "framework", "import", "constructor")]
     spawn = None if total is None else max(0.0, total - sum(p or 0.0 for p in parts[1:])
                                            - (parts[0] or 0.0))
-    return RankStartup(slot.rank, total, spawn, *parts)
+    return RankStartup(entry.rank, total, spawn, *parts)
 
 
 class Watcher:
@@ -116,22 +116,22 @@ class Watcher:
             self._dispatcher.poll_now()
         now = time.monotonic()
         report = []
-        for rank, slot in enumerate(self._table.slots):
-            if slot is None:
+        for rank, entry in enumerate(self._table.entries):
+            if entry is None:
                 continue
-            alive = slot.alive and not closed
-            state = slot.state.health if alive else "dead"
+            alive = entry.alive and not closed
+            state = entry.state.health if alive else "dead"
             report.append(
                 RankHealth(
                     rank=rank,
-                    node=slot.node,
-                    pid=slot.pid,
+                    node=entry.node,
+                    pid=entry.pid,
                     alive=alive and state != "unresponsive",
-                    calls_in_flight=len(slot.pending),
-                    exitcode=slot.failure.exitcode if slot.failure else None,
+                    calls_in_flight=len(entry.pending),
+                    exitcode=entry.failure.exitcode if entry.failure else None,
                     state=state,
-                    last_seen=now - slot.last_sign if alive else None,
-                    code_version=slot.code_version,
+                    last_seen=now - entry.last_sign if alive else None,
+                    code_version=entry.code_version,
                 )
             )
         return report
@@ -139,31 +139,32 @@ class Watcher:
     def stacks(self, ranks: Workers, timeout: float) -> StackReport:
         """See :meth:`WorkerGroup.stacks <phalanx.controller.group.WorkerGroup.stacks>`."""
         self._gate.check()
-        timeout = check_seconds(timeout, "stacks timeout", allow_zero=False)
+        bound = check_seconds(timeout, "stacks timeout", allow_zero=False)
         self._dispatcher.poll_now()
-        slots = [self._table.slots[r] for r in select_ranks(ranks, self._table.alive_flags())]
-        return self.take_stacks([s for s in slots if s is not None], timeout)
+        entries = [self._table.entries[r] for r in select_ranks(ranks, self._table.alive_flags())]
+        return self.take_stacks([s for s in entries if s is not None],
+                                config.STACKS_TIMEOUT if bound is None else bound)
 
-    def take_stacks(self, slots: list[Slot],
+    def take_stacks(self, entries: list[RankEntry],
                     timeout: float = config.STACKS_TIMEOUT) -> StackReport:
-        """Every thread's stack of each of ``slots``, taken at once."""
-        def take(slot: Slot) -> str:
-            if not slot.alive:
+        """Every thread's stack of each of ``entries``, taken at once."""
+        def take(entry: RankEntry) -> str:
+            if not entry.alive:
                 return "(no stack: the rank is dead)"
-            return slot.channel.stacks(slot.rank, timeout)
+            return entry.channel.stacks(entry.rank, timeout)
 
-        if len(slots) == 1:
-            texts = [take(slots[0])]
+        if len(entries) == 1:
+            texts = [take(entries[0])]
         else:
-            with concurrent.futures.ThreadPoolExecutor(min(32, len(slots) or 1)) as pool:
-                texts = list(pool.map(take, slots))
-        titles = {s.rank: f"rank {s.rank} (node {s.node}, pid {s.pid})" for s in slots}
-        return StackReport({s.rank: t for s, t in zip(slots, texts, strict=True)}, titles)
+            with concurrent.futures.ThreadPoolExecutor(min(32, len(entries) or 1)) as pool:
+                texts = list(pool.map(take, entries))
+        titles = {s.rank: f"rank {s.rank} (node {s.node}, pid {s.pid})" for s in entries}
+        return StackReport({s.rank: t for s, t in zip(entries, texts, strict=True)}, titles)
 
     def stacks_of(self, ranks: list[int]) -> dict[int, str]:
         """The stacks of those of ``ranks`` that are alive (for a CallTimeout)."""
-        slots = [self._table.slots[r] for r in ranks]
-        return dict(self.take_stacks([s for s in slots if s is not None and s.alive]))
+        entries = [self._table.entries[r] for r in ranks]
+        return dict(self.take_stacks([s for s in entries if s is not None and s.alive]))
 
     def startup_report(self) -> StartupReport:
         """Where each rank's start-up time went (a row per rank started)."""
@@ -173,8 +174,8 @@ class Watcher:
         """See :meth:`WorkerGroup.send_signal
         <phalanx.controller.group.WorkerGroup.send_signal>`."""
         self._gate.check()
-        slots = self._table.slots
+        entries = self._table.entries
         for rank in select_ranks(workers, self._table.alive_flags()):
-            slot = slots[rank]
-            if slot is not None and slot.alive:
-                slot.channel.signal(rank, sig)
+            entry = entries[rank]
+            if entry is not None and entry.alive:
+                entry.channel.signal(rank, sig)

@@ -14,7 +14,7 @@ One daemon thread per group wakes every ``tick`` seconds and
 - logs once per call when some ranks answered it ``straggler_warning`` seconds ago and
   others still have not, naming the late ranks and where their code is.
 
-It moves a slot only through the slot's transitions (``suspect()``, then
+It moves an entry only through the entry's transitions (``suspect()``, then
 ``clear_suspicion()`` if the rank spoke meanwhile); the death that follows the kill is the
 dispatcher's to record, like any other.
 """
@@ -36,11 +36,11 @@ from phalanx.wire import protocol
 if TYPE_CHECKING:
     from phalanx.controller.dispatch import Dispatcher
     from phalanx.controller.futures import Completion
-    from phalanx.controller.ranks import Slot
+    from phalanx.controller.ranks import RankEntry
 
 logger = logging.getLogger(__name__)
 
-StackTaker = Callable[[list["Slot"]], dict[int, str]]
+StackTaker = Callable[[list["RankEntry"]], dict[int, str]]
 _WATCHED = (RankState.STARTING, RankState.READY)  # the states a silence is judged in
 
 
@@ -48,20 +48,20 @@ class Watchdog:
     """The supervision thread of one group (see the module docstring): :meth:`start` it
     once the group's backend is open, :meth:`stop` it at shutdown.
 
-    ``slots()`` gives the live ranks' slots; ``take_stacks(slots)`` their stacks.
+    ``entries()`` gives the live ranks' entries; ``take_stacks(entries)`` their stacks.
     """
 
     def __init__(
         self,
         dispatcher: Dispatcher,
-        slots: Callable[[], list[Slot]],
+        entries: Callable[[], list[RankEntry]],
         take_stacks: StackTaker,
         *,
         heartbeat_timeout: float | None,
         straggler_warning: float | None,
     ) -> None:
         self._dispatcher = dispatcher
-        self._slots = slots
+        self._entries = entries
         self._take_stacks = take_stacks
         self.heartbeat_timeout = heartbeat_timeout
         self.straggler_warning = straggler_warning
@@ -110,24 +110,24 @@ class Watchdog:
 
     def _check_silence(self, now: float) -> None:
         limit = self.heartbeat_timeout
-        for slot in self._slots():
+        for entry in self._entries():
             # A rank is judged from its first message on: before that it is starting (an
             # interpreter on a slow disk), which start_timeout bounds.
-            seen = slot.seen
+            seen = entry.seen
             if (seen is not None and now - seen > limit  # type: ignore[operator]
-                    and slot.state in _WATCHED):
-                self._declare_unresponsive(slot, now - seen)
+                    and entry.state in _WATCHED):
+                self._declare_unresponsive(entry, now - seen)
 
-    def _declare_unresponsive(self, slot: Slot, silent: float) -> None:
-        if not slot.suspect():
+    def _declare_unresponsive(self, entry: RankEntry, silent: float) -> None:
+        if not entry.suspect():
             return
-        stack = self._take_stacks([slot]).get(slot.rank)
+        stack = self._take_stacks([entry]).get(entry.rank)
         self._dispatcher.poll_now()
-        if time.monotonic() - slot.last_sign < self.heartbeat_timeout:  # type: ignore[operator]
-            slot.clear_suspicion()  # it spoke meanwhile (the dump's signal woke it)
+        if time.monotonic() - entry.last_sign < self.heartbeat_timeout:  # type: ignore[operator]
+            entry.clear_suspicion()  # it spoke meanwhile (the dump's signal woke it)
             return
         failure = ProcessFailure(
-            slot.rank, slot.node, slot.pid, None,
+            entry.rank, entry.node, entry.pid, None,
             reason=(f"it gave no sign of life for {silent:.1f} s (heartbeat_timeout="
                     f"{self.heartbeat_timeout:g} s) and was killed: stopped, deadlocked, or "
                     "stuck in a C call that holds the GIL"),
@@ -135,22 +135,22 @@ class Watchdog:
         )
         where = innermost_user_frames(stack or "")
         logger.info("rank %d (node %d, pid %s) is unresponsive: silent for %.1f s%s; killing it",
-                     slot.rank, slot.node, slot.pid, silent,
+                     entry.rank, entry.node, entry.pid, silent,
                      f", at {'; '.join(where)}" if where else "")
         # The record goes first: the rank's real death, reported after the kill, only adds
         # its exit status to it (see ProcessFailure.merged).
-        self._dispatcher.post(slot.channel, [protocol.exited_message(slot.rank,
+        self._dispatcher.post(entry.channel, [protocol.exited_message(entry.rank,
                                                                      failure.as_dict())])
-        slot.channel.signal(slot.rank, signal.SIGKILL)
+        entry.channel.signal(entry.rank, signal.SIGKILL)
         self._dispatcher.poll_now()
 
     # -- stragglers -------------------------------------------------------------------
 
     def _check_stragglers(self, now: float) -> None:
-        slots = {slot.rank: slot for slot in self._slots() if slot.alive}
+        entries = {entry.rank: entry for entry in self._entries() if entry.alive}
         current: dict[Completion, None] = {}
-        for slot in slots.values():
-            for future in list(slot.pending.values()):
+        for entry in entries.values():
+            for future in list(entry.pending.values()):
                 current[future] = None
         for future in [f for f in self._partial if f not in current]:
             del self._partial[future]
@@ -163,7 +163,7 @@ class Watchdog:
             if warned or now - first < self.straggler_warning:  # type: ignore[operator]
                 continue
             self._partial[future] = (first, True)
-            stacks = self._take_stacks([slots[r] for r in late if r in slots])
+            stacks = self._take_stacks([entries[r] for r in late if r in entries])
             where = ""
             for rank in late:
                 frames = innermost_user_frames(stacks.get(rank, ""))

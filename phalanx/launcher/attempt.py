@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 from phalanx import config
+from phalanx.backends import Backend, create_backend
 from phalanx.controller.group import WorkerGroup
 from phalanx.errors import PhalanxError, StartupError, WorkerDied
 from phalanx.launcher.elastic import elastic_env, error_file, read_error_file
@@ -176,24 +177,25 @@ def _start_group(options: RunOptions, attempt: int, signals: SignalForwarder,
         raise BadOptions(str(exc)) from exc
 
 
-def _backend(options: RunOptions) -> Any:
-    """A fresh backend for each attempt (imported only when chosen: Ray is heavy)."""
+def _backend(options: RunOptions) -> Backend:
+    """A fresh backend for each attempt, the one ``--backend`` names, built by
+    :func:`phalanx.backends.create_backend` (which imports it only when chosen: Ray is
+    heavy) with what the run's options say of it."""
+    return create_backend(options.backend, **_backend_settings(options))
+
+
+def _backend_settings(options: RunOptions) -> dict[str, Any]:
+    """The backend's constructor keywords from the run's options."""
     if options.backend == "ray":
-        from phalanx.backends.ray.backend import RayBackend
-
-        return RayBackend(address=options.address)
+        return {"address": options.address}
     if options.backend == "cluster":
-        from phalanx.backends.cluster.backend import ClusterBackend
-
+        common = {"token_file": options.token_file, "sync": options.sync}
         if options.dns is not None:
-            return ClusterBackend(dns=options.dns, port=options.agent_port or config.AGENT_PORT,
-                                  nameserver=options.nameserver, quorum=options.nodes,
-                                  token_file=options.token_file, sync=options.sync)
-        return ClusterBackend(list(options.hosts or ()), token_file=options.token_file,
-                              sync=options.sync)
-    from phalanx.backends.local import LocalBackend
-
-    return LocalBackend()
+            return {**common, "dns": options.dns,
+                    "port": options.agent_port or config.AGENT_PORT,
+                    "nameserver": options.nameserver, "quorum": options.nodes}
+        return {**common, "hosts": list(options.hosts or ())}
+    return {}
 
 
 def _runner_args(options: RunOptions) -> tuple:

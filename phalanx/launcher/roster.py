@@ -99,7 +99,7 @@ class Roster:
         """The attempt's members in node-rank order."""
         members = self.members()
         if self.static:
-            return sorted(members, key=lambda m: m.node_rank)  # type: ignore[arg-type,return-value]
+            return sorted(members, key=_static_rank)
         return sorted(members, key=lambda m: not m.hosting)  # stable: joining order after it
 
     def missing(self) -> str:
@@ -115,6 +115,14 @@ class Roster:
         short = self.min_nodes - len(members)
         return (f"{short} more node{'s' if short > 1 else ''} needed for the minimum of "
                 f"{self.min_nodes} (joined: {joined})")
+
+
+def _static_rank(member: Member) -> int:
+    """The node rank a member of a static job asked for (:meth:`Roster.join` admits none
+    without one)."""
+    if member.node_rank is None:  # pragma: no cover - refused by join()
+        raise ValueError(f"the launcher from {member.where} has no node rank")
+    return member.node_rank
 
 
 def layout_counts(members: Sequence[Member]) -> list[int]:

@@ -138,7 +138,7 @@ class SignalForwarder:
 def _kill_children() -> None:
     """SIGKILL this process's phalanx workers (and their process groups): children of the
     node supervisor's keepers, on the local backend."""
-    import psutil
+    import psutil  # type: ignore[import-untyped]  # no stubs: types-psutil is not a dependency
 
     from phalanx.node.spawn import is_worker_command
 

@@ -41,10 +41,11 @@ def run_single(options: RunOptions) -> int:
                                    failures=() if failure is None else (failure,),
                                    signal=signals.received)
             decision = decide(status)
-            if decision is RestartDecision.STOP:
-                name = signal.Signals(signals.received).name
+            # STOP comes with the signal that stopped the launcher (decide() says so)
+            if decision is RestartDecision.STOP and status.signal is not None:
+                name = signal.Signals(status.signal).name
                 console.notice(f"phalanx run: stopped by {name}")
-                return 128 + signals.received
+                return 128 + status.signal
             if failure is None:  # DONE (REFORM needs a job of several launchers)
                 return 0
             if decision is RestartDecision.RESTART:

@@ -26,14 +26,31 @@ import sys
 
 from phalanx.node import proctree
 
-# CPython's C modules: signal.py and socket.py on top of them are ~6 ms of this process's
-# start (enum, selectors, array), for names it does not use
-try:
-    import _signal as signal
+TYPE_CHECKING = False  # typing's, without importing typing (this process starts lean)
+if TYPE_CHECKING:  # _signal's names as typeshed knows them: it has no stub for _signal
     import _socket as socket
-except ImportError:  # pragma: no cover - another interpreter
-    import signal  # type: ignore[no-redef]
-    import socket  # type: ignore[no-redef]
+    import signal
+    from typing import TypedDict
+
+    # One start request, marshalled by phalanx.node.supervisor.Supervisor.spawn: the
+    # rank's command, environment and directory; of the descriptors sent with it (indices
+    # into them), those the rank inherits ("pass": its control stream, its stack file) and
+    # its stdout, stderr and status pipe; the variables that name descriptors ("{i}": the
+    # i-th one's number in the rank); and the variable that tells the rank its keeper's pid.
+    StartRequest = TypedDict("StartRequest", {
+        "argv": list[str], "env": dict[str, str], "cwd": str | None, "pass": list[int],
+        "stdout": int, "stderr": int, "status": int, "fd_env": dict[str, str],
+        "pid_env": str,
+    })
+else:
+    # CPython's C modules: signal.py and socket.py on top of them are ~6 ms of this
+    # process's start (enum, selectors, array), for names it does not use
+    try:
+        import _signal as signal
+        import _socket as socket
+    except ImportError:  # pragma: no cover - another interpreter
+        import signal
+        import socket
 
 _MAX_REQUEST = 1 << 20
 _MAX_FDS = 16
@@ -148,7 +165,7 @@ def _fork_keeper(request: bytes, fds: list[int], sock: socket.socket, controller
     return pid
 
 
-def _keep(request: dict[str, object], fds: list[int], supervisor: int) -> int:
+def _keep(request: StartRequest, fds: list[int], supervisor: int) -> int:
     """Start one rank, report its pid and exit status, then end what it left behind."""
     proctree.become_subreaper()
     signal.signal(signal.SIGTERM, _orphaned)
@@ -179,7 +196,7 @@ def _keep(request: dict[str, object], fds: list[int], supervisor: int) -> int:
     return 0
 
 
-def _start(request: dict, fds: list[int], env: dict[str, str]) -> int:
+def _start(request: StartRequest, fds: list[int], env: dict[str, str]) -> int:
     """Fork and exec the rank as ``subprocess.Popen`` would (its own process group, stdin
     left on the keeper's ``/dev/null``, output on the descriptors handed over, only those
     named inherited, SIGPIPE back to default) and one thing more: the kernel SIGKILLs it

@@ -21,24 +21,30 @@ what the rank sent before it died is read (:meth:`NodeRank.drain`), then its fai
 record (:meth:`NodeRank.failure`: exit code or signal, and the last lines of its stderr
 where this side read them) goes to the controller. A control stream that ends first
 means the rank is dying or of no use: :meth:`NodeRank.stream_ended` SIGKILLs it, and the
-status follows.
+status follows. :class:`Burial` is that routine's other half, shared with the channels
+at the controller: a death claimed once, its record completed for a moment, its EXITED
+told once.
 
-The Ray rank actor starts its rank under a supervisor of its own, ahead of time
-(:class:`PrestartedWorker`); :func:`stop_processes` stops any of them with escalation.
+A Ray rank actor whose rank runs apart from it starts the rank as its own child
+(:meth:`RankSpawner.start_child`: its process group, its output); the relay's actor
+starts its rank under a supervisor of its own, ahead of time (:class:`PrestartedWorker`).
+:func:`stop_processes` stops any of them with escalation.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import socket
 import struct
+import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from phalanx import config
@@ -173,10 +179,6 @@ class NodeRank:
         return ProcessFailure(self.rank, self.node, self.proc.pid, self.proc.exitcode(0),
                               tuple(stderr_tail))
 
-    def exited_message(self, stderr_tail: Sequence[str] = ()) -> list[Any]:
-        """The EXITED event that carries :meth:`failure` to the controller."""
-        return protocol.exited_message(self.rank, self.failure(stderr_tail).as_dict())
-
     # -- reaching it ------------------------------------------------------------------
 
     def signal(self, sig: int) -> None:
@@ -197,12 +199,117 @@ class NodeRank:
         self._stack_file.close()
 
 
+# --------------------------------------------------------------------------- a rank's burial
+
+
+class Burial:
+    """One rank's death, told once: the one routine for a rank that died, used by every
+    channel at the controller (the local backend's, Ray's, an agent link's) and by an
+    agent's node side.
+
+    A death shows itself in several ways, often more than one for the same death: the
+    keeper's exit status, the control stream's end, Ray's or the warden's account, the
+    rank's node lost. The first claims the burial (:meth:`claim`); the others find it
+    claimed. A rank stopped on purpose is claimed by :meth:`stop`, and nothing is told: the
+    group records that end itself.
+
+    The claimer completes the record with what its side still waits for, a moment at most
+    (the rank's last output lines, ``config.OUTPUT_WAIT``; on Ray also the cause Ray gives
+    and the warden's exit status), then the EXITED event with the failure record
+    (``record()`` as known then, made into the side's ``message``) goes out once
+    (:meth:`exited`). Where that wait happens is where the sides differ:
+
+    - nowhere, when the record is complete already (a local rank's output pipes close with
+      its process, before its keeper hears of the exit): the claimer's pass returns the
+      event with what it read -- a SIGKILLed rank's calls fail ~1.5 ms after the kill;
+    - on a short helper thread (:meth:`tell_later`), which waits (``settle``), then posts
+      it (``post``): the dispatcher's pump never waits on a death;
+    - in a loop with no thread to spare (an agent's relay), which sends it once the record
+      is complete or :attr:`deadline` has passed.
+
+    An account that comes after the event went out (Ray's cause, the warden's status) is
+    told again (:meth:`tell`); the controller merges it into the record it kept. With the
+    owner's ``lock`` (when the record's sources change under it), such an account is
+    either in the event :meth:`exited` builds or finds the burial :attr:`told`.
+
+    States: ALIVE -> CLAIMED (:meth:`claim`, or :meth:`stop`) -> TOLD (:meth:`exited`). A
+    stop once claimed changes nothing: the event still goes out.
+    """
+
+    def __init__(self, rank: int, record: Callable[[], ProcessFailure],
+                 post: Callable[[list[Any]], None] | None = None, *,
+                 message: Callable[[ProcessFailure], list[Any]] | None = None,
+                 lock: threading.Lock | None = None) -> None:
+        self.rank = rank
+        self._record = record
+        self._post = post
+        self._message = message or (
+            lambda failure: protocol.exited_message(rank, failure.as_dict()))
+        self._lock = lock or threading.Lock()
+        self._claimed = False
+        self._told = False
+        self.deadline = math.inf  # once claimed: the longest the record waits for output
+
+    @property
+    def claimed(self) -> bool:
+        """Whether the rank is dead or stopped, as far as this side knows (no lock: one
+        flag, set once)."""
+        return self._claimed
+
+    @property
+    def told(self) -> bool:
+        """Whether its EXITED event went out."""
+        return self._told
+
+    def claim(self) -> bool:
+        """Whether this sign of death is the first: the caller then buries the rank.
+        False once claimed, or stopped."""
+        with self._lock:
+            if self._claimed:
+                return False
+            self._claimed = True
+            self.deadline = time.monotonic() + config.OUTPUT_WAIT
+        return True
+
+    def stop(self) -> None:
+        """The rank is stopped on purpose: the group records its end, and no later sign of
+        death claims it."""
+        with self._lock:
+            self._claimed = True
+
+    def exited(self) -> list[Any]:
+        """The EXITED event of the record as known now; the burial is told."""
+        with self._lock:
+            self._told = True
+            return self._message(self._record())
+
+    def tell(self) -> None:
+        """Post the EXITED event now (again, for an account that came after it)."""
+        if self._post is None:
+            raise RuntimeError(f"the burial of rank {self.rank} has nowhere to post")
+        self._post(self.exited())
+
+    def tell_later(self, settle: Callable[[], object] | None = None) -> None:
+        """On a short helper thread: ``settle()`` (the wait, a moment at most, for what
+        completes the record), then :meth:`tell`."""
+        threading.Thread(target=self._bury, args=(settle,), name=f"phalanx-bury-{self.rank}",
+                         daemon=True).start()
+
+    def _bury(self, settle: Callable[[], object] | None) -> None:
+        if settle is not None:
+            settle()
+        self.tell()
+
+
 class RankSpawner:
     """Starts a node's ranks under its supervisor: the one spawner of the local backend
-    and of a cluster agent's session. Thread-safe."""
+    and of a cluster agent's session (:meth:`launch`), and of the rank a Ray actor runs
+    apart from itself, as its own child (:meth:`start_child`). Thread-safe."""
 
-    def __init__(self, writer: framing.BacklogWriter) -> None:
-        self._writer = writer  # what writes to every rank's control pipe
+    def __init__(self, writer: framing.BacklogWriter | None = None) -> None:
+        # what writes to every rank's control pipe (launch); None for a spawner whose
+        # ranks' streams the caller made (start_on) or hands over (prestart)
+        self._writer = writer
         self._supervisor: Supervisor | None = None
         self._lock = threading.Lock()
 
@@ -248,6 +355,51 @@ class RankSpawner:
             raise
         return started
 
+    @staticmethod
+    def start_child(env: Mapping[str, str], cwd: str | None,
+                    stream: tuple[str, Sequence[int]], *, stacks_fd: int,
+                    frame_keys: str | None = None) -> subprocess.Popen:
+        """A rank as a plain child of this process, under no supervisor: the rank of a Ray
+        actor that runs apart from it (``framework="ray"``: a process connected to the
+        actor's Ray cannot join a Ray of its own). The caller waits for it
+        (``Popen.wait``: a negative code is the signal that killed it); OSError if it
+        cannot start.
+
+        ``env`` is layered over this process's environment (the actor's: Ray's variables
+        for its worker and bundle stay). ``stream`` is the control stream handed over, a
+        spec and its descriptors as :meth:`Supervisor.spawn` takes them (``"pipe:{0},{1}"``,
+        ``"socket:{0}"``), with the socket's ``frame_keys`` across a network; ``stacks_fd``
+        the file it dumps its stacks into (the warden's too).
+
+        The rest it shares with its starter, on purpose: fds 1 and 2 (the actor pointed
+        them at the rank's output streams already), and its process group (Ray kills a
+        dead worker's group at once, so the rank goes with its actor; whatever else is
+        left below the actor, a subreaper, its warden ends). No stdin.
+        """
+        fds = tuple(stream[1])
+        full_env = {**os.environ, **env, config.ENV_FD: stream[0].format(*fds),
+                    config.ENV_STACKS_FD: str(stacks_fd)}
+        if frame_keys is not None:
+            full_env[config.ENV_FRAME_KEYS] = frame_keys
+        return subprocess.Popen(worker_argv(), env=full_env, cwd=cwd or None,
+                                pass_fds=(*fds, stacks_fd), stdin=subprocess.DEVNULL)
+
+    def start_on(self, env: Mapping[str, str], cwd: str | None, control: Sequence[int],
+                 output: tuple[int, int], *, stacks_fd: int) -> SupervisedProcess:
+        """Start one rank under this node's supervisor on streams the caller made (the
+        relay's socket pairs): its control stream ``control`` (one socket, or a pipe pair:
+        read end, write end) and its stdout and stderr ``output``; ``env`` is its whole
+        environment. The caller keeps its copies of the descriptors."""
+        spec = "socket:{0}" if len(control) == 1 else "pipe:{0},{1}"
+        return self._started().spawn(worker_argv(), env, cwd, stacks_fd=stacks_fd,
+                                     stream=(spec, tuple(control)), output=output)
+
+    def prestart(self, env: Mapping[str, str], *, stacks_fd: int | None = None
+                 ) -> PrestartedWorker:
+        """A worker interpreter started now under this node's supervisor, before its rank
+        is known (see :class:`PrestartedWorker`)."""
+        return PrestartedWorker(self._started(), env, stacks_fd=stacks_fd)
+
     def _started(self) -> Supervisor:
         with self._lock:
             if self._supervisor is None:
@@ -263,6 +415,8 @@ class RankSpawner:
             stack_file.close()
             raise
         stream = streams.PipeStream(proc.read_fd, proc.write_fd, blocking_reads=False)
+        if self._writer is None:  # pragma: no cover - a bug: launch() needs a writer
+            raise RuntimeError("RankSpawner.launch() needs the writer of the ranks' pipes")
         return NodeRank(rank, node, incarnation, proc, framing.Connection(stream, self._writer),
                         stack_file)
 

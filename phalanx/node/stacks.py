@@ -26,8 +26,12 @@ _SETTLE = 0.01  # seconds the dump file must stay the same size to count as comp
 class StackFile:
     """Node side: the file one rank dumps its stacks into, and taking a dump."""
 
-    def __init__(self) -> None:
-        self._file = tempfile.TemporaryFile(prefix="phalanx-stacks-")
+    def __init__(self, fd: int | None = None) -> None:
+        """A new file (unnamed, gone once closed); or, given ``fd``, the file open on that
+        descriptor (a dump file made by another process and handed over, as the warden's:
+        its actor dumps there), which this object now owns."""
+        self._file = (tempfile.TemporaryFile(prefix="phalanx-stacks-") if fd is None
+                      else os.fdopen(fd, "w+b"))
         self.fd = self._file.fileno()
         self._lock = threading.Lock()
 

@@ -46,10 +46,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from phalanx import config
 from phalanx.node import proctree
+
+if TYPE_CHECKING:
+    from phalanx.node.keeper import StartRequest
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -73,7 +76,7 @@ class _SpawnThread:
     _instance_lock = threading.Lock()
 
     def __init__(self) -> None:
-        self._pid = os.getpid()
+        self.pid = os.getpid()  # the process it spawns for (a forked child needs its own)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._run, name="phalanx-spawn", daemon=True).start()
 
@@ -81,7 +84,7 @@ class _SpawnThread:
     def get(cls) -> _SpawnThread:
         """This process's spawn thread (a new one after a fork)."""
         with cls._instance_lock:
-            if cls._instance is None or cls._instance._pid != os.getpid():
+            if cls._instance is None or cls._instance.pid != os.getpid():
                 cls._instance = cls()
             return cls._instance
 
@@ -198,15 +201,15 @@ class Supervisor:
             theirs.append(stacks_fd)
             fd_env[config.ENV_STACKS_FD] = f"{{{n + 3}}}"
             passed.append(n + 3)
-        request = {
+        request: StartRequest = {
             "argv": list(argv), "env": dict(env), "cwd": cwd, "pass": passed,
             "stdout": n, "stderr": n + 1, "status": n + 2, "fd_env": fd_env,
             "pid_env": config.ENV_PARENT_PID,
         }
         mine = [fd for fd in (read_fd, write_fd, stdout_fd, stderr_fd, status_fd) if fd >= 0]
         try:
-            with self._lock:
-                socket.send_fds(self._sock, [marshal.dumps(request)], theirs)
+            with self._lock:  # (a plain dict of it: marshal's types know no TypedDict)
+                socket.send_fds(self._sock, [marshal.dumps(dict(request))], theirs)
         except OSError as exc:
             for fd in mine:
                 os.close(fd)

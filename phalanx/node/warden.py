@@ -125,7 +125,8 @@ def kill_all(pids: list[int], timeout: float = _KILL_WAIT) -> None:
 class Warden:
     """One rank's warden (this process's main loop)."""
 
-    def __init__(self, conn: object, notes_fd: int, stacks_fd: int, actor: int) -> None:
+    def __init__(self, conn: framing.Connection | None, notes_fd: int, stacks_fd: int,
+                 actor: int) -> None:
         self.conn = conn
         self.notes_fd = notes_fd
         self.actor = actor
@@ -137,10 +138,7 @@ class Warden:
         self._notes = b""
         from phalanx.node.stacks import StackFile
 
-        self.stacks = StackFile.__new__(StackFile)  # over the file the actor dumps into
-        self.stacks._file = os.fdopen(stacks_fd, "w+b")
-        self.stacks.fd = stacks_fd
-        self.stacks._lock = threading.Lock()
+        self.stacks = StackFile(stacks_fd)  # over the file the actor dumps into
 
     def scan(self) -> None:
         """Keep the list of the actor's descendants fresh (this process left out)."""
@@ -172,18 +170,28 @@ class Warden:
                     if not self._read_notes():
                         self.ended = True
                 elif fd == side:
-                    try:
-                        frames = self.conn.reader.recv_frames(block=False)
-                    except framing.ConnectionLost:  # the controller is gone: Ray ends us
+                    frames = self._receive()
+                    if frames is None:  # the controller is gone: Ray ends us
                         poller.unregister(side)
                         side = None
-                        self.conn = None
                         continue
                     for segments in frames:
                         self._request(segments[0])
             if self.ended:
                 self._actor_ended()
                 return
+
+    def _receive(self) -> list[list[Any]] | None:
+        """The requests now complete on the side stream; None once it is lost (then the
+        connection is dropped), here or while an answer was sent."""
+        conn = self.conn
+        if conn is None:
+            return None
+        try:
+            return conn.reader.recv_frames(block=False)
+        except framing.ConnectionLost:
+            self.conn = None
+            return None
 
     def _rank_ended(self, wait: float) -> bool:
         """Whether the actor said its rank ended (``done``) or ended, waiting up to

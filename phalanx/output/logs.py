@@ -247,9 +247,9 @@ class LogPump:
         while True:
             with self._lock:
                 new, self._new = self._new, []
-            for stream in new:
-                self._streams[stream.fd] = stream
-                poller.register(stream.fd, select.POLLIN)
+            for added in new:
+                self._streams[added.fd] = added
+                poller.register(added.fd, select.POLLIN)
             if self._stopping and not self._streams:
                 return
             deadline = self._collapser.next_deadline()

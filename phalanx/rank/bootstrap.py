@@ -80,8 +80,10 @@ def _register_jax_cluster() -> None:
             return int(os.environ["JAX_PROCESS_ID"])
 
     # Checked before the cluster managers jax knows (SLURM, Kubernetes, ...): the variables
-    # phalanx set for this rank are the ones that describe it.
-    registry = clusters.ClusterEnv._cluster_types
+    # phalanx set for this rank are the ones that describe it. jax keeps its detectors, in
+    # the order it tries them, in a private list: no public way ranks one first (a release
+    # without it is handled in jax_setup).
+    registry = clusters.ClusterEnv._cluster_types  # noqa: SLF001 - see above
     registry.remove(PhalanxCluster)
     registry.insert(0, PhalanxCluster)
 
@@ -141,9 +143,10 @@ class RunningService:
     def __init__(self, spec: NodeService, timeout: float = SERVICE_START_TIMEOUT) -> None:
         self.spec = spec
         deadline = time.monotonic() + timeout
-        if spec.after is not None:
-            self._wait(lambda: _accepts(spec.after), deadline,  # type: ignore[arg-type]
-                       f"{spec.after[0]}:{spec.after[1]} to accept connections")
+        after = spec.after
+        if after is not None:
+            self._wait(lambda: _accepts(after), deadline,
+                       f"{after[0]}:{after[1]} to accept connections")
         # Its output goes to an unlinked temporary file: nothing is left behind, however the
         # worker ends.
         self._out_fd, path = tempfile.mkstemp(prefix="phalanx-service-", suffix=".log")
@@ -197,7 +200,7 @@ class RunningService:
 
     def stop(self, grace: float = SERVICE_STOP_GRACE) -> None:
         """SIGTERM, wait up to ``grace``, then SIGKILL it and every process it started."""
-        import psutil
+        import psutil  # type: ignore[import-untyped]  # no stubs: types-psutil is not a dependency
 
         try:
             family = psutil.Process(self.proc.pid).children(recursive=True)

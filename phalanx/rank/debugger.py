@@ -71,7 +71,7 @@ import time
 import types
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO, cast
 
 from phalanx import config
 
@@ -151,7 +151,9 @@ def _user_name(uid: int) -> str:
 
 def _process_start(pid: int) -> float | None:
     """When process ``pid`` started (seconds since the epoch), None if it does not exist."""
-    import psutil  # a dependency of phalanx, imported here: user code rarely calls this
+    # a dependency of phalanx, imported here: user code rarely calls this (and untyped:
+    # types-psutil is not a dependency)
+    import psutil  # type: ignore[import-untyped]
 
     try:
         return psutil.Process(pid).create_time()
@@ -255,7 +257,7 @@ def breakpoint(*, timeout: float | None = None) -> bool:
     """
     if timeout is not None and not timeout >= 0:
         raise ValueError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
-    caller = sys._getframe(1)
+    caller = sys._getframe(1)  # noqa: SLF001 - the caller's frame, where pdb starts (as pdb does)
     active = getattr(sys.gettrace(), "__self__", None)
     if isinstance(active, _RankPdb) and not active.connection.closed:
         # still attached (the user continued with breakpoints set): stop in that session,
@@ -334,18 +336,18 @@ def _accept(listener: socket.socket, token: bytes, deadline: float | None
                                 drop(next(iter(pending)))
                             conn.setblocking(False)
                             pending[conn] = (time.monotonic() + TOKEN_TIMEOUT, bytearray())
-                            selector.register(conn, selectors.EVENT_READ)
+                            selector.register(conn, selectors.EVENT_READ, data=conn)
                         continue
-                    conn: socket.socket = key.fileobj  # type: ignore[assignment]
-                    line = _line_so_far(conn, pending[conn][1])
+                    client: socket.socket = key.data  # the socket, as registered above
+                    line = _line_so_far(client, pending[client][1])
                     if line is None:
                         continue
-                    selector.unregister(conn)
-                    del pending[conn]
-                    if _answer(conn, line, token):
-                        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                        return conn
-                    conn.close()
+                    selector.unregister(client)
+                    del pending[client]
+                    if _answer(client, line, token):
+                        client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                        return client
+                    client.close()
         finally:
             for conn in pending:
                 conn.close()
@@ -353,7 +355,7 @@ def _accept(listener: socket.socket, token: bytes, deadline: float | None
 
 def _take(listener: socket.socket) -> list[socket.socket]:
     """The connections waiting on the non-blocking ``listener``, as many as there are."""
-    taken = []
+    taken: list[socket.socket] = []
     while True:
         try:
             conn, _ = listener.accept()
@@ -447,6 +449,11 @@ class _PdbStream:
         line, newline, self._input = self._input.partition(b"\n")
         return (line + newline).decode("utf-8", "replace")
 
+    def as_text_file(self) -> TextIO:
+        """This stream where a text file is asked for (pdb's stdin and stdout, sys.stdin):
+        it has what those use of one (readline, write, flush, isatty, encoding, closed)."""
+        return cast("TextIO", self)
+
     def close(self) -> None:
         self._send(b"")
         if self._sock is not None:
@@ -472,7 +479,8 @@ class _RankPdb(pdb.Pdb):
     docstring), leaving the rank's signal handlers alone and never stopping in phalanx."""
 
     def __init__(self, connection: _PdbStream, who: str) -> None:
-        super().__init__(stdin=connection, stdout=connection, skip=["phalanx", "phalanx.*"],
+        stream = connection.as_text_file()
+        super().__init__(stdin=stream, stdout=stream, skip=["phalanx", "phalanx.*"],
                          nosigint=True, readrc=False)
         self.connection = connection
         self._who = who
@@ -490,12 +498,12 @@ class _RankPdb(pdb.Pdb):
     def do_EOF(self, arg: str) -> bool:
         """The client went away: let the rank run on."""
         self.clear_all_breaks()
-        return self.do_continue(arg)
+        return bool(self.do_continue(arg))
 
     def do_interact(self, arg: str) -> None:
         # code.interact reads sys.stdin and writes sys.stdout: the rank's, not the session's
         saved = sys.stdin, sys.stdout
-        sys.stdin = sys.stdout = self.connection  # type: ignore[assignment]
+        sys.stdin = sys.stdout = self.connection.as_text_file()
         try:
             super().do_interact(arg)
         finally:

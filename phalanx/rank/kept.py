@@ -5,7 +5,8 @@ A call whose method name starts with :data:`KEEP` runs as any other, but its res
 here: pickled once (protocol 5) into an anonymous memory block of this process
 (:class:`phalanx.wire.memfd.Block`), or, in a Ray worker, into Ray's object store
 (``ray.put``, owned by this worker). The answer is only its size and where it is; the
-controller makes a handle of it (:class:`phalanx.controller.kept.ResultRef`). A rank whose
+controller makes a handle of it (:class:`phalanx.controller.refs.ResultRef`), and where it
+is, a :data:`KeptLocation`, is what the handle carries into other calls. A rank whose
 call names the handle reads the value straight from here: on the same machine it maps the
 block through ``/proc/<pid>/fd/<n>`` (no copy: arrays are read-only views of it); on Ray
 it reads Ray's object store of its node; on an agent's node of another machine it maps
@@ -29,7 +30,7 @@ import functools
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from phalanx.errors import ObjectLost
 from phalanx.rank import shared
@@ -40,6 +41,37 @@ BUILTIN = "@"  # the name of a call phalanx's runtime serves itself
 IN_RAY_WORKER = False  # set when the rank runs in its Ray actor's worker (start_in_actor)
 POOL_BLOCKS = 4  # dropped results' blocks a rank keeps for its next results
 POOL_IDLE = 2.0  # seconds a pooled block waits for a result before it is closed
+
+
+class BlockLocation(NamedTuple):
+    """A result kept in a memory block of its producer's process."""
+
+    machine: str  # whose blocks these are (memfd.block_domain): who may map it
+    pid: int
+    fd: int  # the block's descriptor in that process (/proc/<pid>/fd/<fd>)
+    token: str  # the block's name: a reused descriptor number is never mistaken for it
+    extents: list[Any]  # (offset, length) of the pickle, then of each buffer
+    capacity: int  # the block's size
+
+
+class RayLocation(NamedTuple):
+    """A result kept in Ray's object store (see :func:`phalanx.rank.shared.ray_location`)."""
+
+    kind: str  # shared.RAY_LOCATION
+    object_id: bytes
+    owner: Any  # its owner's address, as Ray serializes a reference
+    status: Any
+
+
+KeptLocation = BlockLocation | RayLocation
+
+
+def location_of(answer: Any) -> KeptLocation:
+    """A rank's answer to a kept call says where the result is as a plain tuple (so that
+    it pickles as fast as any small answer); the same, named."""
+    if answer[0] == shared.RAY_LOCATION:
+        return RayLocation(*answer)
+    return BlockLocation(*answer)
 
 
 @functools.cache
@@ -56,7 +88,7 @@ class Kept:
     """This rank's kept results, by the id of the call that made them."""
 
     def __init__(self) -> None:
-        self._held: dict[int, Any] = {}  # call id -> (its Block, extents), or its ObjectRef
+        self._held: dict[int, Any] = {}  # call id -> (its Block, extents), or its ray.ObjectRef
         self._pool: list[tuple[float, Any]] = []  # (when, Block) of dropped results
         self._lock = threading.Lock()  # calls on a thread pool may keep at once
         self._trimmer: threading.Thread | None = None
@@ -65,12 +97,13 @@ class Kept:
         """Hold ``value``; the answer: its size and where it is (see ResultRef)."""
         parts = pickling.dumps(value)
         nbytes = sum(memoryview(p).nbytes for p in parts)
+        held: Any
         if IN_RAY_WORKER:
             import numpy
             import ray
 
             held = ray.put([numpy.frombuffer(p, numpy.uint8) for p in parts])
-            location: tuple = shared.ray_location(held)
+            location: tuple[Any, ...] = shared.ray_location(held)
         else:
             from phalanx.wire import memfd
 
@@ -90,8 +123,9 @@ class Kept:
             raise ObjectLost(f"no result of call {call_id} is kept on this rank")
         if isinstance(held, tuple):
             block, extents = held
-            return read(_location(block, extents), f"the result of call {call_id}")
-        return read(shared.ray_location(held), f"the result of call {call_id}")
+            return read(BlockLocation(*_location(block, extents)),
+                        f"the result of call {call_id}")
+        return read(RayLocation(*shared.ray_location(held)), f"the result of call {call_id}")
 
     def drop(self, call_ids: list[int]) -> None:
         """Forget these results (``@drop``): their blocks go to the pool (the oldest of
@@ -145,8 +179,9 @@ class Kept:
 KEPT = Kept()
 
 
-def _location(block: Any, extents: list) -> tuple:
-    """Where a result kept in ``block`` of this process is, as :func:`read` takes it."""
+def _location(block: Any, extents: list[Any]) -> tuple[Any, ...]:
+    """Where a result kept in ``block`` of this process is: a :class:`BlockLocation`'s
+    fields, as a plain tuple."""
     return (machine(), os.getpid(), block.fd, block.token, extents, block.capacity)
 
 
@@ -155,37 +190,37 @@ def builtin(name: str) -> Any:
     return {"@fetch": KEPT.fetch, "@drop": KEPT.drop}.get(name)
 
 
-def read(location: tuple, producer: str, copy: tuple | None = None) -> Any:
+def read(location: KeptLocation, producer: str, copy: tuple[int, str] | None = None) -> Any:
     """A kept result, read where it is (what a handle unpickles to in a rank); ObjectLost
     naming ``producer`` when it is gone. ``copy``: the id and token under which this
     rank's node holds a copy of it, where the node is another machine than the
     producer's (its agent fetched it from the producer's: see ``Backend.copy_kept``)."""
-    if location[0] == shared.RAY_LOCATION:
+    if isinstance(location, RayLocation):
         if not (IN_RAY_WORKER or _is_ray_driver()):
             raise NotImplementedError(
                 f"{producer} is kept in Ray's object store, which only ranks on Ray (and the "
                 "controller) can read; fetch it with .get() and pass the value")
         try:
-            return shared._from_ray(0, location, False)
+            return shared.from_ray(0, location, False)
         except shared.NotShared as exc:
             raise ObjectLost(f"{producer} is lost: {exc}") from None
-    _, pid, fd, name, extents, capacity = location
-    if location[0] != machine() and copy is not None:
+    if location.machine != machine() and copy is not None:
         try:
             return shared.resolve(*copy)
         except shared.NotShared as exc:
             raise ObjectLost(f"{producer} is lost: this node's copy of it is gone "
                              f"({exc})") from None
-    if location[0] != machine():
+    if location.machine != machine():
         raise NotImplementedError(
             f"{producer} is kept on another machine: a rank reads kept results of its own "
             "machine (or Ray's object store) only; fetch it with .get() and pass the "
             "value, or put() it")
     try:
-        block = shared.map_block(pid, fd, name, capacity, False, locked=True)
+        block = shared.map_block(location.pid, location.fd, location.token,
+                                 location.capacity, False, locked=True)
     except shared.NotShared as exc:
         raise ObjectLost(f"{producer} is lost: {exc} (the rank that made it is gone)") from None
-    return shared._unpickle(block, extents, False, [])
+    return shared.unpickle(block, location.extents, False, [])
 
 
 def _is_ray_driver() -> bool:

@@ -24,22 +24,24 @@ process.
 
 from __future__ import annotations
 
+import enum
 import inspect
 import os
 import select
 import signal
-import struct
 import sys
 import threading
 import time
 import types
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from phalanx import __version__, config
+from phalanx import config
 from phalanx.rank import faults, kept
 from phalanx.rank import shared as shmrank
 from phalanx.rank.attach import open_stream
 from phalanx.rank.kept import BUILTIN, KEEP
+from phalanx.version import __version__
 from phalanx.wire import framing, pickling, protocol, seal, streams
 
 if TYPE_CHECKING:
@@ -172,9 +174,13 @@ def _failure(exc: BaseException, stage: str) -> RemoteFailure:
     return RemoteFailure.from_exception(exc, stage, _user_frames(exc.__traceback__))
 
 
-_CALL_ID = struct.Struct("<Q").unpack_from
-_RANK = struct.Struct("<I").unpack_from
-_MISSING = object()
+class _Missing(enum.Enum):
+    """The sentinel of a method the user object lacks (an enum member: ``is`` narrows)."""
+
+    METHOD = 0
+
+
+T = TypeVar("T")
 _SHARES = shmrank.RANK_SHARES
 _PLAIN_RESULTS = frozenset({type(None), int, float, str, bytes, bool, list, dict, tuple})
 
@@ -288,18 +294,18 @@ class WorkerRuntime:
             poller.register(self.conn.read_fd, select.POLLIN)
             readable = poller.poll
         run = self._run_call if self._pool is None else self._submit_call
-        call, call_id, head_size = protocol.CALL, _CALL_ID, protocol.HEAD_SIZE
+        call, head, head_size = protocol.CALL, protocol.unpack_head, protocol.HEAD_SIZE
         many = protocol.MANY
         frames, self._early_frames = self._early_frames, []
         while True:
             for segs in frames:
                 first = segs[0]
-                kind = first[0]
-                start = head_size if _RANK(first, 9)[0] != many else protocol.body_offset(first)
+                kind, call_id, rank = head(first)
+                start = head_size if rank != many else protocol.body_offset(first)
                 if kind == call:
-                    run(call_id(first, 1)[0], first[start:].decode(), segs)
+                    run(call_id, first[start:].decode(), segs)
                 elif kind == protocol.CALL_STREAM:
-                    run(call_id(first, 1)[0], first[start:].decode(), segs, True)
+                    run(call_id, first[start:].decode(), segs, True)
                 elif kind == protocol.SHUTDOWN:
                     return 0
                 else:
@@ -363,9 +369,9 @@ class WorkerRuntime:
                 stage = "unpickling the arguments"
             args, kwargs = pickling.loads(segs[1:])
             stage = "looking up the method"
-            fn = (getattr(self.obj, method, _MISSING) if method[0] != BUILTIN
-                  else kept.builtin(method) or _MISSING)
-            if fn is _MISSING:
+            fn = (getattr(self.obj, method, _Missing.METHOD) if method[0] != BUILTIN
+                  else kept.builtin(method) or _Missing.METHOD)
+            if fn is _Missing.METHOD:
                 available = ", ".join(public_methods(self.obj)) or "none"
                 raise AttributeError(
                     f"{type(self.obj).__name__} has no method {method!r}; available: {available}"
@@ -392,8 +398,7 @@ class WorkerRuntime:
             return
         del result
         self.conn.send(protocol.result_frame(call_id, self.rank, payload))
-        if _SHARES._pending:  # freed objects whose last views this call may have let go
-            _SHARES.poll()
+        _SHARES.poll()  # freed objects whose last views this call may have let go (if any)
 
     def _stream(self, call_id: int, result: Any) -> None:
         """Send each item of a generator (sync or async) as it comes, then the end marker.
@@ -473,8 +478,8 @@ def _flush_and_exit(
     os._exit(code)
 
 
-def _guarded(conn: framing.Connection, runtime: WorkerRuntime, step: Any,
-             in_process: bool) -> int | None:
+def _guarded(conn: framing.Connection, runtime: WorkerRuntime, step: Callable[[], T],
+             in_process: bool) -> T | int:
     """``step()``, or the exit status when the rank ends in it. ``sys.exit`` in user code
     ends the process here (after the framework's cleanup), or, ``in_process`` (a process
     that outlives its rank: a Ray actor), gives its code."""
@@ -524,7 +529,7 @@ def finish(conn: framing.Connection, runtime: WorkerRuntime, code: int | None, *
     _drain(conn)
     sys.stdout.flush()
     sys.stderr.flush()
-    return code  # type: ignore[return-value]
+    return code
 
 
 def run(conn: framing.Connection, runtime: WorkerRuntime, *, in_process: bool = False) -> int:

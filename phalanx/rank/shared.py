@@ -107,7 +107,7 @@ class RankShares:
                 raise NotShared(f"shared object {ref_id} is not on this rank's node (freed, "
                                 "or put by another group)")
             if where[1][0] == RAY_LOCATION:
-                obj = _from_ray(ref_id, where[1], private)
+                obj = from_ray(ref_id, where[1], private)
                 if not private:
                     self._objects[ref_id] = obj
                 return obj
@@ -122,7 +122,7 @@ class RankShares:
                 if not writable:
                     self._maps[name] = block
             owners = self._owners.setdefault(ref_id, [])
-            obj = _unpickle(block, layout, writable, owners)
+            obj = unpickle(block, layout, writable, owners)
             if not private:
                 self._objects[ref_id] = obj
             return obj
@@ -169,18 +169,19 @@ def _in_use(owners: Any) -> bool:
     return any(sys.getrefcount(owners[i]) > 2 for i in range(len(owners)))
 
 
-def ray_location(ref: Any) -> tuple:
+def ray_location(ref: Any) -> tuple[Any, ...]:
     """Where a Ray worker of the same cluster finds the object of ``ref``: its id and its
     owner, serialized without pinning it (as the plain pickling of a reference would);
-    the owner keeps it as long as it holds ``ref``. Read back by :func:`_from_ray`."""
+    the owner keeps it as long as it holds ``ref``. Read back by :func:`from_ray`."""
     import ray
 
-    core = ray._private.worker.global_worker.core_worker
+    worker: Any = ray._private.worker.global_worker  # noqa: SLF001 - no public way to it
+    core = worker.core_worker
     _, owner, status = core.serialize_object_ref(ref)
     return (RAY_LOCATION, ref.binary(), owner, status)
 
 
-def _from_ray(ref_id: int, location: tuple, private: bool) -> Any:
+def from_ray(ref_id: int, location: tuple, private: bool) -> Any:
     """An object in Ray's store, this process being a Ray worker of the controller's
     cluster: its buffers are read-only views of the node's store (objects whose views
     must be writable come through the node's block instead)."""
@@ -196,6 +197,7 @@ def _from_ray(ref_id: int, location: tuple, private: bool) -> Any:
                         f"store: {type(exc).__name__}: {exc}") from None
     del ref
     head, *rest = parts
+    buffers: list[Any]
     if private:  # never sent so (see ray.store), but a private copy is what it asks
         buffers = [bytearray(part) for part in rest]
     else:
@@ -203,11 +205,11 @@ def _from_ray(ref_id: int, location: tuple, private: bool) -> Any:
     return pickle.loads(memoryview(head), buffers=buffers)
 
 
-def _unpickle(block: mmap.mmap, layout: list, writable: bool, owners: list[Any]) -> Any:
+def unpickle(block: mmap.mmap, layout: list, writable: bool, owners: list[Any]) -> Any:
     import ctypes
 
     (start, length), *rest = layout
-    buffers = []
+    buffers: list[Any] = []
     for offset, size in rest:
         if not size:
             buffers.append(b"")
@@ -227,5 +229,6 @@ RANK_SHARES = RankShares()
 
 
 def resolve(ref_id: int, token: str, private: bool = False) -> Any:
-    """What a shared object's handle unpickles to in a rank (see ObjectRef)."""
+    """What a shared object's handle unpickles to in a rank (see
+    :class:`phalanx.controller.refs.ObjectRef`)."""
     return RANK_SHARES.resolve(ref_id, token, private)

@@ -21,10 +21,10 @@ frames, and never looks inside segment 0.
 
 A connection made over the network carries the keys of its handshake (``auth``,
 :mod:`phalanx.wire.seal`): each frame is sealed as it is sent (its tag appended as one more
-segment) and a :class:`~phalanx.wire.seal.VerifyingReader` checks each complete frame the
-reader returns before anyone sees it, so no frame of a stranger is ever parsed. One that
-fails ends the connection (:class:`~phalanx.wire.seal.FrameRejected`, a
-:class:`ConnectionLost`), logged with the reason.
+segment) and a :class:`VerifyingReader` checks each complete frame the reader returns
+before anyone sees it, so no frame of a stranger is ever parsed. One that fails ends the
+connection (:class:`~phalanx.wire.seal.FrameRejected`, a :class:`ConnectionLost`), logged
+with the reason.
 """
 
 from __future__ import annotations
@@ -35,13 +35,20 @@ import select
 import struct
 import threading
 
-from phalanx.wire.seal import PREHASH, TAG_SIZE, FrameAuth, VerifyingReader
+from phalanx.wire.seal import PREHASH, TAG_SIZE, FrameAuth, FrameRejected
 from phalanx.wire.streams import MAX_SEGMENTS as _MAX_SEGMENTS
 from phalanx.wire.streams import ConnectionLost, Stream, WakePipe
 
 TYPE_CHECKING = False  # typing's, without importing typing (the warden starts lean)
 if TYPE_CHECKING:
-    from typing import Any
+    from typing import Any, Protocol
+
+    class ByteSource(Protocol):
+        """What a :class:`FrameReader` reads from: a :class:`Stream`, or anything that
+        hands over bytes the same way (and may have a ``pending()`` of bytes decrypted
+        already, as :class:`~phalanx.wire.streams.TLSStream` does)."""
+
+        def read_into(self, buf: Any, nbytes: int, block: bool) -> int: ...
 
 _PREFIX = struct.Struct("<IQ")
 _LEN = struct.Struct("<Q")
@@ -176,7 +183,7 @@ class FrameReader:
     the bytes announced, and a frame arriving in many reads is copied once.
     """
 
-    def __init__(self, stream: Stream) -> None:
+    def __init__(self, stream: ByteSource) -> None:
         self._stream = stream
         self._buf = bytearray()  # bytes of an incomplete frame, carried to the next read
         self._chunk = bytearray(_RECV_CHUNK)
@@ -200,8 +207,9 @@ class FrameReader:
         return frames
 
     def _recv_once(self, block: bool) -> list[list[Any]]:
-        if self._big is not None:
-            return self._fill_big(block)
+        big = self._big
+        if big is not None:
+            return self._fill_big(big, block)
         n = self._read(self._chunk, _RECV_CHUNK, block)
         if not n:
             return []
@@ -223,9 +231,8 @@ class FrameReader:
             raise ConnectionLost("end of stream")
         return n
 
-    def _check_prefix(self, nseg: int, body: int) -> None:
-        limit = self.limit
-        if body > limit:  # type: ignore[operator]
+    def _check_prefix(self, nseg: int, body: int, limit: int) -> None:
+        if body > limit:
             raise FrameTooLarge(f"a frame of {body} bytes in {nseg} segments (the limit is "
                                 f"{limit} bytes)")
         if self.max_segments is not None and nseg > self.max_segments:
@@ -246,12 +253,13 @@ class FrameReader:
         (``owned``: ``buf`` is that tail's own buffer, trimmed in place)."""
         frames = []
         pos = 0
-        checked = self.limit is not None
+        limit = self.limit
+        checked = limit is not None
         mv = memoryview(buf)  # buf is never resized while this view lives
         while size - pos >= _PREFIX_SIZE:
             nseg, body = _unpack_prefix(buf, pos)
-            if checked:
-                self._check_prefix(nseg, body)
+            if limit is not None:
+                self._check_prefix(nseg, body, limit)
             start = pos + _PREFIX_SIZE
             end = start + body
             if end > size:
@@ -290,8 +298,7 @@ class FrameReader:
             self._buf = bytearray(mv[pos:size])
         return frames
 
-    def _fill_big(self, block: bool) -> list[list[Any]]:
-        big: _Arriving = self._big  # type: ignore[assignment]
+    def _fill_big(self, big: _Arriving, block: bool) -> list[list[Any]]:
         room = big.room()
         with memoryview(big.buf) as whole, whole[big.filled:] as rest:
             n = self._read(rest, room, block)
@@ -317,6 +324,56 @@ class FrameReader:
         except (OSError, SystemError):  # no mremap (not Linux)
             return None
         return spare
+
+
+class VerifyingReader:
+    """A :class:`FrameReader` whose every complete frame is checked against the
+    connection's keys (:mod:`phalanx.wire.seal`) before it is returned, its tag removed
+    (``auth.check``). The first frame that fails raises
+    :class:`~phalanx.wire.seal.FrameRejected`, and so does every call after it."""
+
+    def __init__(self, reader: FrameReader, auth: FrameAuth, where: str = "") -> None:
+        self.reader = reader
+        self._auth = auth
+        self._where = where
+        self._rejected: FrameRejected | None = None
+
+    def recv_frames(self, block: bool = True) -> list[list[Any]]:
+        if self._rejected is not None:
+            raise self._rejected
+        frames = self.reader.recv_frames(block)
+        check = self._auth.check
+        for segs in frames:
+            if not check(segs):
+                number = self._auth.received
+                self._rejected = FrameRejected(
+                    f"frame {number} from the peer failed authentication (altered, forged "
+                    "or out of order: something between the two ends wrote to the stream)")
+                import logging  # not at import: a rank's warden starts without it
+
+                logging.getLogger(__name__).warning("closing a connection%s: %s",
+                                                    self._where, self._rejected)
+                raise self._rejected
+            segs.pop()
+        return frames
+
+    # The reader's limits, as its owner sets them (a sealed frame has one more segment).
+    @property
+    def limit(self) -> int | None:
+        return self.reader.limit
+
+    @limit.setter
+    def limit(self, value: int | None) -> None:
+        self.reader.limit = value
+
+    @property
+    def max_segments(self) -> int | None:
+        value = getattr(self.reader, "max_segments", None)
+        return None if value is None else value - 1
+
+    @max_segments.setter
+    def max_segments(self, value: int | None) -> None:
+        self.reader.max_segments = None if value is None else value + 1
 
 
 # ------------------------------------------------------- sealing frames (seal.py)
@@ -427,7 +484,7 @@ class Connection:
         reader = reader or FrameReader(stream)  # one that may hold bytes read already
         if auth is not None and not isinstance(reader, VerifyingReader):
             reader = VerifyingReader(reader, auth)
-        self.reader: Any = reader
+        self.reader: FrameReader | VerifyingReader = reader
         self._auth = auth  # the handshake's keys: every frame sent is sealed with them
         self._write = stream.write_nowait
         self._lock = threading.Lock()
@@ -464,8 +521,9 @@ class Connection:
             _advance(self._backlog, sent)
         self._writer.schedule(self)
 
-    def _flush_some(self) -> bool:
-        """Write what the socket takes now; True when the backlog is empty (writer thread)."""
+    def flush_some(self) -> bool:
+        """Write what the socket takes now; True when the backlog is empty. Its
+        :class:`BacklogWriter` calls this once the stream is writable."""
         with self._lock:
             while self._backlog:
                 chunk = list(self._backlog)[:_MAX_SEGMENTS]
@@ -530,7 +588,7 @@ class BacklogWriter:
                     poller.register(fd, select.POLLOUT)
                 registered[fd] = conn  # a closed connection's fd may have been reused
             for fd, conn in list(registered.items()):
-                if conn.closed or conn._flush_some():
+                if conn.closed or conn.flush_some():
                     poller.unregister(fd)
                     del registered[fd]
             try:

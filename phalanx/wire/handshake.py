@@ -40,7 +40,7 @@ import socket
 import struct
 import time
 
-import phalanx
+from phalanx import version as release
 from phalanx.errors import AuthenticationError, VersionMismatch
 from phalanx.wire import seal
 
@@ -128,7 +128,7 @@ def connect(sock: socket.socket, secret: bytes, hello: Hello, timeout: float,
     prove its own; the keys of the frames that follow. ``peer`` and ``own`` name the two
     sides in errors; ``version``: this side's (default ``phalanx.__version__``)."""
     deadline = time.monotonic() + timeout
-    version = phalanx.__version__ if version is None else version
+    version = release.__version__ if version is None else version
     nonce = secrets.token_bytes(32)
     greeting = (MAGIC + _version_field(version)
                 + _HELLO.pack(hello.role, hello.rank, hello.incarnation, nonce))
@@ -160,7 +160,7 @@ def accept(sock: socket.socket, secret: bytes, timeout: float, peer: str = "the 
     and ``own`` name the two sides in errors; ``version``: this side's (default
     ``phalanx.__version__``)."""
     deadline = time.monotonic() + timeout
-    version = phalanx.__version__ if version is None else version
+    version = release.__version__ if version is None else version
     magic = _read(sock, len(MAGIC), deadline)  # a stranger is told apart at once
     if magic == _BEFORE_VERSIONS:
         _refuse(sock, deadline)

@@ -14,31 +14,37 @@ import functools
 import io
 import pickle
 import sys
-import threading
 import warnings
+from collections.abc import Callable
 from typing import Any
 
-
-class _Pickled(threading.local):
-    tensors = False  # whether a torch tensor went out of band (set here, reset by callers)
-
-
-pickled = _Pickled()
+# A hook sees every object the pickler reduces itself (not builtins' plain values) before
+# anything else does: what it returns is that object's reduction, NotImplemented leaves it
+# to the pickler. How the controller turns handles into what ranks read (and notes them).
+Hook = Callable[[Any], Any]
 
 
-def dumps(obj: Any) -> list[Any]:
+def dumps(obj: Any, hook: Hook | None = None) -> list[Any]:
     """Pickle ``obj`` into ``[stream, *out_of_band_buffers]`` (cloudpickle, protocol 5).
 
     Classes and functions from ``__main__``, notebooks and closures are pickled by value;
     contiguous buffers (numpy, torch CPU tensors) are returned as memoryviews, not copied.
     """
+    return dumps_noting(obj, hook)[0]
+
+
+def dumps_noting(obj: Any, hook: Hook | None = None) -> tuple[list[Any], bool]:
+    """:func:`dumps`, and whether a torch tensor went out of band (its views, once
+    unpickled from shared memory, must be writable copies: torch has no read-only ones)."""
     buffers: list[pickle.PickleBuffer] = []
     with io.BytesIO() as file:
-        _pickler()(file, protocol=5, buffer_callback=buffers.append).dump(obj)
+        pickler = _pickler()(file, protocol=5, buffer_callback=buffers.append)
+        pickler.hook = hook
+        pickler.dump(obj)
         stream = file.getvalue()
     if not buffers:
-        return [stream]
-    return [stream, *(b.raw() for b in buffers)]
+        return [stream], pickler.tensors
+    return [stream, *(b.raw() for b in buffers)], pickler.tensors
 
 
 @functools.cache
@@ -52,7 +58,7 @@ def _pickler() -> type:
     """
     import types
 
-    import cloudpickle
+    import cloudpickle  # type: ignore[import-untyped]  # cloudpickle ships no type hints
 
     base = cloudpickle.Pickler
     reduce_code = base.dispatch_table[types.CodeType]
@@ -63,11 +69,15 @@ def _pickler() -> type:
                               else a for a in args)
 
     def reducer_override(self: Any, obj: Any) -> Any:
+        if self.hook is not None:
+            reduced = self.hook(obj)
+            if reduced is not NotImplemented:
+                return reduced
         torch = sys.modules.get("torch")
         if torch is not None and type(obj) is torch.Tensor:
             reduced = reduce_tensor(obj)  # its bytes out of band, like numpy's
             if reduced is not None:
-                pickled.tensors = True
+                self.tensors = True
                 return reduced
         return base.reducer_override(self, obj)
 
@@ -75,10 +85,12 @@ def _pickler() -> type:
         "dispatch_table": collections.ChainMap({types.CodeType: keep_filename},
                                                base.dispatch_table),
         "reducer_override": reducer_override,
+        "hook": None,  # see Hook
+        "tensors": False,  # set once a torch tensor went out of band
     })
 
 
-def reduce_tensor(tensor: Any) -> tuple | None:
+def reduce_tensor(tensor: Any) -> tuple[Any, ...] | None:
     """A plain CPU tensor as its bytes (an out-of-band buffer, never copied) and how to
     rebuild it; None for tensors torch must pickle itself (grad, sparse, quantized,
     not contiguous, other devices)."""

@@ -73,7 +73,7 @@ RELEASED = 16
 
 MANY = 0xFFFFFFFF  # rank field of a message for several ranks (their list follows)
 
-_HEAD = struct.Struct("<BQI")  # kind, call id, rank
+_HEAD = struct.Struct("<BQI")  # kind, call id, rank: the one layout of a header
 HEAD_SIZE = _HEAD.size
 _COUNT = struct.Struct("<H")
 unpack_head = _HEAD.unpack_from  # (kind, call_id, rank) of segment 0

@@ -23,7 +23,7 @@ lengths) enters as the GMAC of each of its ``CHUNK``-sized pieces instead of its
 ``seq`` counts the frames of that direction from 0 and never travels: a frame replayed,
 dropped or moved fails its tag, and so does every frame after it. The receiver checks the
 tag before anything in the frame is read, unpickled or acted on
-(:class:`VerifyingReader`); a frame that fails ends the connection.
+(:class:`~phalanx.wire.framing.VerifyingReader`); a frame that fails ends the connection.
 Segments are fed to the MACs as they are (memoryviews of large buffers, never joined).
 
 Why two MACs, measured here: a pre-keyed BLAKE2b copied per frame costs ~0.4 µs for a
@@ -47,8 +47,6 @@ from phalanx.wire.streams import ConnectionLost
 TYPE_CHECKING = False  # typing's, without importing typing (the warden starts lean)
 if TYPE_CHECKING:
     from typing import Any
-
-    from phalanx.wire.framing import FrameReader
 
 
 TAG_SIZE = 16
@@ -188,52 +186,3 @@ def derive(secret: bytes, transcript: bytes, connector: bool) -> FrameAuth:
 class FrameRejected(ConnectionLost):
     """A frame failed its tag (forged, altered, replayed or out of order): the stream
     cannot be trusted from there on, and nothing in that frame was read."""
-
-
-class VerifyingReader:
-    """A :class:`FrameReader` whose every complete frame is checked against the
-    connection's keys before it is returned, its tag removed (``auth.check``). The first
-    frame that fails raises :class:`FrameRejected`, and so does every call after it."""
-
-    def __init__(self, reader: FrameReader, auth: FrameAuth, where: str = "") -> None:
-        self.reader = reader
-        self._auth = auth
-        self._where = where
-        self._rejected: FrameRejected | None = None
-
-    def recv_frames(self, block: bool = True) -> list[list[Any]]:
-        if self._rejected is not None:
-            raise self._rejected
-        frames = self.reader.recv_frames(block)
-        check = self._auth.check
-        for segs in frames:
-            if not check(segs):
-                number = self._auth.received
-                self._rejected = FrameRejected(
-                    f"frame {number} from the peer failed authentication (altered, forged "
-                    "or out of order: something between the two ends wrote to the stream)")
-                import logging  # not at import: a rank's warden starts without it
-
-                logging.getLogger(__name__).warning("closing a connection%s: %s",
-                                                    self._where, self._rejected)
-                raise self._rejected
-            segs.pop()
-        return frames
-
-    # The reader's limits, as its owner sets them (a sealed frame has one more segment).
-    @property
-    def limit(self) -> int | None:
-        return self.reader.limit
-
-    @limit.setter
-    def limit(self, value: int | None) -> None:
-        self.reader.limit = value
-
-    @property
-    def max_segments(self) -> int | None:
-        value = getattr(self.reader, "max_segments", None)
-        return None if value is None else value - 1
-
-    @max_segments.setter
-    def max_segments(self, value: int | None) -> None:
-        self.reader.max_segments = None if value is None else value + 1

@@ -15,7 +15,7 @@ import dataclasses
 import json
 from collections.abc import Callable, Mapping, Sequence
 
-from phalanx.world.layout import Launch, Layout, gpu_env, rank_env
+from phalanx.world.layout import Launch, Layout, as_procs_per_node, gpu_env, rank_env
 
 ENV_FRAMEWORK = "PHALANX_FRAMEWORK"
 ENV_NODE_ADDRS = "PHALANX_NODE_ADDRS"  # comma-separated, one per node (single-controller)
@@ -346,7 +346,10 @@ def resolve_procs_per_node(
     """``"auto"`` becomes the framework's count for a node with ``gpus`` GPUs, each worker
     taking ``gpus_per_worker`` of them (or one); ``gpus=None``: the backend cannot tell
     before placing the ranks. A list (one count per node) becomes a tuple."""
-    if procs_per_node == "auto":
+    if isinstance(procs_per_node, str):
+        if procs_per_node != "auto":
+            raise ValueError(f"procs_per_node must be a positive integer or 'auto', "
+                             f"got {procs_per_node!r}")
         if framework.one_per_node:
             return 1
         if gpus is None:
@@ -356,12 +359,7 @@ def resolve_procs_per_node(
             )
         per_worker = gpus_per_worker if isinstance(gpus_per_worker, int) else 1
         return framework.auto_procs(gpus // max(per_worker, 1))
-    if isinstance(procs_per_node, str):
-        raise ValueError(f"procs_per_node must be a positive integer or 'auto', "
-                         f"got {procs_per_node!r}")
-    if isinstance(procs_per_node, (list, tuple)):
-        return tuple(procs_per_node)
-    return procs_per_node
+    return as_procs_per_node(procs_per_node)
 
 
 def worker_env(framework: Framework, layout: Layout, rank: int, launch: Launch) -> dict[str, str]:

@@ -35,6 +35,9 @@ class Layout:
 
     nodes: int
     procs_per_node: int | tuple[int, ...]
+    # derived in __post_init__: ranks per node, and each node's first rank (then the world size)
+    _counts: tuple[int, ...] = dataclasses.field(init=False, repr=False, compare=False)
+    _starts: tuple[int, ...] = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         nodes, procs = self.nodes, self.procs_per_node
@@ -66,7 +69,7 @@ class Layout:
     @property
     def counts(self) -> tuple[int, ...]:
         """Ranks per node, one entry per node."""
-        return self._counts  # type: ignore[attr-defined]
+        return self._counts
 
     @property
     def uniform(self) -> bool:
@@ -74,23 +77,32 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self._starts[-1]  # type: ignore[attr-defined]
+        return self._starts[-1]
 
     def node_of(self, rank: int) -> int:
-        if self.uniform:
-            return rank // self.procs_per_node  # type: ignore[operator]
-        return bisect.bisect_right(self._starts, rank) - 1  # type: ignore[attr-defined]
+        procs = self.procs_per_node
+        if isinstance(procs, int):  # uniform
+            return rank // procs
+        return bisect.bisect_right(self._starts, rank) - 1
 
     def local_rank_of(self, rank: int) -> int:
-        return rank - self._starts[self.node_of(rank)]  # type: ignore[attr-defined]
+        return rank - self._starts[self.node_of(rank)]
 
     def ranks_of(self, node: int) -> range:
         """The ranks on ``node``."""
-        starts = self._starts  # type: ignore[attr-defined]
+        starts = self._starts
         return range(starts[node], starts[node + 1])
 
     def local_world_size(self, node: int) -> int:
         return self.counts[node]
+
+
+def as_procs_per_node(procs_per_node: int | Sequence[int]) -> int | tuple[int, ...]:
+    """``procs_per_node`` as a :class:`Layout` takes it: an int as it is, a list of counts
+    (one per node) as a tuple. Anything else goes through as well, for Layout to refuse."""
+    if isinstance(procs_per_node, Sequence) and not isinstance(procs_per_node, str):
+        return tuple(procs_per_node)
+    return procs_per_node
 
 
 @dataclasses.dataclass(frozen=True)

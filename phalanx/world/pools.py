@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from phalanx.world.layout import Layout
+from phalanx.world.layout import Layout, as_procs_per_node
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +28,7 @@ class PoolSlot:
 
 def slots_of(counts: Sequence[int]) -> list[PoolSlot]:
     """Every slot of a layout, node by node."""
-    slots = []
+    slots: list[PoolSlot] = []
     for node, count in enumerate(counts):
         for local in range(count):
             slots.append(PoolSlot(len(slots), node, local))
@@ -125,5 +125,4 @@ class SlotBook:
 
 def pool_layout(nodes: int, procs_per_node: int | Sequence[int]) -> Layout:
     """The checked layout of a pool (the same rules as a group's)."""
-    return Layout(nodes, tuple(procs_per_node) if isinstance(procs_per_node, (list, tuple))
-                  else procs_per_node)
+    return Layout(nodes, as_procs_per_node(procs_per_node))

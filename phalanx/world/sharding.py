@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -122,13 +122,15 @@ class NamedSharding:
         return sorted(self._coords)
 
     def get_axis_index(self, name: str) -> int:
-        self._check_axes([name])
+        self.check_axes([name])
         return self._axis[name]
 
     def get_axis_size(self, name: str) -> int:
         return int(self._layout.shape[self.get_axis_index(name)])
 
-    def _check_axes(self, axes: Iterable[str]) -> None:
+    def check_axes(self, axes: Iterable[str]) -> None:
+        """UnknownAxisError (naming the valid axes) unless every name in ``axes`` is one of
+        this sharding's axes."""
         for name in axes:
             if name not in self._axis:
                 # '{name}', not {name!r}: NeMo-RL's exact text, whatever quotes repr picks.
@@ -194,7 +196,7 @@ class NamedSharding:
 
     def get_ranks(self, **coords: int) -> NamedSharding | int:
         """The sub-sharding over the axes not named, or the rank when every axis is named."""
-        self._check_axes(coords)
+        self.check_axes(coords)
         index: list[Any] = [slice(None)] * self.ndim
         for name, value in coords.items():
             size = self.get_axis_size(name)
@@ -215,7 +217,7 @@ class NamedSharding:
 
     def get_ranks_by_coord(self, **coords: int) -> list[int]:
         """Sorted ranks at the given coordinates (other axes: any); [] when out of range."""
-        self._check_axes(coords)
+        self.check_axes(coords)
         index: list[Any] = [slice(None)] * self.ndim
         for name, value in coords.items():
             if not 0 <= value < self.get_axis_size(name):
@@ -251,7 +253,7 @@ class NamedSharding:
         return f"NamedSharding(shape=({shape}), names={self._names}, layout={self._layout})"
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int | np.integer]:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
@@ -319,7 +321,7 @@ def check_nested(value: Any, axes: Sequence[str], sizes: Sequence[int], label: s
         return  # the common one-axis case, well formed
     level = [value]
     for depth, (axis, size) in enumerate(zip(axes, sizes, strict=True)):
-        below = []
+        below: list[Any] = []
         for item in level:
             if type(item) is not list and not isinstance(item, (list, tuple)):
                 raise ValueError(
@@ -351,7 +353,7 @@ def rank0_only(sharding: NamedSharding, ranks: Sequence[int], axes: Sequence[str
     """The ranks of ``ranks`` at coordinate 0 on every axis in ``axes``."""
     if isinstance(axes, str):
         raise TypeError(f"rank0_only_axes must be a list of axis names, got the string {axes!r}")
-    sharding._check_axes(axes)
+    sharding.check_axes(axes)
     return [r for r in ranks if sharding.is_axis_zero(sharding.get_worker_coords(r), axes)]
 
 
@@ -390,15 +392,16 @@ def _describe_axes(sharding: NamedSharding) -> str:
 
 
 def _coordinates(axis: str, size: int, value: Coordinates, what: str) -> int | list[int]:
+    picked: int | list[int]
     if _is_int(value):
-        picked: int | list[int] = int(value)  # type: ignore[arg-type]
+        picked = int(value)
         chosen = [picked]
     elif isinstance(value, (range, list, tuple)):
-        chosen = list(value)
-        for c in chosen:
+        given = list(value)
+        for c in given:
             if not _is_int(c):
                 raise TypeError(f"{what}: axis {axis!r} takes integer coordinates, got {c!r}")
-        chosen = [int(c) for c in chosen]
+        chosen = [int(c) for c in given]
         if not chosen:
             raise ValueError(f"{what}: axis {axis!r} (size {size}) is given no coordinate")
         if len(set(chosen)) != len(chosen):
@@ -450,7 +453,7 @@ def tied_groups(sharding: NamedSharding, tied_axes: Sequence[str]) -> list[list[
     others = [a for a in sharding.names if a not in tied_axes]
     groups: dict[tuple[int, ...], list[int]] = {}
     for rank in sharding.ranks:
-        coords = sharding._coords[rank]
+        coords = sharding.get_worker_coords(rank)
         groups.setdefault(tuple(coords[a] for a in others), []).append(rank)
     return sorted(groups.values())
 

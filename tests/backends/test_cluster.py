@@ -83,8 +83,8 @@ class OwnAgent:
 
 
 # ``phalanx agent`` as another release would run it: the same code, reporting another
-# version (what the handshake compares is ``phalanx.__version__``)
-AS_VERSION = ("import sys, phalanx; phalanx.__version__ = sys.argv.pop(1); "
+# version (what the handshake compares is ``phalanx.version.__version__``)
+AS_VERSION = ("import sys, phalanx.version; phalanx.version.__version__ = sys.argv.pop(1); "
               "from phalanx.cli.main import main; sys.exit(main(sys.argv[1:]))")
 
 

@@ -40,7 +40,7 @@ def venvs(tmp_path_factory):
     release = root / "release"
     shutil.copytree(_REPO / "phalanx", release / "phalanx",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    init = release / "phalanx" / "__init__.py"
+    init = release / "phalanx" / "version.py"
     init.write_text(re.sub(r'__version__ = "[^"]*"', '__version__ = "99.0"', init.read_text()))
     return {"with_phalanx": helpers.make_venv(root / "with", str(_REPO), packages),
             "without": helpers.make_venv(root / "without", packages),

@@ -8,6 +8,7 @@ import signal
 import numpy as np
 import pytest
 
+import phalanx as px
 from phalanx import (
     CallTimeout,
     InjectedFault,
@@ -179,10 +180,10 @@ def test_a_ref_dropped_is_freed(group):
     import gc
 
     ref = group.put(np.ones(10))
-    obj = ref._obj
+    record = ref.record
     del ref
     gc.collect()
-    assert obj.released
+    assert record.state is px.RefState.RELEASED
 
 
 def test_large_arguments_go_through_shared_memory_with_the_same_results(group):

@@ -1,5 +1,5 @@
 """The tree keeps the shape docs/architecture.md draws: every module on the map, packages
-with their docstrings, small modules, a short top level, and no import circle at run time.
+with their docstrings, no god module, a short top level, and no import circle at run time.
 
 The layers themselves are import-linter contracts in pyproject.toml (``lint-imports``, run
 by scripts/test); these tests hold what a contract cannot say.
@@ -17,7 +17,9 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "phalanx"
 MAP = REPO / "docs" / "architecture.md"
 
-MAX_LINES = 600
+# Modules are split by concept, never to meet a line count; this is only a ceiling
+# against god modules (several concepts grown into one file), not a size to aim under.
+MAX_LINES = 1000
 MAX_TOP_LEVEL_MODULES = 15
 
 
@@ -58,10 +60,14 @@ def test_every_subpackage_says_what_lives_there_and_what_it_may_import():
             assert "import" in doc, f"{init.relative_to(REPO)}: say what it may import"
 
 
-@pytest.mark.parametrize("path", _modules(), ids=_name)
-def test_no_module_is_over_the_limit(path):
-    lines = len(path.read_text().splitlines())
-    assert lines <= MAX_LINES, f"{_name(path)} has {lines} lines (at most {MAX_LINES})"
+def test_no_god_module():
+    """No module over MAX_LINES (the ceiling against god modules)."""
+    sizes = {_name(p): len(p.read_text().splitlines()) for p in _modules()}
+    over = {name: lines for name, lines in sizes.items() if lines > MAX_LINES}
+    assert not over, (
+        f"modules over {MAX_LINES:,} lines: {over}; split each along the concepts it holds "
+        "(not at a line number)"
+    )
 
 
 def test_the_top_level_is_short():

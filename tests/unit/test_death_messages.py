@@ -7,9 +7,11 @@ import pickle
 
 import pytest
 
+from phalanx.backends.parts import Capabilities
 from phalanx.controller.calls import Sender
 from phalanx.controller.dispatch import Dispatcher
-from phalanx.controller.ranks import RankTable, Slot
+from phalanx.controller.ranks import RankEntry, RankTable
+from phalanx.controller.shared import Encoded
 from phalanx.controller.startup import startup_error
 from phalanx.errors import ProcessFailure, WorkerDied, WorkerUnresponsive, death_error
 from phalanx.wire import pickling, protocol
@@ -60,17 +62,17 @@ def test_an_unresponsive_rank_killed_before_the_call_was_sent_says_so_too():
 
 
 def test_the_start_up_error_of_a_rank_that_never_started_says_so():
-    slot = Slot(2, 0, FakeChannel(2))
-    slot.exited(NEVER_STARTED)
-    error = startup_error(slot)
+    entry = RankEntry(2, 0, FakeChannel(2))
+    entry.exited(NEVER_STARTED)
+    error = startup_error(entry)
     assert str(error).startswith("rank 2 (node 0) never started: its node could not start")
     assert error.rank == 2 and isinstance(error.__cause__, WorkerDied)
 
 
 def test_the_start_up_error_of_a_rank_that_died_starting_names_its_pid():
-    slot = Slot(1, 0, FakeChannel(1))
-    slot.exited(KILLED)
-    assert str(startup_error(slot)).startswith(
+    entry = RankEntry(1, 0, FakeChannel(1))
+    entry.exited(KILLED)
+    assert str(startup_error(entry)).startswith(
         "rank 1 died during start-up: rank 1 (node 0, pid 4321) died: killed by SIGKILL")
 
 
@@ -86,7 +88,8 @@ class FakeChannel:
 
 
 class FakeBackend:
-    shared_links = False
+    name = "fake"
+    capabilities = Capabilities()  # nothing beyond the basics
 
 
 @pytest.fixture
@@ -99,15 +102,15 @@ def dispatcher():
 def test_a_call_to_a_rank_whose_death_is_in_but_not_yet_read_fails_as_sent_too_late(
         dispatcher):
     table = RankTable(2, dispatcher)
-    slots = [Slot(rank, 0, FakeChannel(rank)) for rank in range(2)]
-    for slot in slots:
-        dispatcher.add(slot)
-        slot.became_ready(4320 + slot.rank, ["who"], {}, None)
-    table.install(slots)
+    entries = [RankEntry(rank, 0, FakeChannel(rank)) for rank in range(2)]
+    for entry in entries:
+        dispatcher.add(entry)
+        entry.became_ready(4320 + entry.rank, ["who"], {}, None)
+    table.install(entries)
     sender = Sender(table, dispatcher, shared=None, backend=FakeBackend())  # type: ignore[arg-type]
     # the death arrived before the call; nothing has read it yet
-    dispatcher.post(slots[1].channel, [protocol.exited_message(1, KILLED.as_dict())])
-    future = sender.send("who", [0, 1], [pickling.dumps_plain(((), {}))])
+    dispatcher.post(entries[1].channel, [protocol.exited_message(1, KILLED.as_dict())])
+    future = sender.send("who", [0, 1], [Encoded(pickling.dumps_plain(((), {})))])
     error = future.futures[1].exception(timeout=1)
     assert isinstance(error, WorkerDied) and error.before_sent
     assert "was already dead when who() was sent" in str(error)

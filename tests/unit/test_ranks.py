@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from phalanx.controller.ranks import RankState, RankTable, Slot, channels_of
+from phalanx.controller.ranks import RankEntry, RankState, RankTable, channels_of
 from phalanx.errors import GroupClosed, ProcessFailure, RemoteFailure, WorkerDied
 
 READY_EXTRA = (1234, ["step"], {"constructor": 0.1}, "v1")
@@ -30,8 +30,8 @@ class Future:
         self.tolerant = tolerant
 
 
-def slot(rank=0) -> Slot:
-    return Slot(rank, 0, FakeChannel([rank]))
+def entry(rank=0) -> RankEntry:
+    return RankEntry(rank, 0, FakeChannel([rank]))
 
 
 def failure(rank=0) -> ProcessFailure:
@@ -53,7 +53,7 @@ def test_every_state_has_the_health_word_it_always_had():
 
 
 def test_a_rank_starts_then_is_ready_with_what_ready_told():
-    s = slot()
+    s = entry()
     assert (s.state, s.alive, s.heard, s.ever_ready) == (RankState.STARTING, True, False, False)
     s.became_ready(*READY_EXTRA)
     assert (s.state, s.alive, s.ever_ready) == (RankState.READY, True, True)
@@ -62,7 +62,7 @@ def test_a_rank_starts_then_is_ready_with_what_ready_told():
 
 
 def test_a_constructor_that_raised_fails_the_start_and_the_rank_can_then_only_exit():
-    s = slot()
+    s = entry()
     s.failed_to_start(init_failure())
     assert s.state is RankState.FAILED_START and s.alive and s.settled_start()
     assert not s.suspect()  # being stopped: its silence is not judged
@@ -72,7 +72,7 @@ def test_a_constructor_that_raised_fails_the_start_and_the_rank_can_then_only_ex
 
 @pytest.mark.parametrize("before", [RankState.STARTING, RankState.READY])
 def test_a_silent_rank_is_suspected_and_goes_back_where_it_was_if_it_speaks(before):
-    s = slot()
+    s = entry()
     if before is RankState.READY:
         s.became_ready(*READY_EXTRA)
     assert s.suspect()
@@ -83,7 +83,7 @@ def test_a_silent_rank_is_suspected_and_goes_back_where_it_was_if_it_speaks(befo
 
 
 def test_ready_arriving_while_suspected_is_where_the_rank_goes_back_to():
-    s = slot()
+    s = entry()
     s.suspect()
     s.became_ready(*READY_EXTRA)
     assert s.state is RankState.UNRESPONSIVE and s.ever_ready
@@ -92,7 +92,7 @@ def test_ready_arriving_while_suspected_is_where_the_rank_goes_back_to():
 
 
 def test_exited_is_final_and_a_late_message_changes_nothing_but_the_record():
-    s = slot()
+    s = entry()
     s.became_ready(*READY_EXTRA)
     s.exited(failure())
     for move in (lambda: s.became_ready(*READY_EXTRA), lambda: s.failed_to_start(
@@ -104,21 +104,21 @@ def test_exited_is_final_and_a_late_message_changes_nothing_but_the_record():
 
 
 def test_a_fuller_account_of_a_death_is_merged_into_the_record():
-    s = slot()
+    s = entry()
     s.exited(ProcessFailure(0, 0, 1234, None, reason="silent for 5 s"))
     s.add_account(ProcessFailure(0, 0, 1234, -9))
     assert s.failure.exitcode == -9 and "silent" in s.failure.reason
 
 
 def test_the_last_sign_of_life_is_the_launch_until_the_rank_speaks():
-    s = slot()
+    s = entry()
     assert s.last_sign == s.started
     s.seen = s.started + 5
     assert s.heard and s.last_sign == s.started + 5
 
 
 def test_pending_calls_are_taken_all_or_by_a_rule():
-    s = slot()
+    s = entry()
     strict, tolerant = Future(False), Future(True)
     s.pending.update({1: strict, 2: tolerant})
     assert s.take_pending(lambda f: not f.tolerant) == [strict]
@@ -128,15 +128,15 @@ def test_pending_calls_are_taken_all_or_by_a_rule():
 
 def test_channels_of_names_a_shared_channel_once():
     channel = FakeChannel([0, 1])
-    assert channels_of([Slot(0, 0, channel), Slot(1, 0, channel)]) == [channel]
+    assert channels_of([RankEntry(0, 0, channel), RankEntry(1, 0, channel)]) == [channel]
 
 
 def table_of(n: int, dead=()) -> tuple[RankTable, FakeDispatcher]:
     dispatcher = FakeDispatcher()
     table = RankTable(n, dispatcher)  # type: ignore[arg-type]
-    table.install([slot(r) for r in range(n)])
+    table.install([entry(r) for r in range(n)])
     for r in dead:
-        table.slots[r].exited(failure(r))  # type: ignore[union-attr]
+        table.entries[r].exited(failure(r))  # type: ignore[union-attr]
         dispatcher.deaths += 1
     return table, dispatcher
 
@@ -159,7 +159,7 @@ def test_all_is_answered_from_memory_until_a_rank_dies():
     table.select("all")  # looks: every rank is alive
     first = table.select("all")
     assert table.select("all") is first == [0, 1]  # nothing died since: no look
-    table.slots[0].exited(failure())  # type: ignore[union-attr]
+    table.entries[0].exited(failure())  # type: ignore[union-attr]
     dispatcher.deaths += 1
     with pytest.raises(WorkerDied):
         table.select("all")
@@ -186,7 +186,7 @@ def test_any_with_no_live_rank_is_group_closed():
 
 def test_reset_forgets_every_slot_but_keeps_the_list():
     table, _ = table_of(2)
-    slots = table.slots
+    entries = table.entries
     table.reset(3)
-    assert table.slots is slots and slots == [None, None, None] and len(table) == 3
+    assert table.entries is entries and entries == [None, None, None] and len(table) == 3
     assert table.known() == [] and table.live_channels() == []

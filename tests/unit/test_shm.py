@@ -230,13 +230,15 @@ def test_fault_arguments_are_checked():
 
 
 def test_a_put_handle_cannot_be_pickled_outside_its_group_s_calls():
-    from phalanx.controller.shared import ObjectRef, SharedObject
+    from phalanx.backends.held import HeldObject
+    from phalanx.controller.refs import ObjectRef
+    from phalanx.controller.shared import PutRecord
 
     class Owner:
-        def free(self, obj):
+        def free(self, record):
             pass
 
-    ref = ObjectRef(Owner(), SharedObject(1, "t", None, 10, "list"))  # type: ignore[arg-type]
+    ref = ObjectRef(Owner(), PutRecord(HeldObject(1, "t", None, 10, "list")))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="WorkerGroup that put it"):
         pickle.dumps(ref)
     assert "ObjectRef 1: list, 10 B" in repr(ref)

@@ -59,6 +59,8 @@ from phalanx.backends.cluster.link import (
 )
 from phalanx.backends.cluster.members import Discovery, Members
 from phalanx.backends.cluster.token import TOKEN_ENV, given_token, read_token
+from phalanx.backends.held import HeldObject, KeptCopy, NodeAddress
+from phalanx.backends.parts import Capabilities, SlotReservation
 from phalanx.errors import (
     AuthenticationError,
     MembershipEvent,
@@ -96,9 +98,6 @@ class ClusterBackend(Backend):
     """
 
     name = "cluster"
-    can_share = True
-    copies_kept = True
-    shared_links = True
 
     def __init__(self, hosts: Sequence[str] | None = None, token: str | bytes | None = None,
                  *, dns: str | None = None, port: int = config.AGENT_PORT,
@@ -389,8 +388,16 @@ class ClusterBackend(Backend):
                      same_host=agent.same_host)
                 for n, agent in enumerate(agents[:layout.nodes])]
 
+    @property
+    def capabilities(self) -> Capabilities:
+        """Everything: its agents hold put objects and copies of other machines' kept
+        results, its first agents are a pool's nodes, it ships code (``sync``), its
+        nodes may change (DNS), and the ranks of a node share their agent's connection."""
+        return Capabilities(objects=self, kept_copies=self, slots=self, code=self,
+                            changing=self, shared_links=True)
+
     def reserve_slots(self, counts: Sequence[int], *, gpus: int,
-                      resources: Mapping[str, float], timeout: float) -> Any:
+                      resources: Mapping[str, float], timeout: float) -> SlotReservation:
         """The first agents of ``hosts`` (:mod:`phalanx.backends.cluster.pool`)."""
         from phalanx.backends.cluster.pool import reserve_slots
 
@@ -411,17 +418,19 @@ class ClusterBackend(Backend):
         self, node: Node, ranks: list[RankStart], boot: Boot, channels: list[Channel]
     ) -> None:
         agent = self.members.nodes[node.index]
-        starts = []
+        starts: list[tuple[int, int, int, dict[str, str]]] = []
+        made: list[AgentRankChannel] = []
         for start in ranks:
             channel = AgentRankChannel(agent, start, next(self._incarnations), self._logs)
             channels.append(channel)
+            made.append(channel)
             starts.append((start.rank, start.node, channel.incarnation, dict(start.env)))
-        for channel in channels:
-            agent.link.adopt(channel)  # type: ignore[arg-type]
+        for channel in made:
+            agent.link.adopt(channel)
         same, code = node.same_host, agent.code_path
-        if code is not None:  # the shipped code first, and the ranks run in it
-            for start in starts:
-                start[3][codesync.ENV_VERSION] = self.code_version
+        if code is not None and self.code_version is not None:  # the shipped code first
+            for _, _, _, env in starts:
+                env[codesync.ENV_VERSION] = self.code_version
         options = dict(boot.options)
         controller_path = boot.sys_path
         if boot.python is not None:  # python=: a path on the agent's node, checked there
@@ -433,8 +442,8 @@ class ClusterBackend(Backend):
         cwd = code or ((boot.cwd or os.getcwd()) if same else None)
         pids = agent.request(agentwire.LAUNCH, starts, sys_path, options, cwd,
                             payload=boot.payload)
-        for channel, pid in zip(channels, pids, strict=False):
-            channel.pid = pid or None  # type: ignore[attr-defined]
+        for channel, pid in zip(made, pids, strict=False):
+            channel.pid = pid or None
 
     def reload_code(self) -> str | None:
         """Ship the ``sync`` directory to every node (only the files a node lacks); the
@@ -456,38 +465,43 @@ class ClusterBackend(Backend):
 
     # -- shared objects ---------------------------------------------------------------
 
-    def share(self, obj: Any, channels: Sequence[Channel]) -> None:
+    def share(self, obj: HeldObject, channels: Sequence[Channel]) -> None:
         """Each node's agent gets the object once (HOLD) and tells its ranks, those it
         starts later included; the controller keeps the bytes for nodes admitted later."""
         agents = [a for a in _by_agent(channels) if obj.id not in a.holding]
+        segments = obj.segments
+        if segments is None:
+            return  # freed meanwhile
 
         def hold(agent: AgentNode) -> None:
             try:
                 agent.request(agentwire.HOLD, obj.id, obj.token, obj.tensors,
-                              payload=obj.segments)
+                              payload=segments)
             except PhalanxError as exc:
                 raise PhalanxError(f"{agent.where} could not hold {obj.label} "
                                    f"({obj.nbytes} bytes): {exc}") from None
             agent.holding.add(obj.id)
 
-        if obj.segments is not None:
-            _on_each(agents, hold, "phalanx-cluster-hold")
+        _on_each(agents, hold, "phalanx-cluster-hold")
 
-    def unshare(self, obj: Any, channels: Sequence[Channel]) -> None:
+    def unshare(self, obj: HeldObject | KeptCopy, channels: Sequence[Channel]) -> None:
         for agent in list(self.members.nodes):
             if obj.id in agent.holding and agent.lost_reason is None:
                 agent.holding.discard(obj.id)
                 agent.link.send(agentwire.request(agentwire.DROP, 0, obj.id,
                                                   node=agent.tree_id))
 
-    def release_copy(self, copy: Any) -> None:
+    def released(self, channel: Channel, ref_id: int) -> None:
+        return None  # an agent's blocks are its own: it reuses none the controller knows of
+
+    def release_copy(self, copy: KeptCopy) -> None:
         self.unshare(copy, ())  # a kept result's copy is held (and dropped) as a put object
 
-    def source_of(self, channel: Channel) -> tuple[str, int] | None:
+    def source_of(self, channel: Channel) -> NodeAddress | None:
         agent = getattr(channel, "agent", None)
         return None if agent is None else (agent.host, agent.port)
 
-    def copy_kept(self, copy: Any, channels: Sequence[Channel]) -> None:
+    def copy_kept(self, copy: KeptCopy, channels: Sequence[Channel]) -> None:
         """Each agent of ``channels`` on another machine than the producer's fetches the
         result from the producer's agent (COPY, which READs it there) and holds it."""
         host, port = copy.source
@@ -499,7 +513,7 @@ class ClusterBackend(Backend):
             agent.holding.add(copy.id)
 
         _on_each([a for a in _by_agent(channels) if copy.id not in a.holding
-                  and a.welcome.get("blocks", a.welcome.get("machine")) != copy.location[0]],
+                  and a.welcome.get("blocks", a.welcome.get("machine")) != copy.machine],
                  fetch, "phalanx-cluster-copy")
 
     def _stop(self, channels: list[Channel], *, grace: float, force: bool) -> None:

@@ -27,6 +27,7 @@ from phalanx.backends.base import Channel, EventSink, Link, RankStart
 from phalanx.backends.cluster import messages as agentwire
 from phalanx.backends.cluster import tree as agenttree
 from phalanx.errors import PhalanxError, ProcessFailure
+from phalanx.node.spawn import Burial
 from phalanx.output.logs import LogPump, OutputTap
 from phalanx.wire import framing, protocol, seal, streams
 
@@ -99,7 +100,9 @@ class AgentNode:
 
 
 class AgentRankChannel(Channel):
-    """One rank on an agent's node: its messages travel on the node's :class:`AgentLink`."""
+    """One rank on an agent's node: its messages travel on the node's :class:`AgentLink`;
+    its death (the agent's EXITED, or its node lost) is told by its
+    :class:`~phalanx.node.spawn.Burial`, with the output this side read."""
 
     def __init__(self, agent: AgentNode, start: RankStart, incarnation: int,
                  logs: LogPump) -> None:
@@ -107,7 +110,7 @@ class AgentRankChannel(Channel):
         self.ranks = (start.rank,)
         self.node = start.node
         self.agent = agent
-        self.link = agent.link
+        self.link: AgentLink = agent.link
         self.incarnation = incarnation
         self.pid: int | None = None
         self._exitcode: int | None = None
@@ -115,7 +118,8 @@ class AgentRankChannel(Channel):
         self._sink: EventSink | None = None
         self._early: list[list[Any]] = []
         self._lock = threading.Lock()
-        self._buried = self._closed = False
+        self._burial = Burial(start.rank, lambda: self.exit_record(start.rank),
+                              lambda event: self.deliver([event]))
         out_r, self._out_w = os.pipe()
         err_r, self._err_w = os.pipe()
         self._writers = {agentwire.STDOUT: self._out_w, agentwire.STDERR: self._err_w}
@@ -127,6 +131,11 @@ class AgentRankChannel(Channel):
         sink = self.sink_for(events)
         if sink is not None:
             sink.post(self, events)
+
+    @property
+    def sink(self) -> EventSink | None:
+        """The sink its events go to, once the group attached it."""
+        return self._sink
 
     def sink_for(self, events: list[list[Any]]) -> EventSink | None:
         """The sink to post ``events`` to; None if they were kept until :meth:`attach`."""
@@ -152,25 +161,23 @@ class AgentRankChannel(Channel):
             pass
 
     def exited(self, failure: dict[str, Any] | None, reason: str | None = None) -> None:
-        """The agent reported the rank's end, or (``failure`` None) its node was lost."""
+        """The agent reported the rank's end, or (``failure`` None) its node was lost:
+        the first of them buries it."""
         with self._lock:
-            if self._buried:
+            if not self._burial.claim():
                 return
-            self._buried = True
             if failure is not None:
                 self.pid = failure.get("pid") or self.pid
                 self._exitcode = failure.get("exitcode")
             self._reason = reason
-        threading.Thread(target=self._bury, name=f"phalanx-bury-{self.rank}",
-                         daemon=True).start()
+        self._burial.tell_later(self._settle)
 
-    def _bury(self) -> None:
+    def _settle(self) -> None:
+        """A moment for the rank's last output (relayed by its agent, if it still can)."""
         if self._reason is not None:  # no more output will come: end the streams here
             for stream in list(self._writers):
                 self.output(stream, None)
         self._tap.wait_closed(config.OUTPUT_WAIT)
-        event = protocol.exited_message(self.rank, self.exit_record(self.rank).as_dict())
-        self.deliver([event])
 
     # -- the group's side -------------------------------------------------------------
 
@@ -205,7 +212,7 @@ class AgentRankChannel(Channel):
 
     def close(self) -> None:
         with self._lock:
-            self._closed = self._buried = True
+            self._burial.stop()
             writers, self._writers = list(self._writers.values()), {}
         for fd in writers:
             os.close(fd)
@@ -259,7 +266,8 @@ class AgentLink(Link):
         """Ask ``target``'s agent (default: this link's) and wait for its answer;
         PhalanxError when it fails or the node is lost."""
         request_id = next(self._ids)
-        waiter = [threading.Event(), False, None, target]
+        answer = threading.Event()
+        waiter: list[Any] = [answer, False, None, target]  # [Event, ok, value, node]
         where = self.where if target is None else target.where
         with self._lock:
             # the link's own loss too: a node not yet in self.nodes when it went is lost
@@ -270,9 +278,9 @@ class AgentLink(Link):
             sink = self._sink
         self.send(agentwire.request(kind, request_id, *fields, payload=payload,
                                     node=0 if target is None else target.tree_id))
-        answered = waiter[0].is_set
+        answered = answer.is_set
         done = (sink.wait(answered, timeout) or answered()) if sink is not None else (
-            waiter[0].wait(timeout))
+            answer.wait(timeout))
         if not done:
             with self._lock:
                 self._replies.pop(request_id, None)
@@ -428,7 +436,7 @@ class AgentLink(Link):
         for rank, count in zip(ranks, counts, strict=True):
             channel = channels.get(rank)
             if channel is not None:
-                if pumping is not None and channel._sink is pumping:
+                if pumping is not None and channel.sink is pumping:
                     direct.append((channel, rank, segs[pos:pos + count]))
                 else:
                     head = protocol.pack_head(protocol.RESULT, call_id, rank)

@@ -193,9 +193,9 @@ class Members:
         for host, port in sorted(listed - names):
             if self._stopping.is_set():
                 return
-            node = self._add(host, port)
-            if node is not None:
-                self._tell(MembershipEvent((NodeInfo(None, node.name, ()),), ()))
+            added = self._add(host, port)
+            if added is not None:
+                self._tell(MembershipEvent((NodeInfo(None, added.name, ()),), ()))
 
     def _add(self, host: str, port: int) -> AgentNode | None:
         """Connect to a newly listed agent (in a tree: below a top agent when the

@@ -60,7 +60,7 @@ class Joined:
     port: int
     sock: socket.socket
     stream: streams.Stream
-    reader: seal.VerifyingReader  # holds whatever arrived after the WELCOME
+    reader: framing.VerifyingReader  # holds whatever arrived after the WELCOME
     welcome: dict[str, Any]
     auth: seal.FrameAuth  # the handshake's frame keys (and how many frames each way)
 
@@ -105,7 +105,7 @@ def connect_agent(host: str, port: int, secret: bytes, tls: ssl.SSLContext | Non
         stream = streams.socket_stream(sock)
         if isinstance(stream, streams.TLSStream):
             stream.timeout = timeout
-        reader = seal.VerifyingReader(framing.FrameReader(stream), auth,
+        reader = framing.VerifyingReader(framing.FrameReader(stream), auth,
                                          f" to the agent at {host}:{port}")
         reader.limit = 1 << 20
         frames: list[list[Any]] = []

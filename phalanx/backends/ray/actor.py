@@ -6,8 +6,8 @@ thread, as a user's plain Ray actor would: :class:`RankActor` is a sync actor wi
 thread, and ``signal.signal`` in user code would fail). So Ray inside a rank is Ray inside
 an actor: ``ray.is_initialized()``, the actor's id, its node, the controller's job,
 ``ray.get_gpu_ids()`` (the bundle's GPUs, as ``CUDA_VISIBLE_DEVICES`` says),
-``get_current_placement_group()`` (the group's), and ``ObjectRef``s travelling in a call's
-arguments (:func:`share_ray_refs`: phalanx's pickling uses Ray's own reducer for them).
+``get_current_placement_group()`` (the group's), and ``ray.ObjectRef`` handles travelling
+in a call's arguments (:func:`share_ray_refs`: phalanx's pickling uses Ray's own reducer for them).
 
 The controller makes each rank's actor when the rank launches, given its
 :class:`ActorStart`, and the actor's constructor starts the rank, on the main thread, with
@@ -57,9 +57,10 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from phalanx import __version__, config
+from phalanx import config
 from phalanx.backends.ray.hosting import HostPatches, Notes, end_leftovers
 from phalanx.errors import StartupError
+from phalanx.version import __version__
 from phalanx.wire import handshake, seal
 
 CONCURRENCY = 1  # the direct RankActor: its methods run on the actor's main thread
@@ -170,7 +171,7 @@ def _control_stream(sock: socket.socket) -> tuple[int, ...]:
 
 def share_ray_refs() -> None:
     """Have phalanx's pickling (cloudpickle, through :mod:`copyreg`) reduce Ray's
-    ``ObjectRef`` and ``ActorHandle`` as Ray's own serialization does, with their owner's
+    ``ray.ObjectRef`` and ``ActorHandle`` as Ray's own serialization does, with their owner's
     address: a ref passed in a call's arguments (or returned) can be ``ray.get`` where it
     arrives. Ray pins a ref pickled outside its own calls for this process's lifetime (as
     for any ``ray.cloudpickle.dumps`` of one). In a process connected to Ray; once is
@@ -180,9 +181,10 @@ def share_ray_refs() -> None:
     import ray
     from ray import cloudpickle as ray_pickle
 
-    ray._private.worker.global_worker.get_serialization_context()  # registers Ray's reducers
+    # registers Ray's reducers (Ray has no public name for it)
+    ray._private.worker.global_worker.get_serialization_context()  # noqa: SLF001
     for cls in (ray.ObjectRef, ray.actor.ActorHandle):
-        reducer = ray_pickle.CloudPickler.dispatch.get(cls)
+        reducer: Any = ray_pickle.CloudPickler.dispatch.get(cls)
         if reducer is not None and copyreg.dispatch_table.get(cls) is not reducer:
             copyreg.pickle(cls, reducer)
 
@@ -328,8 +330,8 @@ class _InActor:
 
         try:
             self.stack_file = StackFile()
-            self.notes = self._start_warden(self.stack_file)
-            self.patches = HostPatches(self.notes) if not own_process else None
+            self.notes = notes = self._start_warden(self.stack_file)
+            self.patches = HostPatches(notes) if not own_process else None
             self.writer = framing.BacklogWriter("phalanx-worker-writer")
             proctree.become_subreaper()
             rank_env = {name: value for name, value in env.items()  # Ray's GPUs are kept
@@ -337,7 +339,7 @@ class _InActor:
             rank_env["PYTHONUNBUFFERED"] = "1"  # the rank's Python subprocesses
             self.saved, self.outputs = self._redirect_output()
             if own_process:
-                self._spawn_child(rank_env, cwd)
+                self._spawn_child(rank_env, cwd, notes)
                 return
             os.environ.update(rank_env)
             if cwd:
@@ -455,24 +457,20 @@ class _InActor:
         if self.stack_file is not None:
             self.stack_file.close()
 
-    def _spawn_child(self, env: Mapping[str, str], cwd: str | None) -> None:
+    def _spawn_child(self, env: Mapping[str, str], cwd: str | None, notes: Notes) -> None:
         """The rank in a child process of this one, given the control stream (waited for
-        by :meth:`finish`)."""
-        from phalanx.node.spawn import worker_argv
+        by :meth:`finish`), started by the node side's spawner."""
+        from phalanx.node.spawn import RankSpawner
 
-        stack_file = self.stack_file
-        full_env = {**os.environ, **env, config.ENV_STACKS_FD: str(stack_file.fd)}
+        keys: str | None = None  # the control socket's frame keys (across a network)
         if len(self.control) == 2:
-            full_env[config.ENV_FD] = "pipe:{},{}".format(*self.control)
-            fds = (*self.control, stack_file.fd)
+            stream: tuple[str, Sequence[int]] = ("pipe:{0},{1}", self.control)
         else:
             sock, auth = self.connected[2]
-            full_env[config.ENV_FD] = f"socket:{sock.fileno()}"
-            full_env[config.ENV_FRAME_KEYS] = auth.handover()
-            fds = (sock.fileno(), stack_file.fd)
+            stream, keys = ("socket:{0}", (sock.fileno(),)), auth.handover()
         try:
-            self.child = subprocess.Popen(worker_argv(), env=full_env, cwd=cwd or None,
-                                          pass_fds=fds, stdin=subprocess.DEVNULL)
+            self.child = RankSpawner.start_child(env, cwd, stream, stacks_fd=self.stack_file.fd,
+                                                 frame_keys=keys)
         except OSError as exc:  # the rank's death, told on its stderr
             print(f"phalanx: the rank cannot start in {cwd}: {exc}", file=sys.stderr,
                   flush=True)
@@ -480,7 +478,7 @@ class _InActor:
             self._end()
             return
         self.pid = self.child.pid
-        self.notes.write("rank", self.child.pid)
+        notes.write("rank", self.child.pid)  # the warden's rank is this child now
         if len(self.control) == 2:  # the child holds them now
             for fd in self.control:
                 os.close(fd)
@@ -529,6 +527,7 @@ class _InActor:
         os.dup2(targets[1], 2)
         for output in sealed:
             output.start()  # closes its copy of the pipe's write end: fds 1 and 2 hold it
+        stream: Any  # a TextIOWrapper, unless something replaced it
         for stream in (sys.stdout, sys.stderr):  # what the rank prints arrives promptly
             try:
                 stream.reconfigure(line_buffering=True, write_through=True)

@@ -43,6 +43,8 @@ from typing import Any
 
 from phalanx import config
 from phalanx.backends.base import Backend, Boot, Channel, Node, RankStart
+from phalanx.backends.held import HeldObject
+from phalanx.backends.parts import Capabilities, SlotReservation
 from phalanx.backends.ray import session as ray_session
 from phalanx.backends.ray.channel import (
     Bundle,
@@ -102,7 +104,6 @@ class RayBackend(Backend):
     """
 
     name = "ray"
-    can_share = shm.supported()
 
     def __init__(
         self,
@@ -138,7 +139,8 @@ class RayBackend(Backend):
         # per rank, from resources_per_worker or a @ray.remote target (adopt_target_options)
         self._rank_resources = self.resources_per_worker
         self._actor_env = self.runtime_env  # the rank actors' runtime_env
-        self._python, self._made_with = None, {}  # python=; rank -> what its actor runs
+        self._python: str | None = None  # python=
+        self._made_with: dict[int, str | None] = {}  # rank -> what its actor runs
         self._checked: set[str | None] = {None}  # python= checked on this machine
         self._own_pg = False  # whether self._pg is one this backend made (and removes)
         self._seat_resources: dict[int, dict[str, float]] = {}  # bundle index -> per rank
@@ -176,10 +178,16 @@ class RayBackend(Backend):
         self._rank_resources, self._actor_env = class_settings(
             options, target_name, self.resources_per_worker, self.runtime_env)
 
+    @property
+    def capabilities(self) -> Capabilities:
+        """It holds put objects (Ray's object store, and a node's block for ranks outside
+        Ray's workers) and reserves pools' slots (a placement group)."""
+        return Capabilities(objects=self if shm.supported() else None, slots=self)
+
     # -- opening -----------------------------------------------------------------------
 
     def reserve_slots(self, counts: Sequence[int], *, gpus: int,
-                      resources: Mapping[str, float], timeout: float) -> Any:
+                      resources: Mapping[str, float], timeout: float) -> SlotReservation:
         """One placement group, a bundle per slot (:mod:`phalanx.backends.ray.pool`)."""
         from phalanx.backends.ray.pool import reserve_slots
 
@@ -391,7 +399,7 @@ class RayBackend(Backend):
         if here:
             self._checked.add(boot.python)
         cwd = boot.cwd or (os.getcwd() if node.same_host else None)
-        if not self._relayed:  # ObjectRefs in calls keep their owner (Ray's own reducer)
+        if not self._relayed:  # ray.ObjectRefs in calls keep their owner (Ray's own reducer)
             share_ray_refs()
         for start in ranks:
             b = self._bundles[start.rank]
@@ -484,14 +492,17 @@ class RayBackend(Backend):
                 self._session.release()
                 self._session = None
 
-    def share(self, obj: Any, channels: Sequence[Channel]) -> None:
+    def share(self, obj: HeldObject, channels: Sequence[Channel]) -> None:
         """Into Ray's object store once; ranks in Ray workers read it from there, others
         through a store actor on their node (:mod:`phalanx.backends.ray.store`)."""
         self._node_side().share(obj, channels, lambda c: self._bundles[c.rank].node_id)
 
-    def unshare(self, obj: Any, channels: Sequence[Channel]) -> None:
+    def unshare(self, obj: HeldObject, channels: Sequence[Channel]) -> None:
         if self._shares is not None:
             self._shares.unshare(obj, channels)
+
+    def released(self, channel: Channel, ref_id: int) -> None:
+        return None  # Ray's store keeps an object's pages while any view of them lives
 
     def free_port(self, node: Node) -> int:
         """Asked of the node's store actor (its ranks' actors are busy running them)."""

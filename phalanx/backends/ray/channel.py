@@ -27,9 +27,10 @@ from typing import Any
 from phalanx import config
 from phalanx.backends.base import Channel, EventSink, RankStart
 from phalanx.errors import AuthenticationError, ProcessFailure
+from phalanx.node.spawn import Burial
 from phalanx.node.warden import SideStream
 from phalanx.output.logs import LogPump, OutputTap
-from phalanx.wire import framing, handshake, protocol, seal, streams
+from phalanx.wire import framing, handshake, seal, streams
 
 logger = logging.getLogger(__name__)
 
@@ -111,9 +112,11 @@ class RayChannel(Channel):
         self._side: SideStream | None = None  # to the rank's warden, once connected
         self._side_ready = threading.Event()
         self._status_known = threading.Event()  # the warden said how the rank ended
-        self._buried = False
-        self._posted = False  # an EXITED event went to the group
         self._closed = False
+        # its death, told once (a later account again): the record's sources change under
+        # this channel's lock, and so does the burial's state
+        self._burial = Burial(self.rank, lambda: self.exit_record(self.rank), self._post,
+                              lock=self._lock)
 
     # -- connections (the acceptor thread) ---------------------------------------------
 
@@ -173,7 +176,7 @@ class RayChannel(Channel):
     def attach(self, sink: EventSink) -> None:
         with self._lock:
             self._sink = sink
-            if self._conn is not None and not self._buried:
+            if self._conn is not None and not self._burial.claimed:
                 sink.watch(self._conn.read_fd, self)
 
     # -- events ------------------------------------------------------------------------
@@ -201,14 +204,14 @@ class RayChannel(Channel):
             elif self._exitcode is None:
                 self._exitcode = exitcode
             self._reason = reason
-            late = self._posted and not self._closed
+            late = self._burial.told and not self._closed
             never_connected = self._conn is None
         self._reason_known.set()
         if never_connected:
             self._bury_later(wait_for_reason=False)
-        elif late and self._sink is not None:
+        elif late:
             # a later account replaces the record kept for the (already dead) rank
-            self._sink.post(self, [self._exited()])
+            self._burial.tell()
 
     def warden_reports(self, pid: int, status: int | None, how: str) -> None:
         """How the rank's actor ended, as its warden saw it (side stream's thread): the
@@ -219,27 +222,27 @@ class RayChannel(Channel):
             if status is not None:
                 self._exitcode = status
                 self.pid = pid
-            late = changed and self._posted and not self._closed
+            late = changed and self._burial.told and not self._closed
         self._status_known.set()
-        if late and self._sink is not None:
-            self._sink.post(self, [self._exited()])
+        if late:
+            self._burial.tell()
 
     def stopped_on_purpose(self) -> None:
         """The backend stops the rank: the group records its end, so no EXITED is posted."""
-        with self._lock:
-            self._buried = True
+        self._burial.stop()
 
     def _bury_later(self, wait_for_reason: bool = True) -> None:
+        """The first sign of its death buries it: EXITED from a helper thread, once the
+        record is complete (``wait_for_reason``: once Ray, and the warden, said how it
+        ended) or a moment has passed."""
+        if not self._burial.claim():
+            return
         with self._lock:
-            if self._buried:
-                return
-            self._buried = True
             if self._conn is not None and self._sink is not None:
                 self._sink.unwatch(self._conn.read_fd, self)
-        threading.Thread(target=self._bury, args=(wait_for_reason,),
-                         name=f"phalanx-bury-{self.rank}", daemon=True).start()
+        self._burial.tell_later(lambda: self._settle(wait_for_reason))
 
-    def _bury(self, wait_for_reason: bool) -> None:
+    def _settle(self, wait_for_reason: bool) -> None:
         if wait_for_reason:
             deadline = time.monotonic() + config.RAY_CAUSE_WAIT
             self._reason_known.wait(config.RAY_CAUSE_WAIT)
@@ -247,14 +250,10 @@ class RayChannel(Channel):
                 self._status_known.wait(max(0.0, deadline - time.monotonic()))
         if self._tap is not None:
             self._tap.wait_closed(config.OUTPUT_WAIT)
-        with self._lock:
-            event = self._exited()
-            self._posted = True
+
+    def _post(self, event: list[Any]) -> None:
         if self._sink is not None:
             self._sink.post(self, [event])
-
-    def _exited(self) -> list[Any]:
-        return protocol.exited_message(self.rank, self.exit_record(self.rank).as_dict())
 
     # -- control -----------------------------------------------------------------------
 
@@ -262,7 +261,7 @@ class RayChannel(Channel):
         with self._lock:
             conn = self._conn
             if conn is None:
-                if not self._buried:
+                if not self._burial.claimed:
                     self._queued.append(frame)
                 return
         try:
@@ -273,7 +272,8 @@ class RayChannel(Channel):
     def _side_stream(self, timeout: float) -> SideStream | None:
         """The side stream, waited for up to ``timeout`` s (the rank's actor connects it
         as it starts the rank); None if the rank has none (not started, or gone)."""
-        if not self._side_ready.is_set() and self.serve_ref is not None and not self._buried:
+        if (not self._side_ready.is_set() and self.serve_ref is not None
+                and not self._burial.claimed):
             self._side_ready.wait(timeout)
         return self._side
 
@@ -328,9 +328,9 @@ class RayChannel(Channel):
         return ProcessFailure(self.rank, self.node, self.pid, self._exitcode, tail, reason)
 
     def close(self) -> None:
+        self._burial.stop()  # before the lock: the burial's lock is this channel's
         with self._lock:
             self._closed = True
-            self._buried = True
             conn, self._conn = self._conn, None
             outputs, self._outputs = self._outputs, {}
             side, self._side = self._side, None

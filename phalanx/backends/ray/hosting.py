@@ -9,7 +9,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 from phalanx import config
 
@@ -74,19 +74,19 @@ class HostPatches:
         self._exit, self._kill = os._exit, os.kill
         real_exit, real_kill, me = os._exit, os.kill, os.getpid()
 
-        def _exit(code: int) -> None:
-            notes.write("exit", code)
-            real_exit(code)
+        def _exit(status: int) -> NoReturn:  # os._exit's own signature
+            notes.write("exit", status)
+            real_exit(status)
 
         def kill(pid: int, sig: int) -> None:
             if pid in (0, me, -os.getpgrp()) and _fatal(int(sig)):
                 notes.write("signal", int(sig))
             real_kill(pid, sig)
 
-        os._exit, os.kill = _exit, kill  # type: ignore[assignment]
+        os._exit, os.kill = _exit, kill
 
     def restore(self) -> None:
-        os._exit, os.kill = self._exit, self._kill  # type: ignore[assignment]
+        os._exit, os.kill = self._exit, self._kill
         for sig, handler in self._handlers.items():
             if handler is not None:
                 signal.signal(sig, handler)

@@ -21,12 +21,19 @@ def relays(address: str | None, transport: str) -> bool:
     return transport == "ray"
 
 
-def check_resources(resources: Mapping[str, float] | None) -> dict[str, float] | None:
+def check_resources(resources: Mapping[str, object] | None) -> dict[str, float] | None:
+    """``resources_per_worker=`` (pure): None, or a copy of the dict once each entry is
+    checked (a name -> a non-negative number Ray can count)."""
     if resources is None:
         return None
+    return _checked_resources(resources)
+
+
+def _checked_resources(resources: Mapping[str, object]) -> dict[str, float]:
     if not isinstance(resources, Mapping):
         raise TypeError(f"resources_per_worker must be a dict such as {{'CPU': 1}}, "
                         f"got {type(resources).__name__}")
+    checked: dict[str, float] = {}
     for key, value in resources.items():
         if not isinstance(key, str) or isinstance(value, bool) \
                 or not isinstance(value, (int, float)) or value < 0:
@@ -35,7 +42,8 @@ def check_resources(resources: Mapping[str, float] | None) -> dict[str, float] |
         if 0 < value < RESOURCE_UNIT:
             raise ValueError(f"resources_per_worker {key!r}: {value!r} is finer than Ray "
                              f"counts resources ({RESOURCE_UNIT:g})")
-    return dict(resources)
+        checked[key] = value
+    return checked
 
 
 def check_bundle_indices(indices: object, bundles: int | None) -> list[int] | None:
@@ -128,17 +136,16 @@ def class_settings(
                          f"{', '.join(CLASS_OPTIONS)} from @ray.remote)")
     resources: dict[str, float] | None = None
     if any(options.get(k) is not None for k in CLASS_RESOURCES):
-        resources = {}
         extra = options.get("resources") or {}
         if not isinstance(extra, Mapping):
             raise TypeError(f"@ray.remote(resources=...) of {class_name} must be a dict, got "
                             f"{extra!r}")
-        resources.update(extra)
+        asked: dict[str, object] = dict(extra)
         if options.get("num_cpus") is not None:
-            resources["CPU"] = options["num_cpus"]  # type: ignore[assignment]
+            asked["CPU"] = options["num_cpus"]
         if options.get("num_gpus") is not None:
-            resources["GPU"] = options["num_gpus"]  # type: ignore[assignment]
-        resources = check_resources(resources)
+            asked["GPU"] = options["num_gpus"]
+        resources = _checked_resources(asked)
         spelled = ", ".join(f"{k}={options[k]!r}" for k in CLASS_RESOURCES
                             if options.get(k) is not None)
         if resources_per_worker is not None and _amounts(resources) != _amounts(
@@ -148,16 +155,20 @@ def class_settings(
                              "asks otherwise: give one of the two")
     if resources_per_worker is not None:
         resources = dict(resources_per_worker)
-    env = options.get("runtime_env")
-    if env is not None:
-        env = dict(env)  # type: ignore[call-overload]
+    asked_env = options.get("runtime_env")
+    env: dict[str, object] | None
+    if asked_env is not None:
+        if not isinstance(asked_env, Mapping):  # ray.remote() itself lets only dicts through
+            raise TypeError(f"@ray.remote(runtime_env=...) of {class_name} must be a dict, "
+                            f"got {asked_env!r}")
+        env = dict(asked_env)
         if runtime_env is not None and dict(runtime_env) != env:
             raise ValueError(f"{class_name} asks @ray.remote(runtime_env={env}), but "
                              f"RayBackend(runtime_env={dict(runtime_env)}) says otherwise: "
                              "give one of the two")
     else:
         env = dict(runtime_env) if runtime_env is not None else None
-    return resources, env  # type: ignore[return-value]
+    return resources, env
 
 
 def _amounts(resources: Mapping[str, float]) -> dict[str, float]:

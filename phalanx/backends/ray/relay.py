@@ -97,7 +97,7 @@ class RelayedRankActor:
 
         self._proc: Any = None  # a phalanx.node.supervisor.SupervisedProcess
         self._stack_file = StackFile()  # the rank dumps its stacks here on request
-        self._supervisor: Any = None  # a phalanx.node.supervisor.Supervisor
+        self._spawner: Any = None  # a phalanx.node.spawn.RankSpawner
         self._spare: Any = None  # a phalanx.node.spawn.PrestartedWorker
         self._relay_ready = threading.Event()
         self._relay: Any = None
@@ -109,13 +109,11 @@ class RelayedRankActor:
 
     def _prestart(self) -> None:
         from phalanx.node import spawn as node
-        from phalanx.node.supervisor import Supervisor
 
         try:
-            self._supervisor = Supervisor()
-            self._spare = node.PrestartedWorker(self._supervisor,
-                                                {**os.environ, "PYTHONUNBUFFERED": "1"},
-                                                stacks_fd=self._stack_file.fd)
+            self._spawner = node.RankSpawner()
+            self._spare = self._spawner.prestart({**os.environ, "PYTHONUNBUFFERED": "1"},
+                                                 stacks_fd=self._stack_file.fd)
         except OSError:  # serve_relayed() tries again, and fails with the reason
             self._spare = None
 
@@ -130,7 +128,6 @@ class RelayedRankActor:
         """The rank's process: the interpreter started early if it fits, else a new one
         (under the same supervisor)."""
         from phalanx.node import spawn as node
-        from phalanx.node.supervisor import Supervisor
 
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
         self._spare_thread.join()
@@ -140,12 +137,10 @@ class RelayedRankActor:
         else:
             if spare is not None:
                 spare.discard()
-            if self._supervisor is None:
-                self._supervisor = Supervisor()
-            spec = "socket:{0}" if len(control) == 1 else "pipe:{0},{1}"
-            proc = self._supervisor.spawn(node.worker_argv(), full_env, cwd,
-                                          stacks_fd=self._stack_file.fd,
-                                          stream=(spec, control), output=(out, err))
+            if self._spawner is None:
+                self._spawner = node.RankSpawner()
+            proc = self._spawner.start_on(full_env, cwd, control, (out, err),
+                                          stacks_fd=self._stack_file.fd)
         self._proc = proc
         return proc
 

@@ -70,7 +70,7 @@ class OutputUnsealer:
         self._data: bytes = b""
         self._pos = 0
         self._auth = auth
-        self._reader = framing.FrameReader(self)  # type: ignore[arg-type]  # read_into: all
+        self._reader = framing.FrameReader(self)  # read_into: this object is its byte source
         self._reader.limit = OUTPUT_CHUNK + 64  # the data, its tag and their lengths
         self._reader.max_segments = 2
 

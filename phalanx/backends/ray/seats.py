@@ -125,11 +125,7 @@ def check_placement_group(pg: Any, indices: Any) -> list[int] | None:
             raise ValueError("bundle_indices= names bundles of a placement group: give it as "
                              "placement_group=")
         return None
-    try:
-        from ray.util.placement_group import PlacementGroup
-    except ImportError:  # pragma: no cover - no Ray, so no placement group either
-        PlacementGroup = ()
-    if not isinstance(pg, PlacementGroup):
+    if not _is_placement_group(pg):
         raise TypeError("placement_group must be a Ray placement group (from "
                         f"ray.util.placement_group(...)), got {type(pg).__name__}: {pg!r}")
     if pg.id.is_nil():
@@ -137,3 +133,11 @@ def check_placement_group(pg: Any, indices: Any) -> list[int] | None:
                          "ray.util.placement_group(...)")
     cache = pg.bundle_cache  # known here when this process made it: no need to ask Ray
     return check_bundle_indices(indices, len(cache) if cache else None)
+
+
+def _is_placement_group(pg: object) -> bool:
+    try:
+        from ray.util.placement_group import PlacementGroup
+    except ImportError:  # pragma: no cover - no Ray, so no placement group either
+        return False
+    return isinstance(pg, PlacementGroup)

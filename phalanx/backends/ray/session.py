@@ -104,7 +104,10 @@ def remote_class(cls: type) -> Any:
     to the cluster again (tens of milliseconds per actor started)."""
     import ray
 
-    key = (cls, id(ray._private.worker.global_worker.core_worker))
+    # Ray has no public name for "this connection": its worker's core worker is made anew by
+    # each ray.init(), and set on the worker at connect (so absent from the Worker's type)
+    worker: Any = ray._private.worker.global_worker  # noqa: SLF001 - see above
+    key = (cls, id(worker.core_worker))
     made = _remotes.get(key)
     if made is None:
         made = _remotes[key] = ray.remote(cls)

@@ -65,7 +65,7 @@ class RayShares:
         self._ray = ray
         self._prefix, self._namespace, self._runtime_env = prefix, namespace, runtime_env
         self._stores: dict[str, Any] = {}  # Ray node id -> its NodeStore actor
-        self._objects: dict[int, Any] = {}  # ref id -> its ObjectRef in Ray's store
+        self._objects: dict[int, Any] = {}  # ref id -> its ray.ObjectRef in Ray's store
         self._held: dict[tuple[int, str], tuple] = {}  # (ref id, node id) -> location
         self._lock = threading.Lock()
 

@@ -316,13 +316,13 @@ class Branch:
               payload: list[Any]) -> dict[str, Any]:
         """ADOPT (a request thread): become node ``own_id`` of a tree and adopt ``entries``
         below it."""
-        if self._secret is None:
+        secret = self._secret
+        if secret is None:
             raise RuntimeError("this agent cannot reach other agents (it has no token)")
         self.tree_id = own_id
 
         def connect(host: str, port: int, timeout: float) -> agenttree.Joined:
-            return agenttree.connect_agent(host, port, self._secret, None,  # type: ignore[arg-type]
-                                           timeout)
+            return agenttree.connect_agent(host, port, secret, None, timeout)
 
         formation = agenttree.form([tuple(e) for e in entries], fanout, connect,
                                    time.monotonic() + timeout)

@@ -46,11 +46,12 @@ import threading
 import time
 from typing import Any
 
-from phalanx import __version__, config
+from phalanx import config
 from phalanx.backends.cluster.agent.ranks import Session
 from phalanx.backends.cluster.token import read_token as read_token  # for the CLI
 from phalanx.errors import AuthenticationError
 from phalanx.node.machine import visible_gpus
+from phalanx.version import __version__
 from phalanx.wire import handshake, seal
 from phalanx.wire.memfd import block_domain, machine_id
 

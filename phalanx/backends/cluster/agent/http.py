@@ -187,7 +187,9 @@ class _Handler(BaseHTTPRequestHandler):
     server: _Server
 
     def setup(self) -> None:
-        self.timeout = self.server.request_timeout  # read by StreamRequestHandler.setup
+        # each read's limit (the connection's deadline is _Server's); StreamRequestHandler
+        # would set it the same way from a class-wide `timeout`
+        self.request.settimeout(self.server.request_timeout)
         super().setup()
 
     def do_GET(self) -> None:
@@ -241,6 +243,18 @@ class _Handler(BaseHTTPRequestHandler):
         self.log_message(format, *args)
 
 
+# What socketserver hands a server per request: a stream server's connection, or (a
+# datagram server's) the data and the socket it came on
+_Request = socket.socket | tuple[bytes, socket.socket]
+
+
+def _connection(request: _Request) -> socket.socket:
+    """The connection a request to this stream server is."""
+    if not isinstance(request, socket.socket):  # pragma: no cover - a datagram server's
+        raise TypeError(f"an HTTP server serves connections, not {type(request).__name__}")
+    return request
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = config.AGENT_HTTP_BACKLOG
@@ -260,7 +274,8 @@ class _Server(ThreadingHTTPServer):
         # HTTPServer.server_bind resolves socket.getfqdn(host), a reverse DNS lookup that
         # can stall for seconds in a pod without DNS; nothing here needs that name.
         TCPServer.server_bind(self)
-        self.server_name, self.server_port = self.server_address[:2]
+        host, port = self.socket.getsockname()[:2]  # what TCPServer keeps as server_address
+        self.server_name, self.server_port = host, port
 
     def get_request(self) -> tuple[socket.socket, object]:
         try:
@@ -271,11 +286,12 @@ class _Server(ThreadingHTTPServer):
                 time.sleep(_ACCEPT_RETRY)
             raise
 
-    def process_request(self, request: socket.socket, client_address: object) -> None:
+    def process_request(self, request: _Request, client_address: object) -> None:
+        connection = _connection(request)
         with self._deadlines_lock:
             full = len(self._deadlines) >= self.max_connections
             if not full:
-                self._deadlines[request] = time.monotonic() + self.request_timeout
+                self._deadlines[connection] = time.monotonic() + self.request_timeout
         if full:
             logger.debug("agent http: %d connections are served already; closed one from %s",
                          self.max_connections, client_address)
@@ -284,19 +300,19 @@ class _Server(ThreadingHTTPServer):
         try:
             super().process_request(request, client_address)
         except BaseException:  # no thread could start: the connection is not served
-            self._forget(request)
+            self._forget(connection)
             self.shutdown_request(request)
             raise
 
-    def process_request_thread(self, request: socket.socket, client_address: object) -> None:
+    def process_request_thread(self, request: _Request, client_address: object) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._forget(request)
+            self._forget(_connection(request))
 
-    def _forget(self, request: socket.socket) -> None:
+    def _forget(self, connection: socket.socket) -> None:
         with self._deadlines_lock:
-            self._deadlines.pop(request, None)
+            self._deadlines.pop(connection, None)
 
     def service_actions(self) -> None:
         # Run by serve_forever every poll interval: the per-connection deadline.
@@ -354,8 +370,7 @@ class HealthServer:
 
     @property
     def address(self) -> tuple[str, int]:
-        host, port = self._server.server_address[:2]
-        return host, port
+        return self._server.server_name, self._server.server_port  # as bound
 
     def start(self) -> None:
         with self._lock:

@@ -11,7 +11,8 @@ controller:
 - what a rank writes to stdout and stderr goes up as OUTPUT messages, then OUTPUT_END;
 - its death (the keeper's status pipe) goes up as EXITED with the node side's failure
   record (:meth:`phalanx.node.spawn.NodeRank.failure`), after its last frames and, for a
-  moment (``config.OUTPUT_WAIT``), its last output.
+  moment (``config.OUTPUT_WAIT``), its last output: its :class:`phalanx.node.spawn.Burial`,
+  which the relay loop polls where a channel at the controller waits on a thread.
 
 Put objects the controller sends (HOLD), and copies of kept results fetched from other
 agents (COPY), are the session's :class:`NodeObjects`.
@@ -121,8 +122,8 @@ PULSE = Pulse()  # the agent process's
 
 
 class _Rank:
-    """One running rank of the session: its process on this node, and what the relay keeps
-    of it (its output pipes, relayed here)."""
+    """One running rank of the session: its process on this node, what the relay keeps of
+    it (its output pipes, relayed here), and its burial (EXITED naming its launch)."""
 
     def __init__(self, process: node.NodeRank) -> None:
         self.process = process
@@ -130,8 +131,9 @@ class _Rank:
         self.conn = process.conn
         stdout_fd, stderr_fd = process.take_output()
         self.outputs = {stdout_fd: agentwire.STDOUT, stderr_fd: agentwire.STDERR}
-        self.exitcode: int | None = None
-        self.exit_by = 0.0  # when EXITED goes up even if output has not ended
+        # the node side's record, no stderr: its controller has the output relayed to it
+        self.burial = node.Burial(process.rank, process.failure, message=lambda failure: (
+            agentwire.exited(process.rank, process.incarnation, failure.as_dict())))
         self.counted = False  # in the agent's ranks_alive
 
 
@@ -206,7 +208,7 @@ class Session:
                         branch.check_children(now)
                 wait = min(next_check, heard + self._heartbeat_timeout) - now
                 if self._dying:
-                    wait = min(wait, min(r.exit_by for r in self._dying) - now)
+                    wait = min(wait, min(r.burial.deadline for r in self._dying) - now)
                 if branch.gathering:
                     wait = min(wait, GATHER_WINDOW)
                 if self._outbox:  # a lost child's LOST: up at once
@@ -289,7 +291,7 @@ class Session:
             same = framing.frame(list(segs)) if shared else None
             for rank in ranks:
                 target = self._ranks.get(rank)
-                if target is None or target.exitcode is not None:
+                if target is None or target.burial.claimed:
                     if branch.gathering:
                         branch.rank_gone((rank,))
                     continue  # its EXITED is on its way (or went)
@@ -318,8 +320,8 @@ class Session:
             frames = rank.conn.reader.recv_frames(block=False)
         except framing.ConnectionLost:
             self._unwatch(rank.conn.read_fd)
-            if rank.exitcode is None:  # dying, or of no use: its exit status follows (or
-                rank.process.stream_ended()  # came with the stream's end: read it now)
+            if not rank.burial.claimed:  # dying, or of no use: its exit status follows
+                rank.process.stream_ended()  # (or came with the stream's end: read it now)
                 self._died(rank)
             return
         for segs in frames:
@@ -359,32 +361,31 @@ class Session:
         self._queue(agentwire.output_end(rank.rank, rank.incarnation, stream))
 
     def _died(self, rank: _Rank) -> None:
-        code = rank.process.exitcode(0)
-        if code is None:
-            return  # the status pipe brought the pid
+        """Its exit status is in (unless the pipe brought its pid): its last frames go up."""
+        if rank.process.exitcode(0) is None or not rank.burial.claim():
+            return
         if rank.process.death_fd is not None:
             self._unwatch(rank.process.death_fd)
-        rank.exitcode = code
         for segs in rank.process.drain():  # what it sent before it ended
             self._up(segs)
-        rank.exit_by = time.monotonic() + config.OUTPUT_WAIT
         self._dying.append(rank)
 
     def _report_deaths(self) -> None:
+        """EXITED for each dying rank whose output ended, or whose moment passed."""
         now = time.monotonic()
         for rank in list(self._dying):
-            if rank.outputs and now < rank.exit_by:
+            if rank.outputs and now < rank.burial.deadline:
                 continue
             self._dying.remove(rank)
             for fd in list(rank.outputs):
                 self._unwatch(fd)
                 os.close(fd)
             rank.outputs.clear()
-            failure = rank.process.failure().as_dict()  # its controller has its output
+            exited = rank.burial.exited()  # before its process is released
             self._forget(rank)
             if self._branch.gathering:
                 self._branch.rank_gone((rank.rank,))
-            self._queue(agentwire.exited(rank.rank, rank.incarnation, failure))
+            self._queue(exited)
 
     # -- requests ---------------------------------------------------------------------
 
@@ -400,12 +401,13 @@ class Session:
         if kind == agentwire.DROP:
             self._objects.drop(*fields)
             return
-        handlers = {agentwire.LAUNCH: self._launch, agentwire.STOP: self._stop,
-                    agentwire.STACKS: self._stacks, agentwire.PORTS: self._ports,
-                    agentwire.WAIT: self._wait, agentwire.SYNC: self._sync,
-                    agentwire.BLOBS: self._blobs, agentwire.TREE: self._tree,
-                    agentwire.ADOPT: self._branch.adopt, agentwire.HOLD: self._objects.hold,
-                    agentwire.COPY: self._objects.copy, agentwire.READ: read_kept}
+        handlers: dict[int, Callable[..., Any]] = {
+            agentwire.LAUNCH: self._launch, agentwire.STOP: self._stop,
+            agentwire.STACKS: self._stacks, agentwire.PORTS: self._ports,
+            agentwire.WAIT: self._wait, agentwire.SYNC: self._sync,
+            agentwire.BLOBS: self._blobs, agentwire.TREE: self._tree,
+            agentwire.ADOPT: self._branch.adopt, agentwire.HOLD: self._objects.hold,
+            agentwire.COPY: self._objects.copy, agentwire.READ: read_kept}
         handler = handlers.get(kind)
         if handler is None:
             self._send(agentwire.reply(request_id, False, f"unknown request kind {kind}"))

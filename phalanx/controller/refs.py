@@ -1,0 +1,247 @@
+"""Handles on data held outside the controller: :class:`ObjectRef` and its one lifecycle.
+
+Two things give the user a handle on data that lives on the nodes rather than in this
+process: ``group.put(obj)`` (the object stored once per node, :mod:`.shared`) and a call
+made with ``keep=True`` (each rank's result left on that rank, :mod:`.kept`). Both handles
+are :class:`ObjectRef`\\ s -- a kept result's is the subclass :class:`ResultRef`, which
+knows its rank and can be fetched -- and both go the same way into a call: anywhere in its
+arguments, where the encoder (:meth:`.shared.SharedObjects.encode`) meets them, notes them
+and pickles each as what its rank reads; nothing else may pickle one.
+
+Each handle has a record in the table of the part that made it (its *owner*, a
+:class:`Keeper`), and every record goes through the one lifecycle :class:`RefState`. The
+owner holds the record while calls in flight name it (its ``users``), so that freeing a
+handle a running call uses takes effect when that call ends.
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from typing import Any, Protocol
+
+from phalanx.errors import ObjectFreed
+
+
+class RefState(enum.Enum):
+    """Where the data behind a handle is in its life.
+
+    ``LIVE``
+        Held where it was made; a call may name it.
+    ``FREED``
+        Its handle was freed (``free()``, its last reference dropped) while calls in
+        flight named it: no new call may; its holder lets go once the last of them ends.
+    ``RELEASED``
+        Its holder was told to let go (or the group shut down, taking it along). Final.
+    ``LOST``
+        Its holder died with it (the rank that kept a result). Final.
+
+    Legal moves (any other is refused: a late free cannot revive or release twice)::
+
+        LIVE      -> FREED | RELEASED | LOST
+        FREED     -> RELEASED | LOST
+        RELEASED  -> (none)
+        LOST      -> (none)
+    """
+
+    LIVE = "live"
+    FREED = "freed"
+    RELEASED = "released"
+    LOST = "lost"
+
+
+_LEGAL = {
+    RefState.LIVE: frozenset({RefState.FREED, RefState.RELEASED, RefState.LOST}),
+    RefState.FREED: frozenset({RefState.RELEASED, RefState.LOST}),
+    RefState.RELEASED: frozenset(),
+    RefState.LOST: frozenset(),
+}
+
+
+class Record:
+    """The controller's record of one held thing: its state, the calls using it, and why
+    it was lost. Moved only under its owner's lock."""
+
+    __slots__ = ("lost", "state", "users")
+
+    def __init__(self) -> None:
+        self.state = RefState.LIVE
+        self.users = 0  # calls in flight that name it
+        self.lost: str | None = None  # why, once LOST
+
+    def move(self, to: RefState) -> bool:
+        """Go to ``to`` if that is a legal move from here; whether it was."""
+        if to not in _LEGAL[self.state]:
+            return False
+        self.state = to
+        return True
+
+    def free(self) -> bool:
+        """The handle was freed: FREED while calls use it (False), else RELEASED (True:
+        the holder must be told now). Nothing to do once it is no longer LIVE."""
+        if self.state is not RefState.LIVE:
+            return False
+        if self.users:
+            self.state = RefState.FREED
+            return False
+        self.state = RefState.RELEASED
+        return True
+
+    def unuse(self) -> bool:
+        """A call that named it ended; True when that leaves a freed record unused (the
+        holder must be told now)."""
+        self.users -= 1
+        if self.users == 0 and self.state is RefState.FREED:
+            self.state = RefState.RELEASED
+            return True
+        return False
+
+    @property
+    def usable(self) -> bool:
+        return self.state is RefState.LIVE
+
+
+class Keeper(Protocol):
+    """What owns records and makes their handles (a group's :class:`.shared.SharedObjects`
+    or :class:`.kept.KeptResults`)."""
+
+    def free(self, record: Any) -> None:
+        """The handle of ``record`` was freed (see :meth:`Record.free`)."""
+
+    def describe(self, record: Any) -> str:
+        """What it is, for messages."""
+        ...
+
+    def reduce(self, ref: Any, consumer: Any) -> tuple[Any, ...]:
+        """How handle ``ref`` pickles into a call of ``consumer`` (a group's
+        :class:`.shared.SharedObjects`): what a rank calls to read it, and with what;
+        TypeError / ObjectFreed / ObjectLost when it cannot go there."""
+        ...
+
+
+class ObjectRef:
+    """A handle on data held outside the controller: an object stored once per node by
+    :meth:`WorkerGroup.put`, or (:class:`ResultRef`) a result kept on a rank.
+
+    Pass it anywhere in a call's arguments; each rank receives the object. ``free()``
+    releases it (so does dropping the last reference, and its group's shutdown);
+    afterwards it raises :class:`~phalanx.errors.ObjectFreed` wherever it is passed.
+    """
+
+    __slots__ = ("__weakref__", "_finalizer", "_owner", "_record")
+    _GOES_TO = "calls of the WorkerGroup that put it"  # where it may be passed
+
+    def __init__(self, owner: Keeper, record: Record) -> None:
+        self._owner = owner
+        # a PutRecord or a KeptRecord: its id, nbytes, label (and rank) are the owner's
+        self._record: Any = record
+        self._finalizer = weakref.finalize(self, owner.free, record)
+        self._finalizer.atexit = False  # the group's shutdown frees what is left
+
+    @property
+    def record(self) -> Any:
+        """Its record in its owner's table (what the owner's interface takes)."""
+        return self._record
+
+    @property
+    def owner(self) -> Keeper:
+        return self._owner
+
+    @property
+    def state(self) -> RefState:
+        return self._record.state
+
+    @property
+    def id(self) -> int:
+        return int(self._record.id)
+
+    @property
+    def nbytes(self) -> int:
+        """The size of its pickle and buffers: what is held for it."""
+        return int(self._record.nbytes)
+
+    @property
+    def freed(self) -> bool:
+        """Whether its handle was freed (it may still be held for calls in flight)."""
+        return self._record.state in (RefState.FREED, RefState.RELEASED)
+
+    def free(self) -> None:
+        """Release the data (once the calls in flight that use it end). Idempotent."""
+        self._finalizer()
+
+    def reduce_for(self, consumer: Any) -> tuple[Any, ...]:
+        """How this handle pickles into a call of ``consumer``'s group (see
+        :meth:`Keeper.reduce`); the encoder's hook calls it."""
+        return self._owner.reduce(self, consumer)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        raise TypeError(f"{self!r} can only be passed in the arguments of {self._GOES_TO} "
+                        "(phalanx pickles it there as what the rank reads)")
+
+    def __copy__(self) -> ObjectRef:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ObjectRef:
+        return self
+
+    def __repr__(self) -> str:
+        record = self._record
+        return (f"<ObjectRef {record.id}: {record.label}, {size_text(record.nbytes)}"
+                f"{_state_text(record)}>")
+
+
+class ResultRef(ObjectRef):
+    """A handle on a result kept on the rank that made it (``keep=True``).
+
+    Pass it in any call of any group: the rank reads the value from the producer
+    directly. ``get()`` fetches it here; one whose producer died raises
+    :class:`~phalanx.errors.ObjectLost` naming it.
+    """
+
+    __slots__ = ()
+    _GOES_TO = "a group's calls"
+
+    @property
+    def rank(self) -> int:
+        return int(self._record.rank)
+
+    def get(self, timeout: float | None = None) -> Any:
+        """The value, fetched to the controller (arrays read-only views where the producer
+        is on this machine or on Ray; otherwise asked of the producing rank)."""
+        owner: Any = self._owner
+        return owner.get(self, timeout)
+
+    def __repr__(self) -> str:
+        record = self._record
+        return (f"<ResultRef {self._owner.describe(record)}: {size_text(record.nbytes)}"
+                f"{_state_text(record)}>")
+
+
+def _state_text(record: Record) -> str:
+    if record.state is RefState.LIVE:
+        return ""
+    return f", lost: {record.lost}" if record.state is RefState.LOST else ", freed"
+
+
+def check_usable(record: Record, ref: Any) -> None:
+    """ObjectFreed / ObjectLost unless ``record`` may be named by a new call."""
+    if record.state is RefState.LIVE:
+        return
+    if record.state is RefState.LOST:
+        from phalanx.errors import ObjectLost
+
+        raise ObjectLost(f"{ref.owner.describe(record)} is lost: {record.lost}")
+    raise ObjectFreed(f"{ref!r} was freed; {_again(ref)}")
+
+
+def _again(ref: Any) -> str:
+    return ("keep the result again to use it" if isinstance(ref, ResultRef) else
+            "put the object again to use it")
+
+
+def size_text(nbytes: int) -> str:
+    """``nbytes`` for people: "1.5 MiB"."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
