@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
                 subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force",
                                 str(old_tree)], check=False, capture_output=True)
     rows = {k: row for k, row in (_CLUSTER_ROWS if cluster else _ROWS).items()
-            if k in raw["old"]}
+            if raw["old"].get(k)}  # a workload given 0 batches has no row
     medians = {k: {name: median(r[k]) for name, r in raw.items()} for k in rows}
     result: dict[str, Any] = {
         "old": args.old, "new": args.new, "backend": args.backend, "batches": args.batches,

@@ -33,6 +33,7 @@ TYPE_CHECKING = False
 _EXPORTS = {
     "AuthenticationError": "phalanx.errors",
     "CallTimeout": "phalanx.errors",
+    "DevicesTaken": "phalanx.errors",
     "ClusterBackend": "phalanx.backends.cluster.backend",
     "FrameworkNotInstalled": "phalanx.errors",
     "GroupClosed": "phalanx.errors",
@@ -73,6 +74,7 @@ __all__ = [
     "AuthenticationError",
     "CallTimeout",
     "ClusterBackend",
+    "DevicesTaken",
     "FrameworkNotInstalled",
     "GroupClosed",
     "GroupFuture",
@@ -123,6 +125,7 @@ if TYPE_CHECKING:
     from phalanx.errors import (
         AuthenticationError,
         CallTimeout,
+        DevicesTaken,
         FrameworkNotInstalled,
         GroupClosed,
         MembershipChanged,

@@ -33,6 +33,9 @@ DEFAULT_HEARTBEAT_TIMEOUT = 180.0  # seconds of silence before a rank is unrespo
 # thread of its own) before the node is lost: frozen, its machine gone, or its link cut
 DEFAULT_NODE_TIMEOUT = 15.0
 AGENT_PORT = 32300  # phalanx agent's control port (its HTTP port: the next one)
+# seconds between the notices of a quorum wait naming the agents not there yet and why
+# (a wrong port or token shows at once, not after quorum_timeout's 300 s of silence)
+QUORUM_REPORT_EVERY = 5.0
 DEFAULT_STRAGGLER_WARNING = 120.0  # seconds after a call's first answer to name late ranks
 CLEANUP_WAIT = 5.0  # seconds for a rank's keeper to end what the rank left running
 CONNECT_TIMEOUT = 30.0  # seconds a rank's node side has to reach the controller

@@ -14,6 +14,8 @@
      ├── GroupClosed                 the group was shut down (pending calls end with this)
      ├── ObjectFreed (ValueError)    a put object's or kept result's handle used once freed
      ├── ObjectLost                  a kept result is gone with the rank that made it
+     ├── DevicesTaken (ValueError)   GPUs asked for are held by another pool or group of this
+     │                               machine (names the holders and what is free)
      ├── SerializationError          the controller could not pickle a call's arguments (nothing
      │                               was sent) or could not unpickle a rank's result
      ├── AuthenticationError         a peer failed to prove the group's secret (it is dropped)
@@ -412,6 +414,12 @@ class GroupClosed(PhalanxError):
 class ObjectFreed(PhalanxError, ValueError):
     """A handle (an ObjectRef: a put object's, or a kept result's ResultRef) was used after it
     was freed."""
+
+
+class DevicesTaken(PhalanxError, ValueError):
+    """GPUs a pool or a group asked for are held by another pool or group (one book of
+    devices per machine); the message names the holders and the GPUs still free. Raised
+    before any process starts; closing the holder frees them."""
 
 
 class ObjectLost(PhalanxError):

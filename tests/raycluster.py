@@ -11,7 +11,10 @@ job's runtime environment.
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 from tests.helpers import REPO
 
@@ -19,6 +22,40 @@ CPUS_PER_NODE = 8  # logical CPUs: enough bundles for the contract suite's group
 GPUS_PER_NODE = 2  # logical GPUs: Ray's bookkeeping only
 # (not 127.0.0.1: Ray rewrites that address to the machine's own when connecting)
 NODE_ADDRESSES = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
+# How long a question to Ray's GCS may take in a check: Ray's calls wait on its GCS without
+# a bound of their own, so a cluster whose raylet or GCS died would hold a teardown forever.
+ANSWER_TIMEOUT = 20.0
+
+
+class RayUnresponsive(RuntimeError):
+    """Ray did not answer a check in time (its GCS or raylet is gone)."""
+
+
+def _asked(what: str, question: Callable[[], Any]) -> Any:
+    """``question()``'s answer, asked on a thread of its own and waited for at most
+    ANSWER_TIMEOUT s (RayUnresponsive after that: the thread is left to Ray); never
+    asked of a Ray this process is not connected to (Ray would start one to ask)."""
+    import ray
+
+    if not ray.is_initialized():
+        raise RayUnresponsive(f"{what}: this process is not connected to Ray")
+    answer: dict[str, Any] = {}
+
+    def ask() -> None:
+        try:
+            answer["value"] = question()
+        except BaseException as exc:  # handed to the asking thread
+            answer["error"] = exc
+
+    thread = threading.Thread(target=ask, daemon=True, name="raycluster-check")
+    thread.start()
+    thread.join(ANSWER_TIMEOUT)
+    if thread.is_alive():
+        raise RayUnresponsive(f"{what}: Ray did not answer within {ANSWER_TIMEOUT:g} s "
+                              "(its GCS or a raylet is gone?)")
+    if "error" in answer:
+        raise answer["error"]
+    return answer["value"]
 
 
 def start():
@@ -74,13 +111,14 @@ def _alive_actors() -> list[dict]:
     """Live named actors (phalanx names every actor it makes)."""
     import ray
 
-    return ray.util.list_named_actors(all_namespaces=True)
+    return _asked("listing the named actors",
+                  lambda: ray.util.list_named_actors(all_namespaces=True))
 
 
 def _live_placement_groups() -> list[str]:
     import ray
 
-    table = ray.util.placement_group_table()
+    table = _asked("reading the placement groups", ray.util.placement_group_table)
     return [f"placement group {info.get('name') or pg_id} ({info['state']})"
             for pg_id, info in table.items() if info.get("state") != "REMOVED"]
 
@@ -106,6 +144,7 @@ def clean() -> None:
             ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
         except Exception:
             pass
-    for pg_id, info in ray.util.placement_group_table().items():
+    for pg_id, info in _asked("reading the placement groups",
+                              ray.util.placement_group_table).items():
         if info.get("state") != "REMOVED":
             remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_id)))

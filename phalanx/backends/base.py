@@ -188,6 +188,12 @@ class Channel(abc.ABC):
         :mod:`phalanx.node.stacks`), or a line saying why there is none."""
         return "(no stack: this backend cannot take one)"
 
+    def dying(self, rank: int) -> bool:
+        """Whether the rank's death is known here and its EXITED is still on its way (a
+        channel that waits for the last of its account, as Ray's does): a call on
+        ``workers="ready"`` or ``"any"`` skips it already."""
+        return False
+
     @abc.abstractmethod
     def exit_record(self, rank: int) -> ProcessFailure:
         """How the rank's process ended, as known now (after :meth:`Backend.stop`)."""
@@ -243,13 +249,16 @@ class Backend(abc.ABC):
         ``procs_per_node="auto"``); None when only placement tells."""
         return None
 
-    def reserve(self, layout: Layout, *, gpus_per_worker: int, timeout: float) -> list[Node]:
+    def reserve(self, layout: Layout, *, gpus_per_worker: int, timeout: float,
+                holder: str = "a group") -> list[Node]:
         """Find nodes for ``layout`` (ranks per node in order); raises before any rank runs.
+        ``holder`` names the group in messages (and in the books of devices it takes).
 
         A backend that places ranks itself (Ray) may return another split of the same
         number of ranks: the nodes as they really are.
         """
-        nodes = self._reserve(layout, gpus_per_worker=gpus_per_worker, timeout=timeout)
+        nodes = self._reserve(layout, gpus_per_worker=gpus_per_worker, timeout=timeout,
+                              holder=holder)
         if self.gpu_windows is not None:
             nodes = [dataclasses.replace(node, gpus=None if node.gpus is None else
                                          node.gpus[slice(*self.gpu_windows[node.index])])
@@ -289,7 +298,8 @@ class Backend(abc.ABC):
     def _open(self, output: OutputOptions) -> None: ...
 
     @abc.abstractmethod
-    def _reserve(self, layout: Layout, *, gpus_per_worker: int, timeout: float) -> list[Node]:
+    def _reserve(self, layout: Layout, *, gpus_per_worker: int, timeout: float,
+                 holder: str) -> list[Node]:
         ...
 
     @abc.abstractmethod

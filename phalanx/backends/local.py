@@ -37,12 +37,17 @@ from phalanx.node import spawn as node
 from phalanx.node.machine import pick_free_ports, visible_gpus
 from phalanx.output.logs import LogPump, OutputOptions, OutputTap
 from phalanx.wire import framing, protocol
+from phalanx.world.devices import DeviceBook
 from phalanx.world.layout import Layout, split_gpus
 
 if TYPE_CHECKING:
     from phalanx.world.pools import PoolSlot
 
 _LOOPBACK = "127.0.0.1"
+# This machine's GPUs, as pools and groups of this controller hold them: one book for the
+# process, since every local group and pool shares the machine's devices.
+_DEVICES = DeviceBook()
+_DEVICES_LOCK = threading.Lock()
 
 
 class LocalChannel(Channel):
@@ -158,6 +163,7 @@ class LocalBackend(Backend):
     def __init__(self) -> None:
         self._gpus = visible_gpus()
         self._node_gpus: list[tuple[str, ...]] | None = None  # on a pool: each node's
+        self._holder: str | None = None  # its group's name in the book of devices
         self._objects = shm.Holder(shm.Pool(_alive))  # every simulated node's copies
         self._objects_lock = threading.Lock()  # an object is written once, however shared
 
@@ -182,22 +188,42 @@ class LocalBackend(Backend):
         """GPUs each simulated node gets (they split this machine's)."""
         return len(self._gpus) // nodes if nodes > 1 else len(self._gpus)
 
-    def _reserve(self, layout: Layout, *, gpus_per_worker: int, timeout: float) -> list[Node]:
-        if self._node_gpus is not None:  # placed on a pool's slots
+    def _reserve(self, layout: Layout, *, gpus_per_worker: int, timeout: float,
+                 holder: str) -> list[Node]:
+        if self._node_gpus is not None:  # placed on a pool's slots: the pool holds them
             return [Node(index=n, address=_LOOPBACK, ranks=layout.counts[n], gpus=gpus)
                     for n, gpus in enumerate(self._node_gpus)]
         shares = (split_gpus(len(self._gpus), layout.nodes) if layout.nodes > 1
                   else (tuple(range(len(self._gpus))),))
-        return [
-            Node(index=n, address=_LOOPBACK, ranks=layout.counts[n],
-                 gpus=tuple(self._gpus[i] for i in shares[n]))
-            for n in range(layout.nodes)
-        ]
+        gpus = [tuple(self._gpus[i] for i in share) for share in shares]
+        enough = all(layout.counts[n] * gpus_per_worker <= len(gpus[n])
+                     for n in range(layout.nodes))  # else the placement check names it
+        if gpus_per_worker and enough:  # each node's ranks hold theirs in this book
+            with _DEVICES_LOCK:
+                if self._holder is not None:  # reserving again: what it held goes first
+                    _DEVICES.give_back(self._holder)
+                self._holder = holder
+                try:
+                    gpus = [_DEVICES.take(layout.counts[n] * gpus_per_worker, holder, gpus[n])
+                            for n in range(layout.nodes)]
+                except BaseException:
+                    _DEVICES.give_back(holder)  # the nodes that had theirs
+                    self._holder = None
+                    raise
+        return [Node(index=n, address=_LOOPBACK, ranks=layout.counts[n], gpus=gpus[n])
+                for n in range(layout.nodes)]
+
+    def _give_back_devices(self) -> None:
+        """The GPUs this backend's group held are free again (caller holds the lock)."""
+        if self._holder is not None:
+            _DEVICES.give_back(self._holder)
 
     def reserve_slots(self, counts: Sequence[int], *, gpus: int,
-                      resources: Mapping[str, float], timeout: float) -> LocalSlots:
+                      resources: Mapping[str, float], timeout: float,
+                      holder: str = "a pool") -> LocalSlots:
         """This machine's GPUs, ``gpus`` for each slot in order (the simulated nodes share
-        them); ValueError when there are not enough."""
+        them), held in its book by ``holder``; ValueError when there are not enough,
+        DevicesTaken when others hold them."""
         if resources:
             raise ValueError(f"resources_per_proc={dict(resources)} means Ray resources: the "
                              "local backend has none (give GPUs as gpus_per_proc=)")
@@ -207,8 +233,10 @@ class LocalBackend(Backend):
                 f"a pool of {total} slots x {gpus} GPU(s) needs {gpus * total} GPUs; this "
                 f"machine offers {len(self._gpus)} ({', '.join(self._gpus) or 'none'}"
                 f"{', from CUDA_VISIBLE_DEVICES' if 'CUDA_VISIBLE_DEVICES' in os.environ else ''})")
-        return LocalSlots([tuple(self._gpus[k * gpus:(k + 1) * gpus]) for k in range(total)],
-                          gpus)
+        with _DEVICES_LOCK:
+            taken = _DEVICES.take(gpus * total, holder, self._gpus)
+        return LocalSlots([taken[k * gpus:(k + 1) * gpus] for k in range(total)], gpus,
+                          holder if taken else None)
 
     @property
     def supervisor_pid(self) -> int | None:
@@ -283,6 +311,9 @@ class LocalBackend(Backend):
         node.wait_all_exit(_procs(channels), timeout)
 
     def close(self) -> None:
+        with _DEVICES_LOCK:
+            self._give_back_devices()
+            self._holder = None
         self._objects.close()
         if self.opened:
             self._spawner.close()
@@ -303,9 +334,11 @@ def _stop_and_close(processes: Sequence[node.NodeRank]) -> None:
 class LocalSlots:
     """A resource pool's slots on this machine: each slot's GPU ids."""
 
-    def __init__(self, gpus: list[tuple[str, ...]], per_slot: int) -> None:
+    def __init__(self, gpus: list[tuple[str, ...]], per_slot: int,
+                 holder: str | None = None) -> None:
         self.gpus = gpus
         self.gpus_per_worker = per_slot
+        self._holder = holder  # the pool, in this machine's book of devices
 
     def backend_for(self, slots: Sequence[PoolSlot], share: float) -> LocalBackend:
         backend = LocalBackend()
@@ -316,4 +349,7 @@ class LocalSlots:
         return backend
 
     def release(self) -> None:
-        return None  # nothing on this machine is held for the pool itself
+        if self._holder is not None:  # idempotent: the book forgets a holder once
+            with _DEVICES_LOCK:
+                _DEVICES.give_back(self._holder)
+            self._holder = None

@@ -93,9 +93,11 @@ class SlotReserving(Protocol):
     """Reserves a resource pool's slots once, for groups placed on them later."""
 
     def reserve_slots(self, counts: Sequence[int], *, gpus: int,
-                      resources: Mapping[str, float], timeout: float) -> SlotReservation:
-        """``counts[n]`` slots on node ``n``, each with ``gpus`` GPUs and ``resources``;
-        raises, naming what is short, when they cannot be had. Never opens the backend."""
+                      resources: Mapping[str, float], timeout: float,
+                      holder: str) -> SlotReservation:
+        """``counts[n]`` slots on node ``n``, each with ``gpus`` GPUs and ``resources``,
+        for the pool named ``holder``; raises, naming what is short (and who holds it),
+        when they cannot be had. Never opens the backend."""
         ...
 
 

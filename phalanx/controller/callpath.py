@@ -59,7 +59,9 @@ class CallPath:
             ranks = (mesh or self.mesh).rank0_only(ranks, rank0_only_axes)
         return ranks
 
-    def call_async(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], *,
+    # The group passes its arguments by position: on the hot path, keywords cost ~0.1 us.
+
+    def call_async(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                    workers: Workers = "all", rank0_only_axes: Sequence[str] | None = None,
                    keep: bool = False, mesh: Mesh | None = None) -> GroupFuture:
         """The same arguments (pickled once) to every selected rank."""
@@ -68,7 +70,7 @@ class CallPath:
         payload = self._encode(args, kwargs)
         return self._send(method, ranks, [payload], workers=workers, keep=keep)
 
-    def call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], *,
+    def call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
              workers: Workers = "all", timeout: float | None = None,
              rank0_only_axes: Sequence[str] | None = None, keep: bool = False,
              mesh: Mesh | None = None) -> list[Any]:

@@ -4,7 +4,8 @@ frames to the ranks' channels, and the future that gathers the answers.
 A payload is the pickle of ``(args, kwargs)`` and its out-of-band buffers, made once per
 distinct set of arguments (``call`` pickles once for every rank; ``map`` once per rank).
 Encoding returns the handles the arguments name with their pickle
-(:class:`~phalanx.controller.shared.Encoded`); a call whose arguments name handles, or
+(:class:`~phalanx.controller.shared.Encoded`: a plain list when they name none); a call
+whose arguments name handles, or
 carry large buffers, goes through :meth:`SharedObjects.prepare
 <phalanx.controller.shared.SharedObjects.prepare>` first. A call is registered on each
 entry's ``pending`` table before its frame goes out, so that an answer (or the rank's
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from phalanx.backends.held import NodeAddress
 from phalanx.controller.futures import GroupFuture, StreamFuture
 from phalanx.controller.kept import KeptFuture, KeptResults
-from phalanx.controller.shared import Encoded
+from phalanx.controller.shared import Encoded, Payload, met
 from phalanx.errors import ObjectFreed, ObjectLost, SerializationError
 from phalanx.rank.kept import KEEP
 from phalanx.wire import pickling, protocol
@@ -74,11 +75,11 @@ class Sender:
         return self._copier.source_of(entry.channel)
 
     def encode(self, args: tuple[Any, ...], kwargs: dict[str, Any],
-               rank: int | None = None) -> Encoded:
+               rank: int | None = None) -> Payload:
         """The payload of ``(args, kwargs)`` (``rank``: the one it is for, for messages)."""
         plain = pickling.dumps_plain((args, kwargs))
         if plain is not None:
-            return Encoded(plain)
+            return plain
         try:
             return self._shared.encode((args, kwargs))
         except (ObjectFreed, ObjectLost):
@@ -96,7 +97,7 @@ class Sender:
         self,
         method: str,
         ranks: list[int],
-        payloads: list[Encoded],
+        payloads: list[Payload],
         *,
         defer: bool = False,
         stream: bool = False,
@@ -129,13 +130,12 @@ class Sender:
             method = KEEP + method  # the rank keeps the result (phalanx.rank.kept)
         else:
             future = GroupFuture(method, ranks, self._dispatcher, tolerant)
-        refs = (payloads[0].refs if len(payloads) == 1 else
-                tuple(r for p in payloads if p.refs for r in p.refs))
-        if refs or (payloads and len(payloads[0].segments) > 1):
-            segments = self._shared.prepare(future, payloads, refs,
+        if payloads and (len(payloads[0]) > 1 or type(payloads[0]) is Encoded or (
+                len(payloads) > 1 and any(type(p) is Encoded for p in payloads))):
+            segments = self._shared.prepare(future, payloads, met(payloads),
                                             lambda: self._channels(ranks))
         else:
-            segments = [p.segments for p in payloads]
+            segments = payloads
         if len(segments) == 1 and len(ranks) > 1 and self._shared_links:
             # one frame per node connection (an agent's), whatever its number of ranks
             deliver = functools.partial(self._deliver_shared, call_id, ranks, future,

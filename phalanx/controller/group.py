@@ -273,8 +273,7 @@ class WorkerGroup:
         **kwargs: Any,
     ) -> GroupFuture:
         """Send the same arguments (pickled once) to every selected rank."""
-        return self._calls.call_async(method, args, kwargs, workers=workers,
-                                      rank0_only_axes=rank0_only_axes, keep=keep)
+        return self._calls.call_async(method, args, kwargs, workers, rank0_only_axes, keep)
 
     def call(
         self,
@@ -292,8 +291,7 @@ class WorkerGroup:
         ``keep=True`` (here and in every call form) leaves each result on its rank and
         returns a ``ResultRef`` per rank, for calls of any group (:mod:`.kept`).
         """
-        return self._calls.call(method, args, kwargs, workers=workers, timeout=timeout,
-                                rank0_only_axes=rank0_only_axes, keep=keep)
+        return self._calls.call(method, args, kwargs, workers, timeout, rank0_only_axes, keep)
 
     def call_one(self, rank: int, method: str, *args: Any, timeout: float | None = None,
                  keep: bool = False, **kwargs: Any) -> Any:
@@ -545,8 +543,9 @@ class WorkerGroup:
         finally:
             _live_groups.discard(self)
             try:
-                self._lifecycle.teardown(deadline, force)
+                # first: its handles then say the group was shut down, not that ranks died
                 self._kept.close()
+                self._lifecycle.teardown(deadline, force)
             finally:
                 if self._lease is not None:  # its pool's slots are free again
                     self._lease.release()

@@ -32,7 +32,7 @@ from phalanx.rank import kept as rankkept
 
 if TYPE_CHECKING:
     from phalanx.controller.dispatch import Dispatcher
-    from phalanx.controller.shared import Encoded, SharedObjects
+    from phalanx.controller.shared import Payload, SharedObjects
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class KeptResults:
     """
 
     def __init__(self, label: str, send: Callable[..., GroupFuture],
-                 encode: Callable[..., Encoded],
+                 encode: Callable[..., Payload],
                  source: Callable[[int], NodeAddress | None] = lambda rank: None) -> None:
         self.label = label  # the group, in messages
         self._send = send
@@ -98,6 +98,7 @@ class KeptResults:
         with self._lock:
             if self._closed:
                 result.move(RefState.RELEASED)
+                result.why = f"{self.label} was shut down"
             else:
                 self._live.setdefault(rank, set()).add(result)
         return ResultRef(self, result)
@@ -188,16 +189,18 @@ class KeptResults:
             results = self._live.pop(rank, set())
             for result in results:
                 if result.move(RefState.LOST):
-                    result.lost = why
+                    result.why = why
         _release_copies(results)
 
     def close(self) -> None:
-        """The group shuts down: every kept result goes with its rank."""
+        """The group shuts down: every kept result goes with its rank (before the ranks
+        stop, so that a handle says the group was shut down, not that its rank died)."""
         with self._lock:
             self._closed = True
             ended = [r for results in self._live.values() for r in results]
             for result in ended:
-                result.move(RefState.RELEASED)
+                if result.move(RefState.RELEASED):
+                    result.why = f"{self.label} was shut down"
             self._live.clear()
             self._to_drop.clear()
         self._wake.set()  # the dropper ends

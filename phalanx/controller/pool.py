@@ -88,11 +88,12 @@ class ResourcePool:
         if reserving is None:
             raise lacking(template.name, "hold resource pools")
         slots = pools.slots_of(layout.counts)
+        name = f"pool-{next(_names)}"
         reservation = reserving.reserve_slots(
             layout.counts, gpus=gpus_per_proc, resources=dict(resources_per_proc or {}),
-            timeout=timeout)
+            timeout=timeout, holder=name)
         self._attach(_Reserved(template, reservation, pools.SlotBook(len(slots), colocate),
-                               gpus_per_proc), slots, f"pool-{next(_names)}")
+                               gpus_per_proc), slots, name)
         logger.info("%s reserved %d slots on the %s backend", self.name, len(self._slots),
                     template.name)
 
@@ -214,7 +215,8 @@ class ResourcePool:
             shared.closed = True
             groups = list(shared.groups)
         for group in groups:
-            logger.warning("closing %s: shutting down %r, still placed on it", self.name, group)
+            # documented (close() ends what still sits on the pool): not a warning
+            logger.info("closing %s: shutting down %r, which still sat on it", self.name, group)
             group.shutdown()
         if shared.reservation is not None:
             shared.reservation.release()

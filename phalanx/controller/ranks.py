@@ -276,7 +276,11 @@ class RankTable:
             return list(workers)  # live, valid, increasing; a copy: the caller may change theirs
         if workers in ("ready", "any"):
             self._dispatcher.poll_now()  # learn of deaths that already happened
-        alive = self.alive_flags()
+            # and skip those whose death is known but not yet told (Ray's, for a second)
+            alive = [s is not None and s.alive and not s.channel.dying(s.rank)
+                     for s in self.entries]
+        else:
+            alive = self.alive_flags()
         if all(alive):
             self._deaths_seen = self._dispatcher.deaths
         ranks = select_ranks(workers, alive)

@@ -59,15 +59,16 @@ _LEGAL = {
 
 
 class Record:
-    """The controller's record of one held thing: its state, the calls using it, and why
-    it was lost. Moved only under its owner's lock."""
+    """The controller's record of one held thing: its state, the calls using it, and why it
+    ended when its handle did not end it (lost with its holder, its group shut down).
+    Moved only under its owner's lock."""
 
-    __slots__ = ("lost", "state", "users")
+    __slots__ = ("state", "users", "why")
 
     def __init__(self) -> None:
         self.state = RefState.LIVE
         self.users = 0  # calls in flight that name it
-        self.lost: str | None = None  # why, once LOST
+        self.why: str | None = None  # why it is LOST, or RELEASED without free()
 
     def move(self, to: RefState) -> bool:
         """Go to ``to`` if that is a legal move from here; whether it was."""
@@ -220,7 +221,7 @@ class ResultRef(ObjectRef):
 def _state_text(record: Record) -> str:
     if record.state is RefState.LIVE:
         return ""
-    return f", lost: {record.lost}" if record.state is RefState.LOST else ", freed"
+    return f", lost: {record.why}" if record.state is RefState.LOST else ", freed"
 
 
 def check_usable(record: Record, ref: Any) -> None:
@@ -230,7 +231,9 @@ def check_usable(record: Record, ref: Any) -> None:
     if record.state is RefState.LOST:
         from phalanx.errors import ObjectLost
 
-        raise ObjectLost(f"{ref.owner.describe(record)} is lost: {record.lost}")
+        raise ObjectLost(f"{ref.owner.describe(record)} is lost: {record.why}")
+    if record.why is not None:
+        raise ObjectFreed(f"{ref!r} was freed: {record.why}; {_again(ref)}")
     raise ObjectFreed(f"{ref!r} was freed; {_again(ref)}")
 
 

@@ -15,7 +15,8 @@ the caller's code: its arguments are put for the length of the call.
 This part is also the group's encoder (:meth:`SharedObjects.encode`): it pickles a call's
 arguments, meeting every handle in them (:class:`~phalanx.controller.refs.ObjectRef`, put
 here or kept by any group) and returning the ones it met with the pickle (an
-:class:`Encoded`), so that the call holds them until it ends.
+:class:`Encoded`), so that the call holds them until it ends. A payload that met nothing
+is the plain list of its segments: the usual call pays for nothing more.
 
 A put object is freed by ``ref.free()``, when the last reference to its handle goes, or
 when the group shuts down. A call in flight keeps what it names: freeing an object a
@@ -31,7 +32,7 @@ import secrets
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from phalanx import config
 from phalanx.backends.held import HeldObject, KeptCopy
@@ -52,12 +53,27 @@ logger = logging.getLogger(__name__)
 AUTO_SHARE_BYTES = config.AUTO_SHARE_BYTES
 
 
-class Encoded(NamedTuple):
-    """What encoding a value made: the pickle and its buffers, and what it met on the way."""
+class Encoded(list[Any]):
+    """A payload that met something on the way: its segments (the pickle and its buffers,
+    as the list it is), the handles it names in the order met (:attr:`refs`), whether a
+    torch tensor went out of band (:attr:`tensors`). Encoding returns a plain list when
+    it met nothing (see :func:`met`)."""
 
-    segments: list[Any]
-    refs: tuple[ObjectRef, ...] = ()  # the handles it names, in order met
-    tensors: bool = False  # a torch tensor went out of band
+    __slots__ = ("refs", "tensors")
+
+    def __init__(self, segments: list[Any], refs: tuple[ObjectRef, ...] = (),
+                 tensors: bool = False) -> None:
+        super().__init__(segments)
+        self.refs = refs
+        self.tensors = tensors
+
+
+Payload = list[Any]  # a payload's segments: a plain list, or an Encoded one
+
+
+def met(payloads: Sequence[Payload]) -> tuple[ObjectRef, ...]:
+    """The handles the payloads of one call name."""
+    return tuple(r for p in payloads if type(p) is Encoded for r in p.refs)
 
 
 class PutRecord(Record):
@@ -114,12 +130,14 @@ class SharedObjects:
 
     # -- encoding -----------------------------------------------------------------------
 
-    def encode(self, value: Any) -> Encoded:
-        """Pickle ``value`` for a call, with the handles it names."""
+    def encode(self, value: Any) -> Payload:
+        """Pickle ``value`` for a call: an :class:`Encoded` with the handles it names (a
+        plain list of segments if it names none)."""
         plain = pickling.dumps_plain(value)  # the usual call: nothing in it to note
         if plain is not None:
-            return Encoded(plain)
-        return self._encode(value, putting=False)
+            return plain
+        encoded = self._encode(value, putting=False)
+        return encoded if encoded.refs or encoded.tensors else list(encoded)
 
     def _encode(self, value: Any, putting: bool) -> Encoded:
         refs: list[ObjectRef] = []
@@ -152,7 +170,7 @@ class SharedObjects:
         if any(isinstance(r, ResultRef) for r in encoded.refs):
             raise TypeError("a kept result's handle (ResultRef) cannot be put: pass it in "
                             "the calls that need it")
-        ref = self._store(encoded.segments, type(value).__name__, tensors=encoded.tensors)
+        ref = self._store(list(encoded), type(value).__name__, tensors=encoded.tensors)
         if encoded.refs:  # an object holding other put objects keeps them while it lives
             self._hold_for(ref, list(encoded.refs))
         return ref
@@ -220,7 +238,7 @@ class SharedObjects:
 
     # -- calls --------------------------------------------------------------------------
 
-    def prepare(self, future: GroupFuture, payloads: list[Encoded],
+    def prepare(self, future: GroupFuture, payloads: list[Payload],
                 refs: Sequence[ObjectRef], targets: Callable[[], list[Channel]]
                 ) -> list[list[Any]]:
         """Before a call is sent, its payloads' segments: the kept results it names copied
@@ -230,15 +248,15 @@ class SharedObjects:
         kept = [r for r in refs if isinstance(r, ResultRef)]
         if kept and self._copies:
             self._copy(kept, targets())
-        segments = [p.segments for p in payloads]
+        segments = [list(p) if type(p) is Encoded else p for p in payloads]
         puts = [r.record for r in refs if not isinstance(r, ResultRef)]
         transient = None
         if (len(payloads) == 1 and len(segments[0]) > 1 and self._holder is not None
                 and _nbytes(segments[0][1:]) >= AUTO_SHARE_BYTES):
             transient = self._store(segments[0], f"the arguments of {future.method}()",
-                                    private=True, tensors=payloads[0].tensors)
-            handle = self.encode(transient)
-            segments = [handle.segments]
+                                    private=True, tensors=getattr(payloads[0], "tensors",
+                                                                  False))
+            segments = [list(self.encode(transient))]
             puts.append(transient.record)
         if puts:
             with self._lock:
@@ -335,7 +353,8 @@ class SharedObjects:
             self._copying.clear()
             records, self._objects = list(self._objects.values()), {}
             for record in records:
-                record.move(RefState.RELEASED)
+                if record.move(RefState.RELEASED):
+                    record.why = "its group was shut down"
                 record.held.segments = None
                 if self._holder is None:
                     continue

@@ -14,6 +14,7 @@ their processes are stopped, and the calls still pending on them fail.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import sys
 import time
@@ -43,6 +44,8 @@ if TYPE_CHECKING:
     from phalanx.world.frameworks import Framework
 
 logger = logging.getLogger(__name__)
+
+_numbers = itertools.count(1)  # each group started here, for its name in messages
 
 READMIT_ENV = "PHALANX_READMIT"  # "1" in the environment of a rank started to be re-admitted
 
@@ -84,12 +87,22 @@ def check_part_of(part_of: Any, master_addr: str | None, master_port: int | None
     part_of.check(placement.framework, placement.layout)
 
 
+def _check_ranks_named(what: str, table: Mapping[Any, Any], world_size: int) -> None:
+    """The keys of ``what=`` (a dict rank -> ...) are ranks of the group: TypeError naming
+    a key that is no integer (a string such as '1'), ValueError naming those outside."""
+    wrong = [r for r in table if isinstance(r, bool) or not isinstance(r, int)]
+    if wrong:
+        raise TypeError(f"{what} is keyed by rank numbers (ints); it has the keys "
+                        f"{wrong!r} ({', '.join(sorted({type(r).__name__ for r in wrong}))})")
+    bad = [r for r in table if not 0 <= r < world_size]
+    if bad:
+        raise ValueError(f"{what} names ranks {bad} outside 0..{world_size - 1}")
+
+
 def check_rank_env(rank_env: Mapping[int, Any] | None, world_size: int) -> None:
     """``rank_env=`` names only ranks of the group."""
     if rank_env is not None:
-        bad = [r for r in rank_env if not (isinstance(r, int) and 0 <= r < world_size)]
-        if bad:
-            raise ValueError(f"rank_env names ranks {bad} outside 0..{world_size - 1}")
+        _check_ranks_named("rank_env", rank_env, world_size)
 
 
 def check_rank_kwargs(rank_kwargs: Any, world_size: int) -> dict[int, dict[str, Any]]:
@@ -106,10 +119,7 @@ def check_rank_kwargs(rank_kwargs: Any, world_size: int) -> dict[int, dict[str, 
                 raise ValueError(f"rank_kwargs({rank}) raised {type(exc).__name__}: "
                                  f"{exc}") from exc
     elif isinstance(rank_kwargs, Mapping):
-        bad = [r for r in rank_kwargs
-               if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size]
-        if bad:
-            raise ValueError(f"rank_kwargs names ranks {bad} outside 0..{world_size - 1}")
+        _check_ranks_named("rank_kwargs", rank_kwargs, world_size)
         table = dict(rank_kwargs)
     else:
         raise TypeError(f"rank_kwargs must be a dict rank -> keywords or a callable rank -> "
@@ -190,6 +200,7 @@ class Starter:
         self._table = table
         self._shared = shared
         self._methods = methods
+        self._number = next(_numbers)
         self._nodes: list[Node] = []
         self._starts: list[RankStart] = []
 
@@ -207,6 +218,12 @@ class Starter:
     def gpus_per_worker(self) -> int:
         return self._placement.gpus_per_worker
 
+    @property
+    def holder(self) -> str:
+        """The group as the books of devices name what it holds."""
+        return (f"group {self._number} ({self._methods.target_name}, "
+                f"{self._layout.world_size} rank{'s' if self._layout.world_size != 1 else ''})")
+
     # -- nodes and launches -------------------------------------------------------------
 
     def reserve(self, layout: Layout | None = None) -> None:
@@ -219,7 +236,7 @@ class Starter:
                                                self._boot.target_name)
         nodes = self._backend.reserve(
             self._layout, gpus_per_worker=self._placement.gpus_per_worker,
-            timeout=self.start_timeout,
+            timeout=self.start_timeout, holder=self.holder,
         )
         layout = Layout.of([n.ranks for n in nodes])
         if layout != self._layout:  # the backend placed the ranks itself (Ray)
@@ -306,6 +323,7 @@ class Starter:
                 progress=self._progress,
                 target_name=self._methods.target_name,
                 limit=limit,
+                python=self._boot.python,
             )
         except BaseException:
             self.retire(entries, grace=0.0, force=True)  # they stay known as dead ranks
@@ -335,10 +353,12 @@ def await_ready(
     progress: bool | None,
     target_name: str,
     limit: str | None = None,
+    python: str | None = None,
 ) -> None:
     """Return once every entry is ready; raise :class:`StartupError` at the first failure
     (a constructor that raised, a worker that died) or when ``timeout`` passes (``limit``
-    names the setting that gave it, for the message)."""
+    names the setting that gave it, for the message; ``python``, the interpreter the
+    ranks run, when ``python=`` chose one)."""
     bar = Progress(f"starting {len(entries)} workers", len(entries), enabled=progress)
     deadline = time.monotonic() + timeout
 
@@ -356,7 +376,7 @@ def await_ready(
             )
             bar.update(sum(s.ever_ready for s in entries))
             if failed():
-                raise startup_error(min(failed(), key=lambda s: s.rank))
+                raise startup_error(min(failed(), key=lambda s: s.rank), python)
             if all_ready:
                 return
             if time.monotonic() >= deadline:
@@ -372,8 +392,10 @@ def await_ready(
         bar.close()
 
 
-def startup_error(entry: RankEntry) -> StartupError:
-    """The error for an entry whose constructor raised or whose process died."""
+def startup_error(entry: RankEntry, python: str | None = None) -> StartupError:
+    """The error for an entry whose constructor raised or whose process died (``python``:
+    the interpreter ``python=`` gave the ranks, named when the process ended before
+    phalanx ran in it)."""
     failure = entry.init_failure
     if failure is not None:
         pid = "" if entry.pid is None else f", pid {entry.pid}"  # READY brings it
@@ -391,7 +413,12 @@ def startup_error(entry: RankEntry) -> StartupError:
     if entry.failure is None:  # pragma: no cover - a dead entry always has its record
         raise RuntimeError(f"rank {entry.rank} failed without a failure record")
     died = death_error(entry.failure)
-    error = StartupError(str(died) if entry.failure.never_started else
-                         f"rank {entry.rank} died during start-up: {died}", rank=entry.rank)
+    text = (str(died) if entry.failure.never_started else
+            f"rank {entry.rank} died during start-up: {died}")
+    if python is not None and not entry.ever_ready:
+        text += (f"\n\nThe ranks run python={python!r}, whose process ended before the "
+                 f"rank was ready: is it a Python {sys.version_info[0]}."
+                 f"{sys.version_info[1]} with phalanx {__version__} installed?")
+    error = StartupError(text, rank=entry.rank)
     error.__cause__ = died
     return error

@@ -99,20 +99,34 @@ def require_interpreter(python: str, where: str = "this machine") -> str:
     return python
 
 
-def interpreter_problem(python: str, version: str, where: str) -> tuple[str, str] | None:
+# What interpreter_problem runs: phalanx's release, then each package's ("-": missing).
+_PROBE = """import sys, phalanx
+found = [phalanx.__version__]
+for name in sys.argv[1:]:
+    try:
+        found.append(getattr(__import__(name), "__version__", "?"))
+    except ImportError:
+        found.append("-")
+sys.stdout.write(" ".join(found))"""
+
+
+def interpreter_problem(python: str, version: str, where: str,
+                        needs: Mapping[str, str] | None = None) -> tuple[str, str] | None:
     """What keeps ``python`` on this machine from running a rank of phalanx ``version``:
     ``("missing", why)`` (no such executable file), ``("unusable", why)`` (it cannot import
-    phalanx, or has another release), or None. Runs it once (outside any cwd that holds
-    phalanx), for a node side that cannot see a rank's own start fail (a Ray worker)."""
+    phalanx, or has another release, or lacks a package of ``needs`` -- name -> the release
+    the controller runs, e.g. Ray's -- or has another release of it), or None. Runs it
+    once (outside any cwd that holds phalanx), for a node side that cannot see a rank's own
+    start fail (a Ray worker)."""
     import subprocess
 
     try:
         require_interpreter(python, where)
     except ValueError as exc:
         return "missing", str(exc)
-    probe = "import sys, phalanx; sys.stdout.write(phalanx.__version__)"
+    needs = dict(needs or {})
     try:
-        done = subprocess.run([python, "-c", probe], capture_output=True, text=True,
+        done = subprocess.run([python, "-c", _PROBE, *needs], capture_output=True, text=True,
                               cwd="/", timeout=60, stdin=subprocess.DEVNULL, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return "unusable", f"the interpreter {python} on {where} could not be run: {exc}"
@@ -120,10 +134,21 @@ def interpreter_problem(python: str, version: str, where: str) -> tuple[str, str
         lines = done.stderr.strip().splitlines() or [f"exit code {done.returncode}"]
         return "unusable", (f"the interpreter {python} (python=) on {where} cannot run a "
                             f"rank: {lines[-1]}; install phalanx into its environment")
-    if done.stdout.strip() != version:
+    found = done.stdout.split()
+    if not found or found[0] != version:
         return "unusable", (f"the interpreter {python} (python=) on {where} runs phalanx "
-                            f"{done.stdout.strip()} but the controller runs phalanx {version}: "
-                            f"install phalanx {version} into its environment")
+                            f"{found[0] if found else '(nothing)'} but the controller runs "
+                            f"phalanx {version}: install phalanx {version} into its "
+                            "environment")
+    for (name, wanted), has in zip(needs.items(), found[1:], strict=False):
+        if has == "-":
+            return "unusable", (f"the interpreter {python} (python=) on {where} has no "
+                                f"{name}, which its ranks need: install {name}=={wanted} "
+                                "into its environment")
+        if has != wanted:
+            return "unusable", (f"the interpreter {python} (python=) on {where} has {name} "
+                                f"{has} but the controller runs {name} {wanted}: install "
+                                f"{name}=={wanted} into its environment")
     return None
 
 

@@ -196,7 +196,10 @@ def test_a_quorum_of_one_cannot_start_two_nodes(agent_cluster):
 
 
 def test_a_missing_agent_times_the_quorum_out_naming_who_answered_and_who_did_not(
-        agent_cluster):
+        agent_cluster, capfd, monkeypatch):
+    from phalanx import config
+
+    monkeypatch.setattr(config, "QUORUM_REPORT_EVERY", 0.5)  # the notices, seen in 1.5 s
     present = agent_cluster.hosts[0]
     absent = f"127.0.0.5:{free_port('127.0.0.5')}"
     started = time.monotonic()
@@ -210,6 +213,10 @@ def test_a_missing_agent_times_the_quorum_out_naming_who_answered_and_who_did_no
     message = str(info.value)
     assert present in message and absent in message
     assert "refused" in message.lower()  # why the missing one is missing
+    # and while it waited, it said so (a wrong port shows at once, not at quorum_timeout)
+    notices = [line for line in capfd.readouterr().err.splitlines()
+               if "waiting for 1 more agent(s)" in line]
+    assert notices and absent in notices[0] and "refused" in notices[0].lower(), notices
 
 
 def test_a_frozen_agent_is_missing_from_the_quorum_not_an_authentication_failure(

@@ -244,6 +244,62 @@ def test_without_a_running_ray_a_local_one_is_started_and_stopped(tmp_path):
                                                     "after": False}
 
 
+@pytest.mark.slow
+def test_a_users_ray_shutdown_ends_the_groups_on_it_quietly(tmp_path):
+    """ray.shutdown() while a group runs: its calls fail naming Ray's shutdown, its own
+    shutdown (and the interpreter's exit) makes no Ray call -- none starts a new Ray, no
+    traceback is printed."""
+    script = helpers.write_script(tmp_path, """
+        import json, ray, phalanx as px
+        from tests.workers import Probe
+        ray.init(address="local", num_cpus=4, include_dashboard=False)
+        g = px.WorkerGroup(Probe, procs_per_node=2, backend="ray", echo_output=False)
+        assert g.call("rank") == [0, 1]
+        ray.shutdown()
+        try:
+            g.call("rank", timeout=60)
+            out = {"error": None}
+        except px.PhalanxError as exc:
+            out = {"error": type(exc).__name__, "text": str(exc)}
+        g.shutdown()
+        out["ray"] = ray.is_initialized()
+        print(json.dumps(out))
+    """)
+    env = helpers.script_env()
+    env.pop("RAY_ADDRESS", None)
+    import subprocess
+
+    done = subprocess.run([sys.executable, str(script)], cwd=str(tmp_path), env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = helpers.json_lines(done.stdout)[-1]
+    assert out["error"] in ("WorkerDied", "GroupClosed"), out
+    assert "ray.shutdown()" in out["text"], out
+    assert out["ray"] is False
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def test_more_nodes_than_ray_has_are_virtual_nodes_unless_strict_spread_is_asked():
+    """NeMo-RL's single-node development set-up: a layout of 4 nodes on the 3-node test
+    cluster runs, each node its own NODE_RANK (two of them on one Ray node); a pool of 2
+    nodes lands so too. STRICT_SPREAD refuses at once instead."""
+    with px.WorkerGroup(Probe, nodes=4, procs_per_node=1, backend="ray",
+                        echo_output=False) as group:
+        seen = group.call("env", "NODE_RANK", "MASTER_ADDR")
+        assert [s["NODE_RANK"] for s in seen] == ["0", "1", "2", "3"]
+        assert len({s["MASTER_ADDR"] for s in seen}) == 1
+        assert len(set(group.call("ray_node"))) == 3  # four nodes on three Ray nodes
+    with pytest.raises(px.StartupError, match="STRICT_SPREAD needs 4 distinct nodes"):
+        px.WorkerGroup(Probe, nodes=4, procs_per_node=1, echo_output=False,
+                       backend=px.RayBackend(placement_strategy="STRICT_SPREAD"))
+    # a pool's PACKed bundles (one Ray node, most likely) are its nodes all the same
+    with px.ResourcePool(nodes=2, procs_per_node=2, backend="ray") as pool, \
+            px.WorkerGroup(Probe, pool=pool, echo_output=False) as group:
+        seen = group.call("env", "NODE_RANK", "LOCAL_RANK")
+        assert [(s["NODE_RANK"], s["LOCAL_RANK"]) for s in seen] == [
+            ("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]
+
+
 def test_signals_reach_a_rank_on_another_node(ranks):
     with px.WorkerGroup(Probe, procs_per_node=[1, 1], backend="ray",
                         echo_output=False) as group:

@@ -202,6 +202,21 @@ def test_two_groups_share_the_bundles_of_one_placement_group_by_halves(user_pg):
     assert state(pg) == "CREATED"
 
 
+def test_a_group_whose_bundles_are_taken_is_refused_at_once_naming_them(user_pg):
+    pg = user_pg([{"CPU": 1}] * 2)
+    with px.WorkerGroup(Probe, procs_per_node=2, echo_output=False,
+                        backend=px.RayBackend(placement_group=pg)):
+        began = time.monotonic()
+        with pytest.raises(StartupError) as info:  # not "slow to construct" at the timeout
+            px.WorkerGroup(Probe, procs_per_node=2, echo_output=False, start_timeout=60,
+                           backend=px.RayBackend(placement_group=pg))
+        assert time.monotonic() - began < 20
+        message = str(info.value)
+        assert "the bundles [0, 1] of the placement group" in message, message
+        assert "bundle 0 has 0 of 1 CPU free" in message, message
+    assert state(pg) == "CREATED"
+
+
 def test_fractions_of_gpus_place_ranks_without_a_placement_group_of_the_users():
     backend = px.RayBackend(resources_per_worker={"GPU": 0.25, "CPU": 0.5})
     with px.WorkerGroup(Probe, procs_per_node=4, backend=backend, echo_output=False) as group:

@@ -144,3 +144,9 @@ def test_a_node_side_tells_what_keeps_an_interpreter_from_running_ranks(venvs, t
     assert kind == "unusable" and venvs["without"] in why and "No module named" in why
     kind, why = interpreter_problem(venvs["other"], __version__, "here")
     assert kind == "unusable" and "runs phalanx 99.0" in why
+    # what a rank's Ray actor needs besides phalanx: Ray itself, of the controller's release
+    python = venvs["with_phalanx"]
+    kind, why = interpreter_problem(python, __version__, "here", {"no_such_package": "1.0"})
+    assert kind == "unusable" and f"{python} (python=) on here has no no_such_package" in why
+    kind, why = interpreter_problem(python, __version__, "here", {"numpy": "0.0.1"})
+    assert kind == "unusable" and "but the controller runs numpy 0.0.1" in why

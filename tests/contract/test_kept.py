@@ -159,7 +159,7 @@ def test_moving_bytes_between_groups_does_not_grow_the_controller(groups):
     assert wait_until(lambda: producers.call("kept") == [0, 0], 10)
 
 
-def test_a_dead_producer_is_an_object_lost_error_and_the_consumers_go_on(backend):
+def test_a_dead_producer_is_object_lost_and_a_group_shut_down_is_object_freed(backend):
     with WorkerGroup(Producer, procs_per_node=2, backend=backend, echo_output=False) as p, \
             WorkerGroup(Consumer, backend=backend, echo_output=False) as c:
         refs = p.call("make", 100, keep=True)
@@ -174,6 +174,12 @@ def test_a_dead_producer_is_an_object_lost_error_and_the_consumers_go_on(backend
             refs[1].get()
         assert c.call("total", refs[0]) == [(100.0, False)]  # the other rank's is there
         assert c.call("ping") == ["pong"]
+        put = c.put(np.ones(4))
+    # once their groups are shut down, handles of both kinds say so, on every backend
+    with pytest.raises(ObjectFreed, match="the Producer group was shut down"):
+        refs[0].get()
+    assert refs[0].state is px.RefState.RELEASED and refs[1].state is px.RefState.LOST
+    assert put.state is px.RefState.RELEASED and put.freed
 
 
 def test_a_result_a_rank_still_holds_is_never_overwritten_by_the_next(groups):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 
 import psutil
 import pytest
@@ -141,6 +142,8 @@ def test_each_rank_gets_its_own_constructor_keywords(backend):
 
 @pytest.mark.parametrize("rank_kwargs, error, words", [
     ({5: {"seed": 1}}, ValueError, "rank_kwargs names ranks [5] outside 0..1"),
+    ({"1": {"seed": 1}}, TypeError, "rank_kwargs is keyed by rank numbers (ints); it has "
+                                    "the keys ['1'] (str)"),
     ({0: ["seed"]}, TypeError, "rank_kwargs for rank 0 must be a dict"),
     ([{"seed": 1}], TypeError, "rank_kwargs must be a dict rank -> keywords"),
     (lambda r: 1 / 0, ValueError, "rank_kwargs(0) raised ZeroDivisionError"),
@@ -163,3 +166,48 @@ def test_bad_pools_are_refused(backend):
         px.ResourcePool(gpus_per_proc=-1, backend=backend)
     with pytest.raises(TypeError, match=r"pool must be a px\.ResourcePool"):
         WorkerGroup(Seat, pool="pool-1", echo_output=False)
+
+
+def test_gpus_held_by_a_pool_or_a_group_are_not_handed_to_another(backend, monkeypatch):
+    """One book of this machine's GPUs for every pool, split pool and plain group of the
+    controller: a request for GPUs another holds is refused at once, naming the holder and
+    what is free; closing the holder frees them."""
+    if backend == "ray":  # Ray keeps the resources; phalanx names its own pools holding them
+        with px.ResourcePool(nodes=3, procs_per_node=2, gpus_per_proc=1,
+                             backend=backend) as every_gpu:
+            began = time.monotonic()
+            with pytest.raises(px.StartupError) as info:
+                px.ResourcePool(nodes=1, procs_per_node=1, gpus_per_proc=1, backend=backend,
+                                timeout=60)
+            assert time.monotonic() - began < 20  # refused, not waited out
+            message = str(info.value)
+            assert "lacks 1 GPU" in message and f"held by {every_gpu.name}" in message
+        return
+    if backend != "local":
+        pytest.skip("the agents list no GPUs here (their per-node book is not built yet)")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    first = px.ResourcePool(nodes=1, procs_per_node=2, gpus_per_proc=1, backend=backend)
+    try:
+        with pytest.raises(px.DevicesTaken) as info:
+            px.ResourcePool(nodes=1, procs_per_node=2, gpus_per_proc=1, backend=backend)
+        message = str(info.value)
+        assert f"{first.name} holds 0, 1" in message and "(2)" in message, message
+        with pytest.raises(px.DevicesTaken, match=f"{first.name} holds 0, 1"):
+            WorkerGroup(Seat, procs_per_node=2, gpus_per_worker=1, backend=backend,
+                        echo_output=False)
+        # what is free is still handed out: one GPU, to a group of one rank
+        with WorkerGroup(Seat, gpus_per_worker=1, backend=backend,
+                         echo_output=False) as group:
+            assert group.call("where")[0]["cuda"] == "2"
+            with pytest.raises(px.DevicesTaken, match=r"group \d+ \(Seat, 1 rank\) holds 2"):
+                px.ResourcePool(nodes=1, procs_per_node=1, gpus_per_proc=1,
+                                backend=backend)
+        # a split pool's slots are its parent's: its groups draw on what the pool holds
+        left, right = first.split([1, 1])
+        with _group(left) as a, _group(right) as b:
+            assert [a.call("where")[0]["cuda"], b.call("where")[0]["cuda"]] == ["0", "1"]
+    finally:
+        first.close()
+    with px.ResourcePool(nodes=1, procs_per_node=3, gpus_per_proc=1,
+                         backend=backend) as whole:  # closing the holder freed them
+        assert whole.slots == 3

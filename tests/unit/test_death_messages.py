@@ -11,7 +11,6 @@ from phalanx.backends.parts import Capabilities
 from phalanx.controller.calls import Sender
 from phalanx.controller.dispatch import Dispatcher
 from phalanx.controller.ranks import RankEntry, RankTable
-from phalanx.controller.shared import Encoded
 from phalanx.controller.startup import startup_error
 from phalanx.errors import ProcessFailure, WorkerDied, WorkerUnresponsive, death_error
 from phalanx.wire import pickling, protocol
@@ -110,7 +109,7 @@ def test_a_call_to_a_rank_whose_death_is_in_but_not_yet_read_fails_as_sent_too_l
     sender = Sender(table, dispatcher, shared=None, backend=FakeBackend())  # type: ignore[arg-type]
     # the death arrived before the call; nothing has read it yet
     dispatcher.post(entries[1].channel, [protocol.exited_message(1, KILLED.as_dict())])
-    future = sender.send("who", [0, 1], [Encoded(pickling.dumps_plain(((), {})))])
+    future = sender.send("who", [0, 1], [pickling.dumps_plain(((), {}))])
     error = future.futures[1].exception(timeout=1)
     assert isinstance(error, WorkerDied) and error.before_sent
     assert "was already dead when who() was sent" in str(error)

@@ -14,6 +14,10 @@ READY_EXTRA = (1234, ["step"], {"constructor": 0.1}, "v1")
 class FakeChannel:
     def __init__(self, ranks=(0,)) -> None:
         self.ranks = list(ranks)
+        self.dying_ranks: set[int] = set()  # deaths known, EXITED still on its way
+
+    def dying(self, rank: int) -> bool:
+        return rank in self.dying_ranks
 
 
 class FakeDispatcher:
@@ -152,6 +156,14 @@ def test_selections_follow_the_rules_and_a_dead_rank_named_raises():
         table.select([1])
     assert [s.rank for s in table.live()] == [0, 2]
     assert table.alive_flags() == [True, False, True]
+
+
+def test_ready_and_any_skip_a_rank_whose_death_is_known_but_not_yet_told():
+    table, _ = table_of(3)
+    table.entries[0].channel.dying_ranks.add(0)  # type: ignore[union-attr]
+    assert table.select("ready") == [1, 2]
+    assert table.select("any") == [1]
+    assert table.select("all") == [0, 1, 2]  # still alive: a call to it fails as it dies
 
 
 def test_all_is_answered_from_memory_until_a_rank_dies():

@@ -69,6 +69,7 @@ from phalanx.errors import (
     VersionMismatch,
 )
 from phalanx.node.machine import require_interpreter, without_own_install
+from phalanx.output import console
 from phalanx.output.logs import LogPump, OutputOptions
 from phalanx.wire.memfd import machine_id
 from phalanx.world.layout import Layout
@@ -303,11 +304,20 @@ class ClusterBackend(Backend):
         for thread in threads:
             thread.start()
         with done:
+            told = time.monotonic()
             while len(answered) < wanted and not failure:
-                remaining = deadline - time.monotonic()
+                now = time.monotonic()
+                remaining = deadline - now
                 if remaining <= 0:
                     break
-                done.wait(remaining)
+                if now - told >= config.QUORUM_REPORT_EVERY and errors:
+                    told = now  # a wrong port or token shows now, not at quorum_timeout
+                    absent = "; ".join(f"{self.hosts[i]}: {why}" for i, why in
+                                       sorted(errors.items()) if i not in answered)
+                    console.notice(f"phalanx: waiting for {wanted - len(answered)} more "
+                                   f"agent(s) (quorum {wanted} of {len(self.hosts)}, "
+                                   f"{remaining:.0f} s left of quorum_timeout): {absent}")
+                done.wait(min(remaining, config.QUORUM_REPORT_EVERY))
             enough = len(answered) >= wanted
             self._stopping.set()  # the others stop trying
         for thread in threads:
@@ -374,7 +384,8 @@ class ClusterBackend(Backend):
 
     # -- nodes ------------------------------------------------------------------------
 
-    def _reserve(self, layout: Layout, *, gpus_per_worker: int, timeout: float) -> list[Node]:
+    def _reserve(self, layout: Layout, *, gpus_per_worker: int, timeout: float,
+                 holder: str) -> list[Node]:
         agents = self.members.current(self._in_use)  # lost out, admitted ones in
         self._in_use = layout.nodes
         if layout.nodes > len(agents):
@@ -397,7 +408,8 @@ class ClusterBackend(Backend):
                             changing=self, shared_links=True)
 
     def reserve_slots(self, counts: Sequence[int], *, gpus: int,
-                      resources: Mapping[str, float], timeout: float) -> SlotReservation:
+                      resources: Mapping[str, float], timeout: float,
+                      holder: str = "a pool") -> SlotReservation:
         """The first agents of ``hosts`` (:mod:`phalanx.backends.cluster.pool`)."""
         from phalanx.backends.cluster.pool import reserve_slots
 

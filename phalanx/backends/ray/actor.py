@@ -95,10 +95,11 @@ def replace_idle(ray: Any, bundles: Sequence[Any], python: str | None, *,
 
     idle = [b for b in bundles if not b.used and b.actor is not None]
     problem = None
+    needs = {"ray": ray.__version__}  # a rank's actor runs in it: Ray's worker
     if python is not None and here:
-        problem = interpreter_problem(python, __version__, "this machine")
+        problem = interpreter_problem(python, __version__, "this machine", needs)
     elif python is not None and idle and hasattr(idle[0].actor, "check_interpreter"):
-        problem = ray.get(idle[0].actor.check_interpreter.remote(python, __version__),
+        problem = ray.get(idle[0].actor.check_interpreter.remote(python, __version__, needs),
                           timeout=timeout)
     if problem is not None:
         kind, why = problem
@@ -229,11 +230,13 @@ class RankActor:
 
         return pick_free_ports(host, count)
 
-    def check_interpreter(self, python: str, version: str) -> tuple[str, str] | None:
+    def check_interpreter(self, python: str, version: str,
+                          needs: dict[str, str] | None = None) -> tuple[str, str] | None:
         """What keeps ``python`` from running a rank here (``interpreter_problem``)."""
         from phalanx.node.machine import interpreter_problem
 
-        return interpreter_problem(python, version, f"Ray node {socket.gethostname()}")
+        return interpreter_problem(python, version, f"Ray node {socket.gethostname()}",
+                                   needs)
 
     def serve(self, start: ActorStart | None = None) -> dict:
         """Serve the rank until it ends; its pid and exit status. The rank is the one the

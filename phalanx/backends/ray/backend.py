@@ -75,6 +75,9 @@ from phalanx.world.layout import Layout
 
 logger = logging.getLogger(__name__)
 
+# A rank's account when this process left Ray (the user's ray.shutdown()) while it ran.
+RAY_SHUT_DOWN = ("Ray was shut down in the controller (ray.shutdown()) while the group ran: "
+                 "its actors ended with it")
 
 
 class RayBackend(Backend):
@@ -144,6 +147,7 @@ class RayBackend(Backend):
         self._checked: set[str | None] = {None}  # python= checked on this machine
         self._own_pg = False  # whether self._pg is one this backend made (and removes)
         self._seat_resources: dict[int, dict[str, float]] = {}  # bundle index -> per rank
+        self._node_of_rank: list[int] | None = None  # a pool's nodes of its ranks
         self._relayed = relays(address, transport)
         self._bundles: list[Bundle] = []
         self._channels: dict[tuple[int, int], RayChannel] = {}
@@ -178,6 +182,11 @@ class RayBackend(Backend):
         self._rank_resources, self._actor_env = class_settings(
             options, target_name, self.resources_per_worker, self.runtime_env)
 
+    def place_nodes(self, node_of_rank: list[int]) -> None:
+        """The node of each rank as a resource pool made them (its slots' nodes, before
+        :meth:`reserve`): they may be virtual, several on one Ray node."""
+        self._node_of_rank = list(node_of_rank)
+
     @property
     def capabilities(self) -> Capabilities:
         """It holds put objects (Ray's object store, and a node's block for ranks outside
@@ -187,11 +196,12 @@ class RayBackend(Backend):
     # -- opening -----------------------------------------------------------------------
 
     def reserve_slots(self, counts: Sequence[int], *, gpus: int,
-                      resources: Mapping[str, float], timeout: float) -> SlotReservation:
+                      resources: Mapping[str, float], timeout: float,
+                      holder: str = "a pool") -> SlotReservation:
         """One placement group, a bundle per slot (:mod:`phalanx.backends.ray.pool`)."""
         from phalanx.backends.ray.pool import reserve_slots
 
-        return reserve_slots(self, counts, gpus, resources, timeout)
+        return reserve_slots(self, counts, gpus, resources, timeout, holder)
 
     def _open(self, output: OutputOptions) -> None:
         self._session = ray_session.acquire(self.address, namespace=self.namespace,
@@ -237,10 +247,22 @@ class RayBackend(Backend):
         else:
             channel.connected(hello.role, sock, hello.auth)
 
+    def _ray_gone(self) -> bool:
+        """Whether this process left Ray while the group ran (the user's ``ray.shutdown()``):
+        the actors went with the connection, and any Ray call now would start a new Ray."""
+        return not self._ray.is_initialized()
+
     def _watch_loop(self) -> None:
         """Learn from Ray how each serving actor ended."""
         ray = self._ray
         while not self._stopping:
+            if self._ray_gone():
+                with self._watch_lock:
+                    channels = list(self._watched.values())
+                    self._watched.clear()
+                for ended in channels:  # their streams end as their actors do
+                    ended.ray_reports(RAY_SHUT_DOWN)
+                return
             with self._watch_lock:
                 refs = list(self._watched)
             if not refs:
@@ -249,8 +271,8 @@ class RayBackend(Backend):
             try:
                 done, _ = ray.wait(refs, num_returns=1, timeout=0.1, fetch_local=True)
             except Exception:
-                if self._stopping:
-                    return
+                if self._stopping or self._ray_gone():
+                    continue  # ended above, or by close()
                 logger.exception("waiting on Ray actors failed")
                 time.sleep(0.1)
                 continue
@@ -268,7 +290,8 @@ class RayBackend(Backend):
 
     # -- reserving ---------------------------------------------------------------------
 
-    def _reserve(self, layout: Layout, *, gpus_per_worker: int, timeout: float) -> list[Node]:
+    def _reserve(self, layout: Layout, *, gpus_per_worker: int, timeout: float,
+                 holder: str) -> list[Node]:
         ray = self._ray
         deadline = time.monotonic() + timeout
         self._release_reservation()  # reserving again (a resize): the previous one goes
@@ -276,7 +299,8 @@ class RayBackend(Backend):
             held = seats_in_user_pg(ray, self.placement_group, self.bundle_indices, layout,
                                     bundle_for_rank=self._rank_resources,
                                     gpus_per_worker=gpus_per_worker, deadline=deadline,
-                                    timeout=timeout)
+                                    timeout=timeout, first=not self._bundles,
+                                    node_of_rank=self._node_of_rank)
         else:
             held = seats_in_own_pg(ray, layout, bundle_for_rank=self._rank_resources,
                                    gpus_per_worker=gpus_per_worker,
@@ -294,10 +318,9 @@ class RayBackend(Backend):
         self._start_timeout = timeout
         nodes: list[Node] = []
         self._first_rank = []
-        for node_id, group in itertools.groupby(range(len(seats)),
-                                                key=lambda r: seats[r].node_id):
+        for _, group in itertools.groupby(range(len(seats)), key=lambda r: held.node_keys[r]):
             ranks = list(group)
-            address = addresses[node_id]
+            address = addresses[seats[ranks[0]].node_id]
             self._first_rank.append(ranks[0])
             nodes.append(Node(index=len(nodes), address=address, ranks=len(ranks), gpus=None,
                               same_host=address == self._host))
@@ -440,6 +463,10 @@ class RayBackend(Backend):
         ours = [c for c in channels if isinstance(c, RayChannel)]
         for channel in ours:
             channel.stopped_on_purpose()
+        if self._ray_gone():  # their actors went with this process's Ray
+            for channel in ours:
+                self._channels.pop((channel.rank, channel.incarnation), None)
+            return
         # the ranks' process trees are stopped (SIGTERM, grace, SIGKILL), then the actors
         # go: a direct rank's by its warden over the side stream (its actor's main thread
         # is the rank's), a relayed rank's by its (threaded) actor
@@ -469,7 +496,7 @@ class RayBackend(Backend):
     def wait_exited(self, channels: Sequence[Channel], timeout: float) -> None:
         refs = [c.serve_ref for c in channels
                 if isinstance(c, RayChannel) and c.serve_ref is not None]
-        if refs:
+        if refs and not self._ray_gone():
             self._ray.wait(refs, num_returns=len(refs), timeout=timeout, fetch_local=False)
 
     def close(self) -> None:
@@ -479,7 +506,7 @@ class RayBackend(Backend):
         if self._listener is not None:
             self._listener.close()
         try:
-            if self._session is not None:
+            if self._session is not None and not self._ray_gone():
                 self._release_cluster_side()
         finally:
             for thread in self._threads:

@@ -181,6 +181,9 @@ class RayChannel(Channel):
 
     # -- events ------------------------------------------------------------------------
 
+    def dying(self, rank: int) -> bool:
+        return self._burial.claimed  # EXITED waits for Ray's account of it (up to a second)
+
     def receive(self, fd: int) -> list[list[Any]]:
         conn = self._conn
         if conn is None:

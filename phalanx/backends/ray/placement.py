@@ -227,6 +227,26 @@ def order_bundles(bundle_nodes: Sequence[str]) -> list[list[int]]:
     return list(groups.values())
 
 
+def virtual_nodes(bundle_nodes: Sequence[str], counts: Sequence[int]) -> list[int] | None:
+    """The layout's node of each bundle when Ray placed them otherwise than ``counts`` per
+    node (pure): bundles in rank order (:func:`order_bundles`), the next ``counts[k]`` of
+    them node ``k``'s -- virtual nodes, several perhaps on one Ray node. None when a node so
+    made would span two Ray nodes (its ranks could not share a machine)."""
+    ordered = [i for group in order_bundles(bundle_nodes) for i in group]
+    if len(ordered) != sum(counts):
+        return None
+    node_of = [0] * len(ordered)
+    first = 0
+    for node, count in enumerate(counts):
+        mine = ordered[first:first + count]
+        if len({bundle_nodes[i] for i in mine}) > 1:
+            return None
+        for i in mine:
+            node_of[i] = node
+        first += count
+    return node_of
+
+
 def describe_ray_error(exc: BaseException) -> str:
     """A one-line account of how Ray says an actor died (pure): the sentence of its message
     that gives the reason, with the worker's exit type and detail (and exit code) when Ray

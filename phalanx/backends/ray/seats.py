@@ -1,6 +1,13 @@
 """A group's seats on Ray: each rank's bundle in a placement group, phalanx's own (made for
 the group's layout) or the user's (``RayBackend(placement_group=)``), checked before anything
-starts and waited for until ready, in rank order (by node, then by bundle)."""
+starts and waited for until ready, in rank order (by node, then by bundle).
+
+A layout of several nodes gets one bundle per node, on distinct Ray nodes where the
+cluster has enough (``STRICT_SPREAD``); on fewer Ray nodes than it asks (a one-node
+development set-up) the nodes are *virtual*, as NeMo-RL's virtual cluster makes them:
+``SPREAD``, several of them perhaps on one Ray node, each still a node of the group (its
+own ``NODE_RANK``, ports, and the GPUs of its own bundle) -- unless the strategy asked is
+``STRICT_SPREAD``, which refuses."""
 
 from __future__ import annotations
 
@@ -20,6 +27,8 @@ from phalanx.backends.ray.placement import (
 from phalanx.errors import StartupError
 from phalanx.world.layout import Layout
 
+TAKEN_SETTLE = 3.0  # seconds: Ray's view of a placement group's free bundles catches up
+
 
 @dataclasses.dataclass
 class Seats:
@@ -30,6 +39,9 @@ class Seats:
     own: bool
     resources: dict[int, dict[str, float]]
     seats: list[Bundle]
+    # per rank, what makes it one node with the ranks beside it: its Ray node, or for a
+    # layout of phalanx's own, its node's bundle (virtual nodes may share a Ray node)
+    node_keys: list[str | int] = dataclasses.field(default_factory=list)
 
 
 def seats_in_own_pg(ray: Any, layout: Layout, *, bundle_for_rank: Any, gpus_per_worker: int,
@@ -41,10 +53,14 @@ def seats_in_own_pg(ray: Any, layout: Layout, *, bundle_for_rank: Any, gpus_per_
     if layout.nodes == 1:  # Ray places every rank: one bundle each, the user's strategy
         bundles = [per_rank] * layout.world_size
         pg_index = list(range(layout.world_size))
-    else:  # a layout asked for: one bundle per node, on distinct Ray nodes
+    else:  # a layout asked for: one bundle per node, on distinct Ray nodes if there are
         bundles = [{k: v * n for k, v in per_rank.items()} for n in layout.counts]
-        strategy = "STRICT_SPREAD"
         pg_index = [layout.node_of(r) for r in range(layout.world_size)]
+        alive = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        if strategy != "STRICT_SPREAD" and placement_problem(bundles, "STRICT_SPREAD", alive):
+            strategy = "SPREAD"  # virtual nodes: fewer Ray nodes than the layout's
+        else:
+            strategy = "STRICT_SPREAD"
     asked = f"{len(bundles)} bundles {bundles[0]} (strategy {strategy})"
     alive = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
     problem = placement_problem(bundles, strategy, alive)
@@ -71,15 +87,22 @@ def seats_in_own_pg(ray: Any, layout: Layout, *, bundle_for_rank: Any, gpus_per_
     if layout.nodes == 1:  # rank order: by node, then by bundle
         order = [i for group in order_bundles(node_of_bundle) for i in group]
         seats = [seats[i] for i in order]
-    return Seats(pg, True, dict.fromkeys(range(len(bundles)), per_rank), seats)
+        keys: list[str | int] = [seat.node_id for seat in seats]
+    else:  # the layout's nodes, virtual ones included
+        keys = list(pg_index)
+    return Seats(pg, True, dict.fromkeys(range(len(bundles)), per_rank), seats, keys)
 
 
 def seats_in_user_pg(ray: Any, pg: Any, bundle_indices: list[int] | None, layout: Layout, *,
                      bundle_for_rank: Any, gpus_per_worker: int, deadline: float,
-                     timeout: float) -> Seats:
+                     timeout: float, first: bool = True,
+                     node_of_rank: list[int] | None = None) -> Seats:
     """Each rank's seat in the user's placement group: its bundles checked against the
-    group before anything starts, the group waited for until ready. Ranks go by node
-    (nodes in the order of their first bundle), in the given order within one."""
+    group before anything starts, the group waited for until ready, and (``first``: the
+    group's first reservation, before any actor of its own holds a bundle) its bundles
+    checked to be free. Ranks go by node (nodes in the order of their first bundle), in
+    the given order within one; ``node_of_rank`` (a resource pool's) says each rank's node
+    instead, nodes that may be virtual (several on one Ray node)."""
     table = ray.util.placement_group_table(pg)
     name = f"placement group {table.get('name') or pg.id.hex()}"
     if table.get("state") == "REMOVED":
@@ -99,16 +122,60 @@ def seats_in_user_pg(ray: Any, pg: Any, bundle_indices: list[int] | None, layout
         raise StartupError(
             f"the {name} was not ready within {timeout:g} s (state {state}; available "
             f"now: {ray.available_resources()}); raise start_timeout= or free resources")
+    busy = _taken(ray, pg.id.hex(), chosen, per_rank, deadline) if first else {}
+    if busy:  # Ray would hold the ranks' actors back until start_timeout, then "slow"
+        raise StartupError(
+            f"the bundles {sorted(busy)} of the {name} are taken (by other actors or "
+            f"groups): {'; '.join(busy.values())}; give bundle_indices= of free bundles, "
+            "or end what holds them")
     node_of = ray.util.placement_group_table(pg)["bundles_to_node_id"]
     seats = [Bundle(i, node_id=node_of[i]) for i in chosen]
+    if node_of_rank is not None and len(node_of_rank) == len(seats):  # the pool's nodes
+        return Seats(pg, False, dict(zip(chosen, per_rank, strict=True)), seats,
+                     list(node_of_rank))
     groups = order_bundles([seat.node_id for seat in seats])
     if layout.nodes > 1 and tuple(len(g) for g in groups) != tuple(layout.counts):
         raise StartupError(
             f"the layout asks {list(layout.counts)} ranks per node, but the bundles "
             f"{chosen} of the {name} hold {[len(g) for g in groups]} ranks per node; "
             "with placement_group=, give the world size alone (procs_per_node=N)")
-    return Seats(pg, False, dict(zip(chosen, per_rank, strict=True)),
-                 [seats[r] for group in groups for r in group])
+    ordered = [seats[r] for group in groups for r in group]
+    return Seats(pg, False, dict(zip(chosen, per_rank, strict=True)), ordered,
+                 [seat.node_id for seat in ordered])
+
+
+def bundles_in_use(available: dict[str, float], pg_hex: str, chosen: list[int],
+                   per_rank: list[dict[str, float]]) -> dict[int, str]:
+    """The bundles of ``chosen`` (rank i on ``chosen[i]``, asking ``per_rank[i]``) that do
+    not have what their ranks ask free now -> what each lacks. Ray accounts a placement
+    group's bundles as resources of their own, ``CPU_group_<i>_<pg id>``."""
+    asked: dict[int, dict[str, float]] = {}
+    for index, need in zip(chosen, per_rank, strict=True):
+        mine = asked.setdefault(index, {})
+        for key, amount in need.items():
+            mine[key] = mine.get(key, 0.0) + amount
+    busy = {}
+    for index, need in asked.items():
+        lacks = {key: amount for key, amount in need.items() if amount and
+                 available.get(f"{key}_group_{index}_{pg_hex}", 0.0) + 1e-9 < amount}
+        if lacks:
+            busy[index] = f"bundle {index} has " + ", ".join(
+                f"{available.get(f'{k}_group_{index}_{pg_hex}', 0.0):g} of {v:g} {k} free"
+                for k, v in lacks.items())
+    return busy
+
+
+def _taken(ray: Any, pg_hex: str, chosen: list[int], per_rank: list[dict[str, float]],
+           deadline: float) -> dict[int, str]:
+    """:func:`bundles_in_use` as Ray tells it: a bundle whose resources look used is asked
+    again for up to TAKEN_SETTLE s (Ray's view of what is free lags a placement group just
+    made, and leaves out what is used up: a free bundle shows within that)."""
+    settle = min(time.monotonic() + TAKEN_SETTLE, deadline)
+    while True:
+        busy = bundles_in_use(ray.available_resources(), pg_hex, chosen, per_rank)
+        if not busy or time.monotonic() >= settle:
+            return busy
+        time.sleep(0.2)
 
 
 def _wait_seconds(deadline: float) -> int:
