@@ -233,15 +233,22 @@ def test_without_a_running_ray_a_local_one_is_started_and_stopped(tmp_path):
         out["after"] = ray.is_initialized()
         print(json.dumps(out))
     """)
-    env = helpers.script_env()
-    env.pop("RAY_ADDRESS", None)
-    import subprocess
-
-    done = subprocess.run([sys.executable, str(script)], cwd=str(tmp_path), env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = _run_controller(script, timeout=120)
     assert helpers.json_lines(done.stdout)[-1] == {"ranks": [0, 1], "connected": True,
                                                     "after": False}
+
+
+def _run_controller(script, timeout: float):
+    """Run ``script`` as a controller of its own, off the test cluster (no RAY_ADDRESS);
+    it must exit 0."""
+    import subprocess
+
+    env = helpers.script_env()
+    env.pop("RAY_ADDRESS", None)
+    done = subprocess.run([sys.executable, str(script)], cwd=str(script.parent), env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done
 
 
 @pytest.mark.slow
@@ -265,13 +272,7 @@ def test_a_users_ray_shutdown_ends_the_groups_on_it_quietly(tmp_path):
         out["ray"] = ray.is_initialized()
         print(json.dumps(out))
     """)
-    env = helpers.script_env()
-    env.pop("RAY_ADDRESS", None)
-    import subprocess
-
-    done = subprocess.run([sys.executable, str(script)], cwd=str(tmp_path), env=env,
-                          capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = _run_controller(script, timeout=180)
     out = helpers.json_lines(done.stdout)[-1]
     assert out["error"] in ("WorkerDied", "GroupClosed"), out
     assert "ray.shutdown()" in out["text"], out

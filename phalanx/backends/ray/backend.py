@@ -47,6 +47,7 @@ from phalanx.backends.held import HeldObject
 from phalanx.backends.parts import Capabilities, SlotReservation
 from phalanx.backends.ray import session as ray_session
 from phalanx.backends.ray.channel import (
+    RAY_SHUT_DOWN,
     Bundle,
     ChannelServices,
     Listener,
@@ -74,10 +75,6 @@ from phalanx.wire import framing, handshake, protocol
 from phalanx.world.layout import Layout
 
 logger = logging.getLogger(__name__)
-
-# A rank's account when this process left Ray (the user's ray.shutdown()) while it ran.
-RAY_SHUT_DOWN = ("Ray was shut down in the controller (ray.shutdown()) while the group ran: "
-                 "its actors ended with it")
 
 
 class RayBackend(Backend):

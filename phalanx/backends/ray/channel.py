@@ -35,6 +35,11 @@ from phalanx.wire import framing, handshake, seal, streams
 logger = logging.getLogger(__name__)
 
 
+# A rank's account when this process left Ray (the user's ray.shutdown()) while it ran.
+RAY_SHUT_DOWN = ("Ray was shut down in the controller (ray.shutdown()) while the group ran: "
+                 "its actors ended with it")
+
+
 @dataclasses.dataclass(frozen=True)
 class ChannelServices:
     """What the channels of one opened :class:`~phalanx.backends.ray.backend.RayBackend`
@@ -253,6 +258,9 @@ class RayChannel(Channel):
                 self._status_known.wait(max(0.0, deadline - time.monotonic()))
         if self._tap is not None:
             self._tap.wait_closed(config.OUTPUT_WAIT)
+        with self._lock:  # the watcher may not have looked yet: Ray's shutdown is the why
+            if self._reason is None and not self._services.ray.is_initialized():
+                self._reason = RAY_SHUT_DOWN
 
     def _post(self, event: list[Any]) -> None:
         if self._sink is not None:

@@ -184,6 +184,15 @@ def bundle_for(resources: Mapping[str, float] | None, gpus_per_worker: int) -> d
     return {k: float(v) for k, v in bundle.items() if v}
 
 
+def total_resources(items: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """The resources of several bundles (or nodes) together (pure)."""
+    out: dict[str, float] = {}
+    for item in items:
+        for k, v in item.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
 def placement_problem(
     bundles: Sequence[Mapping[str, float]], strategy: str, nodes: Sequence[Mapping[str, float]]
 ) -> str | None:
@@ -193,12 +202,7 @@ def placement_problem(
     def fits(bundle: Mapping[str, float], node: Mapping[str, float]) -> bool:
         return all(node.get(k, 0.0) >= v for k, v in bundle.items())
 
-    def total(items: Sequence[Mapping[str, float]]) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for item in items:
-            for k, v in item.items():
-                out[k] = out.get(k, 0.0) + v
-        return out
+    total = total_resources
 
     if not nodes:
         return "the cluster has no alive nodes"

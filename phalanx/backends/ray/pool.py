@@ -25,7 +25,12 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from phalanx.backends.ray import session as ray_session
-from phalanx.backends.ray.placement import order_bundles, placement_problem, virtual_nodes
+from phalanx.backends.ray.placement import (
+    order_bundles,
+    placement_problem,
+    total_resources,
+    virtual_nodes,
+)
 from phalanx.errors import StartupError
 
 if TYPE_CHECKING:
@@ -38,14 +43,6 @@ logger = logging.getLogger(__name__)
 # One book for the process, as every pool it makes draws on the same cluster.
 _HELD: dict[str, tuple[str, dict[str, float]]] = {}
 _HELD_LOCK = threading.Lock()
-
-
-def _sum(bundles: Sequence[Mapping[str, float]]) -> dict[str, float]:
-    total: dict[str, float] = {}
-    for bundle in bundles:
-        for key, value in bundle.items():
-            total[key] = total.get(key, 0.0) + value
-    return total
 
 
 def _text(resources: Mapping[str, float]) -> str:
@@ -143,7 +140,7 @@ def _reserve(template: RayBackend, lease: ray_session.Lease, counts: Sequence[in
     if problem is not None:
         raise StartupError(f"Ray cannot place {holder}, a resource pool of {asked}: "
                            f"{problem} (cluster resources: {ray.cluster_resources()})")
-    need = _sum([bundle] * total)
+    need = total_resources([bundle] * total)
     short = shortage(ray, need)
     holders = held_by_pools(short)
     if short and holders:  # held by this controller's own pools: it would wait for nothing
