@@ -74,12 +74,25 @@ class _SimConn:
         pass
 
 
+class _SimBurial:
+    """What the session asks of a rank's burial: whether its death was claimed (a
+    simulated rank dies only when stopped)."""
+
+    def __init__(self, rank: _SimRank) -> None:
+        self._rank = rank
+
+    @property
+    def claimed(self) -> bool:
+        return self._rank.exitcode is not None
+
+
 class _SimRank:
     def __init__(self, session: SimSession, rank: int, node: int, incarnation: int,
                  obj: Any) -> None:
         self.rank, self.node, self.incarnation, self.obj = rank, node, incarnation, obj
         self.exitcode: int | None = None
         self.conn = _SimConn(session, self)
+        self.burial = _SimBurial(self)
 
     def exited(self) -> list[Any]:
         return agentwire.exited(self.rank, self.incarnation, {
@@ -92,10 +105,11 @@ class SimSession(Session):
 
     def _launch(self, starts: list[tuple], sys_path: list[str], options: dict,
                 cwd: str | None, payload: list[Any]) -> list[int]:
-        target, args, kwargs = pickling.loads(payload)
+        target, args, kwargs, own = pickling.loads(payload)  # own: rank_kwargs=
         ranks = []
         for rank, node_index, incarnation, _env in starts:
-            ranks.append(_SimRank(self, rank, node_index, incarnation, target(*args, **kwargs)))
+            mine = {**kwargs, **own.get(rank, {})}
+            ranks.append(_SimRank(self, rank, node_index, incarnation, target(*args, **mine)))
         with self._lock:
             self._launched.extend((r.rank, r) for r in ranks)
         methods = [m for m in dir(ranks[0].obj) if not m.startswith("_")] if ranks else []
