@@ -150,8 +150,8 @@ class Lifecycle:
         self._gate.check()
         if self._membership.changed:
             changing = self._backend.capabilities.changing
-            self._membership.relayout(changing.available_nodes() if changing is not None
-                                      else self._starter.layout.nodes, None)
+            self._membership.relayout((changing.available_nodes() if changing is not None
+                                       else 0) or self._starter.layout.nodes, None)
             return
         self._starter.retire(self._table.known(), grace=config.DEFAULT_TERM_GRACE)
         self._starter.new_launch()
