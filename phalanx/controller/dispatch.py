@@ -465,6 +465,7 @@ class Dispatcher:
             self._tasks = []
         if got:
             self._lead.release()
-        if isinstance(self._poller, select.epoll):
-            self._poller.close()
+        close = getattr(self._poller, "close", None)  # an epoll has one (a poll: none)
+        if close is not None:
+            close()
         self._wakeup.close()
