@@ -20,7 +20,7 @@ import enum
 import weakref
 from typing import Any, Protocol
 
-from phalanx.errors import ObjectFreed
+from phalanx.errors import ObjectFreed, ObjectLost
 
 
 class RefState(enum.Enum):
@@ -229,8 +229,6 @@ def check_usable(record: Record, ref: Any) -> None:
     if record.state is RefState.LIVE:
         return
     if record.state is RefState.LOST:
-        from phalanx.errors import ObjectLost
-
         raise ObjectLost(f"{ref.owner.describe(record)} is lost: {record.why}")
     if record.why is not None:
         raise ObjectFreed(f"{ref!r} was freed: {record.why}; {_again(ref)}")
