@@ -5,11 +5,10 @@ A payload is the pickle of ``(args, kwargs)`` and its out-of-band buffers, made 
 distinct set of arguments (``call`` pickles once for every rank; ``map`` once per rank).
 Encoding returns the handles the arguments name with their pickle
 (:class:`~phalanx.controller.shared.Encoded`: a plain list when they name none); a call
-whose arguments name handles, or
-carry large buffers, goes through :meth:`SharedObjects.prepare
-<phalanx.controller.shared.SharedObjects.prepare>` first. A call is registered on each
-entry's ``pending`` table before its frame goes out, so that an answer (or the rank's
-death) always finds it.
+whose arguments name handles, or carry large buffers, goes through
+:meth:`SharedObjects.prepare <phalanx.controller.shared.SharedObjects.prepare>` first.
+A call is registered on each entry's ``pending`` table before its frame goes out, so
+that an answer (or the rank's death) always finds it.
 
 The sends of a synchronous call are deferred to the first wait on its future (see
 :meth:`Dispatcher.wait <phalanx.controller.dispatch.Dispatcher.wait>`): nothing then
