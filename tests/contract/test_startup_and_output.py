@@ -85,12 +85,14 @@ def test_start_timeout_raises_startup_error_naming_the_setting(backend, tmp_path
 
 @pytest.mark.slow
 def test_a_failing_constructor_is_reported_without_waiting_for_slow_ranks(backend):
+    # the bound includes starting the group (Ray's first actors on a cold cluster take
+    # seconds): it proves the report waited neither for start_timeout nor the 60 s sleep
     started = time.monotonic()
     with pytest.raises(StartupError) as info:
         WorkerGroup(FailingConstructor, args=(1,), kwargs={"sleep": 60}, procs_per_node=2,
-                    start_timeout=4, backend=backend, echo_output=False)
+                    start_timeout=40, backend=backend, echo_output=False)
     assert info.value.rank == 1
-    assert time.monotonic() - started < 2.5
+    assert time.monotonic() - started < 20
 
 
 def scaled_rank(scale, offset=0):
@@ -117,8 +119,8 @@ def test_spmd_timeout_bounds_the_whole_run(backend):
                   echo_output=False)
     started = time.monotonic()
     with pytest.raises(CallTimeout):
-        run(8)
-    assert time.monotonic() - started < 5
+        run(60)
+    assert time.monotonic() - started < 20  # start, the 1 s call and the teardown
 
 
 def test_classes_defined_in_main_work(backend, tmp_path):
