@@ -211,9 +211,6 @@ class Backend(abc.ABC):
     # Told of every membership change (nodes lost, or joining and leaving a DNS name),
     # before the ranks of a lost node are reported dead; set by the group. Any thread.
     on_membership: Callable[[MembershipEvent], None] | None = None
-    # Set on the backend of a group placed on a resource pool whose nodes list their own
-    # GPUs (agents): per node, the positions (start, stop) of the GPUs its ranks take.
-    gpu_windows: Sequence[tuple[int, int]] | None = None
 
     def settings(self) -> dict[str, Any]:
         """The constructor arguments this backend was configured with."""
@@ -259,10 +256,6 @@ class Backend(abc.ABC):
         """
         nodes = self._reserve(layout, gpus_per_worker=gpus_per_worker, timeout=timeout,
                               holder=holder)
-        if self.gpu_windows is not None:
-            nodes = [dataclasses.replace(node, gpus=None if node.gpus is None else
-                                         node.gpus[slice(*self.gpu_windows[node.index])])
-                     for node in nodes]
         if sum(n.ranks for n in nodes) != layout.world_size:  # pragma: no cover - a bug
             raise RuntimeError(f"{self.name} reserved {nodes} for {layout.world_size} ranks")
         return nodes

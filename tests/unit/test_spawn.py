@@ -21,6 +21,7 @@ from phalanx.errors import ProcessFailure
 from phalanx.node.spawn import Burial, RankSpawner
 from phalanx.node.stacks import StackFile
 from phalanx.wire import protocol
+from tests import helpers
 
 KILLED = ProcessFailure(3, 1, 4321, -9)
 
@@ -152,6 +153,8 @@ def test_a_rank_started_as_a_child_shares_its_starters_group_and_output(tmp_path
                                         ("pipe:{0},{1}", (to_rank_r, from_rank_w)),
                                         stacks_fd=stacks.fd)
         try:  # it waits for its INIT meanwhile
+            # until the child has exec'd, /proc shows the environment it forked with
+            assert helpers.wait_until(lambda: "PHALANX_TEST_MARK" in _environ(child.pid), 10)
             environ = _environ(child.pid)
             assert environ["PHALANX_TEST_MARK"] == "rank 3"
             assert environ["PATH"] == os.environ["PATH"]

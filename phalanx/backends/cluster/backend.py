@@ -47,6 +47,7 @@ from phalanx import config
 from phalanx.backends.base import Backend, Boot, Channel, Node, RankStart
 from phalanx.backends.cluster import codesync
 from phalanx.backends.cluster import dns as dnsquery
+from phalanx.backends.cluster import gpus as agentgpus
 from phalanx.backends.cluster import messages as agentwire
 from phalanx.backends.cluster import tree as agenttree
 from phalanx.backends.cluster.link import (
@@ -179,6 +180,9 @@ class ClusterBackend(Backend):
                                discovery=discovery, tell=self._membership_changed)
         self._incarnations = itertools.count(1)
         self._stopping = threading.Event()
+        # each node's GPUs, set on the backend of a group placed on a pool (which holds them)
+        self.placed_gpus: list[tuple[str, ...]] | None = None
+        self._holding: tuple[str, list[AgentNode]] | None = None  # GPUs held: whose, where
 
     def __repr__(self) -> str:
         parts = [repr(self.hosts)] if self.dns is None else [
@@ -394,10 +398,34 @@ class ClusterBackend(Backend):
         if self.sync is not None and self.code_version is not None and any(
                 a.code_path is None for a in agents[:layout.nodes]):
             self.reload_code()  # nodes admitted since: every node gets the code as it is now
+        chosen = agents[:layout.nodes]
+        gpus = [tuple(agent.welcome.get("gpus") or ()) for agent in chosen]
+        if self.placed_gpus is not None:  # on a pool's slots: the pool holds them
+            gpus = list(self.placed_gpus)
+        elif gpus_per_worker and all(layout.counts[n] * gpus_per_worker <= len(gpus[n])
+                                     for n in range(layout.nodes)):  # else placement says
+            gpus = self.hold_gpus(chosen, [c * gpus_per_worker for c in layout.counts],
+                                  holder)
         return [Node(index=n, address=agent.welcome.get("address") or agent.host,
-                     ranks=layout.counts[n], gpus=tuple(agent.welcome.get("gpus") or ()),
-                     same_host=agent.same_host)
-                for n, agent in enumerate(agents[:layout.nodes])]
+                     ranks=layout.counts[n], gpus=gpus[n], same_host=agent.same_host)
+                for n, agent in enumerate(chosen)]
+
+    def hold_gpus(self, agents: Sequence[AgentNode], counts: Sequence[int],
+                  holder: str) -> list[tuple[str, ...]]:
+        """``counts[n]`` GPUs of ``agents[n]``'s node for ``holder`` until :meth:`close` (or
+        the next call: reserving again, for a restart, gives the others back first) -> each
+        node's ids; DevicesTaken naming the node and who holds them."""
+        self._give_back_gpus()
+        name = agentgpus.holder_name(holder)
+        gpus = agentgpus.hold(agents, counts, name)
+        self._holding = (name, list(agents))
+        return gpus
+
+    def _give_back_gpus(self) -> None:
+        if self._holding is not None:
+            name, agents = self._holding
+            self._holding = None
+            agentgpus.give_back(agents, name)
 
     @property
     def capabilities(self) -> Capabilities:
@@ -413,7 +441,7 @@ class ClusterBackend(Backend):
         """The first agents of ``hosts`` (:mod:`phalanx.backends.cluster.pool`)."""
         from phalanx.backends.cluster.pool import reserve_slots
 
-        return reserve_slots(self, counts, gpus, resources)
+        return reserve_slots(self, counts, gpus, resources, holder, timeout)
 
     def available_nodes(self) -> int:
         return self.members.available(self._in_use or len(self.members.nodes))
@@ -545,6 +573,7 @@ class ClusterBackend(Backend):
 
     def close(self) -> None:
         self._stopping.set()
+        self._give_back_gpus()  # before the connections end: free for the next at once
         self.members.close()
         if self.opened:
             self._logs.stop()

@@ -30,6 +30,12 @@ One authenticated connection per node (:mod:`phalanx.wire.handshake`) carries, a
                                     timeout)                         the agent at host:port
                                                                      (READ) and hold it as
                                                                      HOLD does
+                         DEVICES   (count, holder)                   hold count of the node's
+                                                                     GPUs for holder (0: give
+                                                                     back what it holds);
+                                                                     {"gpus": ids} or
+                                                                     {"refused": why} (see
+                                                                     phalanx.backends.cluster.agent.devices)
     agent -> agent       READ      (block,)                          a rank's kept result:
                                                                      the reply's payload is
                                                                      its pickle and buffers
@@ -91,6 +97,7 @@ HOLD = 75
 DROP = 76
 COPY = 77
 READ = 78
+DEVICES = 79
 WELCOME = 80
 REPLY = 81
 OUTPUT = 82
@@ -238,6 +245,17 @@ def _start(kind: str, field: str, value: Any) -> None:
 
 
 _TEXT = _of_type(str)
+_MAX_HOLDER = 512  # characters of a DEVICES holder's name
+
+
+def _text(most: int) -> _Check:
+    """Text of at most ``most`` characters."""
+    def check(kind: str, field: str, value: Any) -> None:
+        _TEXT(kind, field, value)
+        if len(value) > most:
+            raise OverLimit(f"{kind} {field} is {len(value)} characters long, over {most}")
+    return check
+
 _FLAG = _of_type(bool)
 _MAX_PYTHON = 4096  # PATH_MAX: the longest interpreter path a LAUNCH may name
 
@@ -300,6 +318,8 @@ _REQUESTS: dict[int, tuple[str, tuple[tuple[str, _Check], ...]]] = {
     COPY: ("COPY", (("id", _integer()), ("token", _TEXT), ("block", _block), ("host", _TEXT),
                     ("port", _integer(1)), ("timeout", _seconds))),
     READ: ("READ", (("block", _block),)),
+    DEVICES: ("DEVICES", (("count", _integer(0, "AGENT_MAX_RANKS")),
+                          ("holder", _text(_MAX_HOLDER)))),
 }
 
 # The ranks' messages a controller sends through an agent.

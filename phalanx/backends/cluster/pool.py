@@ -1,10 +1,13 @@
 """A resource pool on agents: the agents' nodes, in the order of ``hosts``.
 
-Nothing is held on the agents for a pool itself: its slots are the first
-``len(counts)`` agents of ``hosts``, ``counts[n]`` ranks' places on the n-th. A group placed
-on the pool is a :class:`~phalanx.backends.cluster.backend.ClusterBackend` on the agents of
-its slots, its ranks given the GPUs of their slots (by position in the GPUs the agent
-lists), so that colocated groups' rank i see the same ``CUDA_VISIBLE_DEVICES``.
+A pool's slots are the first ``len(counts)`` agents of ``hosts``, ``counts[n]`` ranks'
+places on the n-th. A pool of GPUs holds them: a connection of its own to each of its agents
+takes ``counts[n] * gpus_per_proc`` GPUs from the node's book
+(:mod:`phalanx.backends.cluster.gpus`) for as long as the pool is open, so no other pool or
+group, of this controller or another, is given them. A group placed on the pool is a
+:class:`~phalanx.backends.cluster.backend.ClusterBackend` on the agents of its slots, its
+ranks given the GPUs of their slots, so that colocated groups' rank i see the same
+``CUDA_VISIBLE_DEVICES``. A pool without GPUs holds nothing on the agents.
 """
 
 from __future__ import annotations
@@ -12,18 +15,24 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from phalanx.output.logs import OutputOptions
+
 if TYPE_CHECKING:
     from phalanx.backends.cluster.backend import ClusterBackend
     from phalanx.world.pools import PoolSlot
 
 
 class ClusterSlots:
-    """A pool's nodes (agents) and each slot's GPUs per rank."""
+    """A pool's nodes (agents), each slot's GPUs, and the connection that holds them."""
 
-    def __init__(self, template: ClusterBackend, counts: Sequence[int], gpus: int) -> None:
+    def __init__(self, template: ClusterBackend, counts: Sequence[int], gpus: int,
+                 held: list[tuple[str, ...]] | None = None,
+                 keeper: ClusterBackend | None = None) -> None:
         self._template = template
         self.counts = list(counts)
         self.gpus_per_worker = gpus
+        self._held = held  # node -> the GPU ids the pool holds there, slot by slot
+        self._keeper = keeper
 
     def backend_for(self, slots: Sequence[PoolSlot], share: float) -> ClusterBackend:
         nodes: dict[int, list[PoolSlot]] = {}
@@ -32,19 +41,25 @@ class ClusterSlots:
         settings = self._template.settings()
         settings["hosts"] = [self._template.hosts[n] for n in nodes]
         backend = type(self._template)(**settings)  # configured as the pool's
-        g = self.gpus_per_worker
-        if g:
-            backend.gpu_windows = [(on[0].local * g, (on[-1].local + 1) * g)
-                                   for on in nodes.values()]
+        g, held = self.gpus_per_worker, self._held
+        if g and held is not None:
+            backend.placed_gpus = [
+                tuple(gpu for slot in on for gpu in held[n][slot.local * g:(slot.local + 1) * g])
+                for n, on in nodes.items()]
         return backend
 
     def release(self) -> None:
-        return None  # the agents hold nothing for the pool itself
+        keeper, self._keeper = self._keeper, None
+        if keeper is not None:
+            keeper.close()  # gives the GPUs back, then ends its connections
 
 
 def reserve_slots(template: ClusterBackend, counts: Sequence[int], gpus: int,
-                  resources: Mapping[str, float]) -> ClusterSlots:
-    """The pool's nodes: one agent of ``hosts`` each (ValueError when there are fewer)."""
+                  resources: Mapping[str, float], holder: str,
+                  timeout: float) -> ClusterSlots:
+    """The pool's nodes: one agent of ``hosts`` each (ValueError when there are fewer), with
+    ``gpus`` GPUs per slot held on each (ValueError when a node lists fewer, DevicesTaken
+    when other holders have them)."""
     if resources:
         raise ValueError(f"resources_per_proc={dict(resources)} means Ray resources: agents "
                          "have none (give GPUs as gpus_per_proc=)")
@@ -54,4 +69,24 @@ def reserve_slots(template: ClusterBackend, counts: Sequence[int], gpus: int,
     if len(counts) > len(template.hosts):
         raise ValueError(f"a pool of {len(counts)} nodes needs as many agents; hosts lists "
                          f"{len(template.hosts)} ({', '.join(template.hosts)})")
-    return ClusterSlots(template, counts, gpus)
+    if not gpus:
+        return ClusterSlots(template, counts, gpus)
+    settings = {**template.settings(), "hosts": template.hosts[:len(counts)], "quorum": None,
+                "sync": None, "quorum_timeout": max(1.0, min(template.quorum_timeout,
+                                                             timeout))}
+    keeper = type(template)(**settings)
+    keeper.open(OutputOptions(echo=False))
+    try:
+        agents = keeper.members.nodes
+        for agent, count in zip(agents, counts, strict=True):
+            have = list(agent.welcome.get("gpus") or ())
+            if count * gpus > len(have):
+                raise ValueError(
+                    f"a pool of {count} slots x {gpus} GPU(s) on {agent.where} needs "
+                    f"{count * gpus} GPUs; its agent lists {len(have)} "
+                    f"({', '.join(have) or 'none'})")
+        held = keeper.hold_gpus(agents, [c * gpus for c in counts], holder)
+    except BaseException:
+        keeper.close()
+        raise
+    return ClusterSlots(template, counts, gpus, held, keeper)

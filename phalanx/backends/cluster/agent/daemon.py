@@ -47,6 +47,7 @@ import time
 from typing import Any
 
 from phalanx import config
+from phalanx.backends.cluster.agent.devices import NodeDevices
 from phalanx.backends.cluster.agent.ranks import Session
 from phalanx.backends.cluster.token import read_token as read_token  # for the CLI
 from phalanx.errors import AuthenticationError
@@ -164,6 +165,7 @@ class Agent:
         except OSError as exc:
             raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
         self._sessions: set[Session] = set()
+        self._devices = NodeDevices(visible_gpus())  # one book for every controller
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._accept_error: str | None = None  # why the control port cannot accept now
@@ -179,7 +181,8 @@ class Agent:
             sessions = len(self._sessions)
             accept_error = self._accept_error
         report: dict[str, Any] = {"ok": True, "controllers": sessions,
-                                  "version": __version__}
+                                  "version": __version__, "gpus": list(self._devices.gpus),
+                                  "gpus_held": self._devices.holders()}
         if self._stopping.is_set():
             report.update(ok=False, reason="the agent is stopping")
         elif accept_error is not None:
@@ -312,7 +315,8 @@ class Agent:
         session = self.session_class(sock, heartbeat_timeout=self._heartbeat_timeout,
                                      node_timeout=self._node_timeout,
                                      max_frame=self._max_frame, counters=self._count,
-                                     store=self._store, secret=self._token, auth=auth)
+                                     store=self._store, secret=self._token, auth=auth,
+                                     devices=self._devices)
         with self._lock:
             if self._stopping.is_set():
                 sock.close()
@@ -323,7 +327,7 @@ class Agent:
         logger.info("serving a controller from %s:%s", peer[0], peer[1])
         try:
             session.serve({"host": socket.gethostname(), "address": session.address,
-                           "gpus": list(visible_gpus()), "machine": machine_id(),
+                           "gpus": list(self._devices.gpus), "machine": machine_id(),
                            "blocks": block_domain(),
                            "pid": os.getpid(), "version": __version__, "cwd": os.getcwd()})
         finally:

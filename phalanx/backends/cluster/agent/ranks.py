@@ -62,10 +62,11 @@ from phalanx import config
 from phalanx.backends.cluster import codesync
 from phalanx.backends.cluster import messages as agentwire
 from phalanx.backends.cluster.agent.branch import GATHER_WINDOW, Branch, Relay
+from phalanx.backends.cluster.agent.devices import NodeDevices
 from phalanx.backends.cluster.agent.share import NodeObjects
 from phalanx.backends.cluster.agent.share import read as read_kept
 from phalanx.node import spawn as node
-from phalanx.node.machine import pick_free_ports
+from phalanx.node.machine import pick_free_ports, visible_gpus
 from phalanx.wire import framing, protocol, seal, streams
 
 logger = logging.getLogger(__name__)
@@ -144,7 +145,8 @@ class Session:
                  counters: Callable[[str, float], None], cwd: str | None = None,
                  store: codesync.Store | None = None, secret: bytes | None = None,
                  auth: seal.FrameAuth | None = None,
-                 node_timeout: float = config.DEFAULT_NODE_TIMEOUT) -> None:
+                 node_timeout: float = config.DEFAULT_NODE_TIMEOUT,
+                 devices: NodeDevices | None = None) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         streams.keep_alive(sock)
         self.address = sock.getsockname()[0]  # where the controller reached this node
@@ -176,6 +178,8 @@ class Session:
                                     node_timeout, self._send, self._queue,
                                     self._watch_child, self._unwatch), secret)
         self._objects = NodeObjects(self._lock, self._node_ranks, secret, self._writer)
+        # the node's GPUs, one book for every controller the agent serves
+        self._devices = devices if devices is not None else NodeDevices(visible_gpus())
 
     @property
     def tree_id(self) -> int:
@@ -407,7 +411,8 @@ class Session:
             agentwire.WAIT: self._wait, agentwire.SYNC: self._sync,
             agentwire.BLOBS: self._blobs, agentwire.TREE: self._tree,
             agentwire.ADOPT: self._branch.adopt, agentwire.HOLD: self._objects.hold,
-            agentwire.COPY: self._objects.copy, agentwire.READ: read_kept}
+            agentwire.COPY: self._objects.copy, agentwire.READ: read_kept,
+            agentwire.DEVICES: self._hold_devices}
         handler = handlers.get(kind)
         if handler is None:
             self._send(agentwire.reply(request_id, False, f"unknown request kind {kind}"))
@@ -419,7 +424,8 @@ class Session:
                 logger.warning("refused a request of the controller: %s", exc)
                 self._send(agentwire.fault(f"it refused a request: {exc}", request_id))
                 return
-        if kind != agentwire.PORTS:  # on a thread of its own: as many as the limit allows
+        instant = kind in (agentwire.PORTS, agentwire.DEVICES)  # bounded work, no waiting
+        if not instant:  # on a thread of its own: as many as the limit allows
             with self._lock:
                 if self._requests >= config.AGENT_MAX_REQUESTS:
                     busy = self._requests
@@ -440,12 +446,12 @@ class Session:
             else:
                 self._send(agentwire.reply(request_id, True, value))
             finally:
-                if kind != agentwire.PORTS:
+                if not instant:
                     with self._lock:
                         self._requests -= 1
 
-        if kind == agentwire.PORTS:
-            run()  # instant (its count is bounded: config.AGENT_MAX_PORTS)
+        if instant:
+            run()  # its count is bounded: config.AGENT_MAX_PORTS, AGENT_MAX_RANKS
         else:
             threading.Thread(target=run, name="phalanx-agent-request", daemon=True).start()
 
@@ -494,6 +500,13 @@ class Session:
 
     def _ports(self, count: int, payload: list[Any]) -> list[int]:
         return pick_free_ports(self.address, count)
+
+    def _hold_devices(self, count: int, holder: str, payload: list[Any]) -> dict[str, Any]:
+        answer = self._devices.take(self, count, holder)
+        if "gpus" in answer and count:
+            logger.info("GPUs %s of this node are held by %s", ", ".join(answer["gpus"]),
+                        holder)
+        return answer
 
     def _code(self) -> codesync.Store:
         if self._store is None:
@@ -588,6 +601,8 @@ class Session:
             self._forget(rank)
         self._spawner.close()
         self._objects.close()
+        for holder in self._devices.release(self):
+            logger.info("the GPUs %s held are free again: its controller is gone", holder)
         self._branch.close()
         self._conn.close()
         self._writer.stop()

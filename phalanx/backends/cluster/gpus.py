@@ -1,0 +1,59 @@
+"""GPUs held on agents' nodes, as the controller asks for them (DEVICES requests).
+
+Each agent keeps the book of its node's GPUs for every controller it serves
+(:mod:`phalanx.backends.cluster.agent.devices`). A group that asks ``gpus_per_worker``, or a
+pool that reserves GPUs, takes its ranks' devices from the book of each of its nodes before
+any rank starts, under a holder name that says which controller holds them; a node whose
+GPUs another holder has refuses, and the group or pool fails at once with
+:class:`~phalanx.errors.DevicesTaken` naming the node, the holders and what is free. Asking
+for none gives them back; an agent whose controller goes away frees what it held.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Sequence
+
+from phalanx.backends.cluster import messages as agentwire
+from phalanx.backends.cluster.link import AgentNode
+from phalanx.errors import DevicesTaken, PhalanxError
+
+GIVE_BACK_TIMEOUT = 5.0  # seconds an agent has to answer that a holder's GPUs are free
+
+
+def holder_name(holder: str) -> str:
+    """``holder`` (a pool or group of this controller) as the agents' books name it: with
+    the controller's host and pid, so two controllers' "pool-1" are two holders."""
+    return f"{holder} of the controller on {socket.gethostname()} (pid {os.getpid()})"
+
+
+def hold(agents: Sequence[AgentNode], counts: Sequence[int], holder: str
+         ) -> list[tuple[str, ...]]:
+    """``counts[n]`` GPUs of ``agents[n]``'s node for ``holder`` -> each node's ids.
+    DevicesTaken naming the node when one refuses; what the others took is given back."""
+    taken: list[AgentNode] = []
+    out: list[tuple[str, ...]] = []
+    try:
+        for agent, count in zip(agents, counts, strict=True):
+            answer = agent.request(agentwire.DEVICES, count, holder)
+            if "refused" in answer:
+                raise DevicesTaken(f"{agent.where}: {answer['refused']}")
+            taken.append(agent)
+            out.append(tuple(answer["gpus"]))
+    except BaseException:
+        give_back(taken, holder)
+        raise
+    return out
+
+
+def give_back(agents: Sequence[AgentNode], holder: str) -> None:
+    """Tell each agent that ``holder``'s GPUs are free (an agent lost, or slow to answer,
+    frees them itself once the connection ends)."""
+    for agent in agents:
+        if agent.lost_reason is not None:
+            continue
+        try:
+            agent.request(agentwire.DEVICES, 0, holder, timeout=GIVE_BACK_TIMEOUT)
+        except PhalanxError:
+            pass
