@@ -331,9 +331,11 @@ class SupervisedProcess:
         return self.exitcode(0) is None
 
     def wait_cleaned(self, timeout: float) -> bool:
-        """Wait until the keeper has ended what the worker left behind."""
+        """Wait until the keeper has ended what the worker left behind; True too when the
+        status pipe was released meanwhile (its owner forgot the rank, whose keeper goes on
+        cleaning up: nothing is left to wait on here)."""
         self._until(lambda: False, timeout)
-        return self._ended
+        return self._ended or self.death_fd is None
 
     # -- signals ----------------------------------------------------------------------
 

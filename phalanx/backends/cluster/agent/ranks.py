@@ -593,9 +593,10 @@ class Session:
         """The controller is gone: stop every rank and everything they started."""
         PULSE.remove(self)
         ranks = list(self._ranks.values())
-        if ranks:
+        running = [r for r in ranks if r.process.proc.alive()]
+        if running:  # not those that ended, their EXITED still on its way
             logger.warning("stopping %d rank(s) of a controller that went away: %s",
-                           len(ranks), self.reason or "the session ended")
+                           len(running), self.reason or "the session ended")
         node.stop_processes([r.process.proc for r in ranks], force=True)
         for rank in ranks:
             self._forget(rank)
