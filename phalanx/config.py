@@ -37,6 +37,7 @@ AGENT_PORT = 32300  # phalanx agent's control port (its HTTP port: the next one)
 # (a wrong port or token shows at once, not after quorum_timeout's 300 s of silence)
 QUORUM_REPORT_EVERY = 5.0
 DEFAULT_STRAGGLER_WARNING = 120.0  # seconds after a call's first answer to name late ranks
+MAX_GROUP_NAME = 64  # characters of a group's name (WorkerGroup(name=)), in every message
 CLEANUP_WAIT = 5.0  # seconds for a rank's keeper to end what the rank left running
 CONNECT_TIMEOUT = 30.0  # seconds a rank's node side has to reach the controller
 # A call whose arguments carry at least this many bytes of out-of-band buffers (numpy

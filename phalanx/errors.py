@@ -186,9 +186,15 @@ def _in_file(summary: traceback.FrameSummary, path: str) -> traceback.FrameSumma
     return moved
 
 
+def rank_text(rank: int, group: str | None = None) -> str:
+    """How messages name a rank: ``rank 3``, or ``rank 3 of group Policy-2``."""
+    return f"rank {rank}" if group is None else f"rank {rank} of group {group}"
+
+
 class WorkerError(PhalanxError):
     """User code raised on a rank. ``.exc_type`` is the remote exception's type name,
-    ``.traceback`` the remote traceback text, ``.stage`` says which side of the call failed.
+    ``.traceback`` the remote traceback text, ``.stage`` says which side of the call failed,
+    ``.group`` the name of the rank's group (None where it is not known).
     """
 
     def __init__(
@@ -199,8 +205,9 @@ class WorkerError(PhalanxError):
         node: int,
         pid: int | None,
         method: str,
+        group: str | None = None,
     ) -> None:
-        where = f"rank {rank} (node {node}, pid {pid})"
+        where = f"{rank_text(rank, group)} (node {node}, pid {pid})"
         if failure.stage == "running the method":
             text = f"{failure.exc_type} on {where} in {method}(): {failure.message}"
         else:
@@ -213,6 +220,7 @@ class WorkerError(PhalanxError):
         self.node = node
         self.pid = pid
         self.method = method
+        self.group = group
         self.exc_type = failure.exc_type
         self.message = failure.message
         self.traceback = failure.traceback
@@ -314,12 +322,13 @@ class WorkerDied(PhalanxError):
 
     ``.exitcode`` is negative when a signal killed it; ``.signal`` is then its name;
     ``.stderr_tail`` holds the last lines it wrote to stderr; ``.cause`` a likely explanation;
-    ``.before_sent`` whether it was known dead before ``.method`` was sent to it.
+    ``.before_sent`` whether it was known dead before ``.method`` was sent to it; ``.group``
+    the name of its group (None where it is not known).
     """
 
     def __init__(self, failure: ProcessFailure, *, method: str | None = None,
-                 before_sent: bool = False) -> None:
-        text = f"{_what_happened(failure, method, before_sent)}: {failure.cause}"
+                 before_sent: bool = False, group: str | None = None) -> None:
+        text = f"{_what_happened(failure, method, before_sent, group)}: {failure.cause}"
         if failure.stack:
             where = innermost_user_frames(failure.stack)
             if where:
@@ -337,16 +346,19 @@ class WorkerDied(PhalanxError):
         self.cause = failure.cause
         self.method = method
         self.before_sent = before_sent
+        self.group = group
 
 
-def _what_happened(failure: ProcessFailure, method: str | None, before_sent: bool) -> str:
-    """``rank 1 (node 0, pid 7) died while running step()``, or what happened instead:
-    it never started, or it was dead before ``method()`` was sent to it."""
+def _what_happened(failure: ProcessFailure, method: str | None, before_sent: bool,
+                   group: str | None) -> str:
+    """``rank 1 of group Policy (node 0, pid 7) died while running step()``, or what
+    happened instead: it never started, or it was dead before ``method()`` was sent to it."""
+    rank = rank_text(failure.rank, group)
     if failure.never_started:
         during = f", so {method}() never ran" if method else ""
-        return f"rank {failure.rank} (node {failure.node}) never started{during}"
+        return f"{rank} (node {failure.node}) never started{during}"
     pid = "" if failure.pid is None else f", pid {failure.pid}"
-    where = f"rank {failure.rank} (node {failure.node}{pid})"
+    where = f"{rank} (node {failure.node}{pid})"
     if method is None:
         return f"{where} died"
     if before_sent:
@@ -361,39 +373,44 @@ class WorkerUnresponsive(WorkerDied):
     stacks when it was declared unresponsive (or why they could not be taken)."""
 
     def __init__(self, failure: ProcessFailure, *, method: str | None = None,
-                 before_sent: bool = False) -> None:
-        super().__init__(failure, method=method, before_sent=before_sent)
+                 before_sent: bool = False, group: str | None = None) -> None:
+        super().__init__(failure, method=method, before_sent=before_sent, group=group)
         self.silent_for = failure.silent_for
         self.stack = failure.stack
 
 
 def death_error(failure: ProcessFailure, method: str | None = None, *,
-                before_sent: bool = False) -> WorkerDied:
+                before_sent: bool = False, group: str | None = None) -> WorkerDied:
     """The error for calls pending on a rank that ended this way (``before_sent``: the
-    rank was known dead before the call was sent to it)."""
+    rank was known dead before the call was sent to it; ``group``: its group's name)."""
     kind = WorkerUnresponsive if failure.silent_for is not None else WorkerDied
-    return kind(failure, method=method, before_sent=before_sent)
+    return kind(failure, method=method, before_sent=before_sent, group=group)
 
 
 class StartupError(PhalanxError):
     """The group could not start; every worker it had started has been stopped.
 
-    ``.rank`` is the first rank that failed (None for a timeout of several), and the
-    underlying :class:`WorkerError` / :class:`WorkerDied` is chained as ``__cause__``.
+    ``.rank`` is the first rank that failed (None for a timeout of several), ``.group`` the
+    name of the group (None where it is not known), and the underlying
+    :class:`WorkerError` / :class:`WorkerDied` is chained as ``__cause__``.
     """
 
-    def __init__(self, message: str, *, rank: int | None = None, traceback: str | None = None):
+    def __init__(self, message: str, *, rank: int | None = None, traceback: str | None = None,
+                 group: str | None = None):
         super().__init__(message)
         self.rank = rank
         self.traceback = traceback
+        self.group = group
 
 
 class CallTimeout(PhalanxError, TimeoutError):
-    """A call's ``timeout`` passed before every selected rank answered."""
+    """A call's ``timeout`` passed before every selected rank answered (``.group``: the name
+    of their group, None where it is not known)."""
 
     def __init__(self, method: str, timeout: float, pending_ranks: list[int],
-                 stacks: dict[int, str] | None = None) -> None:
-        text = (f"{method}() did not finish within {timeout:g} s on ranks {pending_ranks}; "
+                 stacks: dict[int, str] | None = None, group: str | None = None) -> None:
+        of = "" if group is None else f" of group {group}"
+        text = (f"{method}() did not finish within {timeout:g} s on ranks {pending_ranks}{of}; "
                 "the call keeps running there (see group.stacks(), or pass a larger timeout=)")
         where = {rank: innermost_user_frames(dump) for rank, dump in (stacks or {}).items()}
         if any(where.values()):
@@ -404,6 +421,7 @@ class CallTimeout(PhalanxError, TimeoutError):
         self.method = method
         self.timeout = timeout
         self.pending_ranks = pending_ranks
+        self.group = group
         self.stacks = stacks or {}  # rank -> every thread's stack when the timeout passed
 
 

@@ -223,6 +223,15 @@ def build_parser() -> argparse.ArgumentParser:
     runflags.add_torchrun_arguments(run)
     _add_agent(commands)
     k8s.add_parser(commands)
+    token = commands.add_parser(
+        "token", help="make a shared token for agents and their controllers (256 bits)",
+        description="Print a fresh token (256 random bits, URL-safe), or write it to a new "
+                    "file only you can read (--file). Give the same token to every agent "
+                    "(phalanx agent --token-file) and to the controller "
+                    "(px.ClusterBackend(token_file=...) or $PHALANX_TOKEN).")
+    token.add_argument("--file", metavar="FILE",
+                       help="write the token to FILE (created 0600; never overwritten) "
+                            "instead of printing it")
     debug = commands.add_parser(
         "debug",
         help="attach to a rank stopped in px.breakpoint(), or list the ranks waiting",
@@ -320,6 +329,20 @@ def _agent(options: argparse.Namespace) -> int:
                      max_frame=options.max_frame_mib << 20, tls=tls, store=options.store)
 
 
+def _token(options: argparse.Namespace) -> int:
+    from phalanx.backends.cluster import token
+
+    if options.file is None:
+        print(token.new_token())
+        return 0
+    try:
+        token.write_token_file(options.file)
+    except ValueError as exc:
+        print(f"phalanx token: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    return 0
+
+
 def _check_target(target: str, is_module: bool, no_python: bool = False) -> str | None:
     """Why the program cannot be run, checked before any process starts; None if fine."""
     if no_python:
@@ -358,6 +381,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _agent(options)
     if options.command == "k8s":
         return k8s.main(options)
+    if options.command == "token":
+        return _token(options)
     parser.error(f"unknown command {options.command!r}")  # pragma: no cover - argparse checks
     return USAGE_ERROR  # pragma: no cover
 

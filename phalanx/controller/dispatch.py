@@ -37,6 +37,7 @@ from phalanx.errors import (
     WorkerError,
     chain_remote,
     death_error,
+    rank_text,
 )
 from phalanx.wire import protocol, streams
 
@@ -71,6 +72,8 @@ class Dispatcher:
     that say where late ranks are (taking stacks is the backend's business);
     ``on_released(channel, ref_id)``: a rank let go of a freed shared object (RELEASED).
     ``deaths`` counts every death and removal: a cheap change counter, read-only outside.
+    ``group_name`` is the name of the group (:mod:`.names`), read-only: the errors of its
+    calls name it, and so do the parts that make errors from what is routed here.
     """
 
     def __init__(
@@ -79,7 +82,9 @@ class Dispatcher:
         *,
         stacks_of: Callable[[list[int]], dict[int, str]] = _no_stacks,
         on_released: Callable[[Channel, int], None] | None = None,
+        group_name: str | None = None,
     ) -> None:
+        self.group_name = group_name
         # epoll: waiting costs the same however many workers the group has.
         self._poller = select.epoll() if hasattr(select, "epoll") else select.poll()
         self._fd_lock = threading.Lock()  # watch/unwatch: the map and the poller agree
@@ -390,10 +395,12 @@ class Dispatcher:
                 remote = RemoteFailure(*extra[0])
                 if remote.exc_type == "ObjectLost":  # a kept result it needed is gone
                     future.fail_rank(entry.rank, ObjectLost(
-                        f"{remote.message} (for {future.method}() on rank {entry.rank})"))
+                        f"{remote.message} (for {future.method}() on "
+                        f"{rank_text(entry.rank, self.group_name)})"))
                     return
                 error = WorkerError(
-                    remote, rank=entry.rank, node=entry.node, pid=entry.pid, method=future.method
+                    remote, rank=entry.rank, node=entry.node, pid=entry.pid,
+                    method=future.method, group=self.group_name,
                 )
                 future.fail_rank(entry.rank, chain_remote(error, remote))
         elif kind == protocol.READY:
@@ -424,17 +431,17 @@ class Dispatcher:
         entry.exited(failure)  # .failure set first: senders that see it dead fail on their own
         self.deaths += 1
         for future in entry.take_pending():
-            future.fail_rank(entry.rank, death_error(failure, future.method))
+            future.fail_rank(entry.rank, death_error(failure, future.method,
+                                                    group=self.group_name))
 
-    @staticmethod
-    def fail_if_dead(entry: RankEntry, call_id: int, future: Completion) -> None:
+    def fail_if_dead(self, entry: RankEntry, call_id: int, future: Completion) -> None:
         """Close the race between sending to an entry and its death being processed: a call
         sent to a rank known dead by then fails as sent too late."""
         if not entry.alive:
             entry.pending.pop(call_id, None)
             failure = entry.failure
             future.fail_rank(entry.rank, death_error(failure, future.method,  # type: ignore[arg-type]
-                                                    before_sent=True))
+                                                    before_sent=True, group=self.group_name))
 
     def remove(self, entry: RankEntry) -> None:
         """Stop routing the rank's events to ``entry`` (it is being replaced or stopped)."""

@@ -284,7 +284,8 @@ class GroupFuture:
             # where the late ranks are, unless the caller polls with short timeouts
             stacks = (self._dispatcher.stacks_of(pending)
                       if timeout is not None and timeout >= config.STACKS_ON_TIMEOUT else None)
-            raise CallTimeout(self.method, timeout or 0.0, pending, stacks)
+            raise CallTimeout(self.method, timeout or 0.0, pending, stacks,
+                              group=self.group_name)
 
     # -- user side --------------------------------------------------------------------
 
@@ -382,9 +383,15 @@ class GroupFuture:
     def __len__(self) -> int:
         return len(self._ranks)
 
+    @property
+    def group_name(self) -> str | None:
+        """The name of the group the call runs on."""
+        return self._dispatcher.group_name
+
     def __repr__(self) -> str:
         state = "done" if self._settled() else f"{self._remaining} pending"
-        return f"<GroupFuture {self.method}() ranks={self._ranks} {state}>"
+        return (f"<GroupFuture {self.method}() on {_group_text(self.group_name)} "
+                f"ranks={self._ranks} {state}>")
 
 
 class RankFuture:
@@ -410,7 +417,8 @@ class RankFuture:
             group.wait_for(lambda: group.rank_done(i), timeout)
         except CallTimeout as exc:
             stacks = {self.rank: exc.stacks[self.rank]} if self.rank in exc.stacks else None
-            raise CallTimeout(group.method, timeout or 0.0, [self.rank], stacks) from None
+            raise CallTimeout(group.method, timeout or 0.0, [self.rank], stacks,
+                              group=group.group_name) from None
 
     def result(self, timeout: float | None = None) -> Any:
         """The rank's return value; raises its error, or CallTimeout after ``timeout`` s."""
@@ -432,7 +440,8 @@ class RankFuture:
             state = "pending"
         else:
             state = "failed" if group.rank_error(self._i) is not None else "done"
-        return f"<RankFuture rank={self.rank} {group.method}() {state}>"
+        return (f"<RankFuture {group.method}() on rank {self.rank} of "
+                f"{_group_text(group.group_name)} {state}>")
 
 
 class StreamFuture(GroupFuture):
@@ -472,7 +481,8 @@ class StreamFuture(GroupFuture):
             if self._remaining == 0 or self._cancelled:
                 return
             if not self._dispatcher.wait(self._has_news, self.timeout):
-                raise CallTimeout(self.method, self.timeout or 0.0, self.late_ranks())
+                raise CallTimeout(self.method, self.timeout or 0.0, self.late_ranks(),
+                                  group=self.group_name)
 
     def result(self, timeout: float | None = None) -> list[Any]:
         """Every rank's streamed items (a list per rank, in rank order)."""
@@ -541,7 +551,13 @@ class ShardedFuture:
         return _await(self)
 
     def __repr__(self) -> str:
-        return f"<ShardedFuture called={self.called_ranks} results from={self.result_ranks}>"
+        return (f"<ShardedFuture {self._future.method}() on "
+                f"{_group_text(self._future.group_name)} called={self.called_ranks} "
+                f"results from={self.result_ranks}>")
+
+
+def _group_text(name: str | None) -> str:
+    return "a group" if name is None else f"group {name}"
 
 
 def _bridge(future: GroupFuture | ShardedFuture) -> concurrent.futures.Future:

@@ -28,6 +28,7 @@ from phalanx.controller.kept import KeptResults
 from phalanx.controller.lifecycle import Gate, Lifecycle
 from phalanx.controller.membership import Membership
 from phalanx.controller.methods import MethodNames, MethodProxy
+from phalanx.controller.names import GROUP_NAMES
 from phalanx.controller.ranks import RankTable
 from phalanx.controller.refs import ObjectRef
 from phalanx.controller.request import plan_group
@@ -91,6 +92,12 @@ class WorkerGroup:
     ``MASTER_PORT`` (default: node 0's address and a port free there, new on each restart).
     ``part_of`` makes the group one node of a bigger world whose other nodes other groups
     run (see :class:`~phalanx.world.frameworks.WorldPart`); it needs both.
+
+    ``name`` is what errors, logs and reprs call the group (:attr:`name`): letters, digits
+    and ``-_.``, not the name of another open group of this process (ValueError, before
+    anything starts; free again once that group is shut down). By default, the target's
+    name, numbered when repeated: ``Policy``, ``Policy-2``, ... (see
+    :mod:`phalanx.controller.names`).
     """
 
     def __init__(
@@ -126,6 +133,7 @@ class WorkerGroup:
         master_addr: str | None = None,
         master_port: int | None = None,
         part_of: WorldPart | None = None,
+        name: str | None = None,
     ) -> None:
         plan = plan_group(
             target, args, kwargs, nodes=nodes, procs_per_node=procs_per_node, env=env,
@@ -135,7 +143,8 @@ class WorkerGroup:
             output=(echo_output, collapse_output, log_ranks, log_dir), cwd=cwd, mesh=mesh,
             dp_axis=dp_axis, tied_axes=tied_axes, dp_leaders=dp_leaders,
             heartbeat_timeout=heartbeat_timeout, straggler_warning=straggler_warning,
-            master_addr=master_addr, master_port=master_port, part_of=part_of)
+            master_addr=master_addr, master_port=master_port, part_of=part_of, name=name)
+        self._name = name = plan.name  # taken: given back by shutdown(), or a failed start
         self._backend: Backend = plan.backend
         self._mesh = plan.mesh
         self._lease = plan.lease
@@ -143,21 +152,23 @@ class WorkerGroup:
 
         # -- the parts (drawn in phalanx.controller's docstring) ---------------------------
         backend_ = self._backend
-        self._gate = gate = Gate()
+        self._gate = gate = Gate(name)
         self._dispatcher = dispatcher = Dispatcher(
             self._on_death, stacks_of=lambda ranks: self._watch.stacks_of(ranks),
             on_released=(None if backend_.capabilities.objects is None else
-                         backend_.capabilities.objects.released))
+                         backend_.capabilities.objects.released),
+            group_name=name)
         self._ranks = ranks = RankTable(plan.placement.layout.world_size, dispatcher)
         self._shared = shared = SharedObjects(backend_, dispatcher.poll_now,
                                               ranks.live_channels)
         self._methods = methods = MethodNames(target_name)
         self._sender = sender = Sender(ranks, dispatcher, shared, backend_)
-        self._kept = KeptResults(f"the {target_name} group", sender.send, sender.encode,
+        self._kept = KeptResults(f"group {name}", sender.send, sender.encode,
                                  sender.source_of)
         sender.keeps_in(self._kept)
         self._starter = starter = Starter(
-            backend_, plan.placement, plan.boot, env=env or {}, rank_env=rank_env or {},
+            backend_, plan.placement, plan.boot, name=name, env=env or {},
+            rank_env=rank_env or {},
             part_of=part_of,
             rendezvous=((master_addr, master_port)
                         if master_addr is not None or master_port is not None else None),
@@ -191,11 +202,18 @@ class WorkerGroup:
             backend_.close()
             if self._lease is not None:
                 self._lease.release()
+            GROUP_NAMES.release(name)
             raise
         _live_groups.add(self)
         if self._lease is not None:
             self._lease.adopt(self)
-        logger.info("started %d workers of %s", self.world_size, target_name)
+        logger.info("group %s started %d workers of %s", name, self.world_size, target_name)
+
+    @property
+    def name(self) -> str:
+        """The group's name (``name=``, or the target's, numbered): what its errors, logs
+        and reprs call it. Unique among this process's open groups."""
+        return self._name
 
     # -- layout -----------------------------------------------------------------------
 
@@ -403,7 +421,8 @@ class WorkerGroup:
         self._kept.lost(entry.rank, "its process died" if entry.failure is None
                                else f"its process died ({entry.failure.cause})")
         if not self._gate.closed and entry.ever_ready and entry.failure is not None:
-            logger.warning("rank %d (pid %s) died: %s", entry.rank, entry.pid, entry.failure.cause)
+            logger.warning("rank %d of group %s (pid %s) died: %s", entry.rank, self._name,
+                           entry.pid, entry.failure.cause)
 
     # -- shared data, faults ----------------------------------------------------------
 
@@ -549,6 +568,7 @@ class WorkerGroup:
             finally:
                 if self._lease is not None:  # its pool's slots are free again
                     self._lease.release()
+                GROUP_NAMES.release(self._name)  # and its name
 
     def __enter__(self) -> WorkerGroup:
         return self
@@ -563,6 +583,6 @@ class WorkerGroup:
         layout = starter.layout
         state = "closed" if self.__dict__["_gate"].closed else "running"
         return (
-            f"<WorkerGroup {self.__dict__['_methods'].target_name} nodes={layout.nodes} "
+            f"<WorkerGroup {self.__dict__['_name']} nodes={layout.nodes} "
             f"procs_per_node={layout.procs_per_node} {state}>"
         )

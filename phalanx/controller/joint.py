@@ -32,9 +32,12 @@ def rendezvous(*groups: WorkerGroup) -> list[list[dict[str, str]]]:
         if not isinstance(group, WorkerGroup):
             raise TypeError(f"rendezvous() takes WorkerGroups; argument {i} is {group!r}")
         if group.closed:
-            raise GroupClosed(f"rendezvous(): group {i} ({group!r}) was shut down")
+            raise GroupClosed(f"rendezvous(): group {group.name} (argument {i}) was shut "
+                              "down")
     if len({id(g) for g in groups}) != len(groups):
-        raise ValueError("rendezvous(): a group is given twice; each takes part once")
+        twice = next(g for g in groups if sum(h is g for h in groups) > 1)
+        raise ValueError(f"rendezvous(): group {twice.name} is given twice; each takes part "
+                         "once")
     address, port = groups[0].free_port()
     world = sum(g.world_size for g in groups)
     out, first = [], 0

@@ -74,7 +74,7 @@ class KeptResults:
     def __init__(self, label: str, send: Callable[..., GroupFuture],
                  encode: Callable[..., Payload],
                  source: Callable[[int], NodeAddress | None] = lambda rank: None) -> None:
-        self.label = label  # the group, in messages
+        self.label = label  # the group, in messages ("group Producer")
         self._send = send
         self._encode = encode
         self._source = source
@@ -162,7 +162,7 @@ class KeptResults:
                 return
             if self._dropper is None:
                 self._dropper = threading.Thread(target=self._drop_loop, daemon=True,
-                                                 name=f"phalanx-drop-{self.label}")
+                                                 name=f"phalanx-drop ({self.label})")
                 self._dropper.start()
         self._wake.set()
         _release_copies(copied)

@@ -45,10 +45,12 @@ _LONGEST_EXIT_WAIT = 365 * 24 * 3600.0
 
 
 class Gate:
-    """Whether a group is open: :meth:`check` raises once :meth:`close` was called."""
+    """Whether a group is open: :meth:`check` raises once :meth:`close` was called
+    (``name``: the group's, for the message)."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str | None = None) -> None:
         self._closed = False
+        self._what = "this WorkerGroup" if name is None else f"group {name}"
 
     @property
     def closed(self) -> bool:
@@ -57,7 +59,7 @@ class Gate:
     def check(self) -> None:
         """GroupClosed if the group has been shut down (before every call: kept cheap)."""
         if self._closed:
-            raise GroupClosed("this WorkerGroup has been shut down")
+            raise GroupClosed(f"{self._what} has been shut down")
 
     def close(self) -> None:
         """From now on the group is closed (idempotent)."""
@@ -122,8 +124,8 @@ class Lifecycle:
                             limit="recreate(timeout=)" if given else None)
         if readmit is not None:
             self._readmit(readmit, timeout)
-        logger.info("recreated ranks %s%s", fresh, f" (re-admitted by {readmit}())"
-                    if readmit else "")
+        logger.info("recreated ranks %s of group %s%s", fresh, self._starter.name,
+                    f" (re-admitted by {readmit}())" if readmit else "")
 
     def _readmit(self, method: str, timeout: float) -> None:
         rendezvous = self._starter.rendezvous()
@@ -133,8 +135,9 @@ class Lifecycle:
             future.result(timeout)
         except PhalanxError as exc:
             raise StartupError(
-                f"re-admission failed: {method}() on ranks {alive} did not complete within "
-                f"{timeout:g} s: {exc}",
+                f"re-admission failed: {method}() on ranks {alive} of group "
+                f"{self._starter.name} did not complete within {timeout:g} s: {exc}",
+                group=self._starter.name,
             ) from exc
 
     def reload(self) -> str | None:
@@ -157,7 +160,7 @@ class Lifecycle:
         self._starter.new_launch()
         world_size = self._starter.layout.world_size
         self._starter.start(list(range(world_size)))
-        logger.info("restarted %d workers", world_size)
+        logger.info("restarted %d workers of group %s", world_size, self._starter.name)
 
     def teardown(self, deadline: float, force: bool) -> None:
         """Close the gate and stop every part and every rank process by ``deadline`` (a
@@ -178,7 +181,8 @@ class Lifecycle:
             self._backend.wait_exited(channels_of(idle), remaining)
         self._dispatcher.close(
             lambda method, rank: GroupClosed(
-                f"the group was shut down while {method}() was pending on rank {rank}"
+                f"group {self._starter.name} was shut down while {method}() was pending "
+                f"on rank {rank}"
             ),
             entries,
         )
@@ -189,5 +193,4 @@ class Lifecycle:
         self._shared.close()
         self._dispatcher.release()
         self._backend.close()
-        logger.info("shut down %d workers of %s", len(self._table),
-                    self._methods.target_name)
+        logger.info("shut down %d workers of group %s", len(self._table), self._starter.name)

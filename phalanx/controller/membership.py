@@ -154,5 +154,5 @@ class Membership:
         self._mesh.resized(layout.world_size)
         self._starter.reserve(layout)
         self._starter.start(list(range(layout.world_size)), timeout=timeout)
-        logger.info("resized from %d to %d ranks on %d nodes", current.world_size,
-                    layout.world_size, nodes)
+        logger.info("resized group %s from %d to %d ranks on %d nodes", self._starter.name,
+                    current.world_size, layout.world_size, nodes)

@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _names = itertools.count(1)
-_groups = itertools.count(1)  # names of the groups placed on pools, for messages
 
 
 @dataclasses.dataclass
@@ -275,10 +274,11 @@ class Booking:
     gpus_per_worker: int
     slots: list[pools.PoolSlot]
 
-    def take(self, name: str) -> Lease:
-        """Book the slots for a group of ``name`` (its target, its size; ValueError if
-        another group took them meanwhile: the check is repeated under the pool's lock)."""
-        return self.pool.book(self.slots, f"group {next(_groups)} ({name})")
+    def take(self, holder: str) -> Lease:
+        """Book the slots for the group ``holder`` names (``group Policy-2 (4 ranks)``;
+        ValueError if another group took them meanwhile: the check is repeated under the
+        pool's lock)."""
+        return self.pool.book(self.slots, holder)
 
 
 def booking_on(pool: object, backend: object, nodes: int | None,

@@ -287,7 +287,8 @@ class RankTable:
         for r in ranks:
             entry = self.entries[r]
             if entry is None or not entry.alive:
-                raise death_error(entry.failure if entry is not None else None)  # type: ignore[arg-type]
+                raise death_error(entry.failure if entry is not None else None,  # type: ignore[arg-type]
+                                  group=self._dispatcher.group_name)
         if workers == "any" and not ranks:
             raise GroupClosed("workers='any': no rank of this group is alive")
         return ranks

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from phalanx import config
 from phalanx.backends import Backend, Boot, create_backend
 from phalanx.controller.meshcalls import Mesh
+from phalanx.controller.names import GROUP_NAMES, base_of, check_name, holder
 from phalanx.controller.startup import (
     check_part_of,
     check_rank_env,
@@ -56,6 +57,7 @@ class GroupPlan:
     heartbeat_timeout: float | None
     straggler_warning: float | None
     target_name: str
+    name: str  # the group's, taken in GROUP_NAMES: given back when it shuts down
     progress: bool | None  # None: shown when stderr is a terminal
     lease: Lease | None  # the pool's slots the group takes, held until it shuts down
 
@@ -88,10 +90,16 @@ def plan_group(
     master_addr: str | None,
     master_port: int | None,
     part_of: WorldPart | None,
+    name: str | None,
 ) -> GroupPlan:
     """Check every argument of ``WorkerGroup(...)`` (the errors its docstring promises)
-    and decide what starts where. Takes the pool's slots last, once all else is right."""
+    and decide what starts where. A name held by an open group is refused first; the name
+    and the pool's slots are taken last, once all else is right (the name is given back
+    if the slots cannot be had)."""
     settings = config.Settings.from_env()
+    if name is not None:
+        check_name(name)
+        GROUP_NAMES.check_free(name)
     check_target(target, args, kwargs)
     check_count(concurrency, "concurrency")
     check_rendezvous(master_addr, master_port)
@@ -134,9 +142,14 @@ def plan_group(
                      options={"concurrency": concurrency, "framework": framework,
                               "heartbeat": heartbeat_interval(heartbeat_timeout)})
     target_name = getattr(target, "__qualname__", getattr(target, "__name__", "target"))
-    lease = None if booking is None else booking.take(f"{target_name}, {world_size} ranks")
+    name = GROUP_NAMES.claim(name, base_of(target))
+    try:
+        lease = None if booking is None else booking.take(holder(name, world_size))
+    except BaseException:
+        GROUP_NAMES.release(name)
+        raise
     return GroupPlan(
         backend=backend_, placement=placement, boot=boot, output=options, mesh=group_mesh,
         start_timeout=start_timeout, heartbeat_timeout=heartbeat_timeout,
-        straggler_warning=straggler_warning, target_name=target_name,
+        straggler_warning=straggler_warning, target_name=target_name, name=name,
         progress=settings.progress, lease=lease)

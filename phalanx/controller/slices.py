@@ -157,5 +157,4 @@ class GroupSlice:
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
     def __repr__(self) -> str:
-        name = self._calls.methods.target_name
-        return f"<GroupSlice of {name} ranks={self._ranks} mesh={self.mesh}>"
+        return f"<GroupSlice of group {self._group.name} ranks={self._ranks} mesh={self.mesh}>"

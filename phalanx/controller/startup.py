@@ -14,7 +14,6 @@ their processes are stopped, and the calls still pending on them fail.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import sys
 import time
@@ -25,8 +24,9 @@ from typing import TYPE_CHECKING, Any
 from phalanx import config
 from phalanx.backends import Backend, Boot, RankStart
 from phalanx.backends.base import plain_target
+from phalanx.controller.names import holder
 from phalanx.controller.ranks import RankEntry, channels_of
-from phalanx.errors import SerializationError, StartupError, death_error
+from phalanx.errors import SerializationError, StartupError, death_error, rank_text
 from phalanx.options import check_count
 from phalanx.output.console import Progress
 from phalanx.version import __version__
@@ -44,8 +44,6 @@ if TYPE_CHECKING:
     from phalanx.world.frameworks import Framework
 
 logger = logging.getLogger(__name__)
-
-_numbers = itertools.count(1)  # each group started here, for its name in messages
 
 READMIT_ENV = "PHALANX_READMIT"  # "1" in the environment of a rank started to be re-admitted
 
@@ -163,10 +161,10 @@ def make_boot(target: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None
 class Starter:
     """Starts and stops one group's ranks (see the module docstring).
 
-    Interface: :attr:`layout`, :attr:`framework`, :attr:`gpus_per_worker`,
-    :attr:`start_timeout`; :meth:`reserve` (nodes for a layout), :meth:`new_launch` (a
-    new rendezvous), :meth:`mark_readmitted`, :meth:`rendezvous`; :meth:`start` and
-    :meth:`retire`.
+    Interface: :attr:`name`, :attr:`layout`, :attr:`framework`, :attr:`gpus_per_worker`,
+    :attr:`start_timeout`, :attr:`holder`; :meth:`reserve` (nodes for a layout),
+    :meth:`new_launch` (a new rendezvous), :meth:`mark_readmitted`, :meth:`rendezvous`;
+    :meth:`start` and :meth:`retire`.
     """
 
     def __init__(
@@ -175,6 +173,7 @@ class Starter:
         placement: Placement,
         boot: Boot,
         *,
+        name: str,
         env: Mapping[str, str],
         rank_env: Mapping[int, Mapping[str, str]],
         part_of: WorldPart | None,
@@ -186,6 +185,7 @@ class Starter:
         shared: SharedObjects,
         methods: MethodNames,
     ) -> None:
+        self.name = name  # the group's (phalanx.controller.names)
         self._backend = backend
         self._placement = placement
         self._layout = placement.layout
@@ -200,7 +200,6 @@ class Starter:
         self._table = table
         self._shared = shared
         self._methods = methods
-        self._number = next(_numbers)
         self._nodes: list[Node] = []
         self._starts: list[RankStart] = []
 
@@ -220,9 +219,9 @@ class Starter:
 
     @property
     def holder(self) -> str:
-        """The group as the books of devices name what it holds."""
-        return (f"group {self._number} ({self._methods.target_name}, "
-                f"{self._layout.world_size} rank{'s' if self._layout.world_size != 1 else ''})")
+        """The group as the books of devices name what it holds: ``group Policy-2 (4
+        ranks)``."""
+        return holder(self.name, self._layout.world_size)
 
     # -- nodes and launches -------------------------------------------------------------
 
@@ -324,6 +323,7 @@ class Starter:
                 target_name=self._methods.target_name,
                 limit=limit,
                 python=self._boot.python,
+                group=self.name,
             )
         except BaseException:
             self.retire(entries, grace=0.0, force=True)  # they stay known as dead ranks
@@ -354,11 +354,12 @@ def await_ready(
     target_name: str,
     limit: str | None = None,
     python: str | None = None,
+    group: str | None = None,
 ) -> None:
     """Return once every entry is ready; raise :class:`StartupError` at the first failure
     (a constructor that raised, a worker that died) or when ``timeout`` passes (``limit``
     names the setting that gave it, for the message; ``python``, the interpreter the
-    ranks run, when ``python=`` chose one)."""
+    ranks run, when ``python=`` chose one; ``group``, the group's name)."""
     bar = Progress(f"starting {len(entries)} workers", len(entries), enabled=progress)
     deadline = time.monotonic() + timeout
 
@@ -376,35 +377,38 @@ def await_ready(
             )
             bar.update(sum(s.ever_ready for s in entries))
             if failed():
-                raise startup_error(min(failed(), key=lambda s: s.rank), python)
+                raise startup_error(min(failed(), key=lambda s: s.rank), python, group)
             if all_ready:
                 return
             if time.monotonic() >= deadline:
                 late = [s.rank for s in entries if not s.ever_ready]
                 limit = limit or f"start_timeout= (or {config.ENV_START_TIMEOUT})"
+                of = "" if group is None else f" of group {group}"
                 raise StartupError(
-                    f"ranks {late} did not become ready within {timeout:g} s; raise "
+                    f"ranks {late}{of} did not become ready within {timeout:g} s; raise "
                     f"{limit} if {target_name}() is slow to construct, or see what it "
                     "waits for",
-                    rank=late[0],
+                    rank=late[0], group=group,
                 )
     finally:
         bar.close()
 
 
-def startup_error(entry: RankEntry, python: str | None = None) -> StartupError:
+def startup_error(entry: RankEntry, python: str | None = None,
+                  group: str | None = None) -> StartupError:
     """The error for an entry whose constructor raised or whose process died (``python``:
     the interpreter ``python=`` gave the ranks, named when the process ended before
-    phalanx ran in it)."""
+    phalanx ran in it; ``group``: the group's name)."""
     failure = entry.init_failure
     if failure is not None:
         pid = "" if entry.pid is None else f", pid {entry.pid}"  # READY brings it
         error = StartupError(
-            f"rank {entry.rank} (node {entry.node}{pid}) failed while "
+            f"{rank_text(entry.rank, group)} (node {entry.node}{pid}) failed while "
             f"{failure.stage}: {failure.exc_type}: {failure.message}\n\n"
             f"Remote traceback:\n{failure.traceback.rstrip()}",
             rank=entry.rank,
             traceback=failure.traceback,
+            group=group,
         )
         original = failure.rebuild()
         if original is not None:
@@ -412,13 +416,13 @@ def startup_error(entry: RankEntry, python: str | None = None) -> StartupError:
         return error
     if entry.failure is None:  # pragma: no cover - a dead entry always has its record
         raise RuntimeError(f"rank {entry.rank} failed without a failure record")
-    died = death_error(entry.failure)
+    died = death_error(entry.failure, group=group)
     text = (str(died) if entry.failure.never_started else
             f"rank {entry.rank} died during start-up: {died}")
     if python is not None and not entry.ever_ready:
         text += (f"\n\nThe ranks run python={python!r}, whose process ended before the "
                  f"rank was ready: is it a Python {sys.version_info[0]}."
                  f"{sys.version_info[1]} with phalanx {__version__} installed?")
-    error = StartupError(text, rank=entry.rank)
+    error = StartupError(text, rank=entry.rank, group=group)
     error.__cause__ = died
     return error

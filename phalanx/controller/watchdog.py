@@ -134,9 +134,9 @@ class Watchdog:
             silent_for=silent, stack=stack,
         )
         where = innermost_user_frames(stack or "")
-        logger.info("rank %d (node %d, pid %s) is unresponsive: silent for %.1f s%s; killing it",
-                     entry.rank, entry.node, entry.pid, silent,
-                     f", at {'; '.join(where)}" if where else "")
+        logger.info("rank %d of group %s (node %d, pid %s) is unresponsive: silent for %.1f s%s; "
+                    "killing it", entry.rank, self._dispatcher.group_name, entry.node, entry.pid,
+                    silent, f", at {'; '.join(where)}" if where else "")
         # The record goes first: the rank's real death, reported after the kill, only adds
         # its exit status to it (see ProcessFailure.merged).
         self._dispatcher.post(entry.channel, [protocol.exited_message(entry.rank,
@@ -169,8 +169,8 @@ class Watchdog:
                 frames = innermost_user_frames(stacks.get(rank, ""))
                 where += f"\n  rank {rank}: " + ("; ".join(frames) or "(no user frame found)")
             logger.warning(
-                "%s() was answered by %d of %d ranks %.0f s ago; still waiting for ranks %s "
-                "(group.stacks() shows every thread). Where the late ranks are:%s",
-                future.method, called - len(late), called,
+                "%s() was answered by %d of %d ranks of group %s %.0f s ago; still waiting for "
+                "ranks %s (group.stacks() shows every thread). Where the late ranks are:%s",
+                future.method, called - len(late), called, self._dispatcher.group_name,
                 now - first, late, where,
             )

@@ -3,28 +3,37 @@
 Used wherever a process connects to another over the network: a rank's Ray actor to its
 controller, a controller to a node's agent, an agent to the agents below it in a tree.
 Nothing is unpickled from a peer before it has proved the secret, and the peer learns it
-talks to the side that holds the secret::
+talks to the side that holds the secret. The connecting side proves first, so a stranger
+that connects learns nothing derived from the secret, nor this side's version::
 
-    connector -> acceptor   MAGIC, version (u8 length, UTF-8),
-                            role (u8), rank (u32), incarnation (u32), nonce_c (32 B)
-    acceptor  -> connector  version (u8 length, UTF-8)
-                            -- the two versions differ: both refuse, the acceptor closes --
-    acceptor  -> connector  nonce_a (32 B), HMAC(secret, "acceptor" | greeting | nonce_a)
-    connector -> acceptor   HMAC(secret, "connector" | greeting | nonce_a)
+    connector -> acceptor   MAGIC, nonce_c (32 B)
+    acceptor  -> connector  nonce_a (32 B)
+    connector -> acceptor   version (u8 length, UTF-8), role (u8), rank (u32),
+                            incarnation (u32), HMAC(secret, "connector" | greeting)
+    acceptor  -> connector  REFUSED (1 B), and it closes                  -- a wrong proof --
+                            or ACCEPTED (1 B), version (u8 length, UTF-8),
+                            HMAC(secret, "acceptor" | greeting | version)
 
-``greeting`` is everything the connector sent and the acceptor's version, so the proofs
-cover both versions. The handshake also gives each side the keys that authenticate every
-frame after it (:mod:`phalanx.wire.seal`, derived from the secret, ``greeting`` and
-``nonce_a``): :func:`connect` returns them, :func:`accept` returns them in its
-:class:`Hello`, and the caller hands them to the connection
-(:class:`phalanx.wire.framing.Connection`'s ``auth``). Proving the secret once is not
-enough: a relay that forwarded these bytes could otherwise write frames of its own after
-them. The versions are ``phalanx.__version__`` of each side, compared first
-because pickles name module paths, which move between releases: two releases never get as
-far as exchanging one, and each side raises :class:`~phalanx.errors.VersionMismatch` naming
-both versions and the side to upgrade. The magic and the version come first in every
-release from this one on, so any two tell each other apart; a peer of an older release
-(magic ``PHALANX1``, no version) is refused as such.
+``greeting`` is everything before the connector's proof: the magic, both nonces, the
+connector's version and who it is. The proofs cover both versions, which are compared only
+once both sides have proved the secret (``phalanx.__version__`` of each: pickles name
+module paths, which move between releases, so two releases never exchange one; each side
+raises :class:`~phalanx.errors.VersionMismatch` naming both versions and the side to
+upgrade). A peer of an earlier release (magic ``PHALANX1`` or ``PHALANX2``) is refused as
+older, and told nothing.
+
+The handshake also gives each side the keys that authenticate every frame after it
+(:mod:`phalanx.wire.seal`, derived from the secret and the whole transcript):
+:func:`connect` returns them, :func:`accept` returns them in its :class:`Hello`, and the
+caller hands them to the connection (:class:`phalanx.wire.framing.Connection`'s ``auth``).
+Proving the secret once is not enough: a relay that forwarded these bytes could otherwise
+write frames of its own after them.
+
+What an eavesdropper (or an acceptor a controller was tricked into dialling) sees lets it
+test guesses of the secret offline. The secrets phalanx makes itself are 256 random bits;
+a token a person chose goes through :func:`stretch` first (scrypt, about 32 MiB and a
+tenth of a second per guess, computed once per process), which is what the agents and
+their controllers use.
 
 Every read has a deadline; a peer that stalls or lies is dropped with
 :class:`AuthenticationError`.
@@ -33,6 +42,7 @@ Every read has a deadline; a peer that stalls or lies is dropped with
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import hmac
 import secrets
@@ -44,9 +54,14 @@ from phalanx import version as release
 from phalanx.errors import AuthenticationError, VersionMismatch
 from phalanx.wire import seal
 
-MAGIC = b"PHALANX2"
-_BEFORE_VERSIONS = b"PHALANX1"  # the magic of the releases whose handshake had no version
-_HELLO = struct.Struct("<BII32s")  # role, rank, incarnation, nonce
+MAGIC = b"PHALANX3"
+_OLDER = {b"PHALANX1": False, b"PHALANX2": True}  # earlier releases' magic: sends a version?
+_HELLO = struct.Struct("<BII")  # role, rank, incarnation
+_NONCE = 32
+REFUSED, ACCEPTED = b"\x00", b"\x01"
+# scrypt's cost for a token a person chose: 2**15 x 8 x 128 B = 32 MiB, ~0.1 s per guess
+_SCRYPT = {"n": 1 << 15, "r": 8, "p": 1, "maxmem": 64 << 20, "dklen": 32}
+_SCRYPT_SALT = b"phalanx handshake key v3"
 _DIGEST = hashlib.sha256().digest_size
 _MAX_VERSION = 255  # bytes: a version's length travels as a u8
 _REFUSAL_DRAIN = 1.0  # seconds to read what a refused peer still sends, so it gets our answer
@@ -121,69 +136,96 @@ def _refuse(sock: socket.socket, deadline: float) -> None:
         return
 
 
+@functools.lru_cache(maxsize=8)
+def stretch(token: bytes) -> bytes:
+    """The handshake's secret for a token a person may have chosen: a memory-hard function
+    of it (scrypt), so that each offline guess of the token costs what it costs here, once.
+    Computed once per process and token."""
+    return hashlib.scrypt(token, salt=_SCRYPT_SALT, **_SCRYPT)
+
+
 def connect(sock: socket.socket, secret: bytes, hello: Hello, timeout: float,
             peer: str = "the controller", own: str = "this process",
             version: str | None = None) -> seal.FrameAuth:
-    """The connecting side: introduce itself, compare versions, check the acceptor's proof,
-    prove its own; the keys of the frames that follow. ``peer`` and ``own`` name the two
-    sides in errors; ``version``: this side's (default ``phalanx.__version__``)."""
+    """The connecting side: prove the secret, check the acceptor's proof, compare versions;
+    the keys of the frames that follow. ``peer`` and ``own`` name the two sides in errors;
+    ``version``: this side's (default ``phalanx.__version__``)."""
     deadline = time.monotonic() + timeout
     version = release.__version__ if version is None else version
-    nonce = secrets.token_bytes(32)
-    greeting = (MAGIC + _version_field(version)
-                + _HELLO.pack(hello.role, hello.rank, hello.incarnation, nonce))
+    nonce = secrets.token_bytes(_NONCE)
     sock.settimeout(timeout)
-    sock.sendall(greeting)
+    sock.sendall(MAGIC + nonce)
     try:
-        their_field, theirs = _read_version(sock, deadline)
+        their_nonce = _read(sock, _NONCE, deadline)
     except HandshakeIncomplete as exc:
         raise HandshakeIncomplete(
-            f"{peer}: {exc}, before saying its phalanx version (a peer of a phalanx older "
-            f"than this one, {version}, ends the handshake so)") from None
-    if theirs != version:
-        raise VersionMismatch(own, version, peer, theirs)
-    greeting += their_field
-    reply = _read(sock, 32 + _DIGEST, deadline)
-    their_nonce, proof = reply[:32], reply[32:]
-    if not hmac.compare_digest(proof, _mac(secret, b"acceptor", greeting, their_nonce)):
+            f"{peer}: {exc}, before it answered (a peer of a phalanx older than this one, "
+            f"{version}, or one that speaks another protocol, ends the handshake so)") from None
+    greeting = (MAGIC + nonce + their_nonce + _version_field(version)
+                + _HELLO.pack(hello.role, hello.rank, hello.incarnation))
+    sock.sendall(greeting[len(MAGIC) + 2 * _NONCE:] + _mac(secret, b"connector", greeting))
+    try:
+        answer = _read(sock, 1, deadline)
+    except HandshakeIncomplete as exc:
+        raise HandshakeIncomplete(f"{peer}: {exc}, after this side's proof") from None
+    if answer != ACCEPTED:
+        raise AuthenticationError(f"{peer} refused this side's proof of the shared secret "
+                                  "(a wrong token or secret on one side)")
+    their_field, theirs = _read_version(sock, deadline)
+    proof = _read(sock, _DIGEST, deadline)
+    if not hmac.compare_digest(proof, _mac(secret, b"acceptor", greeting, their_field)):
         raise AuthenticationError(f"{peer} could not prove the shared secret (a wrong "
                                   "token or secret on one side)")
-    sock.sendall(_mac(secret, b"connector", greeting, their_nonce))
+    if theirs != version:
+        raise VersionMismatch(own, version, peer, theirs)
     sock.settimeout(None)
-    return seal.derive(secret, greeting + their_nonce, connector=True)
+    return seal.derive(secret, greeting + their_field, connector=True)
 
 
 def accept(sock: socket.socket, secret: bytes, timeout: float, peer: str = "the peer",
            own: str = "this process", version: str | None = None) -> Hello:
-    """The accepting side: read the greeting, compare versions, prove the secret, check the
-    peer's proof; who it is, with the keys of the frames that follow (``auth``). ``peer``
-    and ``own`` name the two sides in errors; ``version``: this side's (default
-    ``phalanx.__version__``)."""
+    """The accepting side: check the peer's proof, prove the secret, compare versions; who
+    it is, with the keys of the frames that follow (``auth``). ``peer`` and ``own`` name the
+    two sides in errors; ``version``: this side's (default ``phalanx.__version__``)."""
     deadline = time.monotonic() + timeout
     version = release.__version__ if version is None else version
     magic = _read(sock, len(MAGIC), deadline)  # a stranger is told apart at once
-    if magic == _BEFORE_VERSIONS:
+    if magic in _OLDER:
+        theirs = None
+        if _OLDER[magic]:  # that release named its version next (nothing is sent back)
+            theirs = _read_version(sock, deadline)[1]
         _refuse(sock, deadline)
-        raise VersionMismatch(own, version, peer, None)
+        raise VersionMismatch(own, version, peer, theirs)
     if magic != MAGIC:
         raise AuthenticationError(f"the peer does not speak the phalanx protocol (it sent "
                                   f"{magic!r})")
+    their_nonce = _read(sock, _NONCE, deadline)
+    nonce = secrets.token_bytes(_NONCE)
+    sock.sendall(nonce)  # random: nothing derived from the secret goes to an unproved peer
     their_field, theirs = _read_version(sock, deadline)
+    hello_part = _read(sock, _HELLO.size, deadline)
+    role, rank, incarnation = _HELLO.unpack(hello_part)
+    greeting = magic + their_nonce + nonce + their_field + hello_part
+    proof = _read(sock, _DIGEST, deadline)
+    if not hmac.compare_digest(proof, _mac(secret, b"connector", greeting)):
+        _send_quietly(sock, REFUSED)
+        raise AuthenticationError(f"a peer claiming to be rank {rank} failed to prove the secret")
     own_field = _version_field(version)
-    sock.sendall(own_field)  # first, so that a peer of another version learns it at once
-    if theirs != version:
+    sock.sendall(ACCEPTED + own_field + _mac(secret, b"acceptor", greeting, own_field))
+    if theirs != version:  # both proved the secret: each may learn the other's version
         _refuse(sock, deadline)
         raise VersionMismatch(own, version, peer, theirs)
-    hello_part = _read(sock, _HELLO.size, deadline)
-    role, rank, incarnation, _ = _HELLO.unpack(hello_part)
-    greeting = magic + their_field + hello_part + own_field
-    nonce = secrets.token_bytes(32)
-    sock.sendall(nonce + _mac(secret, b"acceptor", greeting, nonce))
-    proof = _read(sock, _DIGEST, deadline)
-    if not hmac.compare_digest(proof, _mac(secret, b"connector", greeting, nonce)):
-        raise AuthenticationError(f"a peer claiming to be rank {rank} failed to prove the secret")
     sock.settimeout(None)
-    return Hello(role, rank, incarnation, seal.derive(secret, greeting + nonce, connector=False))
+    return Hello(role, rank, incarnation,
+                 seal.derive(secret, greeting + own_field, connector=False))
+
+
+def _send_quietly(sock: socket.socket, data: bytes) -> None:
+    """Tell a peer whose proof failed so (it may have gone already)."""
+    try:
+        sock.sendall(data)
+    except OSError:
+        pass
 
 
 def connection_cap(cap: int, nofile: int | None = None) -> int:

@@ -17,7 +17,7 @@ from phalanx.errors import DevicesTaken
 
 
 class DeviceBook:
-    """Device id -> its holder ("pool-1", "group 3 (Policy, 4 ranks)"). Not thread-safe:
+    """Device id -> its holder ("pool-1", "group Policy-2 (4 ranks)"). Not thread-safe:
     its owner takes a lock around it."""
 
     def __init__(self) -> None:

@@ -524,7 +524,8 @@ def test_an_idle_node_is_not_taken_for_a_silent_one(agents, token_file):
 def test_a_silent_controller_is_dropped_after_the_heartbeat_timeout(agents, token):
     agent = agents("127.0.0.9", heartbeat_timeout=1)
     with socket.create_connection((agent.host, agent.port), timeout=5) as sock:
-        handshake.connect(sock, token, handshake.Hello(handshake.ROLE_CONTROL, 0, 0), 5.0,
+        handshake.connect(sock, handshake.stretch(token),
+                          handshake.Hello(handshake.ROLE_CONTROL, 0, 0), 5.0,
                           peer=f"the agent at {agent.address}")
         took = closed_within(sock, 5.0)
     assert took is not None, "the agent kept a silent controller for 5 s"

@@ -95,7 +95,7 @@ def test_a_producer_gone_before_its_copy_is_made_is_object_lost(agent_cluster):
         assert wait_until(lambda: not _alive(pid), 10)  # a kill takes effect a moment later
         with pytest.raises(px.ObjectLost) as info:
             c.call("total", refs[1])
-        assert "make() on rank 1 of the Producer group" in str(info.value), info.value
+        assert f"make() on rank 1 of group {p.name}" in str(info.value), info.value
         assert c.call("total", refs[0]) == [100.0]  # same node: the block is mapped
         assert c.call("copies") == [[]]
 

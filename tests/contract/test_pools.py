@@ -11,6 +11,7 @@ pools hold CPU slots only.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
@@ -91,7 +92,7 @@ def test_a_group_beyond_colocate_is_refused_before_any_process_starts(backend, g
             _group(pool)
         message = str(info.value)
         assert pool.name in message and "slots [0, 1]" in message
-        assert "Seat, 2 ranks" in message and "colocate=1" in message
+        assert f"group {first.name} (2 ranks)" in message and "colocate=1" in message
         assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
         first.shutdown()
         again = _group(pool)  # the slots are free once their group shut down
@@ -184,7 +185,8 @@ def test_gpus_held_by_a_pool_or_a_group_are_not_handed_to_another(backend, monke
             assert "lacks 1 GPU" in message and f"held by {every_gpu.name}" in message
         return
     if backend != "local":
-        pytest.skip("the agents list no GPUs here (their per-node book is not built yet)")
+        pytest.skip("the session's agents list no GPUs (tests/backends/test_cluster_gpus.py "
+                    "starts agents that do)")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
     first = px.ResourcePool(nodes=1, procs_per_node=2, gpus_per_proc=1, backend=backend)
     try:
@@ -199,7 +201,8 @@ def test_gpus_held_by_a_pool_or_a_group_are_not_handed_to_another(backend, monke
         with WorkerGroup(Seat, gpus_per_worker=1, backend=backend,
                          echo_output=False) as group:
             assert group.call("where")[0]["cuda"] == "2"
-            with pytest.raises(px.DevicesTaken, match=r"group \d+ \(Seat, 1 rank\) holds 2"):
+            with pytest.raises(px.DevicesTaken,
+                               match=re.escape(f"group {group.name} (1 rank) holds 2")):
                 px.ResourcePool(nodes=1, procs_per_node=1, gpus_per_proc=1,
                                 backend=backend)
         # a split pool's slots are its parent's: its groups draw on what the pool holds

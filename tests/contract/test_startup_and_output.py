@@ -23,7 +23,8 @@ def test_a_failing_constructor_fails_the_start_with_its_traceback(backend, tmp_p
     error = info.value
     assert error.rank == 1
     message = str(error)
-    assert "rank 1 (node 0" in message and "pid None" not in message
+    assert "rank 1 of group FailingConstructor" in message and "(node 0" in message
+    assert "pid None" not in message and error.group.startswith("FailingConstructor")
     assert "RuntimeError: constructor failed on rank 1" in message
     assert "Traceback" in message and "__init__" in message
     assert "constructor failed on rank 1" in error.traceback
@@ -42,8 +43,8 @@ def test_a_rank_that_never_started_says_so(backend, tmp_path):
     if getattr(backend, "name", backend) == "ray":  # there the rank's process applies cwd:
         assert "No such file or directory" in message and "pid None" not in message
         return  # it starts, then dies of it
-    assert message.startswith(f"rank {info.value.rank} (node 0) never started: its node "
-                              "could not start its process"), message
+    assert message.startswith(f"rank {info.value.rank} of group {info.value.group} (node 0) "
+                              "never started: its node could not start its process"), message
     assert "pid" not in message and "exit" not in message
 
 

@@ -32,7 +32,7 @@ from phalanx.backends.cluster import tree as agenttree
 from phalanx.backends.cluster.agent.branch import malformed_from_child
 from phalanx.backends.cluster.agent.share import NodeObjects
 from phalanx.backends.cluster.link import AgentLink
-from phalanx.wire import framing, protocol
+from phalanx.wire import framing, handshake, protocol
 from tests import helpers
 from tests.agentcluster import free_port, listening, terminate
 from tests.workers import Probe
@@ -86,7 +86,8 @@ def agent(tmp_path_factory):
         assert helpers.wait_until(lambda: proc.poll() is not None or listening(HOST, port), 20,
                                   interval=0.05)
         assert proc.poll() is None, f"the agent exited ({proc.returncode})"
-        yield Agent(proc, port, token_file.read_bytes().strip(), str(token_file), log)
+        yield Agent(proc, port, handshake.stretch(token_file.read_bytes().strip()),
+                    str(token_file), log)
     finally:
         helpers.CLUSTER_ROOTS.discard(proc.pid)
         terminate([proc])

@@ -31,10 +31,11 @@ from tests.agentcluster import free_port, listening, terminate
 START_TIMEOUT = 20.0
 AGENT_HOST = "127.0.0.7"
 PATTERN = b"FLIPME"
-# connector -> acceptor: magic, version field, hello; then its proof (HMAC-SHA256)
+# connector -> acceptor: magic, nonce, version field, hello, its proof (HMAC-SHA256)
 _VERSION_FIELD = 1 + len(px.__version__.encode())
-UP_HANDSHAKE = 8 + _VERSION_FIELD + 41 + 32
-DOWN_HANDSHAKE = _VERSION_FIELD + 32 + 32  # acceptor -> connector: version, nonce, proof
+UP_HANDSHAKE = 8 + 32 + _VERSION_FIELD + 9 + 32
+# acceptor -> connector: nonce, ACCEPTED, version field, proof
+DOWN_HANDSHAKE = 32 + 1 + _VERSION_FIELD + 32
 
 
 class Marker:

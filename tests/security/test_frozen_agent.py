@@ -29,7 +29,7 @@ from phalanx.backends.cluster.agent import ranks as agentranks
 from phalanx.backends.cluster.agent.daemon import Agent
 from phalanx.errors import WorkerUnresponsive
 from phalanx.launcher import jobhost
-from phalanx.wire import streams
+from phalanx.wire import handshake, streams
 from tests import helpers
 from tests.agentcluster import free_port, listening, terminate
 from tests.workers import Probe
@@ -204,7 +204,7 @@ def test_every_control_connection_has_tcp_keepalive(tmp_path):
     try:
         host, port = agent.address
         # the controller's side (and a branch agent's to its children: the same dialer)
-        joined = agenttree.connect_agent(host, port, token, None, 5.0)
+        joined = agenttree.connect_agent(host, port, handshake.stretch(token), None, 5.0)
         # the agent's side of it
         assert helpers.wait_until(lambda: len(agent._sessions) == 1, 5)
         (session,) = agent._sessions

@@ -25,6 +25,8 @@ The listener's own cases need no Ray; those with a group use the shared Ray clus
 from __future__ import annotations
 
 import errno
+import hashlib
+import hmac
 import logging
 import os
 import select
@@ -50,10 +52,24 @@ STRANGERS = 6
 NOBODY = 65534
 
 
-def greeting(role: int = handshake.ROLE_CONTROL, rank: int = 0, incarnation: int = 1) -> bytes:
+def greet(sock: socket.socket, stage: str, secret: bytes = SECRET, rank: int = 0,
+          incarnation: int = 1) -> None:
+    """Go through the handshake as a rank would, as far as ``stage``: ``greeting`` (part of
+    the magic and nonce sent), ``nonces`` (the listener's nonce read), ``proofs`` (who it is
+    and half of its proof sent: the reset comes as the listener waits for the rest)."""
+    opening = handshake.MAGIC + os.urandom(32)
+    if stage == "greeting":
+        sock.sendall(opening[:len(handshake.MAGIC) + 5])
+        return
+    sock.sendall(opening)
+    theirs = _recv_exactly(sock, 32)
+    if stage == "nonces":
+        return
     version = px.__version__.encode()
-    return (handshake.MAGIC + bytes([len(version)]) + version
-            + struct.pack("<BII32s", role, rank, incarnation, os.urandom(32)))
+    hello = bytes([len(version)]) + version + struct.pack("<BII", handshake.ROLE_CONTROL,
+                                                          rank, incarnation)
+    proof = hmac.new(secret, b"connector|" + opening + theirs + hello, hashlib.sha256)
+    sock.sendall(hello + proof.digest()[:16])
 
 
 def reset(sock: socket.socket) -> None:
@@ -164,7 +180,7 @@ def test_a_silent_stranger_is_dropped_at_its_deadline(listener, held):
     assert _wait(lambda: ours.in_handshake == 0, 2)
 
 
-@pytest.mark.parametrize("how", ["greeting-then-reset", "versions-then-reset",
+@pytest.mark.parametrize("how", ["greeting-then-reset", "nonces-then-reset",
                                  "proofs-then-reset", "garbage", "eof"])
 def test_one_connection_failing_ends_it_alone(listener, arrivals, how, caplog):
     ours = listener()
@@ -179,13 +195,8 @@ def test_one_connection_failing_ends_it_alone(listener, arrivals, how, caplog):
             if how == "eof":
                 sock.close()
                 continue
-            hello = greeting()
-            sock.sendall(hello[:len(handshake.MAGIC) + 1 + len(px.__version__)]
-                         if how == "greeting-then-reset" else hello)
-            if how != "greeting-then-reset":
-                _recv_exactly(sock, 1 + len(px.__version__))
-            if how == "proofs-then-reset":
-                _recv_exactly(sock, 32 + 32)  # the listener's nonce and proof
+            greet(sock, {"greeting-then-reset": "greeting", "nonces-then-reset": "nonces",
+                         "proofs-then-reset": "proofs"}[how])
             reset(sock)
         assert _wait(lambda: ours.in_handshake == 0, 5)
         assert connect_rank(("127.0.0.1", ours.port)) < 1.0
@@ -493,12 +504,8 @@ def test_a_reset_handshake_leaves_recreate_working(on_ray, how):
         backend = group._backend
         for _ in range(2):
             sock = socket.create_connection((backend._host, backend._port), timeout=5)
-            hello = greeting(rank=1, incarnation=99)
-            if how == "greeting-then-reset":
-                sock.sendall(hello[:len(handshake.MAGIC) + 1 + len(px.__version__)])
-            else:
-                sock.sendall(hello)
-                _recv_exactly(sock, 1 + len(px.__version__) + 32 + 32)
+            greet(sock, how.removesuffix("-then-reset"), secret=backend._secret, rank=1,
+                  incarnation=99)
             reset(sock)
         assert _wait(lambda: backend._listener.in_handshake == 0, 5)
         assert backend._listener._thread.is_alive()

@@ -14,7 +14,7 @@ from phalanx.backends.cluster import token as cluster_token
 from phalanx.backends.cluster import tree as agenttree
 from phalanx.backends.cluster.link import AgentLink, AgentNode, AgentRankChannel, Dialer
 from phalanx.backends.cluster.members import Discovery, Members
-from phalanx.wire import protocol
+from phalanx.wire import handshake, protocol
 
 TOKEN = "t" * 32
 
@@ -92,7 +92,7 @@ def test_the_backend_hands_its_membership_what_it_needs():
     members = backend.members
     assert members.discovery == Discovery("agents.ns.svc", 32300, "127.0.0.1:53", 0.5)
     assert (members.fanout, members.max_frame, members.dialer.secret) == (
-        4, 1 << 20, TOKEN.encode())
+        4, 1 << 20, handshake.stretch(TOKEN.encode()))  # the token stretched
     assert members.nodes == [] and members.links == [] and members.connection_count() == 0
     flat = px.ClusterBackend(["127.0.0.1:32300"], token=TOKEN)
     assert flat.members.discovery is None

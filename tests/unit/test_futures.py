@@ -18,6 +18,8 @@ from phalanx.wire import pickling
 
 
 class ScriptedDispatcher:
+    group_name = None  # a group of no name: messages name the ranks alone
+
     def __init__(self) -> None:
         self.events: list[Callable[[], None]] = []
         self.polls = 0

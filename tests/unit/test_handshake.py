@@ -56,8 +56,48 @@ def test_both_sides_holding_the_secret_agree_on_who_connected():
 
 def test_a_peer_with_the_wrong_secret_is_refused_on_both_sides():
     outcome = run_pair(SECRET, b"x" * 32)
-    assert "could not prove" in str(outcome["connect_error"])
+    assert "refused this side's proof" in str(outcome["connect_error"])
+    assert "failed to prove the secret" in str(outcome["accept_error"])
     assert "hello" not in outcome  # the acceptor never trusts it
+
+
+def test_a_stranger_learns_nothing_derived_from_the_secret_nor_the_version():
+    """The connector proves first: a stranger that connects is sent a random nonce, and
+    after a wrong proof one byte saying so -- nothing to test guesses against offline, and
+    no version (both would be the same whatever the secret and the version)."""
+    heard = []
+    for secret, version in ((SECRET, "0.2.0"), (b"y" * 32, "9.9.9")):
+        a, b = socket.socketpair()
+        errors: list = []
+        thread = threading.Thread(target=_accept_into, args=(errors, a, secret, version))
+        thread.start()
+        b.sendall(handshake.MAGIC + bytes(32))
+        nonce = b.recv(32)
+        b.sendall(b"\x05" + b"0.2.0" + bytes(9) + bytes(32))  # a guessed proof
+        thread.join(10)
+        rest = b.recv(100)
+        heard.append((len(nonce), rest, type(errors[0]).__name__))
+        a.close()
+        b.close()
+    assert heard == [(32, handshake.REFUSED, "AuthenticationError")] * 2
+
+
+def _accept_into(errors: list, sock, secret: bytes, version: str) -> None:
+    try:
+        handshake.accept(sock, secret, timeout=5, version=version)
+    except AuthenticationError as exc:
+        errors.append(exc)
+
+
+def test_a_token_is_stretched_once_per_process_at_a_memory_hard_cost():
+    handshake.stretch.cache_clear()
+    started = time.perf_counter()
+    key = handshake.stretch(b"sunshine-dragon-2024")
+    first = time.perf_counter() - started
+    started = time.perf_counter()
+    assert handshake.stretch(b"sunshine-dragon-2024") == key  # cached: the same key, at once
+    assert time.perf_counter() - started < first / 10
+    assert len(key) == 32 and key != handshake.stretch(b"sunshine-dragon-2025")
 
 
 def test_a_stranger_that_does_not_speak_the_protocol_is_dropped():
@@ -103,10 +143,11 @@ def test_a_peer_of_another_version_is_refused_on_both_sides_naming_both(controll
     assert "the controller runs phalanx" in str(refused_there)
 
 
-def test_versions_are_compared_before_the_secret():
+def test_versions_are_compared_only_after_both_proved_the_secret():
     outcome = run_pair(SECRET, b"x" * 32, accept_version="2.0", connect_version="1.0")
-    assert isinstance(outcome["connect_error"], VersionMismatch)
-    assert isinstance(outcome["accept_error"], VersionMismatch)
+    assert not isinstance(outcome["connect_error"], VersionMismatch)
+    assert "2.0" not in str(outcome["connect_error"])  # a stranger is not told the version
+    assert not isinstance(outcome["accept_error"], VersionMismatch)
 
 
 def test_a_peer_of_a_release_before_versions_is_refused_as_older():
@@ -121,6 +162,18 @@ def test_a_peer_of_a_release_before_versions_is_refused_as_older():
     b.close()
 
 
+def test_a_peer_of_the_release_before_this_handshake_is_refused_naming_its_version():
+    a, b = socket.socketpair()
+    b.sendall(b"PHALANX2" + b"\x050.1.0" + bytes(41))  # magic, version, role, ranks, nonce
+    with pytest.raises(VersionMismatch) as info:
+        handshake.accept(a, SECRET, timeout=2, peer="the controller", own="this agent",
+                         version="0.2.0")
+    assert info.value.peer_version == "0.1.0"
+    assert b.recv(100) == b""  # not told this side's version: it proved nothing
+    a.close()
+    b.close()
+
+
 def test_an_acceptor_that_hangs_up_before_its_version_hints_at_an_older_release():
     a, b = socket.socketpair()
 
@@ -130,7 +183,7 @@ def test_an_acceptor_that_hangs_up_before_its_version_hints_at_an_older_release(
 
     thread = threading.Thread(target=older_acceptor)
     thread.start()
-    with pytest.raises(handshake.HandshakeIncomplete, match="before saying its phalanx version"):
+    with pytest.raises(handshake.HandshakeIncomplete, match="before it answered"):
         handshake.connect(b, SECRET, HELLO, timeout=2, version="0.2.0")
     thread.join(10)
     b.close()

@@ -21,6 +21,8 @@ class FakeChannel:
 
 
 class FakeDispatcher:
+    group_name = None  # a group of no name: messages name the ranks alone
+
     def __init__(self) -> None:
         self.deaths = 0
         self.polls = 0

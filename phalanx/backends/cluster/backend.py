@@ -72,6 +72,7 @@ from phalanx.errors import (
 from phalanx.node.machine import require_interpreter, without_own_install
 from phalanx.output import console
 from phalanx.output.logs import LogPump, OutputOptions
+from phalanx.wire import handshake
 from phalanx.wire.memfd import machine_id
 from phalanx.world.layout import Layout
 
@@ -158,7 +159,8 @@ class ClusterBackend(Backend):
         self.node_timeout = node_timeout
         self.max_frame = max_frame
         self.tls = tls
-        self._dialer = Dialer(secret, _tls_context(tls))
+        # the handshake proves a stretched token: each offline guess costs scrypt
+        self._dialer = Dialer(handshake.stretch(secret), _tls_context(tls))
         if sync is not None and not os.path.isdir(sync):
             raise ValueError(f"sync={os.fspath(sync)!r} is not a directory")
         self.sync = sync

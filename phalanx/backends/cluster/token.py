@@ -23,6 +23,30 @@ TOKEN_ENV = config.ENV_TOKEN
 MIN_TOKEN = 16  # bytes: a shorter shared secret is refused
 
 
+def new_token() -> str:
+    """A fresh token: 256 random bits, as 43 URL-safe characters (``phalanx token``)."""
+    import secrets
+
+    return secrets.token_urlsafe(32)
+
+
+def write_token_file(path: str) -> str:
+    """Write a fresh token to ``path``, a new file only this user can read (0600); the
+    token. ValueError, naming it, when the file exists (a token is never overwritten)."""
+    token = new_token()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+    except FileExistsError:
+        raise ValueError(f"{path} exists: a token file is never overwritten (remove it "
+                         "first, or give another path)") from None
+    except OSError as exc:
+        raise ValueError(f"cannot create the token file {path}: {exc.strerror or exc}") from None
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
 def read_token(token_file: str | None, environ: Mapping[str, str] | None = None) -> bytes:
     """The shared token: from ``token_file``, else ``$PHALANX_TOKEN``; ValueError if there
     is none or it is too short to be a secret."""
@@ -37,8 +61,7 @@ def read_token(token_file: str | None, environ: Mapping[str, str] | None = None)
                          "secret the controller uses)")
     if len(token) < MIN_TOKEN:
         raise ValueError(f"{where} holds {len(token)} bytes; a token needs at least "
-                         f"{MIN_TOKEN} (e.g. python -c 'import secrets; "
-                         "print(secrets.token_urlsafe(32))')")
+                         f"{MIN_TOKEN} (make one with: phalanx token --file FILE)")
     return token
 
 

@@ -149,7 +149,8 @@ class Agent:
         from phalanx.backends.cluster.codesync import Store, default_store
 
         self._store = Store(store if store is not None else default_store())
-        self._token = token
+        self._token = handshake.stretch(token)  # what the handshake proves (an offline
+        # guess of the token costs scrypt); computed once, before the first controller
         self._tls = tls
         self._heartbeat_timeout = heartbeat_timeout
         self._node_timeout = node_timeout  # a child agent (a tree) silent this long is lost
