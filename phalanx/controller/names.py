@@ -56,8 +56,13 @@ def base_of(target: Any) -> str:
     name = wrapped or getattr(target, "__name__", None)
     if not isinstance(name, str):
         name = type(target).__name__
-    base = _NOT_ALLOWED.sub("_", name).strip("_")
-    # room for the number of a repeated name ("-12345") within the longest name
+    return name_from(name)
+
+
+def name_from(text: str) -> str:
+    """``text`` (a target's or a program's name) as a group's name may hold it: what it may
+    not hold replaced by ``_``, with room for the number of a repeated name ("-12345")."""
+    base = _NOT_ALLOWED.sub("_", text).strip("_")
     return base[:config.MAX_GROUP_NAME - 6] or _FALLBACK
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 from phalanx import config
 from phalanx.backends import Backend, create_backend
+from phalanx.controller import names
 from phalanx.controller.group import WorkerGroup
 from phalanx.errors import PhalanxError, StartupError, WorkerDied
 from phalanx.launcher.elastic import elastic_env, error_file, read_error_file
@@ -172,9 +173,17 @@ def _start_group(options: RunOptions, attempt: int, signals: SignalForwarder,
                 master_port=options.master_port if job is None else job.master_port,
                 part_of=None if job is None else WorldPart(job.part.world, job.part.node),
                 backend=backend,
+                name=names.name_from(_program_name(options)),
             )
     except (ValueError, TypeError) as exc:
         raise BadOptions(str(exc)) from exc
+
+
+def _program_name(options: RunOptions) -> str:
+    """What the run's group is called: the module, the script's or the command's name."""
+    if options.is_module:
+        return options.target
+    return os.path.splitext(os.path.basename(options.target))[0]
 
 
 def _backend(options: RunOptions) -> Backend:
