@@ -142,7 +142,7 @@ def test_a_burst_of_silent_connections_is_capped_and_a_group_starts_after_it(
         refused = closed_by_peer(socks, within=2.0)
         assert len(refused) >= BURST - cap, (len(refused), cap)
         assert helpers.wait_until(
-            lambda: metrics(host, http_port)["connections_refused_total"] >= BURST - cap, 5)
+            lambda: metrics(host, http_port)["handshakes_evicted_total"] >= BURST - cap, 5)
         # It still answers its probes, and is not out of descriptors: it is healthy.
         assert health(host, http_port) == (200, {"status": "ok"})
     finally:
@@ -313,22 +313,77 @@ def test_a_thread_that_cannot_start_is_retried_and_the_loop_lives(token_file, mo
 # --------------------------------------------------------------------------- the parts
 
 
-def test_admission_counts_per_agent_and_per_peer():
+def test_admission_takes_the_newest_and_shuts_the_oldest_of_the_heaviest_address():
     admission = Admission(limit=3, per_peer=2, timeout=30)
-    socks = [socket.socket() for _ in range(5)]
+    pairs = [socket.socketpair() for _ in range(6)]
+    ours = [a for a, _ in pairs]
     try:
-        assert admission.admit(socks[0], "10.0.0.1") is None
-        assert admission.admit(socks[1], "10.0.0.1") is None
-        assert "from 10.0.0.1" in admission.admit(socks[2], "10.0.0.1")
-        assert admission.admit(socks[3], "10.0.0.2") is None
-        assert "3 connections" in admission.admit(socks[4], "10.0.0.3")
-        admission.release(socks[0])
-        admission.release(socks[0])  # twice is once
-        assert len(admission) == 2
-        assert admission.admit(socks[4], "10.0.0.3") is None
+        assert admission.admit(ours[0], "10.0.0.1") is None
+        assert admission.admit(ours[1], "10.0.0.1") is None
+        # the address at its share: its oldest makes room for its newest
+        assert "from 10.0.0.1" in admission.admit(ours[2], "10.0.0.1")
+        assert closed_by_peer([pairs[0][1]], within=1.0) == [pairs[0][1]]
+        assert admission.admit(ours[3], "10.0.0.2") is None
+        # full: the address holding the most gives up its oldest, the newcomer is taken
+        assert "from 10.0.0.1" in admission.admit(ours[4], "10.0.0.3")
+        assert closed_by_peer([pairs[1][1]], within=1.0) == [pairs[1][1]]
+        assert [admission.held_by(p) for p in ("10.0.0.1", "10.0.0.2", "10.0.0.3")] == [1, 1, 1]
+        admission.release(ours[0])  # evicted: no longer held, releasing it changes nothing
+        admission.release(ours[3])
+        admission.release(ours[3])  # twice is once
+        assert len(admission) == 2 and admission.evicted == 2
+        assert admission.admit(ours[5], "10.0.0.4") is None
     finally:
-        for sock in socks:
-            sock.close()
+        for a, b in pairs:
+            a.close()
+            b.close()
+
+
+def test_strangers_holding_every_slot_do_not_lock_a_controller_out(agent, token_file):
+    """Strangers from four addresses hold every slot of the agent's handshakes, opening a
+    new connection as soon as one is shut; a real controller still starts its group in at
+    most 1.5 times what it takes with no strangers about."""
+    host = "127.0.0.5"
+    port, _ = agent(host, "--handshake-timeout", "30")
+    quiet = min(start_group_on(host, port, token_file) for _ in range(2))
+    cap = unauthenticated_limit(NOFILE)
+    stop = threading.Event()
+    sources = FLOOD_SOURCES[:4]
+
+    def hold(source: str) -> None:  # as many as it may, re-opened once shut
+        socks: list[socket.socket] = []
+        try:
+            while not stop.is_set():
+                while len(socks) < cap // len(sources) + 4 and not stop.is_set():
+                    sock = socket.socket()
+                    sock.bind((source, 0))
+                    sock.settimeout(2)
+                    try:
+                        sock.connect((host, port))
+                    except OSError:
+                        sock.close()
+                        break
+                    socks.append(sock)
+                for sock in closed_by_peer(socks, within=0.05):
+                    socks.remove(sock)
+                    sock.close()
+        finally:
+            for sock in socks:
+                sock.close()
+
+    threads = [threading.Thread(target=hold, args=(s,), daemon=True) for s in sources]
+    for thread in threads:
+        thread.start()
+    try:
+        time.sleep(1.0)  # every slot held
+        attacked = [start_group_on(host, port, token_file) for _ in range(2)]
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(10)
+    print(f"\na group started in {quiet:.3f} s with no strangers, in "
+          f"{', '.join(f'{t:.3f}' for t in attacked)} s while strangers held all {cap} slots")
+    assert max(attacked) <= max(1.5 * quiet, quiet + 0.3), (quiet, attacked)
 
 
 def test_the_cap_follows_a_low_descriptor_limit():

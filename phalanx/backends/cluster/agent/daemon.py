@@ -54,6 +54,7 @@ from phalanx.errors import AuthenticationError
 from phalanx.node.machine import visible_gpus
 from phalanx.version import __version__
 from phalanx.wire import handshake, seal
+from phalanx.wire.admission import Admission
 from phalanx.wire.memfd import block_domain, machine_id
 
 logger = logging.getLogger(__name__)
@@ -63,66 +64,6 @@ DEFAULT_PORT = config.AGENT_PORT
 
 # accept() failures that say nothing about the agent: the peer was gone before it was taken
 _PEER_GONE = (errno.ECONNABORTED, errno.EPROTO, errno.EPERM)
-
-
-class Admission:
-    """Connections not authenticated yet: how many in all and per peer address, and the
-    deadline of each. :meth:`admit` before a connection gets a thread, :meth:`release` once
-    it authenticated (or failed); :meth:`expire` shuts down those past their deadline, so a
-    handshake that trickles (TLS reads one record at a time, each under its own timeout)
-    still ends on time."""
-
-    def __init__(self, limit: int, per_peer: int, timeout: float) -> None:
-        if limit < 1 or per_peer < 1 or not timeout > 0:
-            raise ValueError(f"an admission needs limits of at least 1 and a positive "
-                             f"timeout, not {limit!r}, {per_peer!r}, {timeout!r}")
-        self.limit, self.per_peer, self.timeout = limit, per_peer, timeout
-        self._lock = threading.Lock()
-        # each connection -> its peer, deadline and descriptor's number (the TLS wrapper
-        # takes the descriptor from the socket object admitted)
-        self._pending: dict[socket.socket, tuple[str, float, int]] = {}
-        self._per_peer: dict[str, int] = {}
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._pending)
-
-    def admit(self, sock: socket.socket, peer: str) -> str | None:
-        """Take ``sock`` in (None), or say why not (the caller closes it)."""
-        with self._lock:
-            if len(self._pending) >= self.limit:
-                return f"{self.limit} connections are already in their handshake"
-            if self._per_peer.get(peer, 0) >= self.per_peer:
-                return f"{self.per_peer} connections from {peer} are already in their handshake"
-            self._pending[sock] = (peer, time.monotonic() + self.timeout, sock.fileno())
-            self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
-        return None
-
-    def release(self, sock: socket.socket) -> None:
-        with self._lock:
-            entry = self._pending.pop(sock, None)
-            if entry is not None:
-                left = self._per_peer[entry[0]] - 1
-                if left:
-                    self._per_peer[entry[0]] = left
-                else:
-                    del self._per_peer[entry[0]]
-
-    def expire(self) -> int:
-        """Shut down every connection past its deadline (its thread then fails and releases
-        it); how many."""
-        now = time.monotonic()
-        with self._lock:  # a connection is released before it is closed: the fd is its own
-            late = [fd for _, deadline, fd in self._pending.values() if deadline <= now]
-            for fd in late:
-                view = socket.socket(fileno=fd)  # the same descriptor, not a copy
-                try:
-                    view.shutdown(socket.SHUT_RDWR)
-                except OSError:  # its peer reset it meanwhile
-                    pass
-                finally:
-                    view.detach()
-        return len(late)
 
 
 def unauthenticated_limit(nofile: int | None = None) -> int:
@@ -259,12 +200,10 @@ class Agent:
             if exc.errno in _PEER_GONE:
                 return None
             raise
-        refused = self._admission.admit(sock, peer[0])
-        if refused is not None:
-            self._count("connections_refused_total", 1)
-            logger.info("closed %s:%s unheard: %s", peer[0], peer[1], refused)
-            sock.close()
-            return None
+        evicted = self._admission.admit(sock, peer[0])
+        if evicted is not None:  # strangers cannot hold every slot: the newest is taken
+            self._count("handshakes_evicted_total", 1)
+            logger.info("took %s:%s: %s", peer[0], peer[1], evicted)
         try:
             threading.Thread(target=self._serve, args=(sock, peer), daemon=True,
                              name="phalanx-agent-conn").start()
@@ -304,6 +243,9 @@ class Agent:
                                      peer=f"the controller at {peer[0]}:{peer[1]}",
                                      own="this agent")
         except (AuthenticationError, ssl.SSLError) as exc:
+            if raw not in self._admission:  # shut down to make room for a newer one
+                logger.debug("dropped %s:%s to make room: %s", peer[0], peer[1], exc)
+                return sock, None
             self._count("auth_failures_total", 1)
             logger.warning("refused %s:%s: %s", peer[0], peer[1], exc)
             return sock, None

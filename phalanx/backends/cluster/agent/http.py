@@ -35,8 +35,11 @@ Design:
     sent, then the serving loop shuts the connection down, however it trickles (one header
     line every few seconds kept a connection for as long as it liked when the timeout was
     per read);
-  - at most ``max_connections`` (``config.AGENT_HTTP_MAX_CONNECTIONS``) are served at once;
-    one more is closed as soon as it is taken, so strangers hold a bounded number of threads;
+  - at most ``max_connections`` (``config.AGENT_HTTP_MAX_CONNECTIONS``) are served at once,
+    a quarter of them for one address; one more is taken and the oldest connection of its
+    address (at its share), or of the address holding the most, is shut down
+    (:mod:`phalanx.wire.admission`): strangers hold a bounded number of threads, and
+    however many they hold, a kubelet's probe (new, from an address of its own) is served;
   - a listen backlog of ``config.AGENT_HTTP_BACKLOG``, so probes are not refused in a burst;
   - http.server's own limits refuse a request line over 64 KiB (414) and headers over
     64 KiB a line or 100 lines (431);
@@ -66,6 +69,7 @@ from socketserver import TCPServer
 from urllib.parse import urlsplit
 
 from phalanx import config
+from phalanx.wire.admission import Admission
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +101,9 @@ _METRICS: tuple[tuple[str, str, str], ...] = (
     ("sent_bytes_total", "counter", "Bytes sent on the control connections."),
     ("restarts_total", "counter", "Ranks started again after their first start."),
     ("auth_failures_total", "counter", "Connections that failed authentication."),
-    ("connections_refused_total", "counter",
-     "Control connections closed unheard: too many were in their handshake."),
+    ("handshakes_evicted_total", "counter",
+     "Control connections in their handshake shut down to make room for newer ones "
+     "(the oldest of the address holding the most)."),
     ("accept_errors_total", "counter",
      "Times the control port could not take a connection (no descriptor or thread left)."),
 )
@@ -266,8 +271,10 @@ class _Server(ThreadingHTTPServer):
         self.health = health
         self.request_timeout = request_timeout
         self.max_connections = max_connections
-        self._deadlines: dict[socket.socket, float] = {}  # connections being served
-        self._deadlines_lock = threading.Lock()
+        # the connections being served: each one's deadline, and room made for the newest
+        # (the oldest of the address holding the most is shut down)
+        self.admission = Admission(max_connections, max(1, max_connections // 4),
+                                   request_timeout)
         super().__init__(address, _Handler, bind_and_activate=False)
 
     def server_bind(self) -> None:
@@ -288,19 +295,14 @@ class _Server(ThreadingHTTPServer):
 
     def process_request(self, request: _Request, client_address: object) -> None:
         connection = _connection(request)
-        with self._deadlines_lock:
-            full = len(self._deadlines) >= self.max_connections
-            if not full:
-                self._deadlines[connection] = time.monotonic() + self.request_timeout
-        if full:
-            logger.debug("agent http: %d connections are served already; closed one from %s",
-                         self.max_connections, client_address)
-            self.shutdown_request(request)
-            return
+        peer = client_address[0] if isinstance(client_address, tuple) else str(client_address)
+        evicted = self.admission.admit(connection, peer)
+        if evicted is not None:  # a probe is served however many strangers hold
+            logger.debug("agent http: took a connection from %s: %s", peer, evicted)
         try:
             super().process_request(request, client_address)
         except BaseException:  # no thread could start: the connection is not served
-            self._forget(connection)
+            self.admission.release(connection)
             self.shutdown_request(request)
             raise
 
@@ -308,22 +310,11 @@ class _Server(ThreadingHTTPServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._forget(_connection(request))
-
-    def _forget(self, connection: socket.socket) -> None:
-        with self._deadlines_lock:
-            self._deadlines.pop(connection, None)
+            self.admission.release(_connection(request))
 
     def service_actions(self) -> None:
         # Run by serve_forever every poll interval: the per-connection deadline.
-        now = time.monotonic()
-        with self._deadlines_lock:
-            late = [sock for sock, deadline in self._deadlines.items() if deadline <= now]
-            for sock in late:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)  # its thread reads EOF and ends
-                except OSError:  # closed meanwhile
-                    pass
+        self.admission.expire()
 
     def handle_error(self, request: object, client_address: object) -> None:
         # socketserver's default prints the traceback to stderr.
@@ -371,6 +362,11 @@ class HealthServer:
     @property
     def address(self) -> tuple[str, int]:
         return self._server.server_name, self._server.server_port  # as bound
+
+    @property
+    def serving(self) -> int:
+        """How many connections are being served now."""
+        return len(self._server.admission)
 
     def start(self) -> None:
         with self._lock:
