@@ -297,6 +297,8 @@ def _add_agent(commands: Any) -> None:  # argparse's subparsers (a class with no
     agent.add_argument("--tls-cert", metavar="PEM",
                        help="serve over TLS with this certificate chain (and --tls-key)")
     agent.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
+    # $PHALANX_TOKEN, handed over by the agent itself as it runs again without it
+    agent.add_argument("--token-fd", type=_non_negative, help=argparse.SUPPRESS)
     agent.add_argument("-v", "--verbose", action="store_true", help="log every connection")
 
 
@@ -307,12 +309,19 @@ def _port(value: str) -> int:
     return port
 
 
-def _agent(options: argparse.Namespace) -> int:
+def _agent(options: argparse.Namespace, argv: list[str] | None = None) -> int:
+    """``argv``: the command line, when it is this process's own (then a token in the
+    environment is handed over to a fresh exec of it, so /proc/<pid>/environ never
+    shows it)."""
+    from phalanx.backends.cluster import token as tokens
     from phalanx.backends.cluster.agent import daemon as agent
 
     logging.getLogger("phalanx").setLevel(logging.INFO if options.verbose else logging.WARNING)
+    if argv is not None and options.token_file is None and options.token_fd is None:
+        tokens.exec_without_token(argv)  # returns only if there is no $PHALANX_TOKEN
     try:
-        token = agent.read_token(options.token_file)
+        token = (agent.read_token(options.token_file) if options.token_fd is None else
+                 tokens.token_from_fd(options.token_fd))
         if (options.tls_cert is None) != (options.tls_key is None):
             raise ValueError("TLS needs both --tls-cert and --tls-key")
         tls = (None if options.tls_cert is None else
@@ -378,7 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if options.command == "debug":
         return _debug(options)
     if options.command == "agent":
-        return _agent(options)
+        return _agent(options, list(sys.argv[1:]) if argv is None else None)
     if options.command == "k8s":
         return k8s.main(options)
     if options.command == "token":

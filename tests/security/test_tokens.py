@@ -112,6 +112,20 @@ def test_an_agent_given_phalanx_token_keeps_it_from_its_ranks(agent):
         assert_nowhere(rank, token)
 
 
+def test_an_agent_given_phalanx_token_holds_it_in_no_environment_block_of_its_own(agent):
+    """Removing a variable from os.environ leaves it in the block /proc/<pid>/environ
+    shows: the agent runs itself again with the token on a pipe instead."""
+    token = secrets.token_urlsafe(32)
+    address, pid = agent("127.0.0.7", env=agent_env(PHALANX_TOKEN=token))
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        block = f.read()
+    assert token.encode() not in block and b"PHALANX_TOKEN" not in block
+    assert token not in " ".join(psutil.Process(pid).cmdline())
+    backend = px.ClusterBackend([address], token=token)  # and it serves with that token
+    with px.WorkerGroup(Snoop, args=(pid,), backend=backend, echo_output=False) as group:
+        assert group.call("seen")[0]["environ"].get("PHALANX_TOKEN") is None
+
+
 def test_an_agent_given_a_token_file_keeps_its_path_and_token_from_its_ranks(agent,
                                                                              tmp_path):
     token = secrets.token_urlsafe(32)

@@ -106,6 +106,39 @@ def check_private(token_file: str, mode: int, owner: int, uid: int | None = None
                          f"chmod 600 {token_file}")
 
 
+def exec_without_token(argv: list[str], environ: Mapping[str, str] | None = None) -> None:
+    """Run ``argv`` (a ``phalanx`` command line) again in this process, with
+    ``$PHALANX_TOKEN`` handed over on a pipe (``--token-fd N``) instead of in the
+    environment: removing a variable from ``os.environ`` leaves it in the block the kernel
+    shows as ``/proc/<pid>/environ``; a new program's block is its own. Returns only if
+    there is no such variable."""
+    env = dict(os.environ if environ is None else environ)
+    token = env.pop(TOKEN_ENV, None)
+    if token is None:
+        return
+    import sys
+
+    read, write = os.pipe()
+    try:
+        os.write(write, token.encode())  # far under a pipe's buffer: never blocks
+    finally:
+        os.close(write)
+    os.set_inheritable(read, True)
+    os.execve(sys.executable, [sys.executable, "-m", "phalanx", *argv,
+                               "--token-fd", str(read)], env)
+
+
+def token_from_fd(fd: int) -> bytes:
+    """The token handed over on descriptor ``fd`` (:func:`exec_without_token`), which is
+    closed; ValueError if it is too short."""
+    with os.fdopen(fd, "rb") as f:
+        token = f.read(1 << 16).strip()
+    if len(token) < MIN_TOKEN:
+        raise ValueError(f"${TOKEN_ENV} holds {len(token)} bytes; a token needs at least "
+                         f"{MIN_TOKEN} (make one with: phalanx token --file FILE)")
+    return token
+
+
 def given_token(token: str | bytes) -> bytes:
     """A token given as a value (``ClusterBackend(token=...)``), as bytes; ValueError if it
     is too short to be the agents' token."""
