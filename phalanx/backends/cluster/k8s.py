@@ -1,51 +1,82 @@
 """Kubernetes manifests for the cluster backend's node agents: ``phalanx k8s manifest``.
 
 One ``phalanx agent`` runs in every pod, one pod per node; the controller, wherever it runs,
-connects to each pod's agent. The manifest is three objects, printed as YAML documents::
+connects to each pod's agent. The manifest is written for a shared cluster: the agents run
+as a fixed non-root user, serve TLS, and only the controller's pods (and the agents
+themselves) may connect to them. It is up to four objects, printed as YAML documents::
 
-    Secret       NAME-token: a fresh random token under the key "token" (none is printed
-                 with --token-secret, which names an existing Secret holding that key)
-    Service      NAME, headless (clusterIP: None): it gives every pod the stable DNS name
-                 NAME-<i>.NAME.<namespace>.svc.cluster.local and publishes it before the
-                 pod is ready, so a controller can resolve agents that are still starting
-    StatefulSet  NAME: REPLICAS pods NAME-0 .. NAME-<REPLICAS-1>, started in parallel, at
-                 most one per node; each runs
-                   phalanx agent --host 0.0.0.0 --port PORT --http-port HTTP_PORT
-                                 --token-file /etc/phalanx/token
-                 with the Secret mounted read-only at /etc/phalanx (the token file at mode
-                 0400, since the agent refuses a token file its group or others can read)
-                 and GET /health on the http port as its readiness and liveness probes;
-                 with --tls-secret, also --tls-cert and --tls-key from that Secret
+    Secret         NAME-token: a fresh random token under the key "token" (none is printed
+                   with --token-secret, which names an existing Secret holding that key)
+    Service        NAME, headless (clusterIP: None): it gives every pod the stable DNS name
+                   NAME-<i>.NAME.<namespace>.svc.cluster.local and publishes it before the
+                   pod is ready, so a controller can resolve agents that are still starting
+    NetworkPolicy  NAME (none with --no-network-policy): ingress to the agents' control
+                   port from the controller's pods (--controller-selector, in
+                   --controller-namespace) and from the agents themselves (tree links,
+                   copies of kept results); no rule for the HTTP port, which the kubelet's
+                   probes reach from the node (see below)
+    StatefulSet    NAME: REPLICAS pods NAME-0 .. NAME-<REPLICAS-1>, started in parallel, at
+                   most one per node; each runs
+                     phalanx agent --host 0.0.0.0 --port PORT --http-port HTTP_PORT
+                                   --store /var/lib/phalanx/store
+                                   --tls-cert /etc/phalanx-tls/tls.crt
+                                   --tls-key /etc/phalanx-tls/tls.key
+                   with the token in $PHALANX_TOKEN (from the Secret), the certificate and
+                   key mounted read-only from the kubernetes.io/tls Secret --tls-secret
+                   (default NAME-tls), and GET /health on the http port as its readiness
+                   and liveness probes
 
-When to use TLS: every frame is authenticated whatever the network (a relay can neither
-inject nor alter one), but without TLS none is encrypted, so whoever can read the pods'
-traffic reads the calls' arguments, results and output. On a cluster network others can
-sniff (no encryption between nodes, other tenants on the same nodes, a Service reachable
-from outside the cluster), give ``--tls-secret`` a ``kubernetes.io/tls`` Secret whose
-certificate names the pods (``*.NAME.NAMESPACE.svc.cluster.local``), and
-``ClusterBackend(tls="ca.pem")`` the CA that signed it; on a network that is encrypted
-already (a service mesh's mTLS, WireGuard between nodes) the token and the frame MACs are
-enough.
+The pods (``securityContext``): user and group ``--run-as-user``/``--run-as-group``
+(default 10001, never root; also the ``fsGroup`` that owns their volumes), no privilege
+escalation, every capability dropped, the runtime's default seccomp profile, a read-only
+root filesystem with emptyDir volumes for what the agent and its ranks write (the code
+store, ``/tmp``, ``$HOME``), and no service account token (an agent never talks to the API
+server): the ``restricted`` Pod Security Standard.
+
+Why the token comes as ``$PHALANX_TOKEN`` and not as a file: the agent refuses a token file
+its group can read, and with ``fsGroup`` set the kubelet makes every file of a Secret volume
+group-readable (0440, whatever ``defaultMode`` says: kubernetes/kubernetes#57923); without
+``fsGroup`` the file would belong to root, which a non-root agent cannot read. The agent
+removes the variable from its environment once it has read it, so no rank inherits it.
+
+``--host 0.0.0.0`` in a pod is the pod's own address (and its loopback): what may reach it
+is the NetworkPolicy's business. A policy binds only where the cluster's network plugin
+enforces NetworkPolicy (Calico, Cilium, Antrea, ... do; flannel alone does not). The
+kubelet's probes come from the node itself, which most plugins admit whatever the policies
+say, so the HTTP port (``/health``, ``/metrics``) is admitted to no one else
+(``--metrics-selector`` adds a scraper): strangers cannot hold its connections and so fail
+the probes. Where a plugin does subject the node's traffic to policies, add a rule
+admitting the nodes' addresses (an ``ipBlock``) to the HTTP port.
+
+When to use TLS: always, unless the network is encrypted already. Every frame is
+authenticated whatever the network (a relay can neither inject nor alter one), but without
+TLS none is encrypted, so whoever can read the pods' traffic reads the calls' arguments,
+results and output. The Secret's certificate must name the pods
+(``*.NAME.NAMESPACE.svc.cluster.local``) and ``ClusterBackend(tls="ca.pem")`` be given the
+CA that signed it. ``--insecure`` leaves TLS off (a warning on stderr and a comment at the
+top of the manifest say so): only for a network that is encrypted already (a service
+mesh's mTLS, WireGuard between nodes).
 
 On the controller, :func:`hosts` gives the agents' addresses::
 
     import phalanx as px
-    from phalanx import k8s
+    from phalanx.backends.cluster import k8s
 
     backend = px.ClusterBackend(
         hosts=k8s.hosts("trainer", replicas=4, namespace="ml"),  # trainer-0.trainer.ml...
-        token_file="token",
+        token_file="token", tls="ca.pem",
     )
 
 where ``token`` holds the Secret's token, e.g. from ``kubectl -n ml get secret
 trainer-token -o jsonpath='{.data.token}' | base64 -d > token`` (a controller running in a
-pod mounts the same Secret instead). The Service's own name,
+pod takes it as ``$PHALANX_TOKEN`` from the same Secret, as the agents do, and carries the
+labels ``--controller-selector`` names). The Service's own name,
 ``trainer.ml.svc.cluster.local``, resolves to every agent pod at once.
 
-Layer: pure, like ``config``: :func:`manifest`, :func:`hosts` and :func:`to_yaml` are
-functions of their arguments (the token aside) that import nothing from phalanx and nothing
-outside the standard library (no PyYAML: the core does not depend on it); only
-:func:`main` writes, to stdout and stderr.
+Layer: pure, like ``config``: :func:`manifest`, :func:`notes`, :func:`hosts` and
+:func:`to_yaml` are functions of their arguments (the token aside) that import nothing from
+phalanx and nothing outside the standard library (no PyYAML: the core does not depend on
+it); only :func:`main` writes, to stdout and stderr.
 """
 
 from __future__ import annotations
@@ -55,6 +86,8 @@ import base64
 import re
 import secrets
 import sys
+import textwrap
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 USAGE_ERROR = 2  # the exit status for a bad command line, as phalanx.cli.main's
@@ -62,17 +95,25 @@ USAGE_ERROR = 2  # the exit status for a bad command line, as phalanx.cli.main's
 DEFAULT_NAMESPACE = "default"
 DEFAULT_PORT = 32300  # the agent's control port; its HTTP port defaults to the next one
 CLUSTER_DOMAIN = "cluster.local"  # Kubernetes' default; clusters may be set up otherwise
-TOKEN_DIR = "/etc/phalanx"  # where the pods mount the Secret
-TOKEN_KEY = "token"  # the Secret's key, and so the file's name under TOKEN_DIR
+TOKEN_KEY = "token"  # the token Secret's key
+TOKEN_ENV = "PHALANX_TOKEN"  # phalanx.config.ENV_TOKEN (not imported: this module is pure)
 TOKEN_BYTES = 32  # of randomness in a generated token (43 URL-safe characters)
-# The token file's mode in the pod: Kubernetes' default (0644) would be refused by the agent.
-# The file belongs to root: the agent runs as root (the image's default) to read it.
-TOKEN_MODE = 0o400
-TLS_DIR = "/etc/phalanx-tls"  # where the pods mount a kubernetes.io/tls Secret (--tls-secret)
+TLS_DIR = "/etc/phalanx-tls"  # where the pods mount the kubernetes.io/tls Secret
+TLS_SUFFIX = "-tls"  # the TLS Secret's default name is NAME-tls
+# The certificate and key in the pod: owned by root, group fsGroup (the kubelet sets both,
+# and would add the group's read bit to 0400 anyway), so the agent reads them by its group.
+TLS_MODE = 0o440
+STORE_DIR = "/var/lib/phalanx"  # an emptyDir: the agent's code store is STORE_DIR/store
+HOME_DIR = "/home/phalanx"  # an emptyDir, $HOME: the ranks' caches (~/.cache, ...)
+TMP_DIR = "/tmp"  # an emptyDir: tempfile, the debugger's directory
+DEFAULT_UID = 10001  # the pods' user and group: not root, not a system account
+MAX_ID = 2**31 - 1
 APP_NAME = "phalanx-agent"  # app.kubernetes.io/name of every object
 CONTAINER_NAME = "agent"
 GPU_RESOURCE = "nvidia.com/gpu"
 HEALTH_PATH = "/health"
+NAMESPACE_LABEL = "kubernetes.io/metadata.name"  # every namespace carries its own name
+NOTE_WIDTH = 86  # characters of a comment's line, after "# "
 
 # Readiness only says "this agent answers" (DNS publishes the pod either way): probe often.
 READINESS_PROBE = {"periodSeconds": 5, "timeoutSeconds": 2, "failureThreshold": 3}
@@ -87,27 +128,45 @@ LIVENESS_PROBE = {"initialDelaySeconds": 10, "periodSeconds": 10, "timeoutSecond
 MAX_NAME = 52
 _LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")  # DNS-1123 label
 _SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")  # a label key's name,
+# and a label's value (which may also be empty)
 # A Kubernetes quantity without a sign: 8, 0.5, 500m, 64Gi, 1e3
 _QUANTITY = re.compile(r"(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+|[numkMGTPE]|[KMGTPE]i)?")
+
+Selector = str | Mapping[str, str]
 
 
 def manifest(name: str, replicas: int, image: str, namespace: str = DEFAULT_NAMESPACE,
              port: int = DEFAULT_PORT, http_port: int | None = None,
              token_secret: str | None = None, cpu: str | None = None,
              memory: str | None = None, gpus: int = 0,
-             tls_secret: str | None = None) -> list[dict[str, Any]]:
+             tls_secret: str | None = None, *, insecure: bool = False,
+             controller_selector: Selector | None = None,
+             controller_namespace: str | None = None,
+             metrics_selector: Selector | None = None,
+             metrics_namespace: str | None = None, network_policy: bool = True,
+             run_as_user: int = DEFAULT_UID,
+             run_as_group: int = DEFAULT_UID) -> list[dict[str, Any]]:
     """The Kubernetes objects that run ``replicas`` agents: a Secret with a fresh token
-    (unless ``token_secret`` names an existing one), a headless Service and a StatefulSet.
-    ``tls_secret`` names an existing ``kubernetes.io/tls`` Secret (keys ``tls.crt`` and
-    ``tls.key``): the agents serve TLS with it.
+    (unless ``token_secret`` names an existing one), a headless Service, a NetworkPolicy
+    (unless not ``network_policy``) and a StatefulSet.
+
+    TLS is on unless ``insecure``: ``tls_secret`` (default ``NAME-tls``) names the
+    ``kubernetes.io/tls`` Secret (keys ``tls.crt`` and ``tls.key``) the agents serve TLS
+    with; it must exist before the pods can start. The NetworkPolicy admits the pods
+    labelled ``controller_selector`` (``"app=trainer,role=ctl"`` or a mapping; required
+    with a policy) in ``controller_namespace`` (default: ``namespace``) to the control
+    port, and those labelled ``metrics_selector`` (in ``metrics_namespace``) to the HTTP
+    port. The pods run as ``run_as_user``:``run_as_group``, never root.
 
     ``http_port`` defaults to ``port + 1``; ``cpu`` and ``memory`` (quantities such as
     ``"8"``, ``"500m"``, ``"64Gi"``) become each pod's requests and limits, ``gpus`` its
-    ``nvidia.com/gpu`` limit. Raises ValueError, naming the command line option, for any
-    value Kubernetes or the agent would refuse; nothing is generated then.
+    ``nvidia.com/gpu`` limit. Raises ValueError (TypeError for a value of the wrong type),
+    naming the command line option, for any value Kubernetes or the agent would refuse and
+    for options that contradict each other; nothing is generated then.
     """
     _check_name(name)
-    _check_namespace(namespace)
+    _check_namespace(namespace, "--namespace")
     _check_integer(replicas, "--replicas", low=1)
     if not isinstance(image, str):
         raise TypeError(f"--image must be a string, got {type(image).__name__}")
@@ -123,14 +182,20 @@ def manifest(name: str, replicas: int, image: str, namespace: str = DEFAULT_NAME
     _check_port(http_port, "--http-port")
     if http_port == port:
         raise ValueError(f"--http-port must differ from --port, both are {port}")
-    if token_secret is not None and not _is_subdomain(token_secret):
-        raise ValueError(f"--token-secret must name a Secret: lowercase letters, digits, '-' "
-                         f"and '.', at most 253 characters, starting and ending with a letter "
-                         f"or digit; got {token_secret!r}")
-    if tls_secret is not None and not _is_subdomain(tls_secret):
-        raise ValueError(f"--tls-secret must name a Secret: lowercase letters, digits, '-' "
-                         f"and '.', at most 253 characters, starting and ending with a letter "
-                         f"or digit; got {tls_secret!r}")
+    if token_secret is not None:
+        _check_secret(token_secret, "--token-secret")
+    _check_flag(insecure, "--insecure")
+    if insecure:
+        if tls_secret is not None:
+            raise ValueError(f"--insecure leaves TLS off, --tls-secret {tls_secret} turns it "
+                             f"on: give one of them")
+    else:
+        tls_secret = f"{name}{TLS_SUFFIX}" if tls_secret is None else tls_secret
+        _check_secret(tls_secret, "--tls-secret")
+    policy = _network_policy_peers(namespace, network_policy, controller_selector,
+                                   controller_namespace, metrics_selector, metrics_namespace)
+    _check_id(run_as_user, "--run-as-user")
+    _check_id(run_as_group, "--run-as-group")
     resources = _resources(cpu, memory, gpus)
 
     labels = {"app.kubernetes.io/name": APP_NAME, "app.kubernetes.io/instance": name}
@@ -139,8 +204,13 @@ def manifest(name: str, replicas: int, image: str, namespace: str = DEFAULT_NAME
         token_secret = f"{name}-{TOKEN_KEY}"
         objects.append(_secret(token_secret, namespace, labels))
     objects.append(_service(name, namespace, labels, port, http_port))
+    if policy is not None:
+        controllers, scrapers = policy
+        objects.append(_network_policy(name, namespace, labels, port, http_port, controllers,
+                                       scrapers))
     objects.append(_stateful_set(name, replicas, image, namespace, labels, port, http_port,
-                                 token_secret, resources, tls_secret))
+                                 token_secret, resources, tls_secret, run_as_user,
+                                 run_as_group))
     return objects
 
 
@@ -149,10 +219,81 @@ def hosts(name: str, replicas: int, namespace: str = DEFAULT_NAMESPACE,
     """The agents' addresses, ``NAME-<i>.NAME.NAMESPACE.svc.DOMAIN:PORT`` for each pod of
     :func:`manifest`'s StatefulSet, in pod order: ``ClusterBackend(hosts=...)``."""
     _check_name(name)
-    _check_namespace(namespace)
+    _check_namespace(namespace, "--namespace")
     _check_integer(replicas, "--replicas", low=1)
     _check_port(port, "--port")
     return [f"{name}-{i}.{name}.{namespace}.svc.{domain}:{port}" for i in range(replicas)]
+
+
+def notes(objects: Sequence[Mapping[str, Any]]) -> list[str | None]:
+    """What a reader of :func:`manifest`'s ``objects`` should know, one note (or None) for
+    each, for :func:`to_yaml`'s ``comments``: the first says so when TLS is off, the
+    StatefulSet's which TLS Secret the pods wait for, the NetworkPolicy's whom it admits and
+    why the probes still pass."""
+    found: list[str | None] = [None] * len(objects)
+    head: list[str] = []
+    for i, obj in enumerate(objects):
+        kind = obj.get("kind")
+        if kind == "StatefulSet":
+            tls = _tls_secret_of(obj)
+            meta = obj["metadata"]
+            if tls is None:
+                head.append(INSECURE_NOTE)
+            else:
+                found[i] = TLS_NOTE.format(secret=tls, namespace=meta["namespace"],
+                                           name=meta["name"])
+        elif kind == "NetworkPolicy":
+            found[i] = _policy_note(obj)
+    if head and objects:
+        found[0] = "\n".join(head + ([found[0]] if found[0] else []))
+    return found
+
+
+INSECURE_NOTE = """\
+WARNING: generated with --insecure: the agents serve plain TCP, without TLS.
+Every frame is authenticated, but none is encrypted: whoever can read the pods'
+traffic reads every call's arguments, results and output. Apply it only where the
+network is encrypted already (a service mesh's mTLS, WireGuard between nodes)."""
+
+TLS_NOTE = """\
+TLS: the pods mount the kubernetes.io/tls Secret {secret} and do not start until it
+exists. Its certificate must name *.{name}.{namespace}.svc.cluster.local, e.g.
+  kubectl -n {namespace} create secret tls {secret} --cert agents.crt --key agents.key
+and the controller trusts the CA that signed it: px.ClusterBackend(..., tls="ca.pem")."""
+
+
+def _policy_note(policy: Mapping[str, Any]) -> str:
+    rules = policy["spec"]["ingress"]
+    control, *http = rules
+    paragraphs = [
+        f"Only the controller's pods ({_describe(control['from'][0])}) and the agents "
+        f"themselves (tree links, copies of kept results) may connect to the control port "
+        f"{control['ports'][0]['port']}.",
+        (f"The HTTP port {http[0]['ports'][0]['port']} (/health, /metrics) admits "
+         f"{_describe(http[0]['from'][0])} only." if http else
+         "No rule admits anyone to the HTTP port (/health, /metrics)."),
+        "The kubelet's liveness and readiness probes come from the node itself, which most "
+        "network plugins (Calico, Cilium, ...) do not subject to NetworkPolicy: they pass "
+        "while strangers cannot reach the port. Where yours does, and the probes fail, add "
+        "a rule admitting the nodes' addresses (ipBlock) to the HTTP port. A policy binds "
+        "only where the cluster's network plugin enforces NetworkPolicy.",
+    ]
+    return "\n".join(textwrap.fill(text, NOTE_WIDTH, break_long_words=False,
+                                   break_on_hyphens=False) for text in paragraphs)
+
+
+def _describe(peer: Mapping[str, Any]) -> str:
+    """A policy peer as a reader would write it: ``app=trainer in namespace ml``."""
+    labels = ",".join(f"{k}={v}" for k, v in peer["podSelector"]["matchLabels"].items())
+    namespace = peer.get("namespaceSelector", {}).get("matchLabels", {}).get(NAMESPACE_LABEL)
+    return labels if namespace is None else f"{labels} in namespace {namespace}"
+
+
+def _tls_secret_of(stateful_set: Mapping[str, Any]) -> str | None:
+    for volume in stateful_set["spec"]["template"]["spec"].get("volumes", []):
+        if volume.get("name") == "tls":
+            return str(volume["secret"]["secretName"])
+    return None
 
 
 def _secret(name: str, namespace: str, labels: dict[str, str]) -> dict[str, Any]:
@@ -185,39 +326,132 @@ def _service(name: str, namespace: str, labels: dict[str, str], port: int,
     }
 
 
+def _network_policy(name: str, namespace: str, labels: dict[str, str], port: int,
+                    http_port: int, controllers: dict[str, Any],
+                    scrapers: dict[str, Any] | None) -> dict[str, Any]:
+    # Ingress only: the agents reach each other (and DNS) as they need. The kubelet's probes
+    # are not subject to policies in most network plugins (see the module docstring), so no
+    # rule admits them; the HTTP port admits only the --metrics-selector pods.
+    ingress: list[dict[str, Any]] = [{
+        "from": [controllers, {"podSelector": {"matchLabels": dict(labels)}}],
+        "ports": [{"protocol": "TCP", "port": port}],
+    }]
+    if scrapers is not None:
+        ingress.append({"from": [scrapers], "ports": [{"protocol": "TCP", "port": http_port}]})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": name, "namespace": namespace, "labels": dict(labels)},
+        "spec": {
+            "podSelector": {"matchLabels": dict(labels)},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        },
+    }
+
+
+def _peer(selector: dict[str, str], namespace: str | None) -> dict[str, Any]:
+    """A NetworkPolicy peer: the pods labelled ``selector`` in ``namespace`` (None: the
+    policy's own)."""
+    peer: dict[str, Any] = {"podSelector": {"matchLabels": dict(selector)}}
+    if namespace is not None:
+        peer["namespaceSelector"] = {"matchLabels": {NAMESPACE_LABEL: namespace}}
+    return peer
+
+
+def _network_policy_peers(namespace: str, network_policy: bool,
+                          controller_selector: Selector | None,
+                          controller_namespace: str | None,
+                          metrics_selector: Selector | None, metrics_namespace: str | None,
+                          ) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
+    """The policy's peers (the controllers, the scrapers or None); None without a policy."""
+    _check_flag(network_policy, "--no-network-policy")
+    given = [option for option, value in (
+        ("--controller-selector", controller_selector),
+        ("--controller-namespace", controller_namespace),
+        ("--metrics-selector", metrics_selector),
+        ("--metrics-namespace", metrics_namespace)) if value is not None]
+    if not network_policy:
+        if given:
+            raise ValueError(f"{given[0]} shapes the NetworkPolicy, and --no-network-policy "
+                             f"leaves it out: give one of them")
+        return None
+    if controller_selector is None:
+        raise ValueError("--controller-selector is required: the labels of the controller's "
+                         "pods, such as app=trainer, which alone (with the agents) may "
+                         "connect to the agents; or --no-network-policy to print no "
+                         "NetworkPolicy (anything that reaches the pods may then connect)")
+    controllers = _parse_selector(controller_selector, "--controller-selector")
+    if controller_namespace is not None:
+        _check_namespace(controller_namespace, "--controller-namespace")
+    scrapers = None
+    if metrics_selector is not None:
+        scrapers = _parse_selector(metrics_selector, "--metrics-selector")
+    if metrics_namespace is not None:
+        if metrics_selector is None:
+            raise ValueError("--metrics-namespace needs --metrics-selector: the labels of "
+                             "the pods admitted to the HTTP port")
+        _check_namespace(metrics_namespace, "--metrics-namespace")
+
+    def where(other: str | None) -> str | None:
+        return None if other is None or other == namespace else other
+
+    return (_peer(controllers, where(controller_namespace)),
+            None if scrapers is None else _peer(scrapers, where(metrics_namespace)))
+
+
 def _stateful_set(name: str, replicas: int, image: str, namespace: str,
                   labels: dict[str, str], port: int, http_port: int, token_secret: str,
-                  resources: dict[str, Any], tls_secret: str | None = None) -> dict[str, Any]:
+                  resources: dict[str, Any], tls_secret: str | None, uid: int,
+                  gid: int) -> dict[str, Any]:
     command = ["phalanx", "agent", "--host", "0.0.0.0", "--port", str(port),
-               "--http-port", str(http_port), "--token-file", f"{TOKEN_DIR}/{TOKEN_KEY}"]
-    volumes: list[dict[str, Any]] = [{"name": "token", "secret": {
-        "secretName": token_secret,
-        # only the token, whatever else an existing Secret holds
-        "items": [{"key": TOKEN_KEY, "path": TOKEN_KEY}],
-        "defaultMode": TOKEN_MODE,
-    }}]
-    mounts = [{"name": "token", "mountPath": TOKEN_DIR, "readOnly": True}]
+               "--http-port", str(http_port), "--store", f"{STORE_DIR}/store"]
+    env = [
+        # the agent reads it, then removes it from its environment: no rank inherits it
+        {"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": token_secret,
+                                                           "key": TOKEN_KEY}}},
+        {"name": "HOME", "value": HOME_DIR},
+    ]
+    volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
     if tls_secret is not None:
         command += ["--tls-cert", f"{TLS_DIR}/tls.crt", "--tls-key", f"{TLS_DIR}/tls.key"]
         volumes.append({"name": "tls", "secret": {
             "secretName": tls_secret,
             "items": [{"key": "tls.crt", "path": "tls.crt"},
                       {"key": "tls.key", "path": "tls.key"}],
-            "defaultMode": TOKEN_MODE,
+            "defaultMode": TLS_MODE,
         }})
         mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
+    # the root filesystem is read-only: what the agent and its ranks write goes here
+    for volume, path in (("store", STORE_DIR), ("tmp", TMP_DIR), ("home", HOME_DIR)):
+        volumes.append({"name": volume, "emptyDir": {}})
+        mounts.append({"name": volume, "mountPath": path})
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": image,
         "command": command,
+        "env": env,
         "ports": [
             {"name": "control", "containerPort": port, "protocol": "TCP"},
             {"name": "http", "containerPort": http_port, "protocol": "TCP"},
         ],
+        # Plain HTTP even with TLS on (the agent serves /health without it). Strangers
+        # cannot reach the port under the NetworkPolicy; the agent's HTTP server also
+        # bounds what one client may hold.
         "readinessProbe": {"httpGet": {"path": HEALTH_PATH, "port": "http"},
                            **READINESS_PROBE},
         "livenessProbe": {"httpGet": {"path": HEALTH_PATH, "port": "http"},
                           **LIVENESS_PROBE},
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": uid,
+            "runAsGroup": gid,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
         "volumeMounts": mounts,
     }
     if resources:
@@ -236,6 +470,15 @@ def _stateful_set(name: str, replicas: int, image: str, namespace: str,
             "template": {
                 "metadata": {"labels": dict(labels)},
                 "spec": {
+                    # an agent never calls the API server: no credentials for one to steal
+                    "automountServiceAccountToken": False,
+                    "securityContext": {
+                        "runAsNonRoot": True,
+                        "runAsUser": uid,
+                        "runAsGroup": gid,
+                        "fsGroup": gid,  # owns the volumes: the TLS key, the emptyDirs
+                        "seccompProfile": {"type": "RuntimeDefault"},
+                    },
                     # one agent per node: each supervises its whole node (GPUs, processes)
                     "affinity": {"podAntiAffinity": {
                         "requiredDuringSchedulingIgnoredDuringExecution": [{
@@ -278,17 +521,72 @@ def _check_name(name: str) -> None:
                          f"{MAX_NAME} characters (pods add their own suffixes); got {name!r}")
 
 
-def _check_namespace(namespace: str) -> None:
+def _check_namespace(namespace: str, option: str) -> None:
     if not isinstance(namespace, str):
-        raise TypeError(f"--namespace must be a string, got {type(namespace).__name__}")
+        raise TypeError(f"{option} must be a string, got {type(namespace).__name__}")
     if not (_LABEL.fullmatch(namespace) and len(namespace) <= 63):
-        raise ValueError(f"--namespace must be a DNS label: lowercase letters, digits and "
-                         f"'-', starting and ending with a letter or digit, at most 63 "
-                         f"characters; got {namespace!r}")
+        raise ValueError(f"{option} must be a namespace, a DNS label: lowercase letters, "
+                         f"digits and '-', starting and ending with a letter or digit, at "
+                         f"most 63 characters; got {namespace!r}")
 
 
-def _is_subdomain(name: object) -> bool:
-    return isinstance(name, str) and len(name) <= 253 and bool(_SUBDOMAIN.fullmatch(name))
+def _check_secret(name: object, option: str) -> None:
+    if not (isinstance(name, str) and len(name) <= 253 and _SUBDOMAIN.fullmatch(name)):
+        raise ValueError(f"{option} must name a Secret: lowercase letters, digits, '-' and "
+                         f"'.', at most 253 characters, starting and ending with a letter "
+                         f"or digit; got {name!r}")
+
+
+def _parse_selector(selector: Selector, option: str) -> dict[str, str]:
+    """``KEY=VALUE[,KEY=VALUE...]`` (or a mapping) as a label selector's matchLabels."""
+    example = f"{option} must be labels KEY=VALUE[,KEY=VALUE...], such as app=trainer"
+    if isinstance(selector, str):
+        pairs = []
+        for part in selector.split(","):
+            key, equals, value = part.strip().partition("=")
+            if not equals or value.startswith("=") or key.endswith("!"):
+                raise ValueError(f"{example} (a NetworkPolicy matches labels by equality "
+                                 f"only); got {selector!r}")
+            pairs.append((key.strip(), value.strip()))
+    elif isinstance(selector, Mapping):
+        pairs = list(selector.items())
+    else:
+        raise TypeError(f"{option} must be a string or a mapping, got "
+                        f"{type(selector).__name__}")
+    if not pairs:
+        raise ValueError(f"{example}: it must name at least one label (an empty selector "
+                         f"matches every pod)")
+    labels: dict[str, str] = {}
+    for key, value in pairs:
+        if not (isinstance(key, str) and isinstance(value, str)):
+            raise TypeError(f"{option}'s labels must be strings, got {key!r}: {value!r}")
+        prefix, slash, base = key.rpartition("/")
+        if not (_LABEL_NAME.fullmatch(base) and len(base) <= 63
+                and (not slash or (_SUBDOMAIN.fullmatch(prefix) and len(prefix) <= 253))):
+            raise ValueError(f"{example}: {key!r} is not a label key (an optional DNS prefix "
+                             f"and '/', then at most 63 letters, digits, '-', '_' and '.', "
+                             f"starting and ending with a letter or digit)")
+        if value and not (_LABEL_NAME.fullmatch(value) and len(value) <= 63):
+            raise ValueError(f"{example}: {value!r} (of {key}) is not a label value (at most "
+                             f"63 letters, digits, '-', '_' and '.', starting and ending "
+                             f"with a letter or digit)")
+        if key in labels:
+            raise ValueError(f"{example}: {key} is given twice")
+        labels[key] = value
+    return labels
+
+
+def _check_flag(value: bool, option: str) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{option} is a flag: True or False, got {value!r}")
+
+
+def _check_id(value: int, option: str) -> None:
+    _check_integer(value, option, low=0)
+    if value == 0:
+        raise ValueError(f"{option} must not be 0: the agents never run as root")
+    if value > MAX_ID:
+        raise ValueError(f"{option} must be at most {MAX_ID}, got {value}")
 
 
 def _check_integer(value: int, option: str, low: int) -> None:
@@ -325,13 +623,35 @@ _ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\t": "\\t", "\r": "\\r", "\0
 MAX_KEY = 1024  # characters: YAML's limit on a key written on its own line, quotes included
 
 
-def to_yaml(objects: list[Any]) -> str:
+def to_yaml(objects: list[Any], comments: Sequence[str | None] | None = None) -> str:
     """``objects`` as YAML documents separated by ``---`` lines, in block style.
 
     Only plain data: dicts with string keys, lists, str, int, bool and None; anything else
     raises TypeError. A YAML 1.1 or 1.2 reader gives back exactly ``objects``.
+    ``comments``, one for each object (or None), are written as ``#`` lines at the start of
+    its document (:func:`notes`); a comment holds printable characters and line breaks only
+    (ValueError otherwise).
     """
-    return "---\n".join("\n".join(_lines(obj, 0)) + "\n" for obj in objects)
+    if comments is None:
+        comments = [None] * len(objects)
+    if len(comments) != len(objects):
+        raise ValueError(f"to_yaml needs one comment (or None) for each of the "
+                         f"{len(objects)} objects, got {len(comments)}")
+    return "---\n".join("".join(_comment(text)) + "\n".join(_lines(obj, 0)) + "\n"
+                        for obj, text in zip(objects, comments, strict=True))
+
+
+def _comment(text: str | None) -> list[str]:
+    if text is None:
+        return []
+    if not isinstance(text, str):
+        raise TypeError(f"to_yaml writes comments that are strings, got {text!r}")
+    lines = text.split("\n")
+    for line in lines:
+        if not line.isprintable():
+            raise ValueError(f"to_yaml writes comments of printable characters and line "
+                             f"breaks only, got {line!r}")
+    return [f"# {line}".rstrip() + "\n" for line in lines]
 
 
 def _lines(value: Any, indent: int) -> list[str]:
@@ -413,34 +733,62 @@ def _escape(char: str) -> str:
 
 MANIFEST_DESCRIPTION = """\
 Print the Kubernetes objects that run one phalanx agent per node, as YAML for
-kubectl apply -f -: a Secret holding a fresh random token (unless --token-secret names an
-existing one), a headless Service NAME giving the pods stable DNS names, and a StatefulSet
-NAME of REPLICAS pods (at most one per node), each running
-  phalanx agent --host 0.0.0.0 --port PORT --http-port HTTP_PORT --token-file
-                /etc/phalanx/token
-with GET /health on the http port as its readiness and liveness probes.
+kubectl apply -f -, made for a shared cluster: a Secret holding a fresh random token
+(unless --token-secret names an existing one), a headless Service NAME giving the pods
+stable DNS names, a NetworkPolicy NAME and a StatefulSet NAME of REPLICAS pods (at most
+one per node), each running
+  phalanx agent --host 0.0.0.0 --port PORT --http-port HTTP_PORT
+                --store /var/lib/phalanx/store
+                --tls-cert /etc/phalanx-tls/tls.crt --tls-key /etc/phalanx-tls/tls.key
+with the token in $PHALANX_TOKEN and GET /health on the http port as its readiness and
+liveness probes.
 
-Frames are authenticated on any network, not encrypted: where others can read the pods'
-traffic, give --tls-secret a kubernetes.io/tls Secret (certificate for
-*.NAME.NAMESPACE.svc.cluster.local) and the backend tls="ca.pem".
+The pods run as a fixed non-root user (--run-as-user, --run-as-group) with no privilege
+escalation, no capabilities, the runtime's default seccomp profile, a read-only root
+filesystem (emptyDir volumes for the code store, /tmp and $HOME) and no service account
+token: the restricted Pod Security Standard.
+
+TLS is on: the agents serve it with the kubernetes.io/tls Secret --tls-secret (default
+NAME-tls; its certificate names *.NAME.NAMESPACE.svc.cluster.local), and the controller
+needs tls="ca.pem". --insecure leaves it off: frames stay authenticated, but not
+encrypted.
+
+The NetworkPolicy admits to the control port only the controller's pods
+(--controller-selector, required) and the agents themselves (tree links, copies of kept
+results); to the HTTP port only --metrics-selector pods. The kubelet's probes come from
+the node, which most network plugins do not subject to NetworkPolicy, so they pass while
+strangers cannot reach /health.
 """
 
 MANIFEST_EPILOG = """\
 the controller connects to the pods by name:
   px.ClusterBackend(hosts=phalanx.backends.cluster.k8s.hosts(NAME, REPLICAS, NAMESPACE, PORT),
-                    token_file=...)
+                    token_file=..., tls="ca.pem")
   that is NAME-0.NAME.NAMESPACE.svc.cluster.local:PORT, NAME-1..., with the token from
   kubectl -n NAMESPACE get secret NAME-token -o jsonpath='{.data.token}' | base64 -d
+  (in a pod: $PHALANX_TOKEN from that Secret, and the labels --controller-selector names)
 
 exit status:
   0        the manifest was printed
   2        bad command line (nothing is printed)
 
 examples:
+  kubectl -n ml create secret tls trainer-tls --cert agents.crt --key agents.key
   phalanx k8s manifest --name trainer --replicas 4 --image registry.example.com/app:1.0 \\
-      --namespace ml --cpu 16 --memory 64Gi --gpus 8 | kubectl apply -f -
-  phalanx k8s manifest --name trainer --replicas 2 --image app:1.0 --token-secret mine
-  phalanx k8s manifest --name trainer --replicas 2 --image app:1.0 --tls-secret trainer-tls
+      --namespace ml --controller-selector app=trainer-controller \\
+      --cpu 16 --memory 64Gi --gpus 8 | kubectl apply -f -
+  phalanx k8s manifest --name trainer --replicas 2 --image app:1.0 --token-secret mine \\
+      --controller-selector app=ctl --controller-namespace jobs --tls-secret agents-tls
+  phalanx k8s manifest --name trainer --replicas 2 --image app:1.0 --insecure \\
+      --no-network-policy                    # a mesh encrypts and polices the traffic
+"""
+
+INSECURE_WARNING = """\
+phalanx k8s manifest: WARNING: --insecure: the agents will serve plain TCP, without TLS.
+  Frames are authenticated but NOT encrypted: anyone who can read the pods' traffic reads
+  every call's arguments, results and output. Use it only on a network that is encrypted
+  already (a service mesh's mTLS, WireGuard between nodes); otherwise drop --insecure and
+  give --tls-secret a kubernetes.io/tls Secret.
 """
 
 
@@ -457,7 +805,8 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     actions.required = True
     parser = actions.add_parser(
         "manifest",
-        help="print a Secret, a headless Service and a StatefulSet of agents as YAML",
+        help="print a Secret, a headless Service, a NetworkPolicy and a StatefulSet of "
+             "agents as YAML",
         description=MANIFEST_DESCRIPTION,
         epilog=MANIFEST_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -477,10 +826,31 @@ def add_parser(commands: Any) -> argparse.ArgumentParser:
     parser.add_argument("--token-secret", metavar="SECRET",
                         help=f"use this existing Secret's {TOKEN_KEY!r} key as the token "
                              "instead of printing a new Secret")
-    parser.add_argument("--tls-secret", metavar="SECRET",
-                        help="an existing kubernetes.io/tls Secret: the agents serve TLS with "
-                             "its tls.crt and tls.key (use it where others can read the "
-                             "pods' traffic)")
+    tls = parser.add_mutually_exclusive_group()
+    tls.add_argument("--tls-secret", metavar="SECRET",
+                     help="the existing kubernetes.io/tls Secret the agents serve TLS with "
+                          f"(its tls.crt and tls.key; default: NAME{TLS_SUFFIX})")
+    tls.add_argument("--insecure", action="store_true",
+                     help="serve no TLS: frames are authenticated, not encrypted (only where "
+                          "the network is encrypted already)")
+    parser.add_argument("--controller-selector", metavar="LABELS",
+                        help="KEY=VALUE[,KEY=VALUE...]: the labels of the controller's pods, "
+                             "the only pods (with the agents) the NetworkPolicy admits to the "
+                             "control port; required unless --no-network-policy")
+    parser.add_argument("--controller-namespace", metavar="NAMESPACE",
+                        help="the controller's pods' namespace (default: --namespace)")
+    parser.add_argument("--metrics-selector", metavar="LABELS",
+                        help="KEY=VALUE[,...]: pods admitted to the HTTP port, e.g. a "
+                             "Prometheus (default: none; the kubelet's probes need no rule)")
+    parser.add_argument("--metrics-namespace", metavar="NAMESPACE",
+                        help="the --metrics-selector pods' namespace (default: --namespace)")
+    parser.add_argument("--no-network-policy", dest="network_policy", action="store_false",
+                        help="print no NetworkPolicy (anything that reaches the pods may "
+                             "connect; the token still guards the control port)")
+    parser.add_argument("--run-as-user", type=int, default=DEFAULT_UID, metavar="UID",
+                        help=f"the pods' user, never 0 (default: {DEFAULT_UID})")
+    parser.add_argument("--run-as-group", type=int, default=DEFAULT_UID, metavar="GID",
+                        help=f"the pods' group and fsGroup, never 0 (default: {DEFAULT_UID})")
     parser.add_argument("--cpu", metavar="QUANTITY",
                         help="CPU request and limit of each pod, e.g. 16 or 500m")
     parser.add_argument("--memory", metavar="QUANTITY",
@@ -496,13 +866,22 @@ def main(options: argparse.Namespace) -> int:
         print(f"phalanx k8s: unknown action {options.k8s_command!r}", file=sys.stderr)
         return USAGE_ERROR
     try:
-        text = to_yaml(manifest(
+        objects = manifest(
             options.name, options.replicas, options.image, namespace=options.namespace,
             port=options.port, http_port=options.http_port, token_secret=options.token_secret,
             cpu=options.cpu, memory=options.memory, gpus=options.gpus,
-            tls_secret=options.tls_secret))
+            tls_secret=options.tls_secret, insecure=options.insecure,
+            controller_selector=options.controller_selector,
+            controller_namespace=options.controller_namespace,
+            metrics_selector=options.metrics_selector,
+            metrics_namespace=options.metrics_namespace,
+            network_policy=options.network_policy, run_as_user=options.run_as_user,
+            run_as_group=options.run_as_group)
+        text = to_yaml(objects, notes(objects))
     except ValueError as exc:
         print(f"phalanx k8s manifest: {exc}", file=sys.stderr)
         return USAGE_ERROR
+    if options.insecure:
+        sys.stderr.write(INSECURE_WARNING)
     sys.stdout.write(text)
     return 0
