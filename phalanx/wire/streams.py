@@ -125,12 +125,17 @@ def socket_stream(sock: socket.socket) -> Stream:
     return TLSStream(sock) if isinstance(sock, ssl.SSLSocket) else SocketStream(sock)
 
 
+LINK_TIMEOUT = 15  # seconds of silence from the peer's kernel after which a link is cut
+
+
 def keep_alive(sock: socket.socket) -> None:
-    """TCP keepalive, so a peer whose machine vanished is noticed within half a minute even
-    on a connection that carries nothing (the kernel probes it: idle 10 s, then every 5 s,
-    3 unanswered probes end it)."""
+    """TCP keepalive and a user timeout, so a peer whose machine vanished, or a link cut
+    without a FIN, is noticed within about ``LINK_TIMEOUT`` s, whether the connection
+    carries nothing (the kernel probes it: idle 5 s, then every 3 s) or has data its peer
+    never acknowledged (Linux's TCP_USER_TIMEOUT; retransmissions alone take 15 minutes)."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for option, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
+    for option, value in (("TCP_KEEPIDLE", 5), ("TCP_KEEPINTVL", 3), ("TCP_KEEPCNT", 3),
+                          ("TCP_USER_TIMEOUT", LINK_TIMEOUT * 1000)):
         if hasattr(socket, option):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 

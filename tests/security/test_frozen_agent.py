@@ -212,7 +212,8 @@ def test_every_control_connection_has_tcp_keepalive(tmp_path):
         for sock in (joined.sock, accepted):
             assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
             if hasattr(socket, "TCP_KEEPIDLE"):
-                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 10
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 5
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 15000
     finally:
         if joined is not None:
             joined.close()

@@ -61,7 +61,7 @@ from phalanx import config
 from phalanx.backends.ray.hosting import HostPatches, Notes, end_leftovers
 from phalanx.errors import StartupError
 from phalanx.version import __version__
-from phalanx.wire import handshake, seal
+from phalanx.wire import handshake, seal, streams
 
 CONCURRENCY = 1  # the direct RankActor: its methods run on the actor's main thread
 _RETRY_DELAY, _RETRY_DELAY_MAX = 0.05, 1.0  # seconds between tries of a cut-short handshake
@@ -130,6 +130,7 @@ def _open(controller: tuple[str, int, str], timeout: float) -> socket.socket:
             "controller the cluster cannot reach needs RayBackend(transport='ray')"
         ) from exc
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    streams.keep_alive(sock)  # a link cut without a FIN is noticed, not waited on for good
     return sock
 
 
