@@ -40,7 +40,7 @@ class ScriptRunner:
         propagates to the controller with its traceback)."""
         error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
         if error_file:  # torch's @record writes there, and makes no directories
-            os.makedirs(os.path.dirname(error_file), exist_ok=True)
+            os.makedirs(os.path.dirname(error_file), mode=0o700, exist_ok=True)  # private
         if self.no_python:
             return self._run_command()
         import runpy

@@ -12,16 +12,30 @@ a stream never holds more than about one piece; such lines are not held for coll
 The stderr tail cuts each line to ``config.STDERR_TAIL_LINE_BYTES`` and keeps
 ``config.STDERR_TAIL_CHARS`` at most. Each turn of the reader takes at most one pipe's worth
 (``_READ_SIZE``) from each ready pipe, so one rank's flood does not delay the others.
+
+``log_dir`` (:class:`LogDir`) may be a path other users can reach (``/tmp``...), so it is
+used only when it is a directory of ours that no one else can write to: created mode 0700
+(an existing one of ours, 0700 or 0755, is taken as it is), and refused, with its owner and
+mode named, when it is a link, belongs to another user, or is group- or world-writable --
+someone else could otherwise plant a link at a log file's name and have a rank's output
+written over a file of the user's. This is checked when the group is made, before any rank
+starts. The directory is then opened once, and every log file is opened relative to it
+(``dir_fd``), created 0600, appended to, never through a link (``O_NOFOLLOW``: a link at its
+name is refused and its target left alone) and only if it is a regular file of ours (an
+existing one is made 0600).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import logging
 import os
 import pathlib
+import pwd
 import select
+import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -73,13 +87,10 @@ class OutputOptions:
         directory = None
         if log_dir is not None:
             directory = pathlib.Path(log_dir)
-            try:
-                directory.mkdir(parents=True, exist_ok=True)
+            with LogDir.open(directory) as opened:  # ValueError naming what is wrong
                 for rank in range(first_rank, first_rank + world):  # every file can be
                     for name in ("stdout", "stderr"):                   # written, up front
-                        open(log_path(directory, rank, name), "ab").close()
-            except OSError as exc:
-                raise ValueError(f"log_dir={str(log_dir)!r} cannot be written: {exc}") from None
+                        opened.open_file(rank, name).close()
         window = config.COLLAPSE_WINDOW if collapse else 0.0
         return cls(bool(echo), window, shown, directory, world, first_rank)
 
@@ -88,7 +99,142 @@ class OutputOptions:
 
 
 def log_path(directory: pathlib.Path, rank: int, name: str) -> pathlib.Path:
-    return directory / f"rank-{rank}.{name}.log"
+    return directory / log_name(rank, name)
+
+
+def log_name(rank: int, name: str) -> str:
+    return f"rank-{rank}.{name}.log"
+
+
+class LogDir:
+    """``log_dir``, opened once and checked, and the log files in it (see the module
+    docstring): every file is opened relative to the directory's descriptor, so the path
+    being swapped for another directory, or a link, afterwards changes nothing."""
+
+    def __init__(self, path: pathlib.Path, fd: int) -> None:
+        self.path = path
+        self._fd: int | None = fd
+        self._lock = threading.Lock()  # a file is not opened as the directory is closed
+
+    @classmethod
+    def open(cls, path: pathlib.Path) -> LogDir:
+        """Create ``path`` (mode 0700, with its missing parents) or take the directory
+        there, and open it. Raises ``ValueError`` naming the path, its owner and its mode
+        when it is not a directory of ours that no one else can write to: a link, another
+        user's directory, or one that is group- or world-writable (where someone else
+        could plant a link at a log file's name, or swap the files)."""
+        shown = f"log_dir={str(path)!r}"
+        try:
+            os.makedirs(path, mode=0o700)
+        except FileExistsError:
+            pass  # checked below, whatever it is
+        except OSError as exc:
+            raise ValueError(f"{shown} cannot be created: {exc.strerror or exc}") from None
+        try:
+            seen = os.lstat(path)
+        except OSError as exc:
+            raise ValueError(f"{shown} cannot be used: {exc.strerror or exc}") from None
+        if stat.S_ISLNK(seen.st_mode):
+            raise ValueError(f"{shown} is a symbolic link (owner {_user_name(seen.st_uid)}); "
+                             f"phalanx writes logs only into a directory of yours, not "
+                             f"through a link: {_LOG_DIR_FIX}")
+        if not stat.S_ISDIR(seen.st_mode):
+            raise ValueError(f"{shown} cannot be written: it exists and is not a directory "
+                             f"({_owner_and_mode(seen)})")
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise ValueError(f"{shown} cannot be opened: {exc.strerror or exc}") from None
+        try:
+            info = os.fstat(fd)
+            if (info.st_dev, info.st_ino) != (seen.st_dev, seen.st_ino):
+                raise ValueError(f"{shown} changed while it was being opened; refusing it")
+            _check_private(shown, info, "directory")
+            return cls(path, fd)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def open_file(self, rank: int, name: str) -> BinaryIO:
+        """Rank ``rank``'s log of ``name`` (stdout, stderr), appended to (across restarts
+        of the rank): created 0600, never through a link (a link there is refused, its
+        target left alone), and only a regular file of ours. Raises ``ValueError``."""
+        file_name = log_name(rank, name)
+        shown = f"log file {str(self.path / file_name)!r}"
+        flags = (os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+                 | os.O_NONBLOCK)  # non-blocking: a FIFO put there is refused, not waited on
+        try:
+            with self._lock:
+                if self._fd is None:
+                    raise ValueError(f"log_dir={str(self.path)!r} is closed")
+                fd = os.open(file_name, flags, 0o600, dir_fd=self._fd)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise ValueError(f"{shown} is a symbolic link: not followed, and its target "
+                                 f"left alone; remove the link, or choose another log_dir"
+                                 ) from None
+            if exc.errno == errno.ENXIO:  # O_NONBLOCK's answer for a FIFO without a reader
+                raise ValueError(f"{shown} is not a regular file (a FIFO?)") from None
+            raise ValueError(f"{shown} cannot be written: {exc.strerror or exc}") from None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise ValueError(f"{shown} is not a regular file ({_owner_and_mode(info)})")
+            _check_owner(shown, info, "file")
+            if info.st_mode & 0o077:  # e.g. left 0644 by an older phalanx
+                os.fchmod(fd, 0o600)
+            os.set_blocking(fd, True)
+            return os.fdopen(fd, "ab", buffering=0)
+        except OSError as exc:
+            os.close(fd)
+            raise ValueError(f"{shown} cannot be written: {exc.strerror or exc}") from None
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def close(self) -> None:
+        with self._lock:
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __enter__(self) -> LogDir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_LOG_DIR_FIX = ("choose a directory of your own that only you can write to (mode 0700 or "
+                "0755), or a path that does not exist yet: phalanx creates it, mode 0700")
+
+
+def _check_private(shown: str, info: os.stat_result, kind: str) -> None:
+    """Refuse a directory another user owns, or that others may write to."""
+    _check_owner(shown, info, kind)
+    if info.st_mode & 0o022:
+        who = "everyone" if info.st_mode & 0o002 else "its group"
+        raise ValueError(f"{shown} can be written by {who} ({_owner_and_mode(info)}): "
+                         f"someone else could plant links or files in it; {_LOG_DIR_FIX}")
+
+
+def _check_owner(shown: str, info: os.stat_result, kind: str) -> None:
+    uid = os.geteuid()
+    if info.st_uid != uid:
+        raise ValueError(f"{shown} belongs to {_user_name(info.st_uid)}, not to you "
+                         f"({_user_name(uid)}), mode {stat.S_IMODE(info.st_mode):04o}; "
+                         f"phalanx writes logs only into a {kind} of yours: {_LOG_DIR_FIX}")
+
+
+def _owner_and_mode(info: os.stat_result) -> str:
+    return f"owner {_user_name(info.st_uid)}, mode {stat.S_IMODE(info.st_mode):04o}"
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return f"user {pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
 
 
 def _char_start(data: bytes | bytearray, index: int) -> int:
@@ -183,6 +329,8 @@ class LogPump:
     def __init__(self, options: OutputOptions | None = None) -> None:
         self._options = options or OutputOptions()
         options = self._options
+        # opened (and checked again) here: the log files are opened relative to it
+        self._log_dir = None if options.log_dir is None else LogDir.open(options.log_dir)
         shown = options.world if options.ranks is None else len(options.ranks)
         self._collapser = LineCollapser(options.collapse_window, shown)
         self._streams: dict[int, _Stream] = {}
@@ -216,10 +364,13 @@ class LogPump:
         return OutputTap(streams, tail)
 
     def _open_log(self, rank: int, name: str) -> BinaryIO | None:
-        if self._options.log_dir is None:
+        if self._log_dir is None:
             return None
-        # appended to across restarts of the rank
-        return open(log_path(self._options.log_dir, rank, name), "ab", buffering=0)
+        try:  # appended to across restarts of the rank
+            return self._log_dir.open_file(rank, name)
+        except ValueError as exc:  # e.g. a link put there since the group started
+            logger.warning("rank %d's %s is not written to a file: %s", rank, name, exc)
+            return None
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop once the pipes still open have drained (each write end is closed once its
@@ -239,6 +390,8 @@ class LogPump:
             for stream in list(self._streams.values()):
                 self._close(stream)
             self._show(self._collapser.flush())
+            if self._log_dir is not None:
+                self._log_dir.close()
 
     def _pump(self) -> None:
         poller = select.poll()

@@ -32,7 +32,15 @@ Other users on the host can still reach that port, and ``/tmp`` is theirs too, s
   and say nothing therefore delay no one: the owner's client sends its token as soon as it
   is connected and is answered at once (when tokens were read one connection at a time,
   four silent connections made ``phalanx debug`` time out again and again). The backlog is
-  ``config.DEBUG_BACKLOG``;
+  ``config.DEBUG_BACKLOG``; a new connection's line is looked for as soon as it is taken,
+  and at most ``DEBUG_MAX_PENDING`` are taken per turn, so a flood of connections neither
+  starves those already taken nor pushes the owner's out before its token is read;
+- nothing a stranger sends or does raises into user code or ends the wait: garbage, a
+  line that is not the token, hanging up at any moment, connections dropped to make room
+  (while their data is still to be read in the same turn: once a ``KeyError`` out of
+  ``px.breakpoint()``), running out of descriptors. Such connections are closed and
+  logged at debug level (``phalanx.rank.debugger``); an error that should not happen is
+  logged once as a warning, and the rank keeps waiting for its owner;
 - a path at ``/tmp/phalanx-debug-<uid>`` that is not a directory of ours (another user made
   it first, or put a link there) is never used: both sides then use
   ``~/.cache/phalanx/debug`` (the home directory from the password database, not
@@ -57,8 +65,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hmac
 import json
+import logging
 import os
 import pdb
 import pwd
@@ -81,6 +91,11 @@ INPUT_MARKER = b"\0"  # rank -> client: "pdb now waits for one line of input"
 _TOKEN_LINE_LIMIT = 256  # bytes; a longer first line is not a token
 _START_TIME_SLACK = 1.0  # seconds; a pid whose process started later than recorded was reused
 _RANK_VARS = ("RANK", "PHALANX_RANK")
+# accept() failing for want of descriptors or memory: free one or pause, never spin
+_OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+_RESOURCE_BACKOFF = 0.05  # seconds
+
+logger = logging.getLogger(__name__)
 
 
 def default_dir(environ: Mapping[str, str] | None = None) -> Path:
@@ -204,7 +219,8 @@ class WaitingRank:
         """Publish the record atomically, readable by this user only."""
         path = directory / self.file_name()
         partial = directory / f".{self.file_name()}.partial"
-        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+                     | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(dataclasses.asdict(self), f)
         os.replace(partial, path)
@@ -291,7 +307,8 @@ def breakpoint(*, timeout: float | None = None) -> bool:
             deadline = None if timeout is None else time.monotonic() + timeout
             connection = _accept(listener, token.encode(), deadline)
         finally:
-            path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
     if connection is None:
         sys.stderr.write(f"[phalanx] {record.who}: no debugger attached within {timeout:g} s; "
                          f"continuing\n")
@@ -306,71 +323,153 @@ def _accept(listener: socket.socket, token: bytes, deadline: float | None
             ) -> socket.socket | None:
     """The first connection that sends ``token``, or None once ``deadline`` passed. Every
     connection is checked at once (see the module docstring): one that stalls holds only
-    itself."""
-    pending: dict[socket.socket, tuple[float, bytearray]] = {}  # oldest first
-    listener.setblocking(False)
-    with selectors.DefaultSelector() as selector:
-        selector.register(listener, selectors.EVENT_READ)
+    itself, and nothing a connection does (its bytes, hanging up at any moment, hundreds
+    of them coming and going) raises out of here or ends the wait."""
+    waiting = _Waiting(listener, token)
+    try:
+        while True:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return None
+            try:
+                accepted = waiting.turn(now, deadline)
+            except Exception as exc:  # noqa: BLE001 - never into user code: keep waiting
+                waiting.failed(exc)
+                continue
+            if accepted is not None:
+                return accepted
+    finally:
+        waiting.close()
 
-        def drop(conn: socket.socket) -> None:
-            selector.unregister(conn)
-            del pending[conn]
-            conn.close()
 
-        try:
-            while True:
-                now = time.monotonic()
-                if deadline is not None and now >= deadline:
-                    return None
-                for conn, (due, _) in list(pending.items()):
-                    if due <= now:  # a client that vanished or stalled
-                        drop(conn)
-                dues = [due for due, _ in pending.values()]
-                if deadline is not None:
-                    dues.append(deadline)
-                events = selector.select(None if not dues else max(0.0, min(dues) - now))
-                for key, _ in events:
-                    if key.fileobj is listener:
-                        for conn in _take(listener):
-                            if len(pending) >= config.DEBUG_MAX_PENDING:
-                                drop(next(iter(pending)))
-                            conn.setblocking(False)
-                            pending[conn] = (time.monotonic() + TOKEN_TIMEOUT, bytearray())
-                            selector.register(conn, selectors.EVENT_READ, data=conn)
-                        continue
-                    client: socket.socket = key.data  # the socket, as registered above
-                    line = _line_so_far(client, pending[client][1])
-                    if line is None:
-                        continue
-                    selector.unregister(client)
-                    del pending[client]
-                    if _answer(client, line, token):
-                        client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                        return client
-                    client.close()
-        finally:
-            for conn in pending:
+class _Waiting:
+    """The connections of one wait in :func:`_accept`, oldest first, each with when it must
+    have sent its line and what it sent so far; a selector over them and the listener."""
+
+    def __init__(self, listener: socket.socket, token: bytes) -> None:
+        self._listener = listener
+        self._token = token
+        self._pending: dict[socket.socket, tuple[float, bytearray]] = {}
+        self._selector = selectors.DefaultSelector()
+        listener.setblocking(False)
+        self._selector.register(listener, selectors.EVENT_READ)
+        self._failures = 0  # unexpected errors in a row (see failed)
+        self._warned = False
+
+    def turn(self, now: float, deadline: float | None) -> socket.socket | None:
+        """Wait for what comes next (at most until the first due time) and handle it; the
+        owner's connection once it sent the token."""
+        for conn, (due, _) in list(self._pending.items()):
+            if due <= now:  # a client that vanished or stalled
+                self._drop(conn, "sent no line in time")
+        dues = [due for due, _ in self._pending.values()]
+        if deadline is not None:
+            dues.append(deadline)
+        events = self._selector.select(None if not dues else max(0.0, min(dues) - now))
+        # the connections taken already first, then new ones: a line that arrived is read
+        # before newcomers can push its connection out to make room
+        for key, _ in sorted(events, key=lambda event: event[0].fileobj is self._listener):
+            if key.fileobj is self._listener:
+                found = self._take()
+            else:
+                # dropped earlier in this turn (to make room, or its descriptor reused by a
+                # newer connection): key.data is then no longer pending, and is skipped
+                found = self._check(key.data)
+            if found is not None:
+                return found
+        self._failures = 0
+        return None
+
+    def _take(self) -> socket.socket | None:
+        """Take the connections waiting on the listener (a bounded number per turn, so a
+        flood of them does not starve those already taken). Each is checked at once: the
+        owner's client sends its token as soon as it is connected."""
+        for _ in range(config.DEBUG_MAX_PENDING):
+            try:
+                conn, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return None
+            except OSError as exc:
+                if exc.errno in _OUT_OF_RESOURCES:
+                    # out of descriptors: free the oldest stranger's, and do not spin
+                    if self._pending:
+                        self._drop(next(iter(self._pending)), "dropped: out of descriptors")
+                    else:
+                        time.sleep(_RESOURCE_BACKOFF)
+                return None  # else the peer went away before it was taken: nothing to do
+            try:
+                conn.setblocking(False)
+            except OSError:
                 conn.close()
+                continue
+            if len(self._pending) >= config.DEBUG_MAX_PENDING:
+                self._drop(next(iter(self._pending)), "dropped: too many connections")
+            self._pending[conn] = (time.monotonic() + TOKEN_TIMEOUT, bytearray())
+            self._selector.register(conn, selectors.EVENT_READ, data=conn)
+            found = self._check(conn)
+            if found is not None:
+                return found
+        return None
 
-
-def _take(listener: socket.socket) -> list[socket.socket]:
-    """The connections waiting on the non-blocking ``listener``, as many as there are."""
-    taken: list[socket.socket] = []
-    while True:
+    def _check(self, conn: socket.socket) -> socket.socket | None:
+        """Read what ``conn`` sent; once its line is complete, answer it: the connection
+        itself if it carried the token, else it is closed (None either way until then)."""
+        entry = self._pending.get(conn)
+        if entry is None:
+            return None
         try:
-            conn, _ = listener.accept()
-        except (BlockingIOError, InterruptedError):
-            return taken
-        except OSError:  # out of descriptors, or the peer already gone: try again later
-            return taken
-        taken.append(conn)
+            line = _line_so_far(conn, entry[1])
+            if line is None:
+                return None
+            self._forget(conn)
+            if _answer(conn, line, self._token):
+                with contextlib.suppress(OSError):
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                return conn
+            logger.debug("debugger: refused a connection that sent no valid token")
+        except Exception as exc:  # noqa: BLE001 - that connection's trouble alone
+            logger.debug("debugger: dropped a connection: %r", exc)
+        self._forget(conn)
+        conn.close()
+        return None
+
+    def failed(self, exc: Exception) -> None:
+        """A turn raised unexpectedly: say so once, and keep waiting (after a pause if it
+        keeps happening, so as not to spin)."""
+        self._failures += 1
+        if not self._warned:
+            self._warned = True
+            logger.warning("debugger: error while waiting for the debugger (still waiting): "
+                           "%r", exc)
+        else:
+            logger.debug("debugger: error while waiting for the debugger: %r", exc)
+        if self._failures > 1:
+            time.sleep(min(_RESOURCE_BACKOFF * self._failures, 1.0))
+
+    def _forget(self, conn: socket.socket) -> None:
+        """Stop watching ``conn`` (if it was watched); does not close it."""
+        self._pending.pop(conn, None)
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self._selector.unregister(conn)
+
+    def _drop(self, conn: socket.socket, why: str) -> None:
+        logger.debug("debugger: a connection %s", why)
+        self._forget(conn)
+        conn.close()
+
+    def close(self) -> None:
+        for conn in list(self._pending):
+            self._forget(conn)
+            conn.close()
+        with contextlib.suppress(Exception):
+            self._selector.close()
 
 
 def _line_so_far(conn: socket.socket, received: bytearray) -> bytes | None:
     """Read what ``conn`` has; its first line once complete (b"" when it closed, or
     ``_TOKEN_LINE_LIMIT`` bytes came without a newline), else None."""
     try:
-        chunk = conn.recv(_TOKEN_LINE_LIMIT)
+        chunk = conn.recv(_TOKEN_LINE_LIMIT - len(received))
     except (BlockingIOError, InterruptedError):
         return None
     except OSError:
@@ -385,16 +484,20 @@ def _line_so_far(conn: socket.socket, received: bytearray) -> bytes | None:
 
 def _answer(conn: socket.socket, line: bytes, token: bytes) -> bool:
     """Compare the client's first line with the token and answer either way. (The client
-    sends nothing else before the answer, so no byte of the session was read.)"""
+    sends nothing else before the answer, so no byte of the session was read.) A refusal
+    is sent without waiting: a stranger that does not read holds no one up."""
     accepted = bool(line) and hmac.compare_digest(line.strip(), token)
-    conn.settimeout(TOKEN_TIMEOUT)
+    if not accepted:
+        with contextlib.suppress(OSError):
+            conn.send(b"refused: wrong token\n")
+        return False
     try:
-        conn.sendall(b"ok\n" if accepted else b"refused: wrong token\n")
+        conn.settimeout(TOKEN_TIMEOUT)
+        conn.sendall(b"ok\n")
+        conn.settimeout(None)
     except OSError:  # it vanished meanwhile: wait for the next one
         return False
-    if accepted:
-        conn.settimeout(None)
-    return accepted
+    return True
 
 
 def read_line(sock: socket.socket) -> tuple[bytes, bytes]:
