@@ -297,6 +297,9 @@ def _add_agent(commands: Any) -> None:  # argparse's subparsers (a class with no
     agent.add_argument("--tls-cert", metavar="PEM",
                        help="serve over TLS with this certificate chain (and --tls-key)")
     agent.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
+    agent.add_argument("--tls-ca", metavar="PEM",
+                       help="with TLS: the certificates this agent trusts in other agents "
+                            "(a tree's, kept results' sources; default: --tls-cert itself)")
     # $PHALANX_TOKEN, handed over by the agent itself as it runs again without it
     agent.add_argument("--token-fd", type=_non_negative, help=argparse.SUPPRESS)
     agent.add_argument("-v", "--verbose", action="store_true", help="log every connection")
@@ -326,6 +329,11 @@ def _agent(options: argparse.Namespace, argv: list[str] | None = None) -> int:
             raise ValueError("TLS needs both --tls-cert and --tls-key")
         tls = (None if options.tls_cert is None else
                agent.tls_context(options.tls_cert, options.tls_key))
+        if options.tls_ca is not None and tls is None:
+            raise ValueError("--tls-ca is for an agent that serves TLS (--tls-cert and "
+                             "--tls-key)")
+        peer_tls = (None if tls is None else
+                    agent.peer_tls_context(options.tls_ca or options.tls_cert))
     except ValueError as exc:
         print(f"phalanx agent: {exc}", file=sys.stderr)
         return USAGE_ERROR
@@ -335,7 +343,8 @@ def _agent(options: argparse.Namespace, argv: list[str] | None = None) -> int:
                      heartbeat_timeout=options.heartbeat_timeout,
                      node_timeout=options.node_timeout,
                      handshake_timeout=options.handshake_timeout,
-                     max_frame=options.max_frame_mib << 20, tls=tls, store=options.store)
+                     max_frame=options.max_frame_mib << 20, tls=tls, peer_tls=peer_tls,
+                     store=options.store)
 
 
 def _token(options: argparse.Namespace) -> int:

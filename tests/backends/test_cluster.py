@@ -578,6 +578,30 @@ def test_a_plain_controller_is_not_served_by_a_tls_agent(agents, token_file, cer
         group_on(cluster([agent], token_file, quorum_timeout=1.5))
 
 
+class Keeper:
+    def make(self, n: int) -> bytes:
+        return os.environ["RANK"].encode() * n
+
+    def size(self, data: bytes) -> int:
+        return len(data)
+
+
+def test_tls_agents_copy_kept_results_between_them_over_tls(agents, token_file, certificate,
+                                                           monkeypatch):
+    """Each agent stands for a machine of its own (a block domain each), so a kept result
+    read on the other node is copied agent to agent: over TLS, trusting the agents' shared
+    certificate, with the token proved inside it."""
+    cert, key = certificate
+    started = []
+    for host in ("127.0.0.5", "127.0.0.6"):
+        monkeypatch.setenv("PHALANX_BLOCK_DOMAIN", f"tls-{host}")
+        started.append(agents(host, "--tls-cert", cert, "--tls-key", key))
+    backend = cluster(started, token_file, tls=cert)
+    with group_on(backend, Keeper, nodes=2) as group:
+        refs = group.call("make", 1 << 20, keep=True)  # rank 0 on node 0, rank 1 on node 1
+        assert group.map("size", [refs[1], refs[0]]) == [1 << 20, 1 << 20]
+
+
 def test_tls_needs_both_certificate_and_key(token_file, certificate):
     done = subprocess.run(agent_command("127.0.0.6", free_port("127.0.0.6"), token_file,
                                         "--tls-cert", certificate[0]),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import select
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -102,9 +103,11 @@ class Branch:
     """One agent's children in a tree, the routes down to them, and the results held on
     the way up."""
 
-    def __init__(self, relay: Relay, secret: bytes | None) -> None:
+    def __init__(self, relay: Relay, secret: bytes | None,
+                 tls: ssl.SSLContext | None = None) -> None:
         self._relay = relay
         self._secret = secret  # to reach children
+        self._tls = tls  # TLS to them, when this agent serves TLS
         self.tree_id = 0  # this node's id in a tree (0: none)
         self._children: list[_Child] = []
         self._adopted: list[_Child] = []  # from the ADOPT request, to register
@@ -316,13 +319,13 @@ class Branch:
               payload: list[Any]) -> dict[str, Any]:
         """ADOPT (a request thread): become node ``own_id`` of a tree and adopt ``entries``
         below it."""
-        secret = self._secret
+        secret, tls = self._secret, self._tls
         if secret is None:
             raise RuntimeError("this agent cannot reach other agents (it has no token)")
         self.tree_id = own_id
 
         def connect(host: str, port: int, timeout: float) -> agenttree.Joined:
-            return agenttree.connect_agent(host, port, secret, None, timeout)
+            return agenttree.connect_agent(host, port, secret, tls, timeout)
 
         formation = agenttree.form([tuple(e) for e in entries], fanout, connect,
                                    time.monotonic() + timeout)

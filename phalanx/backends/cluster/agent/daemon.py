@@ -83,6 +83,7 @@ class Agent:
                  max_frame: int = 1 << 30,
                  handshake_timeout: float = config.AGENT_HANDSHAKE_TIMEOUT,
                  metrics: Any = None, tls: ssl.SSLContext | None = None,
+                 peer_tls: ssl.SSLContext | None = None,
                  store: str | os.PathLike[str] | None = None,
                  max_unauthenticated: int | None = None,
                  max_unauthenticated_per_peer: int = config.AGENT_MAX_UNAUTHENTICATED_PER_PEER
@@ -93,6 +94,7 @@ class Agent:
         self._token = handshake.stretch(token)  # what the handshake proves (an offline
         # guess of the token costs scrypt); computed once, before the first controller
         self._tls = tls
+        self._peer_tls = peer_tls  # to other agents: a tree's children, kept results' sources
         self._heartbeat_timeout = heartbeat_timeout
         self._node_timeout = node_timeout  # a child agent (a tree) silent this long is lost
         self._max_frame = max_frame
@@ -259,7 +261,7 @@ class Agent:
                                      node_timeout=self._node_timeout,
                                      max_frame=self._max_frame, counters=self._count,
                                      store=self._store, secret=self._token, auth=auth,
-                                     devices=self._devices)
+                                     devices=self._devices, peer_tls=self._peer_tls)
         with self._lock:
             if self._stopping.is_set():
                 sock.close()
@@ -310,8 +312,24 @@ def tls_context(cert: str, key: str) -> ssl.SSLContext:
     return context
 
 
+def peer_tls_context(ca: str) -> ssl.SSLContext:
+    """How an agent that serves TLS reaches other agents (a tree's children, the source of
+    a kept result): TLS too, trusting the certificates ``ca`` holds (by default the agent's
+    own certificate, which agents that share one, as the manifest's do, then trust in each
+    other). The chain is verified, not the name: agents dial each other by the address the
+    controller gives (a pod's IP), which a certificate rarely names; the token is proved
+    inside it as on every connection."""
+    try:
+        context = ssl.create_default_context(cafile=ca)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"cannot use {ca} as the agents' certificate authority: {exc}") from None
+    context.check_hostname = False  # verify_mode stays CERT_REQUIRED
+    return context
+
+
 def run(host: str, port: int, token: bytes, *, http_port: int | None,
         heartbeat_timeout: float, max_frame: int, tls: ssl.SSLContext | None = None,
+        peer_tls: ssl.SSLContext | None = None,
         store: str | None = None,
         handshake_timeout: float = config.AGENT_HANDSHAKE_TIMEOUT,
         node_timeout: float = config.DEFAULT_NODE_TIMEOUT) -> int:
@@ -328,7 +346,7 @@ def run(host: str, port: int, token: bytes, *, http_port: int | None,
         agent = Agent(host, port, token, heartbeat_timeout=heartbeat_timeout,
                       node_timeout=node_timeout, max_frame=max_frame,
                       handshake_timeout=handshake_timeout,
-                      metrics=metrics, tls=tls, store=store)
+                      metrics=metrics, tls=tls, peer_tls=peer_tls, store=store)
         if http_port is not None:
             server = HealthServer(host, http_port, metrics, agent.health)
     except OSError as exc:

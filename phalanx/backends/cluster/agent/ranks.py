@@ -53,6 +53,7 @@ import logging
 import os
 import select
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -146,7 +147,8 @@ class Session:
                  store: codesync.Store | None = None, secret: bytes | None = None,
                  auth: seal.FrameAuth | None = None,
                  node_timeout: float = config.DEFAULT_NODE_TIMEOUT,
-                 devices: NodeDevices | None = None) -> None:
+                 devices: NodeDevices | None = None,
+                 peer_tls: ssl.SSLContext | None = None) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         streams.keep_alive(sock)
         self.address = sock.getsockname()[0]  # where the controller reached this node
@@ -176,8 +178,10 @@ class Session:
         self.reason = ""
         self._branch = Branch(Relay(self._writer, self._lock, self._wake.wake,
                                     node_timeout, self._send, self._queue,
-                                    self._watch_child, self._unwatch), secret)
-        self._objects = NodeObjects(self._lock, self._node_ranks, secret, self._writer)
+                                    self._watch_child, self._unwatch), secret, peer_tls)
+        # peer_tls: how this agent reaches other agents (children, kept results' sources)
+        self._objects = NodeObjects(self._lock, self._node_ranks, secret, self._writer,
+                                    peer_tls)
         # the node's GPUs, one book for every controller the agent serves
         self._devices = devices if devices is not None else NodeDevices(visible_gpus())
 

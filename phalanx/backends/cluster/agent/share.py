@@ -18,6 +18,7 @@ under the id the controller gave the copy. The agent that is read maps its rank'
 
 from __future__ import annotations
 
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -41,11 +42,13 @@ class NodeObjects:
 
     def __init__(self, lock: threading.Lock, ranks: Callable[[], list[Any]],
                  secret: bytes | None = None,
-                 writer: framing.BacklogWriter | None = None) -> None:
+                 writer: framing.BacklogWriter | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
         self._lock = lock
         self._ranks = ranks
         self._holder = shm.Holder()
         self._secret = secret  # to reach other agents (COPY)
+        self._tls = tls  # TLS to them, when this agent serves TLS
         self._writer = writer
 
     def check_room(self, ref_id: int) -> None:
@@ -81,7 +84,7 @@ class NodeObjects:
             raise RuntimeError("this agent cannot reach other agents (it has no token)")
         where = f"the agent at {host}:{port}"
         try:
-            joined = agenttree.connect_agent(host, port, self._secret, None, timeout,
+            joined = agenttree.connect_agent(host, port, self._secret, self._tls, timeout,
                                              own="the agent of the consuming node")
         except OSError as exc:
             raise RuntimeError(f"could not reach {where}: {exc}") from None
