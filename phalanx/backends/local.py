@@ -22,6 +22,7 @@ Put objects are held once, in this process, for every simulated node: a pooled
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -42,6 +43,8 @@ from phalanx.world.layout import Layout, split_gpus
 
 if TYPE_CHECKING:
     from phalanx.world.pools import PoolSlot
+
+logger = logging.getLogger(__name__)
 
 _LOOPBACK = "127.0.0.1"
 # This machine's GPUs, as pools and groups of this controller hold them: one book for the
@@ -83,7 +86,10 @@ class LocalChannel(Channel):
         if fd == process.conn.read_fd:
             try:
                 return process.conn.reader.recv_frames(block=False)
-            except framing.ConnectionLost:
+            except framing.ConnectionLost as exc:
+                if isinstance(exc, framing.FrameTooLarge):  # bytes that are no frame
+                    logger.warning("closing the control stream of rank %d: it sent %s",
+                                   self.rank, exc)
                 self._unwatch(fd)
                 if process.death_fd is None:
                     if self._claim():

@@ -8,8 +8,8 @@ Segment 0 is a message header (:mod:`phalanx.wire.protocol` owns those); the rem
 are an optional payload: one pickle stream followed by its protocol-5 out-of-band buffers
 (made by :mod:`.pickling`).
 Large numpy arrays and torch CPU tensors therefore travel as their own segments, handed to
-``sendmsg`` as memoryviews and received in place into one preallocated buffer: the bytes are
-copied by the kernel and nowhere else.
+``sendmsg`` as memoryviews and received in place into one buffer of the frame's own: the
+bytes are copied by the kernel and nowhere else.
 
 Sending never blocks the caller on a slow peer: what the socket does not take at once is
 queued on the connection and written by a :class:`BacklogWriter` thread. That keeps both
@@ -60,8 +60,18 @@ _BIG_FRAME = 512 * 1024
 
 class FrameTooLarge(ConnectionLost):
     """A peer announced a frame the reader refuses (over one of its limits, or a malformed
-    prefix or segment table): the stream cannot go on."""
+    prefix or segment table), or one this process has no memory for: the stream cannot go
+    on. The one exception a :class:`FrameReader` raises for bytes that are not frames, in
+    any chunking, with a limit or without; as a :class:`ConnectionLost`, every reader's
+    caller already takes it for the end of that stream."""
 
+
+# What every reader refuses, whatever its own limits (a reader without a ``limit`` trusts
+# its peer with its memory, not with its arithmetic): a frame announcing more is no frame
+# that was sent, but a corrupt or hostile stream. A terabyte, and 16 Mi segments (a 128 MiB
+# table; a frame's segments are a header, a pickle and its out-of-band buffers).
+HARD_BODY_LIMIT = 1 << 40
+HARD_SEGMENT_LIMIT = 1 << 24
 
 
 _SMALL_FRAME = 64 * 1024
@@ -107,20 +117,56 @@ _unpack_length = _TABLES[1].unpack_from
 _unpack_pair = _TABLES[2].unpack_from
 _unpack_prefix = _PREFIX.unpack_from
 _PREFIX_SIZE = _PREFIX.size
-# A frame up to this large is received into a buffer of its size at once, from the heap
-# (which reuses freed memory: 16 MiB frames arrive at ~9 GiB/s, against ~1.7 GiB/s into
-# fresh pages, whose faults dominate). A larger one goes into anonymous memory that starts
-# at _FIRST_EXTENT and doubles as its bytes arrive: a peer that announces a gigabyte and
-# sends a few bytes costs a few MiB, not the gigabyte. A reader keeps the last such buffer
-# up to _SPARE_MAX for its next large frame, once nothing views it any more (as the heap
-# would: 20 MiB frames, one after another, 4 ms each instead of 12 ms).
-_WHOLE_FRAME = 16 << 20
+# A large frame (from _BIG_FRAME) is received in place, into a buffer of its own. Up to
+# _WHOLE_FRAME that buffer is the frame's size at once, from the heap. A larger one goes
+# into anonymous memory, whose pages exist only once bytes are written into them, mapped
+# _FIRST_EXTENT at first and doubled (mremap: nothing is copied) each time it is full: what
+# a frame costs follows the bytes received, never the size its prefix announced, so a peer
+# that announces 16 MiB or a gigabyte (before any tag could be checked) and sends a few
+# bytes costs those bytes (pages of 2 MiB where the kernel has transparent huge pages:
+# fresh memory then fills at ~10 GiB/s, against ~1.8 in 4 KiB pages). A reader keeps the
+# last such buffer, up to _SPARE_MAX, for its next large frame once nothing views it any
+# more: its pages exist already, as reused heap memory's would.
+_WHOLE_FRAME = 1 << 20
 _FIRST_EXTENT = 4 << 20
 _SPARE_MAX = 32 << 20
 
 
 def _table(nseg: int) -> struct.Struct:
     return _TABLES[nseg] if nseg < len(_TABLES) else struct.Struct(f"<{nseg}Q")
+
+
+_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
+
+
+def _anonymous(size: int) -> mmap.mmap:
+    """Anonymous memory of ``size`` bytes, its pages made as bytes are written to them:
+    huge pages where the kernel has them (a fault per 2 MiB, not per 4 KiB: fresh memory
+    then fills at ~10 GiB/s rather than ~1.8)."""
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
+    if _HUGEPAGE is not None:
+        try:
+            buf.madvise(_HUGEPAGE)
+        except OSError:  # no transparent huge pages here
+            pass
+    return buf
+
+
+def _refused(nseg: int, body: int, limit: int, most: int) -> FrameTooLarge:
+    """Why a prefix of ``nseg`` segments in ``body`` bytes is refused (it is)."""
+    if body > limit:
+        return FrameTooLarge(f"a frame of {body} bytes in {nseg} segments (the limit is "
+                             f"{limit} bytes)")
+    if nseg > most:
+        return FrameTooLarge(f"a frame of {nseg} segments (the limit is {most} segments)")
+    return FrameTooLarge(f"a malformed frame header ({nseg} segments in {body} bytes)")
+
+
+def _check_lengths(lengths: tuple[int, ...], nseg: int, body: int) -> None:
+    total = sum(lengths)
+    if total != body - 8 * nseg:
+        raise FrameTooLarge(f"a malformed frame header (its {nseg} segments' lengths add up "
+                            f"to {total} bytes, its body holds {body - 8 * nseg})")
 
 
 class _Arriving:
@@ -145,7 +191,7 @@ class _Arriving:
             # (it may be longer than the frame: the segments' views end where the frame does)
             self.buf = spare
         else:
-            self.buf = mmap.mmap(-1, max(_FIRST_EXTENT, self.filled), flags=mmap.MAP_PRIVATE)
+            self.buf = _anonymous(max(_FIRST_EXTENT, self.filled))
         self.buf[: self.filled] = first
 
     def room(self) -> int:
@@ -156,7 +202,7 @@ class _Arriving:
             try:
                 buf.resize(extent)
             except (OSError, SystemError):  # no mremap (not Linux): grow by a copy
-                self.buf = mmap.mmap(-1, extent, flags=mmap.MAP_PRIVATE)
+                self.buf = _anonymous(extent)
                 self.buf[: self.filled] = buf[: self.filled]
                 buf.close()
         return min(len(self.buf), self.size) - self.filled
@@ -175,12 +221,16 @@ class _Arriving:
 class FrameReader:
     """Incremental frame parser over one stream (blocking or not).
 
-    With a ``limit`` (the stream comes from a peer that must not be trusted with this
-    process's memory) every frame's prefix is checked before its bytes are taken: its body
-    at most ``limit`` bytes, at most ``max_segments`` segments when that is set, a table
-    that fits in the body and lengths that add up to it; otherwise
-    :class:`FrameTooLarge` says which. Memory grows with the bytes received, never with
-    the bytes announced, and a frame arriving in many reads is copied once.
+    Every frame's prefix is checked before its bytes are taken, and its segment table
+    before its segments are cut: at least one segment, a table that fits in the body,
+    lengths that add up to it, a body of at most ``limit`` bytes and at most
+    ``max_segments`` segments (the owner's limits, for a peer that must not be trusted with
+    this process's memory; without them, :data:`HARD_BODY_LIMIT` and
+    :data:`HARD_SEGMENT_LIMIT`). A frame that breaks them raises :class:`FrameTooLarge`
+    saying which, and so does every later call: the stream cannot go on. The bytes may
+    come in any chunking (a partial prefix or table waits for the rest). Memory grows with
+    the bytes received, never with the bytes announced, and a frame arriving in many reads
+    is copied once.
     """
 
     def __init__(self, stream: ByteSource) -> None:
@@ -189,17 +239,44 @@ class FrameReader:
         self._chunk = bytearray(_RECV_CHUNK)
         self._big: _Arriving | None = None  # a large frame being received in place
         self._spare: mmap.mmap | None = None  # the last large frame's buffer, maybe reusable
-        self.limit: int | None = None  # the largest frame body accepted (None: any)
-        self.max_segments: int | None = None  # the most segments in a frame (None: any)
+        self._broken: FrameTooLarge | None = None  # why the stream cannot go on
+        self._limit: int | None = None
+        self._max_segments: int | None = None
+        self._body_cap = HARD_BODY_LIMIT  # what is checked: the limits, or the hard ones
+        self._segment_cap = HARD_SEGMENT_LIMIT
         self._pending = getattr(stream, "pending", None)
+
+    @property
+    def limit(self) -> int | None:
+        """The largest frame body accepted (None: any up to :data:`HARD_BODY_LIMIT`)."""
+        return self._limit
+
+    @limit.setter
+    def limit(self, value: int | None) -> None:
+        self._limit = value
+        self._body_cap = HARD_BODY_LIMIT if value is None else min(value, HARD_BODY_LIMIT)
+
+    @property
+    def max_segments(self) -> int | None:
+        """The most segments in a frame (None: any up to :data:`HARD_SEGMENT_LIMIT`)."""
+        return self._max_segments
+
+    @max_segments.setter
+    def max_segments(self, value: int | None) -> None:
+        self._max_segments = value
+        self._segment_cap = (HARD_SEGMENT_LIMIT if value is None
+                             else min(value, HARD_SEGMENT_LIMIT))
 
     def recv_frames(self, block: bool = True) -> list[list[Any]]:
         """Receive once and return every frame now complete (possibly none).
 
         With ``block=False`` it returns ``[]`` instead of waiting for data.
         Raises :class:`ConnectionLost` at end of stream, :class:`FrameTooLarge` when a
-        frame breaks the reader's limits (the stream cannot go on).
+        frame breaks the reader's limits or is malformed (then on every call: the stream
+        cannot go on; the frames complete before it in the same read are not returned).
         """
+        if self._broken is not None:
+            raise self._broken
         frames = self._recv_once(block)
         pending = self._pending
         while pending is not None and pending():  # TLS: decrypted bytes no poll() announces
@@ -231,64 +308,53 @@ class FrameReader:
             raise ConnectionLost("end of stream")
         return n
 
-    def _check_prefix(self, nseg: int, body: int, limit: int) -> None:
-        if body > limit:
-            raise FrameTooLarge(f"a frame of {body} bytes in {nseg} segments (the limit is "
-                                f"{limit} bytes)")
-        if self.max_segments is not None and nseg > self.max_segments:
-            raise FrameTooLarge(f"a frame of {nseg} segments (the limit is "
-                                f"{self.max_segments} segments)")
-        if not 0 < 8 * nseg <= body:
-            raise FrameTooLarge(f"a malformed frame header ({nseg} segments in {body} bytes)")
-
-    @staticmethod
-    def _check_lengths(lengths: tuple[int, ...], nseg: int, body: int) -> None:
-        total = sum(lengths)
-        if total != body - 8 * nseg:
-            raise FrameTooLarge(f"a malformed frame header (its {nseg} segments' lengths add "
-                                f"up to {total} bytes, its body holds {body - 8 * nseg})")
+    def _break(self, exc: FrameTooLarge) -> FrameTooLarge:
+        """The stream cannot go on: ``exc`` for this call and every later one."""
+        self._broken = exc
+        self._buf = bytearray()
+        self._big = None
+        return exc
 
     def _parse(self, buf: bytearray, size: int, owned: bool) -> list[list[Any]]:
         """Split ``buf[:size]`` into frames; keep an incomplete tail for the next read
         (``owned``: ``buf`` is that tail's own buffer, trimmed in place)."""
         frames = []
         pos = 0
-        limit = self.limit
-        checked = limit is not None
+        limit, most = self._body_cap, self._segment_cap
         mv = memoryview(buf)  # buf is never resized while this view lives
-        while size - pos >= _PREFIX_SIZE:
-            nseg, body = _unpack_prefix(buf, pos)
-            if limit is not None:
-                self._check_prefix(nseg, body, limit)
-            start = pos + _PREFIX_SIZE
-            end = start + body
-            if end > size:
-                table_end = start + 8 * nseg
-                if body >= _BIG_FRAME and table_end <= size:
-                    # Receive the rest of a large frame in place, into its own buffer.
+        try:
+            while size - pos >= _PREFIX_SIZE:
+                nseg, body = _unpack_prefix(buf, pos)
+                if body > limit or nseg > most or not 0 < 8 * nseg <= body:
+                    raise _refused(nseg, body, limit, most)
+                start = pos + _PREFIX_SIZE
+                off = start + 8 * nseg  # the table's end: the first segment's start
+                end = start + body
+                if end > size:
+                    if body >= _BIG_FRAME and off <= size:
+                        # Receive the rest of a large frame in place, into its own buffer.
+                        lengths = _table(nseg).unpack_from(buf, start)
+                        _check_lengths(lengths, nseg, body)
+                        self._big = self._arriving(end - off, lengths, mv[off:size])
+                        pos = size
+                    break
+                if nseg == 2:  # header + one pickle: nearly every frame
+                    first, second = _unpack_pair(buf, start)
+                    if first + second != body - 16:
+                        _check_lengths((first, second), 2, body)
+                    mid = off + first
+                    frames.append([mv[off:mid].tobytes(), mv[mid:end].tobytes()])
+                else:
                     lengths = _table(nseg).unpack_from(buf, start)
-                    if checked:
-                        self._check_lengths(lengths, nseg, body)
-                    self._big = _Arriving(end - table_end, lengths, mv[table_end:size],
-                                          self._take_spare() if body > _WHOLE_FRAME else None)
-                    pos = size
-                break
-            off = start + 8 * nseg
-            if nseg == 2:  # header + one pickle: nearly every frame
-                if checked:
-                    self._check_lengths(_unpack_pair(buf, start), 2, body)
-                mid = off + _unpack_length(buf, start)[0]
-                frames.append([mv[off:mid].tobytes(), mv[mid:end].tobytes()])
-            else:
-                lengths = _table(nseg).unpack_from(buf, start)
-                if checked:
-                    self._check_lengths(lengths, nseg, body)
-                segs = []
-                for length in lengths:
-                    segs.append(mv[off : off + length].tobytes())
-                    off += length
-                frames.append(segs)
-            pos = end
+                    _check_lengths(lengths, nseg, body)
+                    segs = []
+                    for length in lengths:
+                        segs.append(mv[off : off + length].tobytes())
+                        off += length
+                    frames.append(segs)
+                pos = end
+        except FrameTooLarge as exc:
+            raise self._break(exc) from None
         if owned:
             mv.release()
             del buf[:pos]  # bytearray drops a prefix without moving the rest
@@ -298,8 +364,23 @@ class FrameReader:
             self._buf = bytearray(mv[pos:size])
         return frames
 
+    def _arriving(self, size: int, lengths: tuple[int, ...], first: memoryview) -> _Arriving:
+        try:
+            return _Arriving(size, lengths, first,
+                             self._take_spare() if size > _WHOLE_FRAME else None)
+        except (MemoryError, OSError, ValueError, OverflowError) as exc:
+            raise FrameTooLarge(f"a frame of {size} bytes in {len(lengths)} segments, which "
+                                f"this process has no memory for ({exc})") from None
+        finally:
+            first.release()
+
     def _fill_big(self, big: _Arriving, block: bool) -> list[list[Any]]:
-        room = big.room()
+        try:
+            room = big.room()
+        except (MemoryError, OSError, ValueError, OverflowError) as exc:
+            raise self._break(FrameTooLarge(
+                f"a frame of {big.size} bytes in {len(big.lengths)} segments, which this "
+                f"process has no memory for ({exc})")) from None
         with memoryview(big.buf) as whole, whole[big.filled:] as rest:
             n = self._read(rest, room, block)
         if not n:

@@ -123,6 +123,9 @@ def connect_agent(host: str, port: int, secret: bytes, tls: ssl.SSLContext | Non
         sock.close()
         raise OSError(f"the connection to the agent at {host}:{port} was tampered with: "
                       f"{exc}") from None
+    except framing.FrameTooLarge as exc:
+        sock.close()
+        raise OSError(f"the agent at {host}:{port} sent {exc}") from None
     except framing.ConnectionLost:
         sock.close()
         raise OSError(f"the agent at {host}:{port} closed the connection") from None
@@ -155,6 +158,9 @@ def adopt(joined: Joined, own_id: int, rest: Sequence[Entry], fanout: int,
     except seal.FrameRejected as exc:
         raise OSError(f"the connection to the agent at {joined.host}:{joined.port} was "
                       f"tampered with: {exc}") from None
+    except framing.FrameTooLarge as exc:
+        raise OSError(f"the agent at {joined.host}:{joined.port} sent {exc} while adopting "
+                      f"its part of the tree") from None
     except framing.ConnectionLost:
         raise OSError(f"the agent at {joined.host}:{joined.port} closed the connection "
                       f"while adopting its part of the tree") from None

@@ -30,9 +30,11 @@ from phalanx.errors import AuthenticationError, ProcessFailure
 from phalanx.node.spawn import Burial
 from phalanx.node.warden import SideStream
 from phalanx.output.logs import LogPump, OutputTap
-from phalanx.wire import framing, handshake, seal, streams
+from phalanx.wire import framing, handshake, protocol, seal, streams
 
 logger = logging.getLogger(__name__)
+
+_HEAD_SIZE = protocol.HEAD_SIZE
 
 
 # A rank's account when this process left Ray (the user's ray.shutdown()) while it ran.
@@ -113,6 +115,7 @@ class RayChannel(Channel):
         self._tap: OutputTap | None = None
         self._exitcode: int | None = None
         self._reason: str | None = None
+        self._corrupt: str | None = None  # why this side cut the control stream, if it did
         self._reason_known = threading.Event()
         self._side: SideStream | None = None  # to the rank's warden, once connected
         self._side_ready = threading.Event()
@@ -194,10 +197,36 @@ class RayChannel(Channel):
         if conn is None:
             return []
         try:
-            return conn.reader.recv_frames(block=False)
+            frames = conn.reader.recv_frames(block=False)
+        except framing.FrameTooLarge as exc:  # bytes that are no frame: this rank's alone
+            self._stream_corrupt(f"it sent {exc}")
+            return []
         except framing.ConnectionLost:
             self._bury_later()
             return []
+        for segs in frames:
+            if len(segs[0]) < _HEAD_SIZE:
+                self._stream_corrupt(f"it sent a malformed message header ({len(segs[0])} "
+                                     "bytes)")
+                return []
+        return frames
+
+    def _stream_corrupt(self, why: str) -> None:
+        """The rank's control stream carried something that is no message: it cannot go
+        on. The rank is buried (its calls fail naming it), with why, and the stream is cut
+        so that the rank sees its end."""
+        logger.warning("closing the control stream of rank %d: %s", self.rank, why)
+        with self._lock:
+            self._corrupt = f"its control stream was closed: {why}"
+            conn = self._conn
+        self._bury_later()
+        if conn is not None:
+            sock = getattr(conn.stream, "sock", None)
+            if sock is not None:  # (pipes end with the channel's close)
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
     def ray_reports(self, reason: str | None, served: dict | None = None,
                     exitcode: int | None = None) -> None:
@@ -333,7 +362,9 @@ class RayChannel(Channel):
         if self._exitcode is not None and reason is not None and reason.startswith(
                 _RAY_SAW_A_WORKER_DIE):  # the exit status says more than Ray's "it died"
             reason = None
-        if reason is None and self._exitcode is None:
+        if self._corrupt is not None:
+            reason = self._corrupt if reason is None else f"{self._corrupt}; {reason}"
+        elif reason is None and self._exitcode is None:
             reason = "its control connection closed; Ray had not said why yet"
         tail = self._tap.stderr_tail() if self._tap is not None else ()
         return ProcessFailure(self.rank, self.node, self.pid, self._exitcode, tail, reason)

@@ -248,7 +248,10 @@ class Branch:
         """Read what a child sent (its descriptor turned readable)."""
         try:
             frames = child.conn.reader.recv_frames(block=False)
-        except framing.ConnectionLost as exc:
+        except framing.FrameTooLarge as exc:  # bytes that are no frame: this child alone
+            self._lose_child(child, f"it sent {exc}")
+            return
+        except framing.ConnectionLost as exc:  # FrameRejected too: it says so
             self._lose_child(child, f"its connection ended ({exc})")
             return
         child.heard = time.monotonic()

@@ -326,7 +326,10 @@ class Session:
     def _from_rank(self, rank: _Rank) -> None:
         try:
             frames = rank.conn.reader.recv_frames(block=False)
-        except framing.ConnectionLost:
+        except framing.ConnectionLost as exc:
+            if isinstance(exc, framing.FrameTooLarge):  # bytes that are no frame
+                logger.warning("closing the control stream of rank %d: it sent %s",
+                               rank.rank, exc)
             self._unwatch(rank.conn.read_fd)
             if not rank.burial.claimed:  # dying, or of no use: its exit status follows
                 rank.process.stream_ended()  # (or came with the stream's end: read it now)

@@ -18,6 +18,7 @@ under the id the controller gave the copy. The agent that is read maps its rank'
 
 from __future__ import annotations
 
+import logging
 import ssl
 import threading
 import time
@@ -30,6 +31,8 @@ from phalanx.backends.cluster import tree as agenttree
 from phalanx.node import shm
 from phalanx.rank import shared as rankshared
 from phalanx.wire import framing, protocol
+
+logger = logging.getLogger(__name__)
 
 
 class NodeObjects:
@@ -95,16 +98,26 @@ class NodeObjects:
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
                 for segs in conn.reader.recv_frames(block=True):
-                    kind, request_id, _, extra = protocol.parse(segs[0])
-                    if kind == agentwire.FAULT:
-                        raise RuntimeError(f"{where} refused to READ: {extra[0]}")
-                    if kind != agentwire.REPLY or request_id != 1:
-                        continue  # its PINGs
-                    ok, value = extra
+                    try:
+                        kind, request_id, _, extra = protocol.parse(segs[0])
+                        if kind == agentwire.FAULT:
+                            raise RuntimeError(f"{where} refused to READ: {extra[0]}")
+                        if kind != agentwire.REPLY or request_id != 1:
+                            continue  # its PINGs
+                        ok, value = extra
+                    except RuntimeError:
+                        raise
+                    except Exception as exc:  # noqa: BLE001 - unpickling bad bytes raises anything
+                        raise framing.FrameTooLarge(
+                            f"a malformed message ({type(exc).__name__}: {exc})") from None
                     if not ok:
                         raise RuntimeError(f"{where} could not READ it: {value}")
                     return self.hold(ref_id, token, False, segs[1:])
             raise RuntimeError(f"{where} did not answer READ within {timeout:g} s")
+        except framing.FrameTooLarge as exc:  # bytes that are no message: this copy alone
+            logger.warning("ending the copy of object %d from %s: it sent %s", ref_id, where,
+                           exc)
+            raise RuntimeError(f"{where} sent {exc} during READ") from None
         except (OSError, framing.ConnectionLost) as exc:
             raise RuntimeError(f"the connection to {where} failed during READ: {exc}") from None
         finally:
