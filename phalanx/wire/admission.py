@@ -29,11 +29,16 @@ class Admission:
     """Connections in their handshake: how many in all and per peer address, and each one's
     deadline. Thread-safe."""
 
-    def __init__(self, limit: int, per_peer: int, timeout: float) -> None:
+    def __init__(self, limit: int, per_peer: int, timeout: float, *,
+                 spared: frozenset[str] = frozenset()) -> None:
+        """``spared``: peers never shut down to make room for another's connection (a
+        listener's own machine, reached on a socket strangers cannot open), unless only they
+        hold any."""
         if limit < 1 or per_peer < 1 or not timeout > 0:
             raise ValueError(f"an admission needs limits of at least 1 and a positive "
                              f"timeout, not {limit!r}, {per_peer!r}, {timeout!r}")
         self.limit, self.per_peer, self.timeout = limit, min(per_peer, limit), timeout
+        self.spared = spared
         self._lock = threading.Lock()
         # each connection, oldest first -> its peer, deadline and descriptor's number (the
         # TLS wrapper takes the descriptor from the socket object admitted)
@@ -65,7 +70,9 @@ class Admission:
             if self._per_peer.get(peer, 0) >= mine:
                 victim = self._oldest_of(peer)
             elif len(self._pending) >= self.limit:
-                heaviest = max(self._per_peer, key=lambda p: self._per_peer[p])
+                others = [p for p in self._per_peer if p not in self.spared] or list(
+                    self._per_peer)
+                heaviest = max(others, key=lambda p: self._per_peer[p])
                 victim = self._oldest_of(heaviest)
             why = None
             if victim is not None:

@@ -31,6 +31,7 @@ from phalanx.node.spawn import Burial
 from phalanx.node.warden import SideStream
 from phalanx.output.logs import LogPump, OutputTap
 from phalanx.wire import framing, handshake, protocol, seal, streams
+from phalanx.wire.admission import Admission
 
 logger = logging.getLogger(__name__)
 
@@ -389,8 +390,8 @@ class RayChannel(Channel):
 
 # Connections still in their handshake (each holds a thread and a descriptor until its peer
 # proves the secret or its deadline passes): at most this many in all (fewer under a low
-# descriptor limit: a quarter of it) and from one address; one more is closed unheard (an
-# actor refused so tries again, within its connect timeout).
+# descriptor limit: a quarter of it) and from one address; one more is taken and an older one
+# shut down (an actor whose handshake was cut so tries again, within its connect timeout).
 MAX_HANDSHAKES = 128
 MAX_HANDSHAKES_PER_PEER = 32
 ACCEPT_BACKOFF, ACCEPT_BACKOFF_MAX = 0.05, 1.0  # after accept() failed (EMFILE, ...)
@@ -431,11 +432,15 @@ class Listener:
     One thread accepts; each connection's handshake (:func:`phalanx.wire.handshake.accept`,
     ``timeout`` s in all) runs on a thread of its own, so a peer that stalls delays no
     other. At most ``limit`` connections are in their handshake at once, ``per_peer`` from
-    one address; one more is closed unheard. Whatever goes wrong with one connection (a
-    wrong proof, garbage, a reset, a timeout) ends that connection alone, logged once; an
-    accept() that fails (no descriptor left) is logged once and retried, backing off, until
-    it works again. ``arrived(hello, sock)`` takes each connection whose peer proved the
-    secret (on that connection's thread)."""
+    one address; one more is taken and the oldest of its address, or of the address holding
+    the most, is shut down (:mod:`phalanx.wire.admission`), so strangers holding every slot
+    cannot lock a rank out (the Unix socket's, this user's own, are never shut down for a
+    stranger's). A TCP connection has keepalive and a user timeout
+    (:func:`phalanx.wire.streams.keep_alive`): a link cut without a FIN is noticed.
+    Whatever goes wrong with one connection (a wrong proof, garbage, a reset, a timeout) ends
+    that connection alone, logged once; an accept() that fails (no descriptor left) is logged
+    once and retried, backing off, until it works again. ``arrived(hello, sock)`` takes each
+    connection whose peer proved the secret (on that connection's thread)."""
 
     def __init__(self, host: str, secret: bytes,
                  arrived: Callable[[handshake.Hello, socket.socket], None], *,
@@ -448,8 +453,10 @@ class Listener:
         self._arrived = arrived
         self._timeout = timeout
         self._lock = threading.Lock()
-        self._pending: dict[str, int] = {}  # peer -> its connections in their handshake
-        self._refusing = False  # a refusal was logged at warning since the last quiet moment
+        # the connections in their handshake; the local ones are this user's own
+        self._admission = Admission(self.limit, self.per_peer, timeout,
+                                    spared=frozenset((_LOCAL_PEER,)))
+        self._evicting = False  # an eviction was logged at warning since the last quiet moment
         self._stopping = threading.Event()
         tcp = socket.create_server((host, 0), backlog=128)
         tcp.setblocking(False)
@@ -464,8 +471,7 @@ class Listener:
 
     @property
     def in_handshake(self) -> int:
-        with self._lock:
-            return sum(self._pending.values())
+        return len(self._admission)
 
     def _open_local(self) -> None:
         base = tempfile.gettempdir()
@@ -550,48 +556,32 @@ class Listener:
                 return None
             return f"accept() failed: {exc.strerror or exc}"
         peer = address[0] if sock.family != socket.AF_UNIX else _LOCAL_PEER
-        refused = self._admit(peer)
-        if refused is not None:
-            sock.close()
-            return None
+        evicted = self._admission.admit(sock, peer,
+                                        share=self.limit if peer == _LOCAL_PEER else None)
+        if evicted is not None:
+            self._note_eviction(peer, evicted)
+        elif len(self._admission) <= 1:
+            self._evicting = False  # a quiet moment: the next eviction is a warning again
         try:
             sock.setblocking(True)
+            if sock.family != socket.AF_UNIX:
+                streams.keep_alive(sock)
             threading.Thread(target=self._handshake, args=(sock, peer), daemon=True,
                              name="phalanx-ray-handshake").start()
         except (RuntimeError, OSError) as exc:  # "can't start new thread"
-            self._release(peer)
+            self._admission.release(sock)
             sock.close()
             return f"no thread could start for a connection: {exc}"
         return None
 
-    def _admit(self, peer: str) -> str | None:
+    def _note_eviction(self, peer: str, evicted: str) -> None:
         with self._lock:
-            pending = sum(self._pending.values())
-            per_peer = self.limit if peer == _LOCAL_PEER else self.per_peer
-            if pending >= self.limit:
-                refused = f"{self.limit} connections are already in their handshake"
-            elif self._pending.get(peer, 0) >= per_peer:
-                refused = f"{per_peer} connections from {peer} are already in their handshake"
-            else:
-                self._pending[peer] = self._pending.get(peer, 0) + 1
-                return None
-            first, self._refusing = not self._refusing, True
+            first, self._evicting = not self._evicting, True
         if first:
-            logger.warning("the Ray group's listener closed a connection from %s unheard: %s "
-                           "(more such are logged at debug level)", peer, refused)
+            logger.warning("the Ray group's listener took a connection from %s: %s (more "
+                           "such are logged at debug level)", peer, evicted)
         else:
-            logger.debug("closed a connection from %s unheard: %s", peer, refused)
-        return refused
-
-    def _release(self, peer: str) -> None:
-        with self._lock:
-            left = self._pending.get(peer, 0) - 1
-            if left > 0:
-                self._pending[peer] = left
-            else:
-                self._pending.pop(peer, None)
-            if not self._pending:
-                self._refusing = False
+            logger.debug("took a connection from %s: %s", peer, evicted)
 
     # -- one connection's thread ---------------------------------------------------------
 
@@ -602,7 +592,7 @@ class Listener:
                                          peer=f"a rank's Ray actor (from {peer})",
                                          own="this controller")
             finally:
-                self._release(peer)
+                self._admission.release(sock)
             self._arrived(hello, sock)
         except handshake.HandshakeIncomplete as exc:  # a timeout, a reset, a stranger
             logger.debug("a connection from %s to the Ray group's listener ended: %s",
