@@ -302,15 +302,14 @@ class _Server(ThreadingHTTPServer):
         try:
             super().process_request(request, client_address)
         except BaseException:  # no thread could start: the connection is not served
-            self.admission.release(connection)
             self.shutdown_request(request)
             raise
 
-    def process_request_thread(self, request: _Request, client_address: object) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self.admission.release(_connection(request))
+    def close_request(self, request: _Request) -> None:
+        # Released before it is closed: the admission shuts connections down by their
+        # descriptor's number, which a closed one hands to the next socket.
+        self.admission.release(_connection(request))
+        super().close_request(request)
 
     def service_actions(self) -> None:
         # Run by serve_forever every poll interval: the per-connection deadline.
