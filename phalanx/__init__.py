@@ -64,6 +64,7 @@ _EXPORTS = {
     "RankFuture": "phalanx.controller.futures",
     "RankHealth": "phalanx.controller.watch",
     "RayBackend": "phalanx.backends.ray.backend",
+    "SlurmBackend": "phalanx.backends.cluster.slurm",
     "WorkerGroup": "phalanx.controller.group",
     "breakpoint": "phalanx.rank.debugger",
     "rendezvous": "phalanx.controller.joint",
@@ -98,6 +99,7 @@ __all__ = [
     "ResultRef",
     "SerializationError",
     "ShardedFuture",
+    "SlurmBackend",
     "StackReport",
     "StartupError",
     "StartupReport",
@@ -113,6 +115,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from phalanx.backends.cluster.backend import ClusterBackend
+    from phalanx.backends.cluster.slurm import SlurmBackend
     from phalanx.backends.ray.backend import RayBackend
     from phalanx.controller.futures import GroupFuture, RankFuture, ShardedFuture
     from phalanx.controller.group import WorkerGroup

@@ -33,6 +33,13 @@ DEFAULT_HEARTBEAT_TIMEOUT = 180.0  # seconds of silence before a rank is unrespo
 # thread of its own) before the node is lost: frozen, its machine gone, or its link cut
 DEFAULT_NODE_TIMEOUT = 15.0
 AGENT_PORT = 32300  # phalanx agent's control port (its HTTP port: the next one)
+# px.SlurmBackend: an agent srun started exits if its controller has not come this long (the
+# controller died while the job was pending), so that the job ends by itself
+SLURM_AGENT_IDLE_TIMEOUT = 600.0
+SLURM_COMMAND_TIMEOUT = 30.0  # seconds for one sbatch, squeue, scontrol or scancel
+SLURM_POLL = 0.5  # seconds between looks at a pending job and at the agents' addresses
+# seconds for a submitted job to end by itself once its agents are told to go; then scancel
+SLURM_END_WAIT = 10.0
 # seconds between the notices of a quorum wait naming the agents not there yet and why
 # (a wrong port or token shows at once, not after quorum_timeout's 300 s of silence)
 QUORUM_REPORT_EVERY = 5.0

@@ -535,12 +535,14 @@ class NodeInfo:
     node: int | None
     host: str
     ranks: tuple[int, ...] = ()
+    label: str | None = None  # what else names it (a Slurm job's node)
 
     def __str__(self) -> str:
         if self.node is None:
             return f"the agent at {self.host} (not in the group yet)"
         which = f", ranks {list(self.ranks)}" if self.ranks else ""
-        return f"node {self.node} (agent at {self.host}{which})"
+        also = "" if self.label is None else f"{self.label}, "
+        return f"node {self.node} ({also}agent at {self.host}{which})"
 
 
 @dataclasses.dataclass(frozen=True)

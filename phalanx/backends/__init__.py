@@ -40,7 +40,7 @@ def __getattr__(name: str) -> Any:
         return getattr(base, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-BACKENDS = ("local", "ray", "cluster")
+BACKENDS = ("local", "ray", "cluster", "slurm")
 
 
 def create_backend(spec: str | Backend, **settings: Any) -> Backend:
@@ -73,6 +73,10 @@ def create_backend(spec: str | Backend, **settings: Any) -> Backend:
         from phalanx.backends.cluster.backend import ClusterBackend
 
         return ClusterBackend(**settings)
+    if spec == "slurm":
+        from phalanx.backends.cluster.slurm import SlurmBackend
+
+        return SlurmBackend(**settings)
     raise ValueError(
         f"unknown backend {spec!r}; available: {', '.join(BACKENDS)} (or a backend object "
         "such as px.RayBackend(...))"

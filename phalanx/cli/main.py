@@ -55,6 +55,7 @@ examples:
   phalanx run -n auto --framework jax -m mypkg.train
   phalanx run --nnodes 2 --node-rank 0 --master-addr node0 -n 2 train.py   # on node0
   phalanx run --nnodes 2 --node-rank 1 --master-addr node0 -n 2 train.py   # on node1
+  srun -N2 --ntasks-per-node=1 phalanx run -n 2 train.py   # the same, in a Slurm job
 """
 
 
@@ -270,10 +271,12 @@ def _add_agent(commands: Any) -> None:  # argparse's subparsers (a class with no
     agent = commands.add_parser(
         "agent", help="serve this node's ranks to a controller's ClusterBackend",
         description=AGENT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    agent.add_argument("--host", default="127.0.0.1",
-                       help="the address to listen on (default: 127.0.0.1; 0.0.0.0 in a pod)")
-    agent.add_argument("--port", type=_port, default=DEFAULT_PORT,
-                       help=f"the control port (default: {DEFAULT_PORT})")
+    agent.add_argument("--host", default=None,
+                       help="the address to listen on (default: 127.0.0.1; 0.0.0.0 in a pod; "
+                            "with --slurm, the node's NodeAddr)")
+    agent.add_argument("--port", type=_port, default=None,
+                       help=f"the control port (default: {DEFAULT_PORT}; with --slurm, any "
+                            "free one)")
     agent.add_argument("--http-port", type=_port, default=None, metavar="PORT",
                        help="the /health and /metrics port (default: --port + 1)")
     agent.add_argument("--no-http", action="store_true", help="serve no HTTP")
@@ -300,6 +303,16 @@ def _add_agent(commands: Any) -> None:  # argparse's subparsers (a class with no
     agent.add_argument("--tls-ca", metavar="PEM",
                        help="with TLS: the certificates this agent trusts in other agents "
                             "(a tree's, kept results' sources; default: --tls-cert itself)")
+    agent.add_argument("--once", action="store_true",
+                       help="serve one controller's job: exit as the last of its connections ends")
+    agent.add_argument("--idle-timeout", type=_positive_seconds, default=None,
+                       metavar="SECONDS",
+                       help="exit if no controller has connected this long (default: never; "
+                            "600 with --slurm)")
+    agent.add_argument("--slurm", metavar="DIR",
+                       help="an agent that px.SlurmBackend started with srun, one per node: "
+                            "the token from DIR/token, listening on the node's NodeAddr on "
+                            "a free port, published in DIR/agents/<node>; --once, no HTTP")
     # $PHALANX_TOKEN, handed over by the agent itself as it runs again without it
     agent.add_argument("--token-fd", type=_non_negative, help=argparse.SUPPRESS)
     agent.add_argument("-v", "--verbose", action="store_true", help="log every connection")
@@ -320,6 +333,24 @@ def _agent(options: argparse.Namespace, argv: list[str] | None = None) -> int:
     from phalanx.backends.cluster.agent import daemon as agent
 
     logging.getLogger("phalanx").setLevel(logging.INFO if options.verbose else logging.WARNING)
+    on_listening = None
+    if options.slurm is not None:
+        from phalanx.backends.cluster.agent import slurmnode
+
+        try:
+            slurm = slurmnode.SlurmNode.from_environment(options.slurm)
+        except ValueError as exc:
+            print(f"phalanx agent: {exc}", file=sys.stderr)
+            return USAGE_ERROR
+        options.token_file = options.token_file or slurm.token_file
+        options.host = options.host or slurm.address
+        options.port = 0 if options.port is None else options.port
+        options.once, options.no_http = True, options.http_port is None
+        if options.idle_timeout is None:
+            options.idle_timeout = config.SLURM_AGENT_IDLE_TIMEOUT
+        on_listening = slurm.announce
+    options.host = options.host or "127.0.0.1"
+    options.port = agent.DEFAULT_PORT if options.port is None else options.port
     if argv is not None and options.token_file is None and options.token_fd is None:
         tokens.exec_without_token(argv)  # returns only if there is no $PHALANX_TOKEN
     try:
@@ -344,7 +375,8 @@ def _agent(options: argparse.Namespace, argv: list[str] | None = None) -> int:
                      node_timeout=options.node_timeout,
                      handshake_timeout=options.handshake_timeout,
                      max_frame=options.max_frame_mib << 20, tls=tls, peer_tls=peer_tls,
-                     store=options.store)
+                     store=options.store, once=options.once,
+                     idle_timeout=options.idle_timeout, on_listening=on_listening)
 
 
 def _token(options: argparse.Namespace) -> int:
@@ -527,9 +559,12 @@ def _sync_problem(options: argparse.Namespace) -> str | None:
 def _job(options: argparse.Namespace) -> JobOptions | None:
     """The job this launcher joins with ``--nnodes N`` (N > 1), else None; ValueError
     when its options cannot work."""
+    refusal = runflags.srun_refusal(options)
+    if refusal is not None:
+        raise ValueError(refusal)
     low, high = runflags.parse_nnodes(options.nnodes)
     if high == 1:
-        if options.node_rank != 0:
+        if options.node_rank != 0 and not runflags.node_rank_from_srun(options):
             raise ValueError(f"--node-rank {options.node_rank}: with one node it must be 0")
         return None
     problem = runflags.several_nodes_problem(options, (low, high))
@@ -541,7 +576,7 @@ def _job(options: argparse.Namespace) -> JobOptions | None:
         if not 0 < port < 65536:
             raise ValueError(f"--master-port expects a port in 1-65535, got {port}")
         address = (runflags.endpoint(options.rdzv_endpoint, port) if options.rdzv_endpoint
-                   else (options.master_addr or runflags.STATIC_ADDR, port))
+                   else (runflags.master_addr(options), port))
     else:
         address = runflags.endpoint(options.rdzv_endpoint, runflags.C10D_PORT)
     conf = options.rdzv_conf

@@ -21,6 +21,7 @@ The modules, from the top (each imports only those below it)::
     report.py     the failure record, the report, the exit status (pure)
     elastic.py    torchrun's variables for the ranks (pure)
     flags.py      torchrun's command line
+    slurmenv.py   under srun: the world's flags from the step, NodeAddr from scontrol
     options.py    the frozen options (plain data)
 
 May import: the controller and every layer below; never the CLI.

@@ -9,6 +9,10 @@ so existing command lines and job scripts run unchanged:
 - flags that change nothing here (``--monitor-interval``, ``--start-method``, ...) are
   accepted with a one-line notice, never an error;
 - ``--rdzv-backend`` other than ``static`` or ``c10d`` is refused, naming the two.
+
+Under ``srun``, one task per node, ``--nnodes``, ``--node-rank`` and ``--master-addr``
+default to the step's (:mod:`phalanx.launcher.slurmenv`); a flag or its ``PET_*`` variable
+still wins.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import argparse
 import os
 from collections.abc import Mapping
 from typing import Any
+
+from phalanx.launcher import slurmenv
 
 RDZV_BACKENDS = ("static", "c10d")
 STATIC_ADDR, STATIC_PORT = "127.0.0.1", 29500  # torchrun's --master-addr/--master-port
@@ -83,22 +89,34 @@ def add_torchrun_arguments(run: argparse.ArgumentParser,
                            environ: Mapping[str, str] | None = None) -> None:
     """torchrun's flags that ``phalanx run`` does not spell its own way already."""
     env = os.environ if environ is None else environ
+    # Under srun, the step's node count and this node's index (the address only once it is
+    # needed: master_addr()); with several tasks on a node, or variables that contradict,
+    # no --nnodes default at all, so that phalanx run refuses to start unless --nnodes is
+    # given (srun_refusal()).
+    slurm = slurmenv.srun_defaults(env)
+    task = slurm.task if slurm.applies else None
+    nnodes = None if slurm.refusal else "1" if task is None else str(task.nodes)
+    run.set_defaults(srun_defaults=slurm)
     torchrun = run.add_argument_group(
         "torchrun's flags", "accepted as torchrun takes them, with their PET_* environment "
                             "defaults; flags that change nothing here print a notice")
-    torchrun.add_argument("--nnodes", default=_pet(env, "nnodes", "1"), metavar="N|MIN:MAX",
+    torchrun.add_argument("--nnodes", default=_pet(env, "nnodes", nnodes), metavar="N|MIN:MAX",
                           help="nodes, each running a launcher of its own, that form one "
                                "world (MIN:MAX with --rdzv-backend c10d: start with MIN, "
-                               "admit up to MAX)")
+                               "admit up to MAX) (default: 1; under srun, one task per node: "
+                               "the step's nodes)")
     torchrun.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int,
-                          default=int(_pet(env, "node_rank", 0)), metavar="I",
+                          default=int(_pet(env, "node_rank", 0 if task is None else
+                                           task.node_index)), metavar="I",
                           help="this launcher's node, 0..N-1 (static rendezvous; node 0 "
-                               "hosts the job)")
+                               "hosts the job) (default: 0; under srun: this node's index "
+                               "in the step)")
     torchrun.add_argument("--master-addr", "--master_addr", dest="master_addr",
                           default=_pet(env, "master_addr", None), metavar="HOST",
                           help="node 0's address, the ranks' MASTER_ADDR (default: chosen); "
                                "with --nnodes > 1, where node 0's launcher hosts the job "
-                               "(default: 127.0.0.1)")
+                               "(default: 127.0.0.1; under srun: the step's first node's "
+                               "NodeAddr)")
     torchrun.add_argument("--master-port", "--master_port", dest="master_port", type=int,
                           default=_pet(env, "master_port", None), metavar="PORT",
                           help="the ranks' MASTER_PORT (default: a free port, new on each "
@@ -156,6 +174,33 @@ def no_effect_notices(options: argparse.Namespace) -> list[str]:
             name = next(s for s in spellings if s.startswith("--"))
             notices.append(f"phalanx run: {name} has no effect here: {why}")
     return notices
+
+
+def srun_refusal(options: argparse.Namespace) -> str | None:
+    """Why ``phalanx run`` must not start under this srun step as its options stand (several
+    tasks on a node, or contradicting variables, and no ``--nnodes``); None if it may."""
+    slurm: slurmenv.SrunDefaults | None = getattr(options, "srun_defaults", None)
+    if options.nnodes is not None or slurm is None:
+        return None
+    return slurm.refusal
+
+
+def node_rank_from_srun(options: argparse.Namespace) -> bool:
+    """Whether ``--node-rank`` is what the srun step made it (this node's index), which an
+    explicit ``--nnodes 1`` (every task a run of its own) leaves unused, not an error."""
+    slurm: slurmenv.SrunDefaults | None = getattr(options, "srun_defaults", None)
+    return (slurm is not None and slurm.applies and slurm.task is not None
+            and options.node_rank == slurm.task.node_index)
+
+
+def master_addr(options: argparse.Namespace) -> str:
+    """Where node 0's launcher hosts a static job: ``--master-addr`` (or
+    ``PET_MASTER_ADDR``), else under srun the step's first node's address (asked of
+    scontrol now, the one time it is needed), else 127.0.0.1."""
+    if options.master_addr:
+        return str(options.master_addr)
+    slurm: slurmenv.SrunDefaults | None = getattr(options, "srun_defaults", None)
+    return (None if slurm is None else slurm.master_addr()) or STATIC_ADDR
 
 
 def parse_nnodes(value: str) -> tuple[int, int]:
@@ -217,7 +262,20 @@ def _port(text: str, whole: str) -> int:
 
 
 def several_nodes_problem(options: argparse.Namespace, nnodes: tuple[int, int]) -> str | None:
-    """Why one launcher per node cannot run with these options; None if it can."""
+    """Why one launcher per node cannot run with these options; None if it can. Where the
+    srun step gave ``--nnodes``, the reason says so (the user never typed it)."""
+    problem = _several_nodes_problem(options, nnodes)
+    slurm: slurmenv.SrunDefaults | None = getattr(options, "srun_defaults", None)
+    if (problem is None or slurm is None or not slurm.applies or slurm.task is None
+            or options.nnodes != str(slurm.task.nodes)):
+        return problem
+    return (f"{problem} (under srun, one task on each of the step's {slurm.task.nodes} "
+            "nodes, --nnodes defaults to the step's nodes; give --nnodes 1 for a launcher "
+            "of its own on each node)")
+
+
+def _several_nodes_problem(options: argparse.Namespace,
+                           nnodes: tuple[int, int]) -> str | None:
     low, high = nnodes
     if (options.backend or "local") != "local" or options.hosts or options.dns:
         return ("--nnodes: with --backend ray or --hosts one launcher drives every node; use "

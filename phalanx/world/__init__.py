@@ -2,7 +2,8 @@
 
 Layouts and each rank's variables (:mod:`.layout`), framework environment recipes
 (:mod:`.frameworks`), where a group's ranks go (:mod:`.placement`), named sharding
-(:mod:`.sharding`) and the ``workers=`` selection (:mod:`.selection`). Nothing here opens a
+(:mod:`.sharding`), the ``workers=`` selection (:mod:`.selection`), and what Slurm writes
+(:mod:`.slurm`: hostlists, ``scontrol`` records, an srun task's variables). Nothing here opens a
 file, a socket or a process, so all of it is tested without spawning anything.
 
 May import: :mod:`phalanx.errors`, :mod:`phalanx.config`, :mod:`phalanx.options` and the

@@ -101,6 +101,9 @@ class ClusterBackend(Backend):
     """
 
     name = "cluster"
+    # a subclass that starts its agents itself (px.SlurmBackend) is given no hosts: it lists
+    # them in _find_agents() as it opens
+    finds_agents = False
 
     def __init__(self, hosts: Sequence[str] | None = None, token: str | bytes | None = None,
                  *, dns: str | None = None, port: int = config.AGENT_PORT,
@@ -113,12 +116,15 @@ class ClusterBackend(Backend):
                  sync: str | os.PathLike[str] | None = None,
                  dns_interval: float | None = 5.0, tree_threshold: int = 100,
                  fanout: int = 50) -> None:
-        if (hosts is None) == (dns is None):
+        found_at_open = hosts is None and dns is None and self.finds_agents
+        if (hosts is None) == (dns is None) and not found_at_open:
             raise ValueError("give the agents as hosts=['host:port', ...] or dns='name' "
                              "(one of the two)")
         self.dns, self.port, self.nameserver = dns, port, nameserver
         self.hosts: list[str] = []
-        if dns is not None:
+        if found_at_open:
+            pass  # _find_agents() lists them as the backend opens
+        elif dns is not None:
             dnsquery.build_query(dns, dnsquery.A, 0)  # a ValueError for a malformed name
             parse_host(f"agents:{port}")  # a ValueError naming a bad port
             if nameserver is not None:
@@ -185,6 +191,7 @@ class ClusterBackend(Backend):
         # each node's GPUs, set on the backend of a group placed on a pool (which holds them)
         self.placed_gpus: list[tuple[str, ...]] | None = None
         self._holding: tuple[str, list[AgentNode]] | None = None  # GPUs held: whose, where
+        self.labels: dict[str, str] = {}  # "host:port" -> what else names that agent's node
 
     def __repr__(self) -> str:
         parts = [repr(self.hosts)] if self.dns is None else [
@@ -222,6 +229,8 @@ class ClusterBackend(Backend):
         self.members.open()
         self._logs = LogPump(output)
         try:
+            if self.finds_agents:
+                self.hosts = self._find_agents()
             deadline = time.monotonic() + self.quorum_timeout
             if self.dns is not None:
                 self.hosts = self._resolve_quorum(deadline)
@@ -236,6 +245,7 @@ class ClusterBackend(Backend):
         machine = machine_id()
         for index, agent in enumerate(self.members.nodes):
             agent.index = index
+            agent.label = self.labels.get(agent.name)
             agent.same_host = agent.welcome.get("machine") == machine
         if self.sync is not None:
             try:
@@ -246,6 +256,10 @@ class ClusterBackend(Backend):
         threading.Thread(target=self._heartbeats, name="phalanx-cluster-heartbeat",
                          daemon=True).start()
         self.members.start()
+
+    def _find_agents(self) -> list[str]:
+        """The agents' ``host:port``, found as the backend opens (:attr:`finds_agents`)."""
+        raise NotImplementedError  # pragma: no cover - only subclasses that find them
 
     def _resolve_quorum(self, deadline: float) -> list[str]:
         """The agents the DNS name lists, once at least ``quorum`` of them (default: one)

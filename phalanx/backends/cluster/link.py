@@ -79,6 +79,7 @@ class AgentNode:
         self.code_path: str | None = None  # the shipped code there (sync)
         self.holding: set[int] = set()  # the put objects its agent holds (controller.shared)
         self.lost_reason: str | None = None
+        self.label: str | None = None  # what else names it (Slurm's job and node)
 
     @property
     def name(self) -> str:
@@ -86,8 +87,10 @@ class AgentNode:
 
     @property
     def where(self) -> str:
-        return (f"node {self.index} (agent at {self.name})" if self.index >= 0 else
-                f"the agent at {self.name}")
+        also = "" if self.label is None else f"{self.label}, "
+        return (f"node {self.index} ({also}agent at {self.name})" if self.index >= 0 else
+                f"the agent at {self.name}" + ("" if self.label is None else
+                                               f" ({self.label})"))
 
     def request(self, kind: int, *fields: Any, payload: Sequence[Any] = (),
                 timeout: float = REQUEST_TIMEOUT) -> Any:

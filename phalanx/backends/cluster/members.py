@@ -133,7 +133,7 @@ class Members:
             spares = [n for n in nodes if n in self.spares]
             self.spares = [n for n in self.spares if n not in nodes]
         removed = tuple(NodeInfo(None if n in spares or n.index < 0 else n.index, n.name,
-                                 n.link.ranks_of(n))
+                                 n.link.ranks_of(n), n.label)
                         for n in sorted(nodes, key=lambda n: (n.index, n.tree_id)))
         self._tell(MembershipEvent((), removed, reason))
 

@@ -44,6 +44,7 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from phalanx import config
@@ -86,8 +87,8 @@ class Agent:
                  peer_tls: ssl.SSLContext | None = None,
                  store: str | os.PathLike[str] | None = None,
                  max_unauthenticated: int | None = None,
-                 max_unauthenticated_per_peer: int = config.AGENT_MAX_UNAUTHENTICATED_PER_PEER
-                 ) -> None:
+                 max_unauthenticated_per_peer: int = config.AGENT_MAX_UNAUTHENTICATED_PER_PEER,
+                 once: bool = False) -> None:
         from phalanx.backends.cluster.codesync import Store, default_store
 
         self._store = Store(store if store is not None else default_store())
@@ -113,6 +114,16 @@ class Agent:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._accept_error: str | None = None  # why the control port cannot accept now
+        # once: serve one job, ending as its last connection does (an agent a scheduler
+        # started for one controller: its group's connection, a pool's, ...)
+        self._once = once
+        self.served = threading.Event()  # set as the last of them ends
+        self._sessions_started = 0
+
+    def idle(self) -> bool:
+        """Whether no controller has connected yet."""
+        with self._lock:
+            return self._sessions_started == 0
 
     @property
     def address(self) -> tuple[str, int]:
@@ -263,9 +274,10 @@ class Agent:
                                      store=self._store, secret=self._token, auth=auth,
                                      devices=self._devices, peer_tls=self._peer_tls)
         with self._lock:
-            if self._stopping.is_set():
-                sock.close()
+            if self._stopping.is_set() or self.served.is_set():
+                sock.close()  # an agent for one job (once) ends with its last connection
                 return
+            self._sessions_started += 1
             self._sessions.add(session)
         self._count("controllers_connected", 1)
         self._count("controllers_total", 1)
@@ -278,6 +290,8 @@ class Agent:
         finally:
             with self._lock:
                 self._sessions.discard(session)
+                if self._once and not self._sessions:
+                    self.served.set()
             self._count("controllers_connected", -1)
             logger.info("the controller from %s:%s is gone: %s", peer[0], peer[1],
                         session.reason or "it closed the connection")
@@ -332,8 +346,16 @@ def run(host: str, port: int, token: bytes, *, http_port: int | None,
         peer_tls: ssl.SSLContext | None = None,
         store: str | None = None,
         handshake_timeout: float = config.AGENT_HANDSHAKE_TIMEOUT,
-        node_timeout: float = config.DEFAULT_NODE_TIMEOUT) -> int:
-    """``phalanx agent``: serve until SIGINT or SIGTERM; the exit status."""
+        node_timeout: float = config.DEFAULT_NODE_TIMEOUT, once: bool = False,
+        idle_timeout: float | None = None,
+        on_listening: Callable[[str, int], None] | None = None) -> int:
+    """``phalanx agent``: serve until SIGINT or SIGTERM; the exit status.
+
+    ``once``: serve one job and end as the last of its connections does (an agent started
+    for one controller, whose groups and pools connect to it while it lives);
+    ``idle_timeout``: end if no controller has connected this long (its controller died
+    before it could). ``on_listening(host, port)`` is told the address once it listens
+    (``phalanx agent --slurm`` publishes it to its controller)."""
     # The token is read: from here on no process this agent starts (its supervisors, their
     # ranks) inherits $PHALANX_TOKEN. (Ranks run as this user, so they could still read a
     # token file: see the README's agent section.)
@@ -346,7 +368,7 @@ def run(host: str, port: int, token: bytes, *, http_port: int | None,
         agent = Agent(host, port, token, heartbeat_timeout=heartbeat_timeout,
                       node_timeout=node_timeout, max_frame=max_frame,
                       handshake_timeout=handshake_timeout,
-                      metrics=metrics, tls=tls, peer_tls=peer_tls, store=store)
+                      metrics=metrics, tls=tls, peer_tls=peer_tls, store=store, once=once)
         if http_port is not None:
             server = HealthServer(host, http_port, metrics, agent.health)
     except OSError as exc:
@@ -370,9 +392,23 @@ def run(host: str, port: int, token: bytes, *, http_port: int | None,
     extra = "" if server is None else f", health and metrics on http://{host}:" \
                                       f"{server.address[1]}/health"
     logger.warning("phalanx agent listening on %s%s", where, extra)
-    while not stop.wait(1.0):
-        pass
-    logger.warning("phalanx agent stopping: its controllers' ranks are being stopped")
+    if on_listening is not None:
+        try:
+            on_listening(*agent.address)
+        except OSError as exc:
+            logger.error("cannot publish this agent's address: %s", exc)
+            stop.set()
+    started = time.monotonic()
+    why = "stopping: its controllers' ranks are being stopped"
+    while not stop.wait(0.2):
+        if agent.served.is_set():
+            why = "ending: its controller's last connection is gone (--once)"
+            break
+        if (idle_timeout is not None and agent.idle()
+                and time.monotonic() - started > idle_timeout):
+            why = f"ending: no controller came within {idle_timeout:g} s (--idle-timeout)"
+            break
+    logger.warning("phalanx agent %s", why)
     agent.stop()
     if server is not None:
         server.close()

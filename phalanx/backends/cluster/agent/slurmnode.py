@@ -1,0 +1,89 @@
+"""An agent that ``px.SlurmBackend`` started with ``srun``: ``phalanx agent --slurm DIR``.
+
+The controller made ``DIR`` (a directory only its user can enter, on a filesystem its nodes
+share: the home directory on most clusters) with the job's token in ``DIR/token``; ``srun``
+starts one agent per node of the job with ``--slurm DIR``. Each agent
+
+- listens on its node's address as Slurm knows it (``NodeAddr`` in ``scontrol show node``;
+  the node's name where scontrol cannot tell), on a port the system picks, so that two jobs
+  on one node never race for a port;
+- publishes ``host:port`` in ``DIR/agents/<node>`` (written whole, then renamed, so the
+  controller never reads half of it);
+- serves one controller and exits as it leaves (or when none came within its idle
+  timeout), which ends the step and so the job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import subprocess
+
+from phalanx import config
+from phalanx.world.slurm import JOB_AGENTS as AGENTS
+from phalanx.world.slurm import JOB_TOKEN as TOKEN
+from phalanx.world.slurm import parse_record
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class SlurmNode:
+    """This node as the job's agent sees it."""
+
+    directory: str
+    node: str  # $SLURMD_NODENAME
+    address: str  # where the agent listens: the node's NodeAddr
+
+    @property
+    def token_file(self) -> str:
+        return os.path.join(self.directory, TOKEN)
+
+    @classmethod
+    def from_environment(cls, directory: str) -> SlurmNode:
+        """The node this srun task runs on; ValueError outside a Slurm step or for a
+        directory that is not the controller's."""
+        node = os.environ.get("SLURMD_NODENAME")
+        if not node:
+            raise ValueError("--slurm: $SLURMD_NODENAME is not set; this agent must be "
+                             "started by srun inside the job")
+        if not os.path.isdir(os.path.join(directory, AGENTS)):
+            raise ValueError(f"--slurm {directory}: no {AGENTS}/ directory in it (it is made "
+                             "by px.SlurmBackend on a filesystem the nodes share)")
+        return cls(directory, node, node_address(node))
+
+    def announce(self, host: str, port: int) -> None:
+        """Publish ``host:port`` for the controller (atomically)."""
+        final = os.path.join(self.directory, AGENTS, self.node)
+        partial = f"{final}.{os.getpid()}.part"
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(f"{host}:{port}\n")
+        os.replace(partial, final)
+
+
+def node_address(node: str) -> str:
+    """``node``'s NodeAddr, from ``scontrol show node -o``; the name itself where scontrol
+    is missing or says nothing of it."""
+    scontrol = shutil.which("scontrol")
+    if scontrol is None:
+        return node
+    try:
+        done = subprocess.run([scontrol, "show", "node", "-o", node], capture_output=True,
+                              text=True, timeout=config.SLURM_COMMAND_TIMEOUT, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        logger.warning("scontrol show node %s failed (%s); listening on the node's name",
+                       node, exc)
+        return node
+    for line in done.stdout.splitlines():
+        try:
+            record = parse_record(line)
+        except ValueError:  # "Node x not found" comes on stdout
+            continue
+        if record.get("NodeName") == node and record.get("NodeAddr"):
+            return record["NodeAddr"]
+    logger.warning("scontrol does not know node %s (%s); listening on its name", node,
+                   done.stderr.strip() or f"exit status {done.returncode}")
+    return node

@@ -1,0 +1,198 @@
+"""``px.SlurmBackend``: ranks on the nodes of a Slurm job, through agents that ``srun`` starts.
+
+Outside an allocation it submits one job for the request and waits for it (a notice names
+Slurm's pending reason each time it changes); inside one (``$SLURM_JOB_ID`` set: an
+``sbatch`` script, ``salloc``) it uses that allocation and submits nothing. Either way one
+``phalanx agent`` per node, started by ``srun`` as one step, listens on the node's address
+as Slurm knows it (``NodeAddr``) with a fresh token, and the backend connects to them as
+:class:`~phalanx.backends.cluster.backend.ClusterBackend` does (:mod:`.slurmjob`). Then it
+is a cluster backend: the ranks are the agents' children, they see ``SLURM_JOB_ID`` and
+``SLURMD_NODENAME`` (the agent's environment is theirs) with the allocation's GPUs as
+``CUDA_VISIBLE_DEVICES``, kept results cross between nodes through the agents, and a node
+lost (``scancel``, the time limit, a node down) fails the calls pending on it, naming the
+job and the node.
+
+A group's backend submits its own job; a :class:`~phalanx.controller.pool.ResourcePool` on
+this backend submits one for the pool, which its colocated groups share. The job ends as
+the group or the pool closes, and when the controller dies (the agents see their last
+connection end and exit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from phalanx import config
+from phalanx.backends.base import Backend
+from phalanx.backends.cluster.backend import ClusterBackend
+from phalanx.backends.cluster.pool import ClusterSlots
+from phalanx.backends.cluster.pool import reserve_slots as reserve_cluster_slots
+from phalanx.backends.cluster.slurmjob import JobRequest, SlurmJob, sequence_or_empty
+from phalanx.backends.parts import SlotReservation
+from phalanx.errors import MembershipEvent
+from phalanx.world.pools import PoolSlot
+
+logger = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+
+class SlurmBackend(ClusterBackend):
+    """Ranks on the nodes of a Slurm job (see the module's docstring).
+
+    ``nodes``: how many (default: the allocation's inside one, else 1). ``partition``,
+    ``time`` (sbatch's ``--time``), ``gpus_per_node``, ``cpus_per_node`` (CPUs for the
+    node's ranks, its agent's task), ``account``, ``qos`` and ``sbatch_args`` (more of
+    sbatch's options, e.g. ``["--exclusive"]``) shape the job it submits.
+    ``allocation_timeout``: how long it may wait in the queue (None: as long as it is
+    queued; past it the job is cancelled). ``start_timeout``: how long the agents may take
+    to start once it runs. ``state_dir``: where the job's private directory (its token, its
+    agents' addresses and logs) is made, on a filesystem the nodes share (default:
+    ``~/.cache/phalanx/slurm``). ``node_timeout``, ``heartbeat_timeout`` and ``sync``:
+    as for ``ClusterBackend``.
+    """
+
+    name = "slurm"
+    finds_agents = True
+
+    def __init__(self, nodes: int | None = None, partition: str | None = None,
+                 time: str | None = None, gpus_per_node: int | None = None,
+                 cpus_per_node: int | None = None, account: str | None = None,
+                 qos: str | None = None, sbatch_args: Sequence[str] = (),
+                 allocation_timeout: float | None = None, *, start_timeout: float = 300.0,
+                 state_dir: str | None = None,
+                 heartbeat_timeout: float = config.DEFAULT_HEARTBEAT_TIMEOUT,
+                 node_timeout: float = config.DEFAULT_NODE_TIMEOUT, sync: Any = None,
+                 max_frame: int = 1 << 30) -> None:
+        for label, value in (("nodes", nodes), ("gpus_per_node", gpus_per_node),
+                             ("cpus_per_node", cpus_per_node)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"{label} must be a positive integer, got {value!r}")
+        if time is not None and not isinstance(time, str):  # sbatch judges its form
+            raise ValueError(f"time must be a string such as '1:30:00', got {time!r}")
+        for label, text in (("partition", partition), ("account", account), ("qos", qos)):
+            if text is not None and not (isinstance(text, str) and _NAME.match(text)):
+                raise ValueError(f"{label}={text!r} is not a Slurm name")
+        for label, seconds in (("allocation_timeout", allocation_timeout),
+                               ("start_timeout", start_timeout)):
+            if seconds is not None and (isinstance(seconds, bool) or
+                                        not isinstance(seconds, (int, float)) or seconds <= 0):
+                raise ValueError(f"{label} must be > 0 seconds, got {seconds!r}")
+        self.request = JobRequest(nodes, partition, time, gpus_per_node, cpus_per_node,
+                                  account, qos, sequence_or_empty(sbatch_args, "sbatch_args"))
+        self.allocation_timeout, self.start_timeout = allocation_timeout, start_timeout
+        self.state_dir = state_dir
+        self.job = SlurmJob(self.request, state_dir=state_dir,
+                            allocation_timeout=allocation_timeout, start_timeout=start_timeout)
+        super().__init__(token=self.job.token, quorum_timeout=start_timeout,
+                         heartbeat_timeout=heartbeat_timeout, node_timeout=node_timeout,
+                         sync=sync, max_frame=max_frame, dns_interval=None)
+
+    def __repr__(self) -> str:
+        given = {k: v for k, v in self.settings().items()
+                 if k in ("nodes", "partition", "time", "gpus_per_node") and v is not None}
+        return f"px.SlurmBackend({', '.join(f'{k}={v!r}' for k, v in given.items())})"
+
+    def settings(self) -> dict[str, Any]:
+        r = self.request
+        return {"nodes": r.nodes, "partition": r.partition, "time": r.time,
+                "gpus_per_node": r.gpus_per_node, "cpus_per_node": r.cpus_per_node,
+                "account": r.account, "qos": r.qos, "sbatch_args": list(r.sbatch_args),
+                "allocation_timeout": self.allocation_timeout,
+                "start_timeout": self.start_timeout, "state_dir": self.state_dir,
+                "heartbeat_timeout": self.heartbeat_timeout,
+                "node_timeout": self.node_timeout, "sync": self.sync,
+                "max_frame": self.max_frame}
+
+    def gpus_per_node(self, nodes: int) -> int | None:
+        return self.request.gpus_per_node
+
+    # -- the job --------------------------------------------------------------------------
+
+    def _find_agents(self) -> list[str]:
+        hosts = self.job.start()
+        self.labels = {host: f"{self.job.label} node {name}"
+                       for host, name in zip(hosts, self.job.node_names, strict=True)}
+        logger.info("%s: agents on %s", self.job.label, ", ".join(
+            f"{n} ({h})" for n, h in zip(self.job.node_names, hosts, strict=True)))
+        return hosts
+
+    def _membership_changed(self, event: MembershipEvent) -> None:
+        if event.removed and not self.job.inside:
+            logger.warning("%s: %s", self.job.describe(), event)
+        super()._membership_changed(event)
+
+    def close(self) -> None:
+        try:
+            super().close()  # the agents' connections end: they exit, and the job ends
+        finally:
+            self.job.end()
+
+    # -- a pool's job -------------------------------------------------------------------
+
+    def reserve_slots(self, counts: Sequence[int], *, gpus: int,
+                      resources: Mapping[str, float], timeout: float,
+                      holder: str = "a pool") -> SlotReservation:
+        """A job for the pool (as many nodes as it has, unless ``nodes`` asks for more),
+        whose agents every group placed on it uses; it ends as the pool is released."""
+        if self.request.nodes is not None and len(counts) > self.request.nodes:
+            raise ValueError(f"a pool of {len(counts)} nodes on SlurmBackend(nodes="
+                             f"{self.request.nodes})")
+        job = self.job
+        if job.request.nodes is None and not job.inside:
+            job.request = dataclasses.replace(job.request, nodes=len(counts))
+        hosts = job.start()
+        labels = {host: f"{job.label} node {name}"
+                  for host, name in zip(hosts, job.node_names, strict=True)}
+        try:
+            template = ClusterBackend(hosts, token=job.token, quorum_timeout=self.start_timeout,
+                                      heartbeat_timeout=self.heartbeat_timeout,
+                                      node_timeout=self.node_timeout, sync=self.sync,
+                                      max_frame=self.max_frame, dns_interval=None)
+            slots = reserve_cluster_slots(template, counts, gpus, resources, holder, timeout)
+        except BaseException:
+            job.end()
+            raise
+        return SlurmSlots(slots, job, labels)
+
+
+class SlurmSlots:
+    """A pool's slots on a Slurm job's agents: a cluster pool whose release ends the job.
+    A keeper connection stays open to every agent while the pool lives, so that the agents
+    (which end with their last connection) outlast the groups placed on it."""
+
+    def __init__(self, slots: ClusterSlots, job: SlurmJob, labels: dict[str, str]) -> None:
+        self._slots, self._job, self._labels = slots, job, labels
+        self._keeper = ClusterBackend(job.hosts, token=job.token, dns_interval=None)
+        from phalanx.output.logs import OutputOptions
+
+        try:
+            self._keeper.open(OutputOptions(echo=False))
+        except BaseException:
+            job.end()
+            raise
+
+    @property
+    def counts(self) -> list[int]:
+        return self._slots.counts
+
+    @property
+    def gpus_per_worker(self) -> int:
+        return self._slots.gpus_per_worker
+
+    def backend_for(self, slots: Sequence[PoolSlot], share: float) -> Backend:
+        backend = self._slots.backend_for(slots, share)
+        backend.labels = dict(self._labels)
+        return backend
+
+    def release(self) -> None:
+        try:
+            self._slots.release()
+            self._keeper.close()
+        finally:
+            self._job.end()

@@ -1,0 +1,392 @@
+"""A Slurm job that runs one ``phalanx agent`` per node, for :class:`~.slurm.SlurmBackend`.
+
+Outside an allocation the job is submitted (``sbatch``) with a batch script of one line,
+``srun ... phalanx agent --slurm DIR`` (one step, one task per node); inside one
+(``$SLURM_JOB_ID`` set) that ``srun`` is run here, as a step of the allocation, and nothing
+is submitted. ``DIR`` is a directory only this user can enter, under ``state_dir`` (a
+filesystem the nodes share: ``~/.cache/phalanx/slurm`` by default), holding
+
+    token        the job's token: 256 fresh bits (0600; never on a command line)
+    agents/<n>   ``host:port`` of node n's agent, written by the agent once it listens
+    job.sh       the batch script (a submitted job)
+    agent-<n>.log, batch.log, srun.log   what the agents, the script and srun printed
+
+Its life, as :class:`JobState`: NEW, then PENDING while Slurm queues it (a notice names
+Slurm's reason each time it changes), STARTING while the agents start and publish their
+addresses, RUNNING once every node's has, and ENDED. It ends when its user is done
+(:meth:`SlurmJob.end`: the agents, told by their connections' end, exit, and the job with
+them; ``scancel`` after ``config.SLURM_END_WAIT``), and also when the controller dies: the
+agents see their last connection end and exit (``--once``), which ends the step and the job.
+A job whose controller died before its agents started ends by the agents' idle timeout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+
+from phalanx import config
+from phalanx.backends.cluster.token import new_token
+from phalanx.errors import PhalanxError
+from phalanx.output import console
+from phalanx.world.slurm import JOB_AGENTS as AGENTS
+from phalanx.world.slurm import JOB_TOKEN as TOKEN
+from phalanx.world.slurm import expand_hostlist, parse_record
+
+logger = logging.getLogger(__name__)
+
+# Slurm's job states once a job is over (squeue's and scontrol's JobState)
+_OVER = frozenset(("BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL",
+                   "OUT_OF_MEMORY", "PREEMPTED", "REVOKED", "SPECIAL_EXIT", "TIMEOUT"))
+
+
+# pending reasons that no wait can cure: the request exceeds the partition, the account or
+# the QOS (a cluster without EnforcePartLimits queues such a job for ever)
+_HOPELESS = frozenset(("PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit",
+                       "BadConstraints", "InvalidAccount", "InvalidQOS", "AccountNotAllowed",
+                       "QOSNotAllowed", "PartitionDown", "InactiveLimit",
+                       "QOSMaxNodePerJobLimit", "AssocMaxNodesPerJobLimit",
+                       "QOSMaxWallDurationPerJobLimit", "AssocMaxWallDurationPerJobLimit"))
+
+
+class JobState(enum.Enum):
+    NEW = "new"
+    PENDING = "pending"  # submitted; Slurm has not started it
+    STARTING = "starting"  # running; its agents are starting
+    RUNNING = "running"  # every node's agent listens
+    ENDED = "ended"
+
+
+@dataclasses.dataclass(frozen=True)
+class JobRequest:
+    """What to ask Slurm for (``SlurmBackend``'s arguments)."""
+
+    nodes: int | None = None
+    partition: str | None = None
+    time: str | None = None
+    gpus_per_node: int | None = None
+    cpus_per_node: int | None = None
+    account: str | None = None
+    qos: str | None = None
+    sbatch_args: tuple[str, ...] = ()
+
+    def sbatch_options(self) -> list[str]:
+        """The request as sbatch's options (one task per node: the agent)."""
+        options = [f"--nodes={self.nodes or 1}", "--ntasks-per-node=1"]
+        for flag, value in (("--partition", self.partition), ("--time", self.time),
+                            ("--gpus-per-node", self.gpus_per_node),
+                            ("--cpus-per-task", self.cpus_per_node),
+                            ("--account", self.account), ("--qos", self.qos)):
+            if value is not None:
+                options.append(f"{flag}={value}")
+        return options + list(self.sbatch_args)
+
+    def given(self) -> list[str]:
+        """The arguments that shape a submitted job (they mean nothing in an allocation)."""
+        return [name for name in ("partition", "time", "gpus_per_node", "cpus_per_node",
+                                  "account", "qos") if getattr(self, name) is not None] + (
+            ["sbatch_args"] if self.sbatch_args else [])
+
+
+class SlurmJob:
+    """The agents of one Slurm job (see the module's docstring)."""
+
+    def __init__(self, request: JobRequest, *, state_dir: str | None = None,
+                 allocation_timeout: float | None = None, start_timeout: float = 300.0,
+                 environ: Mapping[str, str] | None = None) -> None:
+        self.request = request
+        self.allocation_timeout = allocation_timeout
+        self.start_timeout = start_timeout
+        self._environ = os.environ if environ is None else environ
+        self.inside = bool(self._environ.get("SLURM_JOB_ID"))  # an allocation of our own
+        self.job_id: str | None = self._environ.get("SLURM_JOB_ID") if self.inside else None
+        self.state = JobState.NEW
+        self._state_dir = state_dir
+        self.directory: str | None = None
+        self.token = new_token()  # the agents' (written to DIR/token as it starts)
+        self.hosts: list[str] = []  # "host:port" of each node's agent, in the job's order
+        self.node_names: list[str] = []  # Slurm's name of each, in that order
+        self._srun: subprocess.Popen[bytes] | None = None  # the agents' step (inside)
+        self.timings: dict[str, float] = {}  # seconds: queued, agents (and total)
+
+    @property
+    def label(self) -> str:
+        return f"slurm job {self.job_id}" if self.job_id else "a slurm job"
+
+    # -- starting ---------------------------------------------------------------------
+
+    def start(self) -> list[str]:
+        """Submit the job (or start the agents' step in this allocation) and wait until
+        every node's agent listens -> their ``host:port``. PhalanxError, quoting Slurm,
+        when Slurm refuses or ends the job; nothing is left behind then."""
+        if self.state is not JobState.NEW:
+            raise RuntimeError(f"{self.label} was started already")
+        started = time.monotonic()
+        try:
+            self._prepare()
+            if self.inside:
+                self._start_step()
+                self.state = JobState.STARTING
+            else:
+                self._submit()
+                self.state = JobState.PENDING
+                self._wait_running()
+                self.state = JobState.STARTING
+            queued = time.monotonic()
+            self.timings["queued"] = queued - started
+            self._wait_agents()
+            self.timings["agents"] = time.monotonic() - queued
+        except BaseException:
+            self.end()
+            raise
+        self.state = JobState.RUNNING
+        return self.hosts
+
+    def _prepare(self) -> None:
+        root = self._state_dir or os.path.join(
+            os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "phalanx",
+            "slurm")
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        self.directory = tempfile.mkdtemp(prefix="job-", dir=root)  # 0700
+        os.mkdir(os.path.join(self.directory, AGENTS), 0o700)
+        fd = os.open(os.path.join(self.directory, TOKEN),
+                     os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(self.token + "\n")
+
+    def _agent_command(self) -> list[str]:
+        assert self.directory is not None
+        log = os.path.join(self.directory, "agent-%N.log")
+        return ["--ntasks-per-node=1", "--kill-on-bad-exit=0", f"--output={log}",
+                f"--error={log}", sys.executable, "-m", "phalanx", "agent", "--slurm",
+                self.directory]
+
+    def _submit(self) -> None:
+        assert self.directory is not None
+        script = os.path.join(self.directory, "job.sh")
+        srun = " ".join(shlex.quote(part) for part in ["srun", *self._agent_command()])
+        with open(script, "w") as out:
+            out.write(f"#!/bin/sh\n# phalanx: one agent per node, for its controller\n"
+                      f"exec {srun}\n")
+        done = _slurm("sbatch", "--parsable", "--job-name=phalanx",
+                      f"--output={os.path.join(self.directory, 'batch.log')}",
+                      f"--chdir={os.getcwd()}", *self.request.sbatch_options(), script,
+                      doing="submitting the job")
+        self.job_id = done.stdout.strip().split(";")[0]
+        logger.info("submitted %s (%s)", self.label, " ".join(self.request.sbatch_options()))
+
+    def _start_step(self) -> None:
+        assert self.directory is not None
+        have = int(self._environ.get("SLURM_JOB_NUM_NODES")
+                   or self._environ.get("SLURM_NNODES") or 1)
+        wanted = self.request.nodes or have
+        if wanted > have:
+            raise PhalanxError(f"nodes={wanted}, but this allocation ({self.label}) has "
+                               f"{have} node(s)")
+        if self.request.given():
+            logger.warning("inside %s: %s shape a job that is submitted, and this one is "
+                           "not (the allocation's own are used)", self.label,
+                           ", ".join(self.request.given()))
+        self.request = dataclasses.replace(self.request, nodes=wanted)
+        srun = shutil.which("srun")
+        if srun is None:
+            raise PhalanxError(f"inside {self.label} but no srun on PATH")
+        log = open(os.path.join(self.directory, "srun.log"), "wb")
+        with log:
+            # --overlap: the step shares the allocation's CPUs with the controller's own
+            self._srun = subprocess.Popen(
+                [srun, f"--nodes={wanted}", "--overlap", *self._agent_command()],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+
+    def _wait_running(self) -> None:
+        """Until Slurm runs the job, with a notice naming its reason each time it changes."""
+        began = time.monotonic()
+        told: tuple[str, str] | None = None
+        while True:
+            record = self.record()
+            state, reason = record.get("JobState", "?"), record.get("Reason", "None")
+            if state == "RUNNING":
+                self.node_names = expand_hostlist(record.get("NodeList", ""))
+                return
+            if state in _OVER or not record:
+                raise PhalanxError(f"{self.label} ended before it ran: {state}"
+                                   f"{'' if reason == 'None' else f' ({reason})'}"
+                                   f"{self._tail('batch.log')}")
+            if reason in _HOPELESS:
+                raise PhalanxError(f"{self.label} can never start: Slurm says {state} "
+                                   f"({reason}) for {' '.join(self.request.sbatch_options())}; "
+                                   "it was cancelled")
+            waited = time.monotonic() - began
+            if (state, reason) != told:
+                told = (state, reason)
+                why = "" if reason == "None" else f" ({reason})"
+                console.notice(f"phalanx: {self.label} is {state}{why}, "
+                               f"{waited:.0f} s in the queue")
+            if self.allocation_timeout is not None and waited > self.allocation_timeout:
+                raise PhalanxError(f"{self.label} was still {state} ({reason}) after "
+                                   f"allocation_timeout={self.allocation_timeout:g} s; "
+                                   "it was cancelled")
+            time.sleep(config.SLURM_POLL)
+
+    def _wait_agents(self) -> None:
+        """Until every node's agent has published its address; the job's end, or
+        ``start_timeout``, is an error naming the nodes missing and their log."""
+        assert self.directory is not None
+        wanted = self.request.nodes or 1
+        folder = os.path.join(self.directory, AGENTS)
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            found: dict[str, str] = {}
+            for name in os.listdir(folder):
+                address = None if name.endswith(".part") else _read_address(
+                    os.path.join(folder, name))
+                if address:
+                    found[name] = address
+            if len(found) >= wanted:
+                break
+            missing = [n for n in self.node_names if n not in found] or [
+                f"{wanted - len(found)} node(s)"]
+            ended = self._ended()
+            if ended is not None or time.monotonic() > deadline:
+                why = ended or f"not within {self.start_timeout:g} s"
+                logs = "".join(self._tail(f"agent-{n}.log") for n in missing
+                               if n in self.node_names)
+                raise PhalanxError(f"{self.label}: the agents of {', '.join(missing)} did "
+                                   f"not start ({why}){logs}{self._tail('srun.log')}"
+                                   f"{self._tail('batch.log')}")
+            time.sleep(min(config.SLURM_POLL, 0.1))
+        order = self.node_names or sorted(found)
+        names = [n for n in order if n in found] + sorted(set(found) - set(order))
+        self.node_names = names[:wanted]
+        self.hosts = [found[n] for n in self.node_names]
+
+    def _ended(self) -> str | None:
+        """Why the agents' step or job is over, or None while it runs."""
+        if self._srun is not None:
+            code = self._srun.poll()
+            return None if code is None else f"srun exited with status {code}"
+        record = self.record()
+        state = record.get("JobState", "gone")
+        return None if state in ("RUNNING", "CONFIGURING") else f"the job is {state}"
+
+    # -- watching -----------------------------------------------------------------------
+
+    def record(self) -> dict[str, str]:
+        """``scontrol show job -o`` of the job ({} once Slurm has forgotten it)."""
+        if self.job_id is None:
+            return {}
+        done = _slurm("scontrol", "show", "job", "-o", self.job_id, check=False,
+                      doing="asking for the job's state")
+        if done.returncode != 0:
+            return {}
+        for line in done.stdout.splitlines():
+            try:
+                record = parse_record(line)
+            except ValueError:
+                continue
+            if record.get("JobId") == self.job_id:
+                return record
+        return {}
+
+    def describe(self) -> str:
+        """The job's state as Slurm says it now (for an error that names the job)."""
+        if self.inside:
+            return self.label
+        record = self.record()
+        if not record:
+            return f"{self.label} (gone from Slurm)"
+        reason = record.get("Reason", "None")
+        return f"{self.label} ({record.get('JobState', '?')}" + (
+            ")" if reason == "None" else f", {reason})")
+
+    def _tail(self, name: str, lines: int = 8) -> str:
+        if self.directory is None:
+            return ""
+        try:
+            with open(os.path.join(self.directory, name), errors="replace") as f:
+                text = f.read()[-8192:].splitlines()[-lines:]
+        except OSError:
+            return ""
+        return f"\n  {name}:\n    " + "\n    ".join(text) if text else ""
+
+    # -- ending -------------------------------------------------------------------------
+
+    def end(self, wait: float = config.SLURM_END_WAIT) -> None:
+        """Let the job end (its agents exit as their connections end, which the caller
+        closed first), waiting up to ``wait`` s; then cancel it. Idempotent."""
+        if self.state is JobState.ENDED:
+            return
+        state, self.state = self.state, JobState.ENDED
+        if self._srun is not None:
+            _end_process(self._srun, wait)
+        elif self.job_id is not None and state is not JobState.NEW:
+            deadline = time.monotonic() + (wait if state is JobState.RUNNING else 0)
+            while time.monotonic() < deadline and self._ended() is None:
+                time.sleep(min(config.SLURM_POLL, 0.2))
+            if self._ended() is None or self.record().get("JobState") == "PENDING":
+                _slurm("scancel", self.job_id, check=False, doing="cancelling the job")
+                logger.info("cancelled %s", self.label)
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _read_address(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def _end_process(proc: subprocess.Popen[bytes], wait: float) -> None:
+    """srun of the agents' step: it ends as they exit; else SIGTERM (srun forwards it to
+    the tasks), then SIGKILL."""
+    try:
+        proc.wait(wait)
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    proc.terminate()
+    try:
+        proc.wait(config.SLURM_END_WAIT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(config.SLURM_END_WAIT)
+
+
+def _slurm(command: str, *args: str, doing: str, check: bool = True,
+           timeout: float = config.SLURM_COMMAND_TIMEOUT) -> subprocess.CompletedProcess[str]:
+    """Run one of Slurm's commands; PhalanxError quoting its message when it fails (with
+    ``check``), or when it is missing or does not answer within ``timeout``."""
+    path = shutil.which(command)
+    if path is None:
+        raise PhalanxError(f"{doing}: no {command} on PATH (is this a Slurm cluster's node?)")
+    try:
+        done = subprocess.run([path, *args], capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL, check=False)
+    except subprocess.TimeoutExpired:
+        raise PhalanxError(f"{doing}: {command} did not answer within {timeout:g} s "
+                           "(is slurmctld up?)") from None
+    if check and done.returncode != 0:
+        said = done.stderr.strip() or done.stdout.strip() or f"exit status {done.returncode}"
+        raise PhalanxError(f"{doing}: Slurm said: {said}")
+    return done
+
+
+def sequence_or_empty(value: Sequence[str] | str | None, name: str) -> tuple[str, ...]:
+    """``sbatch_args``: a sequence of strings (one string is a mistake: give a list)."""
+    if value is None:
+        return ()
+    if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{name} must be a list of strings such as ['--exclusive'], got "
+                         f"{value!r}")
+    return tuple(value)
