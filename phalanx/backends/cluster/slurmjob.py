@@ -116,7 +116,9 @@ class SlurmJob:
         self.hosts: list[str] = []  # "host:port" of each node's agent, in the job's order
         self.node_names: list[str] = []  # Slurm's name of each, in that order
         self._srun: subprocess.Popen[bytes] | None = None  # the agents' step (inside)
-        self.timings: dict[str, float] = {}  # seconds: queued, agents (and total)
+        # seconds: submit (sbatch's answer), queued (until Slurm ran it, submit included),
+        # agents (from then until every agent listened: srun and the agents' start)
+        self.timings: dict[str, float] = {}
 
     @property
     def label(self) -> str:
@@ -138,6 +140,7 @@ class SlurmJob:
                 self.state = JobState.STARTING
             else:
                 self._submit()
+                self.timings["submit"] = time.monotonic() - started
                 self.state = JobState.PENDING
                 self._wait_running()
                 self.state = JobState.STARTING
