@@ -40,7 +40,7 @@ START_TIMEOUT = 30.0  # seconds for the whole cluster to be up, both nodes idle
 COMMAND_TIMEOUT = 20.0  # seconds for one client command (sinfo, scancel, ...)
 STOP_TIMEOUT = 10.0  # seconds for a daemon to exit on SIGTERM before it is killed
 DAEMONS = ("slurmctld", "slurmd", "munged", "mungekey")
-CLIENTS = ("sinfo", "squeue", "srun", "sbatch", "scancel", "scontrol")
+CLIENTS = ("sinfo", "squeue", "srun", "sbatch", "scancel", "scontrol", "sdiag")
 SBIN = ("/usr/sbin", "/sbin")  # where the daemons are, not always on PATH
 running: SlurmCluster | None = None  # the cluster started last and not yet stopped
 
@@ -203,6 +203,16 @@ class SlurmCluster:
             return {}
         return dict(line.split(None, 1) for line in out.splitlines() if " " in line)
 
+    def scheduled_once(self) -> bool:
+        """Whether slurmctld's main scheduler has run (sdiag counts its cycles)."""
+        try:
+            out = self.run("sdiag", timeout=5).stdout
+        except subprocess.TimeoutExpired:
+            return False
+        main = out.partition("Main schedule statistics")[2]
+        cycles = main.partition("Total cycles:")[2].split()
+        return bool(cycles) and cycles[0].isdigit() and int(cycles[0]) > 0
+
     def jobs(self) -> list[str]:
         """The ids of the jobs not yet over (pending, running, completing)."""
         out = self.run("squeue", "--noheader", "--format=%i").stdout
@@ -296,22 +306,60 @@ class SlurmCluster:
     def _statuses(self) -> str:
         return ", ".join(f"{name}: {proc.poll()}" for name, proc in self.procs.items())
 
-    def kill_node(self, node: str) -> None:
+    def kill_node(self, node: str, mark_down: bool = False) -> None:
         """Lose ``node`` as a machine is lost: its slurmd and every job process on it
-        SIGKILLed at once (slurmctld is not told; it finds out as it would, by timeouts)."""
+        SIGKILLed at once. slurmctld is not told: it finds out as it would, when the node
+        stops answering its pings (with SlurmdTimeout=30 it reports the node not
+        responding after ~25 s and DOWN, failing its jobs, after ~50 s). ``mark_down``: tell
+        it at once (``scontrol update State=DOWN``, as an admin or a health check would):
+        the node's jobs end as NODE_FAIL within a second or so."""
         proc = self.procs[node]
         if proc.poll() is None:
             proc.send_signal(signal.SIGUSR1)  # the supervisor SIGKILLs its slurmd and the rest
         _wait_or_kill(proc, STOP_TIMEOUT)
         self._forget(node)
+        if mark_down:
+            self.run("scontrol", "update", f"NodeName={node}", "State=DOWN",
+                     "Reason=killed by the test", check=True)
 
     def restart_node(self, node: str, timeout: float = START_TIMEOUT) -> None:
         """Start ``node``'s slurmd again (killing it first if it runs) and wait until
         slurmctld reports the node idle (``ReturnToService=2`` brings a down node back)."""
+        from tests.helpers import wait_until
+
+        deadline = time.monotonic() + timeout
         if self.alive(node):
+            # a job that just ended is cleaned up on its nodes (COMPLETING) by a message
+            # from slurmctld; killed before it arrives, the node stays COMPLETING until
+            # slurmctld resends it, ~30 s later: let that finish first (bounded)
+            wait_until(lambda: "completing" not in self.node_states().get(node, ""),
+                       min(5.0, timeout / 2), interval=0.05)
             self.kill_node(node)
         self._start_node(node)
-        self.wait_idle([node], timeout)
+        # slurmctld may still report a node it has not missed yet idle: first the new
+        # slurmd listening (it registers once it listens), then the node idle
+        while not self._slurmd_listening(node):
+            if not self.alive(node) or time.monotonic() > deadline:
+                raise RuntimeError(f"Slurm test cluster: slurmd of {node} did not start "
+                                   f"({self._statuses()})\n{self.logs()}")
+            time.sleep(0.02)
+        self.wait_idle([node], max(1.0, deadline - time.monotonic()))
+
+    def _slurmd_listening(self, node: str) -> bool:
+        import psutil
+
+        for proc in self.descendants(node):
+            if _name(proc) != "slurmd":
+                continue
+            # (psutil < 6 has connections() only, 7 deprecates it)
+            connections = getattr(proc, "net_connections", None) or proc.connections
+            try:
+                return any(conn.status == psutil.CONN_LISTEN and
+                           conn.laddr.port == self.ports[node]
+                           for conn in connections(kind="tcp"))
+            except psutil.Error:
+                return False
+        return False
 
     def _forget(self, name: str) -> None:
         from tests import helpers
@@ -424,6 +472,10 @@ def slurm_conf(cluster: SlurmCluster, extra: dict[str, str] | None = None) -> st
         "SelectType": "select/cons_tres",
         "SelectTypeParameters": "CR_Core",
         "SchedulerType": "sched/backfill",
+        # Slurm defers scheduling to its next pass when a batch job is submitted or a job
+        # ends (batch_sched_delay, 3 s by default): a queued job started ~2.5 s after the
+        # one before it ended, a batch job 2-3 s after sbatch. With 0: ~0.3 s and ~1 s.
+        "SchedulerParameters": "batch_sched_delay=0",
         "JobCompType": "jobcomp/none",
         "AccountingStorageType": "accounting_storage/none",
         "JobAcctGatherType": "jobacct_gather/none",
@@ -488,6 +540,14 @@ def start(extra_conf: dict[str, str] | None = None,
         for node in cluster.nodes:
             cluster._start_node(node)
         cluster.wait_idle(timeout=max(1.0, deadline - time.monotonic()))
+        # slurmctld's first scheduling pass comes ~3.5 s after it starts: a batch job
+        # submitted before it waits for it (srun's allocations do not), so that
+        # `sbatch --wait` would see the first job end 10 s after it began, not 2 s
+        while not cluster.scheduled_once():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Slurm test cluster: slurmctld did not schedule within "
+                                   f"{timeout:g} s\n{cluster.logs()}")
+            time.sleep(0.05)
     except BaseException:
         stop(cluster)
         raise
@@ -526,7 +586,8 @@ def stop(cluster: SlurmCluster) -> None:
         cluster.cancel_all()
         order = [[n for n in cluster.nodes if n in cluster.procs], ["slurmctld"], ["munged"]]
         for names in order:
-            procs = [cluster.procs[n] for n in names if n in cluster.procs]
+            names = [n for n in names if n in cluster.procs]  # (a start that failed early)
+            procs = [cluster.procs[n] for n in names]
             for proc in procs:
                 if proc.poll() is None:
                     proc.terminate()  # the supervisor passes it on to its daemon
