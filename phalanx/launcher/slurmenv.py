@@ -30,18 +30,10 @@ This module holds the lookup's I/O (running ``scontrol``); what the variables me
 from __future__ import annotations
 
 import dataclasses
-import logging
-import shutil
-import subprocess
 from collections.abc import Mapping
 
-from phalanx.world.slurm import SrunTask, parse_record, srun_task
-
-logger = logging.getLogger(__name__)
-
-# seconds for `scontrol show node` to answer (one RPC to slurmctld, usually milliseconds;
-# a controller that does not answer makes scontrol retry for much longer)
-SCONTROL_TIMEOUT = 10.0
+from phalanx.node.slurm import node_address as node_address
+from phalanx.world.slurm import SrunTask, srun_task
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,33 +77,3 @@ def srun_defaults(environ: Mapping[str, str]) -> SrunDefaults:
         "would run its own copy of the program; phalanx run starts each node's ranks itself "
         "(-n): start one task per node (srun --ntasks-per-node=1 phalanx run -n N ...), or "
         "give --nnodes to arrange the launchers yourself"))
-
-
-def node_address(name: str, timeout: float = SCONTROL_TIMEOUT) -> str:
-    """Slurm's ``NodeAddr`` for node ``name`` (``scontrol show node -o NAME``); ``name``
-    itself, with a debug line saying why, when scontrol is not on PATH, fails, takes
-    longer than ``timeout`` seconds or names no address for it."""
-    scontrol = shutil.which("scontrol")
-    if scontrol is None:
-        logger.debug("no scontrol on PATH: node %s's address is taken to be its name", name)
-        return name
-    try:
-        done = subprocess.run([scontrol, "show", "node", "-o", name], capture_output=True,
-                              text=True, errors="replace", timeout=timeout, check=False,
-                              stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        logger.debug("scontrol show node %s failed (%s): its address is taken to be its "
-                     "name", name, exc)
-        return name
-    if done.returncode == 0:
-        for line in done.stdout.splitlines():
-            try:
-                record = parse_record(line)
-            except ValueError:  # a line of scontrol's own ("Node n9 not found")
-                continue
-            if record.get("NodeName") == name and record.get("NodeAddr"):
-                return record["NodeAddr"]
-    logger.debug("scontrol show node %s names no NodeAddr (exit status %s: %s): its "
-                 "address is taken to be its name", name, done.returncode,
-                 done.stderr.strip() or done.stdout.strip()[:200])
-    return name

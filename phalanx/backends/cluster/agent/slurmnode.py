@@ -16,17 +16,11 @@ starts one agent per node of the job with ``--slurm DIR``. Each agent
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
-import shutil
-import subprocess
 
-from phalanx import config
+from phalanx.node.slurm import node_address
 from phalanx.world.slurm import JOB_AGENTS as AGENTS
 from phalanx.world.slurm import JOB_TOKEN as TOKEN
-from phalanx.world.slurm import parse_record
-
-logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,28 +56,3 @@ class SlurmNode:
         with os.fdopen(fd, "w") as out:
             out.write(f"{host}:{port}\n")
         os.replace(partial, final)
-
-
-def node_address(node: str) -> str:
-    """``node``'s NodeAddr, from ``scontrol show node -o``; the name itself where scontrol
-    is missing or says nothing of it."""
-    scontrol = shutil.which("scontrol")
-    if scontrol is None:
-        return node
-    try:
-        done = subprocess.run([scontrol, "show", "node", "-o", node], capture_output=True,
-                              text=True, timeout=config.SLURM_COMMAND_TIMEOUT, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        logger.warning("scontrol show node %s failed (%s); listening on the node's name",
-                       node, exc)
-        return node
-    for line in done.stdout.splitlines():
-        try:
-            record = parse_record(line)
-        except ValueError:  # "Node x not found" comes on stdout
-            continue
-        if record.get("NodeName") == node and record.get("NodeAddr"):
-            return record["NodeAddr"]
-    logger.warning("scontrol does not know node %s (%s); listening on its name", node,
-                   done.stderr.strip() or f"exit status {done.returncode}")
-    return node
