@@ -1,4 +1,4 @@
-"""W13: several groups in one job, on each backend (local, Ray, agents).
+"""W14: several groups in one job, on each backend (local, Ray, agents).
 
 - **start**: one 4-rank group, against two 2-rank groups colocated on one
   ``px.ResourcePool(procs_per_node=2, colocate=2)`` started one after the other (the pool's
@@ -123,17 +123,17 @@ def main(argv: list[str] | None = None) -> int:
             return by_key[key]
 
         for name in names:
-            print(f"W13 on {name} ...", file=sys.stderr, flush=True)
+            print(f"W14 on {name} ...", file=sys.stderr, flush=True)
             backend = _backend(name, agents)
             for label, values in _start(backend, trials).items():
-                row(f"W13.start.{label.strip()}", f"W13 start, {label}", "s").raw[name] = values
+                row(f"W14.start.{label.strip()}", f"W14 start, {label}", "s").raw[name] = values
             lat = _slices(backend, trials)
             for label, values in lat.items():
-                row(f"W13.call.{label}", f"W13 no-op call, {label}",
+                row(f"W14.call.{label}", f"W14 no-op call, {label}",
                     "us/call").raw[name] = values
             for a, b in (("slice(dp=0)", "group, ranks 0-1"),
                          ("slice(dp=range(2))", "whole group")):
-                row(f"W13.slice_ratio.{a}", f"W13 {a} / {b}", "x").raw[name] = [
+                row(f"W14.slice_ratio.{a}", f"W14 {a} / {b}", "x").raw[name] = [
                     median(lat[a]) / median(lat[b])]
     finally:
         if agents is not None:

@@ -11,10 +11,13 @@
   RSS growth, the machine's shared memory (``Shmem`` in
   ``/proc/meminfo``: where memory blocks live) and the results the producers still keep;
 - **W12**, weights from trainers to generators: 1 GiB of a torch state dict (16 float32
-  tensors of 64 MiB) from trainer rank 0 to the 2 generator ranks, three ways: a gloo
-  broadcast in the joint world of ``px.rendezvous``, a ``keep=True`` handle, and
-  ``put()`` of the weights fetched to the controller; each generator copies them into
-  its own tensors, and ends with the trainer's (a checksum).
+  tensors of 64 MiB) from trainer rank 0 to the 2 generator ranks, five ways: a gloo
+  broadcast written by hand in the joint world of ``px.rendezvous`` (received in place),
+  a ``keep=True`` handle, ``put()`` of the weights fetched to the controller, and
+  ``px.weight_sync`` -- as it chooses on one machine (shared memory), and made to use its
+  gloo broadcast (``transport="broadcast"``); but for the hand-written broadcast, each
+  generator copies the weights into its own tensors, and ends with the trainer's (a
+  checksum).
 
     python -m bench.handoff [--quick] [--json PATH] [--only W11,W12] [--no-ray]
                             [--soak HANDOFFS]
@@ -46,7 +49,7 @@ MiB = 1 << 20
 ARRAY_BYTES = 64 * MiB  # W11: one producer rank's result
 TENSORS, TENSOR_BYTES = 16, 64 * MiB  # W12: 1 GiB of weights
 W11_WAYS = ("handles", "controller", "ray", "phalanx-ray")
-W12_WAYS = ("gloo broadcast", "handles", "put")
+W12_WAYS = ("gloo broadcast", "handles", "put", "weight_sync", "weight_sync gloo")
 
 
 # -- worker classes (importable by the ranks and by Ray's workers) ------------------------
@@ -321,7 +324,17 @@ def _w12(trials: int, out: dict[str, list[float]]) -> None:
             ref.free()
             del w
 
-        ways = {"gloo broadcast": broadcast, "handles": handles, "put": put}
+        synced = px.weight_sync(trainers, generators, src_rank=0)
+        synced_gloo = px.weight_sync(trainers, generators, src_rank=0, transport="broadcast")
+
+        def weight_sync() -> None:
+            synced.push("state", "load")
+
+        def weight_sync_gloo() -> None:
+            synced_gloo.push("state", "load")
+
+        ways = {"gloo broadcast": broadcast, "handles": handles, "put": put,
+                "weight_sync": weight_sync, "weight_sync gloo": weight_sync_gloo}
         for trial in range(-1, trials):  # trial -1: a warm-up of each way, untimed
             for name in trial_order(list(ways), max(trial, 0)):
                 generators.call("reset")
@@ -337,6 +350,8 @@ def _w12(trials: int, out: dict[str, list[float]]) -> None:
                     out.setdefault(name, []).append(took)
                 print(f"  W12 {name}: {took:.3f} s{' (warm-up)' if trial < 0 else ''}",
                       file=sys.stderr, flush=True)
+        synced.close()
+        synced_gloo.close()
 
 
 # -- report -------------------------------------------------------------------------------
@@ -458,6 +473,12 @@ def main(argv: list[str] | None = None) -> int:
             targets.append(_target(f"W11 soak: {w11_soak['handoffs']:.0f} handoffs leave no "
                                    "memory held (every growth < 64 MiB, nothing kept)",
                                    left < ARRAY_BYTES / MiB and w11_soak["kept_after"] == 0))
+    if "W12" in only:
+        t12 = rows12[0]
+        mine = t12.value("weight_sync")
+        others = [v for v in (t12.value(w) for w in W12_WAYS[:3]) if v is not None]
+        targets.append(_target("W12: weight_sync at least as fast as the best other way",
+                               None if mine is None or not others else mine <= min(others)))
     for note in notes:
         print(f"note: {note}")
     for error in errors:

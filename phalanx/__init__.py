@@ -45,6 +45,9 @@ _EXPORTS = {
     "ObjectRef": "phalanx.controller.refs",
     "RefState": "phalanx.controller.refs",
     "ResultRef": "phalanx.controller.refs",
+    "SliceRef": "phalanx.controller.refs",
+    "chunk": "phalanx.controller.chunks",
+    "keep": "phalanx.rank.kept",
     "GroupSlice": "phalanx.controller.slices",
     "ResourcePool": "phalanx.controller.pool",
     "InjectedFault": "phalanx.rank.faults",
@@ -69,6 +72,8 @@ _EXPORTS = {
     "breakpoint": "phalanx.rank.debugger",
     "rendezvous": "phalanx.controller.joint",
     "spmd": "phalanx.controller.spmd",
+    "WeightSync": "phalanx.controller.weightsync",
+    "weight_sync": "phalanx.controller.weightsync",
 }
 
 __all__ = [
@@ -99,32 +104,39 @@ __all__ = [
     "ResultRef",
     "SerializationError",
     "ShardedFuture",
+    "SliceRef",
     "SlurmBackend",
     "StackReport",
     "StartupError",
     "StartupReport",
+    "WeightSync",
     "WorkerDied",
     "WorkerError",
     "WorkerGroup",
     "WorkerUnresponsive",
     "__version__",
     "breakpoint",
+    "chunk",
+    "keep",
     "rendezvous",
     "spmd",
+    "weight_sync",
 ]
 
 if TYPE_CHECKING:
     from phalanx.backends.cluster.backend import ClusterBackend
     from phalanx.backends.cluster.slurm import SlurmBackend
     from phalanx.backends.ray.backend import RayBackend
+    from phalanx.controller.chunks import chunk
     from phalanx.controller.futures import GroupFuture, RankFuture, ShardedFuture
     from phalanx.controller.group import WorkerGroup
     from phalanx.controller.joint import rendezvous
     from phalanx.controller.pool import ResourcePool
-    from phalanx.controller.refs import ObjectRef, RefState, ResultRef
+    from phalanx.controller.refs import ObjectRef, RefState, ResultRef, SliceRef
     from phalanx.controller.slices import GroupSlice
     from phalanx.controller.spmd import spmd
     from phalanx.controller.watch import RankHealth, StackReport, StartupReport
+    from phalanx.controller.weightsync import WeightSync, weight_sync
     from phalanx.errors import (
         AuthenticationError,
         CallTimeout,
@@ -147,6 +159,7 @@ if TYPE_CHECKING:
     )
     from phalanx.rank.debugger import breakpoint
     from phalanx.rank.faults import InjectedFault
+    from phalanx.rank.kept import keep
     from phalanx.world.sharding import NamedSharding
 
 

@@ -302,6 +302,9 @@ class LocalBackend(Backend):
     def released(self, channel: Channel, ref_id: int) -> None:
         self._unmap(self._objects.released(ref_id, channel))
 
+    def segments(self, obj: HeldObject) -> list[Any] | None:
+        return obj.segments if obj.segments is not None else self._objects.parts(obj.id)
+
     @staticmethod
     def _unmap(unmaps: list[tuple[str, set[Any]]]) -> None:
         """Closed blocks: the ranks that mapped them let go of their mappings too."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from phalanx.backends.held import HeldObject, KeptCopy, NodeAddress
 
@@ -52,6 +52,10 @@ class ObjectHolding(Protocol):
     def released(self, channel: Channel, ref_id: int) -> None:
         """The rank of ``channel`` holds no view of freed object ``ref_id`` any more
         (RELEASED): a holder that reuses its blocks may reuse that one."""
+
+    def segments(self, obj: HeldObject) -> list[Any] | None:
+        """``obj``'s pickle and buffers as this backend holds them, for another group of
+        the same backend to hold a copy of (its calls name the handle); None once freed."""
 
 
 class KeptCopying(Protocol):

@@ -120,7 +120,7 @@ class Sender:
         tolerant = type(workers) is str and workers in ("ready", "any")
         if stream:
             future: GroupFuture = StreamFuture(method, ranks, self._dispatcher, tolerant,
-                                               timeout)
+                                               timeout, self._kept)
         elif keep:
             if self._kept is None:  # pragma: no cover - the group sets it at once
                 raise RuntimeError("keep=True before the group's kept results were made")
@@ -128,7 +128,7 @@ class Sender:
                                 call_id)
             method = KEEP + method  # the rank keeps the result (phalanx.rank.kept)
         else:
-            future = GroupFuture(method, ranks, self._dispatcher, tolerant)
+            future = GroupFuture(method, ranks, self._dispatcher, tolerant, self._kept)
         if payloads and (len(payloads[0]) > 1 or type(payloads[0]) is Encoded or (
                 len(payloads) > 1 and any(type(p) is Encoded for p in payloads))):
             segments = self._shared.prepare(future, payloads, met(payloads),

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from phalanx import config
 from phalanx.errors import CallTimeout, SerializationError
 from phalanx.options import check_seconds
+from phalanx.rank.kept import ADOPTING
 
 if TYPE_CHECKING:
     from phalanx.controller.dispatch import Dispatcher
@@ -105,6 +106,7 @@ class GroupFuture:
         "_errors",
         "_failed",
         "_holds",
+        "_kept",
         "_kickoff",
         "_positions",
         "_ranks",
@@ -115,7 +117,7 @@ class GroupFuture:
     )
 
     def __init__(self, method: str, ranks: list[int], dispatcher: Dispatcher,
-                 tolerant: bool = False) -> None:
+                 tolerant: bool = False, kept: Any = None) -> None:
         self.method = method
         self._ranks = ranks  # never mutated (it may be shared with the group)
         self._dispatcher = dispatcher
@@ -136,6 +138,8 @@ class GroupFuture:
         self._holds: list[tuple[Any, list[Any]]] | None = None
         # made on workers="ready" / "any": a change of the group's nodes does not fail it
         self.tolerant = tolerant
+        # the group's KeptResults: what makes handles of px.keep() values in the results
+        self._kept = kept
 
     # -- completion side (see Completion) ----------------------------------------------
 
@@ -250,6 +254,8 @@ class GroupFuture:
         if self._decoded >> i & 1:
             return self._values[i]
         payload = self._values[i]
+        adopting, previous = ADOPTING, ADOPTING.future
+        adopting.future = self
         try:
             if len(payload) == 1:
                 value = _loads(payload[0])
@@ -262,9 +268,19 @@ class GroupFuture:
                 stage="unpickling the result",
                 rank=self._ranks[i],
             ) from exc
+        finally:
+            adopting.future = previous
         self._values[i] = value
         self._decoded |= 1 << i
         return value
+
+    def adopt_piece(self, rank: int, key: int, answer: tuple[Any, ...]) -> Any:
+        """A handle on a ``px.keep()`` value of ``rank``'s result, as it is decoded (see
+        :func:`phalanx.rank.kept.piece`)."""
+        if self._kept is None:
+            raise TypeError(f"the result of {self.method}() holds a px.keep() value, which "
+                            "this call cannot take")
+        return self._kept.adopt(rank, key, self.method, answer)
 
     def _kick(self) -> None:
         kickoff, self._kickoff = self._kickoff, None
@@ -307,6 +323,8 @@ class GroupFuture:
         if self._failed >= 0:
             raise self._errors[self._failed]  # type: ignore[index]
         if self._decoded == 0:  # first access: decode every value in one pass
+            adopting, previous = ADOPTING, ADOPTING.future
+            adopting.future = self
             try:
                 values = [
                     _loads(p[0]) if len(p) == 1 else _loads(p[0], buffers=p[1:])
@@ -314,6 +332,8 @@ class GroupFuture:
                 ]
             except Exception:  # noqa: BLE001 - redone value by value to name the rank
                 return [self.rank_value(i) for i in range(len(self._values))]
+            finally:
+                adopting.future = previous
             self._values = values
             self._decoded = (1 << len(values)) - 1
             return list(values)
@@ -456,8 +476,9 @@ class StreamFuture(GroupFuture):
     __slots__ = ("_items", "timeout")
 
     def __init__(self, method: str, ranks: list[int], dispatcher: Dispatcher,
-                 tolerant: bool = False, timeout: float | None = None) -> None:
-        super().__init__(method, ranks, dispatcher, tolerant)
+                 tolerant: bool = False, timeout: float | None = None,
+                 kept: Any = None) -> None:
+        super().__init__(method, ranks, dispatcher, tolerant, kept)
         self._items: collections.deque[tuple[int, list[Any]]] = collections.deque()
         self.timeout = timeout
 
@@ -474,7 +495,7 @@ class StreamFuture(GroupFuture):
         while True:
             if self._items:
                 rank, segments = self._items.popleft()
-                yield rank, _decode_item(segments, self.method, rank)
+                yield rank, self._decode_item(segments, rank)
                 continue
             if self._failed >= 0:
                 raise self._errors[self._failed]  # type: ignore[index]
@@ -494,16 +515,20 @@ class StreamFuture(GroupFuture):
         return [items[rank] for rank in self._ranks]
 
 
-def _decode_item(segments: list[Any], method: str, rank: int) -> Any:
-    try:
-        return _loads(segments[0], buffers=segments[1:])
-    except Exception as exc:
-        raise SerializationError(
-            f"could not unpickle an item streamed by {method}() on rank {rank}: "
-            f"{type(exc).__name__}: {exc}",
-            stage="unpickling a streamed item",
-            rank=rank,
-        ) from exc
+    def _decode_item(self, segments: list[Any], rank: int) -> Any:
+        adopting, previous = ADOPTING, ADOPTING.future
+        adopting.future = self
+        try:
+            return _loads(segments[0], buffers=segments[1:])
+        except Exception as exc:
+            raise SerializationError(
+                f"could not unpickle an item streamed by {self.method}() on rank {rank}: "
+                f"{type(exc).__name__}: {exc}",
+                stage="unpickling a streamed item",
+                rank=rank,
+            ) from exc
+        finally:
+            adopting.future = previous
 
 
 class ShardedFuture:

@@ -39,6 +39,7 @@ from phalanx.controller.watch import RankHealth, StackReport, StartupReport, Wat
 from phalanx.controller.watchdog import Watchdog
 from phalanx.errors import MembershipEvent, PhalanxError
 from phalanx.options import check_seconds
+from phalanx.rank.kept import BUILTIN
 from phalanx.world.frameworks import WorldPart
 from phalanx.world.selection import Workers
 
@@ -437,6 +438,9 @@ class WorkerGroup:
         names it, and keeps it until it is freed: ``ref.free()``, dropping the last
         reference to ``ref``, or the group's shutdown. A call in flight keeps the objects
         it names until it ends.
+
+        The handle also goes into the calls of any other group on the same backend: the
+        first such call has that group's nodes hold a copy, freed with the handle.
         """
         self._gate.check()
         return self._shared.put(obj)
@@ -516,6 +520,25 @@ class WorkerGroup:
         <phalanx.controller.joint.rendezvous>`)."""
         self._gate.check()
         return self._starter.free_port()
+
+    def send_builtin(self, method: str, ranks: Sequence[int],
+                     args: Sequence[tuple[Any, ...]], *, defer: bool = False) -> GroupFuture:
+        """Run phalanx's own call ``method`` (a built-in of the rank runtime, named
+        ``@...``: see :func:`phalanx.rank.kept.builtin`) on ``ranks``, ``ranks[i]`` with
+        ``args[i]``. The interface of phalanx's parts that drive ranks themselves
+        (:mod:`phalanx.controller.weightsync`); not for user code. GroupClosed or
+        WorkerDied before anything is sent; ``defer``: sent at the future's first wait
+        (so that several groups' calls are all checked before any goes out)."""
+        self._gate.check()
+        if not method.startswith(BUILTIN):
+            raise ValueError(f"{method!r} is not the name of a built-in call")
+        chosen = self._ranks.select(list(ranks))
+        if chosen != list(ranks) or len(args) != len(chosen):
+            raise ValueError(f"send_builtin(): ranks {list(ranks)} must be increasing, "
+                             f"with one argument tuple each ({len(args)} given)")
+        payloads = [self._sender.encode(tuple(a), {}, rank)
+                    for a, rank in zip(args, chosen, strict=True)]
+        return self._sender.send(method, chosen, payloads, defer=defer)
 
     def reload(self) -> str | None:
         """Ship the code again and restart every rank in place (same nodes, same layout).

@@ -19,6 +19,7 @@ group, the rank and why (and so does a call whose rank finds it gone).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -40,22 +41,28 @@ logger = logging.getLogger(__name__)
 class KeptRecord(Record):
     """One rank's kept result, as the controller knows it."""
 
-    __slots__ = ("call_id", "copies", "id", "location", "method", "nbytes", "rank", "source")
+    __slots__ = ("call_id", "copies", "id", "location", "method", "nbytes", "rank", "rows",
+                 "source")
 
     def __init__(self, id: int, rank: int, call_id: int, method: str, nbytes: int,
-                 location: rankkept.KeptLocation, source: NodeAddress | None) -> None:
+                 location: rankkept.KeptLocation, source: NodeAddress | None,
+                 rows: int | None = None) -> None:
         super().__init__()
         self.id = id
         self.rank = rank
+        # the call's id (keep=True), or the negative key of a px.keep() value in its result
         self.call_id = call_id
         self.method = method
         self.nbytes = nbytes
+        self.rows = rows  # its first dimension, if it has one (phalanx.rank.rows)
         self.location = location  # where it is (a block of its rank, or Ray's store)
         self.source = source  # its node, for nodes that copy it (KeptCopying.source_of)
         self.copies: list[SharedObjects] = []  # the groups whose nodes hold a copy
 
     @property
     def label(self) -> str:
+        if self.call_id < 0:
+            return f"a px.keep() value in the result of {self.method}()"
         return f"the result of {self.method}()"
 
 
@@ -89,12 +96,12 @@ class KeptResults:
 
     def adopt(self, rank: int, call_id: int, method: str, answer: tuple[Any, ...]
               ) -> ResultRef:
-        nbytes, where = answer
+        nbytes, where, rows = answer
         location = rankkept.location_of(where)
         source = (None if isinstance(location, rankkept.RayLocation) else
                   self._source(rank))
         result = KeptRecord(next(self._ids), rank, call_id, method, nbytes, location,
-                            source)
+                            source, rows)
         with self._lock:
             if self._closed:
                 result.move(RefState.RELEASED)
@@ -106,13 +113,30 @@ class KeptResults:
     # -- the Keeper interface ------------------------------------------------------------
 
     def describe(self, result: KeptRecord) -> str:
-        return f"the result of {result.method}() on rank {result.rank} of {self.label}"
+        return f"{result.label} on rank {result.rank} of {self.label}"
 
     def reduce(self, ref: ResultRef, consumer: SharedObjects) -> tuple[Any, ...]:
         result: KeptRecord = ref.record
         check_usable(result, ref)
         return rankkept.read, (result.location, self.describe(result),
                                consumer.copy_of(result))
+
+    def to_ray(self, ref: ResultRef) -> Any:
+        """A Ray ``ObjectRef`` of ``ref``'s value (see :meth:`ResultRef.to_ray`)."""
+        result: KeptRecord = ref.record
+        check_usable(result, ref)
+        location = result.location
+        if not isinstance(location, rankkept.RayLocation):
+            raise TypeError(f"{self.describe(result)} is kept in a memory block of its rank, "
+                            "not in Ray's object store: only results kept on the Ray backend "
+                            "convert to a Ray ObjectRef (pass the handle itself to phalanx "
+                            "calls, or .get() the value)")
+        import ray
+        from ray._private.serialization import _object_ref_deserializer
+
+        _, binary, owner, status = location[:4]
+        stored = _object_ref_deserializer(binary, "", owner, status, None)
+        return _decoder(ray).remote(stored)
 
     def get(self, ref: ResultRef, timeout: float | None) -> Any:
         """The value of ``ref``, here (see :meth:`ResultRef.get`)."""
@@ -208,6 +232,13 @@ class KeptResults:
 
     def __len__(self) -> int:
         return sum(len(r) for r in self._live.values())
+
+
+@functools.cache
+def _decoder(ray: Any) -> Any:
+    """The Ray task that turns a kept result's parts into its value (no CPU of its own:
+    it runs beside the groups' ranks)."""
+    return ray.remote(num_cpus=0, max_retries=0)(rankkept.decode_parts)
 
 
 def _release_copies(results: Any) -> None:

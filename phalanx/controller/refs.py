@@ -8,6 +8,9 @@ knows its rank and can be fetched -- and both go the same way into a call: anywh
 arguments, where the encoder (:meth:`.shared.SharedObjects.encode`) meets them, notes them
 and pickles each as what its rank reads; nothing else may pickle one.
 
+Rows of kept results are named by a :class:`SliceRef` (``ref[a:b]``, ``px.chunk``: see
+:mod:`.chunks`), which holds the handles it cuts from and pickles as their parts.
+
 Each handle has a record in the table of the part that made it (its *owner*, a
 :class:`Keeper`), and every record goes through the one lifecycle :class:`RefState`. The
 owner holds the record while calls in flight name it (its ``users``), so that freeing a
@@ -18,9 +21,12 @@ from __future__ import annotations
 
 import enum
 import weakref
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from phalanx.errors import ObjectFreed, ObjectLost
+from phalanx.rank import kept as rankkept
+from phalanx.rank import rows as rowslib
 
 
 class RefState(enum.Enum):
@@ -124,13 +130,16 @@ class ObjectRef:
     """A handle on data held outside the controller: an object stored once per node by
     :meth:`WorkerGroup.put`, or (:class:`ResultRef`) a result kept on a rank.
 
-    Pass it anywhere in a call's arguments; each rank receives the object. ``free()``
+    Pass it anywhere in a call's arguments -- of its group, or of any other group on the
+    same backend, whose nodes then hold a copy until it is freed; each rank receives the
+    object. ``free()``
     releases it (so does dropping the last reference, and its group's shutdown);
     afterwards it raises :class:`~phalanx.errors.ObjectFreed` wherever it is passed.
     """
 
     __slots__ = ("__weakref__", "_finalizer", "_owner", "_record")
-    _GOES_TO = "calls of the WorkerGroup that put it"  # where it may be passed
+    # where it may be passed
+    _GOES_TO = "calls of any group on the backend of the WorkerGroup that put it"
 
     def __init__(self, owner: Keeper, record: Record) -> None:
         self._owner = owner
@@ -206,16 +215,160 @@ class ResultRef(ObjectRef):
     def rank(self) -> int:
         return int(self._record.rank)
 
+    @property
+    def rows(self) -> int | None:
+        """Its value's first dimension -- an array's, a list's length, the common one of a
+        dict or tuple of arrays -- or None when it has none (see :func:`px.chunk
+        <phalanx.controller.chunks.chunk>`)."""
+        rows = self._record.rows
+        return None if rows is None else int(rows)
+
     def get(self, timeout: float | None = None) -> Any:
         """The value, fetched to the controller (arrays read-only views where the producer
         is on this machine or on Ray; otherwise asked of the producing rank)."""
         owner: Any = self._owner
         return owner.get(self, timeout)
 
+    def to_ray(self) -> Any:
+        """A Ray ``ObjectRef`` of its value, for Ray code (``ray.get``, an actor's
+        ``.remote()``), on the Ray backend: Ray's store makes it from the kept bytes, the
+        controller never holding them. It lives as Ray's references do, apart from this
+        handle. TypeError on another backend. A Ray ``ObjectRef`` passed as a call's
+        argument reaches the method as its value, fetched by Ray on the rank."""
+        owner: Any = self._owner
+        return owner.to_ray(self)
+
+    def __getitem__(self, index: slice) -> Any:
+        """Rows ``a:b`` of its value, as a :class:`SliceRef`
+        (nothing is read until a rank's call names it)."""
+        return slice_ref(self, index)
+
     def __repr__(self) -> str:
         record = self._record
         return (f"<ResultRef {self._owner.describe(record)}: {size_text(record.nbytes)}"
                 f"{_state_text(record)}>")
+
+
+Part = tuple[ResultRef, int, int]  # a kept result and the rows [start, stop) of it
+
+
+class SliceRef:
+    """A handle on rows of kept results, in order: made by ``ref[a:b]`` or :func:`chunk`.
+
+    Pass it anywhere in a call's arguments (any group's): the rank receives one value
+    holding those rows. ``rows`` is how many; ``get()`` fetches them here; slicing it
+    again (``part[a:b]``) narrows it.
+    """
+
+    __slots__ = ("_parts",)
+
+    def __init__(self, parts: Sequence[Part]) -> None:
+        if not parts:
+            raise ValueError("a SliceRef names at least one part")
+        self._parts = tuple(parts)
+
+    @property
+    def parts(self) -> tuple[Part, ...]:
+        """``(handle, start, stop)`` for each kept result it cuts rows from, in order."""
+        return self._parts
+
+    @property
+    def refs(self) -> tuple[ResultRef, ...]:
+        return tuple(ref for ref, _, _ in self._parts)
+
+    @property
+    def rows(self) -> int:
+        return sum(stop - start for _, start, stop in self._parts)
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def __getitem__(self, index: Any) -> SliceRef:
+        start, stop = _bounds(index, self.rows, repr(self))
+        return SliceRef(cut(self._parts, start, stop))
+
+    def get(self, timeout: float | None = None) -> Any:
+        """The rows, fetched to the controller (see :meth:`ResultRef.get`)."""
+        return rowslib.join([rowslib.take(ref.get(timeout), start, stop)
+                             for ref, start, stop in self._parts])
+
+    def reduce_for(self, consumer: Any) -> tuple[Any, ...]:
+        """How it pickles into a call of ``consumer``'s group: each part as its handle
+        pickles (where its rank reads it), with its rows (:func:`rankkept.read_rows`)."""
+        parts = []
+        for ref, start, stop in self._parts:
+            _, where = ref.reduce_for(consumer)
+            parts.append((where, start, stop))
+        return rankkept.read_rows, (parts,)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        raise TypeError(f"{self!r} can only be passed in the arguments of a group's calls "
+                        "(phalanx pickles it there as what the rank reads)")
+
+    def __repr__(self) -> str:
+        spans = ", ".join(f"{ref.owner.describe(ref.record)} [{start}:{stop}]"
+                          for ref, start, stop in self._parts[:3])
+        more = f", and {len(self._parts) - 3} more" if len(self._parts) > 3 else ""
+        nbytes = sum(ref.nbytes for ref in self.refs)
+        return f"<SliceRef of {self.rows} rows: {spans}{more} (of {size_text(nbytes)})>"
+
+
+def rows_of(ref: Any, what: str = "the handle") -> int:
+    """How many rows ``ref`` (a ResultRef or a SliceRef) names; TypeError naming ``what``
+    when it is neither or its value has no rows."""
+    if isinstance(ref, SliceRef):
+        return ref.rows
+    if not isinstance(ref, ResultRef):
+        raise TypeError(f"{what} is {ref!r}: only kept results (ResultRef, SliceRef) have "
+                        "rows; put() objects and plain values do not")
+    rows = ref.record.rows
+    if rows is None:
+        raise TypeError(f"{what} ({ref!r}) has no rows: its value is not an array, a tensor, "
+                        "a list, or a dict / tuple of arrays with one first dimension")
+    return int(rows)
+
+
+def slice_ref(ref: ResultRef, index: Any) -> SliceRef:
+    """``ref[index]`` (``ResultRef.__getitem__``)."""
+    start, stop = _bounds(index, rows_of(ref), repr(ref))
+    return SliceRef([(ref, start, stop)])
+
+
+def _bounds(index: Any, rows: int, what: str) -> tuple[int, int]:
+    if not isinstance(index, slice):
+        raise TypeError(f"{what} is sliced by rows, as ref[a:b]; got index {index!r}")
+    start, stop, step = index.indices(rows)
+    if step != 1:
+        raise ValueError(f"{what}[{index.start}:{index.stop}:{index.step}]: rows are cut "
+                         "in one piece (step 1)")
+    return start, max(start, stop)
+
+
+def cut(parts: Sequence[Part], start: int, stop: int) -> list[Part]:
+    """The parts covering rows ``[start, stop)`` of ``parts`` joined (never empty: an
+    empty range keeps an empty cut of the part it falls in, so its value has a type)."""
+    out: list[Part] = []
+    offset = 0
+    for ref, a, b in parts:
+        size = b - a
+        lo, hi = max(start, offset), min(stop, offset + size)
+        if lo < hi:
+            out.append((ref, a + lo - offset, a + hi - offset))
+        offset += size
+    if not out:
+        out.append(_empty_cut(parts, start))
+    return out
+
+
+def _empty_cut(parts: Sequence[Part], row: int) -> Part:
+    """No rows, at ``row`` of the part it falls in (the end of the last one past it)."""
+    offset = 0
+    for ref, a, b in parts:
+        if row < offset + (b - a):
+            return ref, a + row - offset, a + row - offset
+        offset += b - a
+    ref, _, b = parts[-1]
+    return ref, b, b
 
 
 def _state_text(record: Record) -> str:

@@ -37,7 +37,14 @@ from typing import TYPE_CHECKING, Any
 from phalanx import config
 from phalanx.backends.held import HeldObject, KeptCopy
 from phalanx.backends.parts import lacking
-from phalanx.controller.refs import ObjectRef, Record, RefState, ResultRef, check_usable
+from phalanx.controller.refs import (
+    ObjectRef,
+    Record,
+    RefState,
+    ResultRef,
+    SliceRef,
+    check_usable,
+)
 from phalanx.errors import ObjectFreed, ObjectLost, PhalanxError, SerializationError
 from phalanx.rank import shared as shmrank
 from phalanx.rank.kept import BlockLocation
@@ -77,13 +84,15 @@ def met(payloads: Sequence[Payload]) -> tuple[ObjectRef, ...]:
 
 
 class PutRecord(Record):
-    """The controller's record of one put object: the backend's :class:`HeldObject`."""
+    """The controller's record of one put object: the backend's :class:`HeldObject`, and
+    the other groups whose nodes hold a copy of it (their calls named its handle)."""
 
-    __slots__ = ("held",)
+    __slots__ = ("held", "mirrors")
 
     def __init__(self, held: HeldObject) -> None:
         super().__init__()
         self.held = held
+        self.mirrors: list[SharedObjects] = []
 
     @property
     def id(self) -> int:
@@ -122,6 +131,8 @@ class SharedObjects:
         self._channels = channels
         self._poll = poll
         self._objects: dict[int, PutRecord] = {}
+        # another group's put object -> this group's copy of it (its calls named it)
+        self._mirrors: dict[PutRecord, ObjectRef] = {}
         self._copies: dict[KeptRecord, KeptCopy] = {}  # a kept result -> its copy here
         self._copying: dict[int, threading.Lock] = {}  # copy id -> one fetch at a time
         self._ids = itertools.count(1)
@@ -143,6 +154,9 @@ class SharedObjects:
         refs: list[ObjectRef] = []
 
         def meet(obj: Any) -> Any:
+            if isinstance(obj, SliceRef):
+                refs.extend(obj.refs)
+                return (type(None), ()) if putting else obj.reduce_for(self)
             if not isinstance(obj, ObjectRef):
                 return NotImplemented
             refs.append(obj)
@@ -199,11 +213,9 @@ class SharedObjects:
 
     def _hold_for(self, ref: ObjectRef, inner: list[ObjectRef]) -> None:
         """Keep ``inner`` alive and in use as long as ``ref`` lives."""
-        records = [r.record for r in inner]
-        with self._lock:
-            for record in records:
-                record.users += 1
-        weakref.finalize(ref, self._unhold_inner, records, inner).atexit = False
+        for owner, records in _by_owner(inner):
+            owner.use(records)
+            weakref.finalize(ref, owner.unhold_inner, records, inner).atexit = False
 
     def free(self, record: PutRecord) -> None:
         with self._lock:
@@ -213,8 +225,10 @@ class SharedObjects:
         self._release(record)
 
     def _release(self, record: PutRecord) -> None:
-        """Have the backend drop it (outside the lock; the record is RELEASED already)."""
+        """Have the backend drop it (outside the lock; the record is RELEASED already),
+        and every other group its copy."""
         record.held.segments = None
+        _drop_mirrors(record)
         if self._closed or self._holder is None:
             return
         try:
@@ -228,13 +242,65 @@ class SharedObjects:
         return f"put object {record.id} ({record.label})"
 
     def reduce(self, ref: ObjectRef, consumer: SharedObjects) -> tuple[Any, ...]:
-        if consumer is not self:
-            raise TypeError(f"{ref!r} can only be passed in the arguments of calls of the "
-                            "WorkerGroup that put it (this is another group's call)")
         check_usable(ref.record, ref)
+        if consumer is not self:  # another group's call: its nodes hold a copy
+            return consumer.reduce(consumer.mirror_of(ref, self), consumer)
         held = ref.record.held
         return shmrank.resolve, ((held.id, held.token, True) if held.private else
                                  (held.id, held.token))
+
+    # -- other groups' put objects ------------------------------------------------------
+
+    def mirror_of(self, ref: ObjectRef, owner: SharedObjects) -> ObjectRef:
+        """This group's copy of ``ref``, put by ``owner`` (another group of the same
+        backend): made on first use from what ``owner``'s backend holds, freed when
+        ``ref``'s object is. TypeError across backends; ObjectFreed once freed."""
+        if owner._backend_name != self._backend_name:
+            raise TypeError(f"{ref!r} was put by a group on the {owner._backend_name} "
+                            f"backend; a call of a group on the {self._backend_name} backend "
+                            "cannot name it (put it from this group)")
+        record: PutRecord = ref.record
+        with self._lock:
+            mirror = self._mirrors.get(record)
+        if mirror is not None:
+            return mirror
+        segments = owner.segments_of(record)
+        if segments is None:
+            raise ObjectFreed(f"{ref!r} was freed while another group's call named it")
+        made = self._store(segments, record.label, private=record.held.private,
+                           tensors=record.held.tensors)
+        with self._lock:
+            mirror = self._mirrors.setdefault(record, made)
+        if mirror is not made:  # another call made one meanwhile
+            made.free()
+            return mirror
+        if not owner.mirrored_by(record, self):  # freed meanwhile
+            self.drop_mirror(record)
+            raise ObjectFreed(f"{ref!r} was freed while another group's call named it")
+        return mirror
+
+    def segments_of(self, record: PutRecord) -> list[Any] | None:
+        """The pickle and buffers of a put object of this group, as its backend holds
+        them (None once freed)."""
+        if self._holder is None or record.state is RefState.RELEASED:
+            return None
+        return self._holder.segments(record.held)
+
+    def mirrored_by(self, record: PutRecord, consumer: SharedObjects) -> bool:
+        """``consumer``'s nodes hold a copy of ``record``: dropped with it. False when it
+        is gone already."""
+        with self._lock:
+            if record.state is RefState.RELEASED or record.state is RefState.LOST:
+                return False
+            record.mirrors.append(consumer)
+        return True
+
+    def drop_mirror(self, record: PutRecord) -> None:
+        """Another group's put object ``record`` was freed: so is this group's copy."""
+        with self._lock:
+            mirror = self._mirrors.pop(record, None)
+        if mirror is not None:
+            mirror.free()
 
     # -- calls --------------------------------------------------------------------------
 
@@ -249,7 +315,10 @@ class SharedObjects:
         if kept and self._copies:
             self._copy(kept, targets())
         segments = [list(p) if type(p) is Encoded else p for p in payloads]
-        puts = [r.record for r in refs if not isinstance(r, ResultRef)]
+        puts = [r.record for r in refs if not isinstance(r, ResultRef) and r.owner is self]
+        foreign = [r for r in refs if not isinstance(r, ResultRef) and r.owner is not self]
+        for owner, records in _by_owner(foreign):  # other groups' objects: held by them
+            future.hold(owner, owner.use(records))
         transient = None
         if (len(payloads) == 1 and len(segments[0]) > 1 and self._holder is not None
                 and _nbytes(segments[0][1:]) >= AUTO_SHARE_BYTES):
@@ -273,6 +342,14 @@ class SharedObjects:
             transient.free()  # released once the call ends
         return segments
 
+    def use(self, records: list[PutRecord]) -> list[PutRecord]:
+        """A call (or an object holding them) names ``records``: held until
+        :meth:`unhold`."""
+        with self._lock:
+            for record in records:
+                record.users += 1
+        return records
+
     def unhold(self, records: list[PutRecord]) -> None:
         """A call that named ``records`` ended (every rank answered or was lost)."""
         done = []
@@ -284,7 +361,7 @@ class SharedObjects:
         for record in done:
             self._release(record)
 
-    def _unhold_inner(self, records: list[PutRecord], refs: list[ObjectRef]) -> None:
+    def unhold_inner(self, records: list[PutRecord], refs: list[ObjectRef]) -> None:
         self.unhold(records)  # ``refs`` kept alive until the holding object goes
 
     # -- kept results of other machines ---------------------------------------------------
@@ -351,11 +428,13 @@ class SharedObjects:
             self._closed = True
             self._copies.clear()  # they go with the ranks' nodes' sessions
             self._copying.clear()
+            self._mirrors.clear()  # copies of other groups' objects: go with the nodes
             records, self._objects = list(self._objects.values()), {}
             for record in records:
                 if record.move(RefState.RELEASED):
                     record.why = "its group was shut down"
                 record.held.segments = None
+                _drop_mirrors(record)
                 if self._holder is None:
                     continue
                 try:
@@ -365,3 +444,18 @@ class SharedObjects:
 
     def __len__(self) -> int:
         return len(self._objects)
+
+
+def _by_owner(refs: Sequence[ObjectRef]) -> list[tuple[Any, list[Any]]]:
+    """The records of put ``refs``, grouped by the table that owns them."""
+    owners: dict[int, tuple[Any, list[Any]]] = {}
+    for ref in refs:
+        owners.setdefault(id(ref.owner), (ref.owner, []))[1].append(ref.record)
+    return list(owners.values())
+
+
+def _drop_mirrors(record: PutRecord) -> None:
+    """``record`` is released: the other groups holding a copy drop theirs."""
+    mirrors, record.mirrors = record.mirrors, []
+    for consumer in mirrors:
+        consumer.drop_mirror(record)

@@ -21,6 +21,7 @@ after every rank that received its object said it holds no view of it any more
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -147,6 +148,19 @@ class Holder:
             held = self._held.get(ref_id)
         return None if held is None else held[2]
 
+    def parts(self, ref_id: int) -> list[bytes] | None:
+        """A copy of object ``ref_id``'s pickle and buffers, read back from its block
+        (another holder's copy is made of them); None if it is not held here."""
+        with self._lock:
+            held = self._held.get(ref_id)
+        if held is None:
+            return None
+        block, _, location = held
+        try:
+            return [_read(block.fd, offset, length) for offset, length in location[3]]
+        except OSError:  # closed meanwhile: freed
+            return None
+
     def objects(self) -> list[tuple[int, str, Location]]:
         """Every object held now, as ``(ref id, token, location)``: what a rank started
         later is told."""
@@ -198,6 +212,17 @@ class Holder:
                 self._pool.close()
         for block, _, _ in held:
             block.close()
+
+
+def _read(fd: int, offset: int, length: int) -> bytes:
+    chunks, done = [], 0
+    while done < length:
+        chunk = os.pread(fd, length - done, offset + done)
+        if not chunk:
+            raise OSError(f"a block ended {length - done} bytes early")
+        chunks.append(chunk)
+        done += len(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _unmaps(closed: list[Block]) -> list[tuple[str, set[Any]]]:

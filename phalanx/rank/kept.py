@@ -27,13 +27,15 @@ process reads it: every reader holds a shared lock on it while its mapping lives
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import threading
 import time
+from collections.abc import Hashable
 from typing import Any, NamedTuple
 
 from phalanx.errors import ObjectLost
-from phalanx.rank import shared
+from phalanx.rank import rows, shared
 from phalanx.wire import pickling
 
 KEEP = "~"  # a call's method name starts with it: keep its result here
@@ -41,6 +43,7 @@ BUILTIN = "@"  # the name of a call phalanx's runtime serves itself
 IN_RAY_WORKER = False  # set when the rank runs in its Ray actor's worker (start_in_actor)
 POOL_BLOCKS = 4  # dropped results' blocks a rank keeps for its next results
 POOL_IDLE = 2.0  # seconds a pooled block waits for a result before it is closed
+RANK: int | None = None  # this process's rank, set by its runtime (None: not a rank)
 
 
 class BlockLocation(NamedTuple):
@@ -52,6 +55,9 @@ class BlockLocation(NamedTuple):
     token: str  # the block's name: a reused descriptor number is never mistaken for it
     extents: list[Any]  # (offset, length) of the pickle, then of each buffer
     capacity: int  # the block's size
+    # it holds torch tensors: readers map it copy-on-write (torch has no read-only views,
+    # and a rank writing into what it was given must not change the producer's value)
+    tensors: bool = False
 
 
 class RayLocation(NamedTuple):
@@ -61,6 +67,7 @@ class RayLocation(NamedTuple):
     object_id: bytes
     owner: Any  # its owner's address, as Ray serializes a reference
     status: Any
+    tensors: bool = False  # holds torch tensors: readers take copies (see BlockLocation)
 
 
 KeptLocation = BlockLocation | RayLocation
@@ -85,17 +92,33 @@ def machine() -> str:
 
 
 class Kept:
-    """This rank's kept results, by the id of the call that made them."""
+    """This rank's kept results, by the id of the call that made them (``keep=True``) or
+    by a negative id of their own (a :func:`keep` inside a result)."""
 
     def __init__(self) -> None:
-        self._held: dict[int, Any] = {}  # call id -> (its Block, extents), or its ray.ObjectRef
+        # key -> (its Block, extents), or its ray.ObjectRef
+        self._held: dict[Hashable, Any] = {}
         self._pool: list[tuple[float, Any]] = []  # (when, Block) of dropped results
         self._lock = threading.Lock()  # calls on a thread pool may keep at once
         self._trimmer: threading.Thread | None = None
+        self._pieces = itertools.count(-1, -1)  # keys of px.keep() values: never a call id
 
     def keep(self, call_id: int, value: Any) -> list[Any]:
-        """Hold ``value``; the answer: its size and where it is (see ResultRef)."""
-        parts = pickling.dumps(value)
+        """Hold ``value``; the answer: its size, where it is and its rows (see ResultRef)."""
+        return pickling.dumps_fast(self._hold(call_id, value))
+
+    def keep_piece(self, value: Any) -> tuple[Any, ...]:
+        """Hold a :func:`keep` value met in a result: what the controller makes a handle
+        of (the rank, its key, its size, where it is, its rows)."""
+        key = next(self._pieces)
+        return (RANK, key, *self._hold(key, value))
+
+    def _hold(self, key: Hashable, value: Any) -> tuple[Any, ...]:
+        _NESTING.depth += 1
+        try:
+            parts, tensors = pickling.dumps_noting(value)
+        finally:
+            _NESTING.depth -= 1
         nbytes = sum(memoryview(p).nbytes for p in parts)
         held: Any
         if IN_RAY_WORKER:
@@ -103,31 +126,32 @@ class Kept:
             import ray
 
             held = ray.put([numpy.frombuffer(p, numpy.uint8) for p in parts])
-            location: tuple[Any, ...] = shared.ray_location(held)
+            location: tuple[Any, ...] = (*shared.ray_location(held), tensors)
         else:
             from phalanx.wire import memfd
 
             extents, size = memfd.extents_of(parts)
             block = self._reusable(size) or memfd.Block(size)
-            held = block.fill(parts, extents)
-            location = _location(block, extents)
+            held = (*block.fill(parts, extents), tensors)
+            location = _location(*held)
         with self._lock:
-            self._held[call_id] = held
-        return pickling.dumps_fast((nbytes, location))
+            self._held[key] = held
+        made = _NESTING.made
+        if made is not None:
+            made.append(key)
+        return nbytes, location, rows.rows_of(value)
 
-    def fetch(self, call_id: int) -> Any:
+    def fetch(self, call_id: Hashable) -> Any:
         """A kept value, unpickled here (``@fetch``)."""
         with self._lock:
             held = self._held.get(call_id)
         if held is None:
             raise ObjectLost(f"no result of call {call_id} is kept on this rank")
         if isinstance(held, tuple):
-            block, extents = held
-            return read(BlockLocation(*_location(block, extents)),
-                        f"the result of call {call_id}")
+            return read(BlockLocation(*_location(*held)), f"the result of call {call_id}")
         return read(RayLocation(*shared.ray_location(held)), f"the result of call {call_id}")
 
-    def drop(self, call_ids: list[int]) -> None:
+    def drop(self, call_ids: list[Hashable]) -> None:
         """Forget these results (``@drop``): their blocks go to the pool (the oldest of
         a full one closes: its memory goes once no view maps it)."""
         now = time.monotonic()
@@ -179,15 +203,108 @@ class Kept:
 KEPT = Kept()
 
 
-def _location(block: Any, extents: list[Any]) -> tuple[Any, ...]:
+class _Nesting(threading.local):
+    depth = 0  # > 0 while this thread pickles a value it keeps
+    made: list[Hashable] | None = None  # px.keep() values held while a result is pickled
+
+
+def dumps_result(result: Any) -> list[Any]:
+    """A call's result pickled to be sent back (the values it marks with :func:`keep`
+    held here); if it cannot be, the values it had held are dropped again."""
+    plain = pickling.dumps_plain(result)
+    if plain is not None:
+        return plain
+    made: list[Hashable] = []
+    _NESTING.made = made
+    try:
+        return pickling.dumps(result)
+    except BaseException:
+        if made:
+            KEPT.drop(made)
+        raise
+    finally:
+        _NESTING.made = None
+
+
+_NESTING = _Nesting()
+
+
+class Keep:
+    """A value inside a rank's result that stays on the rank: what :func:`keep` returns.
+
+    Pickled with the result, it is held here as a ``keep=True`` result is, and crosses
+    to the controller as the small answer :func:`piece` makes a handle of."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if RANK is None:
+            raise TypeError("px.keep() marks a value in the result of a rank's method; "
+                            "it cannot be sent from the controller")
+        if _NESTING.depth:
+            raise TypeError("px.keep() inside a value that is itself kept (keep=True or "
+                            "another px.keep()); keep the parts side by side instead")
+        return piece, KEPT.keep_piece(self.value)
+
+    def __repr__(self) -> str:
+        return f"px.keep({type(self.value).__name__})"
+
+
+def keep(value: Any) -> Keep:
+    """Keep ``value`` on this rank while the rest of the method's result goes back: the
+    caller receives a :class:`~phalanx.controller.refs.ResultRef` in its place, as
+    ``keep=True`` gives for a whole result. ``return {"tokens": px.keep(tokens),
+    "lengths": lengths}`` sends the lengths and a handle on the tokens, whose bytes go
+    only to the ranks whose calls name the handle."""
+    return Keep(value)
+
+
+class _Adopting(threading.local):
+    # the future decoding a result on this thread (a GroupFuture: .adopt_piece)
+    future: Any = None
+
+
+ADOPTING = _Adopting()
+
+
+def piece(rank: int, key: int, nbytes: int, location: Any, rows: int | None) -> Any:
+    """What a :func:`keep` value unpickles to in the controller: a handle made by the
+    future whose result holds it (see :data:`ADOPTING`)."""
+    future = ADOPTING.future
+    if future is None:
+        raise TypeError("a px.keep() value can only be read in the result of the call "
+                        "that kept it")
+    return future.adopt_piece(rank, key, (nbytes, location, rows))
+
+
+def _location(block: Any, extents: list[Any], tensors: bool) -> tuple[Any, ...]:
     """Where a result kept in ``block`` of this process is: a :class:`BlockLocation`'s
     fields, as a plain tuple."""
-    return (machine(), os.getpid(), block.fd, block.token, extents, block.capacity)
+    return (machine(), os.getpid(), block.fd, block.token, extents, block.capacity, tensors)
 
 
-def builtin(name: str) -> Any:
-    """The function a built-in call runs, or None."""
+WEIGHT_SYNC = "@sync."  # px.weight_sync's built-ins start so (phalanx.rank.weightsync.PREFIX)
+
+
+def builtin(name: str, obj: Any = None) -> Any:
+    """The function a built-in call runs, or None. ``px.weight_sync``'s
+    (:mod:`phalanx.rank.weightsync`, imported with the first of them: a rank that syncs
+    no weights never imports it, nor torch) call the methods of the rank's object
+    ``obj``."""
+    if name.startswith(WEIGHT_SYNC):
+        from phalanx.rank import weightsync
+
+        return weightsync.builtin(name, obj)
     return {"@fetch": KEPT.fetch, "@drop": KEPT.drop}.get(name)
+
+
+def read_rows(parts: list[tuple[tuple[Any, ...], int, int]]) -> Any:
+    """What a handle on rows of kept results unpickles to in a rank: each part's value
+    read where it is (:func:`read`), cut to its rows, and the cuts joined in order."""
+    return rows.join([rows.take(read(*where), start, stop) for where, start, stop in parts])
 
 
 def read(location: KeptLocation, producer: str, copy: tuple[int, str] | None = None) -> Any:
@@ -201,12 +318,13 @@ def read(location: KeptLocation, producer: str, copy: tuple[int, str] | None = N
                 f"{producer} is kept in Ray's object store, which only ranks on Ray (and the "
                 "controller) can read; fetch it with .get() and pass the value")
         try:
-            return shared.from_ray(0, location, False)
+            return shared.from_ray(0, location, location.tensors)
         except shared.NotShared as exc:
             raise ObjectLost(f"{producer} is lost: {exc}") from None
     if location.machine != machine() and copy is not None:
         try:
-            return shared.resolve(*copy)
+            # tensors: a fresh copy-on-write mapping per call, as the producer's own is
+            return shared.resolve(*copy, private=location.tensors)
         except shared.NotShared as exc:
             raise ObjectLost(f"{producer} is lost: this node's copy of it is gone "
                              f"({exc})") from None
@@ -217,10 +335,39 @@ def read(location: KeptLocation, producer: str, copy: tuple[int, str] | None = N
             "value, or put() it")
     try:
         block = shared.map_block(location.pid, location.fd, location.token,
-                                 location.capacity, False, locked=True)
+                                 location.capacity, location.tensors, locked=True)
     except shared.NotShared as exc:
         raise ObjectLost(f"{producer} is lost: {exc} (the rank that made it is gone)") from None
-    return shared.unpickle(block, location.extents, False, [])
+    return shared.unpickle(block, location.extents, location.tensors, [])
+
+
+def resolve_ray_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]
+                          ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A call's arguments as a Ray actor's method receives them: a Ray ``ObjectRef`` given
+    as an argument itself (not nested in one) is replaced by its value, fetched here by
+    Ray -- so code written against Ray actors moves as it is. Only in a Ray worker."""
+    import ray
+
+    refs = [a for a in (*args, *kwargs.values()) if isinstance(a, ray.ObjectRef)]
+    if not refs:
+        return args, kwargs
+    try:
+        values = dict(zip(map(id, refs), ray.get(refs, timeout=shared.RAY_GET_TIMEOUT),
+                          strict=True))
+    except ray.exceptions.GetTimeoutError:
+        raise TimeoutError(f"Ray did not bring the ObjectRef arguments {refs} to this node "
+                           f"within {shared.RAY_GET_TIMEOUT:.0f} s") from None
+    return (tuple(values.get(id(a), a) for a in args),
+            {k: values.get(id(v), v) for k, v in kwargs.items()})
+
+
+def decode_parts(parts: list[Any]) -> Any:
+    """A kept result's value from its parts in Ray's store (the pickle, then its buffers):
+    what the task behind ``ResultRef.to_ray()`` returns, for Ray to store as a value."""
+    import pickle
+
+    head, *rest = parts
+    return pickle.loads(memoryview(head), buffers=[memoryview(p) for p in rest])
 
 
 def _is_ray_driver() -> bool:

@@ -220,7 +220,7 @@ class WorkerRuntime:
         kind, _, ranks, (sys_path, options) = protocol.parse(segs[0])
         if kind != protocol.INIT:
             raise RuntimeError(f"expected INIT, got message kind {kind}")
-        self.rank = ranks[0]
+        self.rank = kept.RANK = ranks[0]
         mismatch = version_mismatch(options.get("version"))
         if mismatch:  # the pickles name modules of another release: refuse before loading one
             failure = _failure(RuntimeError(mismatch), "checking phalanx's version")
@@ -368,9 +368,11 @@ class WorkerRuntime:
                 faults.perform(method, *self._faults.pop(method))
                 stage = "unpickling the arguments"
             args, kwargs = pickling.loads(segs[1:])
+            if kept.IN_RAY_WORKER and (args or kwargs):
+                args, kwargs = kept.resolve_ray_arguments(args, kwargs)
             stage = "looking up the method"
             fn = (getattr(self.obj, method, _Missing.METHOD) if method[0] != BUILTIN
-                  else kept.builtin(method) or _Missing.METHOD)
+                  else kept.builtin(method, self.obj) or _Missing.METHOD)
             if fn is _Missing.METHOD:
                 available = ", ".join(public_methods(self.obj)) or "none"
                 raise AttributeError(
@@ -390,7 +392,7 @@ class WorkerRuntime:
                 self._stream(call_id, result)
                 return
             stage = "pickling the result"
-            payload = kept.KEPT.keep(call_id, result) if keep else pickling.dumps_fast(result)
+            payload = kept.KEPT.keep(call_id, result) if keep else kept.dumps_result(result)
         except SystemExit as exc:
             raise _WorkerExit(exit_code_of(exc.code)) from None
         except BaseException as exc:  # noqa: BLE001 - reported to the controller

@@ -188,7 +188,7 @@ def from_ray(ref_id: int, location: tuple, private: bool) -> Any:
     import ray
     from ray._private.serialization import _object_ref_deserializer
 
-    _, binary, owner, status = location
+    _, binary, owner, status = location[:4]
     ref = _object_ref_deserializer(binary, "", owner, status, None)
     try:
         parts = ray.get(ref, timeout=RAY_GET_TIMEOUT)

@@ -218,3 +218,55 @@ def test_a_ranks_child_dies_with_its_sigkilled_actor():
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+
+
+class RayCode:
+    """Methods written for Ray actors: values in, ObjectRefs nested as refs."""
+
+    def make(self, n: int):
+        import numpy as np
+
+        return np.arange(n, dtype=np.float64)
+
+    def total(self, x, scale=1.0) -> tuple[str, float]:
+        import numpy as np
+
+        return type(x).__name__, float(np.asarray(x).sum()) * float(np.asarray(scale).sum())
+
+    def nested(self, box: dict) -> tuple[str, float]:
+        import ray
+
+        return type(box["ref"]).__name__, float(ray.get(box["ref"], timeout=60).sum())
+
+
+def test_a_kept_handle_converts_to_a_ray_object_ref_and_ray_refs_arrive_as_values():
+    import numpy as np
+
+    @ray.remote(num_cpus=0)
+    class Plain:
+        def total(self, x) -> float:
+            return float(x.sum())
+
+    with px.WorkerGroup(RayCode, procs_per_node=2, backend="ray", echo_output=False) as group:
+        refs = group.call("make", 100, keep=True, timeout=60)
+        converted = refs[1].to_ray()
+        assert isinstance(converted, ray.ObjectRef)
+        np.testing.assert_array_equal(ray.get(converted, timeout=60), np.arange(100.0))
+        plain = Plain.remote()  # raw Ray code takes it as any ObjectRef
+        try:
+            assert ray.get(plain.total.remote(converted), timeout=60) == 4950.0
+        finally:
+            ray.kill(plain)
+        # back: an ObjectRef argument reaches the method as its value, as on a Ray actor;
+        # nested in a container it stays a ref, as Ray leaves it
+        assert group.call("total", converted, timeout=60) == [("ndarray", 4950.0)] * 2
+        assert group.call("total", converted, scale=ray.put(np.full(2, 0.5)),
+                          timeout=60) == [("ndarray", 4950.0)] * 2
+        assert group.call("nested", {"ref": converted}, timeout=60) == [
+            ("ObjectRef", 4950.0)] * 2
+        refs[1].free()  # the converted ref lives on as Ray's references do
+        assert float(ray.get(converted, timeout=60).sum()) == 4950.0
+    with px.WorkerGroup(RayCode, backend="local", echo_output=False) as local:
+        ref = local.call_one(0, "make", 3, keep=True)
+        with pytest.raises(TypeError, match="only results kept on the Ray backend"):
+            ref.to_ray()

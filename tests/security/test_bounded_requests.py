@@ -260,7 +260,7 @@ def _segment_zero(kind: int, extra: bytes) -> bytes:
     (agentwire.request(99, 1), "a message of unknown kind 99"),
     (agentwire.request(protocol.RESULT, 1), "a message of unknown kind 2"),
     (agentwire.request(agentwire.READ, 1, [1, 2]),
-     "READ block is list [1, 2], not (pid, fd, name, extents, capacity)"),
+     "READ block is list [1, 2], not (pid, fd, name, extents, capacity[, tensors])"),
     (agentwire.request(agentwire.READ, 1, [1, 3, "x", [[0, 100]], 64]),
      "READ block: an extent is [0, 100], not (offset, length) within its 64 bytes"),
     (agentwire.request(agentwire.COPY, 1, 5, "t", [1, 3, "x", [], 64], "h", 0, 1.0),

@@ -550,6 +550,9 @@ class ClusterBackend(Backend):
     def released(self, channel: Channel, ref_id: int) -> None:
         return None  # an agent's blocks are its own: it reuses none the controller knows of
 
+    def segments(self, obj: HeldObject) -> list[Any] | None:
+        return obj.segments  # kept for nodes admitted later
+
     def release_copy(self, copy: KeptCopy) -> None:
         self.unshare(copy, ())  # a kept result's copy is held (and dropped) as a put object
 

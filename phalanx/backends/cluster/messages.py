@@ -279,12 +279,15 @@ _RANKS = _items("AGENT_MAX_RANKS", _integer())
 
 
 def _block(kind: str, field: str, value: Any) -> None:
-    """Where a rank keeps a result: (pid, fd, name, extents, capacity), as
-    :mod:`phalanx.rank.kept` says it (the extents: [offset, length] pairs)."""
-    if type(value) not in (list, tuple) or len(value) != 5:
+    """Where a rank keeps a result: (pid, fd, name, extents, capacity[, tensors]), as
+    :mod:`phalanx.rank.kept` says it (the extents: [offset, length] pairs; tensors: its
+    readers map it copy-on-write)."""
+    if type(value) not in (list, tuple) or len(value) not in (5, 6):
         raise Malformed(f"{kind} {field} is {type(value).__name__} {value!r:.80}, not "
-                        "(pid, fd, name, extents, capacity)")
-    pid, fd, name, extents, capacity = value
+                        "(pid, fd, name, extents, capacity[, tensors])")
+    pid, fd, name, extents, capacity = value[:5]
+    if len(value) == 6:
+        _FLAG(kind, f"{field}: its tensors flag", value[5])
     _integer(1)(kind, f"{field}: its pid", pid)
     _integer()(kind, f"{field}: its descriptor", fd)
     _TEXT(kind, f"{field}: its name", name)

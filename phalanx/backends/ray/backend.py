@@ -528,6 +528,11 @@ class RayBackend(Backend):
     def released(self, channel: Channel, ref_id: int) -> None:
         return None  # Ray's store keeps an object's pages while any view of them lives
 
+    def segments(self, obj: HeldObject) -> list[Any] | None:
+        if obj.segments is not None or self._shares is None:
+            return obj.segments
+        return self._shares.segments(obj.id)
+
     def free_port(self, node: Node) -> int:
         """Asked of the node's store actor (its ranks' actors are busy running them)."""
         return self._node_side().free_port(self._bundles[self._first_rank[node.index]].node_id,

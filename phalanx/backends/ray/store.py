@@ -111,6 +111,12 @@ class RayShares:
             for channel in on_node:
                 channel.send(protocol.share_frame(channel.rank, obj.id, obj.token, location))
 
+    def segments(self, ref_id: int) -> list[Any] | None:
+        """Object ``ref_id``'s pickle and buffers, read from Ray's store (None: freed)."""
+        with self._lock:
+            data = self._objects.get(ref_id)
+        return None if data is None else list(self._ray.get(data))
+
     def unshare(self, obj: Any, channels: Sequence[Any]) -> None:
         with self._lock:
             self._objects.pop(obj.id, None)  # Ray frees it with its last reference

@@ -112,7 +112,8 @@ class NodeObjects:
                             f"a malformed message ({type(exc).__name__}: {exc})") from None
                     if not ok:
                         raise RuntimeError(f"{where} could not READ it: {value}")
-                    return self.hold(ref_id, token, False, segs[1:])
+                    tensors = len(block) > 5 and block[5] is True  # copy-on-write views
+                    return self.hold(ref_id, token, tensors, segs[1:])
             raise RuntimeError(f"{where} did not answer READ within {timeout:g} s")
         except framing.FrameTooLarge as exc:  # bytes that are no message: this copy alone
             logger.warning("ending the copy of object %d from %s: it sent %s", ref_id, where,
@@ -145,7 +146,7 @@ class NodeObjects:
 def read(block: list, payload: list[Any]) -> agentwire.WithPayload:
     """READ: the parts of a block a rank of this node keeps a result in, as the reply's
     payload (views of a mapping of it: sent without a copy here)."""
-    pid, fd, name, extents, capacity = block
+    pid, fd, name, extents, capacity = block[:5]
     try:
         mapping = rankshared.map_block(pid, fd, name, capacity, False, locked=True)
     except rankshared.NotShared as exc:

@@ -1,0 +1,504 @@
+"""``px.weight_sync(source, targets, src_rank=0)``: a trainer's weights pushed to generator
+ranks, the step every RL loop repeats.
+
+::
+
+    sync = px.weight_sync(trainers, generators)          # nothing formed yet
+    sync.push("state_dict", "load_state_dict")           # source get() once, every target set()
+    sync.close()                                         # or ``with px.weight_sync(...)``
+
+One rank of the source group (``src_rank``) calls ``get`` -- a method returning a state
+dict, name -> torch tensor -- and every rank of every target group calls ``set`` with a
+dict of the same names, shapes, dtypes and values, its own to keep. The ranks' side is
+:mod:`phalanx.rank.weightsync` (built-in calls); the controller never sees a tensor and
+never imports torch.
+
+Transports, chosen at each formation from where the members are (``transport="auto"``):
+
+``shared`` -- every member on one machine (they map each other's memory blocks)
+    The source writes the state dict once into a memory block of the sync's, kept from
+    push to push; each target maps it and hands ``set`` views of it (copy-on-write).
+``broadcast`` -- otherwise
+    A gloo broadcast in a joint world of the source rank and every target rank, the
+    source's rank 0 in it: a header, the metadata (names, dtypes, shapes) as JSON, then
+    the bytes in uint8 buckets of at most ``bucket_mb`` MiB (two in flight; a tensor of
+    2 MiB or more moves from and into its own memory, smaller ones are packed). It is a
+    ``TCPStore`` and a ``ProcessGroupGloo`` of the sync's own, never
+    ``init_process_group``: the groups' own torch worlds stay as they are.
+
+Either way what ``set`` is given is its own: a target that keeps the tensors (rather than
+copying them, as ``load_state_dict`` does) keeps them unchanged, and the next push goes
+to new memory instead of the memory reused from push to push.
+
+Measured (``python -m bench.handoff --only W12 --no-ray``: 1 GiB of float32 weights,
+16 x 64 MiB, from one trainer rank to 2 generator ranks, each copying them into tensors
+of its own but for the hand-written broadcast; a 2-core VM shared with other work,
+median of 3 trials)::
+
+    gloo broadcast written by hand (px.rendezvous, received in place)   1.15 s
+    a keep=True handle                                                   2.79 s
+    put() of the weights fetched to the controller                       3.75 s
+    weight_sync, shared memory (what "auto" chose: one machine)          0.56 s
+    weight_sync, transport="broadcast"                                   0.99 s
+
+On one machine the shared block wins by the pages it does not make: after the first push
+neither side faults a page in (writing a reused block is a plain copy, ~0.2 s/GiB there,
+where new pages cost 0.6-2.6 s/GiB), and the targets read at once what was written once,
+where a broadcast sends every byte once per target through loopback TCP. (A handle pays
+for a new block per push: ``keep=True`` blocks are pooled for 2 s only.) Across machines
+the broadcast sends each byte once per target with no copy at either end, where a kept
+handle would be fetched by each node's agent, then mapped. ``bucket_mb`` defaults to
+:data:`DEFAULT_BUCKET_MB`, the fastest measured (16 x 64 MiB, median of 4: 1 MiB 1.92 s,
+4 MiB 1.35 s, 16 MiB 1.16 s, 64 MiB 1.23 s, 256 MiB 1.39 s; 12 x 64 MiB with 1024 x
+256 KiB: 2.43, 1.95, 1.86, 2.11, 1.78 s); it also bounds a member's staging memory (two
+buckets, for the small tensors packed together).
+
+The joint world is formed on the first push, and formed again by itself -- a new port,
+a new *generation* -- when a member's process changed (``recreate()``, ``restart()``:
+its pid in ``health()``), a group's size changed, or the last push failed. Every wait
+is bounded: ``timeout`` seconds (and a tenth more) for each step of a push at the
+controller, and ``timeout`` for every gloo operation on the ranks, so a member that
+failed on one side leaves no other waiting for ever.
+
+States (:class:`SyncState`), and the moves between them::
+
+    NEW     -> FORMED (the first push) | BROKEN (its forming failed) | CLOSED
+    FORMED  -> BROKEN (a push failed, or forming again did) | FORMED (formed again: a
+               member changed) | CLOSED
+    BROKEN  -> FORMED (the next push) | BROKEN (its forming failed too) | CLOSED
+    CLOSED  -> (none)
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import enum
+import logging
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from phalanx.errors import CallTimeout, GroupClosed, PhalanxError
+from phalanx.options import check_seconds
+from phalanx.rank import weightsync as rankside
+
+if TYPE_CHECKING:
+    from phalanx.controller.futures import GroupFuture
+    from phalanx.controller.group import WorkerGroup
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_MB = 16  # see the module docstring: the fastest bucket measured
+DEFAULT_TIMEOUT = 300.0  # seconds for a push, a formation, and each gloo operation
+CLOSE_TIMEOUT = 10.0  # seconds close() waits for the members to let go
+# How long past the ranks' own timeouts the controller waits (their errors say more than
+# its CallTimeout would): a tenth of them, at least a second, at most this.
+_MARGIN = 10.0
+MiB = 1 << 20
+
+
+class SyncState(enum.Enum):
+    """Where a :class:`WeightSync` is (the moves are in the module docstring).
+
+    ``NEW``     constructed; nothing formed on any rank.
+    ``FORMED``  the members hold the current generation: a push goes straight through
+                (after checking that no member's process changed).
+    ``BROKEN``  a push, or forming, failed: the next push forms the world again first.
+    ``CLOSED``  closed by :meth:`WeightSync.close` (or collected); pushes raise
+                GroupClosed.
+    """
+
+    NEW = "new"
+    FORMED = "formed"
+    BROKEN = "broken"
+    CLOSED = "closed"
+
+
+class Transport(enum.Enum):
+    """How the weights travel (see the module docstring)."""
+
+    AUTO = "auto"  # SHARED when every member is on one machine, else BROADCAST
+    SHARED = "shared"
+    BROADCAST = "broadcast"
+
+
+@dataclasses.dataclass(frozen=True)
+class PushStats:
+    """What one push moved: ``bytes`` of ``tensors`` tensors to ``targets`` ranks, by
+    ``transport``, in ``buckets`` buckets (0 for shared memory), in ``seconds``."""
+
+    transport: str
+    tensors: int
+    bytes: int
+    targets: int
+    buckets: int
+    seconds: float
+    formed: bool  # whether this push formed the world first
+
+
+@dataclasses.dataclass(frozen=True)
+class _Part:
+    """One group's part in the sync: its ranks that take part (increasing)."""
+
+    group: WorkerGroup
+    ranks: list[int]
+
+
+class WeightSync:
+    """Pushes the state dict of rank ``src_rank`` of ``source`` to every rank of
+    ``targets`` (a group, or a list of groups): see :func:`weight_sync`."""
+
+    def __init__(self, source: WorkerGroup, targets: WorkerGroup | Sequence[WorkerGroup],
+                 src_rank: int = 0, *, transport: str | Transport = "auto",
+                 timeout: float = DEFAULT_TIMEOUT) -> None:
+        from phalanx.controller.group import WorkerGroup
+
+        if not isinstance(source, WorkerGroup):
+            raise TypeError(f"weight_sync(): the source must be a WorkerGroup, got {source!r}")
+        listed = [targets] if isinstance(targets, WorkerGroup) else targets
+        if isinstance(listed, (str, bytes)) or not isinstance(listed, Sequence):
+            raise TypeError("weight_sync(): targets must be a WorkerGroup or a list of them, "
+                            f"got {targets!r}")
+        if not listed:
+            raise ValueError("weight_sync(): no target group given")
+        for i, group in enumerate(listed):
+            if not isinstance(group, WorkerGroup):
+                raise TypeError(f"weight_sync(): targets[{i}] is {group!r}, not a WorkerGroup")
+            if group is source:
+                raise ValueError(f"weight_sync(): the source group {source.name} is among the "
+                                 f"targets (targets[{i}]); its ranks cannot receive from "
+                                 "themselves")
+        if len({id(g) for g in listed}) != len(listed):
+            twice = next(g for g in listed if sum(h is g for h in listed) > 1)
+            raise ValueError(f"weight_sync(): target group {twice.name} is given twice")
+        if not isinstance(src_rank, int) or isinstance(src_rank, bool):
+            raise TypeError(f"weight_sync(): src_rank must be an integer, got {src_rank!r}")
+        try:
+            self._asked = Transport(transport)
+        except ValueError:
+            choices = ", ".join(repr(t.value) for t in Transport)
+            raise ValueError(f"weight_sync(): transport={transport!r}; expected one of "
+                             f"{choices}") from None
+        if timeout is None:  # every wait of a push is bounded
+            raise TypeError("weight_sync(): timeout must be a number of seconds, not None")
+        self._timeout: float = check_seconds(timeout, "weight_sync() timeout",
+                                             allow_zero=False)
+        self._deadline = self._timeout + min(_MARGIN, max(1.0, self._timeout / 10))
+        self._source = source
+        self._targets = list(listed)
+        self._src_rank = src_rank
+        self._check_groups()
+        self._id = uuid.uuid4().hex[:16]  # names this sync on every rank
+        self._lock = threading.Lock()  # one push (or close) at a time
+        self._state = SyncState.NEW
+        self._generation = 0
+        self._transport: Transport | None = None  # the one chosen at the last formation
+        self._parts: list[_Part] = []  # source part first
+        self._identity: tuple[Any, ...] | None = None  # members' processes when formed
+        groups = [source, *self._targets]
+        # collected without close(): the members let go, from a thread of their own
+        self._finalizer = weakref.finalize(self, _release_quietly, self._id, groups)
+        self._finalizer.atexit = False  # at exit the ranks end anyway
+
+    # -- reading ------------------------------------------------------------------------
+
+    @property
+    def state(self) -> SyncState:
+        return self._state
+
+    @property
+    def transport(self) -> str | None:
+        """The transport of the last formation (``"shared"`` or ``"broadcast"``; None
+        before the first push)."""
+        return None if self._transport is None else self._transport.value
+
+    @property
+    def generation(self) -> int:
+        """How many times the members formed (a new joint world each time)."""
+        return self._generation
+
+    # -- pushing ------------------------------------------------------------------------
+
+    def push(self, get: str, set: str, bucket_mb: float | None = None) -> PushStats:
+        """Call ``get`` on the source rank and ``set`` with its state dict on every
+        target rank; returns once every ``set`` returned (:class:`PushStats`).
+
+        Bad arguments raise TypeError / ValueError / AttributeError (an unknown method) /
+        GroupClosed before anything is sent. A rank that fails raises its error
+        (``WorkerError`` or ``WorkerDied``, naming the group and rank; ``CallTimeout``
+        past ``timeout``); the next push forms the world again.
+        """
+        bucket = self._check_push(get, set, bucket_mb)
+        with self._lock:
+            if self._state is SyncState.CLOSED:
+                raise GroupClosed("this weight sync was closed")
+            self._check_groups()
+            began = time.monotonic()
+            formed = False
+            if self._state is not SyncState.FORMED or self._identity != self._identity_now():
+                self._form()
+                formed = True
+            try:
+                if self._transport is Transport.SHARED:
+                    tensors, nbytes, buckets = self._push_shared(get, set)
+                else:
+                    tensors, nbytes, buckets = self._push_broadcast(get, set, bucket)
+            except BaseException:
+                self._state = SyncState.BROKEN
+                raise
+            assert self._transport is not None
+            return PushStats(self._transport.value, tensors, nbytes,
+                             sum(len(p.ranks) for p in self._parts[1:]), buckets,
+                             time.monotonic() - began, formed)
+
+    def _push_broadcast(self, get: str, set_: str, bucket: int) -> tuple[int, int, int]:
+        source, *targets = self._parts
+        sent = [source.group.send_builtin(
+            rankside.SEND, source.ranks, [(self._id, self._generation, get, bucket)],
+            defer=True)]
+        sent += [part.group.send_builtin(
+            rankside.RECEIVE, part.ranks, [(self._id, self._generation, set_)] * len(part.ranks),
+            defer=True) for part in targets]
+        stats = _gather(sent, self._deadline)[0][0]
+        return stats["tensors"], stats["bytes"], stats["buckets"]
+
+    def _push_shared(self, get: str, set_: str) -> tuple[int, int, int]:
+        source, *targets = self._parts
+        staged = source.group.send_builtin(
+            rankside.STAGE, source.ranks, [(self._id, self._generation, get)])
+        where, tensors, nbytes = _gather([staged], self._deadline)[0][0]
+        loads = [part.group.send_builtin(
+            rankside.LOAD, part.ranks,
+            [(self._id, self._generation, set_, where)] * len(part.ranks), defer=True)
+            for part in targets]
+        _gather(loads, self._deadline)
+        return tensors, nbytes, 0
+
+    # -- forming ------------------------------------------------------------------------
+
+    def _form(self) -> None:
+        """Form a new generation on every member: ask where they are, choose the
+        transport, and (broadcast) make the joint world, all members at once."""
+        parts = [_Part(self._source, [self._src_rank])]
+        parts += [_Part(g, list(range(g.world_size))) for g in self._targets]
+        identity = self._identity_now()
+        self._state = SyncState.BROKEN  # until it formed
+        self._generation += 1
+        generation, deadline = self._generation, self._deadline
+        hellos = _gather([p.group.send_builtin(rankside.HELLO, p.ranks,
+                                               [(self._id,)] * len(p.ranks), defer=True)
+                          for p in parts], deadline)
+        transport = self._choose(parts, [machine for answers in hellos
+                                         for machine, _ in answers])
+        specs: list[list[tuple[Any, ...] | None]] = [[None] * len(p.ranks) for p in parts]
+        if transport is Transport.BROADCAST:
+            specs = self._world_specs(parts)
+        _gather([p.group.send_builtin(
+            rankside.FORM, p.ranks, [(self._id, generation, spec, self._timeout)
+                                     for spec in specs[i]], defer=True)
+            for i, p in enumerate(parts)], deadline)
+        self._parts, self._transport, self._identity = parts, transport, identity
+        self._state = SyncState.FORMED
+        logger.info("weight sync %s formed (generation %d): %s from rank %d of group %s to "
+                    "%d ranks of %s", self._id, generation, transport.value, self._src_rank,
+                    self._source.name, sum(len(p.ranks) for p in parts[1:]),
+                    ", ".join(p.group.name for p in parts[1:]))
+
+    def _choose(self, parts: list[_Part], machines: list[str | None]) -> Transport:
+        one_machine = None not in machines and len(set(machines)) == 1
+        if self._asked is Transport.AUTO:
+            return Transport.SHARED if one_machine else Transport.BROADCAST
+        if self._asked is Transport.SHARED and not one_machine:
+            members = [(p.group.name, r) for p in parts for r in p.ranks]
+            apart = sorted({f"rank {r} of group {g}" for (g, r), m in
+                            zip(members, machines, strict=True) if m != machines[0]})
+            raise ValueError("weight_sync(transport='shared') needs every member on one "
+                             f"machine; {', '.join(apart) or 'some ranks'} "
+                             f"{'are' if len(apart) > 1 else 'is'} not on the source's "
+                             "(use transport='auto' or 'broadcast')")
+        return self._asked
+
+    def _world_specs(self, parts: list[_Part]) -> list[list[tuple[Any, ...] | None]]:
+        """Each member's ``(address, port, joint rank, size, is store master)``: the
+        source is joint rank 0; the store's master is a member on the node whose address
+        :meth:`WorkerGroup.free_port` gives (node 0 of its group) -- the source when it
+        is on its group's node 0, else the first target group's rank there."""
+        size = sum(len(p.ranks) for p in parts)
+        source_node = _nodes(self._source)[self._src_rank]
+        if source_node == 0:
+            master = (0, self._src_rank)
+        else:
+            nodes = _nodes(parts[1].group)
+            master = (1, min(r for r in parts[1].ranks if nodes[r] == 0))
+        address, port = parts[master[0]].group.free_port()
+        specs: list[list[tuple[Any, ...] | None]] = []
+        joint = 0
+        for i, part in enumerate(parts):
+            specs.append([])
+            for rank in part.ranks:
+                specs[-1].append((address, port, joint, size, (i, rank) == master))
+                joint += 1
+        return specs
+
+    def _identity_now(self) -> tuple[Any, ...]:
+        """The members' processes as health() shows them now -- node, pid, alive -- and
+        so the target groups' sizes. A change means a process was started since
+        (recreate, restart, resize), which holds no part in the current generation, or
+        one died: forming again then raises WorkerDied before anything is sent."""
+        source = self._source.health()
+        entry = next((h for h in source if h.rank == self._src_rank), None)
+        who: list[Any] = [None if entry is None else (entry.node, entry.pid, entry.alive)]
+        for group in self._targets:
+            who.append(tuple((h.rank, h.node, h.pid, h.alive) for h in group.health()))
+        return tuple(who)
+
+    # -- checks -------------------------------------------------------------------------
+
+    def _check_groups(self) -> None:
+        for role, group in [("source", self._source)] + [
+                (f"target {i}", g) for i, g in enumerate(self._targets)]:
+            if group.closed:
+                raise GroupClosed(f"weight_sync(): the {role} group {group.name} was shut "
+                                  "down")
+        if not 0 <= self._src_rank < self._source.world_size:
+            raise ValueError(f"weight_sync(): src_rank {self._src_rank} is outside group "
+                             f"{self._source.name}'s ranks 0..{self._source.world_size - 1}")
+
+    def _check_push(self, get: Any, set_: Any, bucket_mb: Any) -> int:
+        """The bucket size in bytes, every argument checked (before anything is sent)."""
+        for what, name in (("get", get), ("set", set_)):
+            if not isinstance(name, str):
+                raise TypeError(f"push(): the {what} method must be a name (str), got "
+                                f"{name!r}")
+        _check_method(self._source, get)
+        for group in self._targets:
+            _check_method(group, set_)
+        if bucket_mb is None:
+            return DEFAULT_BUCKET_MB * MiB
+        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)):
+            raise TypeError(f"push(): bucket_mb must be a number of MiB, got {bucket_mb!r}")
+        if not bucket_mb > 0 or not 0 < bucket_mb * MiB <= rankside.MAX_BUCKET_BYTES:
+            raise ValueError(f"push(): bucket_mb must be more than 0 and at most "
+                             f"{rankside.MAX_BUCKET_BYTES // MiB}, got {bucket_mb!r}")
+        return max(1, int(bucket_mb * MiB))
+
+    # -- closing ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Have every member let go of the sync (its joint world, its block); idempotent.
+        Groups already shut down are skipped; a member that cannot be told is logged."""
+        with self._lock:
+            if self._state is SyncState.CLOSED:
+                return
+            self._state = SyncState.CLOSED
+            self._finalizer.detach()
+            if self._generation:
+                _release(self._id, [self._source, *self._targets], wait=CLOSE_TIMEOUT)
+
+    def __enter__(self) -> WeightSync:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        transport = "" if self._transport is None else f" {self._transport.value}"
+        return (f"<WeightSync {self._source.name}[{self._src_rank}] -> "
+                f"{', '.join(g.name for g in self._targets)} {self._state.name}{transport}>")
+
+
+def weight_sync(source: WorkerGroup, targets: WorkerGroup | Sequence[WorkerGroup],
+                src_rank: int = 0, *, transport: str | Transport = "auto",
+                timeout: float = DEFAULT_TIMEOUT) -> WeightSync:
+    """A :class:`WeightSync` from rank ``src_rank`` of ``source`` to every rank of
+    ``targets`` (a WorkerGroup or a list of them); nothing is formed until the first
+    :meth:`~WeightSync.push`. ``transport``: ``"auto"`` (shared memory when every member
+    is on one machine, else a gloo broadcast), ``"shared"`` or ``"broadcast"``;
+    ``timeout``: seconds for a push and for each gloo operation. TypeError / ValueError
+    / GroupClosed naming what is wrong::
+
+        with px.weight_sync(trainers, generators) as sync:
+            for step in range(steps):
+                ...
+                sync.push("state_dict", "load_weights")
+    """
+    return WeightSync(source, targets, src_rank, transport=transport, timeout=timeout)
+
+
+# -- helpers ----------------------------------------------------------------------------
+
+
+def _check_method(group: WorkerGroup, name: str) -> None:
+    """AttributeError naming the methods there are, as the group's calls raise (private
+    names pass: the rank answers for them)."""
+    methods = group.methods
+    if name not in methods and not name.startswith("_"):
+        raise AttributeError(f"group {group.name}'s workers have no method {name!r}; "
+                             f"available: {', '.join(methods) or 'none'}")
+
+
+def _nodes(group: WorkerGroup) -> dict[int, int]:
+    return {h.rank: h.node for h in group.health()}
+
+
+def _gather(futures: list[GroupFuture], timeout: float) -> list[list[Any]]:
+    """Every future's results (their sends made now, all at once), within ``timeout``
+    s; the first failure raises at once -- the first future's (the source's) when it is
+    among them, the root cause; CallTimeout naming the late ranks past ``timeout``."""
+    if len(futures) == 1:
+        return [futures[0].result(timeout)]
+    bridges = [f.as_concurrent() for f in futures]  # makes the sends
+    done, _ = concurrent.futures.wait(bridges, timeout,
+                                      return_when=concurrent.futures.FIRST_EXCEPTION)
+    failed = [i for i, b in enumerate(bridges) if b in done and b.exception() is not None]
+    late = [i for i, b in enumerate(bridges) if b not in done]
+    if failed or late:
+        for i in late:
+            futures[i].cancel()  # their ranks finish (or time out) on their own
+        if failed:
+            raise bridges[failed[0]].exception()  # type: ignore[misc]
+        first = futures[late[0]]
+        raise CallTimeout(first.method, timeout, first.late_ranks(), group=first.group_name)
+    return [b.result() for b in bridges]
+
+
+def _release(sync_id: str, groups: list[WorkerGroup], wait: float | None) -> None:
+    """Tell every live rank of the open ``groups`` to forget the sync (waiting up to
+    ``wait`` s; None: not at all)."""
+    futures = []
+    for group in groups:
+        if group.closed:
+            continue
+        ranks = [h.rank for h in group.health() if h.alive]
+        if not ranks:
+            continue
+        try:
+            futures.append(group.send_builtin(rankside.CLOSE, ranks,
+                                              [(sync_id,)] * len(ranks)))
+        except PhalanxError as exc:  # shut down or died meanwhile: its ranks hold nothing
+            logger.debug("weight sync %s: group %s not told to close: %s", sync_id,
+                         group.name, exc)
+    if wait is None:
+        return
+    for future in futures:
+        try:
+            future.result(wait)
+        except PhalanxError as exc:
+            logger.warning("weight sync %s: closing it on group %s: %s", sync_id,
+                           future.group_name, exc)
+
+
+def _release_quietly(sync_id: str, groups: list[WorkerGroup]) -> None:
+    """The finalizer of a sync collected without close(): from a thread of its own (a
+    collection may run inside any call, in any thread, even this module's)."""
+    def run() -> None:
+        try:
+            _release(sync_id, groups, None)
+        except Exception as exc:  # noqa: BLE001 - a finalizer has no caller to tell
+            logger.debug("weight sync %s: release failed: %s", sync_id, exc)
+
+    threading.Thread(target=run, daemon=True, name=f"phalanx-weight-sync-{sync_id}").start()
