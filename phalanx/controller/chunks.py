@@ -6,7 +6,7 @@ rows of one or several kept results (:class:`~phalanx.controller.refs.ResultRef`
 any groups) -- ``ref[a:b]`` on one, :func:`chunk` across several -- and goes into any
 call as a handle does. The rank that receives it reads each producer's value where it
 is (a mapping of the producer's memory on one machine, Ray's store on Ray), cuts the
-rows out (views: only those rows' pages are touched) and joins the cuts into one value
+rows out (views: nothing is copied) and joins the cuts into one value
 (arrays concatenated, dicts and tuples of arrays field by field; see
 :mod:`phalanx.rank.rows`). No byte crosses the controller; ``get()`` fetches the rows
 here.

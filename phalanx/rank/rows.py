@@ -11,8 +11,8 @@ equal parts (``px.chunk``) when the value has *rows*: it is
   list's meaning never depends on its items' lengths, so its cuts join back the same way).
 
 Nothing here does I/O or imports numpy or torch itself (a value's own type says which
-it is); the rank slices what it reads (a view of shared memory, no copy: only those
-rows' pages are touched), and joins the parts of a handle that spans several producers.
+it is); the rank slices what it reads (a view of shared memory: nothing is copied), and
+joins the parts of a handle that spans several producers.
 """
 
 from __future__ import annotations
