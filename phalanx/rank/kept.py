@@ -96,7 +96,7 @@ class Kept:
     by a negative id of their own (a :func:`keep` inside a result)."""
 
     def __init__(self) -> None:
-        # key -> (its Block, extents), or its ray.ObjectRef
+        # key -> (its Block, extents, whether it holds tensors), or its ray.ObjectRef
         self._held: dict[Hashable, Any] = {}
         self._pool: list[tuple[float, Any]] = []  # (when, Block) of dropped results
         self._lock = threading.Lock()  # calls on a thread pool may keep at once
