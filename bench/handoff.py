@@ -30,7 +30,6 @@ phalanx-ray, interleaved with each other, as ``bench.run`` does.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import os
@@ -42,7 +41,16 @@ from typing import Any
 
 import psutil
 
-from bench.util import Row, clock, compile_sources, machine_info, settle, trial_order
+from bench.util import (
+    Row,
+    alternate_rounds,
+    clock,
+    compile_sources,
+    machine_info,
+    rss_mib,
+    settle,
+    trial_order,
+)
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "handoff.json"
 MiB = 1 << 20
@@ -159,11 +167,6 @@ class Weights:
 # -- helpers ------------------------------------------------------------------------------
 
 
-def _rss_mib() -> float:
-    gc.collect()
-    return psutil.Process().memory_info().rss / MiB
-
-
 def _check_sums(got: list[float], round_: int) -> None:
     want = [ARRAY_BYTES // 4 * _value(1 - i, round_) for i in range(2)]
     if got != want:
@@ -172,22 +175,9 @@ def _check_sums(got: list[float], round_: int) -> None:
 
 def _rounds(ways: dict[str, Callable[[int], list[float]]], rounds: int,
             out: dict[str, dict[str, Any]]) -> None:
-    """One warm-up round per way, then ``rounds`` rounds, ways alternating round by round
-    (order cycling through the permutations); each way's RSS growth is the sum of the
-    controller's RSS changes (after gc) across its own rounds."""
-    for way in ways.values():
-        _check_sums(way(0), 0)
-    for round_ in range(1, rounds + 1):
-        for name in trial_order(list(ways), round_):
-            settle()
-            before = _rss_mib()
-            began = clock()
-            sums = ways[name](round_)
-            took = clock() - began
-            _check_sums(sums, round_)
-            rec = out.setdefault(name, {"round_s": [], "rss_delta_mib": []})
-            rec["round_s"].append(took)
-            rec["rss_delta_mib"].append(_rss_mib() - before)
+    """W11's ways alternating (:func:`bench.util.alternate_rounds`); each way's RSS
+    growth is the sum of the controller's RSS changes across its own rounds."""
+    alternate_rounds(ways, rounds, out, lambda _, sums, round_: _check_sums(sums, round_))
 
 
 # -- W11 ----------------------------------------------------------------------------------
@@ -242,7 +232,7 @@ def _w11_soak(handoffs: int, out: dict[str, float]) -> None:
 
         def held() -> list[float]:
             settle()
-            return [_rss_mib(), sum(producers.call("rss")) / MiB,
+            return [rss_mib(), sum(producers.call("rss")) / MiB,
                     sum(consumers.call("rss")) / MiB, _shmem_mib()]
 
         for round_ in range(10):

@@ -26,24 +26,13 @@ of its own (``ray.init(address="local")``) for the two Ray columns, as ``bench.r
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import psutil
-
-from bench.util import (
-    Row,
-    clock,
-    compile_sources,
-    machine_info,
-    median,
-    settle,
-    trial_order,
-)
+from bench.util import Row, alternate_rounds, compile_sources, machine_info, median
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "rechunk.json"
 MiB = 1 << 20
@@ -112,27 +101,9 @@ class Consumer:
         return True
 
 
-def _rss_mib() -> float:
-    gc.collect()
-    return psutil.Process().memory_info().rss / MiB
-
-
 def _rounds(ways: dict[str, Callable[[int], list[float]]], rounds: int,
             out: dict[str, dict[str, Any]]) -> None:
-    for name, way in ways.items():
-        _check(name, way(0), 0)
-    for round_ in range(1, rounds + 1):
-        for name in trial_order(list(ways), round_):
-            settle()
-            before = _rss_mib()
-            began = clock()
-            sums = ways[name](round_)
-            took = clock() - began
-            _check(name, sums, round_)
-            rec = out.setdefault(name, {"round_s": [], "rss_delta_mib": []})
-            rec["round_s"].append(took)
-            rec["rss_delta_mib"].append(_rss_mib() - before)
-            print(f"  W13 {name}: {took:.3f} s", file=sys.stderr, flush=True)
+    alternate_rounds(ways, rounds, out, _check)
 
 
 def _check(name: str, got: list[float], round_: int) -> None:

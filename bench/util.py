@@ -56,6 +56,34 @@ def settle() -> None:
     time.sleep(SETTLE_S)
 
 
+def rss_mib() -> float:
+    """This process's resident memory in MiB, after collecting garbage."""
+    gc.collect()
+    return psutil.Process().memory_info().rss / (1 << 20)
+
+
+def alternate_rounds(ways: dict[str, Callable[[int], Any]], rounds: int,
+                     out: dict[str, dict[str, Any]],
+                     check: Callable[[str, Any, int], None]) -> None:
+    """One warm-up round per way, then ``rounds`` rounds, ways alternating round by round
+    (order cycling through the permutations), each round's answer given to ``check(way,
+    answer, round)``; into ``out[way]``: each round's seconds (``round_s``) and the
+    controller's RSS change across it, after gc (``rss_delta_mib``)."""
+    for name, way in ways.items():
+        check(name, way(0), 0)
+    for round_ in range(1, rounds + 1):
+        for name in trial_order(list(ways), round_):
+            settle()
+            before = rss_mib()
+            began = clock()
+            answer = ways[name](round_)
+            took = clock() - began
+            check(name, answer, round_)
+            rec = out.setdefault(name, {"round_s": [], "rss_delta_mib": []})
+            rec["round_s"].append(took)
+            rec["rss_delta_mib"].append(rss_mib() - before)
+
+
 @dataclasses.dataclass
 class Row:
     """One line of the results table: a measure of one workload for every contender."""
