@@ -30,6 +30,7 @@ from phalanx.backends.held import NodeAddress
 from phalanx.controller.futures import GroupFuture
 from phalanx.controller.refs import Record, RefState, ResultRef, check_usable
 from phalanx.rank import kept as rankkept
+from phalanx.rank import shared as rankshared
 
 if TYPE_CHECKING:
     from phalanx.controller.dispatch import Dispatcher
@@ -132,11 +133,8 @@ class KeptResults:
                             "convert to a Ray ObjectRef (pass the handle itself to phalanx "
                             "calls, or .get() the value)")
         import ray
-        from ray._private.serialization import _object_ref_deserializer
 
-        _, binary, owner, status = location[:4]
-        stored = _object_ref_deserializer(binary, "", owner, status, None)
-        return _decoder(ray).remote(stored)
+        return _decoder(ray).remote(rankshared.ray_ref(location))
 
     def get(self, ref: ResultRef, timeout: float | None) -> Any:
         """The value of ``ref``, here (see :meth:`ResultRef.get`)."""

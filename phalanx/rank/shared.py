@@ -181,15 +181,22 @@ def ray_location(ref: Any) -> tuple[Any, ...]:
     return (RAY_LOCATION, ref.binary(), owner, status)
 
 
+def ray_ref(location: tuple) -> Any:
+    """The Ray ``ObjectRef`` a :func:`ray_location` names, made again in this process (a
+    Ray worker or driver of the same cluster), borrowed from its owner."""
+    from ray._private.serialization import _object_ref_deserializer
+
+    _, binary, owner, status = location[:4]
+    return _object_ref_deserializer(binary, "", owner, status, None)
+
+
 def from_ray(ref_id: int, location: tuple, private: bool) -> Any:
     """An object in Ray's store, this process being a Ray worker of the controller's
     cluster: its buffers are read-only views of the node's store (objects whose views
     must be writable come through the node's block instead)."""
     import ray
-    from ray._private.serialization import _object_ref_deserializer
 
-    _, binary, owner, status = location[:4]
-    ref = _object_ref_deserializer(binary, "", owner, status, None)
+    ref = ray_ref(location)
     try:
         parts = ray.get(ref, timeout=RAY_GET_TIMEOUT)
     except Exception as exc:  # noqa: BLE001 - Ray's errors have no common base
