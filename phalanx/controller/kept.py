@@ -148,9 +148,8 @@ class KeptResults:
 
     # -- release ------------------------------------------------------------------------
 
-    def use(self, refs: list[ResultRef]) -> list[KeptRecord]:
-        """A call names ``refs``: hold them until it ends (:meth:`unhold`)."""
-        results: list[KeptRecord] = [ref.record for ref in refs]
+    def use(self, results: list[KeptRecord]) -> list[KeptRecord]:
+        """A call names ``results``: hold them until it ends (:meth:`unhold`)."""
         with self._lock:
             for result in results:
                 result.users += 1

@@ -315,10 +315,7 @@ class SharedObjects:
         if kept and self._copies:
             self._copy(kept, targets())
         segments = [list(p) if type(p) is Encoded else p for p in payloads]
-        puts = [r.record for r in refs if not isinstance(r, ResultRef) and r.owner is self]
-        foreign = [r for r in refs if not isinstance(r, ResultRef) and r.owner is not self]
-        for owner, records in _by_owner(foreign):  # other groups' objects: held by them
-            future.hold(owner, owner.use(records))
+        puts = [r.record for r in refs if r.owner is self]
         transient = None
         if (len(payloads) == 1 and len(segments[0]) > 1 and self._holder is not None
                 and _nbytes(segments[0][1:]) >= AUTO_SHARE_BYTES):
@@ -328,16 +325,10 @@ class SharedObjects:
             segments = [list(self.encode(transient))]
             puts.append(transient.record)
         if puts:
-            with self._lock:
-                for record in puts:
-                    record.users += 1
-            future.hold(self, puts)
-        if kept:  # results kept on ranks: held by their own groups' tables
-            owners: dict[int, Any] = {}
-            for ref in kept:
-                owners.setdefault(id(ref.owner), ref.owner)
-            for owner in owners.values():
-                future.hold(owner, owner.use([r for r in kept if r.owner is owner]))
+            future.hold(self, self.use(puts))
+        # results kept on ranks, other groups' put objects: held by their own tables
+        for owner, records in _by_owner([r for r in refs if r.owner is not self]):
+            future.hold(owner, owner.use(records))
         if transient is not None:
             transient.free()  # released once the call ends
         return segments
@@ -447,7 +438,7 @@ class SharedObjects:
 
 
 def _by_owner(refs: Sequence[ObjectRef]) -> list[tuple[Any, list[Any]]]:
-    """The records of put ``refs``, grouped by the table that owns them."""
+    """The records of ``refs``, grouped by the table that owns them."""
     owners: dict[int, tuple[Any, list[Any]]] = {}
     for ref in refs:
         owners.setdefault(id(ref.owner), (ref.owner, []))[1].append(ref.record)
