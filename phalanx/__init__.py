@@ -74,12 +74,17 @@ _EXPORTS = {
     "spmd": "phalanx.controller.spmd",
     "WeightSync": "phalanx.controller.weightsync",
     "weight_sync": "phalanx.controller.weightsync",
+    "Trace": "phalanx.controller.trace",
+    "trace": "phalanx.controller.trace",
+    "Dashboard": "phalanx.dashboard.server",
+    "dashboard": "phalanx.dashboard.server",
 }
 
 __all__ = [
     "AuthenticationError",
     "CallTimeout",
     "ClusterBackend",
+    "Dashboard",
     "DevicesTaken",
     "FrameworkNotInstalled",
     "GroupClosed",
@@ -109,6 +114,7 @@ __all__ = [
     "StackReport",
     "StartupError",
     "StartupReport",
+    "Trace",
     "WeightSync",
     "WorkerDied",
     "WorkerError",
@@ -117,9 +123,11 @@ __all__ = [
     "__version__",
     "breakpoint",
     "chunk",
+    "dashboard",
     "keep",
     "rendezvous",
     "spmd",
+    "trace",
     "weight_sync",
 ]
 
@@ -135,8 +143,10 @@ if TYPE_CHECKING:
     from phalanx.controller.refs import ObjectRef, RefState, ResultRef, SliceRef
     from phalanx.controller.slices import GroupSlice
     from phalanx.controller.spmd import spmd
+    from phalanx.controller.trace import Trace, trace
     from phalanx.controller.watch import RankHealth, StackReport, StartupReport
     from phalanx.controller.weightsync import WeightSync, weight_sync
+    from phalanx.dashboard.server import Dashboard, dashboard
     from phalanx.errors import (
         AuthenticationError,
         CallTimeout,

@@ -20,9 +20,10 @@ state behind a small, documented interface, and none touches another's fields::
 :mod:`.futures` holds a call's results (``GroupFuture``, ``RankFuture``, ``StreamFuture``,
 ``ShardedFuture``) with their completion side (``Completion``), which the dispatcher and
 the other parts complete them through. :mod:`.injection` is ``inject_fault``;
-:mod:`.spmd` runs a plain function on a group.
+:mod:`.spmd` runs a plain function on a group. :mod:`.observe` lets a trace
+(:mod:`.trace`, ``group.trace()``) or a dashboard watch a group's calls.
 
 May import: :mod:`phalanx.backends` (through :mod:`phalanx.backends.base`, the boundary,
-and the factory), and every layer below. Imported only by the launcher, the CLI and the
-public API.
+and the factory), and every layer below. Imported only by the launcher, the dashboard, the
+CLI and the public API.
 """

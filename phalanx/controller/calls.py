@@ -26,17 +26,23 @@ from typing import TYPE_CHECKING, Any
 from phalanx.backends.held import NodeAddress
 from phalanx.controller.futures import GroupFuture, StreamFuture
 from phalanx.controller.kept import KeptFuture, KeptResults
+from phalanx.controller.observe import CallWatch, nbytes
 from phalanx.controller.shared import Encoded, Payload, met
 from phalanx.errors import ObjectFreed, ObjectLost, SerializationError
 from phalanx.rank.kept import KEEP
+from phalanx.rank.tracing import TRACED
 from phalanx.wire import pickling, protocol
 
 _clock = time.monotonic
 _POLL_EVERY = 0.001  # s: a death older than this is known before the next call goes out
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from phalanx.backends.base import Backend, Channel
     from phalanx.controller.dispatch import Dispatcher
+    from phalanx.controller.futures import Completion
+    from phalanx.controller.observe import Observer
     from phalanx.controller.ranks import RankTable
     from phalanx.controller.shared import SharedObjects
     from phalanx.world.selection import Workers
@@ -61,6 +67,16 @@ class Sender:
         self._call_ids = itertools.count(1)
         self._kept: KeptResults | None = None  # the group's, once it made them (keeps_in)
         self._polled = 0.0  # when send() last polled for deaths already in
+        # what watches every call (phalanx.controller.observe); traced: one of them asks
+        # the ranks when they ran each call
+        self.observers: tuple[Observer, ...] = ()
+        self._traced = False
+
+    def observe(self, observer: Observer, on: bool = True) -> None:
+        """Have ``observer`` watch every call sent from now on (``on=False``: no more)."""
+        others = tuple(o for o in self.observers if o is not observer)
+        self.observers = (*others, observer) if on else others
+        self._traced = any(getattr(o, "spans", False) for o in self.observers)
 
     def keeps_in(self, kept: KeptResults) -> None:
         """``keep=True`` calls' results go to ``kept`` (the group's part)."""
@@ -135,13 +151,26 @@ class Sender:
                                             lambda: self._channels(ranks))
         else:
             segments = payloads
+        pending: Completion = future  # what the ranks' pending tables hold
+        watch = None
+        if self.observers:
+            sizes = [nbytes(p) for p in segments]
+            watch = pending = CallWatch(
+                future, self._dispatcher.group_name or "", call_id, ranks,
+                sizes[0] * len(ranks) if len(sizes) == 1 else sum(sizes), self.observers,
+                self._traced)
+            if self._traced:
+                method = TRACED + method  # the ranks record when they ran it
+        deliver: Callable[[], None]
         if len(segments) == 1 and len(ranks) > 1 and self._shared_links:
             # one frame per node connection (an agent's), whatever its number of ranks
-            deliver = functools.partial(self._deliver_shared, call_id, ranks, future,
+            deliver = functools.partial(self._deliver_shared, call_id, ranks, pending,
                                         method, segments[0], stream)
         else:
             frames = protocol.call_frames(call_id, ranks, method, segments, stream)
-            deliver = functools.partial(self._deliver, call_id, ranks, future, frames)
+            deliver = functools.partial(self._deliver, call_id, ranks, pending, frames)
+        if watch is not None:
+            deliver = watch.sending(deliver)
         if defer:
             future.defer(deliver)
         else:
@@ -156,7 +185,7 @@ class Sender:
                 if s is not None and s.channel is not None]
 
     def _deliver(
-        self, call_id: int, ranks: list[int], future: GroupFuture, frames: list[list[Any]]
+        self, call_id: int, ranks: list[int], future: Completion, frames: list[list[Any]]
     ) -> None:
         entries = self._entries
         for i, rank in enumerate(ranks):
@@ -166,7 +195,7 @@ class Sender:
             if not entry.alive:  # type: ignore[union-attr]
                 self._fail_if_dead(entry, call_id, future)  # type: ignore[arg-type]
 
-    def _deliver_shared(self, call_id: int, ranks: list[int], future: GroupFuture,
+    def _deliver_shared(self, call_id: int, ranks: list[int], future: Completion,
                         method: str, payload: list[Any], stream: bool) -> None:
         """The same payload to ``ranks``: once per link shared by several of them."""
         entries = self._entries

@@ -29,12 +29,14 @@ from phalanx.controller.lifecycle import Gate, Lifecycle
 from phalanx.controller.membership import Membership
 from phalanx.controller.methods import MethodNames, MethodProxy
 from phalanx.controller.names import GROUP_NAMES
+from phalanx.controller.observe import EVERY_GROUP
 from phalanx.controller.ranks import RankTable
 from phalanx.controller.refs import ObjectRef
 from phalanx.controller.request import plan_group
 from phalanx.controller.shared import SharedObjects
 from phalanx.controller.slices import GroupSlice
 from phalanx.controller.startup import Starter
+from phalanx.controller.trace import SPANS_TIMEOUT, Trace
 from phalanx.controller.watch import RankHealth, StackReport, StartupReport, Watcher
 from phalanx.controller.watchdog import Watchdog
 from phalanx.errors import MembershipEvent, PhalanxError
@@ -44,6 +46,7 @@ from phalanx.world.frameworks import WorldPart
 from phalanx.world.selection import Workers
 
 if TYPE_CHECKING:
+    from phalanx.controller.observe import Observer
     from phalanx.controller.pool import ResourcePool
     from phalanx.controller.ranks import RankEntry
     from phalanx.world.sharding import Coordinates, NamedSharding
@@ -51,6 +54,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _live_groups: weakref.WeakSet[WorkerGroup] = weakref.WeakSet()
+
+
+def live_groups() -> list[WorkerGroup]:
+    """Every group of this process that is not shut down (what a dashboard shows)."""
+    return list(_live_groups)
 
 
 @atexit.register
@@ -167,6 +175,8 @@ class WorkerGroup:
         self._kept = KeptResults(f"group {name}", sender.send, sender.encode,
                                  sender.source_of)
         sender.keeps_in(self._kept)
+        for observer in list(EVERY_GROUP):  # an open dashboard's
+            sender.observe(observer)
         self._starter = starter = Starter(
             backend_, plan.placement, plan.boot, name=name, env=env or {},
             rank_env=rank_env or {},
@@ -419,6 +429,8 @@ class WorkerGroup:
         self._watch.send_signal(sig, workers)
 
     def _on_death(self, entry: RankEntry) -> None:
+        for observer in self._sender.observers:
+            observer.died(self._name, entry)
         self._kept.lost(entry.rank, "its process died" if entry.failure is None
                                else f"its process died ({entry.failure.cause})")
         if not self._gate.closed and entry.ever_ready and entry.failure is not None:
@@ -520,6 +532,23 @@ class WorkerGroup:
         <phalanx.controller.joint.rendezvous>`)."""
         self._gate.check()
         return self._starter.free_port()
+
+    def trace(self, timeout: float = SPANS_TIMEOUT) -> Trace:
+        """Record every call of this group on every rank while the block runs::
+
+            with group.trace() as t:
+                group.call("step")
+            t.save("step.json")   # open in https://ui.perfetto.dev
+
+        ``px.trace(*groups)`` traces several groups at once; ``timeout``: how long the end of
+        the trace waits for the ranks' own spans (see :mod:`phalanx.controller.trace`)."""
+        return Trace(self, timeout=timeout)
+
+    def watch_calls(self, observer: Observer, on: bool = True) -> None:
+        """Have ``observer`` watch every call from now on (``on=False``: stop): the
+        interface of traces and dashboards (:mod:`phalanx.controller.observe`); not for
+        user code."""
+        self._sender.observe(observer, on)
 
     def send_builtin(self, method: str, ranks: Sequence[int],
                      args: Sequence[tuple[Any, ...]], *, defer: bool = False) -> GroupFuture:

@@ -37,6 +37,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _names = itertools.count(1)
+_live_pools: weakref.WeakSet[ResourcePool] = weakref.WeakSet()
+
+
+def live_pools() -> list[ResourcePool]:
+    """Every pool (sub-pools included) of this process not closed (what a dashboard
+    shows)."""
+    return [p for p in list(_live_pools) if not p.reserved.closed]
 
 
 @dataclasses.dataclass
@@ -100,6 +107,7 @@ class ResourcePool:
         self.name = name
         self._slots = slots
         self._shared = shared
+        _live_pools.add(self)
 
     @classmethod
     def _sub(cls, parent: ResourcePool, slots: list[pools.PoolSlot], name: str) -> ResourcePool:

@@ -99,8 +99,9 @@ class RankEntry:
     ``EXITED``; kept as a plain attribute because every call reads it), ``ever_ready``,
     ``pid``, ``methods``, ``timings`` and ``code_version`` (what READY told),
     ``init_failure`` (what INIT_ERROR told), ``failure`` (how its process ended),
-    ``started``. Written only through the methods, except :attr:`seen` and
-    :attr:`pending`.
+    ``started``, ``restarts`` (how many incarnations of its rank came before it). Written
+    only through the methods, except :attr:`seen`, :attr:`pending` and :attr:`restarts`
+    (the rank table's, as it installs the entry).
     """
 
     def __init__(self, rank: int, node: int, channel: Channel) -> None:
@@ -124,6 +125,7 @@ class RankEntry:
         # it, the dispatcher pops it as the answer comes; everything else uses take_pending.
         self.pending: dict[int, Completion] = {}
         self._suspected_in = RankState.STARTING  # the state UNRESPONSIVE was entered from
+        self.restarts = 0  # how many incarnations of its rank came before it (RankTable)
 
     # -- reading --------------------------------------------------------------------------
 
@@ -231,6 +233,9 @@ class RankTable:
     def install(self, entries: Sequence[RankEntry]) -> None:
         """Fresh entries take their ranks' places (the old ones are retired already)."""
         for entry in entries:
+            old = self.entries[entry.rank]
+            if old is not None:
+                entry.restarts = old.restarts + 1
             self.entries[entry.rank] = entry
 
     def reset(self, world_size: int) -> None:

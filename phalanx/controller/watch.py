@@ -32,7 +32,9 @@ class RankHealth:
     ``state`` is ``"starting"``, ``"ready"``, ``"unresponsive"`` (silent past
     ``heartbeat_timeout``: being killed) or ``"dead"`` (the words of the rank's
     :class:`~phalanx.controller.ranks.RankState`); ``last_seen`` is how many seconds
-    ago the rank last gave a sign of life (a heartbeat or any message; None once dead).
+    ago the rank last gave a sign of life (a heartbeat or any message; None once dead);
+    ``cause`` says how a dead rank's process ended (None while it runs, or when it was
+    stopped).
     """
 
     rank: int
@@ -44,6 +46,8 @@ class RankHealth:
     state: str = "ready"
     last_seen: float | None = None
     code_version: str | None = None  # the shipped code it runs (ClusterBackend(sync=...))
+    cause: str | None = None
+    restarts: int = 0  # how many times its rank was started again (recreate, restart, ...)
 
 
 class StackReport(dict):
@@ -132,6 +136,9 @@ class Watcher:
                     state=state,
                     last_seen=now - entry.last_sign if alive else None,
                     code_version=entry.code_version,
+                    restarts=entry.restarts,
+                    cause=(entry.failure.cause if entry.failure is not None and not alive
+                           else None),
                 )
             )
         return report

@@ -13,9 +13,10 @@ it reads Ray's object store of its node; on an agent's node of another machine i
 the copy its agent fetched straight from the producer's agent. The controller never sees
 the bytes.
 
-Two built-in calls (names starting with :data:`BUILTIN`) serve the controller:
-``@fetch`` (a kept value, for ``handle.get()`` from another machine) and ``@drop`` (the
-handles were freed: forget them; views other ranks hold keep their pages).
+Built-in calls (names starting with :data:`BUILTIN`) serve the controller: ``@fetch`` (a
+kept value, for ``handle.get()`` from another machine), ``@drop`` (the handles were freed:
+forget them; views other ranks hold keep their pages) and ``@trace`` (the spans a trace
+recorded: :mod:`phalanx.rank.tracing`).
 
 A dropped result's block is kept for the next results (at most :data:`POOL_BLOCKS`, each
 closed after :data:`POOL_IDLE` s unused): writing into pages that exist is a plain memory
@@ -35,7 +36,7 @@ from collections.abc import Hashable
 from typing import Any, NamedTuple
 
 from phalanx.errors import ObjectLost
-from phalanx.rank import rows, shared
+from phalanx.rank import rows, shared, tracing
 from phalanx.wire import pickling
 
 KEEP = "~"  # a call's method name starts with it: keep its result here
@@ -298,7 +299,7 @@ def builtin(name: str, obj: Any = None) -> Any:
         from phalanx.rank import weightsync
 
         return weightsync.builtin(name, obj)
-    return {"@fetch": KEPT.fetch, "@drop": KEPT.drop}.get(name)
+    return {"@fetch": KEPT.fetch, "@drop": KEPT.drop, "@trace": tracing.take}.get(name)
 
 
 def read_rows(parts: list[tuple[tuple[Any, ...], int, int]]) -> Any:

@@ -37,10 +37,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from phalanx import config
-from phalanx.rank import faults, kept
+from phalanx.rank import faults, kept, tracing
 from phalanx.rank import shared as shmrank
 from phalanx.rank.attach import open_stream
 from phalanx.rank.kept import BUILTIN, KEEP
+from phalanx.rank.tracing import TRACED
 from phalanx.version import __version__
 from phalanx.wire import framing, pickling, protocol, seal, streams
 
@@ -355,8 +356,17 @@ class WorkerRuntime:
             _flush_and_exit(self.conn, exc.code, runtime=self)
 
     def _run_call(
-        self, call_id: int, method: str, segs: list[Any], stream: bool = False
-    ) -> None:
+        self, call_id: int, method: str, segs: list[Any], stream: bool = False,
+        answered: list[float] | None = None,
+    ) -> bool:
+        """Run one call and answer it; True when the answer was an error. ``answered``:
+        where to note when the answer went out (a traced call's)."""
+        if method[0] == TRACED:  # a trace asked when it ran (phalanx.rank.tracing)
+            began = tracing.clock()
+            stamp: list[float] = []
+            failed = self._run_call(call_id, method[1:], segs, stream, stamp)
+            tracing.record(call_id, began, stamp[0] if stamp else tracing.clock(), failed)
+            return failed
         # One try block; ``stage`` says which side of the call an exception came from.
         stage = "unpickling the arguments"
         keep = method[0] == KEEP  # keep=True: the result stays here (phalanx.rank.kept)
@@ -390,17 +400,22 @@ class WorkerRuntime:
                     )
             if stream:
                 self._stream(call_id, result)
-                return
+                return False
             stage = "pickling the result"
             payload = kept.KEPT.keep(call_id, result) if keep else kept.dumps_result(result)
         except SystemExit as exc:
             raise _WorkerExit(exit_code_of(exc.code)) from None
         except BaseException as exc:  # noqa: BLE001 - reported to the controller
+            if answered is not None:
+                answered.append(tracing.clock())
             self._send_error(call_id, exc, stage)
-            return
+            return True
         del result
+        if answered is not None:
+            answered.append(tracing.clock())
         self.conn.send(protocol.result_frame(call_id, self.rank, payload))
         _SHARES.poll()  # freed objects whose last views this call may have let go (if any)
+        return False
 
     def _stream(self, call_id: int, result: Any) -> None:
         """Send each item of a generator (sync or async) as it comes, then the end marker.

@@ -59,7 +59,6 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import math
 import socket
 import threading
 import time
@@ -69,12 +68,13 @@ from socketserver import TCPServer
 from urllib.parse import urlsplit
 
 from phalanx import config
+from phalanx.output.prometheus import CONTENT_TYPE, number
 from phalanx.wire.admission import Admission
 
 logger = logging.getLogger(__name__)
 
 PREFIX = "phalanx_agent_"
-METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+METRICS_CONTENT_TYPE = CONTENT_TYPE
 # Seconds a client has to send its request and to take the answer. A kubelet probe sends
 # its request at once; the bound is for connections that never do.
 REQUEST_TIMEOUT = config.AGENT_HTTP_REQUEST_TIMEOUT
@@ -157,18 +157,8 @@ class AgentMetrics:
         for name, kind, help_text in _METRICS:
             full = PREFIX + name
             lines += [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}",
-                      f"{full} {_format_value(values[name])}"]
+                      f"{full} {number(values[name])}"]
         return "\n".join(lines) + "\n"
-
-
-def _format_value(value: float) -> str:
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if float(value).is_integer() and abs(value) < 2**53:
-        return str(int(value))
-    return repr(float(value))
 
 
 def health_response(health: Callable[[], dict]) -> tuple[int, dict]:
