@@ -24,6 +24,7 @@ DEATH_TIMEOUT_S = 60.0  # W5 gives up on a contender that never reports the deat
 
 class Contender:
     name = "abstract"
+    only: tuple[str, ...] | None = None  # the workloads it runs (None: all)
 
     def start(self, n: int) -> None:
         raise NotImplementedError
@@ -154,6 +155,44 @@ class PhalanxRayContender(PhalanxContender):
             raise RuntimeError(f"processes {[p.pid for p in alive]} outlived shutdown()")
 
 
+class PhalanxTracedContender(PhalanxContender):
+    """phalanx with ``group.trace()`` open for the group's whole life: every call watched
+    by the controller and its span recorded by the rank (``--observed``)."""
+
+    name = "phalanx+trace"
+    only = ("W2", "W3")
+
+    def start(self, n: int) -> None:
+        super().start(n)
+        assert self.group is not None
+        self.trace = self.group.trace().start()
+
+    def stop(self) -> None:
+        trace = getattr(self, "trace", None)
+        if trace is not None and self.group is not None:
+            trace.stop()  # the ranks hand their spans over: as a trace's end would
+            self.trace = None
+        super().stop()
+
+
+class PhalanxDashboardContender(PhalanxContender):
+    """phalanx with ``px.dashboard()`` open: its metrics watch every call (``--observed``)."""
+
+    name = "phalanx+dashboard"
+    only = ("W2", "W3")
+
+    def start(self, n: int) -> None:
+        self.board = phalanx.dashboard()
+        super().start(n)
+
+    def stop(self) -> None:
+        super().stop()
+        board = getattr(self, "board", None)
+        if board is not None:
+            board.close()
+            self.board = None
+
+
 class PipePoolContender(Contender):
     name = "pipe_pool"
 
@@ -282,8 +321,14 @@ class RayContender(Contender):
 RAY_NAMES = ("ray", "phalanx-ray")  # contenders that need Ray up (phase 2)
 
 
-def make_contenders(with_ray: bool) -> list[Contender]:
-    """Phase 1: phalanx and pipe_pool; phase 2 (``with_ray``, Ray up): ray and phalanx-ray."""
+OBSERVED = ("phalanx+trace", "phalanx+dashboard")
+
+
+def make_contenders(with_ray: bool, observed: bool = False) -> list[Contender]:
+    """Phase 1: phalanx and pipe_pool (``observed``: also phalanx traced and phalanx under
+    a dashboard, on W2 and W3); phase 2 (``with_ray``, Ray up): ray and phalanx-ray."""
     if with_ray:
         return [RayContender(), PhalanxRayContender()]
-    return [PhalanxContender(), PipePoolContender()]
+    extra: list[Contender] = ([PhalanxTracedContender(), PhalanxDashboardContender()]
+                              if observed else [])
+    return [PhalanxContender(), PipePoolContender(), *extra]

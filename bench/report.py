@@ -82,6 +82,11 @@ TARGETS = [
         RAY_BASE,
     ),
     Target("W5 phalanx-ray death detection <= 50 ms", "W5.kill", "value", "<=", 50.0, RAY_SUBJECT),
+    # --observed: what watching calls costs (tracing off is plain "phalanx")
+    Target("W2@4 traced <= 1.1x untraced", "W2.noop.4", "ratio", "<=", 1.1, "phalanx+trace",
+           SUBJECT),
+    Target("W2@4 under a dashboard <= 1.1x without", "W2.noop.4", "ratio", "<=", 1.1,
+           "phalanx+dashboard", SUBJECT),
 ]
 _OPS = {"<=": operator.le, "<": operator.lt, ">=": operator.ge, "==": operator.eq}
 

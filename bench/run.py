@@ -1,7 +1,7 @@
 """Benchmark phalanx against a minimal pipe pool and ray (phalanx's Ray backend against raw
 ray actors), side by side.
 
-    python -m bench.run [--quick] [--json PATH] [--only W1,W2,...] [--no-ray]
+    python -m bench.run [--quick] [--json PATH] [--only W1,W2,...] [--no-ray] [--observed]
 
 See bench/README.md for what each workload measures.
 """
@@ -42,6 +42,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write results")
     parser.add_argument("--only", default="", help="comma-separated workloads, e.g. W2,W3")
     parser.add_argument("--no-ray", action="store_true", help="leave ray out")
+    parser.add_argument("--observed", action="store_true",
+                        help="also phalanx traced and under a dashboard (W2, W3)")
     args = parser.parse_args(argv)
     only = [w.strip().upper() for w in args.only.split(",") if w.strip()]
     unknown = [w for w in only if w not in WORKLOADS]
@@ -98,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     # Phase 1: phalanx and the pipe pool, with no ray daemons running. Ray's gcs_server,
     # raylet and agents take a good part of a CPU for as long as ray runs; on a 2-core
     # machine that would tilt the phalanx-vs-pipe-pool comparison the targets are about.
-    local = errors.attempt("setup", "all", lambda: make_contenders(False)) or []
+    local = errors.attempt("setup", "all", lambda: make_contenders(False, args.observed)) or []
     names += [c.name for c in local]
     rows += run_phase(local, args.workloads, plan, errors, timings)
     cpu_at_end = cpu_snapshot()
@@ -139,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
         "finished_unix_time": time.time(),
         "machine": machine,
         "other_processes_cpu_share": other,
-        "args": {"quick": args.quick, "only": args.workloads, "no_ray": args.no_ray},
+        "args": {"quick": args.quick, "only": args.workloads, "no_ray": args.no_ray,
+                 "observed": args.observed},
         "plan": plan.__dict__,
         "contenders": names,
         "ray": ray_info,
@@ -172,7 +175,8 @@ def run_phase(
         for name in workloads:
             t0 = clock()
             progress(f"{name} ({label}) ...")
-            rows += WORKLOADS[name](contenders, plan, errors)
+            rows += WORKLOADS[name]([c for c in contenders if c.only is None or name in c.only],
+                                    plan, errors)
             timings[f"{name} ({label})"] = clock() - t0
             progress(f"{name} done in {clock() - t0:.1f} s")
     finally:

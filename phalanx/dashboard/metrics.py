@@ -86,8 +86,11 @@ class Metrics:
     # -- Observer ---------------------------------------------------------------------
 
     def started(self, call: CallWatch) -> None:
-        with self.lock:
-            self.of(call.group).recent.append(call)
+        counts = self.groups.get(call.group)
+        if counts is None:
+            with self.lock:
+                counts = self.of(call.group)
+        counts.recent.append(call)  # a deque's append is atomic: no lock on every call
 
     def finished(self, call: CallWatch) -> None:
         last = max(call.answered.values(), default=call.queued)
