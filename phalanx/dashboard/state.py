@@ -80,7 +80,7 @@ def stacks(groups: Groups, name: str, timeout: float) -> dict[str, Any] | None:
 
 
 def _rank(h: RankHealth) -> dict[str, Any]:
-    return {"rank": h.rank, "state": h.state, "node": h.node, "host": None, "pid": h.pid,
+    return {"rank": h.rank, "state": h.state, "node": h.node, "pid": h.pid,
             "calls_in_flight": h.calls_in_flight,
             "last_seen": None if h.last_seen is None else round(h.last_seen, 3),
             "restarts": h.restarts,

@@ -26,6 +26,7 @@ const LANE_GAP = 3;
 const LABEL_W = 58; // room for "rank 12" left of the lanes
 const AXIS_H = 16; // room for the tick labels below the lanes
 const MIN_RECT_W = 2; // a 1 ms call still shows
+const NONE = "\u2014"; // what a cell shows for a null
 
 const token = new URLSearchParams(window.location.search).get("token") ?? "";
 
@@ -92,7 +93,7 @@ function setText(node, text) {
 }
 
 function formatAgo(seconds) {
-  if (seconds === null || seconds === undefined) return "\u2014";
+  if (seconds === null || seconds === undefined) return NONE;
   if (seconds < 10) return `${seconds.toFixed(1)} s ago`;
   if (seconds < 120) return `${Math.round(seconds)} s ago`;
   if (seconds < 7200) return `${Math.round(seconds / 60)} min ago`;
@@ -118,7 +119,11 @@ function formatClock(epochSeconds) {
 
 // -- one group's section --------------------------------------------------------------------
 
-const RANK_COLUMNS = ["rank", "state", "node", "host", "pid", "in flight", "last seen", "exit"];
+// The rank table's columns: [key (the cells' class), heading].
+const RANK_COLUMNS = [
+  ["rank", "rank"], ["state", "state"], ["node", "node"], ["pid", "pid"], ["restarts", "restarts"],
+  ["inflight", "in flight"], ["seen", "last seen"], ["exit-cause", "exit"],
+];
 
 /** A group's section, built once, updated in place by `update(group, now)`. */
 class GroupView {
@@ -128,6 +133,7 @@ class GroupView {
     this.rects = new Map(); // "callId:rank" -> rect
     this.errorSeen = new Map(); // "callId:rank" -> controller time an error was first seen
     this.stacksInFlight = false;
+    this.closed = false;
 
     this.section = el("section", "group");
     this.section.dataset.group = name;
@@ -145,7 +151,7 @@ class GroupView {
 
     const table = el("table", "ranks");
     const headRow = el("tr");
-    for (const column of RANK_COLUMNS) headRow.append(el("th", null, column));
+    for (const [key, heading] of RANK_COLUMNS) headRow.append(el("th", key, heading));
     table.append(el("thead"));
     table.tHead.append(headRow);
     this.tbody = el("tbody");
@@ -174,6 +180,9 @@ class GroupView {
     setText(this.status, group.closed ? "closed" : "running");
     this.status.className = `badge ${group.closed ? "closed" : "running"}`;
     this.section.dataset.closed = String(Boolean(group.closed));
+    this.closed = Boolean(group.closed);
+    // A closed group has no rank to ask (the server answers 404).
+    this.stacksButton.disabled = this.closed || this.stacksInFlight;
     const target = group.target && group.target !== group.name ? ` \u00b7 ${group.target}` : "";
     setText(this.meta, `${group.backend}${target} \u00b7 world size ${group.world_size}`);
     const counts = group.counts ?? {};
@@ -193,8 +202,8 @@ class GroupView {
       if (!row) {
         const tr = el("tr", "rank");
         const cells = {};
-        for (const key of ["rank", "state", "node", "host", "pid", "inflight", "seen", "exit"]) {
-          cells[key] = el("td", key === "exit" ? "exit-cause" : key);
+        for (const [key] of RANK_COLUMNS) {
+          cells[key] = el("td", key);
           tr.append(cells[key]);
         }
         cells.badge = el("span", "badge");
@@ -210,14 +219,16 @@ class GroupView {
       setText(cells.rank, info.rank);
       setText(cells.badge, info.state);
       cells.badge.className = `badge state-${info.state}`;
-      setText(cells.node, info.node);
-      setText(cells.host, info.host);
-      setText(cells.pid, info.pid);
-      setText(cells.inflight, info.calls_in_flight);
-      setText(cells.seen, info.state === "dead" ? "\u2014" : formatAgo(info.last_seen));
+      setText(cells.node, info.node ?? NONE);
+      setText(cells.pid, info.pid ?? NONE);
+      setText(cells.restarts, info.restarts ?? NONE);
+      setText(cells.inflight, info.calls_in_flight ?? NONE);
+      setText(cells.seen, info.state === "dead" ? NONE : formatAgo(info.last_seen));
+      // Empty while the rank lives: the cell is the exit's cause and nothing else.
       const exit = info.exit ?? null;
-      setText(cells.exit, exit ? exit.cause : "");
-      cells.exit.title = exit && exit.exitcode !== null && exit.exitcode !== undefined
+      const cause = cells["exit-cause"];
+      setText(cause, exit ? exit.cause ?? `exit code ${exit.exitcode}` : "");
+      cause.title = exit && exit.exitcode !== null && exit.exitcode !== undefined
         ? `exit code ${exit.exitcode}` : "";
     });
     for (const [rank, row] of this.rows) {
@@ -326,7 +337,7 @@ class GroupView {
   }
 
   async fetchStacks() {
-    if (this.stacksInFlight) return;
+    if (this.stacksInFlight || this.closed) return;
     this.stacksInFlight = true;
     this.stacksButton.disabled = true;
     this.stacksPanel.hidden = false;
@@ -358,7 +369,7 @@ class GroupView {
       this.section.dataset.stacks = "failed";
     } finally {
       this.stacksInFlight = false;
-      this.stacksButton.disabled = false;
+      this.stacksButton.disabled = this.closed;
     }
   }
 }
