@@ -182,7 +182,7 @@ class PhalanxDashboardContender(PhalanxContender):
     only = ("W2", "W3")
 
     def start(self, n: int) -> None:
-        self.board = phalanx.dashboard()
+        self.board = phalanx.monitor()
         super().start(n)
 
     def stop(self) -> None:

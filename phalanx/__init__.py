@@ -76,8 +76,8 @@ _EXPORTS = {
     "weight_sync": "phalanx.controller.weightsync",
     "Trace": "phalanx.controller.trace",
     "trace": "phalanx.controller.trace",
-    "Dashboard": "phalanx.dashboard.server",
-    "dashboard": "phalanx.dashboard.server",
+    "Dashboard": "phalanx.monitor.server",
+    "dashboard": "phalanx.monitor.server",
 }
 
 __all__ = [
@@ -146,7 +146,6 @@ if TYPE_CHECKING:
     from phalanx.controller.trace import Trace, trace
     from phalanx.controller.watch import RankHealth, StackReport, StartupReport
     from phalanx.controller.weightsync import WeightSync, weight_sync
-    from phalanx.dashboard.server import Dashboard, dashboard
     from phalanx.errors import (
         AuthenticationError,
         CallTimeout,
@@ -167,6 +166,7 @@ if TYPE_CHECKING:
         WorkerError,
         WorkerUnresponsive,
     )
+    from phalanx.monitor.server import Dashboard, dashboard
     from phalanx.rank.debugger import breakpoint
     from phalanx.rank.faults import InjectedFault
     from phalanx.rank.kept import keep

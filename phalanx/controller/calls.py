@@ -119,12 +119,14 @@ class Sender:
         workers: Workers = "all",
         keep: bool = False,
         timeout: float | None = None,
+        watched: bool = True,
     ) -> Any:
         """Register a call's futures and send it: one payload for every rank, or one per
         rank (``defer``: at the future's first wait; ``stream``: the workers stream items
         back, a :class:`StreamFuture` waiting up to ``timeout`` for each; ``workers``: the
         selection it was made with; ``keep``: the results stay on the ranks, handles come
-        back). The future: a :class:`GroupFuture`, or its kind for ``stream`` / ``keep``."""
+        back; ``watched``: False keeps phalanx's own housekeeping out of traces and
+        metrics). The future: a :class:`GroupFuture`, or its kind for ``stream`` / ``keep``."""
         # Learn of deaths that already happened: a rank found dead now fails this call as
         # "already dead when it was sent", not "died while running it". At most one poll
         # per _POLL_EVERY: one per call cost a quarter of W3's pipelined throughput.
@@ -153,7 +155,7 @@ class Sender:
             segments = payloads
         pending: Completion = future  # what the ranks' pending tables hold
         watch = None
-        if self.observers:
+        if self.observers and watched:
             sizes = [nbytes(p) for p in segments]
             watch = pending = CallWatch(
                 future, self._dispatcher.group_name or "", call_id, ranks,

@@ -551,13 +551,15 @@ class WorkerGroup:
         self._sender.observe(observer, on)
 
     def send_builtin(self, method: str, ranks: Sequence[int],
-                     args: Sequence[tuple[Any, ...]], *, defer: bool = False) -> GroupFuture:
+                     args: Sequence[tuple[Any, ...]], *, defer: bool = False,
+                     watched: bool = True) -> GroupFuture:
         """Run phalanx's own call ``method`` (a built-in of the rank runtime, named
         ``@...``: see :func:`phalanx.rank.kept.builtin`) on ``ranks``, ``ranks[i]`` with
         ``args[i]``. The interface of phalanx's parts that drive ranks themselves
         (:mod:`phalanx.controller.weightsync`); not for user code. GroupClosed or
         WorkerDied before anything is sent; ``defer``: sent at the future's first wait
-        (so that several groups' calls are all checked before any goes out)."""
+        (so that several groups' calls are all checked before any goes out); ``watched``:
+        False keeps the call out of traces and dashboards (phalanx's own housekeeping)."""
         self._gate.check()
         if not method.startswith(BUILTIN):
             raise ValueError(f"{method!r} is not the name of a built-in call")
@@ -567,7 +569,7 @@ class WorkerGroup:
                              f"with one argument tuple each ({len(args)} given)")
         payloads = [self._sender.encode(tuple(a), {}, rank)
                     for a, rank in zip(args, chosen, strict=True)]
-        return self._sender.send(method, chosen, payloads, defer=defer)
+        return self._sender.send(method, chosen, payloads, defer=defer, watched=watched)
 
     def reload(self) -> str | None:
         """Ship the code again and restart every rank in place (same nodes, same layout).

@@ -1,5 +1,5 @@
 """Watching a group's calls as they happen: what a trace (:mod:`phalanx.controller.trace`)
-and a dashboard (:mod:`phalanx.dashboard`) see.
+and a dashboard (:mod:`phalanx.monitor`) see.
 
 An *observer* is told of every call a group sends while it watches (``started``), of each
 call once every rank it went to answered or failed (``finished``), and of every death of

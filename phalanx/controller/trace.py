@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from phalanx.controller.observe import CallWatch, clock
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SPANS_TIMEOUT = 10.0  # s: how long the end of a trace waits for the ranks' spans
+
+_open: weakref.WeakSet[Trace] = weakref.WeakSet()  # traces started and not yet stopped
 
 
 class Trace:
@@ -54,7 +57,13 @@ class Trace:
         self._timeout = check_seconds(timeout, "trace timeout", allow_zero=False)
         self._groups = list(groups)
         self._lock = threading.Lock()
-        self._calls: list[CallWatch] = []
+        # in the order made: a call still out as its watch, a finished one as a plain tuple
+        # of numbers, text and tuples of them (_packed), which the garbage collector stops
+        # tracking -- one holding a dict, or a named tuple, it tracks for ever -- so that a
+        # trace of a million calls does not slow every collection of the process down
+        self._calls: list[CallWatch | tuple[Any, ...]] = []
+        self._out: dict[CallWatch, int] = {}  # a call still out -> its place in _calls
+        self._first: dict[str, int] = {}  # group -> the id of its first call traced
         self._deaths: list[timeline.Death] = []
         self._spans: dict[tuple[str, int], list[timeline.Span]] = {}
         self._lanes: list[timeline.Lane] = []
@@ -72,6 +81,7 @@ class Trace:
             if group.closed:
                 raise PhalanxError(f"group {group.name} is shut down: nothing to trace")
         self.began = clock()
+        _open.add(self)
         for group in self._groups:
             group.watch_calls(self)
         return self
@@ -82,6 +92,7 @@ class Trace:
             return self
         for group in self._groups:
             group.watch_calls(self, on=False)
+        _open.discard(self)
         self.ended = clock()
         for group in self._groups:
             self._gather(group)
@@ -96,15 +107,25 @@ class Trace:
     # what the groups tell it (Observer) ------------------------------------------------
 
     def started(self, call: CallWatch) -> None:
-        self._calls.append(call)  # a list's append is atomic: no lock on every call
+        with self._lock:
+            self._out[call] = len(self._calls)
+            self._calls.append(call)
+            self._first.setdefault(call.group, call.call_id)
 
     def finished(self, call: CallWatch) -> None:
-        pass
+        with self._lock:
+            at = self._out.pop(call, None)
+            if at is not None:
+                self._calls[at] = _packed(call)
 
     def died(self, group: str, entry: RankEntry) -> None:
         cause = entry.failure.cause if entry.failure is not None else "its process ended"
         with self._lock:
             self._deaths.append(timeline.Death(group, entry.rank, clock(), cause))
+
+    def first_call(self, group: str) -> int | None:
+        """The id of the first call of ``group`` this trace saw (None: none yet)."""
+        return self._first.get(group)
 
     def _gather(self, group: WorkerGroup) -> None:
         """Every rank's spans of ``group`` and its lanes' labels; what cannot be had is
@@ -112,15 +133,20 @@ class Trace:
         health = group.health() if not group.closed else []
         for h in health:
             self._lanes.append(timeline.Lane(group.name, h.rank, h.node, h.pid))
-        traced = {r for c in self._calls if c.group == group.name for r in c.ranks}
+        traced = {r for c in self.calls if c.group == group.name for r in c.ranks}
         known = {h.rank for h in health}
         self._lanes.extend(timeline.Lane(group.name, r, None, None)
                            for r in sorted(traced - known))
         live = [h.rank for h in health if h.alive and h.rank in traced]
         if not live:
             return
+        # the spans of this trace's calls; those of another trace still open stay there
+        since = self._first.get(group.name, 0)
+        others = [first for t in list(_open) if (first := t.first_call(group.name)) is not None]
+        keep_from = min(others) if others else None
         try:
-            future = group.send_builtin("@trace", live, [()] * len(live))
+            future = group.send_builtin("@trace", live, [(since, keep_from)] * len(live),
+                                        watched=False)
         except PhalanxError as exc:
             logger.warning("trace: could not ask group %s for its ranks' spans: %s",
                            group.name, exc)
@@ -141,20 +167,20 @@ class Trace:
     # -- the result -----------------------------------------------------------------
 
     @property
-    def calls(self) -> list[CallWatch]:
-        """The calls recorded, in the order they were made."""
+    def calls(self) -> list[timeline.CallTimes]:
+        """The calls recorded, in the order they were made: when each was made, sent and
+        answered by each rank, its errors and bytes."""
         with self._lock:
-            return list(self._calls)
+            return [_unpacked(c) if type(c) is tuple else _times(c)  # type: ignore[arg-type]
+                    for c in self._calls]
 
     def events(self) -> dict[str, Any]:
         """The trace in the Chrome trace event format, as a JSON-ready dict."""
         if self.began is None:
             raise RuntimeError("this trace was never started")
         until = clock() if self.ended is None else self.ended
+        calls = self.calls
         with self._lock:
-            calls = [timeline.CallTimes(c.group, c.call_id, c.method, c.ranks, c.queued, c.sent,
-                                        dict(c.answered), dict(c.errors), c.bytes_in,
-                                        c.bytes_out) for c in self._calls]
             deaths = list(self._deaths)
         meta: dict[str, Any] = {"groups": [g.name for g in self._groups],
                                 "calls": len(calls), "began": self.began}
@@ -177,6 +203,24 @@ class Trace:
                  "recording" if self.ended is None else "ended")
         names = ", ".join(g.name for g in self._groups)
         return f"<Trace of {names}: {len(self._calls)} calls, {state}>"
+
+
+def _times(call: CallWatch) -> timeline.CallTimes:
+    return timeline.CallTimes(call.group, call.call_id, call.method, tuple(call.ranks),
+                              call.queued, call.sent, dict(call.answered), dict(call.errors),
+                              call.bytes_in, call.bytes_out)
+
+
+def _packed(call: CallWatch) -> tuple[Any, ...]:
+    return (call.group, call.call_id, call.method, tuple(call.ranks), call.queued, call.sent,
+            tuple(call.answered.items()), tuple(call.errors.items()), call.bytes_in,
+            call.bytes_out)
+
+
+def _unpacked(fields: tuple[Any, ...]) -> timeline.CallTimes:
+    group, call_id, method, ranks, queued, sent, answered, errors, sent_bytes, got = fields
+    return timeline.CallTimes(group, call_id, method, ranks, queued, sent, dict(answered),
+                              dict(errors), sent_bytes, got)
 
 
 def trace(*groups: WorkerGroup, timeout: float = SPANS_TIMEOUT) -> Trace:

@@ -116,7 +116,8 @@ def chrome_trace(calls: Sequence[CallTimes], spans: Mapping[tuple[str, int], Seq
 
     for call in calls:
         pid = pid_of[call.group]
-        end = max(call.answered.values(), default=None)
+        end = (max(call.answered.values()) if len(call.answered) == len(call.ranks)
+               else None)  # still out on some rank: it runs to the trace's end
         args: dict[str, Any] = {"call": call.call_id, "ranks": _ranks_text(call.ranks),
                                 "bytes_in": call.bytes_in, "bytes_out": call.bytes_out}
         if call.sent is not None:

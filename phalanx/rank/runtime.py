@@ -399,7 +399,7 @@ class WorkerRuntime:
                         "use group.call_stream() to receive its items"
                     )
             if stream:
-                self._stream(call_id, result)
+                self._stream(call_id, result, answered)
                 return False
             stage = "pickling the result"
             payload = kept.KEPT.keep(call_id, result) if keep else kept.dumps_result(result)
@@ -417,9 +417,10 @@ class WorkerRuntime:
         _SHARES.poll()  # freed objects whose last views this call may have let go (if any)
         return False
 
-    def _stream(self, call_id: int, result: Any) -> None:
-        """Send each item of a generator (sync or async) as it comes, then the end marker.
-        Exceptions propagate to _run_call, which reports them with the stage reached."""
+    def _stream(self, call_id: int, result: Any, answered: list[float] | None = None) -> None:
+        """Send each item of a generator (sync or async) as it comes, then the end marker
+        (``answered``: note when, for a trace). Exceptions propagate to _run_call, which
+        reports them with the stage reached."""
         send, rank, dumps = self.conn.send, self.rank, pickling.dumps_fast
         if inspect.isasyncgen(result):
             while True:
@@ -432,6 +433,8 @@ class WorkerRuntime:
                 send(protocol.result_frame(call_id, rank, dumps(item), item=True))
         else:
             send(protocol.result_frame(call_id, rank, dumps(result), item=True))
+        if answered is not None:
+            answered.append(tracing.clock())
         send(protocol.end_of_stream_frame(call_id, rank))
 
     def _await(self, awaitable: Any) -> Any:

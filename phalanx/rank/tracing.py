@@ -4,7 +4,8 @@ A call whose method name starts with :data:`TRACED` runs as any other; the runti
 records, on this process's wall clock, when the rank began it (took its frame up) and when
 its answer went out, and whether that answer was an error. Nothing crosses to the
 controller until the trace ends: its built-in ``@trace`` call (:func:`take`) hands over
-every span recorded since the last, so a traced call's answer is exactly an untraced one's.
+the spans of its calls, keeping those another trace still open needs, so a traced call's
+answer is exactly an untraced one's.
 
 A rank keeps at most :data:`LIMIT` spans between two takes; later ones are counted, not
 kept (the trace says how many it lost).
@@ -32,9 +33,13 @@ def record(call_id: int, began: float, answered: float, failed: bool) -> None:
         _lost += 1
 
 
-def take() -> dict[str, object]:
-    """Every span recorded since the last take, and how many were not kept (``@trace``)."""
+def take(since: int = 0, keep_from: int | None = None) -> dict[str, object]:
+    """The spans of calls ``since`` on (by call id), and how many were not kept (the
+    built-in ``@trace``); spans of calls before ``keep_from`` are forgotten (None: all),
+    the rest stay for another trace still open."""
     global _spans, _lost
     spans, lost = _spans, _lost
-    _spans, _lost = [], 0
-    return {"pid": os.getpid(), "spans": spans, "lost": lost, "now": clock()}
+    _spans = [] if keep_from is None else [s for s in spans if s[0] >= keep_from]
+    _lost = 0
+    return {"pid": os.getpid(), "spans": [s for s in spans if s[0] >= since], "lost": lost,
+            "now": clock()}

@@ -4,7 +4,7 @@ rank killed while the page is open (seen without a reload).
 
 The page is read through the DOM it draws (``section.group[data-group]``, ``tr.rank[data-
 state]``, ``svg.timeline rect[data-call]``, ``pre.stack[data-rank]``: the page's contract
-with these tests, see ``phalanx/dashboard/static/app.js``), polled until it shows what is
+with these tests, see ``phalanx/monitor/static/app.js``), polled until it shows what is
 expected: it draws a new state every second by itself.
 
 ``PHALANX_SCREENSHOT_DIR=dir``: the page with the killed rank is saved as dir/dashboard.png.

@@ -7,9 +7,9 @@ request) serves:
   every asset is phalanx's own, nothing from the network), which reads ``/api/state``
   every second;
 - ``/api/state``: the groups, their ranks and recent calls, the pools
-  (:mod:`phalanx.dashboard.state`), as JSON;
+  (:mod:`phalanx.monitor.state`), as JSON;
 - ``/api/stacks?group=NAME``: every live rank's Python stacks of that group;
-- ``/metrics``: the counts in Prometheus' text format (:mod:`phalanx.dashboard.metrics`).
+- ``/metrics``: the counts in Prometheus' text format (:mod:`phalanx.monitor.metrics`).
 
 Every request must carry the dashboard's token, a random secret made when it starts: as
 ``?token=`` (the URL :attr:`Dashboard.url` gives), as ``Authorization: Bearer <token>``
@@ -19,7 +19,7 @@ the loopback address unless told another (anyone who can reach the port and know
 token sees the stacks of the ranks).
 
 While it is open the dashboard watches every group, those made later too (its
-:class:`~phalanx.dashboard.metrics.Metrics` is an observer of their calls: the cost of a
+:class:`~phalanx.monitor.metrics.Metrics` is an observer of their calls: the cost of a
 watched call, a few microseconds, is paid only while a dashboard is open).
 """
 
@@ -38,9 +38,9 @@ from typing import Any
 from phalanx import config
 from phalanx.controller.group import live_groups
 from phalanx.controller.observe import EVERY_GROUP
-from phalanx.dashboard import state
-from phalanx.dashboard.metrics import Metrics
 from phalanx.errors import PhalanxError
+from phalanx.monitor import state
+from phalanx.monitor.metrics import Metrics
 from phalanx.output import prometheus
 
 logger = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class Dashboard:
         self.token = secrets.token_urlsafe(24)
         self.metrics = Metrics()
         self.groups = state.Groups()
-        self._assets = {name: resources.files("phalanx.dashboard").joinpath(
+        self._assets = {name: resources.files("phalanx.monitor").joinpath(
             "static", name).read_bytes() for name in _ASSETS}
         handler = type("Handler", (_Handler,), {"dashboard": self})
         self._server = _Server((host, port), handler)
@@ -232,5 +232,5 @@ def dashboard(host: str = "127.0.0.1", port: int = 0) -> Dashboard:
             train()
 
     ``host``: where it listens (loopback unless told otherwise); ``port`` 0 takes a free
-    one. See :mod:`phalanx.dashboard.server`."""
+    one. See :mod:`phalanx.monitor.server`."""
     return Dashboard(host, port)

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from phalanx.controller.group import WorkerGroup
     from phalanx.controller.observe import CallWatch
     from phalanx.controller.watch import RankHealth
-    from phalanx.dashboard.metrics import Metrics
+    from phalanx.monitor.metrics import Metrics
 
 
 class Groups:
