@@ -321,3 +321,29 @@ def test_once_a_trace_ends_calls_are_sent_as_before(group):
     taken = group.send_builtin("@trace", [0, 1, 2], [()] * WORLD).result(timeout=30)
     assert [(t["spans"], t["lost"]) for t in taken] == [([], 0)] * WORLD
     assert len(trace.calls) == 1  # the ended trace saw none of them
+
+
+def test_two_traces_open_at_once_each_get_the_ranks_spans_of_their_calls(group):
+    with group.trace() as outer:
+        group.call("rank")
+        with group.trace() as inner:
+            group.call("add", 1, b=2)
+        group.call("echo", "x")
+    assert [c.method for c in outer.calls] == ["rank", "add", "echo"]
+    assert [c.method for c in inner.calls] == ["add"]
+    for trace in (outer, inner):
+        doc = trace.events()
+        events = rank_events(doc, group_pid(doc, group.name))
+        # the rank's own span of every call, none stolen by the other trace's end, and
+        # neither trace draws the other's end (its @trace call)
+        assert sorted((e["name"], e["tid"]) for e in events) == sorted(
+            (c.method, r) for c in trace.calls for r in c.ranks)
+        assert all(e["args"]["source"] == "rank" for e in events), events
+
+
+def test_the_end_of_a_trace_is_not_counted_as_a_call_by_a_dashboard(group):
+    with px.dashboard() as board:
+        with group.trace():
+            group.call("rank")
+        counted = board.metrics.groups[group.name].calls
+    assert counted == {("rank", "ok"): 1}
