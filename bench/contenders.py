@@ -182,7 +182,7 @@ class PhalanxDashboardContender(PhalanxContender):
     only = ("W2", "W3")
 
     def start(self, n: int) -> None:
-        self.board = phalanx.monitor()
+        self.board = phalanx.dashboard()
         super().start(n)
 
     def stop(self) -> None:

@@ -156,11 +156,10 @@ class Sender:
         pending: Completion = future  # what the ranks' pending tables hold
         watch = None
         if self.observers and watched:
-            sizes = [nbytes(p) for p in segments]
             watch = pending = CallWatch(
                 future, self._dispatcher.group_name or "", call_id, ranks,
-                sizes[0] * len(ranks) if len(sizes) == 1 else sum(sizes), self.observers,
-                self._traced)
+                nbytes(segments[0]) * len(ranks) if len(segments) == 1
+                else sum(nbytes(p) for p in segments), self.observers, self._traced)
             if self._traced:
                 method = TRACED + method  # the ranks record when they ran it
         deliver: Callable[[], None]
@@ -171,11 +170,11 @@ class Sender:
         else:
             frames = protocol.call_frames(call_id, ranks, method, segments, stream)
             deliver = functools.partial(self._deliver, call_id, ranks, pending, frames)
-        if watch is not None:
-            deliver = watch.sending(deliver)
         if defer:
-            future.defer(deliver)
+            future.defer(deliver if watch is None else watch.sending(deliver))
         else:
+            if watch is not None:
+                watch.sent = watch.queued  # sent now: no stamp of its own to take
             deliver()
         return future
 

@@ -51,6 +51,34 @@ class Observer(Protocol):
         """A rank of ``group`` died (``entry.failure`` says how)."""
 
 
+class _Done:
+    """What a finished watch hands on to: nothing is left to complete."""
+
+    method = ""
+    tolerant = True
+
+    def resolve_rank(self, rank: int, segments: list[Any]) -> None:
+        pass
+
+    def fail_rank(self, rank: int, error: BaseException) -> None:
+        pass
+
+    def yield_rank(self, rank: int, segments: list[Any]) -> None:
+        pass
+
+    def late_ranks(self) -> list[int]:
+        return []
+
+    def cancelled(self) -> bool:
+        return False
+
+    def __len__(self) -> int:
+        return 0
+
+
+_DONE = _Done()
+
+
 class CallWatch:
     """One watched call: when it was made, sent, and answered by each rank.
 
@@ -101,18 +129,30 @@ class CallWatch:
     # -- the completion side, handed on to the future ------------------------------------
 
     def resolve_rank(self, rank: int, segments: list[Any]) -> None:
-        if rank not in self.answered:
-            self.answered[rank] = clock()
-            self.bytes_out += nbytes(segments)
-            self._one_done()
-        self._future.resolve_rank(rank, segments)
+        future = self._future
+        answered = self.answered
+        if rank not in answered:
+            answered[rank] = clock()
+            self.bytes_out += (len(segments[0]) if len(segments) == 1
+                               and type(segments[0]) is bytes else nbytes(segments))
+            self._remaining -= 1
+            if self._remaining == 0:
+                future.resolve_rank(rank, segments)
+                self._finish()
+                return
+        future.resolve_rank(rank, segments)
 
     def fail_rank(self, rank: int, error: BaseException) -> None:
+        future = self._future
         if rank not in self.answered:
             self.answered[rank] = clock()
             self.errors[rank] = f"{type(error).__name__}: {error}"
-            self._one_done()
-        self._future.fail_rank(rank, error)
+            self._remaining -= 1
+            if self._remaining == 0:
+                future.fail_rank(rank, error)
+                self._finish()
+                return
+        future.fail_rank(rank, error)
 
     def yield_rank(self, rank: int, segments: list[Any]) -> None:
         self.items += 1
@@ -128,11 +168,13 @@ class CallWatch:
     def __len__(self) -> int:
         return len(self._future)
 
-    def _one_done(self) -> None:
-        self._remaining -= 1
-        if self._remaining == 0:
-            for observer in self._observers:
-                observer.finished(self)
+    def _finish(self) -> None:
+        """Every rank is done (and the future told): tell the observers, and let go of the
+        future (an observer may keep the watch: not the call's results)."""
+        self._future = _DONE
+        observers, self._observers = self._observers, ()
+        for observer in observers:
+            observer.finished(self)
 
     def __repr__(self) -> str:
         return f"<CallWatch {self.group} {self.method}() call {self.call_id}>"

@@ -57,12 +57,9 @@ class Trace:
         self._timeout = check_seconds(timeout, "trace timeout", allow_zero=False)
         self._groups = list(groups)
         self._lock = threading.Lock()
-        # in the order made: a call still out as its watch, a finished one as a plain tuple
-        # of numbers, text and tuples of them (_packed), which the garbage collector stops
-        # tracking -- one holding a dict, or a named tuple, it tracks for ever -- so that a
-        # trace of a million calls does not slow every collection of the process down
-        self._calls: list[CallWatch | tuple[Any, ...]] = []
-        self._out: dict[CallWatch, int] = {}  # a call still out -> its place in _calls
+        # in the order made; a finished call's watch lets go of its future (and so of its
+        # results) as it finishes
+        self._calls: list[CallWatch] = []
         self._first: dict[str, int] = {}  # group -> the id of its first call traced
         self._deaths: list[timeline.Death] = []
         self._spans: dict[tuple[str, int], list[timeline.Span]] = {}
@@ -107,16 +104,12 @@ class Trace:
     # what the groups tell it (Observer) ------------------------------------------------
 
     def started(self, call: CallWatch) -> None:
-        with self._lock:
-            self._out[call] = len(self._calls)
-            self._calls.append(call)
-            self._first.setdefault(call.group, call.call_id)
+        self._calls.append(call)  # a list's append is atomic: no lock on every call
+        if call.group not in self._first:
+            self._first[call.group] = call.call_id
 
     def finished(self, call: CallWatch) -> None:
-        with self._lock:
-            at = self._out.pop(call, None)
-            if at is not None:
-                self._calls[at] = _packed(call)
+        pass
 
     def died(self, group: str, entry: RankEntry) -> None:
         cause = entry.failure.cause if entry.failure is not None else "its process ended"
@@ -170,9 +163,7 @@ class Trace:
     def calls(self) -> list[timeline.CallTimes]:
         """The calls recorded, in the order they were made: when each was made, sent and
         answered by each rank, its errors and bytes."""
-        with self._lock:
-            return [_unpacked(c) if type(c) is tuple else _times(c)  # type: ignore[arg-type]
-                    for c in self._calls]
+        return [_times(c) for c in list(self._calls)]
 
     def events(self) -> dict[str, Any]:
         """The trace in the Chrome trace event format, as a JSON-ready dict."""
@@ -209,18 +200,6 @@ def _times(call: CallWatch) -> timeline.CallTimes:
     return timeline.CallTimes(call.group, call.call_id, call.method, tuple(call.ranks),
                               call.queued, call.sent, dict(call.answered), dict(call.errors),
                               call.bytes_in, call.bytes_out)
-
-
-def _packed(call: CallWatch) -> tuple[Any, ...]:
-    return (call.group, call.call_id, call.method, tuple(call.ranks), call.queued, call.sent,
-            tuple(call.answered.items()), tuple(call.errors.items()), call.bytes_in,
-            call.bytes_out)
-
-
-def _unpacked(fields: tuple[Any, ...]) -> timeline.CallTimes:
-    group, call_id, method, ranks, queued, sent, answered, errors, sent_bytes, got = fields
-    return timeline.CallTimes(group, call_id, method, ranks, queued, sent, dict(answered),
-                              dict(errors), sent_bytes, got)
 
 
 def trace(*groups: WorkerGroup, timeout: float = SPANS_TIMEOUT) -> Trace:

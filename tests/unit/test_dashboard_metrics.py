@@ -229,6 +229,7 @@ def test_a_watch_hands_everything_on_to_the_future_and_finishes_once(clock):
     clock.now = 7.0
     call.resolve_rank(0, answer)  # a second answer of rank 0: handed on, not counted
     assert not call.done
+    assert call.late_ranks() == ["late"] and call.cancelled() == "cancelled?"  # the future's
     call.fail_rank(1, error)
     assert future.got == [("yield", 0, item), ("resolve", 0, answer), ("resolve", 0, answer),
                           ("fail", 1, error)]
@@ -236,8 +237,11 @@ def test_a_watch_hands_everything_on_to_the_future_and_finishes_once(clock):
     assert call.done and call.answered == {0: 6.0, 1: 7.0}
     assert call.errors == {1: "ValueError: no"}
     assert (call.items, call.bytes_out) == (1, 1 + 6)
-    assert call.late_ranks() == ["late"] and call.cancelled() == "cancelled?"
+    # done: the watch let go of the future (and its results), answering for itself
+    assert call._future is not future
+    assert call.late_ranks() == [] and call.cancelled() is False
     call.fail_rank(1, error)  # late news of a rank already counted
+    assert len(future.got) == 4
     assert metrics.groups["G"].calls == {("step", "error"): 1}
     histogram = metrics.groups["G"].latency["step"]
     assert (histogram.count, histogram.total) == (1, pytest.approx(2.0))
