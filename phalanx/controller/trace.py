@@ -57,12 +57,15 @@ class Trace:
         self._timeout = check_seconds(timeout, "trace timeout", allow_zero=False)
         self._groups = list(groups)
         self._lock = threading.Lock()
-        # in the order made; a finished call's watch lets go of its future (and so of its
-        # results) as it finishes
-        self._calls: list[CallWatch] = []
+        # Calls still out, by watch, and finished ones as plain tuples of numbers, text and
+        # tuples of them (_packed): the garbage collector stops tracking those (not a
+        # watch, a dict or a named tuple), and a trace holding a million calls would
+        # otherwise slow every collection of the process down, every group's calls with it.
+        self._out: dict[CallWatch, None] = {}
+        self._done: list[tuple[Any, ...]] = []
         self._first: dict[str, int] = {}  # group -> the id of its first call traced
         self._deaths: list[timeline.Death] = []
-        self._spans: dict[tuple[str, int], list[timeline.Span]] = {}
+        self._spans: dict[tuple[str, int], list[tuple[Any, ...]]] = {}  # Span fields
         self._lanes: list[timeline.Lane] = []
         self._lost: dict[str, int] = {}  # group/rank -> spans a rank could not keep or give
         self.began: float | None = None
@@ -104,12 +107,13 @@ class Trace:
     # what the groups tell it (Observer) ------------------------------------------------
 
     def started(self, call: CallWatch) -> None:
-        self._calls.append(call)  # a list's append is atomic: no lock on every call
+        self._out[call] = None
         if call.group not in self._first:
             self._first[call.group] = call.call_id
 
     def finished(self, call: CallWatch) -> None:
-        pass
+        if self._out.pop(call, False) is None:  # not one made before the trace began
+            self._done.append(_packed(call))
 
     def died(self, group: str, entry: RankEntry) -> None:
         cause = entry.failure.cause if entry.failure is not None else "its process ended"
@@ -153,7 +157,7 @@ class Trace:
                                "are drawn as the controller saw them", rank, group.name,
                                type(exc).__name__)
                 continue
-            self._spans[(group.name, rank)] = [timeline.Span(*s) for s in got["spans"]]
+            self._spans[(group.name, rank)] = [tuple(s) for s in got["spans"]]  # see _out
             if got["lost"]:
                 self._lost[f"{group.name}/{rank}"] = got["lost"]
 
@@ -163,7 +167,10 @@ class Trace:
     def calls(self) -> list[timeline.CallTimes]:
         """The calls recorded, in the order they were made: when each was made, sent and
         answered by each rank, its errors and bytes."""
-        return [_times(c) for c in list(self._calls)]
+        calls = [_unpacked(c) for c in list(self._done)]
+        calls += [_times(c) for c in list(self._out)]
+        calls.sort(key=lambda c: c.queued)
+        return calls
 
     def events(self) -> dict[str, Any]:
         """The trace in the Chrome trace event format, as a JSON-ready dict."""
@@ -177,7 +184,9 @@ class Trace:
                                 "calls": len(calls), "began": self.began}
         if self._lost:
             meta["spans_lost"] = dict(self._lost)
-        return timeline.chrome_trace(calls, self._spans, self._lanes, deaths,
+        spans = {key: [timeline.Span._make(s) for s in of_rank]
+                 for key, of_rank in self._spans.items()}
+        return timeline.chrome_trace(calls, spans, self._lanes, deaths,
                                      origin=self.began, until=until, metadata=meta)
 
     def save(self, path: str | os.PathLike[str]) -> str:
@@ -193,13 +202,25 @@ class Trace:
         state = ("not started" if self.began is None else
                  "recording" if self.ended is None else "ended")
         names = ", ".join(g.name for g in self._groups)
-        return f"<Trace of {names}: {len(self._calls)} calls, {state}>"
+        return f"<Trace of {names}: {len(self._done) + len(self._out)} calls, {state}>"
 
 
 def _times(call: CallWatch) -> timeline.CallTimes:
     return timeline.CallTimes(call.group, call.call_id, call.method, tuple(call.ranks),
                               call.queued, call.sent, dict(call.answered), dict(call.errors),
                               call.bytes_in, call.bytes_out)
+
+
+def _packed(call: CallWatch) -> tuple[Any, ...]:
+    return (call.group, call.call_id, call.method, tuple(call.ranks), call.queued, call.sent,
+            tuple(call.answered.items()), tuple(call.errors.items()) if call.errors else (),
+            call.bytes_in, call.bytes_out)
+
+
+def _unpacked(fields: tuple[Any, ...]) -> timeline.CallTimes:
+    group, call_id, method, ranks, queued, sent, answered, errors, sent_bytes, got = fields
+    return timeline.CallTimes(group, call_id, method, ranks, queued, sent, dict(answered),
+                              dict(errors), sent_bytes, got)
 
 
 def trace(*groups: WorkerGroup, timeout: float = SPANS_TIMEOUT) -> Trace:
