@@ -176,7 +176,9 @@ class PhalanxTracedContender(PhalanxContender):
 
 
 class PhalanxDashboardContender(PhalanxContender):
-    """phalanx with ``px.dashboard()`` open: its metrics watch every call (``--observed``)."""
+    """phalanx with ``px.dashboard()`` open: its metrics watch every call of its group
+    (``--observed``). A dashboard watches every group of its process; here it is made to
+    let go of the other contenders' groups, which must stay unwatched."""
 
     name = "phalanx+dashboard"
     only = ("W2", "W3")
@@ -184,6 +186,13 @@ class PhalanxDashboardContender(PhalanxContender):
     def start(self, n: int) -> None:
         self.board = phalanx.dashboard()
         super().start(n)
+        from phalanx.controller.group import live_groups
+        from phalanx.controller.observe import EVERY_GROUP
+
+        EVERY_GROUP.remove(self.board.metrics)  # groups started later: not watched
+        for group in live_groups():
+            if group is not self.group:
+                group.watch_calls(self.board.metrics, on=False)
 
     def stop(self) -> None:
         super().stop()
