@@ -10,6 +10,7 @@ restarts and calls in flight are read from the groups when the page is scraped.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import math
 import threading
@@ -39,10 +40,7 @@ class _Histogram:
         self.count = 0
 
     def add(self, seconds: float) -> None:
-        i = 0
-        while i < len(BUCKETS) and seconds > BUCKETS[i]:
-            i += 1
-        self.counts[i] += 1
+        self.counts[bisect.bisect_left(BUCKETS, seconds)] += 1  # le: bounds are inclusive
         self.total += seconds
         self.count += 1
 
@@ -93,16 +91,21 @@ class Metrics:
         counts.recent.append(call)  # a deque's append is atomic: no lock on every call
 
     def finished(self, call: CallWatch) -> None:
+        # No lock: a group's calls finish on the thread pumping its events, one at a time,
+        # and a scrape reading a count while it moves reads the one before or after.
         last = max(call.answered.values(), default=call.queued)
-        with self.lock:
-            counts = self.of(call.group)
-            counts.calls[(call.method, "error" if call.errors else "ok")] += 1
-            histogram = counts.latency.get(call.method)
-            if histogram is None:
-                histogram = counts.latency[call.method] = _Histogram()
-            histogram.add(max(0.0, last - call.queued))
-            counts.sent[call.method] += call.bytes_in
-            counts.received[call.method] += call.bytes_out
+        counts = self.groups.get(call.group)
+        if counts is None:
+            with self.lock:
+                counts = self.of(call.group)
+        method = call.method
+        counts.calls[(method, "error" if call.errors else "ok")] += 1
+        histogram = counts.latency.get(method)
+        if histogram is None:
+            histogram = counts.latency[method] = _Histogram()
+        histogram.add(max(0.0, last - call.queued))
+        counts.sent[method] += call.bytes_in
+        counts.received[method] += call.bytes_out
 
     def died(self, group: str, entry: RankEntry) -> None:
         with self.lock:
