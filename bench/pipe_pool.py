@@ -1,6 +1,14 @@
-"""The floor: a minimal hand-written pool, one worker process and one Pipe each,
-protocol-5 pickling. Workers start with the "spawn" method (a fresh interpreter, as
-phalanx's workers are; "fork" is unsafe in a threaded controller).
+"""The floor: a minimal hand-written pool, one worker process and one duplex pipe (a Unix
+socket pair, as ``multiprocessing.Pipe()``) each, protocol-5 pickling.
+
+Each worker is a fresh interpreter (as phalanx's ranks are; fork is unsafe in a threaded
+controller), started the way a hand-written pool would start it: ``python -c`` running
+:func:`serve` of this module, which imports only the standard library. Its main module
+has no file, so nothing of the benchmark that runs it is imported again in the child --
+``multiprocessing``'s spawn would re-import the parent's main module (``bench.run`` and
+everything it imports: phalanx among them, about 95 ms of CPU a child), which handicapped
+the pool in earlier rounds. The worker class arrives pickled, as a rank's target does,
+and is imported by reference (``bench.workloads``, standard library only) in both.
 
 It has none of phalanx's features (no errors, no death handling beyond EOF, no logs); it
 shows what a library on the same machine could approach.
@@ -8,14 +16,24 @@ shows what a library on the same machine could approach.
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import os
 import pickle
+import socket
+import subprocess
+import sys
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+# What each child runs: its connection's descriptor is its one argument.
+_CHILD = "import sys; from bench.pipe_pool import serve; serve(int(sys.argv[1]))"
+_STOP_TIMEOUT = 5.0  # s a worker has to exit once asked, before it is killed
 
-def _serve(conn: Connection, factory: Any) -> None:
-    obj = factory()
+
+def serve(fd: int) -> None:
+    """A worker: build the object from the first message, then answer calls until EOF or
+    ``(None, ())``."""
+    conn = Connection(fd)
+    obj = pickle.loads(conn.recv_bytes())()
     conn.send_bytes(b"ready")
     while True:
         try:
@@ -31,8 +49,7 @@ def _serve(conn: Connection, factory: Any) -> None:
 
 class PipePool:
     def __init__(self, factory: Any, n: int) -> None:
-        self._ctx = mp.get_context("spawn")
-        self._factory = factory
+        self._factory = pickle.dumps(factory, protocol=5)
         self.conns: list[Any] = [None] * n
         self.procs: list[Any] = [None] * n
         for i in range(n):
@@ -41,11 +58,16 @@ class PipePool:
             self._await_ready(conn)
 
     def _spawn(self, i: int) -> None:
-        parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=_serve, args=(child, self._factory), daemon=True)
-        proc.start()
-        child.close()
-        self.conns[i] = parent
+        parent, child = socket.socketpair()
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _CHILD, str(child.fileno())],
+                pass_fds=(child.fileno(),), cwd=_ROOT)
+        finally:
+            child.close()
+        conn = Connection(parent.detach())
+        conn.send_bytes(self._factory)
+        self.conns[i] = conn
         self.procs[i] = proc
 
     @staticmethod
@@ -79,11 +101,10 @@ class PipePool:
         self.conns[i].send_bytes(pickle.dumps((method, args), protocol=5))
 
     def watch(self, i: int) -> Any:
-        """The result of worker ``i``'s call; raises EOFError as soon as the worker dies."""
+        """The result of worker ``i``'s call; raises EOFError as soon as the worker dies
+        (its end of the socket pair closes with it)."""
         conn = self.conns[i]
-        wait([conn, self.procs[i].sentinel])
-        if not conn.poll():
-            raise EOFError("worker died")
+        wait([conn])
         return pickle.loads(conn.recv_bytes())  # EOFError at end of stream
 
     def call_watching(self, method: str, *args: Any) -> Any:
@@ -94,9 +115,9 @@ class PipePool:
     def restart(self, i: int) -> None:
         """Replace worker ``i`` (killing it if it still runs) with a fresh one."""
         proc = self.procs[i]
-        if proc.is_alive():
+        if proc.poll() is None:
             proc.kill()
-        proc.join()
+        proc.wait()
         self.conns[i].close()
         self._spawn(i)
         self._await_ready(self.conns[i])
@@ -109,9 +130,13 @@ class PipePool:
             except OSError:
                 pass
         for proc in self.procs:
-            proc.join(5)
-            if proc.is_alive():
+            try:
+                proc.wait(_STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.join()
+                proc.wait()
         for conn in self.conns:
             conn.close()
+
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where bench/ is
