@@ -270,6 +270,11 @@ class RayBackend(Backend):
             except Exception:
                 if self._stopping or self._ray_gone():
                     continue  # ended above, or by close()
+                # a ray.shutdown() under way fails the waits (owners unknown) a moment
+                # before Ray says it is not initialized: look again before calling it a fault
+                time.sleep(0.2)
+                if self._stopping or self._ray_gone():
+                    continue
                 logger.exception("waiting on Ray actors failed")
                 time.sleep(0.1)
                 continue
