@@ -32,6 +32,8 @@ EVERY_GROUP: list[Observer] = []
 
 def nbytes(segments: Sequence[Any]) -> int:
     """The size of a payload's segments (a pickle and its buffers), in bytes."""
+    if len(segments) == 1 and type(segments[0]) is bytes:  # the usual: one small pickle
+        return len(segments[0])
     total = 0
     for segment in segments:
         total += segment.nbytes if type(segment) is memoryview else len(segment)
@@ -130,29 +132,25 @@ class CallWatch:
 
     def resolve_rank(self, rank: int, segments: list[Any]) -> None:
         future = self._future
-        answered = self.answered
-        if rank not in answered:
-            answered[rank] = clock()
-            self.bytes_out += (len(segments[0]) if len(segments) == 1
-                               and type(segments[0]) is bytes else nbytes(segments))
-            self._remaining -= 1
-            if self._remaining == 0:
-                future.resolve_rank(rank, segments)
-                self._finish()
-                return
+        if rank in self.answered:  # late news of a rank already counted: handed on only
+            future.resolve_rank(rank, segments)
+            return
+        self.bytes_out += nbytes(segments)
+        last = self._answer(rank)
         future.resolve_rank(rank, segments)
+        if last:
+            self._finish()
 
     def fail_rank(self, rank: int, error: BaseException) -> None:
         future = self._future
-        if rank not in self.answered:
-            self.answered[rank] = clock()
-            self.errors[rank] = f"{type(error).__name__}: {error}"
-            self._remaining -= 1
-            if self._remaining == 0:
-                future.fail_rank(rank, error)
-                self._finish()
-                return
+        if rank in self.answered:
+            future.fail_rank(rank, error)
+            return
+        self.errors[rank] = f"{type(error).__name__}: {error}"
+        last = self._answer(rank)
         future.fail_rank(rank, error)
+        if last:
+            self._finish()
 
     def yield_rank(self, rank: int, segments: list[Any]) -> None:
         self.items += 1
@@ -167,6 +165,12 @@ class CallWatch:
 
     def __len__(self) -> int:
         return len(self._future)
+
+    def _answer(self, rank: int) -> bool:
+        """Stamp ``rank``'s first answer (or failure); True when it was the call's last."""
+        self.answered[rank] = clock()
+        self._remaining -= 1
+        return self._remaining == 0
 
     def _finish(self) -> None:
         """Every rank is done (and the future told): tell the observers, and let go of the
