@@ -33,7 +33,6 @@ their generator yields them, and a RESULT ends each rank's stream.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import concurrent.futures
 import logging
@@ -606,6 +605,8 @@ def _bridge(future: GroupFuture | ShardedFuture) -> concurrent.futures.Future:
 
 def _await(future: GroupFuture | ShardedFuture) -> Generator[Any, None, list[Any]]:
     """``await future`` on the running event loop, with no thread parked per awaiter."""
+    import asyncio  # loaded already where anything awaits: not with every controller
+
     loop = asyncio.get_running_loop()
     waiter = loop.create_future()
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from phalanx.world import sharding as sh
-
 if TYPE_CHECKING:
     from phalanx.world.layout import Layout
-    from phalanx.world.sharding import NamedSharding, ShardedPlan
+    from phalanx.world.sharding import Coordinates, NamedSharding, ShardedPlan
+
+# phalanx.world.sharding (and numpy with it) is imported by the methods that need a mesh,
+# never with this module: a group without one, the usual kind, does not pay for numpy.
 
 
 P = TypeVar("P")  # a payload, as the group's encoder makes it
@@ -109,6 +110,8 @@ class Mesh:
             if dp_leaders is not None:
                 self.require("dp_leaders")
             return
+        from phalanx.world import sharding as sh
+
         self.sharding = sharding = sh.sharding_for(mesh, world_size)
         if tied_axes is not None:
             sh.tied_groups(sharding, tied_axes)  # the axes' names, even with no layout
@@ -119,9 +122,11 @@ class Mesh:
         else:
             self._dp_leaders = sh.check_dp_leaders(sharding, dp_axis, dp_leaders)
 
-    def sliced(self, coords: Mapping[str, sh.Coordinates]) -> Mesh:
+    def sliced(self, coords: Mapping[str, Coordinates]) -> Mesh:
         """The mesh of the ranks at ``coords`` (see :func:`~phalanx.world.sharding.slice_sharding`),
         with plans of its own; its data-parallel leaders follow the default rule."""
+        from phalanx.world import sharding as sh
+
         sub = sh.slice_sharding(self.require("slice()"), coords)
         part = Mesh(None, self._dp_axis, 0)
         part.sharding = sub
@@ -150,6 +155,8 @@ class Mesh:
 
     def rank0_only(self, ranks: list[int], axes: Sequence[str]) -> list[int]:
         """``ranks`` less those not at coordinate 0 on ``axes``."""
+        from phalanx.world import sharding as sh
+
         return sh.rank0_only(self.require("rank0_only_axes"), ranks, axes)
 
     def plan(
@@ -168,6 +175,8 @@ class Mesh:
         )
         cached = self._plans.get(options)
         if cached is None:  # plans depend only on the mesh and the options: keep them
+            from phalanx.world import sharding as sh
+
             plan = sh.plan_sharded_call(mesh, *options)
             position = {rank: i for i, rank in enumerate(plan.called_ranks)}
             cached = (plan, [position[r] for r in plan.result_ranks])
@@ -187,6 +196,8 @@ class Mesh:
         """The ranks ``plan`` calls (``live`` checks they are alive) and each one's payload:
         its slice of every argument (checked against the plan's sharded axes) and the
         common keywords, one pickle per distinct slice."""
+        from phalanx.world import sharding as sh
+
         axes, sizes = plan.sharded_axes, plan.sharded_sizes
         for i, value in enumerate(args):
             sh.check_nested(value, axes, sizes, f"argument {i}")

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-import secrets
+import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -58,6 +58,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 AUTO_SHARE_BYTES = config.AUTO_SHARE_BYTES
+
+
+def _token() -> str:
+    """A held object's token: 16 random hex digits (as ``secrets.token_hex(8)``, without
+    importing ``secrets``, ``hmac`` and ``random`` into every controller)."""
+    return os.urandom(8).hex()
 
 
 class Encoded(list[Any]):
@@ -200,7 +206,7 @@ class SharedObjects:
         if self._closed:
             raise ObjectFreed("the group was shut down: nothing can be put any more")
         assert self._holder is not None  # put() and prepare() check
-        held = HeldObject(next(self._ids), secrets.token_hex(8), list(segments),
+        held = HeldObject(next(self._ids), _token(), list(segments),
                           _nbytes(segments), label, private, tensors)
         self._poll()
         # Never under the lock: a node's answer may need the thread that ends calls.
@@ -369,7 +375,7 @@ class SharedObjects:
             copy = self._copies.get(result)
             if copy is None:
                 copy = self._copies[result] = KeptCopy(
-                    next(self._ids), secrets.token_hex(8), location, result.source)
+                    next(self._ids), _token(), location, result.source)
                 self._copying[copy.id] = threading.Lock()
                 result.copies.append(self)
         return copy.id, copy.token

@@ -9,12 +9,15 @@ working directory, and the connected control, stdout and stderr streams.
 from __future__ import annotations
 
 import os
-import socket
 import struct
 import sys
 
 from phalanx import config
 from phalanx.wire import streams
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import socket
 
 
 def open_stream(spec: str) -> streams.Stream:
@@ -26,6 +29,8 @@ def open_stream(spec: str) -> streams.Stream:
         os.set_inheritable(fd, False)  # not for the user's subprocesses
     if kind == "pipe":
         return streams.PipeStream(numbers[0], numbers[1], blocking_reads=True)
+    import socket  # not for the pipes of a local rank: several ms of its start
+
     if kind == "socket":
         return streams.SocketStream(socket.socket(fileno=numbers[0]))
     if kind == "handoff":
@@ -39,6 +44,7 @@ def _take_assignment(sock: socket.socket) -> streams.Stream:
     :class:`phalanx.node.spawn.PrestartedWorker`). Its end closing first means: not needed,
     exit."""
     import json  # only a process started ahead of its rank reads an assignment
+    import socket
 
     head, fds, _, _ = socket.recv_fds(sock, 1 << 16, 4)
     if not head:

@@ -35,7 +35,6 @@ import time
 from collections.abc import Hashable
 from typing import Any, NamedTuple
 
-from phalanx.errors import ObjectLost
 from phalanx.rank import rows, shared, tracing
 from phalanx.wire import pickling
 
@@ -72,6 +71,14 @@ class RayLocation(NamedTuple):
 
 
 KeptLocation = BlockLocation | RayLocation
+
+
+def _lost(message: str) -> Exception:
+    """ObjectLost with ``message``: phalanx.errors is imported at the first loss, not with
+    every rank (its dataclasses and tracebacks are a good part of a rank's start-up)."""
+    from phalanx.errors import ObjectLost
+
+    return ObjectLost(message)
 
 
 def location_of(answer: Any) -> KeptLocation:
@@ -147,7 +154,7 @@ class Kept:
         with self._lock:
             held = self._held.get(call_id)
         if held is None:
-            raise ObjectLost(f"no result of call {call_id} is kept on this rank")
+            raise _lost(f"no result of call {call_id} is kept on this rank")
         if isinstance(held, tuple):
             return read(BlockLocation(*_location(*held)), f"the result of call {call_id}")
         return read(RayLocation(*shared.ray_location(held)), f"the result of call {call_id}")
@@ -321,13 +328,13 @@ def read(location: KeptLocation, producer: str, copy: tuple[int, str] | None = N
         try:
             return shared.from_ray(0, location, location.tensors)
         except shared.NotShared as exc:
-            raise ObjectLost(f"{producer} is lost: {exc}") from None
+            raise _lost(f"{producer} is lost: {exc}") from None
     if location.machine != machine() and copy is not None:
         try:
             # tensors: a fresh copy-on-write mapping per call, as the producer's own is
             return shared.resolve(*copy, private=location.tensors)
         except shared.NotShared as exc:
-            raise ObjectLost(f"{producer} is lost: this node's copy of it is gone "
+            raise _lost(f"{producer} is lost: this node's copy of it is gone "
                              f"({exc})") from None
     if location.machine != machine():
         raise NotImplementedError(
@@ -338,7 +345,7 @@ def read(location: KeptLocation, producer: str, copy: tuple[int, str] | None = N
         block = shared.map_block(location.pid, location.fd, location.token,
                                  location.capacity, location.tensors, locked=True)
     except shared.NotShared as exc:
-        raise ObjectLost(f"{producer} is lost: {exc} (the rank that made it is gone)") from None
+        raise _lost(f"{producer} is lost: {exc} (the rank that made it is gone)") from None
     return shared.unpickle(block, location.extents, location.tensors, [])
 
 

@@ -25,7 +25,6 @@ process.
 from __future__ import annotations
 
 import enum
-import inspect
 import os
 import select
 import signal
@@ -33,7 +32,7 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from phalanx import config
@@ -124,6 +123,36 @@ def _watch_for_hangup(stream: streams.Stream) -> None:
     threading.Thread(target=watch, name="phalanx-hangup-watch", daemon=True).start()
 
 
+def _static_attr(obj: Any, name: str) -> Any:
+    """``obj``'s attribute ``name`` as stored, found as ``inspect.getattr_static`` finds
+    it for an instance or a module (its own ``__dict__``, then its class's MRO) without
+    running a descriptor or ``__getattr__``; AttributeError if it is in neither. A rank
+    does not import :mod:`inspect` (with ``ast``, ``dis`` and ``tokenize``, several ms of
+    every rank's start)."""
+    try:
+        own = object.__getattribute__(obj, "__dict__")
+    except AttributeError:  # __slots__
+        own = {}
+    if name in own:
+        return own[name]
+    for klass in type(obj).__mro__:
+        if name in klass.__dict__:
+            return klass.__dict__[name]
+    raise AttributeError(name)
+
+
+def _is_awaitable(value: Any) -> bool:
+    """``inspect.isawaitable``: a coroutine, a generator-based one, or anything with
+    ``__await__``."""
+    if type(value) is types.GeneratorType:
+        return bool(value.gi_code.co_flags & _CO_ITERABLE_COROUTINE)
+    return isinstance(value, Awaitable)
+
+
+_CO_ITERABLE_COROUTINE = 0x100  # inspect.CO_ITERABLE_COROUTINE: @types.coroutine's flag
+_GENERATORS = (types.GeneratorType, types.AsyncGeneratorType)
+
+
 def public_methods(obj: Any) -> list[str]:
     """Names of the public callables of ``obj``, without running any property."""
     names = []
@@ -131,7 +160,7 @@ def public_methods(obj: Any) -> list[str]:
         if name.startswith("_"):
             continue
         try:
-            attr = inspect.getattr_static(obj, name)
+            attr = _static_attr(obj, name)
         except AttributeError:
             continue
         if isinstance(attr, (staticmethod, classmethod)) or callable(attr):
@@ -391,9 +420,9 @@ class WorkerRuntime:
             stage = "running the method"
             result = fn(*args, **kwargs)
             if type(result) not in _PLAIN_RESULTS:
-                if inspect.isawaitable(result):
+                if _is_awaitable(result):
                     result = self._await(result)
-                elif not stream and (inspect.isgenerator(result) or inspect.isasyncgen(result)):
+                elif not stream and isinstance(result, _GENERATORS):
                     raise TypeError(
                         f"{method}() returned a generator, which cannot be sent back whole; "
                         "use group.call_stream() to receive its items"
@@ -422,13 +451,13 @@ class WorkerRuntime:
         (``answered``: note when, for a trace). Exceptions propagate to _run_call, which
         reports them with the stage reached."""
         send, rank, dumps = self.conn.send, self.rank, pickling.dumps_fast
-        if inspect.isasyncgen(result):
+        if isinstance(result, types.AsyncGeneratorType):
             while True:
                 more, item = self._await(_anext(result))
                 if not more:
                     break
                 send(protocol.result_frame(call_id, rank, dumps(item), item=True))
-        elif inspect.isgenerator(result):
+        elif isinstance(result, types.GeneratorType):
             for item in result:
                 send(protocol.result_frame(call_id, rank, dumps(item), item=True))
         else:

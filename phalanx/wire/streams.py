@@ -11,11 +11,14 @@ import errno
 import fcntl
 import os
 import select
-import socket
 
 TYPE_CHECKING = False  # typing's, without importing typing (the warden starts lean)
 if TYPE_CHECKING:
+    import socket
     from typing import Any
+
+# socket is imported where a socket is used, not with this module: a local rank's stream
+# is a pair of pipes, and socket's Python layer is several ms of its start.
 
 MAX_SEGMENTS = 512  # buffers per writev/sendmsg call, well under IOV_MAX
 _SOCKET_BUFFER = 4 * 1024 * 1024
@@ -52,6 +55,8 @@ class SocketStream(Stream):
     """A connected stream socket (Unix or TCP), used in both directions."""
 
     def __init__(self, sock: socket.socket) -> None:
+        import socket
+
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             try:
                 sock.setsockopt(socket.SOL_SOCKET, opt, _SOCKET_BUFFER)
@@ -60,14 +65,15 @@ class SocketStream(Stream):
         self.sock = sock
         self.read_fd = self.write_fd = sock.fileno()
         self.hangup_events = getattr(select, "POLLRDHUP", 0)
+        self._dontwait = socket.MSG_DONTWAIT
 
     def read_into(self, buf: Any, nbytes: int, block: bool) -> int:
-        return self.sock.recv_into(buf, nbytes, 0 if block else socket.MSG_DONTWAIT)
+        return self.sock.recv_into(buf, nbytes, 0 if block else self._dontwait)
 
     def write_nowait(self, segments: list[Any]) -> int:
         if len(segments) == 1:
-            return self.sock.send(segments[0], socket.MSG_DONTWAIT)
-        return self.sock.sendmsg(segments[:MAX_SEGMENTS], (), socket.MSG_DONTWAIT)
+            return self.sock.send(segments[0], self._dontwait)
+        return self.sock.sendmsg(segments[:MAX_SEGMENTS], (), self._dontwait)
 
     def close(self) -> None:
         close_socket(self.sock)
@@ -133,6 +139,8 @@ def keep_alive(sock: socket.socket) -> None:
     without a FIN, is noticed within about ``LINK_TIMEOUT`` s, whether the connection
     carries nothing (the kernel probes it: idle 5 s, then every 3 s) or has data its peer
     never acknowledged (Linux's TCP_USER_TIMEOUT; retransmissions alone take 15 minutes)."""
+    import socket
+
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for option, value in (("TCP_KEEPIDLE", 5), ("TCP_KEEPINTVL", 3), ("TCP_KEEPCNT", 3),
                           ("TCP_USER_TIMEOUT", LINK_TIMEOUT * 1000)):
@@ -143,6 +151,8 @@ def keep_alive(sock: socket.socket) -> None:
 def close_socket(sock: socket.socket) -> None:
     """Shut down, then close: the peer sees the end, and a thread of ours blocked in
     ``recv``/``accept`` on it wakes (``close`` alone does neither while one is blocked)."""
+    import socket
+
     try:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
