@@ -24,6 +24,9 @@ MAX_LINE_BYTES = 1024 * 1024
 ORPHAN_GRACE = 1.0  # seconds a worker waits for its main thread after losing the controller
 EXIT_WAIT = 1.0  # after its control stream ended, how long a process may take to exit
 OUTPUT_WAIT = 0.2  # how long a death waits for the rank's last stderr lines
+# ... of which the pumping thread waits this long itself (the output's reader sees the end
+# of a dead rank's pipes a moment after the controller does), before a helper takes over
+OUTPUT_PEEK = 0.003
 HANDSHAKE_TIMEOUT = 5.0  # seconds a peer connecting to the controller has to prove the secret
 SPAWN_TIMEOUT = 30.0  # seconds for the node supervisor to report a new worker's pid
 STACKS_TIMEOUT = 1.0  # seconds a rank has to dump its threads' stacks

@@ -108,7 +108,7 @@ class LocalChannel(Channel):
         a helper thread once it is."""
         if not self._claim():
             return []
-        if self._tap.wait_closed(0):
+        if self._tap.wait_closed(config.OUTPUT_PEEK):
             return [self._burial.exited()]
         self._burial.tell_later(self._settle)
         return []

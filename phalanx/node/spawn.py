@@ -146,8 +146,10 @@ class NodeRank:
 
     def stream_ended(self) -> None:
         """Its control stream ended: it is dying, or of no use any more. SIGKILL it unless
-        it is known to have exited; its exit status follows on the status pipe."""
+        it is known to have exited; its exit status follows on the status pipe, or is
+        known now if it has exited already (:meth:`SupervisedProcess.look_for_exit`)."""
         self.proc.kill()
+        self.proc.look_for_exit()
 
     def reap(self) -> int | None:
         """Its exit code, waiting up to ``config.EXIT_WAIT`` for it to exit on its own,

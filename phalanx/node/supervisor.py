@@ -239,6 +239,9 @@ def _undo_start(popen: subprocess.Popen) -> None:
 _SLICE = 0.1  # seconds: the longest a status wait sleeps before looking again
 
 
+_REAPED_WAIT = 0.05  # s: a reaped worker's keeper writes its status at once
+
+
 class SupervisedProcess:
     """One worker started by the node supervisor, as its starter (the controller, or a Ray
     rank actor) sees it.
@@ -360,6 +363,27 @@ class SupervisedProcess:
             os.kill(self._pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+    def look_for_exit(self) -> int | None:
+        """The exit code, if the worker has exited, without waiting for its keeper's word:
+        its control stream just ended, which the kernel does as the process exits, a
+        moment before the keeper is woken to reap it and write the status (about a
+        millisecond of scheduling on a small machine, which every death would wait). A
+        zombie's status is read from ``/proc``; a worker reaped already has its status on
+        the way, read within ``_REAPED_WAIT``. None: it still runs (or its keeper is slow);
+        the status follows on the pipe as always."""
+        code = self.exitcode(0)
+        if code is not None or self._pid is None:
+            return code
+        status = proctree.exit_status(self._pid)
+        if status is not None:
+            with self._lock:
+                if self._code is None:
+                    self._code = os.waitstatus_to_exitcode(status)
+            return self._code
+        if proctree.state(self._pid) is None:  # reaped: the keeper is writing its status
+            return self.exitcode(_REAPED_WAIT)
+        return None
 
     def signal_group(self, sig: int) -> None:
         pid = self.pid

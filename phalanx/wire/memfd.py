@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import secrets
 import socket
 from collections.abc import Sequence
 from pathlib import Path
@@ -84,7 +83,7 @@ class Block:
     """An anonymous memory file of this process (a holder's copy of objects)."""
 
     def __init__(self, capacity: int) -> None:
-        self.token = secrets.token_hex(16)  # 128 bits: a block is mapped by its handle
+        self.token = os.urandom(16).hex()  # 128 bits (secrets.token_hex): mapped by handle
         self.capacity = max(capacity, 1)
         self.fd = os.memfd_create(NAME + self.token, os.MFD_CLOEXEC)
         self.mapped_by: set[Any] = set()  # channels told where it is (pooled blocks)
