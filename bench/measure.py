@@ -11,6 +11,7 @@ from functools import partial
 import numpy as np
 
 from bench.cluster import w9_cluster
+from bench.cold import COLD, fresh_start
 from bench.contenders import RAY_NAMES, Contender
 from bench.launcher import w8_launcher
 from bench.sharded import w7_sharded
@@ -104,8 +105,15 @@ def warm_up(contenders: Sequence[Contender], errors: Errors) -> None:
     stop_all(start_all(contenders, 1, errors, "warm-up"), errors, "warm-up")
 
 
-def w1_startup(contenders: Sequence[Contender], plan: Plan, errors: Errors) -> list[Row]:
+def w1_startup(contenders: Sequence[Contender], plan: Plan, errors: Errors, *,
+               fresh: bool = False) -> list[Row]:
+    """Start-up and teardown in this process (phalanx imported already) at each size; with
+    ``fresh`` (``bench.run``'s W1), then for phalanx and pipe_pool start to ready from a
+    fresh process (``W1.cold.N``, :func:`bench.cold.fresh_start`). ``bench.versions``
+    calls it without: two rows a size, this process's contenders only."""
     rows = []
+    cold = [c for c in contenders if c.name in COLD] if fresh else []
+    cold_failed = _cold_warm_up(cold, errors) if cold else set()
     for n in sorted(plan.w1_trials):
         start = Row(f"W1.startup.{n}", f"W1 startup to ready, {n} workers", "s", "lower")
         stop = Row(f"W1.teardown.{n}", f"W1 teardown, {n} workers", "s", "lower")
@@ -128,7 +136,50 @@ def w1_startup(contenders: Sequence[Contender], plan: Plan, errors: Errors) -> l
             start.add(c.name, t1 - t0)
             stop.add(c.name, t2 - t1)
         rows += [start, stop]
+        if cold:
+            rows.append(_w1_cold(cold, n, plan, errors, cold_failed))
     return rows
+
+
+def _cold_warm_up(contenders: Sequence[Contender], errors: Errors) -> set[str]:
+    """One untimed fresh-process trial (1 worker) each, so that the first timed one does not
+    read the contender's files from disk; the names of those that failed."""
+    failed = set()
+    for c in contenders:
+        settle()
+        where = "W1@1 fresh process (warm-up)"
+        found = errors.attempt(where, c.name, partial(fresh_start, c.name, 1))
+        if found is None:
+            failed.add(c.name)
+        elif found["left"]:
+            errors.record(where, c.name, RuntimeError(f"left behind: {found['left']}"))
+    return failed
+
+
+def _w1_cold(contenders: Sequence[Contender], n: int, plan: Plan, errors: Errors,
+             failed: set[str]) -> Row:
+    """``W1.cold.N``: a fresh interpreter per trial, from its first statement to ready; the
+    import and start parts, the teardown, the child process's whole life as seen from
+    here and any process it left behind in ``extra``. ``failed`` (names) is updated."""
+    row = Row(f"W1.cold.{n}", f"W1 fresh process: start to ready, {n} workers", "s", "lower")
+    parts = ("import_s", "start_s", "stop_s", "process_s")
+    row.extra = {part: {} for part in (*parts, "left_behind")}
+    where = f"W1@{n} fresh process"
+    for _, c in _schedule(contenders, plan.w1_trials[n]):
+        if c.name in failed:
+            continue
+        settle()
+        found = errors.attempt(where, c.name, partial(fresh_start, c.name, n))
+        if found is None:
+            failed.add(c.name)
+            continue
+        row.add(c.name, found["ready_s"])
+        for part in parts:
+            row.extra[part].setdefault(c.name, []).append(found[part])
+        if found["left"]:
+            row.extra["left_behind"].setdefault(c.name, []).extend(found["left"])
+            errors.record(where, c.name, RuntimeError(f"left behind: {found['left']}"))
+    return row
 
 
 def _run_batch(c: Contender, calls: int) -> float:
@@ -308,7 +359,7 @@ def w6_leftovers(contenders: Sequence[Contender], plan: Plan, errors: Errors) ->
 
 
 WORKLOADS: dict[str, Callable[[Sequence[Contender], Plan, Errors], list[Row]]] = {
-    "W1": w1_startup,
+    "W1": partial(w1_startup, fresh=True),
     "W2": w2_fanout,
     "W3": w3_pipelined,
     "W4": w4_broadcast,

@@ -31,11 +31,14 @@ class Target:
 
 
 TARGETS = [
-    Target("W2@4 fan-out latency <= 1.3x pipe_pool", "W2.noop.4", "ratio", "<=", 1.3),
-    Target("W3 pipelined throughput >= 0.7x pipe_pool", "W3.pipelined", "ratio", ">=", 0.7),
-    Target("W5 death detection <= 3x pipe_pool", "W5.kill", "ratio", "<=", 3.0),
+    Target("W2@4 fan-out latency <= 1.1x pipe_pool", "W2.noop.4", "ratio", "<=", 1.1),
+    Target("W3 pipelined throughput >= 0.9x pipe_pool", "W3.pipelined", "ratio", ">=", 0.9),
+    Target("W5 death detection <= 1.5x pipe_pool", "W5.kill", "ratio", "<=", 1.5),
     Target("W5 death detection < 200 ms", "W5.kill", "value", "<", 200.0),
     Target("W1@4 startup <= 2x pipe_pool", "W1.startup.4", "ratio", "<=", 2.0),
+    Target("W1@16 startup <= 2x pipe_pool", "W1.startup.16", "ratio", "<=", 2.0),
+    Target("W1@4 fresh process <= 2x pipe_pool", "W1.cold.4", "ratio", "<=", 2.0),
+    Target("W1@16 fresh process <= 2x pipe_pool", "W1.cold.16", "ratio", "<=", 2.0),
     Target("W6 processes left after shutdown == 0", "W6.leftover", "value", "==", 0.0),
     Target("W4 broadcast not slower than pipe_pool", "W4.seconds", "ratio", "<=", 1.0),
     Target("W4 put: 64 MiB to 4 workers <= 0.04 s", "W4.put.seconds", "value", "<=", 0.04),
