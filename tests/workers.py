@@ -143,6 +143,12 @@ class Probe:
             print(line, file=sys.stderr, flush=True)
         os._exit(code)
 
+    def kill_self(self, stderr_lines: tuple = ()):
+        """SIGKILL itself right after writing ``stderr_lines`` (still unread then)."""
+        for line in stderr_lines:
+            print(line, file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
     # -- output and processes --
     def say(self, text: str, stderr: bool = False) -> int:
         print(text, file=sys.stderr if stderr else sys.stdout, flush=True)

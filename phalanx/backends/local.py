@@ -63,6 +63,7 @@ class LocalChannel(Channel):
         self.ranks = (start.rank,)
         self.node = start.node
         self.process = process
+        self._send = process.conn.send
         self._tap = tap
         self._sink: EventSink | None = None
         self._watched: list[int] = []
@@ -108,7 +109,8 @@ class LocalChannel(Channel):
         a helper thread once it is."""
         if not self._claim():
             return []
-        if self._tap.wait_closed(config.OUTPUT_PEEK):
+        tap = self._tap
+        if tap.wait_closed(0) or tap.drained() or tap.wait_closed(config.OUTPUT_PEEK):
             return [self._burial.exited()]
         self._burial.tell_later(self._settle)
         return []
@@ -139,7 +141,10 @@ class LocalChannel(Channel):
             self._sink.unwatch(fd, self)
 
     def send(self, frame: list[Any]) -> None:
-        self.process.send(frame)  # a lost rank's death arrives as EXITED
+        try:  # straight to its connection: the hot path of every call
+            self._send(frame)
+        except framing.ConnectionLost:  # a lost rank's death arrives as EXITED
+            pass
 
     def signal(self, rank: int, sig: int) -> None:
         self.process.signal(sig)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import select
 import threading
 import time
@@ -58,6 +59,7 @@ _HEARTBEAT = protocol.HEARTBEAT
 # longer wait (any float timeout is allowed, inf included) sleeps in slices of this and
 # checks its deadline after each: a wake-up an hour costs nothing.
 _LONGEST_SLEEP = 3600.0
+_yield = getattr(os, "sched_yield", lambda: None)
 
 
 def _no_stacks(ranks: list[int]) -> dict[int, str]:
@@ -240,15 +242,23 @@ class Dispatcher:
         try:
             if kickoff is not None:
                 kickoff()
+            # Woken with part of what it waits for, the leader yields its CPU once before
+            # it sleeps again: where ranks share CPUs with the controller (a fan-out to
+            # more ranks than cores), the ranks still running answer meanwhile and one
+            # look collects them, instead of a sleep and a wake-up per answer.
             if deadline is None:
                 while not is_done():
-                    self._pump(None)
+                    if self._pump(None) and not is_done():
+                        _yield()
+                        self._pump(0)
                 return True
             while not is_done():
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
-                self._pump(remaining)
+                if self._pump(remaining) and not is_done():
+                    _yield()
+                    self._pump(0)
             return True
         finally:
             self._lead.release()
@@ -303,14 +313,15 @@ class Dispatcher:
                 with self._cond:
                     self._cond.notify_all()
 
-    def _pump(self, timeout: float | None) -> None:
+    def _pump(self, timeout: float | None) -> bool:
         """Handle what arrives within ``timeout`` s (None: until something does); may
-        return early, every caller loops on its own condition and deadline."""
+        return early, every caller loops on its own condition and deadline. True when
+        a channel had something to read."""
         if timeout is not None and timeout > _LONGEST_SLEEP:
             timeout = _LONGEST_SLEEP
         if self._released:  # nothing left to read: a waiter is answered by another thread
             time.sleep(0.01 if timeout is None else min(timeout, 0.01))
-            return
+            return False
         if self._posted or self._tasks:
             self._take_posted()
             timeout = 0
@@ -323,7 +334,8 @@ class Dispatcher:
         try:
             events = self._poll(wait)
         except InterruptedError:  # pragma: no cover
-            return
+            return False
+        read = False
         for fd, _ in events:
             if fd == self._wakeup.fd:
                 self._wakeup.drain()
@@ -332,6 +344,7 @@ class Dispatcher:
             channel = self._by_fd.get(fd)
             if channel is None:
                 continue
+            read = True
             received = channel.receive(fd)
             if received:
                 self._on_events(channel, received)
@@ -340,6 +353,7 @@ class Dispatcher:
         if self._followers:
             with self._cond:
                 self._cond.notify_all()
+        return read
 
     def _take_posted(self) -> None:
         with self._posted_lock:

@@ -289,7 +289,7 @@ class _StderrTail:
 
 class _Stream:
     __slots__ = ("buffer", "closed", "continued", "decode", "echo", "fd", "file", "is_stderr",
-                 "rank", "tail")
+                 "rank", "reading", "tail")
 
     def __init__(self, fd: int, rank: int, tail: _StderrTail | None, echo: bool,
                  file: BinaryIO | None, decode: Callable[[bytes], bytes] | None = None):
@@ -301,6 +301,7 @@ class _Stream:
         self.continued = False  # pieces of that line were passed on already
         self.tail = tail
         self.closed = threading.Event()
+        self.reading = False  # the pump is between reading from it and passing it on
         self.echo = echo
         self.file = file
 
@@ -316,6 +317,28 @@ class OutputTap:
         """Wait (bounded) until the worker's pipes reach end of file: its last words are in."""
         for stream in self._streams:
             if not stream.closed.wait(timeout):
+                return False
+        return True
+
+    def drained(self) -> bool:
+        """Whether the last words of a worker *known to have exited* are in already,
+        though the pump may not have seen its pipes end: nothing left unread in them,
+        nothing of them being passed on, no unfinished line held. A process that exited
+        writes nothing more, but lets go of its pipes only once its last thread is gone,
+        a moment after its exit status is readable; this spares a death that wait (and
+        the pump's thread being scheduled to see the end)."""
+        for stream in self._streams:
+            if stream.closed.is_set():
+                continue
+            if stream.reading or stream.buffer or stream.continued:
+                return False
+            poller = select.poll()
+            poller.register(stream.fd, select.POLLIN)
+            try:
+                events = poller.poll(0)
+            except (OSError, ValueError):  # closed meanwhile: the pump saw its end
+                continue
+            if events and events[0][1] & select.POLLIN:
                 return False
         return True
 
@@ -437,6 +460,13 @@ class LogPump:
 
     def _read(self, stream: _Stream) -> bool:
         """Pass on complete lines, and pieces of overlong ones; False at end of file."""
+        stream.reading = True  # before the read: OutputTap.drained() trusts it
+        try:
+            return self._pass_on(stream)
+        finally:
+            stream.reading = False
+
+    def _pass_on(self, stream: _Stream) -> bool:
         try:
             data = os.read(stream.fd, _READ_SIZE)
         except BlockingIOError:

@@ -287,9 +287,14 @@ class FrameReader:
         big = self._big
         if big is not None:
             return self._fill_big(big, block)
-        n = self._read(self._chunk, _RECV_CHUNK, block)
-        if not n:
+        try:  # _read, inlined: once per event on the hot path
+            n = self._stream.read_into(self._chunk, _RECV_CHUNK, block)
+        except (BlockingIOError, InterruptedError):
             return []
+        except OSError as exc:
+            raise ConnectionLost(str(exc)) from exc
+        if n == 0:
+            raise ConnectionLost("end of stream")
         if not self._buf:  # the usual case: parse straight out of the read buffer
             return self._parse(self._chunk, n, owned=False)
         with memoryview(self._chunk) as mv:

@@ -103,6 +103,20 @@ def test_worker_died_carries_the_last_stderr_lines(pair):
     assert "code 3" in died.cause
 
 
+def test_lines_written_just_before_a_sigkill_are_in_its_error(pair):
+    """The death is told as soon as the exit status is known, before the output's reader
+    has seen the pipes end: what the rank wrote last must still be in the record."""
+    group, _ = pair
+    for attempt in range(6):
+        lines = tuple(f"attempt {attempt} line {i}" for i in range(3))
+        with pytest.raises(WorkerDied) as info:
+            group.call_one(1, "kill_self", lines, timeout=10)
+        died = info.value
+        assert died.signal == "SIGKILL"
+        assert list(died.stderr_tail)[-3:] == list(lines), died.stderr_tail
+        group.recreate(1)
+
+
 def test_sigkill_mid_call_fails_fast_and_suggests_out_of_memory(pair, ranks):
     group, _ = pair
     future = group.call_async("sleep", 5)
