@@ -162,9 +162,17 @@ class Sender:
                 else sum(nbytes(p) for p in segments), self.observers, self._traced)
             if self._traced:
                 method = TRACED + method  # the ranks record when they ran it
+        # one frame per node connection (an agent's), whatever its number of ranks
+        shared = len(segments) == 1 and len(ranks) > 1 and self._shared_links
+        if not defer and watch is None:  # sent now, the usual async call: no partial
+            if shared:
+                self._deliver_shared(call_id, ranks, pending, method, segments[0], stream)
+            else:
+                frames = protocol.call_frames(call_id, ranks, method, segments, stream)
+                self._deliver(call_id, ranks, pending, frames)
+            return future
         deliver: Callable[[], None]
-        if len(segments) == 1 and len(ranks) > 1 and self._shared_links:
-            # one frame per node connection (an agent's), whatever its number of ranks
+        if shared:
             deliver = functools.partial(self._deliver_shared, call_id, ranks, pending,
                                         method, segments[0], stream)
         else:
