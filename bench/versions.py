@@ -5,6 +5,7 @@ the same machine at the same time.
     python -m bench.versions --old REV [--new PATH] [--batches 9] [--json PATH]
                              [--w1-batches N] [--w5-batches N]
     python -m bench.versions --old REV --backend cluster   # W2 and W9 on node agents
+    python -m bench.versions --old REV --backend ray       # W2 and W3 on Ray
 
 ``--old`` is a git revision (checked out into a temporary worktree) or a directory holding
 a phalanx tree; ``--new`` defaults to this checkout. Each version runs in a process of its
@@ -29,6 +30,25 @@ With ``--backend cluster`` each version's process starts two ``phalanx agent`` o
 (one no-op call fanned out to the 4 ranks) and W9's broadcast (a 64 MiB float64 array
 sent to every rank: it crosses to each node once), as each node's bandwidth: 64 MiB over
 the call's seconds (no W1 or W5 there).
+
+With ``--backend ray`` each version's process starts a Ray of its own, as bench.run does
+(``ray.init(address="local", num_cpus=32, include_dashboard=False, log_to_driver=False)``),
+on 127.0.0.1 and with a session directory of its own under /tmp (``_node_ip_address``,
+``_temp_dir``), and measures W2 (one no-op call fanned out to a ``backend="ray"`` group of
+4 ranks, one actor each) and W3 (20,000 pipelined no-ops to a group of 1) on it, the
+batches alternating between the versions as on the local backend (no W1 or W5 there).
+Two Rays, not one shared: a Ray's workers import phalanx from the environment its raylet
+was started with, so a Ray started by each version's own process (``PYTHONPATH`` its
+tree) runs that version's ranks, and the server checks that every rank imported its
+phalanx; one Ray started by the driver would run the driver's phalanx (this checkout's
+editable install) in both versions' ranks unless a runtime_env rerouted each job's
+workers, and a ``ray start --head`` Ray is stopped by ``ray stop``, which stops every
+Ray on the machine. The cost is a second idle Ray (its GCS, raylet and agents: about 5%
+of a CPU each on this machine), the same for both versions. Each server calls
+``ray.shutdown()`` on the way out, errors included; the driver then waits up to 10 s for
+the processes the servers had started and those of their Rays (marked by an environment
+variable they inherit: a server killed midway leaves Ray's agents behind, orphaned and
+retitled), kills any still running by pid, reports them and exits 1.
 """
 
 from __future__ import annotations
@@ -37,13 +57,17 @@ import argparse
 import compileall
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
-from bench.util import compile_sources, machine_info, median, settle
+import psutil
+
+from bench.util import compile_sources, describe, machine_info, median, settle, still_running
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_JSON = REPO / "bench" / "results" / "versions.json"
@@ -188,22 +212,96 @@ finally:
 '''
 BROADCAST_MIB = 64
 
+# The same for the Ray backend: a Ray of this version's own (its session directory in
+# RAY_DIR_VARIABLE), a group of 4 ranks (W2) and one of 1 (W3): bench.run's ray.init, on
+# loopback.
+RAY_DIR_VARIABLE = "PHALANX_VERSIONS_RAY_DIR"
+_RAY_SERVER = r'''
+import logging, os, sys, time
+import ray
+import phalanx as px
+
+logging.getLogger("phalanx").setLevel(logging.ERROR)
+
+class Bench:
+    def noop(self):
+        return None
+
+    def phalanx_file(self):
+        return sys.modules["phalanx"].__file__
+
+groups = []
+try:
+    ray.init(address="local", num_cpus=32, include_dashboard=False, log_to_driver=False,
+             logging_level=logging.WARNING, _node_ip_address="127.0.0.1",
+             _temp_dir=os.environ["PHALANX_VERSIONS_RAY_DIR"])
+    fanout = px.WorkerGroup(Bench, procs_per_node=4, backend="ray", echo_output=False)
+    groups.append(fanout)
+    single = px.WorkerGroup(Bench, procs_per_node=1, backend="ray", echo_output=False)
+    groups.append(single)
+    mine = os.path.realpath(px.__file__)
+    theirs = {os.path.realpath(f) for g in groups for f in g.call("phalanx_file")}
+    if theirs != {mine}:
+        raise RuntimeError(f"the ranks imported phalanx from {sorted(theirs)}, not {mine}")
+    for _ in range(300):
+        fanout.call("noop")
+    for f in [single.call_async("noop", workers=[0]) for _ in range(2000)]:
+        f.result()
+    print("ready", px.__file__, flush=True)
+    for line in sys.stdin:
+        kind, count = line.split()
+        count = int(count)
+        if kind == "w2":
+            call = fanout.call
+            t0 = time.perf_counter()
+            for _ in range(count):
+                call("noop")
+        elif kind == "w3":
+            t0 = time.perf_counter()
+            futures = [single.call_async("noop", workers=[0]) for _ in range(count)]
+            for f in futures:
+                f.result()
+        else:
+            break
+        print(time.perf_counter() - t0, flush=True)
+finally:
+    for group in groups:
+        try:
+            group.shutdown()
+        except Exception as exc:
+            print(f"group.shutdown failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+    ray.shutdown()
+'''
+
 
 class Version:
     """One version's serving process: ``tree``'s phalanx, and the bench/ that ``shim``
     holds (this tree's), first on its path."""
 
-    def __init__(self, name: str, tree: Path, shim: Path, server: str = _SERVER) -> None:
+    def __init__(self, name: str, tree: Path, shim: Path, server: str = _SERVER,
+                 env: dict[str, str] | None = None) -> None:
         self.name, self.tree = name, tree
-        env = {**os.environ, "PYTHONPATH": str(tree)}
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", server, str(shim)], cwd=tree, env=env, text=True,
+            [sys.executable, "-c", server, str(shim)], cwd=tree, text=True,
+            env={**os.environ, **(env or {}), "PYTHONPATH": str(tree)},
             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         )
+        self.started: dict[int, psutil.Process] = {}  # what it started, seen when ready
         ready = self.proc.stdout.readline().split()  # type: ignore[union-attr]
         if not ready or ready[0] != "ready":
+            self.close()
             raise RuntimeError(f"the {name} version ({tree}) did not start")
         self.module = ready[1]
+        self._note_started()
+
+    def _note_started(self) -> None:
+        """Add the server's live descendants to ``started`` (its Ray's processes: once it
+        has died they are no longer its descendants)."""
+        try:
+            self.started.update({p.pid: p for p in
+                                 psutil.Process(self.proc.pid).children(recursive=True)})
+        except psutil.Error:
+            pass
 
     def ask(self, kind: str, count: int) -> list[float]:
         """The server's answer to ``kind count``: its line of seconds."""
@@ -222,6 +320,9 @@ class Version:
         return self.ask(kind, count)[0]
 
     def close(self) -> None:
+        """Ask the server to end (its groups shut down, its Ray too) and wait for it,
+        killing it after 60 s; what it had started is kept in ``started``."""
+        self._note_started()
         try:
             self.proc.stdin.write("quit 0\n")  # type: ignore[union-attr]
             self.proc.stdin.close()  # type: ignore[union-attr]
@@ -229,6 +330,51 @@ class Version:
         except (OSError, subprocess.TimeoutExpired):
             self.proc.kill()
             self.proc.wait()
+
+
+def _zombie(proc: psutil.Process) -> bool:
+    """Whether ``proc`` has ended and waits only to be reaped (by a parent still running:
+    not a process left running), or is gone."""
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
+
+
+def _marked(proc: psutil.Process, ray_dirs: list[str]) -> bool:
+    """Whether ``proc`` belongs to one of the servers' Rays: ``RAY_DIR_VARIABLE`` (which
+    every process a server starts inherits; Ray's agents retitle their command lines) or
+    its command line names one of ``ray_dirs``."""
+    try:
+        if proc.environ().get(RAY_DIR_VARIABLE) in ray_dirs:
+            return True
+        return any(d in " ".join(proc.cmdline()) for d in ray_dirs)
+    except psutil.Error:
+        return False
+
+
+def _stop_leftovers(versions: list[Version], ray_dirs: list[Path]) -> list[str]:
+    """Processes the closed ``versions`` had started or that belong to their Rays (see
+    :func:`_marked`), still running 10 s after the servers ended (a Ray's processes take
+    a moment to exit): killed by pid, and described."""
+    started = [p for v in versions for p in v.started.values()]
+    dirs = [str(d) for d in ray_dirs]
+    deadline = time.monotonic() + 10.0
+    while True:
+        left = {p.pid: p for p in still_running(started)}
+        left.update({p.pid: p for p in psutil.process_iter() if _marked(p, dirs)})
+        left.pop(os.getpid(), None)
+        left = [p for p in left.values() if not _zombie(p)]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    text = describe(left)
+    for proc in left:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    return text
 
 
 def _tree(spec: str, scratch: Path) -> Path:
@@ -248,6 +394,11 @@ _ROWS = {
     "W2": ("W2 no-op fan-out to 4 (us/call)", "{:>12.1f}", "{:,.1f}", "W2.noop.4_us"),
     "W3": ("W3 pipelined to 1 (calls/s)", "{:>12,.0f}", "{:,.1f}", "W3.pipelined_calls_per_s"),
     "W5": ("W5 SIGKILL to WorkerDied (ms)", "{:>12.1f}", "{:,.1f}", "W5.kill_ms"),
+}
+_RAY_ROWS = {
+    "W2": ("W2 Ray no-op fan-out 4 (us/call)", "{:>12.1f}", "{:,.1f}", "W2.noop.4_us"),
+    "W3": ("W3 Ray pipelined to 1 (calls/s)", "{:>12,.0f}", "{:,.1f}",
+           "W3.pipelined_calls_per_s"),
 }
 _CLUSTER_ROWS = {
     "W2": ("W2 no-op fan-out, 2x2 (us/call)", "{:>12.1f}", "{:,.1f}", "W2.noop.4_us"),
@@ -312,13 +463,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="W5 kills a version (default: --batches; 0: no W5)")
     parser.add_argument("--w2-calls", type=int, default=500)
     parser.add_argument("--w3-calls", type=int, default=20_000)
-    parser.add_argument("--backend", choices=("local", "cluster"), default="local")
+    parser.add_argument("--backend", choices=("local", "cluster", "ray"), default="local")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     args = parser.parse_args(argv)
-    cluster = args.backend == "cluster"
-    server = _CLUSTER_SERVER if cluster else _SERVER
-    w1_batches = 0 if cluster else args.batches if args.w1_batches is None else args.w1_batches
-    w5_batches = 0 if cluster else args.batches if args.w5_batches is None else args.w5_batches
+    cluster, on_ray = args.backend == "cluster", args.backend == "ray"
+    server = {"local": _SERVER, "cluster": _CLUSTER_SERVER, "ray": _RAY_SERVER}[args.backend]
+    local = args.backend == "local"
+    w1_batches = 0 if not local else args.batches if args.w1_batches is None else args.w1_batches
+    w5_batches = 0 if not local else args.batches if args.w5_batches is None else args.w5_batches
+    leftovers: list[str] = []
     with tempfile.TemporaryDirectory(prefix="phalanx-versions-") as scratch:
         old_tree = _tree(args.old, Path(scratch))
         new_tree = Path(args.new).resolve()
@@ -327,9 +480,14 @@ def main(argv: list[str] | None = None) -> int:
         (shim / "bench").symlink_to(REPO / "bench", target_is_directory=True)
         _compile([old_tree, new_tree])
         versions: list[Version] = []
+        ray_dirs: list[Path] = []  # each version's Ray session directory (short: sockets)
         try:
-            versions = [Version("old", old_tree, shim, server),
-                        Version("new", new_tree, shim, server)]
+            for name, tree in (("old", old_tree), ("new", new_tree)):
+                env: dict[str, str] = {}
+                if on_ray:
+                    ray_dirs.append(Path(tempfile.mkdtemp(prefix=f"pxv-{name}-", dir="/tmp")))
+                    env[RAY_DIR_VARIABLE] = str(ray_dirs[-1])
+                versions.append(Version(name, tree, shim, server, env))
             for v in versions:
                 print(f"{v.name}: {v.module}", flush=True)
             raw = measure(versions, args.batches, args.w2_calls, args.w3_calls, cluster,
@@ -337,10 +495,17 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             for v in versions:
                 v.close()
+            if on_ray:
+                leftovers = _stop_leftovers(versions, ray_dirs)
+                if leftovers and sys.exc_info()[0] is not None:  # not reported below
+                    print("left running, killed:", *leftovers, sep="\n  ", file=sys.stderr)
+                for directory in ray_dirs:
+                    shutil.rmtree(directory, ignore_errors=True)
             if old_tree.parent == Path(scratch):
                 subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force",
                                 str(old_tree)], check=False, capture_output=True)
-    rows = {k: row for k, row in (_CLUSTER_ROWS if cluster else _ROWS).items()
+    table = _CLUSTER_ROWS if cluster else _RAY_ROWS if on_ray else _ROWS
+    rows = {k: row for k, row in table.items()
             if raw["old"].get(k)}  # a workload given 0 batches has no row
     medians = {k: {name: median(r[k]) for name, r in raw.items()} for k in rows}
     result: dict[str, Any] = {
@@ -349,6 +514,7 @@ def main(argv: list[str] | None = None) -> int:
         "w2_calls": args.w2_calls, "w3_calls": args.w3_calls, "raw": raw,
         "median": {row[3]: medians[k] for k, row in rows.items()},
         "modules": {v.name: v.module for v in versions},
+        "leftover_processes": leftovers,
         "machine": machine_info(),
     }
     print(f"{'workload':<34}{'old':>12}{'new':>12}{'new/old':>10}")
@@ -363,6 +529,11 @@ def main(argv: list[str] | None = None) -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     print(f"JSON: {args.json}")
+    if leftovers:
+        print(f"{len(leftovers)} process(es) left running after the servers ended, killed:")
+        for text in leftovers:
+            print(f"  {text}")
+        return 1
     return 0
 
 
