@@ -79,18 +79,8 @@ def argv(side_fd: int, notes_fd: int, stacks_fd: int, actor_pid: int, *,
 def exit_status(pid: int) -> int | None:
     """The exit status of ``pid`` as the kernel keeps it while it is a zombie (its parent
     has not reaped it yet): the exit code, or minus the signal that killed it."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(b")") + 2:].split()
-    if fields[:1] != [b"Z"] or len(fields) < 50:
-        return None
-    status = int(fields[-1])
-    if os.WIFSIGNALED(status):
-        return -os.WTERMSIG(status)
-    return os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
+    status = proctree.exit_status(pid)
+    return None if status is None else os.waitstatus_to_exitcode(status)
 
 
 def gone(pid: int) -> bool:
