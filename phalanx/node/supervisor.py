@@ -237,8 +237,6 @@ def _undo_start(popen: subprocess.Popen) -> None:
 
 
 _SLICE = 0.1  # seconds: the longest a status wait sleeps before looking again
-
-
 _REAPED_WAIT = 0.05  # s: a reaped worker's keeper writes its status at once
 
 

@@ -326,7 +326,8 @@ class OutputTap:
         nothing of them being passed on, no unfinished line held. A process that exited
         writes nothing more, but lets go of its pipes only once its last thread is gone,
         a moment after its exit status is readable; this spares a death that wait (and
-        the pump's thread being scheduled to see the end)."""
+        the pump's thread being scheduled to see the end). What children of it that hold
+        its pipes write afterwards is not waited for: its keeper is ending them."""
         for stream in self._streams:
             if stream.closed.is_set():
                 continue
