@@ -77,6 +77,18 @@ from phalanx.world.layout import Layout
 logger = logging.getLogger(__name__)
 
 
+def _no_auto_init(api: Any) -> Any:
+    """Ray's API function ``api`` without its automatic ``ray.init()``: called from the
+    watch thread while the user's ``ray.shutdown()`` is under way, ``ray.wait`` would
+    otherwise start a new Ray in this process between the check that Ray is up and the
+    wait (then fail for ever on the old session's objects). Unwrapped, it raises at once
+    when Ray is down, which the watch loop then sees."""
+    code = getattr(api, "__code__", None)
+    if code is not None and code.co_name == "auto_init_wrapper":
+        return getattr(api, "__wrapped__", api)
+    return api
+
+
 class RayBackend(Backend):
     """Run a group's ranks as Ray actors, one placement-group bundle each.
 
@@ -252,6 +264,7 @@ class RayBackend(Backend):
     def _watch_loop(self) -> None:
         """Learn from Ray how each serving actor ended."""
         ray = self._ray
+        wait, get = _no_auto_init(ray.wait), _no_auto_init(ray.get)
         while not self._stopping:
             if self._ray_gone():
                 with self._watch_lock:
@@ -266,7 +279,7 @@ class RayBackend(Backend):
                 time.sleep(0.05)
                 continue
             try:
-                done, _ = ray.wait(refs, num_returns=1, timeout=0.1, fetch_local=True)
+                done, _ = wait(refs, num_returns=1, timeout=0.1, fetch_local=True)
             except Exception:
                 if self._stopping or self._ray_gone():
                     continue  # ended above, or by close()
@@ -284,7 +297,7 @@ class RayBackend(Backend):
                 if channel is None:
                     continue
                 try:
-                    served = ray.get(ref, timeout=5.0)
+                    served = get(ref, timeout=5.0)
                 except Exception as exc:  # noqa: BLE001 - Ray's account of the death
                     channel.ray_reports(describe_ray_error(exc), exitcode=ray_exit_code(exc))
                 else:
