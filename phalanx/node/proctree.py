@@ -66,8 +66,17 @@ def parent_table() -> dict[int, tuple[int, str]]:
 
 
 def descendants(root: int, table: dict[int, tuple[int, str]] | None = None) -> list[int]:
-    """The pids below ``root`` that are still running (zombies left out), parents first."""
-    table = parent_table() if table is None else table
+    """The pids below ``root`` that are still running (zombies left out), parents first.
+
+    Without ``table``, read where the kernel keeps each task's children
+    (``/proc/PID/task/TID/children``): a few files for a small tree, where the whole
+    process table is two reads per process of the machine (~1 ms of CPU for 70 of them,
+    spent by a keeper just as its rank dies, beside the controller being told of it)."""
+    if table is None:
+        found = _descendants_by_children(root)
+        if found is not None:
+            return found
+        table = parent_table()
     children: dict[int, list[int]] = {}
     for pid, (ppid, _) in table.items():
         children.setdefault(ppid, []).append(pid)
@@ -77,6 +86,32 @@ def descendants(root: int, table: dict[int, tuple[int, str]] | None = None) -> l
             queue.append(child)
             if table[child][1] != "Z":
                 found.append(child)
+    return found
+
+
+def _descendants_by_children(root: int) -> list[int] | None:
+    """:func:`descendants` from the kernel's lists of children; None where it keeps none
+    (a kernel built without ``CONFIG_PROC_CHILDREN``, or no ``/proc``)."""
+    if not os.path.exists(f"/proc/{root}/task/{root}/children"):
+        return None
+    found: list[int] = []
+    queue = [root]
+    while queue:
+        parent = queue.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:  # exited meanwhile: its children went to a subreaper, seen next time
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{task}/children", "rb") as f:
+                    listed = f.read().split()
+            except OSError:
+                continue
+            for child in map(int, listed):
+                queue.append(child)
+                if state(child) not in (None, "Z"):
+                    found.append(child)
     return found
 
 
@@ -108,30 +143,43 @@ def reap_children() -> list[tuple[int, int]]:
         reaped.append((pid, status))
 
 
+def has_children() -> bool:
+    """Whether this process has a child, running or exited and not yet reaped (none reaped
+    here)."""
+    try:
+        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return False
+    return True
+
+
 def kill_descendants(timeout: float = 5.0) -> list[tuple[int, int]]:
     """SIGKILL everything below this process (a subreaper) and reap it, over and over,
-    until nothing is left or ``timeout`` passes; what was reaped, as ``(pid, status)``."""
+    until nothing is left or ``timeout`` passes; what was reaped, as ``(pid, status)``.
+
+    A subreaper with no child has no descendant (what its children orphan is re-parented
+    to it), so a keeper whose rank left nothing behind returns without reading ``/proc``."""
     if not sys.platform.startswith("linux"):  # pragma: no cover - no /proc
         return reap_children()
     me = os.getpid()
     deadline = time.monotonic() + timeout
     reaped = []
     while True:
+        reaped += reap_children()
+        if not has_children():
+            return reaped
         left = descendants(me)
         for pid in left:
             try:
                 os.kill(pid, signals.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-        reaped += reap_children()
-        if not left:
-            return reaped
         if time.monotonic() >= deadline:
             import logging  # only here: the node supervisor imports this module at start
 
             logging.getLogger(__name__).error("processes %s survived SIGKILL for %.1f s",
                                               left, timeout)
-            return reaped
+            return reaped + reap_children()
         time.sleep(0.002)
 
 

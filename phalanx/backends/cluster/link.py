@@ -210,8 +210,14 @@ class AgentRankChannel(Channel):
             return f"(no stack: {exc})"
 
     def exit_record(self, rank: int) -> ProcessFailure:
-        return ProcessFailure(self.rank, self.node, self.pid, self._exitcode,
-                              self._tap.stderr_tail(), self._reason)
+        failure = ProcessFailure(self.rank, self.node, self.pid, self._exitcode,
+                                 self._tap.stderr_tail(), self._reason)
+        label = self.agent.label
+        if self._reason is None and label is not None:
+            # where else its node is named (a Slurm job's node: a SIGTERM there is most
+            # often the job's end, scancel or its time limit, told before the node is lost)
+            failure = dataclasses.replace(failure, reason=f"{failure.cause}, on {label}")
+        return failure
 
     def close(self) -> None:
         with self._lock:

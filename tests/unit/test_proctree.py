@@ -1,0 +1,61 @@
+"""Who descends from whom (:func:`phalanx.node.proctree.descendants`): read from the
+kernel's lists of children, it finds what the whole process table finds, threads' children
+and grandchildren included, and no zombie."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from phalanx.node import proctree
+
+# A child that starts a grandchild from a second thread and a zombie of its own, then
+# prints the grandchild's pid and waits to be killed.
+TREE = textwrap.dedent("""
+    import os, subprocess, sys, threading, time
+    started = []
+    def start():
+        started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+    thread = threading.Thread(target=start)
+    thread.start(); thread.join()
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    while open(f"/proc/{zombie.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+        time.sleep(0.01)
+    print(started[0].pid, zombie.pid, flush=True)
+    time.sleep(60)
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_descendants_from_the_kernels_children_lists_match_the_process_table():
+    child = subprocess.Popen([sys.executable, "-c", TREE], stdout=subprocess.PIPE, text=True)
+    try:
+        grandchild, zombie = map(int, child.stdout.readline().split())
+        found = proctree.descendants(os.getpid())
+        assert found == proctree.descendants(os.getpid(), proctree.parent_table())
+        assert found.index(child.pid) < found.index(grandchild)  # parents first
+        assert zombie not in found
+        assert proctree.descendants(grandchild) == []
+    finally:
+        child.kill()
+        child.wait(10)
+    deadline = time.monotonic() + 10
+    while proctree.state(grandchild) not in (None, "Z"):  # orphaned, then reaped by init
+        os.kill(grandchild, 9)
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_has_children_sees_an_exited_child_without_reaping_it():
+    done = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    deadline = time.monotonic() + 10
+    while proctree.state(done.pid) != "Z":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert proctree.has_children()
+    assert done.wait(10) == 3  # its status is still there for its owner
