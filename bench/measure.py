@@ -39,7 +39,7 @@ class Plan:
     w1_trials: dict[int, int]  # workers -> trials
     w1_ray_trials: dict[int, int]
     w2_sizes: tuple[int, ...] = (1, 4, 16)
-    w2_batches: int = 7
+    w2_batches: int = 15  # a 2-core VM's batches spread by +-15%: enough for a steady median
     w2_calls: int = 500  # per batch (fewer for a contender that would take over the budget)
     w2_batch_budget_s: float = 1.0
     w2_warmup_s: float = 0.5
@@ -52,7 +52,7 @@ class Plan:
     w4_ray_trials: int = 3
     w4_big: tuple[int, int] = (256, 16)  # MiB, workers: how W4 grows
     w5_workers: int = 4
-    w5_trials: int = 7
+    w5_trials: int = 15  # bimodal (where the dying rank's last thread runs): as W3
     w5_ray_trials: int = 5
     w6_workers: int = 4
     w6_trials: int = 3
