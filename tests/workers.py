@@ -67,6 +67,11 @@ class Probe:
     def print_once(self, text: str) -> None:
         print(text, flush=True)
 
+    def cpu_policy(self) -> str:
+        """How the kernel schedules this process: "batch", "normal" or another policy."""
+        policy = os.sched_getscheduler(0)
+        return {os.SCHED_BATCH: "batch", os.SCHED_OTHER: "normal"}.get(policy, str(policy))
+
     def on_main_thread(self) -> bool:
         return threading.current_thread() is threading.main_thread()
 

@@ -10,6 +10,7 @@ opens a connection: a bad argument is an error before any resource is taken.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -28,12 +29,10 @@ from phalanx.controller.startup import (
 from phalanx.node.machine import check_interpreter, require_package
 from phalanx.options import check_count, check_seconds
 from phalanx.output.logs import OutputOptions
-from phalanx.world.layout import merge_env
+from phalanx.world.layout import merge_env, rank_scheduling
 from phalanx.world.placement import Placement, place
 
 if TYPE_CHECKING:
-    import os
-
     from phalanx.controller.pool import Lease, ResourcePool
     from phalanx.world.frameworks import WorldPart
     from phalanx.world.sharding import NamedSharding
@@ -134,7 +133,7 @@ def plan_group(
     group_mesh = Mesh(mesh, dp_axis, world_size, layout=placement.layout,
                       tied_axes=tied_axes, dp_leaders=dp_leaders)
     for rank in range(world_size):  # type errors in env now, before any resource
-        merge_env({}, {}, env, (rank_env or {}).get(rank))
+        rank_scheduling(merge_env(_own_scheduling(), {}, env, (rank_env or {}).get(rank)))
     start_timeout = check_seconds(
         settings.start_timeout if start_timeout is None else start_timeout,
         "start_timeout", allow_zero=False)
@@ -153,3 +152,10 @@ def plan_group(
         start_timeout=start_timeout, heartbeat_timeout=heartbeat_timeout,
         straggler_warning=straggler_warning, target_name=target_name, name=name,
         progress=settings.progress, lease=lease)
+
+
+def _own_scheduling() -> dict[str, str]:
+    """This process's ``PHALANX_RANK_SCHED``, which ranks started on its machine inherit
+    (checked with the user's ``env`` before anything starts)."""
+    value = os.environ.get(config.ENV_RANK_SCHED)
+    return {} if value is None else {config.ENV_RANK_SCHED: value}

@@ -36,11 +36,12 @@ if TYPE_CHECKING:  # _signal's names as typeshed knows them: it has no stub for 
     # rank's command, environment and directory; of the descriptors sent with it (indices
     # into them), those the rank inherits ("pass": its control stream, its stack file) and
     # its stdout, stderr and status pipe; the variables that name descriptors ("{i}": the
-    # i-th one's number in the rank); and the variable that tells the rank its keeper's pid.
+    # i-th one's number in the rank); the variable that tells the rank its keeper's pid;
+    # and whether it runs as SCHED_BATCH (PHALANX_RANK_SCHED, phalanx.world.layout).
     StartRequest = TypedDict("StartRequest", {
         "argv": list[str], "env": dict[str, str], "cwd": str | None, "pass": list[int],
         "stdout": int, "stderr": int, "status": int, "fd_env": dict[str, str],
-        "pid_env": str,
+        "pid_env": str, "batch": bool,
     })
 else:
     # CPython's C modules: signal.py and socket.py on top of them are ~6 ms of this
@@ -221,6 +222,8 @@ def _start(request: StartRequest, fds: list[int], env: dict[str, str]) -> int:
                 os.set_inheritable(fd, True)
             for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # Python ignores them; a rank's
                 signal.signal(sig, signal.SIG_DFL)        # programs expect the defaults
+            if request.get("batch"):  # PHALANX_RANK_SCHED (phalanx.world.layout)
+                _schedule_as_batch()
             if cwd:
                 os.chdir(cwd)
             os.execvpe(argv[0], argv, env)
@@ -243,6 +246,14 @@ def _start(request: StartRequest, fds: list[int], env: dict[str, str]) -> int:
         os.waitpid(pid, 0)
         raise _CannotStart(b"".join(chunks).decode(errors="replace"))
     return pid
+
+
+def _schedule_as_batch() -> None:
+    """``SCHED_BATCH`` for this process (its nice value kept), where the system has it."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except (AttributeError, OSError):  # not Linux, or not allowed: the inherited policy
+        pass
 
 
 class _CannotStart(OSError):

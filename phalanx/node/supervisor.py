@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from phalanx import config
 from phalanx.node import proctree
+from phalanx.world.layout import rank_scheduling
 
 if TYPE_CHECKING:
     from phalanx.node.keeper import StartRequest
@@ -204,7 +205,7 @@ class Supervisor:
         request: StartRequest = {
             "argv": list(argv), "env": dict(env), "cwd": cwd, "pass": passed,
             "stdout": n, "stderr": n + 1, "status": n + 2, "fd_env": fd_env,
-            "pid_env": config.ENV_PARENT_PID,
+            "pid_env": config.ENV_PARENT_PID, "batch": rank_scheduling(env) == "batch",
         }
         mine = [fd for fd in (read_fd, write_fd, stdout_fd, stderr_fd, status_fd) if fd >= 0]
         try:

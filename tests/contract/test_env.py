@@ -153,3 +153,18 @@ def test_a_given_rendezvous_is_every_ranks_and_survives_a_restart(make_group):
 def test_a_bad_rendezvous_is_refused_before_anything_starts(kwargs, error):
     with pytest.raises(error, match="master_"):
         WorkerGroup(Probe, **kwargs)
+
+
+def test_ranks_run_as_batch_tasks_unless_asked_otherwise(group, make_group, backend):
+    """A rank a node supervisor starts is SCHED_BATCH (PHALANX_RANK_SCHED, default
+    "batch"), what it starts too; "normal" keeps the policy it would inherit; anything
+    else is refused before a rank starts, naming the variable."""
+    if backend == "ray":
+        pytest.skip("on Ray a rank runs in its actor's worker process, scheduled as Ray "
+                    "starts it")
+    assert group.call("cpu_policy") == ["batch"] * 4
+    normal = make_group(Probe, procs_per_node=2,
+                        rank_env={1: {"PHALANX_RANK_SCHED": "normal"}})
+    assert normal.call("cpu_policy") == ["batch", "normal"]
+    with pytest.raises(ValueError, match="PHALANX_RANK_SCHED='idle'"):
+        make_group(Probe, env={"PHALANX_RANK_SCHED": "idle"})
