@@ -1,4 +1,5 @@
-"""``PHALANX_RANK_SCHED``: how a rank is scheduled (:func:`phalanx.world.layout.rank_scheduling`)."""
+"""``PHALANX_RANK_SCHED``: how a rank is scheduled
+(:func:`phalanx.world.layout.rank_scheduling`)."""
 
 from __future__ import annotations
 
