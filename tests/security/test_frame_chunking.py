@@ -94,8 +94,10 @@ def plain(frame: list[Any]) -> list[bytes]:
 
 def drain(reader: Any, source: Chunked, received: list[list[bytes]] | None = None,
           budget: int = 100_000) -> list[list[bytes]]:
-    """Read until the source is empty and nothing more comes (bounded)."""
+    """Read until the source is empty and nothing more comes (bounded: at least twice as
+    many passes as the source has chunks to give, as a pass may end without reading)."""
     frames = [] if received is None else received
+    budget = max(budget, 2 * len(source.data) // max(1, min(source.chunks)) + 1000)
     idle = 0
     for _ in range(budget):
         got = reader.recv_frames(block=False)

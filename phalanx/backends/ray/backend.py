@@ -299,7 +299,11 @@ class RayBackend(Backend):
                 try:
                     served = get(ref, timeout=5.0)
                 except Exception as exc:  # noqa: BLE001 - Ray's account of the death
-                    channel.ray_reports(describe_ray_error(exc), exitcode=ray_exit_code(exc))
+                    if self._ray_gone():  # the user's ray.shutdown() ended it, and ended
+                        channel.ray_reports(RAY_SHUT_DOWN)  # Ray before get() was asked
+                    else:
+                        channel.ray_reports(describe_ray_error(exc),
+                                            exitcode=ray_exit_code(exc))
                 else:
                     channel.ray_reports(None, served)
 
