@@ -201,7 +201,8 @@ def rank_scheduling(env: Mapping[str, str]) -> str:
     ``"normal"`` (``SCHED_OTHER``, what it would inherit). A batch task never preempts
     the one running where it wakes: the controller, sending a call to its ranks one after
     another, is not stopped after each send by the rank it just woke on its own CPU (on a
-    2-core machine that took a no-op call to 4 ranks from ~90 to ~75 us). Ranks are
+    2-core machine a no-op call to 4 ranks went from ~1.15x to ~0.82x the time of a
+    hand-written pipe pool, ``bench/`` W2). Ranks are
     compute-bound, non-interactive work, which the policy is meant for; what they start
     inherits it. ValueError for any other value, naming the variable."""
     value = env.get(config.ENV_RANK_SCHED, "batch")
