@@ -198,13 +198,13 @@ RANK_SCHEDULING = ("batch", "normal")
 def rank_scheduling(env: Mapping[str, str]) -> str:
     """How a rank started by a node supervisor is scheduled, from ``PHALANX_RANK_SCHED`` in
     its environment: ``"batch"`` (the default: Linux's ``SCHED_BATCH``, nice unchanged) or
-    ``"normal"`` (``SCHED_OTHER``, what it would inherit). A batch task never preempts
-    the one running where it wakes: the controller, sending a call to its ranks one after
-    another, is not stopped after each send by the rank it just woke on its own CPU (on a
-    2-core machine a no-op call to 4 ranks went from ~1.15x to ~0.82x the time of a
-    hand-written pipe pool, ``bench/`` W2). Ranks are
-    compute-bound, non-interactive work, which the policy is meant for; what they start
-    inherits it. ValueError for any other value, naming the variable."""
+    ``"normal"`` (the policy it would inherit, ``SCHED_OTHER`` as a rule). A batch task
+    never preempts the one running where it wakes: the controller, sending a call to its
+    ranks one after another, is not stopped after each send by the rank it just woke on
+    its own CPU (on a 2-core machine a no-op call to 4 ranks went from ~1.15x to ~0.82x
+    the time of a hand-written pipe pool, ``bench/`` W2). Ranks are compute-bound,
+    non-interactive work, which the policy is meant for; what they start inherits it.
+    ValueError for any other value, naming the variable."""
     value = env.get(config.ENV_RANK_SCHED, "batch")
     if value not in RANK_SCHEDULING:
         raise ValueError(f"{config.ENV_RANK_SCHED}={value!r}: expected one of "
