@@ -132,8 +132,9 @@ def plan_group(
     per_rank = check_rank_kwargs(rank_kwargs, world_size)
     group_mesh = Mesh(mesh, dp_axis, world_size, layout=placement.layout,
                       tied_axes=tied_axes, dp_leaders=dp_leaders)
+    inherited = _own_scheduling()
     for rank in range(world_size):  # type errors in env now, before any resource
-        rank_scheduling(merge_env(_own_scheduling(), {}, env, (rank_env or {}).get(rank)))
+        rank_scheduling(merge_env(inherited, {}, env, (rank_env or {}).get(rank)))
     start_timeout = check_seconds(
         settings.start_timeout if start_timeout is None else start_timeout,
         "start_timeout", allow_zero=False)
