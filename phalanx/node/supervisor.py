@@ -38,7 +38,6 @@ import logging
 import marshal
 import os
 import queue
-import select
 import signal
 import socket
 import subprocess
@@ -50,6 +49,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from phalanx import config
 from phalanx.node import proctree
+from phalanx.wire import streams
 from phalanx.world.layout import rank_scheduling
 
 if TYPE_CHECKING:
@@ -273,8 +273,8 @@ class SupervisedProcess:
             return
         if timeout != 0:
             try:
-                select.select([fd], [], [], timeout)
-            except (OSError, ValueError):  # released meanwhile
+                streams.wait_readable([fd], timeout)
+            except OSError:  # released meanwhile
                 return
         with self._lock:
             if self.death_fd is None or self._ended:

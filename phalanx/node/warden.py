@@ -186,7 +186,7 @@ class Warden:
     def _rank_ended(self, wait: float) -> bool:
         """Whether the actor said its rank ended (``done``) or ended, waiting up to
         ``wait`` s for its notes."""
-        if not self.ended and select.select([self.notes_fd], [], [], wait)[0]:
+        if not self.ended and streams.wait_readable([self.notes_fd], wait):
             self.ended = not self._read_notes()
         return self.ended or (self.note is not None and self.note[0] == "done")
 

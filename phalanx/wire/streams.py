@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import math
 import os
 import select
 
@@ -109,7 +110,7 @@ class TLSStream(Stream):
                 except self._want:
                     if not block:
                         raise BlockingIOError from None
-            if not select.select([self.read_fd], [], [], self.timeout)[0]:
+            if not wait_readable([self.read_fd], self.timeout):
                 raise TimeoutError("timed out waiting for the peer")
 
     def write_nowait(self, segments: list[Any]) -> int:
@@ -233,3 +234,21 @@ class WakePipe:
                 os.close(fd)
             except OSError:
                 pass
+
+
+def wait_readable(fds: list[int], timeout: float | None) -> list[int]:
+    """Those of ``fds`` that are readable (or at their end) within ``timeout`` s (None: no
+    limit), as ``select.select`` tells it, for descriptors of any number: ``select``
+    refuses those from 1024 on (``FD_SETSIZE``), which a controller of a few hundred ranks
+    holds, three descriptors each. Raises ``OSError(EBADF)`` for a descriptor that is not
+    open, as ``select`` does."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    wait = -1 if timeout is None else max(0, math.ceil(timeout * 1000))  # ms
+    ready = []
+    for fd, events in poller.poll(wait):
+        if events & select.POLLNVAL:
+            raise OSError(errno.EBADF, f"descriptor {fd} is not open")
+        ready.append(fd)
+    return ready

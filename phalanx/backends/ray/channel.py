@@ -15,7 +15,6 @@ import dataclasses
 import errno
 import logging
 import os
-import select
 import shutil
 import socket
 import tempfile
@@ -504,7 +503,7 @@ class Listener:
         self._stopping.set()
         for sock in self._sockets:
             try:
-                sock.shutdown(socket.SHUT_RDWR)  # wakes the acceptor's select
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the acceptor's poll
             except OSError:
                 pass
         self._thread.join(timeout=5)
@@ -519,8 +518,9 @@ class Listener:
         backoff = ACCEPT_BACKOFF
         while not self._stopping.is_set():
             try:
-                ready, _, _ = select.select(self._sockets, [], [], 0.5)
-            except (OSError, ValueError):  # closed: we are stopping
+                listeners = {sock.fileno(): sock for sock in self._sockets}
+                ready = [listeners[fd] for fd in streams.wait_readable(list(listeners), 0.5)]
+            except (OSError, ValueError):  # closed (its number is -1): we are stopping
                 if self._stopping.is_set():
                     return
                 logger.exception("the Ray group's listener could not wait for connections")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import select
 import socket
 import threading
 from collections.abc import Mapping
@@ -46,7 +45,7 @@ class _Relay:
     def _read(self) -> None:
         open_ends = {end.fileno(): (i, end) for i, end in enumerate(self._ends)}
         while open_ends:
-            ready, _, _ = select.select(list(open_ends), [], [])
+            ready = streams.wait_readable(list(open_ends), None)
             for fd in ready:
                 index, end = open_ends[fd]
                 try:
