@@ -7,6 +7,7 @@ processes on one machine (:class:`PipeStream`), a connected socket otherwise
 
 from __future__ import annotations
 
+import _thread
 import errno
 import fcntl
 import math
@@ -168,6 +169,11 @@ class PipeStream(Stream):
     ``read()`` is not woken each time its peer drains what it wrote (as a Unix socket
     reader is): one context switch per call instead of two. The read end blocks only if
     ``blocking_reads`` (the worker's main loop); the write end never blocks.
+
+    A non-blocking read and :meth:`close` exclude each other, and a closed stream's reads
+    and writes fail (``EBADF``): the controller's pump may read a rank's stream just as
+    another thread closes it, and the number, free again, may be a new rank's pipe by
+    then, whose first frames such a read would take (a fresh rank never heard).
     """
 
     def __init__(self, read_fd: int, write_fd: int, *, blocking_reads: bool) -> None:
@@ -175,6 +181,7 @@ class PipeStream(Stream):
         self.write_fd = write_fd
         self.hangup_events = 0  # POLLHUP is always reported on a read end without writers
         self._blocking_reads = blocking_reads
+        self._closing = _thread.allocate_lock()
         os.set_blocking(read_fd, blocking_reads)
         os.set_blocking(write_fd, False)
         for fd in (read_fd, write_fd):
@@ -184,8 +191,14 @@ class PipeStream(Stream):
                 pass
 
     def read_into(self, buf: Any, nbytes: int, block: bool) -> int:
-        if self._blocking_reads and not block:
-            raise ValueError("non-blocking read on a blocking pipe")
+        if self._blocking_reads:  # the rank's own loop, which alone reads and closes it
+            if not block:
+                raise ValueError("non-blocking read on a blocking pipe")
+            return self._read(buf, nbytes)
+        with self._closing:
+            return self._read(buf, nbytes)
+
+    def _read(self, buf: Any, nbytes: int) -> int:
         if nbytes == len(buf):
             return os.readv(self.read_fd, (buf,))
         with memoryview(buf) as mv:
@@ -197,11 +210,15 @@ class PipeStream(Stream):
         return os.writev(self.write_fd, segments[:MAX_SEGMENTS])
 
     def close(self) -> None:
-        for fd in (self.read_fd, self.write_fd):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        with self._closing:
+            fds = (self.read_fd, self.write_fd)
+            self.read_fd = self.write_fd = -1
+        for fd in fds:
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
 
 class WakePipe:

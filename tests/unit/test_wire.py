@@ -164,6 +164,34 @@ def test_end_of_stream_raises_connection_lost(link):
             link.reader.recv_frames(block=False)
 
 
+def test_a_closed_pipe_stream_never_reads_the_pipe_that_took_its_number():
+    """The controller's pump may read a rank's stream as another thread closes it; the
+    number, free again, may belong to a new rank's pipe by then, with its first frame in."""
+    r1, w1 = os.pipe()
+    r2, w2 = os.pipe()
+    writer = framing.BacklogWriter("test-writer")
+    old = framing.Connection(streams.PipeStream(r1, w2, blocking_reads=False), writer)
+    number = old.read_fd
+    old.close()
+    read_end, write_end = os.pipe()  # the lowest free number: the one just closed
+    try:
+        assert read_end == number
+        os.write(write_end, as_bytes(framing.frame([b"READY of the new rank"])))
+        with pytest.raises(framing.ConnectionLost):
+            old.reader.recv_frames(block=False)
+        with pytest.raises(OSError):  # not into the pipe that holds the number now
+            old.stream.write_nowait([b"a call for the old rank"])
+        fresh = framing.FrameReader(streams.PipeStream(read_end, write_end,
+                                                       blocking_reads=False))
+        assert segments_of(fresh.recv_frames(block=False)[0]) == [b"READY of the new rank"]
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+        os.close(w1)
+        os.close(r2)
+        writer.stop()
+
+
 def test_plain_data_takes_the_fast_path_and_round_trips():
     for value in [((), {}), ((1, "a"), {"k": [1.5, None, b"x"]}), 42, "text", [1, (2, 3)]]:
         assert pickling.loads(pickling.dumps_fast(value)) == value
