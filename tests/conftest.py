@@ -26,6 +26,33 @@ BACKENDS = [b for b in os.environ.get("PHALANX_TEST_BACKENDS", ",".join(ALL_BACK
 _REAP_GRACE = 3.0  # seconds for processes that are already exiting to be reaped
 
 
+# scripts/test runs the suite on two xdist workers (``--dist loadgroup``); each worker
+# starts the clusters it needs. Everything that touches Ray goes to one of them: two Ray
+# clusters at once would double the suite's largest cost, and some tests count the
+# machine's Ray daemons. Everything on the real Slurm goes to one too (one cluster per
+# machine); the rest goes by module, so that a module's groups start once.
+_ONE_WORKER_DIRS = {"slurm": "slurm", "browser": "browser"}
+
+
+def _worker_group(item: pytest.Item) -> str:
+    callspec = getattr(item, "callspec", None)
+    module = getattr(getattr(item, "module", None), "__name__", item.nodeid)
+    if (callspec is not None and callspec.params.get("backend") == "ray") \
+            or "ray_cluster" in item.fixturenames or "ray" in module.rsplit(".", 1)[-1] \
+            or "_ray_" in item.name:
+        return "ray"
+    parts = module.split(".")
+    return _ONE_WORKER_DIRS.get(parts[1] if len(parts) > 2 else "", module)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("dist", "no") != "loadgroup":
+        return
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(_worker_group(item)))
+
+
 @pytest.fixture(scope="module", params=BACKENDS)
 def backend(request):
     """The backend's name, or for the cluster backend a configured ``ClusterBackend``."""

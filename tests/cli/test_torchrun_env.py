@@ -9,7 +9,6 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import textwrap
 from pathlib import Path
 
@@ -35,8 +34,9 @@ DIFFERENT = {"MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_
              "TORCHELASTIC_USE_AGENT_STORE"}
 
 
-def run(command: list[str], directory: Path) -> tuple[int, list[dict], str]:
-    env = {**os.environ, "PHALANX_PROGRESS": "0"}
+def run(command: list[str], directory: Path,
+        **extra_env: str) -> tuple[int, list[dict], str]:
+    env = {**os.environ, "PHALANX_PROGRESS": "0", **extra_env}
     env["PYTHONPATH"] = os.pathsep.join([str(helpers.REPO), env.get("PYTHONPATH", "")])
     done = subprocess.run(command, cwd=directory, env=env, capture_output=True, text=True,
                           timeout=120)
@@ -156,6 +156,8 @@ def test_what_a_rank_recorded_with_torch_record_is_in_the_report(tmp_path):
 
         @record
         def main():
+            with open(f"error-file-{os.environ['RANK']}", "w") as f:
+                f.write(os.environ["TORCHELASTIC_ERROR_FILE"])
             if os.environ["RANK"] == "1":
                 raise ValueError("the data shard is empty")
 
@@ -164,14 +166,17 @@ def test_what_a_rank_recorded_with_torch_record_is_in_the_report(tmp_path):
         except ValueError:
             os._exit(7)  # the error file is all that tells why
     """))
-    temporary = Path(tempfile.gettempdir())
-    before = set(temporary.glob("phalanx-run-*"))
-    status, _, err = run([*phalanx_run(), "-n", "2", "recorded.py"], tmp_path)
+    temporary = tmp_path / "tmp"  # its own: other launchers may run beside this test
+    temporary.mkdir()
+    status, _, err = run([*phalanx_run(), "-n", "2", "recorded.py"], tmp_path,
+                         TMPDIR=str(temporary))
     assert status == 1, err  # as torchrun
     assert "root cause: rank 1" in err
     assert "it recorded: ValueError: the data shard is empty" in err
-    assert 'recorded.py", line 7, in main' in err  # the traceback torchrun would show
-    assert set(temporary.glob("phalanx-run-*")) == before  # its error files are cleaned up
+    assert 'recorded.py", line 9, in main' in err  # the traceback torchrun would show
+    error_file = Path((tmp_path / "error-file-1").read_text())
+    assert temporary in error_file.parents
+    assert list(temporary.iterdir()) == []  # its error files are cleaned up
 
 
 @pytest.mark.parametrize("restarts", [0, 2])
