@@ -38,7 +38,8 @@ def _worker_group(item: pytest.Item) -> str:
     callspec = getattr(item, "callspec", None)
     module = getattr(getattr(item, "module", None), "__name__", item.nodeid)
     if (callspec is not None and callspec.params.get("backend") == "ray") \
-            or "ray_cluster" in item.fixturenames or "ray" in module.rsplit(".", 1)[-1] \
+            or "ray_cluster" in getattr(item, "fixturenames", ()) \
+            or "ray" in module.rsplit(".", 1)[-1] \
             or "_ray_" in item.name:
         return "ray"
     parts = module.split(".")
