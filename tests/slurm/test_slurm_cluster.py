@@ -47,7 +47,14 @@ def test_a_job_runs_below_this_process_and_ends_with_scancel(slurm_cluster):
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     def sleepers() -> list[psutil.Process]:
-        return [p for p in slurm_cluster.steps() if p.name() == "sleep"]
+        found = []
+        for proc in slurm_cluster.steps():
+            try:
+                if proc.name() == "sleep":
+                    found.append(proc)
+            except psutil.NoSuchProcess:  # a process of the step's start, gone meanwhile
+                pass
+        return found
 
     try:
         assert helpers.wait_until(lambda: len(sleepers()) == 2, 10), slurm_cluster.logs()
