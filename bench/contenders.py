@@ -187,12 +187,13 @@ class PhalanxDashboardContender(PhalanxContender):
         self.board = phalanx.dashboard()
         super().start(n)
         from phalanx.controller.group import live_groups
+        from phalanx.controller.internals import internals
         from phalanx.controller.observe import EVERY_GROUP
 
         EVERY_GROUP.remove(self.board.metrics)  # groups started later: not watched
         for group in live_groups():
             if group is not self.group:
-                group.watch_calls(self.board.metrics, on=False)
+                internals(group).watch_calls(self.board.metrics, on=False)
 
     def stop(self) -> None:
         super().stop()

@@ -31,6 +31,16 @@ TYPE_CHECKING = False
 # Public name -> defining module. Loaded on first use, so that a worker process (which
 # imports phalanx.rank.runtime) does not pay for the controller's modules at start-up.
 _EXPORTS = {
+    "CallOptions": "phalanx.world.calloptions",
+    "CallView": "phalanx.controller.callforms",
+    "DebuggerUnavailable": "phalanx.errors",
+    "GroupState": "phalanx.controller.state",
+    "LocalBackend": "phalanx.backends.local",
+    "NonIntegerLayoutError": "phalanx.errors",
+    "RemoteTraceback": "phalanx.errors",
+    "StreamFuture": "phalanx.controller.futures",
+    "UnknownAxisError": "phalanx.errors",
+    "VersionMismatch": "phalanx.errors",
     "AuthenticationError": "phalanx.errors",
     "CallTimeout": "phalanx.errors",
     "DevicesTaken": "phalanx.errors",
@@ -82,19 +92,25 @@ _EXPORTS = {
 
 __all__ = [
     "AuthenticationError",
+    "CallOptions",
     "CallTimeout",
+    "CallView",
     "ClusterBackend",
     "Dashboard",
+    "DebuggerUnavailable",
     "DevicesTaken",
     "FrameworkNotInstalled",
     "GroupClosed",
     "GroupFuture",
     "GroupSlice",
+    "GroupState",
     "InjectedFault",
+    "LocalBackend",
     "MembershipChanged",
     "MembershipEvent",
     "NamedSharding",
     "NodeInfo",
+    "NonIntegerLayoutError",
     "ObjectFreed",
     "ObjectLost",
     "ObjectRef",
@@ -105,6 +121,7 @@ __all__ = [
     "RankHealth",
     "RayBackend",
     "RefState",
+    "RemoteTraceback",
     "ResourcePool",
     "ResultRef",
     "SerializationError",
@@ -114,7 +131,10 @@ __all__ = [
     "StackReport",
     "StartupError",
     "StartupReport",
+    "StreamFuture",
     "Trace",
+    "UnknownAxisError",
+    "VersionMismatch",
     "WeightSync",
     "WorkerDied",
     "WorkerError",
@@ -134,34 +154,42 @@ __all__ = [
 if TYPE_CHECKING:
     from phalanx.backends.cluster.backend import ClusterBackend
     from phalanx.backends.cluster.slurm import SlurmBackend
+    from phalanx.backends.local import LocalBackend
     from phalanx.backends.ray.backend import RayBackend
+    from phalanx.controller.callforms import CallView
     from phalanx.controller.chunks import chunk
-    from phalanx.controller.futures import GroupFuture, RankFuture, ShardedFuture
+    from phalanx.controller.futures import GroupFuture, RankFuture, ShardedFuture, StreamFuture
     from phalanx.controller.group import WorkerGroup
     from phalanx.controller.joint import rendezvous
     from phalanx.controller.pool import ResourcePool
     from phalanx.controller.refs import ObjectRef, RefState, ResultRef, SliceRef
     from phalanx.controller.slices import GroupSlice
     from phalanx.controller.spmd import spmd
+    from phalanx.controller.state import GroupState
     from phalanx.controller.trace import Trace, trace
     from phalanx.controller.watch import RankHealth, StackReport, StartupReport
     from phalanx.controller.weightsync import WeightSync, weight_sync
     from phalanx.errors import (
         AuthenticationError,
         CallTimeout,
+        DebuggerUnavailable,
         DevicesTaken,
         FrameworkNotInstalled,
         GroupClosed,
         MembershipChanged,
         MembershipEvent,
         NodeInfo,
+        NonIntegerLayoutError,
         ObjectFreed,
         ObjectLost,
         PhalanxError,
         ProcessFailure,
         QuorumTimeout,
+        RemoteTraceback,
         SerializationError,
         StartupError,
+        UnknownAxisError,
+        VersionMismatch,
         WorkerDied,
         WorkerError,
         WorkerUnresponsive,
@@ -170,6 +198,7 @@ if TYPE_CHECKING:
     from phalanx.rank.debugger import breakpoint
     from phalanx.rank.faults import InjectedFault
     from phalanx.rank.kept import keep
+    from phalanx.world.calloptions import CallOptions
     from phalanx.world.sharding import NamedSharding
 
 

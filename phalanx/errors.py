@@ -21,12 +21,23 @@
      ├── AuthenticationError         a peer failed to prove the group's secret (it is dropped)
      │    └── VersionMismatch        the peer runs another phalanx version (names both, and
      │                               the side to upgrade)
+     ├── QuorumTimeout (TimeoutError)  fewer than ``quorum`` agents answered within
+     │                               ``quorum_timeout`` (names who is missing)
+     ├── MembershipChanged           a node left (or joined) the group while a call ran on it
      ├── DebuggerUnavailable         ``phalanx debug`` found no waiting rank to attach to
      └── FrameworkNotInstalled       ``framework=`` names a framework whose package is missing
          (ImportError)               (raised before any process starts)
 
     UnknownAxisError (ValueError, KeyError)      NamedSharding: no axis of that name
     NonIntegerLayoutError (ValueError, TypeError) NamedSharding: ranks that are not integers
+    RemoteTraceback                  a rank's traceback text, the cause of the exception it
+                                     raised (see below)
+    InjectedFault (RuntimeError)     what ``inject_fault(..., "raise")`` raises in the rank
+                                     (phalanx.rank.faults)
+
+Bad arguments raise the built-in TypeError or ValueError naming what was wrong, before
+anything is sent. ``phalanx run``'s own failures (``JobError``) are the launcher's and end
+as its exit code. Every class here is exported as ``px.<Name>``.
 
 ``WorkerError`` keeps the remote exception as its ``__cause__`` when it can be rebuilt in the
 controller; that exception's own cause is a :class:`RemoteTraceback` holding the worker's

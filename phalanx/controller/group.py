@@ -9,6 +9,7 @@ hand over to the part that does the work. Every call form goes through the
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import signal as signals
@@ -19,34 +20,34 @@ from typing import TYPE_CHECKING, Any
 
 from phalanx import config
 from phalanx.backends import Backend
+from phalanx.controller.callforms import CallForms, Scope
 from phalanx.controller.callpath import CallPath
 from phalanx.controller.calls import Sender
 from phalanx.controller.dispatch import Dispatcher
-from phalanx.controller.futures import GroupFuture, ShardedFuture, StreamFuture
 from phalanx.controller.injection import inject_fault
+from phalanx.controller.internals import GroupInternals, register
 from phalanx.controller.kept import KeptResults
-from phalanx.controller.lifecycle import Gate, Lifecycle
+from phalanx.controller.lifecycle import Lifecycle
 from phalanx.controller.membership import Membership
-from phalanx.controller.methods import MethodNames, MethodProxy
+from phalanx.controller.methods import MethodNames
 from phalanx.controller.names import GROUP_NAMES
 from phalanx.controller.observe import EVERY_GROUP
-from phalanx.controller.ranks import RankTable
+from phalanx.controller.ranks import RankTable, channels_of
 from phalanx.controller.refs import ObjectRef
-from phalanx.controller.request import plan_group
+from phalanx.controller.request import GroupPlan, plan_group
 from phalanx.controller.shared import SharedObjects
 from phalanx.controller.slices import GroupSlice
 from phalanx.controller.startup import Starter
+from phalanx.controller.state import Gate, GroupState
 from phalanx.controller.trace import SPANS_TIMEOUT, Trace
 from phalanx.controller.watch import RankHealth, StackReport, StartupReport, Watcher
 from phalanx.controller.watchdog import Watchdog
 from phalanx.errors import MembershipEvent, PhalanxError
 from phalanx.options import check_seconds
-from phalanx.rank.kept import BUILTIN
 from phalanx.world.frameworks import WorldPart
 from phalanx.world.selection import Workers
 
 if TYPE_CHECKING:
-    from phalanx.controller.observe import Observer
     from phalanx.controller.pool import ResourcePool
     from phalanx.controller.ranks import RankEntry
     from phalanx.world.sharding import Coordinates, NamedSharding
@@ -67,7 +68,7 @@ def _shutdown_at_exit() -> None:
         group.shutdown()
 
 
-class WorkerGroup:
+class WorkerGroup(CallForms):
     """A group of worker processes, each holding one instance of ``target``.
 
     ``target`` is a class (or any picklable callable returning the worker object), or a
@@ -107,6 +108,16 @@ class WorkerGroup:
     anything starts; free again once that group is shut down). By default, the target's
     name, numbered when repeated: ``Policy``, ``Policy-2``, ... (see
     :mod:`phalanx.controller.names`).
+
+    Calls: ``call``, ``call_async``, ``map``, ``map_async``, ``call_one``, ``call_stream``
+    and ``call_sharded`` (see :class:`~phalanx.controller.callforms.CallForms`) take the
+    method's arguments; ``options(...)`` gives a view whose calls are made with
+    phalanx's options (``timeout``, ``workers``, ``keep``, ...) apart from them.
+
+    Threads: calls, ``health()``, ``stacks()`` and ``put()`` may be made from several
+    threads at once. ``recreate``, ``restart``, ``reload``, ``resize`` and ``shutdown``
+    may be too, and exclude each other: one waits for the other to end
+    (:attr:`state` is ``REPLACING`` meanwhile; see :class:`~phalanx.controller.state.GroupState`).
     """
 
     def __init__(
@@ -144,33 +155,57 @@ class WorkerGroup:
         part_of: WorldPart | None = None,
         name: str | None = None,
     ) -> None:
-        plan = plan_group(
-            target, args, kwargs, nodes=nodes, procs_per_node=procs_per_node, env=env,
-            rank_env=rank_env, rank_kwargs=rank_kwargs, framework=framework,
-            gpus_per_worker=gpus_per_worker, backend=backend, pool=pool, python=python,
-            concurrency=concurrency, start_timeout=start_timeout,
-            output=(echo_output, collapse_output, log_ranks, log_dir), cwd=cwd, mesh=mesh,
-            dp_axis=dp_axis, tied_axes=tied_axes, dp_leaders=dp_leaders,
-            heartbeat_timeout=heartbeat_timeout, straggler_warning=straggler_warning,
-            master_addr=master_addr, master_port=master_port, part_of=part_of, name=name)
-        self._name = name = plan.name  # taken: given back by shutdown(), or a failed start
-        self._backend: Backend = plan.backend
-        self._mesh = plan.mesh
-        self._lease = plan.lease
-        target_name = plan.target_name
+        # Acquire, register the release: a start that fails at any step gives back what
+        # the steps before it took, in reverse order, and nothing else.
+        with contextlib.ExitStack() as undo:
+            plan = plan_group(
+                target, args, kwargs, nodes=nodes, procs_per_node=procs_per_node, env=env,
+                rank_env=rank_env, rank_kwargs=rank_kwargs, framework=framework,
+                gpus_per_worker=gpus_per_worker, backend=backend, pool=pool, python=python,
+                concurrency=concurrency, start_timeout=start_timeout,
+                output=(echo_output, collapse_output, log_ranks, log_dir), cwd=cwd,
+                mesh=mesh, dp_axis=dp_axis, tied_axes=tied_axes, dp_leaders=dp_leaders,
+                heartbeat_timeout=heartbeat_timeout, straggler_warning=straggler_warning,
+                master_addr=master_addr, master_port=master_port, part_of=part_of,
+                name=name)
+            self._name = name = plan.name
+            undo.callback(GROUP_NAMES.release, name)  # taken by the plan
+            self._lease = plan.lease
+            if plan.lease is not None:
+                undo.callback(plan.lease.release)
+            self._backend: Backend = plan.backend
+            self._mesh = plan.mesh
+            self._build(plan, undo, env=env, rank_env=rank_env, part_of=part_of,
+                        master_addr=master_addr, master_port=master_port)
+            undo.pop_all()  # started: the group holds all of it until its shutdown
+        self._gate.move(GroupState.RUNNING)
+        _live_groups.add(self)
+        if self._lease is not None:
+            self._lease.adopt(self)
+        logger.info("group %s started %d workers of %s", name, self.world_size,
+                    plan.target_name)
 
-        # -- the parts (drawn in phalanx.controller's docstring) ---------------------------
-        backend_ = self._backend
+    def _build(self, plan: GroupPlan, undo: contextlib.ExitStack, *,
+               env: Mapping[str, str] | None,
+               rank_env: Mapping[int, Mapping[str, str]] | None,
+               part_of: WorldPart | None, master_addr: str | None,
+               master_port: int | None) -> None:
+        """Make the parts (drawn in phalanx.controller's docstring), open the backend and
+        start every rank, registering on ``undo`` how to give back each thing taken."""
+        name, backend_ = plan.name, plan.backend
         self._gate = gate = Gate(name)
+        undo.callback(self._abandon)
         self._dispatcher = dispatcher = Dispatcher(
             self._on_death, stacks_of=lambda ranks: self._watch.stacks_of(ranks),
             on_released=(None if backend_.capabilities.objects is None else
                          backend_.capabilities.objects.released),
             group_name=name)
+        undo.callback(dispatcher.release)  # its epoll and wake pipe
         self._ranks = ranks = RankTable(plan.placement.layout.world_size, dispatcher)
         self._shared = shared = SharedObjects(backend_, dispatcher.poll_now,
                                               ranks.live_channels)
-        self._methods = methods = MethodNames(target_name)
+        undo.callback(shared.close)
+        self._methods = methods = MethodNames(plan.target_name)
         self._sender = sender = Sender(ranks, dispatcher, shared, backend_)
         self._kept = KeptResults(f"group {name}", sender.send, sender.encode,
                                  sender.source_of)
@@ -179,8 +214,7 @@ class WorkerGroup:
             sender.observe(observer)
         self._starter = starter = Starter(
             backend_, plan.placement, plan.boot, name=name, env=env or {},
-            rank_env=rank_env or {},
-            part_of=part_of,
+            rank_env=rank_env or {}, part_of=part_of,
             rendezvous=((master_addr, master_port)
                         if master_addr is not None or master_port is not None else None),
             start_timeout=plan.start_timeout, progress=plan.progress,
@@ -192,33 +226,35 @@ class WorkerGroup:
         self._membership = membership = Membership(  # listens before the backend opens
             backend=backend_, dispatcher=dispatcher, table=ranks, starter=starter,
             mesh=self._mesh, gate=gate)
+        undo.callback(membership.stop)
         self._lifecycle = Lifecycle(
             gate=gate, backend=backend_, dispatcher=dispatcher, table=ranks, starter=starter,
             membership=membership, methods=methods, sender=sender, shared=shared,
             watchdog=watchdog)
-        self._calls = CallPath(gate, methods, ranks, self._mesh, sender)
-        try:
-            backend_.open(plan.output)
-            # Exit handlers run last-registered first: ours must run before those of what
-            # the backend may have started just now (Ray's disconnects from the cluster).
-            atexit.unregister(_shutdown_at_exit)
-            atexit.register(_shutdown_at_exit)
-            starter.reserve()
-            watchdog.start()
-            starter.start(list(range(starter.layout.world_size)))
-        except BaseException:
-            gate.close()
-            watchdog.stop()
-            dispatcher.release()
-            backend_.close()
-            if self._lease is not None:
-                self._lease.release()
-            GROUP_NAMES.release(name)
-            raise
-        _live_groups.add(self)
-        if self._lease is not None:
-            self._lease.adopt(self)
-        logger.info("group %s started %d workers of %s", name, self.world_size, target_name)
+        self._init_forms(CallPath(gate, methods, ranks, sender), Scope(self._mesh))
+        register(self, GroupInternals(gate, ranks, sender))
+        backend_.open(plan.output)
+        undo.callback(backend_.close)  # what it opened, reserved and launched
+        # Exit handlers run last-registered first: ours must run before those of what
+        # the backend may have started just now (Ray's disconnects from the cluster).
+        atexit.unregister(_shutdown_at_exit)
+        atexit.register(_shutdown_at_exit)
+        starter.reserve()
+        watchdog.start()
+        undo.callback(watchdog.stop)
+        undo.callback(self._stop_ranks)  # any the start left running
+        starter.start(list(range(starter.layout.world_size)))
+
+    def _abandon(self) -> None:
+        """A failed start ends CLOSED (what a repr or a stray reference then says)."""
+        with self._gate.closing(0.0):
+            pass
+
+    def _stop_ranks(self) -> None:
+        entries = self._ranks.known()
+        self._backend.stop(channels_of(entries), grace=0.0, force=True)
+        for entry in entries:
+            entry.exited(None)
 
     @property
     def name(self) -> str:
@@ -283,124 +319,19 @@ class WorkerGroup:
         as a :class:`~phalanx.controller.slices.GroupSlice`: the group's calls, on those
         ranks only. An int removes its axis, a range or list keeps it, narrowed; unknown
         axes or coordinates out of range raise ValueError."""
-        return GroupSlice(self, self._calls, self._mesh.sliced(coords))
+        return GroupSlice(self, self._path, self._mesh.sliced(coords))
+
+    @property
+    def state(self) -> GroupState:
+        """Where the group is in its life: ``RUNNING`` while it serves calls,
+        ``REPLACING`` while ranks are replaced, ``CLOSING`` and ``CLOSED`` (see
+        :class:`~phalanx.controller.state.GroupState` for every state and move)."""
+        return self._gate.state
 
     @property
     def closed(self) -> bool:
-        """Whether the group was shut down (its calls raise GroupClosed)."""
+        """Whether the group is shutting down or shut down (its calls raise GroupClosed)."""
         return self._gate.closed
-
-    # -- calls: the CallPath's, on the user's selection ------------------------------------
-
-    def call_async(
-        self,
-        method: str,
-        *args: Any,
-        workers: Workers = "all",
-        rank0_only_axes: Sequence[str] | None = None,
-        keep: bool = False,
-        **kwargs: Any,
-    ) -> GroupFuture:
-        """Send the same arguments (pickled once) to every selected rank."""
-        return self._calls.call_async(method, args, kwargs, workers, rank0_only_axes, keep)
-
-    def call(
-        self,
-        method: str,
-        *args: Any,
-        workers: Workers = "all",
-        timeout: float | None = None,
-        rank0_only_axes: Sequence[str] | None = None,
-        keep: bool = False,
-        **kwargs: Any,
-    ) -> list[Any]:
-        """Call ``method(*args, **kwargs)`` on the selected ranks; results in rank order.
-
-        ``rank0_only_axes`` (with a mesh) keeps only the ranks at coordinate 0 on those axes.
-        ``keep=True`` (here and in every call form) leaves each result on its rank and
-        returns a ``ResultRef`` per rank, for calls of any group (:mod:`.kept`).
-        """
-        return self._calls.call(method, args, kwargs, workers, timeout, rank0_only_axes, keep)
-
-    def call_one(self, rank: int, method: str, *args: Any, timeout: float | None = None,
-                 keep: bool = False, **kwargs: Any) -> Any:
-        """Call ``method`` on one rank and return its value."""
-        if not isinstance(rank, int) or isinstance(rank, bool):
-            raise TypeError(f"rank must be an integer, got {rank!r}")
-        return self._calls.call(method, args, kwargs, workers=[rank], timeout=timeout,
-                                keep=keep)[0]
-
-    def map_async(
-        self,
-        method: str,
-        *arg_lists: Sequence[Any],
-        workers: Workers = "all",
-        rank0_only_axes: Sequence[str] | None = None,
-        common_kwargs: Mapping[str, Any] | None = None,
-        keep: bool = False,
-        **kwarg_lists: Sequence[Any],
-    ) -> GroupFuture:
-        """Each positional/keyword argument is a list with one item per called rank
-        (matched to them in rank order); ``common_kwargs`` go to every called rank."""
-        return self._calls.map_async(method, arg_lists, kwarg_lists, workers=workers,
-                                     rank0_only_axes=rank0_only_axes,
-                                     common_kwargs=common_kwargs, keep=keep)
-
-    def map(
-        self,
-        method: str,
-        *arg_lists: Sequence[Any],
-        workers: Workers = "all",
-        timeout: float | None = None,
-        rank0_only_axes: Sequence[str] | None = None,
-        common_kwargs: Mapping[str, Any] | None = None,
-        keep: bool = False,
-        **kwarg_lists: Sequence[Any],
-    ) -> list[Any]:
-        """Call ``method`` with one item of each list per rank; results in rank order."""
-        return self._calls.map(method, arg_lists, kwarg_lists, workers=workers,
-                               timeout=timeout, rank0_only_axes=rank0_only_axes,
-                               common_kwargs=common_kwargs, keep=keep)
-
-    def call_stream(
-        self,
-        method: str,
-        *args: Any,
-        workers: Workers = "all",
-        timeout: float | None = None,
-        **kwargs: Any,
-    ) -> StreamFuture:
-        """Call a generator method on the selected ranks and iterate ``(rank, item)`` pairs
-        as they arrive. A method that is not a generator streams its value as one item.
-        ``timeout`` bounds the wait for each next item (CallTimeout)."""
-        return self._calls.call_stream(method, args, kwargs, workers=workers,
-                                       timeout=timeout)
-
-    def call_sharded(
-        self,
-        method: str,
-        *args: Any,
-        in_sharded_axes: Sequence[str] = (),
-        replicate_on_axes: Sequence[str] = (),
-        output_is_replicated: Sequence[str] = (),
-        dummy_calls_to_free_axes: bool = False,
-        common_kwargs: Mapping[str, Any] | None = None,
-        keep: bool = False,
-        **kwargs: Any,
-    ) -> ShardedFuture:
-        """Send each rank its slice of nested-list data (NeMo-RL's sharded-data rules; see
-        :mod:`phalanx.world.sharding`); the future's result holds one value per kept rank."""
-        return self._calls.call_sharded(
-            self._mesh, method, args, kwargs, in_sharded_axes=in_sharded_axes,
-            replicate_on_axes=replicate_on_axes, output_is_replicated=output_is_replicated,
-            dummy_calls_to_free_axes=dummy_calls_to_free_axes, common_kwargs=common_kwargs,
-            keep=keep)
-
-    def __getattr__(self, name: str) -> MethodProxy:
-        methods = self.__dict__.get("_methods")
-        if methods is not None and name in methods:
-            return MethodProxy(self, name)
-        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
     # -- watching ---------------------------------------------------------------------
 
@@ -544,33 +475,6 @@ class WorkerGroup:
         the trace waits for the ranks' own spans (see :mod:`phalanx.controller.trace`)."""
         return Trace(self, timeout=timeout)
 
-    def watch_calls(self, observer: Observer, on: bool = True) -> None:
-        """Have ``observer`` watch every call from now on (``on=False``: stop): the
-        interface of traces and dashboards (:mod:`phalanx.controller.observe`); not for
-        user code."""
-        self._sender.observe(observer, on)
-
-    def send_builtin(self, method: str, ranks: Sequence[int],
-                     args: Sequence[tuple[Any, ...]], *, defer: bool = False,
-                     watched: bool = True) -> GroupFuture:
-        """Run phalanx's own call ``method`` (a built-in of the rank runtime, named
-        ``@...``: see :func:`phalanx.rank.kept.builtin`) on ``ranks``, ``ranks[i]`` with
-        ``args[i]``. The interface of phalanx's parts that drive ranks themselves
-        (:mod:`phalanx.controller.weightsync`); not for user code. GroupClosed or
-        WorkerDied before anything is sent; ``defer``: sent at the future's first wait
-        (so that several groups' calls are all checked before any goes out); ``watched``:
-        False keeps the call out of traces and dashboards (phalanx's own housekeeping)."""
-        self._gate.check()
-        if not method.startswith(BUILTIN):
-            raise ValueError(f"{method!r} is not the name of a built-in call")
-        chosen = self._ranks.select(list(ranks))
-        if chosen != list(ranks) or len(args) != len(chosen):
-            raise ValueError(f"send_builtin(): ranks {list(ranks)} must be increasing, "
-                             f"with one argument tuple each ({len(args)} given)")
-        payloads = [self._sender.encode(tuple(a), {}, rank)
-                    for a, rank in zip(args, chosen, strict=True)]
-        return self._sender.send(method, chosen, payloads, defer=defer, watched=watched)
-
     def reload(self) -> str | None:
         """Ship the code again and restart every rank in place (same nodes, same layout).
 
@@ -607,13 +511,17 @@ class WorkerGroup:
             return
         timeout = check_seconds(timeout, "shutdown timeout")
         deadline = time.monotonic() + (float("inf") if timeout is None else timeout)
-        try:
-            if cleanup is not None and not force:
-                try:
-                    self.call(cleanup, workers="ready", timeout=timeout)
-                except PhalanxError as exc:
-                    logger.warning("cleanup method %r failed: %s", cleanup, exc)
-        finally:
+        if cleanup is not None and not force:
+            try:
+                self.options(workers="ready", timeout=timeout).call(cleanup)
+            except PhalanxError as exc:
+                logger.warning("cleanup method %r failed: %s", cleanup, exc)
+        # An operation in progress in another thread (a recreate) ends first, or by the
+        # deadline at most; the state is CLOSING meanwhile.
+        wait = config.DEFAULT_TERM_GRACE if timeout is None else timeout
+        with self._gate.closing(wait) as first:
+            if not first:
+                return
             _live_groups.discard(self)
             try:
                 # first: its handles then say the group was shut down, not that ranks died
@@ -635,8 +543,9 @@ class WorkerGroup:
         if starter is None:
             return "<WorkerGroup (not started)>"
         layout = starter.layout
-        state = "closed" if self.__dict__["_gate"].closed else "running"
+        state = self.__dict__["_gate"].state.value
         return (
             f"<WorkerGroup {self.__dict__['_name']} nodes={layout.nodes} "
             f"procs_per_node={layout.procs_per_node} {state}>"
         )
+

@@ -1,10 +1,9 @@
 """A running group's ranks replaced (``recreate`` with re-admission, ``restart``,
-``reload``) and stopped (the teardown behind ``shutdown``), and the :class:`Gate` that says
-whether the group is still open.
+``reload``) and stopped (the teardown behind ``shutdown``).
 
-A group is open from its construction until its shutdown begins; every call and every
-operation on its ranks checks the gate first (:class:`~phalanx.errors.GroupClosed` once it
-is closed). Replacing ranks goes through the starter (:mod:`phalanx.controller.startup`):
+Each operation holds the group's operation lock for its whole length, in state REPLACING
+(see :mod:`phalanx.controller.state`): two of them never interleave, and none runs once the
+group is closing. Replacing ranks goes through the starter (:mod:`phalanx.controller.startup`):
 the old ranks are retired, then the fresh ones started, and nothing answers calls on them
 in between. A restart after the backend's nodes changed is a resize
 (:mod:`phalanx.controller.membership`).
@@ -33,6 +32,7 @@ if TYPE_CHECKING:
     from phalanx.controller.ranks import RankTable
     from phalanx.controller.shared import SharedObjects
     from phalanx.controller.startup import Starter
+    from phalanx.controller.state import Gate
     from phalanx.controller.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
@@ -42,28 +42,6 @@ logger = logging.getLogger(__name__)
 # finite number (Ray's turns it into integer milliseconds, a lock's stops at
 # threading.TIMEOUT_MAX). A year is as long as it takes.
 _LONGEST_EXIT_WAIT = 365 * 24 * 3600.0
-
-
-class Gate:
-    """Whether a group is open: :meth:`check` raises once :meth:`close` was called
-    (``name``: the group's, for the message)."""
-
-    def __init__(self, name: str | None = None) -> None:
-        self._closed = False
-        self._what = "this WorkerGroup" if name is None else f"group {name}"
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def check(self) -> None:
-        """GroupClosed if the group has been shut down (before every call: kept cheap)."""
-        if self._closed:
-            raise GroupClosed(f"{self._what} has been shut down")
-
-    def close(self) -> None:
-        """From now on the group is closed (idempotent)."""
-        self._closed = True
 
 
 class Lifecycle:
@@ -102,6 +80,11 @@ class Lifecycle:
                  readmit: str | None) -> None:
         """See :meth:`WorkerGroup.recreate <phalanx.controller.group.WorkerGroup.recreate>`."""
         self._gate.check()
+        with self._gate.operation("recreate"):
+            self._recreate(ranks, timeout, readmit)
+
+    def _recreate(self, ranks: int | Sequence[int], timeout: float | None,
+                  readmit: str | None) -> None:
         timeout = check_seconds(timeout, allow_zero=False)
         given = timeout is not None
         if timeout is None:
@@ -142,15 +125,18 @@ class Lifecycle:
 
     def reload(self) -> str | None:
         """See :meth:`WorkerGroup.reload <phalanx.controller.group.WorkerGroup.reload>`."""
-        self._gate.check()
-        code = self._backend.capabilities.code
-        version = None if code is None else code.reload_code()
-        self.restart()
-        return version
+        with self._gate.operation("reload"):
+            code = self._backend.capabilities.code
+            version = None if code is None else code.reload_code()
+            self.restart()
+            return version
 
     def restart(self) -> None:
         """See :meth:`WorkerGroup.restart <phalanx.controller.group.WorkerGroup.restart>`."""
-        self._gate.check()
+        with self._gate.operation("restart"):
+            self._restart()
+
+    def _restart(self) -> None:
         if self._membership.changed:
             changing = self._backend.capabilities.changing
             self._membership.relayout((changing.available_nodes() if changing is not None
@@ -163,11 +149,10 @@ class Lifecycle:
         logger.info("restarted %d workers of group %s", world_size, self._starter.name)
 
     def teardown(self, deadline: float, force: bool) -> None:
-        """Close the gate and stop every part and every rank process by ``deadline`` (a
+        """Stop every part and every rank process by ``deadline`` (a
         ``time.monotonic()`` value; inf: no limit), see
         :meth:`WorkerGroup.shutdown <phalanx.controller.group.WorkerGroup.shutdown>`."""
         entries = self._table.known()
-        self._gate.close()
         self._membership.stop()
         self._watchdog.stop()
         # Idle workers are asked to exit and given until the deadline (atexit handlers,

@@ -31,10 +31,10 @@ from phalanx.world.layout import Layout
 if TYPE_CHECKING:
     from phalanx.backends import Backend
     from phalanx.controller.dispatch import Dispatcher
-    from phalanx.controller.lifecycle import Gate
     from phalanx.controller.meshcalls import Mesh
     from phalanx.controller.ranks import RankTable
     from phalanx.controller.startup import Starter
+    from phalanx.controller.state import Gate
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +126,10 @@ class Membership:
         """See :meth:`WorkerGroup.resize <phalanx.controller.group.WorkerGroup.resize>`."""
         self._gate.check()
         timeout = check_seconds(timeout, allow_zero=False)
+        with self._gate.operation("resize"):
+            return self._resize(timeout)
+
+    def _resize(self, timeout: float | None) -> int:
         changing = self._backend.capabilities.changing
         nodes = None if changing is None else changing.available_nodes()
         layout = self._starter.layout

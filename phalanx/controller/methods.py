@@ -1,33 +1,41 @@
-"""The worker object's methods, as the ranks report them, and attribute-style calls:
-``group.train.call(batch)`` reads as ``group.call("train", batch)``."""
+"""The worker object's methods, as the ranks report them (with the names of their
+parameters, which a call's option keywords must not clash with), and attribute-style
+calls: ``group.train.call(batch)`` reads as ``group.call("train", batch)``."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from phalanx.controller.futures import GroupFuture
-    from phalanx.controller.group import WorkerGroup
-    from phalanx.controller.slices import GroupSlice
+    from phalanx.controller.callforms import CallForms
+    from phalanx.controller.futures import GroupFuture, ShardedFuture, StreamFuture
 
 
 class MethodNames:
     """The public methods of a group's worker object, learnt from its first ready rank.
 
     Interface: :meth:`learn` (at start-up), :meth:`check` (before every call), ``name in
-    methods`` and :meth:`names`.
+    methods``, :meth:`names` and :meth:`parameters`.
     """
 
     def __init__(self, target_name: str) -> None:
         self.target_name = target_name  # what the messages call the worker object
         self._names: list[str] | None = None
         self._set: frozenset[str] = frozenset()
+        self._parameters: Mapping[str, Sequence[str]] = {}
 
-    def learn(self, names: list[str]) -> None:
-        """The methods a ready rank reported (only the first report counts)."""
+    def learn(self, methods: Mapping[str, Sequence[str]]) -> None:
+        """The methods a ready rank reported, each with the names its parameters can be
+        given by (only the first report counts)."""
         if self._names is None:
-            self._names = list(names)
-            self._set = frozenset(names)
+            self._names = list(methods)
+            self._set = frozenset(methods)
+            self._parameters = dict(methods)
+
+    def parameters(self, method: str) -> Sequence[str] | None:
+        """The names ``method``'s parameters can be passed by (None: not known)."""
+        return self._parameters.get(method)
 
     def names(self) -> list[str]:
         """Every method's name (none before a rank was ready)."""
@@ -52,23 +60,30 @@ class MethodNames:
 
 
 class MethodProxy:
-    """``group.train.call(batch)`` reads as ``group.call("train", batch)``."""
+    """``group.train.call(batch)`` reads as ``group.call("train", batch)``: each form of
+    the group, slice or options view it came from, with the method named."""
 
-    def __init__(self, group: WorkerGroup | GroupSlice, method: str) -> None:
-        self._group = group
+    def __init__(self, forms: CallForms, method: str) -> None:
+        self._forms = forms
         self._method = method
 
     def call(self, *args: Any, **kwargs: Any) -> list[Any]:
-        return self._group.call(self._method, *args, **kwargs)
+        return self._forms.call(self._method, *args, **kwargs)
 
     def call_async(self, *args: Any, **kwargs: Any) -> GroupFuture:
-        return self._group.call_async(self._method, *args, **kwargs)
+        return self._forms.call_async(self._method, *args, **kwargs)
 
     def map(self, *args: Any, **kwargs: Any) -> list[Any]:
-        return self._group.map(self._method, *args, **kwargs)
+        return self._forms.map(self._method, *args, **kwargs)
 
     def map_async(self, *args: Any, **kwargs: Any) -> GroupFuture:
-        return self._group.map_async(self._method, *args, **kwargs)
+        return self._forms.map_async(self._method, *args, **kwargs)
 
     def call_one(self, rank: int, *args: Any, **kwargs: Any) -> Any:
-        return self._group.call_one(rank, self._method, *args, **kwargs)
+        return self._forms.call_one(rank, self._method, *args, **kwargs)
+
+    def call_stream(self, *args: Any, **kwargs: Any) -> StreamFuture:
+        return self._forms.call_stream(self._method, *args, **kwargs)
+
+    def call_sharded(self, *args: Any, **kwargs: Any) -> ShardedFuture:
+        return self._forms.call_sharded(self._method, *args, **kwargs)

@@ -112,7 +112,7 @@ class RankEntry:
         self.alive = True
         self.ever_ready = False  # its READY arrived (whatever state followed)
         self.pid: int | None = None
-        self.methods: list[str] = []
+        self.methods: dict[str, list[str]] = {}  # each with its parameters' names
         self.timings: dict[str, float] = {}  # its start-up, as READY tells it
         self.code_version: str | None = None  # of the shipped code it runs, as READY tells
         self.init_failure: RemoteFailure | None = None
@@ -153,7 +153,7 @@ class RankEntry:
         self.alive = to is not RankState.EXITED
         return True
 
-    def became_ready(self, pid: int, methods: list[str], timings: dict[str, float],
+    def became_ready(self, pid: int, methods: dict[str, list[str]], timings: dict[str, float],
                      code_version: str | None) -> None:
         """READY arrived: what it tells is recorded, and a starting rank is ready."""
         self.pid, self.methods, self.timings, self.code_version = (pid, methods, timings,

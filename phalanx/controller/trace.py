@@ -19,6 +19,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
+from phalanx.controller.internals import internals
 from phalanx.controller.observe import CallWatch, clock
 from phalanx.errors import PhalanxError
 from phalanx.options import check_seconds
@@ -50,8 +51,11 @@ class Trace:
         if not groups:
             raise ValueError("px.trace() needs at least one group to trace")
         for group in groups:
-            if not callable(getattr(group, "watch_calls", None)):  # the group imports this
-                raise TypeError(f"px.trace() traces WorkerGroups, got {type(group).__name__}")
+            try:
+                internals(group)
+            except TypeError:
+                raise TypeError(f"px.trace() traces WorkerGroups, got "
+                                f"{type(group).__name__}") from None
         if len({id(g) for g in groups}) != len(groups):
             raise ValueError("px.trace(): a group is named twice")
         self._timeout = check_seconds(timeout, "trace timeout", allow_zero=False)
@@ -83,7 +87,7 @@ class Trace:
         self.began = clock()
         _open.add(self)
         for group in self._groups:
-            group.watch_calls(self)
+            internals(group).watch_calls(self)
         return self
 
     def stop(self) -> Trace:
@@ -91,7 +95,7 @@ class Trace:
         if self.began is None or self.ended is not None:
             return self
         for group in self._groups:
-            group.watch_calls(self, on=False)
+            internals(group).watch_calls(self, on=False)
         _open.discard(self)
         self.ended = clock()
         for group in self._groups:
@@ -142,7 +146,7 @@ class Trace:
         others = [first for t in list(_open) if (first := t.first_call(group.name)) is not None]
         keep_from = min(others) if others else None
         try:
-            future = group.send_builtin("@trace", live, [(since, keep_from)] * len(live),
+            future = internals(group).send_builtin("@trace", live, [(since, keep_from)] * len(live),
                                         watched=False)
         except PhalanxError as exc:
             logger.warning("trace: could not ask group %s for its ranks' spans: %s",

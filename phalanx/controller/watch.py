@@ -21,8 +21,8 @@ from phalanx.world.selection import Workers, select_ranks
 
 if TYPE_CHECKING:
     from phalanx.controller.dispatch import Dispatcher
-    from phalanx.controller.lifecycle import Gate
     from phalanx.controller.ranks import RankEntry, RankTable
+    from phalanx.controller.state import Gate
 
 
 @dataclasses.dataclass(frozen=True)

@@ -82,6 +82,7 @@ import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from phalanx.controller.internals import GroupInternals, internals
 from phalanx.errors import CallTimeout, GroupClosed, PhalanxError
 from phalanx.options import check_seconds
 from phalanx.rank import weightsync as rankside
@@ -146,6 +147,10 @@ class _Part:
 
     group: WorkerGroup
     ranks: list[int]
+
+    @property
+    def group_internals(self) -> GroupInternals:
+        return internals(self.group)
 
 
 class WeightSync:
@@ -257,10 +262,10 @@ class WeightSync:
 
     def _push_broadcast(self, get: str, set_: str, bucket: int) -> tuple[int, int, int]:
         source, *targets = self._parts
-        sent = [source.group.send_builtin(
+        sent = [source.group_internals.send_builtin(
             rankside.SEND, source.ranks, [(self._id, self._generation, get, bucket)],
             defer=True)]
-        sent += [part.group.send_builtin(
+        sent += [part.group_internals.send_builtin(
             rankside.RECEIVE, part.ranks, [(self._id, self._generation, set_)] * len(part.ranks),
             defer=True) for part in targets]
         stats = _gather(sent, self._deadline)[0][0]
@@ -268,10 +273,10 @@ class WeightSync:
 
     def _push_shared(self, get: str, set_: str) -> tuple[int, int, int]:
         source, *targets = self._parts
-        staged = source.group.send_builtin(
+        staged = source.group_internals.send_builtin(
             rankside.STAGE, source.ranks, [(self._id, self._generation, get)])
         where, tensors, nbytes = _gather([staged], self._deadline)[0][0]
-        loads = [part.group.send_builtin(
+        loads = [part.group_internals.send_builtin(
             rankside.LOAD, part.ranks,
             [(self._id, self._generation, set_, where)] * len(part.ranks), defer=True)
             for part in targets]
@@ -289,7 +294,7 @@ class WeightSync:
         self._state = SyncState.BROKEN  # until it formed
         self._generation += 1
         generation, deadline = self._generation, self._deadline
-        hellos = _gather([p.group.send_builtin(rankside.HELLO, p.ranks,
+        hellos = _gather([p.group_internals.send_builtin(rankside.HELLO, p.ranks,
                                                [(self._id,)] * len(p.ranks), defer=True)
                           for p in parts], deadline)
         transport = self._choose(parts, [machine for answers in hellos
@@ -297,7 +302,7 @@ class WeightSync:
         specs: list[list[tuple[Any, ...] | None]] = [[None] * len(p.ranks) for p in parts]
         if transport is Transport.BROADCAST:
             specs = self._world_specs(parts)
-        _gather([p.group.send_builtin(
+        _gather([p.group_internals.send_builtin(
             rankside.FORM, p.ranks, [(self._id, generation, spec, self._timeout)
                                      for spec in specs[i]], defer=True)
             for i, p in enumerate(parts)], deadline)
@@ -477,8 +482,8 @@ def _release(sync_id: str, groups: list[WorkerGroup], wait: float | None) -> Non
         if not ranks:
             continue
         try:
-            futures.append(group.send_builtin(rankside.CLOSE, ranks,
-                                              [(sync_id,)] * len(ranks)))
+            futures.append(internals(group).send_builtin(rankside.CLOSE, ranks,
+                                                         [(sync_id,)] * len(ranks)))
         except PhalanxError as exc:  # shut down or died meanwhile: its ranks hold nothing
             logger.debug("weight sync %s: group %s not told to close: %s", sync_id,
                          group.name, exc)

@@ -37,6 +37,7 @@ from typing import Any
 
 from phalanx import config
 from phalanx.controller.group import live_groups
+from phalanx.controller.internals import internals
 from phalanx.controller.observe import EVERY_GROUP
 from phalanx.errors import PhalanxError
 from phalanx.monitor import state
@@ -77,7 +78,7 @@ class Dashboard:
                            "has its URL sees every rank's stacks", host, self.port)
         EVERY_GROUP.append(self.metrics)
         for group in live_groups():
-            group.watch_calls(self.metrics)
+            internals(group).watch_calls(self.metrics)
         self._thread = threading.Thread(target=self._server.serve_forever,
                                         kwargs={"poll_interval": 0.2},
                                         name="phalanx-dashboard", daemon=True)
@@ -104,7 +105,7 @@ class Dashboard:
         if self.metrics in EVERY_GROUP:
             EVERY_GROUP.remove(self.metrics)
         for group in live_groups():
-            group.watch_calls(self.metrics, on=False)
+            internals(group).watch_calls(self.metrics, on=False)
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5.0)

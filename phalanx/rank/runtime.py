@@ -168,6 +168,26 @@ def public_methods(obj: Any) -> list[str]:
     return names
 
 
+def method_parameters(obj: Any) -> dict[str, list[str]]:
+    """Each public method of ``obj`` with the names its parameters can be given by as
+    keywords (what the controller checks a call's option keywords against). Read from
+    the code object, without importing inspect: a callable that has none (a builtin, a
+    callable instance) lists none."""
+    out: dict[str, list[str]] = {}
+    for name in public_methods(obj):
+        fn = _static_attr(obj, name)
+        if isinstance(fn, (staticmethod, classmethod)):
+            fn = fn.__func__
+        code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+        if code is None:
+            out[name] = []
+            continue
+        count = code.co_argcount + code.co_kwonlyargcount
+        first = code.co_posonlyargcount  # positional-only ones cannot clash with keywords
+        out[name] = list(code.co_varnames[first:count])
+    return out
+
+
 _PHALANX_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
@@ -292,8 +312,9 @@ class WorkerRuntime:
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 concurrency, thread_name_prefix="phalanx-call"
             )
-        self.conn.send(protocol.ready_frame(self.rank, os.getpid(), public_methods(self.obj),
-                                            timings, os.environ.get("PHALANX_CODE_VERSION")))
+        self.conn.send(protocol.ready_frame(self.rank, os.getpid(),
+                                            method_parameters(self.obj), timings,
+                                            os.environ.get("PHALANX_CODE_VERSION")))
         return True
 
     def _start_framework(self, name: str) -> None:

@@ -24,7 +24,8 @@ Message kinds (payload = the segments after the header: a pickle and its buffers
                          UNMAP        (block name,)         a pooled block was closed
     rank -> node side    RELEASED     (ref id,)             no view of a freed object in a
                                                             pooled block is left here
-    rank -> controller   READY        (pid, method_names, start-up timings, code version)
+    rank -> controller   READY        (pid, {method: parameter names}, start-up timings,
+                                      code version)
                          INIT_ERROR   (RemoteFailure tuple)
                          RESULT                             payload value
                          YIELD                              payload item (RESULT ends the stream)
@@ -206,10 +207,11 @@ def released_frame(rank: int, ref_id: int) -> list[Any]:
 # -- ranks -> controller ------------------------------------------------------------------
 
 
-def ready_frame(rank: int, pid: int, methods: list[str], timings: dict[str, float],
-                code_version: str | None = None) -> list[Any]:
-    """The rank is up: its pid, methods, start-up timings, and the version of the shipped
-    code it runs (``PHALANX_CODE_VERSION``; None without ``sync``)."""
+def ready_frame(rank: int, pid: int, methods: dict[str, list[str]],
+                timings: dict[str, float], code_version: str | None = None) -> list[Any]:
+    """The rank is up: its pid, methods (each with its parameters' names), start-up
+    timings, and the version of the shipped code it runs (``PHALANX_CODE_VERSION``; None
+    without ``sync``)."""
     return framing.frame([header(READY, 0, rank, pid, methods, timings, code_version)])
 
 

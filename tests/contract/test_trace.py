@@ -12,6 +12,7 @@ import pytest
 
 import phalanx as px
 from phalanx import PhalanxError, WorkerDied, WorkerError
+from phalanx.controller.internals import internals
 from tests import helpers
 from tests.workers import Probe
 
@@ -318,7 +319,7 @@ def test_once_a_trace_ends_calls_are_sent_as_before(group):
     assert group.call("add", 1, b=2) == [3] * WORLD
     assert group.call_one(2, "rank") == 2
     # the ranks recorded nothing for the untraced calls: they reached them unprefixed
-    taken = group.send_builtin("@trace", [0, 1, 2], [()] * WORLD).result(timeout=30)
+    taken = internals(group).send_builtin("@trace", [0, 1, 2], [()] * WORLD).result(timeout=30)
     assert [(t["spans"], t["lost"]) for t in taken] == [([], 0)] * WORLD
     assert len(trace.calls) == 1  # the ended trace saw none of them
 
