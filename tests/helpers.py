@@ -1,4 +1,9 @@
-"""Small test utilities: waiting on conditions, process liveness, controller scripts."""
+"""Small test utilities: waiting on conditions, process liveness, controller scripts.
+
+Importing it needs no pytest: the test clusters (tests/slurmcluster.py, ...) use it, and
+they also run outside the suite (``python -m bench.slurm``, where only phalanx and its
+bench extra are installed). What skips or marks a test imports pytest where it does so.
+"""
 
 from __future__ import annotations
 
@@ -14,9 +19,12 @@ import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
-import pytest
+
+if TYPE_CHECKING:
+    import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -55,6 +63,8 @@ def _missing_reason(package: str) -> str:
 def requires(package: str) -> None:
     """Skip the running test, with the reason, when the optional ``package`` is missing."""
     __tracebackhide__ = True  # report the test's line, not this one
+    import pytest
+
     if not installed(package):
         pytest.skip(_missing_reason(package))
 
@@ -62,6 +72,8 @@ def requires(package: str) -> None:
 def needs(package: str) -> pytest.MarkDecorator:
     """A marker that skips a test, with the reason, when the optional ``package`` is
     missing: ``@helpers.needs("torch")``. Checked at collection, without importing it."""
+    import pytest
+
     return pytest.mark.skipif(not installed(package), reason=_missing_reason(package))
 
 

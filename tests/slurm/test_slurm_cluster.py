@@ -4,6 +4,7 @@ both nodes, batch jobs complete, and a job's processes stay below this process."
 from __future__ import annotations
 
 import subprocess
+import sys
 import textwrap
 
 import psutil
@@ -90,4 +91,14 @@ def test_a_lost_node_fails_its_job_and_comes_back(slurm_cluster):
         helpers.wait_until(lambda: slurm_cluster.node_states() == {"n1": "idle",
                                                                    "n2": "idle"}, 10)
     done = slurm("srun", "--nodes=2", "hostname")
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_cluster_and_its_helpers_import_without_pytest():
+    # bench.slurm starts this cluster outside the suite, where pytest need not be installed
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys; sys.modules['pytest'] = None\n"
+         "import tests.slurmcluster, tests.helpers\n"
+         "assert 'pytest' not in {m.split('.')[0] for m in sys.modules if sys.modules[m]}"],
+        cwd=helpers.REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
