@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from phalanx import config
-from phalanx.backends.cluster import k8s
+from phalanx.cli import k8s
 from phalanx.launcher import flags as runflags
 from phalanx.launcher import report as runreport
 from phalanx.launcher.flags import parse_ranks

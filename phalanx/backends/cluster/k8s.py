@@ -1,4 +1,7 @@
-"""Kubernetes manifests for the cluster backend's node agents: ``phalanx k8s manifest``.
+"""The Kubernetes objects that run the cluster backend's node agents.
+
+:func:`manifest` builds them, :func:`hosts` names the agents for ``ClusterBackend``, and
+``phalanx k8s manifest`` (:mod:`phalanx.cli.k8s`) prints them as YAML.
 
 One ``phalanx agent`` runs in every pod, one pod per node; the controller, wherever it runs,
 connects to each pod's agent. The manifest is written for a shared cluster: the agents run
@@ -73,24 +76,20 @@ pod takes it as ``$PHALANX_TOKEN`` from the same Secret, as the agents do, and c
 labels ``--controller-selector`` names). The Service's own name,
 ``trainer.ml.svc.cluster.local``, resolves to every agent pod at once.
 
-Layer: pure, like ``config``: :func:`manifest`, :func:`notes`, :func:`hosts` and
-:func:`to_yaml` are functions of their arguments (the token aside) that import nothing from
-phalanx and nothing outside the standard library (no PyYAML: the core does not depend on
-it); only :func:`main` writes, to stdout and stderr.
+Layer: pure, like ``config``: :func:`manifest`, :func:`notes` and :func:`hosts` are
+functions of their arguments (the token aside) that import nothing from phalanx and nothing
+outside the standard library, and write nothing. The objects are plain data (dicts, lists,
+str, int, bool): :mod:`phalanx.cli.k8s` writes them as YAML, with PyYAML, and prints them.
 """
 
 from __future__ import annotations
 
-import argparse
 import base64
 import re
 import secrets
-import sys
 import textwrap
 from collections.abc import Mapping, Sequence
 from typing import Any
-
-USAGE_ERROR = 2  # the exit status for a bad command line, as phalanx.cli.main's
 
 DEFAULT_NAMESPACE = "default"
 DEFAULT_PORT = 32300  # the agent's control port; its HTTP port defaults to the next one
@@ -227,9 +226,9 @@ def hosts(name: str, replicas: int, namespace: str = DEFAULT_NAMESPACE,
 
 def notes(objects: Sequence[Mapping[str, Any]]) -> list[str | None]:
     """What a reader of :func:`manifest`'s ``objects`` should know, one note (or None) for
-    each, for :func:`to_yaml`'s ``comments``: the first says so when TLS is off, the
-    StatefulSet's which TLS Secret the pods wait for, the NetworkPolicy's whom it admits and
-    why the probes still pass."""
+    each, for :func:`phalanx.cli.k8s.to_yaml`'s ``comments``: the first says so when TLS is
+    off, the StatefulSet's which TLS Secret the pods wait for, the NetworkPolicy's whom it
+    admits and why the probes still pass."""
     found: list[str | None] = [None] * len(objects)
     head: list[str] = []
     for i, obj in enumerate(objects):
@@ -608,280 +607,3 @@ def _check_quantity(value: str, option: str) -> None:
     if match is None or float(match.group(1)) == 0:
         raise ValueError(f"{option} must be a positive Kubernetes quantity, such as 8, 500m "
                          f"or 64Gi; got {value!r}")
-
-
-# -- YAML ---------------------------------------------------------------------------------
-
-# Strings written without quotes: letters, digits and "_./-", starting with a letter or "/",
-# and none of the words that a YAML 1.1 reader (PyYAML, and the Go library kubectl uses)
-# takes for a boolean or null. Everything else is double-quoted; that is always correct,
-# just less pretty ("500m" is quoted because a string starting with a digit may be a
-# number, a time or a sexagesimal integer).
-_PLAIN = re.compile(r"[A-Za-z/][A-Za-z0-9_./-]*")
-_RESERVED = {"y", "n", "yes", "no", "true", "false", "on", "off", "null"}
-_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\t": "\\t", "\r": "\\r", "\0": "\\0"}
-MAX_KEY = 1024  # characters: YAML's limit on a key written on its own line, quotes included
-
-
-def to_yaml(objects: list[Any], comments: Sequence[str | None] | None = None) -> str:
-    """``objects`` as YAML documents separated by ``---`` lines, in block style.
-
-    Only plain data: dicts with string keys, lists, str, int, bool and None; anything else
-    raises TypeError. A YAML 1.1 or 1.2 reader gives back exactly ``objects``.
-    ``comments``, one for each object (or None), are written as ``#`` lines at the start of
-    its document (:func:`notes`); a comment holds printable characters and line breaks only
-    (ValueError otherwise).
-    """
-    if comments is None:
-        comments = [None] * len(objects)
-    if len(comments) != len(objects):
-        raise ValueError(f"to_yaml needs one comment (or None) for each of the "
-                         f"{len(objects)} objects, got {len(comments)}")
-    return "---\n".join("".join(_comment(text)) + "\n".join(_lines(obj, 0)) + "\n"
-                        for obj, text in zip(objects, comments, strict=True))
-
-
-def _comment(text: str | None) -> list[str]:
-    if text is None:
-        return []
-    if not isinstance(text, str):
-        raise TypeError(f"to_yaml writes comments that are strings, got {text!r}")
-    lines = text.split("\n")
-    for line in lines:
-        if not line.isprintable():
-            raise ValueError(f"to_yaml writes comments of printable characters and line "
-                             f"breaks only, got {line!r}")
-    return [f"# {line}".rstrip() + "\n" for line in lines]
-
-
-def _lines(value: Any, indent: int) -> list[str]:
-    pad = " " * indent
-    if isinstance(value, dict) and value:
-        lines = []
-        for key, item in value.items():
-            head = f"{pad}{_key(key)}:"
-            if isinstance(item, (dict, list)) and item:
-                lines.append(head)
-                lines.extend(_lines(item, indent + 2))
-            else:
-                lines.append(f"{head} {_scalar(item)}")
-        return lines
-    if isinstance(value, list) and value:
-        lines = []
-        for item in value:
-            if isinstance(item, (dict, list)) and item:
-                # the item's first line goes after its dash: "- name: x", "- - 1"
-                nested = _lines(item, indent + 2)
-                nested[0] = f"{pad}- {nested[0][indent + 2:]}"
-                lines.extend(nested)
-            else:
-                lines.append(f"{pad}- {_scalar(item)}")
-        return lines
-    return [pad + _scalar(value)]
-
-
-def _key(key: Any) -> str:
-    if not isinstance(key, str):
-        raise TypeError(f"to_yaml writes string keys only, got {key!r}")
-    text = _string(key)
-    if len(text) > MAX_KEY:
-        raise ValueError(f"to_yaml writes keys of at most {MAX_KEY} characters, got one of "
-                         f"{len(text)}: {key[:40]!r}...")
-    return text
-
-
-def _scalar(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(int(value))  # an IntEnum would print its name
-    if isinstance(value, str):
-        return _string(value)
-    if value == {} and isinstance(value, dict):
-        return "{}"
-    if value == [] and isinstance(value, list):
-        return "[]"
-    raise TypeError(f"to_yaml writes dicts, lists, str, int, bool and None only, got "
-                    f"{type(value).__name__} {value!r}")
-
-
-def _string(text: str) -> str:
-    if _PLAIN.fullmatch(text) and text.lower() not in _RESERVED:
-        return text
-    return '"' + "".join(_escape(c) for c in text) + '"'
-
-
-def _escape(char: str) -> str:
-    if char in _ESCAPES:
-        return _ESCAPES[char]
-    code = ord(char)
-    # YAML's printable characters, less the line breaks NEL, LS and PS (a double-quoted
-    # scalar folds line breaks into spaces) and the byte order mark
-    if (0x20 <= code <= 0x7E or (0xA0 <= code <= 0xD7FF and code not in (0x2028, 0x2029))
-            or (0xE000 <= code <= 0xFFFD and code != 0xFEFF) or 0x10000 <= code <= 0x10FFFF):
-        return char
-    if code <= 0xFF:
-        return f"\\x{code:02x}"
-    if code <= 0xFFFF:
-        return f"\\u{code:04x}"
-    return f"\\U{code:08x}"
-
-
-# -- command line -------------------------------------------------------------------------
-
-MANIFEST_DESCRIPTION = """\
-Print the Kubernetes objects that run one phalanx agent per node, as YAML for
-kubectl apply -f -, made for a shared cluster: a Secret holding a fresh random token
-(unless --token-secret names an existing one), a headless Service NAME giving the pods
-stable DNS names, a NetworkPolicy NAME and a StatefulSet NAME of REPLICAS pods (at most
-one per node), each running
-  phalanx agent --host 0.0.0.0 --port PORT --http-port HTTP_PORT
-                --store /var/lib/phalanx/store
-                --tls-cert /etc/phalanx-tls/tls.crt --tls-key /etc/phalanx-tls/tls.key
-with the token in $PHALANX_TOKEN and GET /health on the http port as its readiness and
-liveness probes.
-
-The pods run as a fixed non-root user (--run-as-user, --run-as-group) with no privilege
-escalation, no capabilities, the runtime's default seccomp profile, a read-only root
-filesystem (emptyDir volumes for the code store, /tmp and $HOME) and no service account
-token: the restricted Pod Security Standard.
-
-TLS is on: the agents serve it with the kubernetes.io/tls Secret --tls-secret (default
-NAME-tls; its certificate names *.NAME.NAMESPACE.svc.cluster.local), and the controller
-needs tls="ca.pem". --insecure leaves it off: frames stay authenticated, but not
-encrypted.
-
-The NetworkPolicy admits to the control port only the controller's pods
-(--controller-selector, required) and the agents themselves (tree links, copies of kept
-results); to the HTTP port only --metrics-selector pods. The kubelet's probes come from
-the node, which most network plugins do not subject to NetworkPolicy, so they pass while
-strangers cannot reach /health.
-"""
-
-MANIFEST_EPILOG = """\
-the controller connects to the pods by name:
-  px.ClusterBackend(hosts=phalanx.backends.cluster.k8s.hosts(NAME, REPLICAS, NAMESPACE, PORT),
-                    token_file=..., tls="ca.pem")
-  that is NAME-0.NAME.NAMESPACE.svc.cluster.local:PORT, NAME-1..., with the token from
-  kubectl -n NAMESPACE get secret NAME-token -o jsonpath='{.data.token}' | base64 -d
-  (in a pod: $PHALANX_TOKEN from that Secret, and the labels --controller-selector names)
-
-exit status:
-  0        the manifest was printed
-  2        bad command line (nothing is printed)
-
-examples:
-  kubectl -n ml create secret tls trainer-tls --cert agents.crt --key agents.key
-  phalanx k8s manifest --name trainer --replicas 4 --image registry.example.com/app:1.0 \\
-      --namespace ml --controller-selector app=trainer-controller \\
-      --cpu 16 --memory 64Gi --gpus 8 | kubectl apply -f -
-  phalanx k8s manifest --name trainer --replicas 2 --image app:1.0 --token-secret mine \\
-      --controller-selector app=ctl --controller-namespace jobs --tls-secret agents-tls
-  phalanx k8s manifest --name trainer --replicas 2 --image app:1.0 --insecure \\
-      --no-network-policy                    # a mesh encrypts and polices the traffic
-"""
-
-INSECURE_WARNING = """\
-phalanx k8s manifest: WARNING: --insecure: the agents will serve plain TCP, without TLS.
-  Frames are authenticated but NOT encrypted: anyone who can read the pods' traffic reads
-  every call's arguments, results and output. Use it only on a network that is encrypted
-  already (a service mesh's mTLS, WireGuard between nodes); otherwise drop --insecure and
-  give --tls-secret a kubernetes.io/tls Secret.
-"""
-
-
-def add_parser(commands: Any) -> argparse.ArgumentParser:
-    """Add ``k8s manifest`` to the ``phalanx`` parser's subcommands (``commands``, from its
-    ``add_subparsers()``); the parsed options carry ``func=main``."""
-    k8s = commands.add_parser(
-        "k8s",
-        help="Kubernetes manifests that run the cluster backend's agents",
-        description="Kubernetes manifests that run the cluster backend's agents.",
-    )
-    k8s.set_defaults(func=main)
-    actions = k8s.add_subparsers(dest="k8s_command", metavar="ACTION")
-    actions.required = True
-    parser = actions.add_parser(
-        "manifest",
-        help="print a Secret, a headless Service, a NetworkPolicy and a StatefulSet of "
-             "agents as YAML",
-        description=MANIFEST_DESCRIPTION,
-        epilog=MANIFEST_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--name", required=True,
-                        help="the StatefulSet's and the Service's name; pods are NAME-0, ...")
-    parser.add_argument("--replicas", type=int, required=True, metavar="N",
-                        help="agent pods, one per node")
-    parser.add_argument("--image", required=True,
-                        help="a container image with phalanx (and the job's code) installed")
-    parser.add_argument("--namespace", default=DEFAULT_NAMESPACE,
-                        help=f"the namespace of every object (default: {DEFAULT_NAMESPACE})")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT,
-                        help=f"the agents' control port (default: {DEFAULT_PORT})")
-    parser.add_argument("--http-port", type=int, metavar="PORT",
-                        help="the agents' /health and /metrics port (default: --port + 1)")
-    parser.add_argument("--token-secret", metavar="SECRET",
-                        help=f"use this existing Secret's {TOKEN_KEY!r} key as the token "
-                             "instead of printing a new Secret")
-    tls = parser.add_mutually_exclusive_group()
-    tls.add_argument("--tls-secret", metavar="SECRET",
-                     help="the existing kubernetes.io/tls Secret the agents serve TLS with "
-                          f"(its tls.crt and tls.key; default: NAME{TLS_SUFFIX})")
-    tls.add_argument("--insecure", action="store_true",
-                     help="serve no TLS: frames are authenticated, not encrypted (only where "
-                          "the network is encrypted already)")
-    parser.add_argument("--controller-selector", metavar="LABELS",
-                        help="KEY=VALUE[,KEY=VALUE...]: the labels of the controller's pods, "
-                             "the only pods (with the agents) the NetworkPolicy admits to the "
-                             "control port; required unless --no-network-policy")
-    parser.add_argument("--controller-namespace", metavar="NAMESPACE",
-                        help="the controller's pods' namespace (default: --namespace)")
-    parser.add_argument("--metrics-selector", metavar="LABELS",
-                        help="KEY=VALUE[,...]: pods admitted to the HTTP port, e.g. a "
-                             "Prometheus (default: none; the kubelet's probes need no rule)")
-    parser.add_argument("--metrics-namespace", metavar="NAMESPACE",
-                        help="the --metrics-selector pods' namespace (default: --namespace)")
-    parser.add_argument("--no-network-policy", dest="network_policy", action="store_false",
-                        help="print no NetworkPolicy (anything that reaches the pods may "
-                             "connect; the token still guards the control port)")
-    parser.add_argument("--run-as-user", type=int, default=DEFAULT_UID, metavar="UID",
-                        help=f"the pods' user, never 0 (default: {DEFAULT_UID})")
-    parser.add_argument("--run-as-group", type=int, default=DEFAULT_UID, metavar="GID",
-                        help=f"the pods' group and fsGroup, never 0 (default: {DEFAULT_UID})")
-    parser.add_argument("--cpu", metavar="QUANTITY",
-                        help="CPU request and limit of each pod, e.g. 16 or 500m")
-    parser.add_argument("--memory", metavar="QUANTITY",
-                        help="memory request and limit of each pod, e.g. 64Gi")
-    parser.add_argument("--gpus", type=int, default=0, metavar="G",
-                        help=f"{GPU_RESOURCE} limit of each pod (default: none)")
-    return k8s
-
-
-def main(options: argparse.Namespace) -> int:
-    """Run ``phalanx k8s ...``; the exit status."""
-    if options.k8s_command != "manifest":  # pragma: no cover - argparse checks
-        print(f"phalanx k8s: unknown action {options.k8s_command!r}", file=sys.stderr)
-        return USAGE_ERROR
-    try:
-        objects = manifest(
-            options.name, options.replicas, options.image, namespace=options.namespace,
-            port=options.port, http_port=options.http_port, token_secret=options.token_secret,
-            cpu=options.cpu, memory=options.memory, gpus=options.gpus,
-            tls_secret=options.tls_secret, insecure=options.insecure,
-            controller_selector=options.controller_selector,
-            controller_namespace=options.controller_namespace,
-            metrics_selector=options.metrics_selector,
-            metrics_namespace=options.metrics_namespace,
-            network_policy=options.network_policy, run_as_user=options.run_as_user,
-            run_as_group=options.run_as_group)
-        text = to_yaml(objects, notes(objects))
-    except ValueError as exc:
-        print(f"phalanx k8s manifest: {exc}", file=sys.stderr)
-        return USAGE_ERROR
-    if options.insecure:
-        sys.stderr.write(INSECURE_WARNING)
-    sys.stdout.write(text)
-    return 0
