@@ -416,3 +416,26 @@ class TorchReadmit:
 
     def pid(self) -> int:
         return os.getpid()
+
+
+class OptionNamed:
+    """A worker whose methods have parameters named as phalanx's call options."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def f(self, x=0, timeout=None, keep="default", workers=None, method=None):
+        self.calls += 1
+        return {"x": x, "timeout": timeout, "keep": keep, "workers": workers,
+                "method": method, "rank": my_rank()}
+
+    def plain(self, x=0):
+        self.calls += 1
+        return x
+
+    def count(self):
+        return self.calls
+
+    def sleep(self, seconds):
+        time.sleep(seconds)
+        return my_rank()

@@ -22,6 +22,7 @@ Put objects are held once, in this process, for every simulated node: a pooled
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -190,10 +191,17 @@ class LocalBackend(Backend):
         return Capabilities(objects=self if shm.supported() else None, slots=self)
 
     def _open(self, output: OutputOptions) -> None:
-        self._writer = framing.BacklogWriter()
-        self._logs = LogPump(output)
-        self._spawner = node.RankSpawner(self._writer)
-        self._spawner.open()  # the supervisor boots while the group prepares its launch
+        # each part's release registered as it is made: an open that fails part way
+        # (out of descriptors, say) gives back what it had made
+        with contextlib.ExitStack() as undo:
+            self._writer = framing.BacklogWriter()
+            undo.callback(self._writer.stop)
+            self._logs = LogPump(output)
+            undo.callback(self._logs.stop)
+            self._spawner = node.RankSpawner(self._writer)
+            undo.callback(self._spawner.close)
+            self._spawner.open()  # the supervisor boots while the group prepares its launch
+            undo.pop_all()
 
     def gpus_per_node(self, nodes: int) -> int:
         """GPUs each simulated node gets (they split this machine's)."""

@@ -95,7 +95,13 @@ class Dispatcher:
         self._cond = threading.Condition(threading.Lock())
         self._lead = threading.Lock()  # held by the thread that pumps (the leader)
         self._followers = 0  # threads waiting for the leader to finish their future
-        self._wakeup = streams.WakePipe()
+        try:
+            self._wakeup = streams.WakePipe()
+        except BaseException:  # out of descriptors: the epoll is given back
+            close = getattr(self._poller, "close", None)
+            if close is not None:
+                close()
+            raise
         self._poller.register(self._wakeup.fd, select.POLLIN)
         self._poll = self._poller.poll
         self._epoll = hasattr(select, "epoll")

@@ -140,6 +140,9 @@ class Supervisor:
 
         try:
             self._popen = _SpawnThread.get().run(start, _undo_start)
+        except BaseException:  # it did not start (out of descriptors, say): our end too
+            self._sock.close()
+            raise
         finally:
             theirs.close()
         self._lock = threading.Lock()
