@@ -55,7 +55,8 @@ def waiting_ranks(directory: Path) -> list[WaitingRank]:
 
 
 def describe_waiting(records: list[WaitingRank], now: float | None = None) -> str:
-    """A table of the waiting ranks, for ``phalanx debug --list``."""
+    """A table of the waiting ranks, for ``phalanx debug --list``: each one's rank, pid,
+    host, group (its name; ``-`` outside a group), how long it has waited, and where."""
     now = time.time() if now is None else now
     rows = [("RANK", "PID", "HOST", "GROUP", "WAITING", "WHERE")]
     for r in records:

@@ -247,8 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="attach to the waiting process PID")
     which.add_argument("-l", "--list", action="store_true",
                        help="only list the waiting ranks: rank, pid, host, group (its "
-                            "MASTER_ADDR:MASTER_PORT), how long it has waited, where it "
-                            "stopped")
+                            "name), how long it has waited, where it stopped")
     debug.add_argument("--dir", metavar="DIR",
                        help="where ranks register (default: $PHALANX_DEBUG_DIR, else "
                             "/tmp/phalanx-debug-<uid>)")

@@ -93,8 +93,9 @@ def plan_group(
 ) -> GroupPlan:
     """Check every argument of ``WorkerGroup(...)`` (the errors its docstring promises)
     and decide what starts where. A name held by an open group is refused first; the name
-    and the pool's slots are taken last, once all else is right (the name is given back
-    if the slots cannot be had)."""
+    and the pool's slots are taken last, once all else is right but the output, checked
+    once the name is known (its log files are named after the group); the name is given
+    back if the output is refused or the slots cannot be had."""
     settings = config.Settings.from_env()
     if name is not None:
         check_name(name)
@@ -126,8 +127,6 @@ def plan_group(
     if part_of is not None:
         check_part_of(part_of, master_addr, master_port, placement)
     echo_output, collapse_output, log_ranks, log_dir = output
-    options = OutputOptions.build(echo_output, collapse_output, log_ranks, log_dir,
-                                  world_size, 0 if part_of is None else part_of.first_rank)
     check_rank_env(rank_env, world_size)
     per_rank = check_rank_kwargs(rank_kwargs, world_size)
     group_mesh = Mesh(mesh, dp_axis, world_size, layout=placement.layout,
@@ -144,6 +143,9 @@ def plan_group(
     target_name = getattr(target, "__qualname__", getattr(target, "__name__", "target"))
     name = GROUP_NAMES.claim(name, base_of(target))
     try:
+        options = OutputOptions.build(echo_output, collapse_output, log_ranks, log_dir,
+                                      world_size, 0 if part_of is None else part_of.first_rank,
+                                      group=name)
         lease = None if booking is None else booking.take(holder(name, world_size))
     except BaseException:
         GROUP_NAMES.release(name)

@@ -261,6 +261,7 @@ class Starter:
         if self._part_of is not None:  # the world's RANK, WORLD_SIZE, NODE_RANK
             generic.update(self._part_of.rank_env(rank, launch.master_addr,
                                                   launch.master_port))
+        generic[config.ENV_GROUP] = self.name  # which group, for px.breakpoint()
         env = merge_env({}, generic, self._user_env, self._rank_env.get(rank))
         return RankStart(
             rank=rank,

@@ -5,6 +5,9 @@ a short ``window``; the same text arriving from other ranks meanwhile joins it, 
 out once, prefixed with every rank that wrote it (``[ranks 0-3] epoch 1``). Lines come out in
 the order they were first written, so each rank's own lines keep their order; a line that
 every rank of the group has written leaves at once instead of waiting out its window.
+
+One collapser serves one group: lines of two groups never join, whatever their text. While
+several groups run, the prefix says the group too (:func:`line_prefix`: ``[Policy ranks 0-3]``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,15 @@ def format_ranks(ranks: Iterable[int]) -> str:
     return "ranks " + ",".join(parts)
 
 
+def line_prefix(ranks: Iterable[int], group: str | None = None) -> str:
+    """What a line shown for ``ranks`` starts with: ``[rank 3]``, ``[ranks 0-3]``; with the
+    name of the group, for when several run: ``[Policy rank 3]``, ``[Policy ranks 0-3]``.
+    (A group's name holds no space or bracket: the first word is always the group.)"""
+    if group is None:
+        return f"[{format_ranks(ranks)}]"
+    return f"[{group} {format_ranks(ranks)}]"
+
+
 @dataclasses.dataclass
 class Line:
     """One line to show: its text, whether it went to stderr, and who wrote it."""
@@ -44,7 +56,8 @@ class Line:
 
     @property
     def prefix(self) -> str:
-        return f"[{format_ranks(self.ranks)}]"
+        """``[ranks 0-3]``; the log pump adds the group's name while several run."""
+        return line_prefix(self.ranks)
 
 
 class LineCollapser:

@@ -5,6 +5,18 @@ One thread per group reads every worker pipe (``poll``), forwards complete lines
 :mod:`phalanx.output.collapse`), optionally writes them to per-rank files, and keeps the last lines
 of each worker's stderr, which :class:`~phalanx.errors.WorkerDied` quotes.
 
+Which group: the pumps of named groups (``OutputOptions.group``, the group's name) are
+counted in :data:`RUNNING`, the process's one book. While more than one runs, every line
+shown says its group, ``[Policy rank 1] ...`` / ``[Policy ranks 0-3] ...``; a group running
+alone keeps ``[rank 1] ...``. This is decided as each line is shown (a group's lines take
+the name from the moment a second group's pump opens until the other's has drained), and
+collapsing stays within one group (one collapser per pump). Log files never collide: a group
+whose ``log_dir`` has no other running group of the process writing ``rank-N.*.log`` in it
+takes those names (and holds them until its pump ends); a group that finds them taken puts
+its name in front, ``<group>.rank-N.stdout.log``, in the same directory (a name is letters,
+digits and ``-_.``: never a path, and ``<group>.rank-N.*`` can be no other group's file).
+The holder is told apart by the directory itself (device and inode), whatever path led to it.
+
 Whatever a worker writes, the controller's share stays small. A line longer than
 ``config.MAX_LINE_BYTES`` is shown as it arrives, in pieces of at most that size, each
 prefixed with the rank like a line of its own (log files still get its bytes unchanged), so
@@ -43,7 +55,7 @@ from typing import BinaryIO
 
 from phalanx import config
 from phalanx.output import console
-from phalanx.output.collapse import LineCollapser, format_ranks
+from phalanx.output.collapse import Line, LineCollapser, line_prefix
 from phalanx.wire.streams import WakePipe
 
 logger = logging.getLogger(__name__)
@@ -62,6 +74,8 @@ class OutputOptions:
     log_dir: pathlib.Path | None = None
     world: int = 1
     first_rank: int = 0  # the rank shown for the group's rank 0 (one node of a bigger job)
+    group: str | None = None  # the group's name: said while several groups run (RUNNING)
+    log_group: str | None = None  # in front of the log files' names, as build() found them
 
     @classmethod
     def build(
@@ -72,8 +86,13 @@ class OutputOptions:
         log_dir: str | os.PathLike[str] | None,
         world: int,
         first_rank: int = 0,
+        group: str | None = None,
     ) -> OutputOptions:
-        """Check the user's options (before anything starts) and create ``log_dir``."""
+        """Check the user's options (before anything starts), create ``log_dir`` and every
+        log file the group ``group`` (its name; None: a pump of no group's) will write
+        there: ``rank-N.*.log``, or ``<group>.rank-N.*.log`` while another running group of
+        this process writes those (see the module docstring). Its pump keeps to the names
+        found here, unless the plain ones were taken by another group meanwhile."""
         shown = None
         if ranks is not None:
             if isinstance(ranks, (str, bytes)) or not all(
@@ -84,26 +103,103 @@ class OutputOptions:
             if bad:
                 raise ValueError(f"log_ranks names ranks {bad} outside 0..{world - 1}")
             shown = frozenset(ranks)
-        directory = None
+        directory = named = None
         if log_dir is not None:
             directory = pathlib.Path(log_dir)
             with LogDir.open(directory) as opened:  # ValueError naming what is wrong
+                if group is not None:
+                    named = RUNNING.file_group(opened.identity, group)
+                    if named is not None:
+                        _say_named(group, opened)
                 for rank in range(first_rank, first_rank + world):  # every file can be
                     for name in ("stdout", "stderr"):                   # written, up front
-                        opened.open_file(rank, name).close()
+                        opened.open_file(rank, name, named).close()
         window = config.COLLAPSE_WINDOW if collapse else 0.0
-        return cls(bool(echo), window, shown, directory, world, first_rank)
+        return cls(bool(echo), window, shown, directory, world, first_rank, group, named)
 
     def shows(self, rank: int) -> bool:
         return self.echo and (self.ranks is None or rank in self.ranks)
 
 
-def log_path(directory: pathlib.Path, rank: int, name: str) -> pathlib.Path:
-    return directory / log_name(rank, name)
+def log_path(directory: pathlib.Path, rank: int, name: str,
+             group: str | None = None) -> pathlib.Path:
+    return directory / log_name(rank, name, group)
 
 
-def log_name(rank: int, name: str) -> str:
-    return f"rank-{rank}.{name}.log"
+def log_name(rank: int, name: str, group: str | None = None) -> str:
+    """``rank-3.stdout.log``; with a group's name in front (``group``, see the module
+    docstring): ``Policy.rank-3.stdout.log``."""
+    own = f"rank-{rank}.{name}.log"
+    return own if group is None else f"{group}.{own}"
+
+
+class _Running:
+    """The named groups whose output this process pumps now (:class:`LogPump` with
+    ``OutputOptions.group``): how many there are, and which of them writes the plain
+    ``rank-N.*.log`` files of each log directory (by the directory's device and inode).
+    Thread-safe; :data:`RUNNING` is the process's one book."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pumps: set[LogPump] = set()
+        # directory -> the group writing rank-N.*.log there, and its pumps doing so (two
+        # while a group made again under its name opens as the last one's still drains)
+        self._plain: dict[tuple[int, int], tuple[str, set[LogPump]]] = {}
+
+    def several(self) -> bool:
+        """More than one named group's output is pumped: lines say their group."""
+        return len(self._pumps) > 1
+
+    def file_group(self, directory: tuple[int, int], group: str) -> str | None:
+        """What ``group``'s files in ``directory`` would have in front of ``rank-N``: None
+        while no other running group writes the plain names there, else ``group``."""
+        with self._lock:
+            return self._named(directory, group)
+
+    def holder(self, directory: tuple[int, int]) -> str | None:
+        """The running group that writes the plain names in ``directory``, if one does."""
+        with self._lock:
+            held = self._plain.get(directory)
+            return None if held is None else held[0]
+
+    def _named(self, directory: tuple[int, int], group: str) -> str | None:
+        held = self._plain.get(directory)
+        return None if held is None or held[0] == group else group
+
+    def add(self, pump: LogPump, group: str, directory: tuple[int, int] | None,
+            named: str | None) -> str | None:
+        """``pump`` (of ``group``) runs, writing into ``directory`` if it has a log_dir,
+        under the names ``build()`` found (``named`` in front, or None: the plain ones).
+        Returns the name in front of its files' names: ``named``, or ``group`` if another
+        group took the plain ones meanwhile."""
+        with self._lock:
+            self._pumps.add(pump)
+            if directory is None or named is not None:
+                return named
+            named = self._named(directory, group)
+            if named is None:  # free, or held by a pump of this name still draining
+                self._plain.setdefault(directory, (group, set()))[1].add(pump)
+            return named
+
+    def remove(self, pump: LogPump) -> None:
+        """``pump`` ended: it counts no more, and the plain names it held are free."""
+        with self._lock:
+            self._pumps.discard(pump)
+            for directory, (_, pumps) in list(self._plain.items()):
+                pumps.discard(pump)
+                if not pumps:
+                    del self._plain[directory]
+
+
+RUNNING = _Running()  # the named groups whose output this process pumps (module docstring)
+
+
+def _say_named(group: str, directory: LogDir) -> None:
+    """Log that ``group``'s log files have its name in front, and which group writes the
+    plain names there: that one's files do not say it."""
+    logger.info("group %s writes its logs in %s as %s.rank-N.{stdout,stderr}.log: group %s, "
+                "running too, writes rank-N.*.log there", group, directory.path, group,
+                RUNNING.holder(directory.identity))
 
 
 class LogDir:
@@ -114,6 +210,8 @@ class LogDir:
     def __init__(self, path: pathlib.Path, fd: int) -> None:
         self.path = path
         self._fd: int | None = fd
+        info = os.fstat(fd)
+        self.identity = (info.st_dev, info.st_ino)  # the directory, whatever path leads to it
         self._lock = threading.Lock()  # a file is not opened as the directory is closed
 
     @classmethod
@@ -155,11 +253,12 @@ class LogDir:
             os.close(fd)
             raise
 
-    def open_file(self, rank: int, name: str) -> BinaryIO:
+    def open_file(self, rank: int, name: str, group: str | None = None) -> BinaryIO:
         """Rank ``rank``'s log of ``name`` (stdout, stderr), appended to (across restarts
         of the rank): created 0600, never through a link (a link there is refused, its
-        target left alone), and only a regular file of ours. Raises ``ValueError``."""
-        file_name = log_name(rank, name)
+        target left alone), and only a regular file of ours. ``group``: a name in front of
+        the file's (see :func:`log_name`). Raises ``ValueError``."""
+        file_name = log_name(rank, name, group)
         shown = f"log file {str(self.path / file_name)!r}"
         flags = (os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
                  | os.O_NONBLOCK)  # non-blocking: a FIFO put there is refused, not waited on
@@ -348,13 +447,16 @@ class OutputTap:
 
 
 class LogPump:
-    """The reader thread for all worker pipes of one group."""
+    """The reader thread for all worker pipes of one group (named by
+    ``OutputOptions.group``: counted in :data:`RUNNING` until the thread ends)."""
 
     def __init__(self, options: OutputOptions | None = None) -> None:
         self._options = options or OutputOptions()
         options = self._options
+        self._group = options.group
         # opened (and checked again) here: the log files are opened relative to it
         self._log_dir = None if options.log_dir is None else LogDir.open(options.log_dir)
+        self._file_group: str | None = None  # in front of the log files' names
         shown = options.world if options.ranks is None else len(options.ranks)
         self._collapser = LineCollapser(options.collapse_window, shown)
         self._streams: dict[int, _Stream] = {}
@@ -363,7 +465,23 @@ class LogPump:
         self._wake = WakePipe()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="phalanx-logs", daemon=True)
-        self._thread.start()
+        if self._group is not None:
+            self._join_running(self._group)
+        try:
+            self._thread.start()
+        except BaseException:
+            RUNNING.remove(self)
+            raise
+
+    def _join_running(self, group: str) -> None:
+        """Count in :data:`RUNNING`, and name the log files (see the module docstring)."""
+        if self._log_dir is None:
+            RUNNING.add(self, group, None, None)
+            return
+        named = self._options.log_group
+        self._file_group = RUNNING.add(self, group, self._log_dir.identity, named)
+        if self._file_group is not None and named is None:  # taken since build()
+            _say_named(group, self._log_dir)
 
     def attach(self, rank: int, stdout_fd: int, stderr_fd: int,
                decoders: Sequence[Callable[[bytes], bytes] | None] = (None, None)
@@ -391,7 +509,7 @@ class LogPump:
         if self._log_dir is None:
             return None
         try:  # appended to across restarts of the rank
-            return self._log_dir.open_file(rank, name)
+            return self._log_dir.open_file(rank, name, self._file_group)
         except ValueError as exc:  # e.g. a link put there since the group started
             logger.warning("rank %d's %s is not written to a file: %s", rank, name, exc)
             return None
@@ -416,6 +534,7 @@ class LogPump:
             self._show(self._collapser.flush())
             if self._log_dir is not None:
                 self._log_dir.close()
+            RUNNING.remove(self)  # its last lines are out: said with its name if need be
 
     def _pump(self) -> None:
         poller = select.poll()
@@ -536,12 +655,15 @@ class LogPump:
         # Too long to hold while waiting for identical lines: shown now, after the lines
         # held so far (which keeps every rank's lines in order).
         self._show(self._collapser.flush())
-        console.write_line(f"[{format_ranks([stream.rank])}]", text, stderr=stream.is_stderr)
+        console.write_line(self._prefix([stream.rank]), text, stderr=stream.is_stderr)
 
-    @staticmethod
-    def _show(lines: list) -> None:
+    def _prefix(self, ranks: list[int]) -> str:
+        """``[rank 1]``, or ``[Policy rank 1]`` while another group runs (module docstring)."""
+        return line_prefix(ranks, self._group if RUNNING.several() else None)
+
+    def _show(self, lines: list[Line]) -> None:
         for line in lines:
-            console.write_line(line.prefix, line.text, stderr=line.stderr)
+            console.write_line(self._prefix(line.ranks), line.text, stderr=line.stderr)
 
     def _close(self, stream: _Stream) -> None:
         if self._streams.pop(stream.fd, None) is not None:

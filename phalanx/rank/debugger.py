@@ -19,6 +19,11 @@ markers); the client's side, ``phalanx debug``, is :mod:`phalanx.cli.debug`::
     read one line  <----------------------------- "<line>\\n"
     continue / quit / EOF: close  --------------> the session is over: exit 0
 
+A record says which rank it is (``RANK``) and of which group: the group's name, which the
+controller gives every rank as ``PHALANX_GROUP`` (:data:`phalanx.config.ENV_GROUP`), so that
+``phalanx debug --list`` and every message about the rank tell apart the ranks 1 of two
+groups (``rank 1 of group policy (pid 4242)``).
+
 Who may attach: the records live in a per-user directory (``PHALANX_DEBUG_DIR``, else
 ``/tmp/phalanx-debug-<uid>``) that must be a directory of ours, kept at mode 0700; each record
 holds a random token that the client must send before the rank reads anything else from it.
@@ -171,7 +176,7 @@ def _process_start(pid: int) -> float | None:
     import psutil  # type: ignore[import-untyped]
 
     try:
-        return psutil.Process(pid).create_time()
+        return float(psutil.Process(pid).create_time())
     except psutil.Error:
         return None
 
@@ -185,7 +190,7 @@ class WaitingRank:
     host: str
     port: int  # on 127.0.0.1
     token: str
-    group: str | None  # the group's rendezvous address (MASTER_ADDR:MASTER_PORT), if any
+    group: str | None  # the name of the rank's group (PHALANX_GROUP), if any
     process_start: float  # tells a live rank from a reused pid
     since: float  # time.time() when it started waiting
     file: str
@@ -194,8 +199,11 @@ class WaitingRank:
 
     @property
     def who(self) -> str:
+        """``rank 1 of group policy (pid 4242)``, as errors name a rank (``rank 1 (pid
+        4242)`` outside a group)."""
         rank = "?" if self.rank is None else self.rank
-        return f"rank {rank} (pid {self.pid})"
+        group = "" if self.group is None else f" of group {self.group}"
+        return f"rank {rank}{group} (pid {self.pid})"
 
     @property
     def where(self) -> str:
@@ -249,8 +257,8 @@ def _rank_from_env() -> int | None:
 
 
 def _group_from_env() -> str | None:
-    addr, port = os.environ.get("PHALANX_MASTER_ADDR"), os.environ.get("PHALANX_MASTER_PORT")
-    return f"{addr}:{port}" if addr and port else None
+    """The name of this rank's group, as its controller set it (None outside a group)."""
+    return os.environ.get(config.ENV_GROUP) or None
 
 
 def _attach_hint(record: WaitingRank, directory: Path) -> str:

@@ -89,15 +89,52 @@ def test_attach_prints_a_local_and_continue_completes_the_call(group, debug_dir)
     assert listing.returncode == 0, describe(listing)
     row = next(line.split() for line in listing.stdout.splitlines() if str(record.pid) in line)
     assert row[0] == "1" and row[2] == socket.gethostname()
-    assert record.group is not None and row[3] == record.group  # MASTER_ADDR:MASTER_PORT
+    assert record.group == group.name and row[3] == group.name
     assert f"{Path(__file__).name}:{record.line}" in listing.stdout
 
     session = phalanx_debug(debug_dir, "1", stdin="p secret_value\nc\n")
     assert session.returncode == 0, describe(session)
     assert "5007" in session.stdout
-    assert "attached to rank 1" in session.stderr
+    assert f"attached to rank 1 of group {group.name} (pid {record.pid})" in session.stderr
     assert future.result(timeout=WAIT_TIMEOUT) == [(5, False), (5008, True)]
     assert not list(debug_dir.glob("*.json")), "the record outlived the wait"
+
+
+def test_ranks_of_two_groups_are_told_apart_by_their_groups_names(debug_dir):
+    env = {debugger.ENV_DEBUG_DIR: str(debug_dir)}
+    with px.WorkerGroup(Stopper, procs_per_node=2, echo_output=False, env=env,
+                        name="policy") as policy, \
+            px.WorkerGroup(Stopper, procs_per_node=2, echo_output=False, env=env,
+                           name="reward") as reward:
+        futures = [policy.call_async("compute", 1), reward.call_async("compute", 2)]
+        records: list[debugger.WaitingRank] = []
+
+        def both_registered() -> bool:
+            records[:] = debug.waiting_ranks(debug_dir)
+            return len(records) == 2
+
+        assert helpers.wait_until(both_registered, WAIT_TIMEOUT, interval=0.05), records
+        assert sorted(r.group for r in records) == ["policy", "reward"]
+
+        listing = phalanx_debug(debug_dir, "--list")
+        assert listing.returncode == 0, describe(listing)
+        for record in records:
+            row = next(line.split() for line in listing.stdout.splitlines()
+                       if str(record.pid) in line.split())
+            assert row[3] == record.group, listing.stdout
+
+        ambiguous = phalanx_debug(debug_dir, "1")
+        assert ambiguous.returncode == 1, describe(ambiguous)
+        for record in records:
+            assert f"rank 1 of group {record.group} (pid {record.pid})" in ambiguous.stderr
+        assert "--pid" in ambiguous.stderr
+
+        for record in records:
+            session = phalanx_debug(debug_dir, "--pid", str(record.pid), stdin="c\n")
+            assert session.returncode == 0, describe(session)
+            assert f"rank 1 of group {record.group}" in session.stderr
+        assert [f.result(timeout=WAIT_TIMEOUT)[1] for f in futures] == [(1008, True),
+                                                                       (2008, True)]
 
 
 def test_the_only_waiting_rank_is_attached_without_naming_it(group, debug_dir):
@@ -233,6 +270,7 @@ def test_a_rank_of_phalanx_run_is_debugged_from_another_terminal(tmp_path):
     try:
         record = wait_for_record(debug_dir)
         assert record.rank == 1 and record.function == "<module>"
+        assert record.group == "train"  # phalanx run's group: the script's name
         session = phalanx_debug(debug_dir, "1", stdin="p loss\nc\n")
         assert session.returncode == 0, describe(session)
         assert "0.5" in session.stdout and "(Pdb)" in session.stdout

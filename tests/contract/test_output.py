@@ -1,4 +1,5 @@
-"""Worker output at the controller: rank prefixes, collapsing, rank filter, per-rank files."""
+"""Worker output at the controller: rank prefixes, collapsing, rank filter, per-rank files,
+and which group a line or a file is about while several groups run."""
 
 from __future__ import annotations
 
@@ -146,3 +147,42 @@ def test_a_log_dir_that_cannot_be_created_is_refused(make_group, tmp_path):
     blocker.write_text("")
     with pytest.raises(ValueError, match="log_dir"):
         make_group(Probe, log_dir=blocker / "sub")
+
+
+def test_lines_say_their_group_while_two_groups_run(make_group, capfd):
+    alpha = make_group(Probe, procs_per_node=2, echo_output=True, name="alpha")
+    beta = make_group(Probe, procs_per_node=2, echo_output=True, name="beta")
+    alpha.call("say", "the same text")
+    beta.call("say", "the same text")
+    alpha.map("say", text=["alpha zero", "alpha one"])
+    beta.call("say", "beta err", stderr=True)
+    want = ["[alpha ranks 0-1] the same text", "[beta ranks 0-1] the same text",
+            "[alpha rank 0] alpha zero", "[alpha rank 1] alpha one"]
+    out, err = _wait_for_lines(capfd, want, ["[beta ranks 0-1] beta err"])
+    # collapsed within each group, never across groups, and no line without its group
+    assert out.count("[alpha ranks 0-1] the same text") == 1, out
+    assert out.count("[beta ranks 0-1] the same text") == 1, out
+    assert not [line for line in [*out, *err] if line.startswith("[rank")], (out, err)
+
+    beta.shutdown()
+    alpha.call("say", "alone again")  # one group runs: lines as a single group's are
+    out, _ = _wait_for_lines(capfd, ["[ranks 0-1] alone again"], [])
+    assert "[alpha ranks 0-1] alone again" not in out
+
+
+def test_two_groups_given_one_log_dir_write_distinct_files(make_group, tmp_path):
+    logs = tmp_path / "logs"
+    alpha = make_group(Probe, procs_per_node=2, log_dir=logs, name="alpha")
+    beta = make_group(Probe, procs_per_node=2, log_dir=logs, name="beta")
+    alpha.map("say", text=["alpha zero", "alpha one"])
+    beta.map("say", text=["beta zero", "beta one"])
+    beta.call("say", "beta err", stderr=True)
+    alpha.shutdown()
+    beta.shutdown()
+    for rank, word in ((0, "zero"), (1, "one")):
+        # the group alone there first keeps rank-N; the other's name is in front of its own
+        assert (logs / f"rank-{rank}.stdout.log").read_text().splitlines() == [f"alpha {word}"]
+        assert (logs / f"beta.rank-{rank}.stdout.log").read_text().splitlines() == [
+            f"beta {word}"]
+        assert "beta err" in (logs / f"beta.rank-{rank}.stderr.log").read_text()
+        assert "beta err" not in (logs / f"rank-{rank}.stderr.log").read_text()
