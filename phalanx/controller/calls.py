@@ -29,8 +29,6 @@ from phalanx.controller.kept import KeptFuture, KeptResults
 from phalanx.controller.observe import CallWatch, nbytes
 from phalanx.controller.shared import Encoded, Payload, met
 from phalanx.errors import ObjectFreed, ObjectLost, SerializationError
-from phalanx.rank.kept import KEEP
-from phalanx.rank.tracing import TRACED
 from phalanx.wire import pickling, protocol
 
 _clock = time.monotonic
@@ -120,13 +118,15 @@ class Sender:
         keep: bool = False,
         timeout: float | None = None,
         watched: bool = True,
+        builtin: bool = False,
     ) -> Any:
         """Register a call's futures and send it: one payload for every rank, or one per
         rank (``defer``: at the future's first wait; ``stream``: the workers stream items
         back, a :class:`StreamFuture` waiting up to ``timeout`` for each; ``workers``: the
         selection it was made with; ``keep``: the results stay on the ranks, handles come
         back; ``watched``: False keeps phalanx's own housekeeping out of traces and
-        metrics). The future: a :class:`GroupFuture`, or its kind for ``stream`` / ``keep``."""
+        metrics; ``builtin``: a call the rank runtime serves itself). The future: a
+        :class:`GroupFuture`, or its kind for ``stream`` / ``keep``."""
         # Learn of deaths that already happened: a rank found dead now fails this call as
         # "already dead when it was sent", not "died while running it". At most one poll
         # per _POLL_EVERY: one per call cost a quarter of W3's pipelined throughput.
@@ -135,6 +135,7 @@ class Sender:
             self._polled = now
             self._dispatcher.poll_now()
         call_id = next(self._call_ids)
+        flags = protocol.BUILTIN if builtin else 0
         tolerant = type(workers) is str and workers in ("ready", "any")
         if stream:
             future: GroupFuture = StreamFuture(method, ranks, self._dispatcher, tolerant,
@@ -144,7 +145,7 @@ class Sender:
                 raise RuntimeError("keep=True before the group's kept results were made")
             future = KeptFuture(method, ranks, self._dispatcher, tolerant, self._kept,
                                 call_id)
-            method = KEEP + method  # the rank keeps the result (phalanx.rank.kept)
+            flags |= protocol.KEEP  # the rank keeps the result (phalanx.rank.kept)
         else:
             future = GroupFuture(method, ranks, self._dispatcher, tolerant, self._kept)
         if payloads and (len(payloads[0]) > 1 or type(payloads[0]) is Encoded or (
@@ -161,22 +162,23 @@ class Sender:
                 nbytes(segments[0]) * len(ranks) if len(segments) == 1
                 else sum(nbytes(p) for p in segments), self.observers, self._traced)
             if self._traced:
-                method = TRACED + method  # the ranks record when they ran it
+                flags |= protocol.TRACED  # the ranks record when they ran it
         # one frame per node connection (an agent's), whatever its number of ranks
         shared = len(segments) == 1 and len(ranks) > 1 and self._shared_links
         if not defer and watch is None:  # sent now, the usual async call: no partial
             if shared:
-                self._deliver_shared(call_id, ranks, pending, method, segments[0], stream)
+                self._deliver_shared(call_id, ranks, pending, method, segments[0], stream,
+                                     flags)
             else:
-                frames = protocol.call_frames(call_id, ranks, method, segments, stream)
+                frames = protocol.call_frames(call_id, ranks, method, segments, stream, flags)
                 self._deliver(call_id, ranks, pending, frames)
             return future
         deliver: Callable[[], None]
         if shared:
             deliver = functools.partial(self._deliver_shared, call_id, ranks, pending,
-                                        method, segments[0], stream)
+                                        method, segments[0], stream, flags)
         else:
-            frames = protocol.call_frames(call_id, ranks, method, segments, stream)
+            frames = protocol.call_frames(call_id, ranks, method, segments, stream, flags)
             deliver = functools.partial(self._deliver, call_id, ranks, pending, frames)
         if defer:
             future.defer(deliver if watch is None else watch.sending(deliver))
@@ -205,7 +207,7 @@ class Sender:
                 self._fail_if_dead(entry, call_id, future)  # type: ignore[arg-type]
 
     def _deliver_shared(self, call_id: int, ranks: list[int], future: Completion,
-                        method: str, payload: list[Any], stream: bool) -> None:
+                        method: str, payload: list[Any], stream: bool, flags: int) -> None:
         """The same payload to ``ranks``: once per link shared by several of them."""
         entries = self._entries
         by_link: dict[Any, list[int]] = {}
@@ -213,12 +215,13 @@ class Sender:
             by_link.setdefault(entries[rank].channel.link, []).append(rank)  # type: ignore[union-attr]
         for link, on_link in by_link.items():
             if link is None or len(on_link) == 1:
-                frames = protocol.call_frames(call_id, on_link, method, [payload], stream)
+                frames = protocol.call_frames(call_id, on_link, method, [payload], stream,
+                                              flags)
                 self._deliver(call_id, on_link, future, frames)
                 continue
             for rank in on_link:
                 entries[rank].pending[call_id] = future  # type: ignore[union-attr]
-            link.send(protocol.call_frame(call_id, on_link, method, payload, stream))
+            link.send(protocol.call_frame(call_id, on_link, method, payload, stream, flags))
             for rank in on_link:
                 entry = entries[rank]
                 if not entry.alive:  # type: ignore[union-attr]

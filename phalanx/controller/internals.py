@@ -56,7 +56,7 @@ class GroupInternals:
         payloads = [self._sender.encode(tuple(a), {}, rank)
                     for a, rank in zip(args, chosen, strict=True)]
         return self._sender.send(method, chosen, payloads,  # type: ignore[no-any-return]
-                                 defer=defer, watched=watched)
+                                 defer=defer, watched=watched, builtin=True)
 
 
 

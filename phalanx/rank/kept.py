@@ -1,7 +1,7 @@
 """Results kept on the rank that made them (``group.call(..., keep=True)``), and reading a
 kept result named in a call of any group.
 
-A call whose method name starts with :data:`KEEP` runs as any other, but its result stays
+A call with the ``KEEP`` flag (:mod:`phalanx.wire.protocol`) runs as any other, but its result stays
 here: pickled once (protocol 5) into an anonymous memory block of this process
 (:class:`phalanx.wire.memfd.Block`), or, in a Ray worker, into Ray's object store
 (``ray.put``, owned by this worker). The answer is only its size and where it is; the
@@ -13,7 +13,8 @@ it reads Ray's object store of its node; on an agent's node of another machine i
 the copy its agent fetched straight from the producer's agent. The controller never sees
 the bytes.
 
-Built-in calls (names starting with :data:`BUILTIN`) serve the controller: ``@fetch`` (a
+Built-in calls (the ``BUILTIN`` flag; their names start with :data:`BUILTIN`, which keeps
+them apart from the user's methods in traces) serve the controller: ``@fetch`` (a
 kept value, for ``handle.get()`` from another machine), ``@drop`` (the handles were freed:
 forget them; views other ranks hold keep their pages) and ``@trace`` (the spans a trace
 recorded: :mod:`phalanx.rank.tracing`).
@@ -38,8 +39,7 @@ from typing import Any, NamedTuple
 from phalanx.rank import rows, shared, tracing
 from phalanx.wire import pickling
 
-KEEP = "~"  # a call's method name starts with it: keep its result here
-BUILTIN = "@"  # the name of a call phalanx's runtime serves itself
+BUILTIN = "@"  # the names of the calls phalanx's runtime serves itself start with it
 IN_RAY_WORKER = False  # set when the rank runs in its Ray actor's worker (start_in_actor)
 POOL_BLOCKS = 4  # dropped results' blocks a rank keeps for its next results
 POOL_IDLE = 2.0  # seconds a pooled block waits for a result before it is closed

@@ -39,10 +39,9 @@ from phalanx import config
 from phalanx.rank import faults, kept, tracing
 from phalanx.rank import shared as shmrank
 from phalanx.rank.attach import open_stream
-from phalanx.rank.kept import BUILTIN, KEEP
-from phalanx.rank.tracing import TRACED
 from phalanx.version import __version__
 from phalanx.wire import framing, pickling, protocol, seal, streams
+from phalanx.wire.protocol import BUILTIN, KEEP, TRACED
 
 if TYPE_CHECKING:
     from phalanx.errors import RemoteFailure
@@ -392,36 +391,35 @@ class WorkerRuntime:
             pass
 
     def _submit_call(
-        self, call_id: int, method: str, segs: list[Any], stream: bool = False
+        self, call_id: int, method: str, segs: list[Any], stream: bool = False, flags: int = 0
     ) -> None:
         assert self._pool is not None
-        self._pool.submit(self._run_call_guarded, call_id, method, segs, stream)
+        self._pool.submit(self._run_call_guarded, call_id, method, segs, stream, flags)
 
     def _run_call_guarded(
-        self, call_id: int, method: str, segs: list[Any], stream: bool = False
+        self, call_id: int, method: str, segs: list[Any], stream: bool = False, flags: int = 0
     ) -> None:
         try:
-            self._run_call(call_id, method, segs, stream)
+            self._run_call(call_id, method, segs, stream, flags)
         except _WorkerExit as exc:
             _flush_and_exit(self.conn, exc.code, runtime=self)
 
     def _run_call(
         self, call_id: int, method: str, segs: list[Any], stream: bool = False,
-        answered: list[float] | None = None,
+        flags: int = 0, answered: list[float] | None = None,
     ) -> bool:
-        """Run one call and answer it; True when the answer was an error. ``answered``:
-        where to note when the answer went out (a traced call's)."""
-        if method[0] == TRACED:  # a trace asked when it ran (phalanx.rank.tracing)
+        """Run one call and answer it; True when the answer was an error. ``flags``: the
+        call's (protocol.KEEP, TRACED, BUILTIN); ``answered``: where to note when the
+        answer went out (a traced call's)."""
+        if flags & TRACED:  # a trace asked when it ran (phalanx.rank.tracing)
             began = tracing.clock()
             stamp: list[float] = []
-            failed = self._run_call(call_id, method[1:], segs, stream, stamp)
+            failed = self._run_call(call_id, method, segs, stream, flags & ~TRACED, stamp)
             tracing.record(call_id, began, stamp[0] if stamp else tracing.clock(), failed)
             return failed
         # One try block; ``stage`` says which side of the call an exception came from.
         stage = "unpickling the arguments"
-        keep = method[0] == KEEP  # keep=True: the result stays here (phalanx.rank.kept)
-        if keep:
-            method = method[1:]
+        keep = flags & KEEP  # keep=True: the result stays here (phalanx.rank.kept)
         try:
             if self._faults and method in self._faults:
                 stage = "running the method"
@@ -431,7 +429,7 @@ class WorkerRuntime:
             if kept.IN_RAY_WORKER and (args or kwargs):
                 args, kwargs = kept.resolve_ray_arguments(args, kwargs)
             stage = "looking up the method"
-            fn = (getattr(self.obj, method, _Missing.METHOD) if method[0] != BUILTIN
+            fn = (getattr(self.obj, method, _Missing.METHOD) if not flags & BUILTIN
                   else kept.builtin(method, self.obj) or _Missing.METHOD)
             if fn is _Missing.METHOD:
                 available = ", ".join(public_methods(self.obj)) or "none"

@@ -1,6 +1,6 @@
 """When this rank ran the calls a trace asked about (``group.trace()``).
 
-A call whose method name starts with :data:`TRACED` runs as any other; the runtime then
+A call with the ``TRACED`` flag (:mod:`phalanx.wire.protocol`) runs as any other; the runtime then
 records, on this process's wall clock, when the rank began it (took its frame up) and when
 its answer went out, and whether that answer was an error. Nothing crosses to the
 controller until the trace ends: its built-in ``@trace`` call (:func:`take`) hands over
@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import time
 
-TRACED = "%"  # a call's method name starts with it: record when this rank ran it
 LIMIT = 1_000_000  # spans kept between two takes
 
 _spans: list[tuple[int, float, float, bool]] = []  # (call id, began, answered, failed)

@@ -3,7 +3,7 @@
 :mod:`phalanx.wire.framing` moves frames (lists of byte segments); this module says what they mean.
 Segment 0 of every frame is a header::
 
-    <u8 kind><u64 call_id><u32 rank>[ method name | extra fields ]
+    <u8 kind><u64 call_id><u32 rank>[ <u8 flags> method name | extra fields ]
 
 ``rank`` is the destination of a message to the workers and the source of a message from
 them, so one connection can carry several ranks (a node agent's, say). A message for
@@ -13,8 +13,8 @@ several ranks of one node is sent once, with ``rank = MANY`` followed by ``<u16 
 Message kinds (payload = the segments after the header: a pickle and its buffers)::
 
     controller -> rank   INIT         (sys_path, options)   payload (target, args, kwargs)
-                         CALL         method                payload (args, kwargs)
-                         CALL_STREAM  method                payload (args, kwargs)
+                         CALL         flags, method         payload (args, kwargs)
+                         CALL_STREAM  flags, method         payload (args, kwargs)
                          SHUTDOWN
                          INJECT       (method, kind, argument)  the rank's next call of
                                                             method fails so (inject_fault)
@@ -32,6 +32,12 @@ Message kinds (payload = the segments after the header: a pickle and its buffers
                          ERROR        (RemoteFailure tuple)
                          HEARTBEAT                          a sign of life, sent from a thread
     node side -> ctrl    EXITED       (ProcessFailure fields)  the rank's process ended
+
+A call's flags say how the rank treats it, apart from the method's name (which is the
+user's, whatever characters it holds): :data:`KEEP` (the result stays on the rank,
+:mod:`phalanx.rank.kept`), :data:`TRACED` (the rank records when it ran the call,
+:mod:`phalanx.rank.tracing`), :data:`BUILTIN` (a call the rank runtime serves itself, not
+a method of the user's object).
 
 The extra fields are plain data (:mod:`phalanx.wire.plain`: numbers, text, lists, dicts),
 never a pickle, so reading a header runs no code whoever sent it. On a connection across the
@@ -74,6 +80,11 @@ RELEASED = 16
 
 MANY = 0xFFFFFFFF  # rank field of a message for several ranks (their list follows)
 
+# A call's flags: the byte before its method name (see the module docstring).
+KEEP = 1
+TRACED = 2
+BUILTIN = 4
+
 _HEAD = struct.Struct("<BQI")  # kind, call id, rank: the one layout of a header
 HEAD_SIZE = _HEAD.size
 _COUNT = struct.Struct("<H")
@@ -92,12 +103,13 @@ def _ranks_part(rank: int | Sequence[int]) -> bytes:
 
 
 def header(kind: int, call_id: int, rank: int | Sequence[int], *extra: Any) -> bytes:
-    """Segment 0 of a frame. CALL and CALL_STREAM carry the method name as text; the other
-    kinds carry their extra fields as plain data (RESULT and YIELD carry none)."""
+    """Segment 0 of a frame. CALL and CALL_STREAM carry the call's flags and the method
+    name as text (``extra``: the method, and the flags if any); the other kinds carry
+    their extra fields as plain data (RESULT and YIELD carry none)."""
     head = bytes([kind]) + struct.pack("<Q", call_id) + _ranks_part(rank)
     if kind == CALL or kind == CALL_STREAM:
-        (method,) = extra
-        return head + method.encode()
+        method, flags = extra if len(extra) == 2 else (extra[0], 0)
+        return head + bytes([flags]) + method.encode()
     if not extra:
         return head
     return head + plain.dumps(extra)
@@ -117,12 +129,14 @@ def parse(segment: Any) -> tuple[int, int, tuple[int, ...], tuple]:
         ranks = (rank,)
     rest = bytes(segment[pos:])
     if kind == CALL or kind == CALL_STREAM:
-        return kind, call_id, ranks, (rest.decode(),)
+        if not rest:
+            raise ValueError("a call's header without its flags")
+        return kind, call_id, ranks, (rest[1:].decode(), rest[0])
     return kind, call_id, ranks, (plain.loads(rest) if rest else ())
 
 
 def body_offset(segment: Any) -> int:
-    """Where the method name (or the extra fields) of a header starts."""
+    """Where the flags and method name of a call (or the extra fields) of a header start."""
     if _HEAD.unpack_from(segment)[2] != MANY:
         return HEAD_SIZE
     return HEAD_SIZE + _COUNT.size + 4 * _COUNT.unpack_from(segment, HEAD_SIZE)[0]
@@ -146,21 +160,24 @@ def init_frame(rank: int, sys_path: Sequence[str], options: dict, payload: list[
 
 
 def call_frame(
-    call_id: int, rank: int | Sequence[int], method: str, payload: list[Any], stream: bool = False
+    call_id: int, rank: int | Sequence[int], method: str, payload: list[Any],
+    stream: bool = False, flags: int = 0,
 ) -> list[Any]:
     """A call of ``method`` with the pickled ``(args, kwargs)``; ``stream``: the rank sends
-    each item of the returned generator as it comes (YIELD), then RESULT."""
+    each item of the returned generator as it comes (YIELD), then RESULT; ``flags``: the
+    call's (:data:`KEEP`, :data:`TRACED`, :data:`BUILTIN`)."""
     kind = CALL_STREAM if stream else CALL
-    return framing.frame([header(kind, call_id, rank, method), *payload])
+    return framing.frame([header(kind, call_id, rank, method, flags), *payload])
 
 
 def call_frames(
-    call_id: int, ranks: Sequence[int], method: str, payloads: list[list[Any]], stream: bool
+    call_id: int, ranks: Sequence[int], method: str, payloads: list[list[Any]], stream: bool,
+    flags: int = 0,
 ) -> list[list[Any]]:
     """One call frame per rank: ``payloads`` holds one payload for all, or one per rank
     (a payload object repeated in the list is the same bytes, framed for each rank)."""
     kind = CALL_STREAM if stream else CALL
-    name = method.encode()
+    name = bytes([flags]) + method.encode()
     pack = _HEAD.pack
     frame = framing.frame
     if len(payloads) == 1:

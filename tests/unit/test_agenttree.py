@@ -50,7 +50,7 @@ def test_retarget_keeps_everything_but_the_ranks(ranks, data):
     subset = data.draw(st.lists(st.sampled_from(ranks), min_size=1, unique=True))
     head = protocol.header(protocol.CALL, 77, ranks, "train_step")
     assert protocol.parse(protocol.retarget(head, subset)) == (
-        protocol.CALL, 77, tuple(subset), ("train_step",))
+        protocol.CALL, 77, tuple(subset), ("train_step", 0))
     extra = protocol.header(protocol.SHUTDOWN, 0, ranks)
     assert protocol.parse(protocol.retarget(extra, subset))[2] == tuple(subset)
 

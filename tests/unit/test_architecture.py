@@ -117,9 +117,15 @@ def test_no_import_circle_at_run_time():
 
 
 def test_worker_group_is_made_of_parts_not_mixins():
+    """Its one base is the call forms it shares with its slices and options views (a
+    path, a scope and an options record); every other part is held, not inherited."""
+    from phalanx.controller.callforms import CallForms, CallView
     from phalanx.controller.group import WorkerGroup
+    from phalanx.controller.slices import GroupSlice
 
-    assert WorkerGroup.__mro__ == (WorkerGroup, object), WorkerGroup.__mro__
+    assert WorkerGroup.__mro__ == (WorkerGroup, CallForms, object), WorkerGroup.__mro__
+    assert GroupSlice.__mro__ == (GroupSlice, CallForms, object)
+    assert CallView.__mro__ == (CallView, CallForms, object)
 
 
 def test_a_rank_has_one_state_and_health_keeps_its_words():

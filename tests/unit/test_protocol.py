@@ -72,13 +72,27 @@ def failure_tuple(message: str = "boom") -> tuple:
 # -- header layout ------------------------------------------------------------------------
 
 
-def test_header_is_kind_call_id_rank_then_method():
+def test_header_is_kind_call_id_rank_then_flags_and_method():
     segment = header(CALL, 7, 3, "train")
     assert segment[:HEAD_SIZE] == struct.pack("<BQI", CALL, 7, 3)
-    assert segment[HEAD_SIZE:] == b"train"
+    assert segment[HEAD_SIZE:] == b"\x00train"
     assert body_offset(segment) == HEAD_SIZE
     assert protocol.unpack_head(segment) == (CALL, 7, 3)
-    assert parse(segment) == (CALL, 7, (3,), ("train",))
+    assert parse(segment) == (CALL, 7, (3,), ("train", 0))
+
+
+@given(flags=st.integers(min_value=0, max_value=7),
+       method=st.sampled_from(["train", "~train", "%x", "@fetch", "é"]))
+def test_a_calls_flags_travel_apart_from_its_method_name(flags, method):
+    """A method's name is the user's, whatever it starts with: keep, traced and built-in
+    are flags in the header, never characters of the name."""
+    segment = header(CALL, 7, 3, method, flags)
+    assert parse(segment) == (CALL, 7, (3,), (method, flags))
+    payload = pickling.dumps_fast(((), {}))
+    for frame in (protocol.call_frames(7, [3, 4], method, [payload], False, flags)
+                  + [protocol.call_frame(7, [3, 4], method, payload, True, flags)]):
+        (got,) = transmit(frame)
+        assert parse(got[0])[3] == (method, flags)
 
 
 def test_result_header_carries_no_extra():
@@ -101,8 +115,8 @@ def test_header_for_several_ranks_lists_them_after_many():
     assert segment[HEAD_SIZE : HEAD_SIZE + 2] == struct.pack("<H", 3)
     assert segment[HEAD_SIZE + 2 : HEAD_SIZE + 14] == struct.pack("<3I", 4, 5, 6)
     assert body_offset(segment) == HEAD_SIZE + 2 + 3 * 4
-    assert segment[body_offset(segment) :] == b"step"
-    assert parse(segment) == (CALL, 9, (4, 5, 6), ("step",))
+    assert segment[body_offset(segment) :] == b"\x00step"
+    assert parse(segment) == (CALL, 9, (4, 5, 6), ("step", 0))
 
 
 def test_a_list_of_one_rank_is_that_rank():
@@ -132,7 +146,7 @@ plain = st.recursive(
 @given(kind=st.sampled_from(KINDS), call_id=call_ids, rank=ranks | rank_lists, data=st.data())
 def test_any_header_round_trips(kind, call_id, rank, data):
     if kind in (CALL, CALL_STREAM):
-        extra: tuple = (data.draw(methods),)
+        extra: tuple = (data.draw(methods), data.draw(st.integers(min_value=0, max_value=7)))
     else:
         extra = tuple(data.draw(st.lists(plain, max_size=3)))
     segment = header(kind, call_id, rank, *extra)
@@ -142,7 +156,8 @@ def test_any_header_round_trips(kind, call_id, rank, data):
     offset = body_offset(segment)
     assert offset == HEAD_SIZE + (0 if isinstance(rank, int) else 2 + 4 * len(rank))
     if kind in (CALL, CALL_STREAM):
-        assert bytes(segment[offset:]).decode() == extra[0]
+        assert segment[offset] == extra[1]
+        assert bytes(segment[offset + 1:]).decode() == extra[0]
     elif extra:
         assert wireplain.loads(segment[offset:]) == extra
     else:
@@ -156,7 +171,7 @@ def test_call_frames_survive_the_wire(call_id, rank, method, stream):
     (got,) = transmit(protocol.call_frame(call_id, rank, method, payload, stream=stream))
     expected_ranks = (rank,) if isinstance(rank, int) else tuple(rank)
     kind = CALL_STREAM if stream else CALL
-    assert parse(got[0]) == (kind, call_id, expected_ranks, (method,))
+    assert parse(got[0]) == (kind, call_id, expected_ranks, (method, 0))
     assert pickling.loads(got[1:]) == ((1, "a"), {"k": b"v"})
 
 
@@ -171,7 +186,8 @@ def test_every_builder_round_trips_through_the_wire():
         protocol.call_frame(12, 2, "items", pickling.dumps(((), {})), stream=True),
         protocol.shutdown_frame(2),
         protocol.shutdown_frame([2, 3]),
-        protocol.ready_frame(2, 4242, ["train", "items"], {"constructor": 0.5}, "c0de"),
+        protocol.ready_frame(2, 4242, {"train": ["batch"], "items": []}, {"constructor": 0.5},
+                             "c0de"),
         protocol.init_error_frame(2, failure),
         protocol.result_frame(11, 2, pickling.dumps({"loss": 0.5})),
         protocol.result_frame(12, 2, pickling.dumps("item"), item=True),
@@ -183,11 +199,11 @@ def test_every_builder_round_trips_through_the_wire():
     heads = [parse(f[0]) for f in got]
     assert heads == [
         (INIT, 0, (2,), (["/src", "/lib"], {"debug": True})),
-        (CALL, 11, (2,), ("train",)),
-        (CALL_STREAM, 12, (2,), ("items",)),
+        (CALL, 11, (2,), ("train", 0)),
+        (CALL_STREAM, 12, (2,), ("items", 0)),
         (SHUTDOWN, 0, (2,), ()),
         (SHUTDOWN, 0, (2, 3), ()),
-        (READY, 0, (2,), (4242, ["train", "items"], {"constructor": 0.5}, "c0de")),
+        (READY, 0, (2,), (4242, {"train": ["batch"], "items": []}, {"constructor": 0.5}, "c0de")),
         (INIT_ERROR, 0, (2,), (failure,)),
         (RESULT, 11, (2,), ()),
         (YIELD, 12, (2,), ()),
@@ -218,7 +234,7 @@ def test_call_frames_give_one_frame_per_rank_with_a_shared_payload(stream):
     got = transmit(*built)
     kind = CALL_STREAM if stream else CALL
     for rank, frame in zip([4, 5, 6], got, strict=True):
-        assert parse(frame[0]) == (kind, 21, (rank,), ("step",))
+        assert parse(frame[0]) == (kind, 21, (rank,), ("step", 0))
         assert frame[1:] == segments_of(payload)
         assert pickling.loads(frame[1:]) == ((b"x" * 100,), {"n": 1})
 
@@ -226,7 +242,7 @@ def test_call_frames_give_one_frame_per_rank_with_a_shared_payload(stream):
 def test_call_frames_with_one_payload_per_rank():
     payloads = [pickling.dumps(((r,), {})) for r in (0, 1)]
     got = transmit(*protocol.call_frames(3, [0, 1], "m", payloads, False))
-    assert [parse(f[0]) for f in got] == [(CALL, 3, (0,), ("m",)), (CALL, 3, (1,), ("m",))]
+    assert [parse(f[0]) for f in got] == [(CALL, 3, (0,), ("m", 0)), (CALL, 3, (1,), ("m", 0))]
     assert [pickling.loads(f[1:]) for f in got] == [((0,), {}), ((1,), {})]
 
 

@@ -100,7 +100,7 @@ def test_small_frame_round_trip(link):
     link.write(as_bytes(framing.frame(segments)))
     (got,) = link.receive(1)
     assert segments_of(got) == segments
-    assert parse(got[0]) == (CALL, 7, (3,), ("train",))
+    assert parse(got[0]) == (CALL, 7, (3,), ("train", 0))
 
 
 def test_many_small_frames_arrive_in_one_receive(link):
