@@ -87,10 +87,15 @@ class WorkerGroup(CallForms):
     in a placement group; see :mod:`phalanx.backends.ray.backend`). ``procs_per_node`` may be a list
     with one count per node (an uneven layout such as ``[2, 1]``).
 
-    Worker output is echoed prefixed with its rank (``echo_output``); identical lines from
-    several ranks within a moment are shown once as ``[ranks 0-3] ...`` (``collapse_output``);
-    ``log_ranks`` shows only those ranks' lines; ``log_dir`` also writes every rank's
-    output to ``rank-N.stdout.log`` / ``rank-N.stderr.log`` there.
+    Worker output is echoed prefixed with its rank (``echo_output``), and with the group's
+    name while another group of this process runs (``[Policy rank 1] ...``; a group alone
+    keeps ``[rank 1] ...``); identical lines from several ranks of the group within a
+    moment are shown once as ``[ranks 0-3] ...`` (``collapse_output``); ``log_ranks`` shows
+    only those ranks' lines; ``log_dir`` also writes every rank's output to
+    ``rank-N.stdout.log`` / ``rank-N.stderr.log`` there, or, when another running group of
+    this process already writes those names in that directory, to
+    ``<name>.rank-N.stdout.log`` / ``<name>.rank-N.stderr.log``: two groups given one
+    ``log_dir`` never write to the same file.
 
     Supervision: every rank sends a heartbeat from a thread of its own; one silent for
     ``heartbeat_timeout`` seconds (stopped, or stuck in a C call holding the GIL) is
