@@ -7,6 +7,7 @@ the launcher), and to the controller about its own machine.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import socket
@@ -21,20 +22,60 @@ NVIDIA_GPUS_DIR = "/proc/driver/nvidia/gpus"  # one entry per GPU the driver kno
 
 
 def free_port(host: str) -> int:
-    """A port free on this machine's ``host`` address now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    """A port free now on every address of this machine (see :func:`pick_free_ports`)."""
+    return pick_free_ports(host, 1)[0]
 
 
 def pick_free_ports(host: str, count: int) -> list[int]:
-    """``count`` distinct ports free on this machine's ``host`` address now."""
-    taken: list[int] = []
-    while len(taken) < count:
-        port = free_port(host)
-        if port not in taken:
-            taken.append(port)
-    return taken
+    """``count`` distinct ports free now on every address of this machine, ``host`` (an
+    address of this machine's: OSError otherwise; ``""``: any) among them.
+
+    Free on every address, not just ``host``: whoever is given the port may bind it on
+    the wildcard address (torch's TCPStore, for ``MASTER_PORT``, binds ``::``), and a port
+    free on ``host`` may be held on another of this machine's addresses (its other
+    loopback addresses, where simulated nodes and agents listen) -- the wildcard bind
+    would fail. So each port is the kernel's pick for a bind to port 0 on the wildcard
+    address, both IPv6 and IPv4 where the machine has dual stack, which conflicts with a
+    holder on any address; all are held until every one is picked, so none is picked
+    twice."""
+    _check_own_address(host)
+    with contextlib.ExitStack() as held:
+        ports: list[int] = []
+        while len(ports) < count:
+            sock = held.enter_context(_wildcard_socket())
+            ports.append(sock.getsockname()[1])
+        return ports
+
+
+def _wildcard_socket() -> socket.socket:
+    """A TCP socket bound to a port of the kernel's choice on every address (``::`` with
+    IPv4 mapped where there is dual stack, else ``0.0.0.0``). No SO_REUSEADDR: the
+    strictest test, so a port in any use (a connection's TIME_WAIT too) is passed over."""
+    if socket.has_dualstack_ipv6():
+        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            sock.bind(("::", 0))
+            return sock
+        except OSError:  # IPv6 present but unusable (no address): IPv4's wildcard
+            sock.close()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("0.0.0.0", 0))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _check_own_address(host: str) -> None:
+    """OSError (``socket.gaierror`` for a name that does not resolve) unless ``host`` is
+    an address this machine can bind to (``""``: every address)."""
+    if not host:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
 
 
 def visible_gpus(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
