@@ -46,12 +46,41 @@ def _worker_group(item: pytest.Item) -> str:
     return _ONE_WORKER_DIRS.get(parts[1] if len(parts) > 2 else "", module)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
+def _loadgroup(config: pytest.Config) -> bool:
+    """Whether the run sends tests to xdist workers by group. The controller's ``--dist``
+    decides; a worker reads ``dist`` as "no" (xdist resets it there) and the controller's
+    choice as ``loadgroup`` -- and it is the workers' collection that names the groups."""
+    return (config.getoption("dist", "no") == "loadgroup"
+            or bool(getattr(config.option, "loadgroup", False)))
+
+
+@pytest.hookimpl(hookwrapper=True)
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("dist", "no") != "loadgroup":
+    """Each test's group as an ``xdist_group`` mark, before xdist's own hook reads the
+    marks (on each worker) and makes them part of the test ids the controller schedules by
+    (``id@group``); after it, that suffix where xdist's could not set it."""
+    grouping = _loadgroup(config)
+    if grouping:
+        for item in items:
+            item.add_marker(pytest.mark.xdist_group(_worker_group(item)))
+    yield
+    if grouping:
+        for item in items:
+            _suffix_group(item)
+
+
+def _suffix_group(item: pytest.Item) -> None:
+    """``@group`` on the item's id where xdist's hook left it off: xdist (3.8) writes the
+    id's old attribute (``_nodeid``), which pytest 9.2 no longer reads -- its ids are
+    structured (``_id``) -- so every test was scheduled alone and the groups did nothing
+    (pytest-dev/pytest-xdist#1386). Nothing to do where xdist's suffix took."""
+    names = sorted({str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+                    for mark in item.iter_markers("xdist_group")})
+    suffix = "@" + "_".join(names)
+    node_id = getattr(item, "_id", None)
+    if not names or item.nodeid.endswith(suffix) or node_id is None:
         return
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(_worker_group(item)))
+    item._id = type(node_id).parse(item.nodeid + suffix)  # pytest's own, see above
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
