@@ -231,7 +231,9 @@ def test_a_frozen_agent_is_missing_from_the_quorum_not_an_authentication_failure
             group_on(px.ClusterBackend([agent_cluster.hosts[0], frozen.address],
                                        token_file=agent_cluster.token_file,
                                        quorum_timeout=1.5), nodes=2)
-        assert time.monotonic() - started < 3
+        # the quorum's wait ends it (1.5 s), not the handshake that never comes (its own
+        # timeout, config.AGENT_HANDSHAKE_TIMEOUT, is 5 s): 3 s more for a loaded machine
+        assert time.monotonic() - started < 4.5
         assert info.value.answered == [agent_cluster.hosts[0]]
         assert list(info.value.missing) == [frozen.address]
     finally:
@@ -246,7 +248,9 @@ def test_a_wrong_token_fails_authentication_at_once(agent_cluster):
     with pytest.raises(px.AuthenticationError, match=agent_cluster.hosts[0]):
         group_on(px.ClusterBackend(agent_cluster.hosts[:1], token=secrets.token_urlsafe(32),
                                    quorum_timeout=30))
-    assert time.monotonic() - started < 1
+    # at once: not after the quorum's 30 s of retries. A tenth of them is generous for a
+    # loaded machine (seen: 1.6 s there) and still tells the two apart.
+    assert time.monotonic() - started < 3
 
 
 def test_no_token_at_all_is_refused_naming_the_ways_to_give_one(agent_cluster, monkeypatch):
@@ -529,7 +533,8 @@ def test_a_silent_controller_is_dropped_after_the_heartbeat_timeout(agents, toke
                           peer=f"the agent at {agent.address}")
         took = closed_within(sock, 5.0)
     assert took is not None, "the agent kept a silent controller for 5 s"
-    assert 0.8 < took < 2, f"the agent dropped a silent controller after {took:.1f} s"
+    # its 1 s heartbeat timeout, and room for a loaded machine (5 s: never dropped)
+    assert 0.8 < took < 4, f"the agent dropped a silent controller after {took:.1f} s"
 
 
 # --------------------------------------------------------------------------- TLS

@@ -157,7 +157,8 @@ def test_an_actor_killed_through_ray_fails_its_call_with_rays_account():
         ray.kill(ray.get_actor(name["name"], namespace=name["namespace"]))
         with pytest.raises(WorkerDied) as info:
             future.result(timeout=10)
-        assert time.monotonic() - started < 2
+        # promptly: not the call's 10 s (Ray's account takes a moment, more under load)
+        assert time.monotonic() - started < 5
         assert info.value.rank == 1
 
         def cause() -> str:  # Ray's account may come a moment after the death itself

@@ -91,9 +91,10 @@ def test_cancel_stops_waiting_and_the_group_keeps_working(group):
 def test_concurrency_runs_calls_at_the_same_time(make_group, method):
     group = make_group(Probe, concurrency=2)
     started = time.monotonic()
-    futures = [group.call_async(method, 0.5, value=i) for i in range(2)]
+    futures = [group.call_async(method, 1.5, value=i) for i in range(2)]
     assert [f.result(timeout=10) for f in futures] == [[0], [1]]
-    assert time.monotonic() - started < 0.9
+    # one after the other would take 3 s; side by side 1.5 s, and room for a loaded machine
+    assert time.monotonic() - started < 2.7
 
 
 def test_fail_fast_on_a_user_exception(make_group):
@@ -102,7 +103,7 @@ def test_fail_fast_on_a_user_exception(make_group):
     started = time.monotonic()
     with pytest.raises(WorkerError) as info:
         group.call("fail_on_rank", 1, 5, timeout=30)
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 3.5  # rank 0's 5 s not waited for (room for load)
     assert info.value.rank == 1
     assert info.value.exc_type == "KeyError"
     group.shutdown(timeout=0.2)  # rank 0 is still sleeping: do not wait for it

@@ -88,7 +88,7 @@ def test_a_failed_recreate_leaves_the_rank_dead_not_hanging(make_group, tmp_path
     started = time.monotonic()
     with pytest.raises(WorkerDied):
         group.call_one(1, "rank", timeout=5)
-    assert time.monotonic() - started < 1
+    assert time.monotonic() - started < 3  # a known death: not the call's 5 s (room for load)
     flag.unlink()
     group.recreate(1)  # the rank can still be brought back
     assert group.call("rank", timeout=5) == [0, 1]
@@ -117,7 +117,7 @@ def test_a_failed_restart_leaves_the_ranks_dead_not_hanging(make_group, tmp_path
     started = time.monotonic()
     with pytest.raises(WorkerDied):
         group.call_one(0, "rank", timeout=5)
-    assert time.monotonic() - started < 1
+    assert time.monotonic() - started < 3  # a known death: not the call's 5 s (room for load)
     flag.unlink()
     group.restart()
     assert group.call("rank", timeout=5) == [0, 1]

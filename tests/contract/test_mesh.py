@@ -324,7 +324,8 @@ def test_a_worker_error_inside_call_sharded_fails_fast_with_its_rank(make_group)
     started = time.monotonic()
     with pytest.raises(WorkerError) as info:
         future.result(timeout=10)
-    assert time.monotonic() - started < 2, "the sleeping ranks must not delay the error"
+    # the others sleep 5 s; the error comes well before (room for a loaded machine)
+    assert time.monotonic() - started < 4, "the sleeping ranks must not delay the error"
     assert info.value.rank == 3 and info.value.exc_type == "KeyError"
     group.shutdown(timeout=0.2)  # the other ranks are still sleeping: do not wait for them
 
@@ -337,7 +338,9 @@ def test_a_killed_rank_makes_call_sharded_raise_worker_died_at_once(make_group, 
     started = time.monotonic()
     with pytest.raises(WorkerDied) as info:
         group.call_sharded("note", ["a", "b"], in_sharded_axes=["dp"], replicate_on_axes=["tp"])
-    assert time.monotonic() - started < 0.5
+    # at once: the call has no timeout, so the fault is a call that never ends; a dead
+    # rank's end reaches the controller in ms, seconds on a loaded machine
+    assert time.monotonic() - started < 3
     assert info.value.rank == 3 and info.value.signal == "SIGKILL"
     # A plan that does not call rank 3 still runs.
     future = group.call_sharded("note", ["a", "b"], in_sharded_axes=["dp"])

@@ -58,7 +58,9 @@ def test_calling_a_dead_rank_raises_worker_died_at_once(group, kill):
         started = time.monotonic()
         with pytest.raises(WorkerDied) as info:
             call()
-        assert time.monotonic() - started < 0.5
+        # from what the group knows, waiting on nothing (the fault: a call that never
+        # ends); generous for a loaded machine
+        assert time.monotonic() - started < 2
         assert info.value.rank == 1 and info.value.pid == pid
         assert info.value.exitcode == -signal.SIGKILL and info.value.signal == "SIGKILL"
     assert group.call("rank", workers=[0, 2]) == [0, 2]

@@ -58,11 +58,12 @@ def test_items_arrive_per_rank_in_order_and_all_of_them(group):
 
 
 def test_items_are_delivered_while_the_generator_still_runs(group):
-    stream = group.call_stream("first_then_hang", 1.5, workers=[0])
+    stream = group.call_stream("first_then_hang", 3.0, workers=[0])
     started = time.monotonic()
     rank, item = next(iter(stream))
     assert (rank, item) == (0, "first")
-    assert time.monotonic() - started < 1.0, "the first item must not wait for the rest"
+    # well before the 3 s the rest waits for (room for a loaded machine)
+    assert time.monotonic() - started < 2.0, "the first item must not wait for the rest"
     assert [x for _, x in stream] == ["late"]
 
 

@@ -53,7 +53,7 @@ def test_a_stopped_worker_times_out_and_resumes(pair, ranks):
         started = time.monotonic()
         with pytest.raises(CallTimeout) as info:
             future.result(timeout=1.0)
-        assert 0.9 < time.monotonic() - started < 3
+        assert 0.9 < time.monotonic() - started < 5  # its 1 s, room for a loaded machine
         assert info.value.pending_ranks == [1]
         assert group.call("rank", workers=[0], timeout=5) == [0]  # the others are unaffected
     finally:
@@ -125,7 +125,8 @@ def test_sigkill_mid_call_fails_fast_and_suggests_out_of_memory(pair, ranks):
     started = time.monotonic()
     with pytest.raises(WorkerDied) as info:
         future.result(timeout=10)
-    assert time.monotonic() - started < 2, "rank 0's sleep must not delay the report"
+    # rank 0 sleeps 5 s: the report comes well before (room for a loaded machine)
+    assert time.monotonic() - started < 4, "rank 0's sleep must not delay the report"
     died = info.value
     assert (died.rank, died.exitcode, died.signal) == (1, -9, "SIGKILL")
     assert died.method == "sleep"

@@ -86,7 +86,7 @@ def test_a_stopped_rank_nobody_calls_is_declared_by_the_watchdog_alone(watched, 
     started = time.monotonic()
     with pytest.raises(WorkerUnresponsive) as info:  # a later call learns why it died
         group.call("whoami", timeout=10)
-    assert time.monotonic() - started < 1
+    assert time.monotonic() - started < 5  # from what is known: not the call's 10 s
     assert info.value.rank == 1 and info.value.silent_for >= HEARTBEAT
     assert group.call("whoami", workers=[0], timeout=10) == [0]
 
@@ -224,7 +224,7 @@ def test_stacks_of_a_stopped_rank_say_so_promptly(make_group, ranks):
         assert helpers.wait_until(lambda: stopped.status() == psutil.STATUS_STOPPED, 5)
         started = time.monotonic()
         report = group.stacks(timeout=1.0)
-        assert time.monotonic() - started < 2
+        assert time.monotonic() - started < 5  # its 1 s, and room for a loaded machine
     finally:
         ranks.resume(group, 1)
     assert "stopped" in report[1], report[1]
