@@ -59,7 +59,8 @@ from typing import Any
 from phalanx.dumps import innermost_user_frames
 
 
-def _rebuild(cls: type[BaseException], args: tuple, state: dict) -> BaseException:
+def _rebuild(cls: type[BaseException], args: tuple[Any, ...],
+             state: dict[str, Any]) -> BaseException:
     exc = cls.__new__(cls)
     exc.args = args
     exc.__dict__.update(state)
@@ -69,7 +70,7 @@ def _rebuild(cls: type[BaseException], args: tuple, state: dict) -> BaseExceptio
 class PhalanxError(Exception):
     """Base class of every phalanx error."""
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (type(self), self.args, dict(self.__dict__)))
 
 
@@ -106,7 +107,7 @@ class RemoteFailure:
         text = _format_traceback(exc, tb)
         return cls(type(exc).__name__, message, text, stage, _pickle_exception(exc))
 
-    def as_tuple(self) -> tuple:
+    def as_tuple(self) -> tuple[Any, ...]:
         return dataclasses.astuple(self)
 
     def rebuild(self) -> BaseException | None:
@@ -130,7 +131,7 @@ class _WithoutInit:
     def __init__(self, exc: BaseException) -> None:
         self.exc = exc
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (type(self.exc), self.exc.args, dict(vars(self.exc))))
 
 
@@ -149,7 +150,7 @@ def _pickle_exception(exc: BaseException) -> bytes | None:
 
     for candidate in (exc, _WithoutInit(exc)):
         try:
-            pickled = cloudpickle.dumps(candidate, protocol=5)
+            pickled: bytes = cloudpickle.dumps(candidate, protocol=5)
             if isinstance(pickle.loads(pickled), BaseException):
                 return pickled
         except Exception:  # noqa: BLE001 - try the next way; at worst the text travels alone
@@ -306,7 +307,7 @@ class ProcessFailure:
                     "start a worker: ...\"")
         return likely_cause(self.exitcode)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         """Plain data, as a node side sends it in an EXITED message."""
         return dataclasses.asdict(self)
 
@@ -324,7 +325,7 @@ class ProcessFailure:
         )
 
     @classmethod
-    def from_dict(cls, data: dict) -> ProcessFailure:
+    def from_dict(cls, data: dict[str, Any]) -> ProcessFailure:
         return cls(**{**data, "stderr_tail": tuple(data.get("stderr_tail", ()))})
 
 
@@ -533,7 +534,7 @@ class QuorumTimeout(PhalanxError, TimeoutError):
             f"s; answered: {', '.join(answered) or 'none'}; missing: "
             + ", ".join(f"{host} ({why})" for host, why in missing.items()))
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.wanted, self.answered, self.missing, 0.0))
 
 
@@ -587,7 +588,7 @@ class MembershipChanged(PhalanxError):
         super().__init__(f"the group's nodes changed{during}: {event}"
                          + ("; group.resize() admits the new nodes" if added else ""))
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.added, self.removed, self.method, self.reason))
 
 

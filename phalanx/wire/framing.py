@@ -37,7 +37,8 @@ import threading
 
 from phalanx.wire.seal import PREHASH, TAG_SIZE, FrameAuth, FrameRejected
 from phalanx.wire.streams import MAX_SEGMENTS as _MAX_SEGMENTS
-from phalanx.wire.streams import ConnectionLost, Stream, WakePipe
+from phalanx.wire.streams import ConnectionLost as ConnectionLost  # what its readers raise
+from phalanx.wire.streams import Stream, WakePipe
 
 TYPE_CHECKING = False  # typing's, without importing typing (the warden starts lean)
 if TYPE_CHECKING:
@@ -539,7 +540,7 @@ def _byte_view(buf: Any) -> memoryview:
 # --------------------------------------------------------------------------- sending
 
 
-def _advance(segments: collections.deque, sent: int) -> None:
+def _advance(segments: collections.deque[Any], sent: int) -> None:
     """Drop ``sent`` bytes from the front of a deque of byte segments."""
     while sent:
         head = segments[0]
@@ -574,7 +575,7 @@ class Connection:
         self._auth = auth  # the handshake's keys: every frame sent is sealed with them
         self._write = stream.write_nowait
         self._lock = threading.Lock()
-        self._backlog: collections.deque = collections.deque()
+        self._backlog: collections.deque[Any] = collections.deque()
         self._writer = writer
         self.broken: BaseException | None = None
         self.closed = False

@@ -33,6 +33,8 @@ def supported() -> bool:
 
 
 Extents = list[tuple[int, int]]  # (offset, length) of the stream, then of each buffer
+# what SHARE tells ranks (see Block.location): pid, fd, name, extents, capacity, release, writable
+Location = tuple[int, int, str, Extents, int, bool, bool]
 
 
 def machine_id() -> str:
@@ -132,7 +134,7 @@ class Block:
         for part, (offset, length) in zip(parts, extents, strict=True):
             self._map[offset:offset + length] = memoryview(part).cast("B")
 
-    def location(self, extents: Extents, release: bool = False, writable: bool = False) -> tuple:
+    def location(self, extents: Extents, release: bool = False, writable: bool = False) -> Location:
         """What SHARE tells ranks: ``(pid, fd, name, extents, capacity, release,
         writable)``; ``release``: say RELEASED once no view of the object is left (a pooled
         block); ``writable``: its views must be writable (torch tensors)."""

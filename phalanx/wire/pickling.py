@@ -63,7 +63,7 @@ def _pickler() -> type:
     base = cloudpickle.Pickler
     reduce_code = base.dispatch_table[types.CodeType]
 
-    def keep_filename(code: types.CodeType) -> tuple:
+    def keep_filename(code: types.CodeType) -> tuple[Any, ...]:
         rebuild, args = reduce_code(code)
         return rebuild, tuple(code.co_filename if isinstance(a, str) and a == "<dynamic-code>"
                               else a for a in args)

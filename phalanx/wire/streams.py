@@ -17,6 +17,7 @@ import select
 TYPE_CHECKING = False  # typing's, without importing typing (the warden starts lean)
 if TYPE_CHECKING:
     import socket
+    import ssl
     from typing import Any
 
 # socket is imported where a socket is used, not with this module: a local rank's stream
@@ -87,7 +88,7 @@ class TLSStream(Stream):
     blocking read waits for the socket outside it. Writes copy their segments into one
     buffer (TLS encrypts a copy anyway)."""
 
-    def __init__(self, sock: Any) -> None:
+    def __init__(self, sock: ssl.SSLSocket) -> None:
         import ssl
         import threading
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from phalanx.world.layout import Launch, Layout, as_procs_per_node, gpu_env, rank_env
 
@@ -161,7 +162,7 @@ def _jax_env(layout: Layout, rank: int, launch: Launch) -> dict[str, str]:
     return env
 
 
-def tf_config(layout: Layout, node: int, launch: Launch) -> dict:
+def tf_config(layout: Layout, node: int, launch: Launch) -> dict[str, Any]:
     """``TF_CONFIG`` for the worker on ``node``: one worker task per node, in node order."""
     workers = [f"{addr}:{launch.port('tensorflow', n)}" for n, addr in enumerate(launch.node_addrs)]
     return {"cluster": {"worker": workers}, "task": {"type": "worker", "index": node}}

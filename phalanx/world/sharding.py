@@ -77,7 +77,7 @@ class NamedSharding:
                 f"Duplicate ranks found in layout: {values[counts > 1].tolist()}. "
                 "Each rank must appear exactly once."
             )
-        self._layout = array
+        self._layout: np.ndarray = array
         self._axis = {name: i for i, name in enumerate(self._names)}
         self._coords = {
             int(rank): dict(zip(self._names, (int(c) for c in index), strict=True))
@@ -99,7 +99,7 @@ class NamedSharding:
 
     @property
     def layout(self) -> np.ndarray:
-        return self._layout.copy()
+        return np.copy(self._layout)
 
     @property
     def names(self) -> list[str]:
