@@ -16,7 +16,9 @@ import time
 
 TYPE_CHECKING = False  # typing's, without importing typing (the supervisor starts lean)
 if TYPE_CHECKING:  # the same names, as typeshed knows them (it has no stub for _signal)
-    import signal as signals
+    import signal
+
+    signals = signal  # assigned, not imported: an export (the warden imports it from here)
 else:
     try:  # CPython's C module: signal.py's enums are ~2.5 ms of the node supervisor's start
         import _signal as signals
@@ -33,7 +35,8 @@ def _prctl(option: int, value: int) -> bool:
     import ctypes  # only where prctl is used (the supervisor, its keepers): not at import
 
     try:
-        return ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) == 0
+        result: int = ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+        return result == 0
     except (OSError, AttributeError):
         return False
 

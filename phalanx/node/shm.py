@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from phalanx import config
-from phalanx.wire.memfd import Block, Extents, extents_of, supported
+from phalanx.wire.memfd import Block, Extents, Location, extents_of, supported
 
 __all__ = ["Block", "Extents", "Holder", "Pool", "extents_of", "supported"]
 
@@ -91,9 +91,6 @@ class Pool:
         for block in self._idle + [b for b, _ in self._returning.values()]:
             block.close()
         self._idle, self._returning = [], {}
-
-
-Location = tuple  # what SHARE tells a rank: see Block.location
 
 
 class Holder:

@@ -360,7 +360,7 @@ class RankSpawner:
     @staticmethod
     def start_child(env: Mapping[str, str], cwd: str | None,
                     stream: tuple[str, Sequence[int]], *, stacks_fd: int,
-                    frame_keys: str | None = None) -> subprocess.Popen:
+                    frame_keys: str | None = None) -> subprocess.Popen[bytes]:
         """A rank as a plain child of this process, under no supervisor: the rank of a Ray
         actor that runs apart from it (``framework="ray"``: a process connected to the
         actor's Ray cannot join a Ray of its own). The caller waits for it

@@ -57,6 +57,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+# a job of the spawn thread: what to call, and where its (ok, result or exception) goes
+_Job = tuple[Callable[[], Any], queue.SimpleQueue[tuple[bool, Any]]]
 
 # It needs the standard library and phalanx only: without ``site`` (-S) it starts ~10 ms
 # sooner, and every rank of a group waits for it (see phalanx.node.keeper).
@@ -78,7 +80,7 @@ class _SpawnThread:
 
     def __init__(self) -> None:
         self.pid = os.getpid()  # the process it spawns for (a forked child needs its own)
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         threading.Thread(target=self._run, name="phalanx-spawn", daemon=True).start()
 
     @classmethod
@@ -93,7 +95,7 @@ class _SpawnThread:
         """``fn()`` on the spawn thread. Interrupted meanwhile (Ctrl-C), it still waits for
         ``fn`` to finish, hands its result to ``undo`` and re-raises the interruption: a
         process being forked is never left behind unknown."""
-        done: queue.SimpleQueue = queue.SimpleQueue()
+        done: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
         self._jobs.put((fn, done))
         interruption: BaseException | None = None
         while True:
@@ -107,7 +109,8 @@ class _SpawnThread:
                 undo(value)
             raise interruption
         if ok:
-            return value
+            result: T = value  # what fn() returned: see _run
+            return result
         raise value
 
     def _run(self) -> None:
@@ -130,7 +133,7 @@ class Supervisor:
         argv = [sys.executable, "-S", "-c", _BOOT.format(root=_ROOT), str(theirs.fileno()),
                 str(os.getpid())]
 
-        def start() -> subprocess.Popen:
+        def start() -> subprocess.Popen[bytes]:
             if sys.version_info >= (3, 11):
                 return subprocess.Popen(argv, pass_fds=(theirs.fileno(),),  # novermin
                                         stdin=subprocess.DEVNULL, process_group=0)
@@ -235,7 +238,7 @@ class Supervisor:
             self._popen.wait()
 
 
-def _undo_start(popen: subprocess.Popen) -> None:
+def _undo_start(popen: subprocess.Popen[bytes]) -> None:
     popen.kill()
     popen.wait()
 
