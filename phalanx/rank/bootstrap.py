@@ -59,7 +59,7 @@ def jax_setup() -> None:
 def _register_jax_cluster() -> None:
     from jax._src import clusters
 
-    class PhalanxCluster(clusters.ClusterEnv):
+    class PhalanxCluster(clusters.ClusterEnv):  # type: ignore[no-untyped-call]  # jax's hook
         name = "phalanx"
 
         @classmethod

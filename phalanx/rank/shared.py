@@ -83,15 +83,15 @@ class RankShares:
     """A rank's shared objects: where each is (from SHARE) and, once used, the object."""
 
     def __init__(self) -> None:
-        self._where: dict[int, tuple[str, tuple]] = {}  # ref id -> (token, location)
+        self._where: dict[int, tuple[str, tuple[Any, ...]]] = {}  # ref id -> (token, location)
         self._objects: dict[int, Any] = {}  # ref id -> the object, once unpickled
         self._maps: dict[str, mmap.mmap] = {}  # block name -> this rank's mapping
         self._owners: dict[int, list[Any]] = {}  # ref id -> what its views reference
-        self._pending: dict[int, tuple] = {}  # freed, views left: ref id -> location
+        self._pending: dict[int, tuple[Any, ...]] = {}  # freed, views left: ref id -> location
         self._lock = threading.Lock()  # calls on a thread pool may resolve at once
         self.notify: Callable[[int], None] = lambda ref_id: None  # sends RELEASED
 
-    def add(self, ref_id: int, token: str, location: tuple) -> None:
+    def add(self, ref_id: int, token: str, location: tuple[Any, ...]) -> None:
         with self._lock:
             self._where[ref_id] = (token, tuple(location))
 
@@ -181,16 +181,17 @@ def ray_location(ref: Any) -> tuple[Any, ...]:
     return (RAY_LOCATION, ref.binary(), owner, status)
 
 
-def ray_ref(location: tuple) -> Any:
+def ray_ref(location: tuple[Any, ...]) -> Any:
     """The Ray ``ObjectRef`` a :func:`ray_location` names, made again in this process (a
     Ray worker or driver of the same cluster), borrowed from its owner."""
     from ray._private.serialization import _object_ref_deserializer
 
     _, binary, owner, status = location[:4]
-    return _object_ref_deserializer(binary, "", owner, status, None)
+    return _object_ref_deserializer(  # type: ignore[no-untyped-call]  # Ray's, untyped
+        binary, "", owner, status, None)
 
 
-def from_ray(ref_id: int, location: tuple, private: bool) -> Any:
+def from_ray(ref_id: int, location: tuple[Any, ...], private: bool) -> Any:
     """An object in Ray's store, this process being a Ray worker of the controller's
     cluster: its buffers are read-only views of the node's store (objects whose views
     must be writable come through the node's block instead)."""
@@ -212,7 +213,8 @@ def from_ray(ref_id: int, location: tuple, private: bool) -> Any:
     return pickle.loads(memoryview(head), buffers=buffers)
 
 
-def unpickle(block: mmap.mmap, layout: list, writable: bool, owners: list[Any]) -> Any:
+def unpickle(block: mmap.mmap, layout: list[tuple[int, int]], writable: bool,
+             owners: list[Any]) -> Any:
     import ctypes
 
     (start, length), *rest = layout

@@ -100,7 +100,9 @@ class _Member:
         import torch.distributed as dist
 
         timeout = timedelta(seconds=self.timeout)
-        self.store = dist.TCPStore(address, port, size, is_master=master, timeout=timeout)
+        # torch.distributed imports TCPStore without declaring it exported: mypy objects
+        self.store = dist.TCPStore(  # type: ignore[attr-defined]
+            address, port, size, is_master=master, timeout=timeout)
         self.world = dist.ProcessGroupGloo(self.store, rank, size, timeout)
 
     def staging_buffers(self, nbytes: int) -> list[Any]:
@@ -540,7 +542,7 @@ def _bytes_of(tensor: Any) -> Any:
 
 
 def _method(obj: Any, name: str) -> Callable[..., Any]:
-    method = getattr(obj, name, None)
+    method: Callable[..., Any] | None = getattr(obj, name, None)
     if method is None or not callable(method):
         raise AttributeError(f"{type(obj).__name__} has no method {name!r}")
     return method
