@@ -71,7 +71,7 @@ logger = logging.getLogger(__name__)
 # -- python=: the controller side's helpers (the actors run the group's interpreter) -----
 
 
-def rank_runtime_env(env: Mapping[str, Any] | None, python: str | None) -> dict | None:
+def rank_runtime_env(env: Mapping[str, Any] | None, python: str | None) -> dict[str, Any] | None:
     """A rank actor's ``runtime_env``: the user's, ``python=`` as its ``py_executable``."""
     return ({**(env or {}), "py_executable": python} if python is not None
             else None if env is None else dict(env))
@@ -184,7 +184,7 @@ def share_ray_refs() -> None:
     from ray import cloudpickle as ray_pickle
 
     # registers Ray's reducers (Ray has no public name for it)
-    ray._private.worker.global_worker.get_serialization_context()  # noqa: SLF001
+    ray._private.worker.global_worker.get_serialization_context()  # type: ignore[no-untyped-call]  # noqa: SLF001
     for cls in (ray.ObjectRef, ray.actor.ActorHandle):
         reducer: Any = ray_pickle.CloudPickler.dispatch.get(cls)
         if reducer is not None and copyreg.dispatch_table.get(cls) is not reducer:
@@ -239,7 +239,7 @@ class RankActor:
         return interpreter_problem(python, version, f"Ray node {socket.gethostname()}",
                                    needs)
 
-    def serve(self, start: ActorStart | None = None) -> dict:
+    def serve(self, start: ActorStart | None = None) -> dict[str, Any]:
         """Serve the rank until it ends; its pid and exit status. The rank is the one the
         constructor started, or, given ``start``, one started now. ``own_process``: the
         rank runs in a child process instead (``python -m phalanx.rank.runtime``), for a
@@ -305,7 +305,7 @@ class _InActor:
         self.conn: Any = None
         self.runtime: Any = None
         self.started_code: int | None = None
-        self.child: subprocess.Popen | None = None
+        self.child: subprocess.Popen[bytes] | None = None
         self.saved: tuple[int, int] | None = None
         self.outputs: list[Any] = []
         self.patches: HostPatches | None = None
@@ -313,7 +313,7 @@ class _InActor:
         self.stack_file: Any = None
         self.notes: Notes | None = None
         self.writer: Any = None
-        self._warden: subprocess.Popen | None = None
+        self._warden: subprocess.Popen[bytes] | None = None
 
     @classmethod
     def begin(cls, start: ActorStart) -> _InActor:
@@ -385,7 +385,7 @@ class _InActor:
             self.error = exc
             self._end()
 
-    def finish(self) -> dict:
+    def finish(self) -> dict[str, Any]:
         """Serve the rank until it ends, then end what it left behind; its pid and exit
         status (raises how its start failed)."""
         from phalanx.rank import runtime

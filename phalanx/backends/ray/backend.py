@@ -407,8 +407,9 @@ class RayBackend(Backend):
         ray = self._ray
         b = self._live_bundle(self._first_rank[node.index])
         try:
-            return ray.get(b.actor.free_ports.remote(node.address, count),
-                           timeout=self._start_timeout)
+            ports: list[int] = ray.get(b.actor.free_ports.remote(node.address, count),
+                                       timeout=self._start_timeout)
+            return ports
         except ray.exceptions.GetTimeoutError:
             first = self._first_rank[node.index]
             raise StartupError(

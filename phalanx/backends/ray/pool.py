@@ -135,11 +135,13 @@ def _reserve(template: RayBackend, lease: ray_session.Lease, counts: Sequence[in
     total = sum(counts)
     strategy = "STRICT_PACK" if len(counts) == 1 else "PACK"
     asked = f"{total} bundles {bundle} ({list(counts)} per node, strategy {strategy})"
+    nodes = ray.nodes()  # type: ignore[no-untyped-call]  # Ray leaves it unannotated
     problem = placement_problem([bundle] * total, strategy,
-                                [n["Resources"] for n in ray.nodes() if n.get("Alive")])
+                                [n["Resources"] for n in nodes if n.get("Alive")])
     if problem is not None:
+        everything = ray.cluster_resources()  # type: ignore[no-untyped-call]  # as nodes()
         raise StartupError(f"Ray cannot place {holder}, a resource pool of {asked}: "
-                           f"{problem} (cluster resources: {ray.cluster_resources()})")
+                           f"{problem} (cluster resources: {everything})")
     need = total_resources([bundle] * total)
     short = shortage(ray, need)
     holders = held_by_pools(short)

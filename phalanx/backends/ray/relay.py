@@ -99,7 +99,7 @@ class RelayedRankActor:
         self._spawner: Any = None  # a phalanx.node.spawn.RankSpawner
         self._spare: Any = None  # a phalanx.node.spawn.PrestartedWorker
         self._relay_ready = threading.Event()
-        self._relay: Any = None
+        self._relay: _Relay | None = None
         # The supervisor, then the rank's interpreter under it, start now, beside the
         # constructor (which returns at once), while the controller is still placing the
         # other actors: by the time this rank is assigned its imports are done.
@@ -143,7 +143,7 @@ class RelayedRankActor:
         self._proc = proc
         return proc
 
-    def _supervise(self, proc: Any) -> dict:
+    def _supervise(self, proc: Any) -> dict[str, Any]:
         """Wait for the rank's process, and for its keeper to end what it left behind;
         its pid and exit status."""
         code = proc.exitcode(None)
@@ -151,7 +151,7 @@ class RelayedRankActor:
         proc.release()
         return {"pid": proc.pid, "exitcode": code}
 
-    def serve_relayed(self, env: Mapping[str, str], cwd: str | None) -> dict:
+    def serve_relayed(self, env: Mapping[str, str], cwd: str | None) -> dict[str, Any]:
         """Run the rank for a controller this node cannot connect to (a Ray Client
         driver): the rank's streams end here, and the controller moves their bytes with
         :meth:`deliver` and :meth:`poll`. Same messages, Ray's speed."""
@@ -170,15 +170,21 @@ class RelayedRankActor:
     def deliver(self, seq: int, data: bytes) -> None:
         """Bytes from the controller for the rank's control stream, in ``seq`` order
         (Ray may run two calls of a threaded actor out of order)."""
-        self._relay_ready.wait(config.CONNECT_TIMEOUT)
-        self._relay.deliver(seq, data)
+        self._ready_relay().deliver(seq, data)
 
     def poll(self, timeout: float) -> list[tuple[int, bytes]]:
         """What the rank wrote since the last poll, as ``(stream, bytes)`` (0: control,
         1: stdout, 2: stderr), waiting up to ``timeout`` s for something; ``(-1, b"")``
         once every stream has ended."""
+        return self._ready_relay().poll(timeout)
+
+    def _ready_relay(self) -> _Relay:
+        """The relay :meth:`serve_relayed` makes, once it has (it runs beside them)."""
         self._relay_ready.wait(config.CONNECT_TIMEOUT)
-        return self._relay.poll(timeout)
+        if self._relay is None:
+            raise RuntimeError(f"no relay: serve_relayed() did not start within "
+                               f"{config.CONNECT_TIMEOUT:g} s")
+        return self._relay
 
     def stop(self, grace: float) -> None:
         """SIGTERM the rank's process tree, SIGKILL after ``grace`` s, reap."""
@@ -228,8 +234,9 @@ class RelayChannel(RayChannel):
     def stacks(self, rank: int, timeout: float) -> str:
         """Taken by the actor, on the rank's node."""
         try:
-            return self._services.ray.get(self.actor.stacks.remote(timeout),
-                                          timeout=timeout + config.RAY_SIGNAL_TIMEOUT)
+            text: str = self._services.ray.get(self.actor.stacks.remote(timeout),
+                                               timeout=timeout + config.RAY_SIGNAL_TIMEOUT)
+            return text
         except Exception as exc:  # noqa: BLE001 - the actor is gone, or too slow to answer
             return f"(no stack: its Ray actor did not answer: {type(exc).__name__}: {exc})"
 

@@ -92,11 +92,13 @@ def driver_address(ray: Any) -> str:
         node_id = ray.get_runtime_context().get_node_id()
         for node in ray.nodes():
             if node.get("NodeID") == node_id and node.get("NodeManagerAddress"):
-                return node["NodeManagerAddress"]
+                address: str = node["NodeManagerAddress"]
+                return address
     except Exception as exc:  # noqa: BLE001 - Ray's own answer below
         logger.debug("the driver's Ray node was not found: %s", exc)
     logger.debug("the driver's node is not in Ray's node table; using Ray's node address")
-    return ray.util.get_node_ip_address()
+    ip: str = ray.util.get_node_ip_address()
+    return ip
 
 
 def remote_class(cls: type) -> Any:

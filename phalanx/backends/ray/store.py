@@ -29,6 +29,7 @@ from phalanx.errors import PhalanxError
 from phalanx.node import shm
 from phalanx.rank.shared import ray_location
 from phalanx.wire import protocol
+from phalanx.wire.memfd import Location
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ class NodeStore:
     def __init__(self) -> None:
         self._objects = shm.Holder()
 
-    def hold(self, ref_id: int, writable: bool, parts: list[Any]) -> tuple:
+    def hold(self, ref_id: int, writable: bool, parts: list[Any]) -> Location:
         """Write the object (its parts, resolved from Ray's store) into a block here;
         where the node's ranks find it."""
         return self._objects.hold(ref_id, "", parts, writable=writable)
@@ -66,7 +67,7 @@ class RayShares:
         self._prefix, self._namespace, self._runtime_env = prefix, namespace, runtime_env
         self._stores: dict[str, Any] = {}  # Ray node id -> its NodeStore actor
         self._objects: dict[int, Any] = {}  # ref id -> its ray.ObjectRef in Ray's store
-        self._held: dict[tuple[int, str], tuple] = {}  # (ref id, node id) -> location
+        self._held: dict[tuple[int, str], Location] = {}  # (ref id, node id) -> location
         self._lock = threading.Lock()
 
     def share(self, obj: Any, channels: Sequence[Any], node_of: Callable[[Any], str]) -> None:
@@ -133,8 +134,9 @@ class RayShares:
     def free_port(self, node_id: str, host: str, timeout: float) -> int:
         """A port free now on the node (asked of its store actor)."""
         try:
-            return self._ray.get(self._store(node_id).free_ports.remote(host, 1),
-                                 timeout=timeout)[0]
+            ports: list[int] = self._ray.get(self._store(node_id).free_ports.remote(host, 1),
+                                             timeout=timeout)
+            return ports[0]
         except Exception as exc:  # noqa: BLE001 - Ray's errors have no common base
             raise PhalanxError(f"could not find a free port on Ray node {node_id[:12]}: "
                                f"{type(exc).__name__}: {exc}") from None
