@@ -604,8 +604,9 @@ SHIP_CHUNK = 64 << 20  # bytes of files per BLOBS request
 def _ship(agent: AgentNode, root: Any, version: str, listing: list[codesync.Entry]) -> str:
     """The path of ``version`` on ``agent``'s node, sending the files it lacks first."""
     answer = agent.request(agentwire.SYNC, version, listing)
-    if answer["path"] is not None:
-        return answer["path"]
+    path: str | None = answer["path"]
+    if path is not None:
+        return path
     batch: list[tuple[str, bytes]] = []
     size = 0
     for digest, data in [*codesync.read_blobs(root, listing, answer["missing"]), ("", b"")]:
@@ -616,7 +617,8 @@ def _ship(agent: AgentNode, root: Any, version: str, listing: list[codesync.Entr
         if digest:
             batch.append((digest, data))
             size += len(data)
-    return agent.request(agentwire.TREE, version, listing, timeout=REQUEST_TIMEOUT * 5)
+    made: str = agent.request(agentwire.TREE, version, listing, timeout=REQUEST_TIMEOUT * 5)
+    return made
 
 
 def _tls_context(tls: bool | str | ssl.SSLContext | None) -> ssl.SSLContext | None:

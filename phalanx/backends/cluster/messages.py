@@ -184,7 +184,8 @@ _Check = Callable[[str, str, Any], None]
 
 
 def _limit(name: str) -> int:
-    return getattr(config, name)
+    limit: int = getattr(config, name)  # one of config's int limits, by name
+    return limit
 
 
 def _over(what: str, value: int, name: str) -> None:

@@ -152,7 +152,8 @@ def adopt(joined: Joined, own_id: int, rest: Sequence[Entry], fanout: int,
                     if not ok:
                         raise OSError(f"the agent at {joined.host}:{joined.port} could not "
                                       f"adopt its part of the tree: {value}")
-                    return value
+                    adopted: dict[str, Any] = value  # what its Branch.adopt returned
+                    return adopted
                 if kind == agentwire.FAULT:
                     raise OSError(f"the agent at {joined.host}:{joined.port}: {extra[0]}")
     except seal.FrameRejected as exc:

@@ -207,7 +207,7 @@ class Branch:
 
     # -- routing ---------------------------------------------------------------------------
 
-    def route_down(self, dest: int, kind: int, request_id: int, fields: tuple,
+    def route_down(self, dest: int, kind: int, request_id: int, fields: tuple[Any, ...],
                    segs: list[Any]) -> None:
         """A node's request for node ``dest`` of this subtree: to the child above it."""
         child = self._node_route.get(dest)
@@ -318,7 +318,7 @@ class Branch:
                 self._node_route[tree_id] = child
             self._relay.watch(child.conn.read_fd, child)
 
-    def adopt(self, own_id: int, entries: list, fanout: int, timeout: float,
+    def adopt(self, own_id: int, entries: list[Any], fanout: int, timeout: float,
               payload: list[Any]) -> dict[str, Any]:
         """ADOPT (a request thread): become node ``own_id`` of a tree and adopt ``entries``
         below it."""

@@ -127,7 +127,8 @@ class Agent:
 
     @property
     def address(self) -> tuple[str, int]:
-        return self._listener.getsockname()[:2]
+        address: tuple[str, int] = self._listener.getsockname()[:2]  # (IPv6: 4 fields)
+        return address
 
     def health(self) -> dict[str, Any]:
         """``ok`` false, with the ``reason``, while stopping or while the control port cannot
@@ -231,7 +232,7 @@ class Agent:
         while not self._stopping.wait(interval):
             self._admission.expire()
 
-    def _serve(self, raw: socket.socket, peer: tuple) -> None:
+    def _serve(self, raw: socket.socket, peer: tuple[Any, ...]) -> None:
         try:
             sock, auth = self._authenticate(raw, peer)
         finally:
@@ -244,7 +245,7 @@ class Agent:
         self._run_session(sock, peer, auth)
 
     def _authenticate(self, raw: socket.socket,
-                      peer: tuple) -> tuple[socket.socket, seal.FrameAuth | None]:
+                      peer: tuple[Any, ...]) -> tuple[socket.socket, seal.FrameAuth | None]:
         """The connection (TLS wrapped, if TLS) and, if its peer proved the token, the
         keys that authenticate every frame after the handshake (None: it did not)."""
         sock = raw
@@ -267,7 +268,8 @@ class Agent:
             return sock, None
         return sock, hello.auth
 
-    def _run_session(self, sock: socket.socket, peer: tuple, auth: seal.FrameAuth) -> None:
+    def _run_session(self, sock: socket.socket, peer: tuple[Any, ...],
+                     auth: seal.FrameAuth) -> None:
         session = self.session_class(sock, heartbeat_timeout=self._heartbeat_timeout,
                                      node_timeout=self._node_timeout,
                                      max_frame=self._max_frame, counters=self._count,

@@ -65,6 +65,7 @@ import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from socketserver import TCPServer
+from typing import Any
 from urllib.parse import urlsplit
 
 from phalanx import config
@@ -161,7 +162,7 @@ class AgentMetrics:
         return "\n".join(lines) + "\n"
 
 
-def health_response(health: Callable[[], dict]) -> tuple[int, dict]:
+def health_response(health: Callable[[], dict[str, Any]]) -> tuple[int, dict[str, Any]]:
     """The status code and JSON body of ``GET /health`` (pure apart from calling health):
     only the fields a stranger may read (see the module docstring)."""
     try:
@@ -255,7 +256,7 @@ class _Server(ThreadingHTTPServer):
     request_queue_size = config.AGENT_HTTP_BACKLOG
 
     def __init__(self, address: tuple[str, int], metrics: AgentMetrics,
-                 health: Callable[[], dict], request_timeout: float,
+                 health: Callable[[], dict[str, Any]], request_timeout: float,
                  max_connections: int) -> None:
         self.metrics = metrics
         self.health = health
@@ -322,7 +323,7 @@ class HealthServer:
     """
 
     def __init__(self, host: str, port: int, metrics: AgentMetrics,
-                 health: Callable[[], dict], *,
+                 health: Callable[[], dict[str, Any]], *,
                  request_timeout: float = REQUEST_TIMEOUT,
                  max_connections: int = MAX_CONNECTIONS) -> None:
         if not request_timeout > 0:

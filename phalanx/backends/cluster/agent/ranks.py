@@ -230,11 +230,11 @@ class Session:
                     elif what == "wake":
                         self._wake.drain()
                     elif what == "control":
-                        self._from_rank(rank)  # type: ignore[arg-type]
+                        self._from_rank(rank)
                     elif what == "output":
-                        self._output(fd, rank)  # type: ignore[arg-type]
+                        self._output(fd, rank)
                     elif what == "death":
-                        self._died(rank)  # type: ignore[arg-type]
+                        self._died(rank)
                     elif what == "child":
                         branch.from_child(rank)
                 if self._launched:
@@ -400,7 +400,8 @@ class Session:
 
     # -- requests ---------------------------------------------------------------------
 
-    def _request(self, kind: int, request_id: int, fields: tuple, payload: list[Any]) -> None:
+    def _request(self, kind: int, request_id: int, fields: tuple[Any, ...],
+                 payload: list[Any]) -> None:
         if kind == agentwire.PING:
             return
         if kind == agentwire.SIGNAL:
@@ -462,7 +463,8 @@ class Session:
         else:
             threading.Thread(target=run, name="phalanx-agent-request", daemon=True).start()
 
-    def _launch(self, starts: list[tuple], sys_path: list[str], options: dict,
+    def _launch(self, starts: list[tuple[Any, ...]], sys_path: list[str],
+                options: dict[str, Any],
                 cwd: str | None, payload: list[Any]) -> list[int]:
         options = dict(options)
         python = options.pop("python", None)  # python=: an interpreter of this node's
@@ -521,7 +523,7 @@ class Session:
                                "store)")
         return self._store
 
-    def _sync(self, version: str, listing: list, payload: list[Any]) -> dict[str, Any]:
+    def _sync(self, version: str, listing: list[Any], payload: list[Any]) -> dict[str, Any]:
         tree = self._code().tree(version)
         if tree is not None:
             return {"path": str(tree), "missing": []}
@@ -534,7 +536,7 @@ class Session:
             self._code().put(digest, bytes(data))
         return len(digests)
 
-    def _tree(self, version: str, listing: list, payload: list[Any]) -> str:
+    def _tree(self, version: str, listing: list[Any], payload: list[Any]) -> str:
         return str(self._code().build(version, [tuple(entry) for entry in listing]))
 
     def _wait(self, ranks: list[int], timeout: float, payload: list[Any]) -> None:

@@ -76,7 +76,7 @@ class NodeObjects:
                 _send(rank, protocol.share_frame(rank.rank, ref_id, token, location))
         return written[0].capacity
 
-    def copy(self, ref_id: int, token: str, block: list, host: str, port: int,
+    def copy(self, ref_id: int, token: str, block: list[Any], host: str, port: int,
              timeout: float, payload: list[Any]) -> int:
         """COPY: fetch a kept result from the agent at ``host:port`` (READ) and hold it as
         object ``ref_id`` (see :meth:`hold`). The copy's size."""
@@ -143,7 +143,7 @@ class NodeObjects:
         self._holder.close()
 
 
-def read(block: list, payload: list[Any]) -> agentwire.WithPayload:
+def read(block: list[Any], payload: list[Any]) -> agentwire.WithPayload:
     """READ: the parts of a block a rank of this node keeps a result in, as the reply's
     payload (views of a mapping of it: sent without a copy here)."""
     pid, fd, name, extents, capacity = block[:5]
