@@ -207,7 +207,7 @@ def _backend_settings(options: RunOptions) -> dict[str, Any]:
     return {}
 
 
-def _runner_args(options: RunOptions) -> tuple:
+def _runner_args(options: RunOptions) -> tuple[str | None, tuple[str, ...], bool, bool, str | None]:
     """ScriptRunner's arguments: the script by its absolute path here, or, when it is
     shipped (``sync``), by its path inside the shipped tree, where each rank runs (a
     ``--no-python`` command outside the tree is left as given: found on the ranks' PATH)."""

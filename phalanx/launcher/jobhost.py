@@ -39,7 +39,7 @@ from phalanx.launcher.policy import AttemptStatus, RestartDecision, decide
 from phalanx.launcher.report import Failure
 from phalanx.launcher.roster import Member, Roster, layout_counts, root_cause
 from phalanx.node.machine import free_port
-from phalanx.wire.streams import keep_alive  # also the launchers' (multinode)
+from phalanx.wire.streams import keep_alive
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,8 @@ class JobHost:
 
     @property
     def address(self) -> tuple[str, int]:
-        return self._listener.getsockname()[:2]
+        address: tuple[str, int] = self._listener.getsockname()[:2]  # (IPv6: 4 fields)
+        return address
 
     def start(self) -> None:
         for target, name in ((self._accept, "phalanx-job-accept"),

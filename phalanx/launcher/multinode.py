@@ -36,13 +36,13 @@ from phalanx.launcher.jobhost import (
     JobSpec,
     Lines,
     describe,
-    keep_alive,
     send_message,
 )
 from phalanx.launcher.options import BadOptions, JobOptions, RunOptions
 from phalanx.launcher.report import FAILED, Failure, exit_status, format_report
 from phalanx.launcher.signals import SignalForwarder
 from phalanx.output import console
+from phalanx.wire.streams import keep_alive
 from phalanx.world.frameworks import WorldPart
 from phalanx.world.layout import Layout
 

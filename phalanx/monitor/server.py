@@ -67,8 +67,8 @@ class Dashboard:
         self.token = secrets.token_urlsafe(24)
         self.metrics = Metrics()
         self.groups = state.Groups()
-        self._assets = {name: resources.files("phalanx.monitor").joinpath(
-            "static", name).read_bytes() for name in _ASSETS}
+        static = resources.files("phalanx.monitor").joinpath("static")  # one name a call: 3.10
+        self._assets = {name: static.joinpath(name).read_bytes() for name in _ASSETS}
         handler = type("Handler", (_Handler,), {"dashboard": self})
         self._server = _Server((host, port), handler)
         self.host = host
