@@ -9,7 +9,7 @@ meanwhile is done from outside, by this small process the actor starts with fork
 - the rank's *side stream* to the controller (``handshake.ROLE_SIDE``; sealed like the
   control stream across the network) and answers on it: ``SIGNAL`` (deliver a signal to
   the actor and everything below it, as a terminal would), ``STACKS`` (every thread's
-  stack, dumped by :mod:`faulthandler` in the actor into a file shared with this process:
+  stack, written by the rank's stack thread into a file shared with this process:
   :mod:`phalanx.node.stacks`), ``STOP`` (SIGTERM the actor's tree, SIGKILL whatever is left
   after ``grace`` s);
 - the read end of a pipe whose write end only the actor holds (the *notes*): the actor

@@ -56,18 +56,17 @@ def _check_parent(parent_pid: int) -> None:
 
 
 def arm_stack_dumps(fd: int | None = None) -> None:
-    """Dump every thread's stack into the file the node side gave us (``fd``, or the one
-    ``config.ENV_STACKS_FD`` names) on ``config.STACKS_SIGNAL``: from the C signal handler,
-    so it works whatever the threads are doing (see :mod:`phalanx.node.stacks`)."""
+    """Write every thread's stack into the file the node side gave us (``fd``, or the one
+    ``config.ENV_STACKS_FD`` names) when it asks, from a thread of the rank's own, never
+    interrupting the others (see :mod:`phalanx.rank.stacks`)."""
     if fd is None:
         named = os.environ.pop(config.ENV_STACKS_FD, None)
         if named is None:
             return
         fd = int(named)
-    import faulthandler  # only with a stack file: a rank's start-up stays light
+    from phalanx.rank import stacks  # only with a stack file: a rank's start-up stays light
 
-    os.set_inheritable(fd, False)
-    faulthandler.register(config.STACKS_SIGNAL, file=fd, all_threads=True, chain=False)
+    stacks.arm(fd)
 
 
 def _beat(conn: framing.Connection, rank: int, interval: float) -> None:
@@ -612,8 +611,8 @@ def start_in_actor(conn: framing.Connection,
     actor's main thread): its runtime, and what :func:`start` gave. :func:`finish` (with
     ``in_process=True``) serves it; there ``sys.exit(code)`` in user code gives ``code``.
     The caller set up the rank's environment, output and signals, and ends what the rank
-    left behind; with ``stacks_fd``, every thread's stack is dumped there on
-    ``config.STACKS_SIGNAL``."""
+    left behind; with ``stacks_fd``, every thread's stack is written there when the node
+    side asks (:func:`arm_stack_dumps`)."""
     global _STARTED
     _STARTED = (time.monotonic(), 0.0)  # the process was there before the rank
     kept.IN_RAY_WORKER = True  # results it keeps go to Ray's object store
