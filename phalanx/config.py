@@ -43,6 +43,9 @@ SLURM_COMMAND_TIMEOUT = 30.0  # seconds for one sbatch, squeue, scontrol or scan
 SLURM_POLL = 0.5  # seconds between looks at a pending job and at the agents' addresses
 # seconds for a submitted job to end by itself once its agents are told to go; then scancel
 SLURM_END_WAIT = 10.0
+# seconds, at most, a rank killed or a node lost on a Slurm job that Slurm is ending waits
+# for it to say why (its state while COMPLETING hides it: cancelled, the time limit, ...)
+SLURM_CAUSE_WAIT = 3.0
 # seconds between the notices of a quorum wait naming the agents not there yet and why
 # (a wrong port or token shows at once, not after quorum_timeout's 300 s of silence)
 QUORUM_REPORT_EVERY = 5.0

@@ -246,6 +246,13 @@ class Backend(abc.ABC):
         ``procs_per_node="auto"``); None when only placement tells."""
         return None
 
+    def group_nodes(self, nodes: int | None) -> int:
+        """How many nodes a group that asks for ``nodes`` (None: it named none) runs on,
+        decided before anything starts: ``nodes``, or 1. A backend whose nodes are known
+        before it opens (``px.SlurmBackend``: its job's) gives them all, and refuses more
+        with a ValueError."""
+        return 1 if nodes is None else nodes
+
     def reserve(self, layout: Layout, *, gpus_per_worker: int, timeout: float,
                 holder: str = "a group") -> list[Node]:
         """Find nodes for ``layout`` (ranks per node in order); raises before any rank runs.

@@ -118,8 +118,9 @@ def plan_group(
         gpus_per_worker = booking.gpus_per_worker
     else:
         backend_ = create_backend(backend)  # checks the name; starts nothing
-    nodes = 1 if nodes is None else nodes
-    check_count(nodes, "nodes")
+    if nodes is not None:
+        check_count(nodes, "nodes")
+    nodes = backend_.group_nodes(nodes)  # none named: 1, or all a Slurm job's
     placement = place(framework, nodes, 1 if procs_per_node is None else procs_per_node,
                       gpus_per_worker or 0, backend_.gpus_per_node(nodes))
     require_package(placement.framework)

@@ -80,6 +80,9 @@ class AgentNode:
         self.holding: set[int] = set()  # the put objects its agent holds (controller.shared)
         self.lost_reason: str | None = None
         self.label: str | None = None  # what else names it (Slurm's job and node)
+        # with a label: what else may explain a rank killed by a signal there, asked as its
+        # record is made (px.SlurmBackend: Slurm ending the job), or None when nothing does
+        self.explain: Callable[[], str | None] | None = None
 
     @property
     def name(self) -> str:
@@ -214,9 +217,13 @@ class AgentRankChannel(Channel):
                                  self._tap.stderr_tail(), self._reason)
         label = self.agent.label
         if self._reason is None and label is not None:
-            # where else its node is named (a Slurm job's node: a SIGTERM there is most
+            # where else its node is named (a Slurm job's node: a signal there is most
             # often the job's end, scancel or its time limit, told before the node is lost)
-            failure = dataclasses.replace(failure, reason=f"{failure.cause}, on {label}")
+            why = (self.agent.explain() if self.agent.explain is not None
+                   and failure.signal is not None else None)
+            failure = dataclasses.replace(failure, reason=(
+                f"{failure.cause}, on {label}" if why is None else
+                f"killed by {failure.signal}, on {label}: {why}"))
         return failure
 
     def close(self) -> None:

@@ -10,12 +10,18 @@ is a cluster backend: the ranks are the agents' children, they see ``SLURM_JOB_I
 ``SLURMD_NODENAME`` (the agent's environment is theirs) with the allocation's GPUs as
 ``CUDA_VISIBLE_DEVICES``, kept results cross between nodes through the agents, and a node
 lost (``scancel``, the time limit, a node down) fails the calls pending on it, naming the
-job and the node.
+job and the node. Where Slurm ended the job, why (as its job state, or slurmstepd's notice
+in the agents' logs, says it: cancelled, time limit, node failure, preempted) joins the
+message and the failure records: a lost node's membership change and a rank killed by a
+signal there ask Slurm (:meth:`~.slurmjob.SlurmJob.why_ended`, a few seconds at most).
 
-A group's backend submits its own job; a :class:`~phalanx.controller.pool.ResourcePool` on
-this backend submits one for the pool, which its colocated groups share. The job ends as
-the group or the pool closes, and when the controller dies (the agents see their last
-connection end and exit).
+A group that names no ``nodes`` runs on every node of the job (:meth:`SlurmBackend.
+group_nodes`): the backend's ``nodes``, else the allocation's; outside an allocation with
+neither, the group's ``nodes`` size the job. A group's backend submits its own job; a
+:class:`~phalanx.controller.pool.ResourcePool` on this backend submits one for the pool,
+which its colocated groups share. The job ends as the group or the pool closes, and when
+the controller dies (the agents see their last connection end and exit, and the last of
+them removes the job's directory).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from phalanx.backends.cluster.pool import reserve_slots as reserve_cluster_slots
 from phalanx.backends.cluster.slurmjob import JobRequest, SlurmJob, sequence_or_empty
 from phalanx.backends.parts import SlotReservation
 from phalanx.errors import MembershipEvent
+from phalanx.output.logs import OutputOptions
 from phalanx.world.pools import PoolSlot
 
 logger = logging.getLogger(__name__)
@@ -44,7 +51,8 @@ _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 class SlurmBackend(ClusterBackend):
     """Ranks on the nodes of a Slurm job (see the module's docstring).
 
-    ``nodes``: how many (default: the allocation's inside one, else 1). ``partition``,
+    ``nodes``: how many (default: the allocation's inside one, else the group's or the
+    pool's); a group that names no ``nodes`` runs on all of them. ``partition``,
     ``time`` (sbatch's ``--time``), ``gpus_per_node``, ``cpus_per_node`` (CPUs for the
     node's ranks, its agent's task), ``account``, ``qos`` and ``sbatch_args`` (more of
     sbatch's options, e.g. ``["--exclusive"]``) shape the job it submits.
@@ -89,6 +97,7 @@ class SlurmBackend(ClusterBackend):
         self.state_dir = state_dir
         self.job = SlurmJob(self.request, state_dir=state_dir,
                             allocation_timeout=allocation_timeout, start_timeout=start_timeout)
+        self._told_why = False  # whether the log has said why Slurm ended the job
         super().__init__(token=self.job.token, quorum_timeout=start_timeout,
                          heartbeat_timeout=heartbeat_timeout, node_timeout=node_timeout,
                          sync=sync, max_frame=max_frame, dns_interval=None)
@@ -112,6 +121,41 @@ class SlurmBackend(ClusterBackend):
     def gpus_per_node(self, nodes: int) -> int | None:
         return self.request.gpus_per_node
 
+    def group_nodes(self, nodes: int | None) -> int:
+        """Every node of the job when the group names none: ``nodes`` given here, else the
+        allocation's inside one; outside one with no ``nodes`` here the job is submitted
+        with the group's (1 when it names none). ValueError before anything starts for
+        a group asking for more nodes than that, or for ``nodes`` here beyond the
+        allocation's."""
+        limit = self._node_limit()
+        if nodes is None:
+            return limit or 1
+        if limit is not None and nodes > limit:
+            raise ValueError(f"nodes={nodes}, but {self._node_source(limit)}: give the group "
+                             f"at most {limit} (or leave nodes= out: all of them)")
+        if limit is None:  # a job of its own, sized by the group (this copy is the group's)
+            self.request = self.job.request = dataclasses.replace(self.request, nodes=nodes)
+        return nodes
+
+    def _node_limit(self) -> int | None:
+        """The nodes the job has or asks for: ``nodes`` given here (checked against the
+        allocation's inside one), else the allocation's; None outside an allocation when
+        ``nodes`` was not given."""
+        have = self.job.allocation_nodes()
+        wanted = self.request.nodes
+        if have is not None and wanted is not None and wanted > have:
+            raise ValueError(f"px.SlurmBackend(nodes={wanted}) inside {self.job.label}, "
+                             f"which has {have} node(s) ($SLURM_JOB_NUM_NODES): ask for at "
+                             "most that many (or leave nodes= out: all of them)")
+        return wanted if wanted is not None else have
+
+    def _node_source(self, limit: int) -> str:
+        if self.request.nodes is not None:
+            return (f"px.SlurmBackend(nodes={limit}) "
+                    + ("uses" if self.job.inside else "asks Slurm for")
+                    + f" {limit} node(s){'' if self.job.inside else ': ask for more there'}")
+        return f"this allocation ({self.job.label}) has {limit} node(s) ($SLURM_JOB_NUM_NODES)"
+
     # -- the job --------------------------------------------------------------------------
 
     def _find_agents(self) -> list[str]:
@@ -122,9 +166,24 @@ class SlurmBackend(ClusterBackend):
             f"{n} ({h})" for n, h in zip(self.job.node_names, hosts, strict=True)))
         return hosts
 
+    def _open(self, output: OutputOptions) -> None:
+        super()._open(output)
+        for agent in self.members.nodes:  # a rank killed by a signal: was it Slurm?
+            agent.explain = self.job.why_ended
+
     def _membership_changed(self, event: MembershipEvent) -> None:
-        if event.removed and not self.job.inside:
-            logger.warning("%s: %s", self.job.describe(), event)
+        """A node lost is most often the job's end (scancel, its time limit, a node
+        failure, a preemption): Slurm's word on it, asked for a moment at most
+        (``config.SLURM_CAUSE_WAIT``), joins the reason the group's calls fail with and
+        its ranks' records carry."""
+        if event.removed:
+            why = self.job.why_ended()
+            if why is not None:
+                if not self._told_why:  # (the nodes lost are logged one by one)
+                    self._told_why = True
+                    logger.warning("%s", why)
+                event = dataclasses.replace(
+                    event, reason=f"{event.reason}; {why}" if event.reason else why)
         super()._membership_changed(event)
 
     def close(self) -> None:
@@ -140,9 +199,10 @@ class SlurmBackend(ClusterBackend):
                       holder: str = "a pool") -> SlotReservation:
         """A job for the pool (as many nodes as it has, unless ``nodes`` asks for more),
         whose agents every group placed on it uses; it ends as the pool is released."""
-        if self.request.nodes is not None and len(counts) > self.request.nodes:
-            raise ValueError(f"a pool of {len(counts)} nodes on SlurmBackend(nodes="
-                             f"{self.request.nodes})")
+        limit = self._node_limit()
+        if limit is not None and len(counts) > limit:
+            raise ValueError(f"a pool of {len(counts)} nodes, but "
+                             f"{self._node_source(limit)}")
         job = self.job
         if job.request.nodes is None and not job.inside:
             job.request = dataclasses.replace(job.request, nodes=len(counts))
@@ -169,8 +229,6 @@ class SlurmSlots:
     def __init__(self, slots: ClusterSlots, job: SlurmJob, labels: dict[str, str]) -> None:
         self._slots, self._job, self._labels = slots, job, labels
         self._keeper = ClusterBackend(job.hosts, token=job.token, dns_interval=None)
-        from phalanx.output.logs import OutputOptions
-
         try:
             self._keeper.open(OutputOptions(echo=False))
         except BaseException:

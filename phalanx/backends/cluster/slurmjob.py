@@ -6,10 +6,17 @@ Outside an allocation the job is submitted (``sbatch``) with a batch script of o
 is submitted. ``DIR`` is a directory only this user can enter, under ``state_dir`` (a
 filesystem the nodes share: ``~/.cache/phalanx/slurm`` by default), holding
 
-    token        the job's token: 256 fresh bits (0600; never on a command line)
-    agents/<n>   ``host:port`` of node n's agent, written by the agent once it listens
+    token        the job's token: 256 fresh bits (0600; never on a command line), removed
+                 once every agent listens (each read it first)
+    agents/<n>   ``host:port`` of node n's agent, written by the agent once it listens,
+                 removed as it exits
     job.sh       the batch script (a submitted job)
-    agent-<n>.log, batch.log, srun.log   what the agents, the script and srun printed
+    agent-<host>.log, batch.log, srun.log   what the agents, the script and srun printed
+
+The directory goes with the job however it ends: the controller removes it as the job ends
+(:meth:`SlurmJob.end`); where the controller was killed, the last agent to exit removes it
+(:meth:`~phalanx.backends.cluster.agent.slurmnode.SlurmNode.withdraw`), and where the
+agents were killed too, the batch script does as its srun returns (a submitted job).
 
 Its life, as :class:`JobState`: NEW, then PENDING while Slurm queues it (a notice names
 Slurm's reason each time it changes), STARTING while the agents start and publish their
@@ -26,11 +33,13 @@ import dataclasses
 import enum
 import logging
 import os
+import re
 import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 
@@ -56,6 +65,50 @@ _HOPELESS = frozenset(("PartitionConfig", "PartitionNodeLimit", "PartitionTimeLi
                        "QOSNotAllowed", "PartitionDown", "InactiveLimit",
                        "QOSMaxNodePerJobLimit", "AssocMaxNodesPerJobLimit",
                        "QOSMaxWallDurationPerJobLimit", "AssocMaxWallDurationPerJobLimit"))
+
+
+# states of a job Slurm is ending (its processes are being killed): the state it ends in
+# shows once they are gone
+_ENDING = frozenset(("COMPLETING", "SIGNALING", "STAGE_OUT"))
+# states of a job Slurm ended and queued again (a node failure, a preemption): its agents
+# were ended
+_REQUEUED = frozenset(("REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "PENDING"))
+
+# What each of the states of a job over means, in a killed rank's or a lost node's message
+_STATE_MEANS = {
+    "CANCELLED": "it was cancelled with scancel, by its user or an administrator",
+    "TIMEOUT": "it reached its time limit",
+    "NODE_FAIL": "one of its nodes failed",
+    "PREEMPTED": "it was preempted by another job",
+    "OUT_OF_MEMORY": "a step ran out of memory",
+    "DEADLINE": "it reached its deadline",
+    "BOOT_FAIL": "its nodes failed to boot",
+    "FAILED": "its batch script failed",
+    "COMPLETED": "its batch script ended",
+    "REVOKED": "it was revoked (a federated job run elsewhere)",
+    "SPECIAL_EXIT": "it ended with a special exit state",
+}
+
+# slurmstepd's notice on a step's stderr as it signals the tasks: "slurmstepd: error: ***
+# STEP 7.0 ON n1 CANCELLED AT 2024-05-01T10:00:00 DUE TO TIME LIMIT ***" (JOB for a batch
+# step; "DUE TO PREEMPTION", "DUE TO NODE FAILURE", or no cause for scancel)
+_STEP_NOTICE = re.compile(
+    r"\*\*\* ((?:JOB|STEP) \S+ ON \S+ ([A-Z_]+) AT [^*\n]*?) \*\*\*")
+# the job state each "DUE TO" cause of such a notice stands for
+_NOTICE_CAUSES = {"TIME LIMIT": "TIMEOUT", "PREEMPTION": "PREEMPTED",
+                  "NODE FAILURE": "NODE_FAIL"}
+
+
+# The batch script of a submitted job: one srun step of the agents. Its directory goes when
+# the job ends (the controller removes it as it closes, and the agents as they end; this is
+# for the job whose controller was killed and whose agents were too); a TERM from Slurm
+# (scancel, the time limit) exits through the EXIT trap once srun has returned.
+_BATCH_SCRIPT = """#!/bin/sh
+# phalanx: one agent per node, for its controller
+trap 'rm -rf -- {directory}' EXIT
+trap 'exit 143' TERM INT HUP
+{srun}
+"""
 
 
 class JobState(enum.Enum):
@@ -116,6 +169,8 @@ class SlurmJob:
         self.hosts: list[str] = []  # "host:port" of each node's agent, in the job's order
         self.node_names: list[str] = []  # Slurm's name of each, in that order
         self._srun: subprocess.Popen[bytes] | None = None  # the agents' step (inside)
+        self._why: str | None = None  # why Slurm ended it, once known (why_ended)
+        self._why_lock = threading.Lock()
         # seconds: submit (sbatch's answer), queued (until Slurm ran it, submit included),
         # agents (from then until every agent listened: srun and the agents' start)
         self.timings: dict[str, float] = {}
@@ -123,6 +178,20 @@ class SlurmJob:
     @property
     def label(self) -> str:
         return f"slurm job {self.job_id}" if self.job_id else "a slurm job"
+
+    def allocation_nodes(self) -> int | None:
+        """How many nodes the allocation this process runs in has (``SLURM_JOB_NUM_NODES``);
+        None outside one. ValueError naming the variable when it is not a number."""
+        if not self.inside:
+            return None
+        for name in ("SLURM_JOB_NUM_NODES", "SLURM_NNODES"):
+            text = self._environ.get(name, "").strip()
+            if text:
+                if not (text.isascii() and text.isdigit() and int(text) > 0):
+                    raise ValueError(f"inside {self.label}: ${name}={text!r} is not a node "
+                                     "count")
+                return int(text)
+        return 1
 
     # -- starting ---------------------------------------------------------------------
 
@@ -178,9 +247,10 @@ class SlurmJob:
         script = os.path.join(self.directory, "job.sh")
         srun = " ".join(shlex.quote(part) for part in ["srun", *self._agent_command()])
         with open(script, "w") as out:
-            out.write(f"#!/bin/sh\n# phalanx: one agent per node, for its controller\n"
-                      f"exec {srun}\n")
-        done = _slurm("sbatch", "--parsable", "--job-name=phalanx",
+            out.write(_BATCH_SCRIPT.format(directory=shlex.quote(self.directory), srun=srun))
+        # --no-requeue: a job Slurm requeued (a node failure, a preemption) would start
+        # agents for a controller that has given up on them (sbatch_args may still requeue)
+        done = _slurm("sbatch", "--parsable", "--job-name=phalanx", "--no-requeue",
                       f"--output={os.path.join(self.directory, 'batch.log')}",
                       f"--chdir={os.getcwd()}", *self.request.sbatch_options(), script,
                       doing="submitting the job")
@@ -189,8 +259,7 @@ class SlurmJob:
 
     def _start_step(self) -> None:
         assert self.directory is not None
-        have = int(self._environ.get("SLURM_JOB_NUM_NODES")
-                   or self._environ.get("SLURM_NNODES") or 1)
+        have = self.allocation_nodes() or 1
         wanted = self.request.nodes or have
         if wanted > have:
             raise PhalanxError(f"nodes={wanted}, but this allocation ({self.label}) has "
@@ -249,7 +318,11 @@ class SlurmJob:
         deadline = time.monotonic() + self.start_timeout
         while True:
             found: dict[str, str] = {}
-            for name in os.listdir(folder):
+            try:
+                names = os.listdir(folder)
+            except FileNotFoundError:  # its last agent removed it as it ended: the job did
+                names = []
+            for name in names:
                 address = None if name.endswith(".part") else _read_address(
                     os.path.join(folder, name))
                 if address:
@@ -271,6 +344,12 @@ class SlurmJob:
         names = [n for n in order if n in found] + sorted(set(found) - set(order))
         self.node_names = names[:wanted]
         self.hosts = [found[n] for n in self.node_names]
+        # every agent read the token before it listened: it need not wait on the shared
+        # disk for the job's end (the controller holds it in memory for the connections)
+        try:
+            os.unlink(os.path.join(self.directory, TOKEN))
+        except FileNotFoundError:
+            pass
 
     def _ended(self) -> str | None:
         """Why the agents' step or job is over, or None while it runs."""
@@ -283,12 +362,12 @@ class SlurmJob:
 
     # -- watching -----------------------------------------------------------------------
 
-    def record(self) -> dict[str, str]:
+    def record(self, timeout: float = config.SLURM_COMMAND_TIMEOUT) -> dict[str, str]:
         """``scontrol show job -o`` of the job ({} once Slurm has forgotten it)."""
         if self.job_id is None:
             return {}
         done = _slurm("scontrol", "show", "job", "-o", self.job_id, check=False,
-                      doing="asking for the job's state")
+                      doing="asking for the job's state", timeout=timeout)
         if done.returncode != 0:
             return {}
         for line in done.stdout.splitlines():
@@ -299,6 +378,69 @@ class SlurmJob:
             if record.get("JobId") == self.job_id:
                 return record
         return {}
+
+    def why_ended(self, wait: float = config.SLURM_CAUSE_WAIT) -> str | None:
+        """Why Slurm is ending the job (or the agents' step), as it says it, for the
+        message of a rank killed or a node lost as it does: scancel, the time limit, a
+        node failure, a preemption. The job's state once it is over; while Slurm is
+        ending it (COMPLETING, which hides why) up to ``wait`` s more for that state, or
+        the notice slurmstepd wrote in the agents' logs as it signalled them. None while
+        the job runs on (Slurm had no part in it) or when Slurm cannot be asked. Once
+        known it is kept (a job ends once); one thread asks at a time."""
+        with self._why_lock:
+            if self._why is None:
+                self._why = self._ask_why(wait)
+            return self._why
+
+    def _ask_why(self, wait: float) -> str | None:
+        deadline = time.monotonic() + wait
+        while True:
+            state, reason = "", "None"
+            if self.job_id is not None:
+                try:
+                    record = self.record(timeout=max(0.5, deadline - time.monotonic()))
+                except PhalanxError as exc:  # no answer: the logs may still say
+                    logger.debug("asking Slurm why %s ended: %s", self.label, exc)
+                    record = {}
+                state, reason = record.get("JobState", ""), record.get("Reason", "None")
+            why = "" if reason in ("None", "") else f", {reason}"
+            if state in _OVER:
+                return (f"Slurm ended {self.label}: {_STATE_MEANS.get(state, 'it is over')} "
+                        f"({state}{why})")
+            if state in _REQUEUED:
+                return f"Slurm requeued {self.label} ({state}{why})"
+            notice = self._step_notice()
+            if notice is not None:
+                return f"Slurm ended {self.label}: {notice}"
+            if state not in _ENDING:
+                return None
+            if time.monotonic() >= deadline:
+                return f"Slurm is ending {self.label} ({state}{why})"
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+
+    def _step_notice(self) -> str | None:
+        """slurmstepd's notice of the job's or the step's end in the agents' and the batch
+        script's logs (``*** STEP 7.0 ON n1 CANCELLED AT ... ***``), if one is there yet
+        (the job's directory may be gone already: its last agent removes it)."""
+        if self.directory is None:
+            return None
+        try:
+            names = sorted(n for n in os.listdir(self.directory) if n.endswith(".log"))
+        except OSError:
+            return None
+        for name in names:
+            try:
+                with open(os.path.join(self.directory, name), errors="replace") as f:
+                    notices = _STEP_NOTICE.findall(f.read()[-16384:])
+            except OSError:
+                continue
+            if notices:
+                text, state = notices[-1]
+                cause = text.upper().partition(" DUE TO ")[2].strip()
+                state = _NOTICE_CAUSES.get(cause, state if not cause else "")
+                means = _STATE_MEANS.get(state, "its agents were signalled")
+                return f'{means} (slurmstepd: "{text.strip()}")'
+        return None
 
     def describe(self) -> str:
         """The job's state as Slurm says it now (for an error that names the job)."""

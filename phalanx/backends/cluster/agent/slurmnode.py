@@ -10,13 +10,20 @@ starts one agent per node of the job with ``--slurm DIR``. Each agent
 - publishes ``host:port`` in ``DIR/agents/<node>`` (written whole, then renamed, so the
   controller never reads half of it);
 - serves one controller and exits as it leaves (or when none came within its idle
-  timeout), which ends the step and so the job.
+  timeout), which ends the step and so the job;
+- withdraws its address as it exits, and the last agent of the job to go removes ``DIR``
+  (the controller removes it as it closes; one killed outright cannot, and the directory,
+  with the agents' logs, would stay in the user's home). An agent killed outright leaves
+  its address, and so the directory, behind: a submitted job's batch script removes it
+  as the job ends.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
+import shutil
 
 from phalanx.node.slurm import node_address
 from phalanx.world.slurm import JOB_AGENTS as AGENTS
@@ -56,3 +63,26 @@ class SlurmNode:
         with os.fdopen(fd, "w") as out:
             out.write(f"{host}:{port}\n")
         os.replace(partial, final)
+        # however the agent ends but killed outright (its controller gone, SIGTERM from
+        # Slurm, the idle timeout), its address goes with it; not as a child forked from
+        # it ends (those end with os._exit, but a fork inherits the handler)
+        atexit.register(self.withdraw, os.getpid())
+
+    def withdraw(self, pid: int | None = None) -> None:
+        """This agent is ending: remove its address; the last agent of the job to go
+        removes the whole directory. Only an agent that announced itself withdraws (one
+        that failed before leaves the logs to its controller's error), and the last is the
+        one whose ``rmdir`` of the emptied ``agents/`` succeeds: it fails for every other,
+        atomically, while an address (or one being written) is left. ``pid``: only in
+        that process (the agent's)."""
+        if pid is not None and os.getpid() != pid:
+            return
+        agents = os.path.join(self.directory, AGENTS)
+        try:
+            os.unlink(os.path.join(agents, self.node))
+            os.rmdir(agents)
+        except OSError:  # gone already, or another agent is still there
+            return
+        # (on NFS a file still open, such as a log slurmstepd writes, is renamed and stays
+        # until it closes: a submitted job's batch script removes what is left then)
+        shutil.rmtree(self.directory, ignore_errors=True)
