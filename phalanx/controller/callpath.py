@@ -27,9 +27,9 @@ if TYPE_CHECKING:
     from phalanx.controller.callforms import Scope
     from phalanx.controller.calls import Sender
     from phalanx.controller.futures import GroupFuture, StreamFuture
-    from phalanx.controller.lifecycle import Gate
     from phalanx.controller.methods import MethodNames
     from phalanx.controller.ranks import RankTable
+    from phalanx.controller.state import Gate
     from phalanx.world.calloptions import CallOptions
     from phalanx.world.selection import Workers
 

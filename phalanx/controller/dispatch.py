@@ -408,7 +408,8 @@ class Dispatcher:
             if entry is not None and entry.channel is channel:
                 self._on_control(entry, kind, call_id, extra)
 
-    def _on_control(self, entry: RankEntry, kind: int, call_id: int, extra: tuple) -> None:
+    def _on_control(self, entry: RankEntry, kind: int, call_id: int,
+                    extra: tuple[Any, ...]) -> None:
         if kind == protocol.ERROR:
             future = entry.pending.pop(call_id, None)
             if future is not None:

@@ -391,7 +391,7 @@ class GroupFuture:
             self._dispatcher.watch_future(self, True)
         self._callbacks.append(fn)
 
-    def as_concurrent(self) -> concurrent.futures.Future:
+    def as_concurrent(self) -> concurrent.futures.Future[list[Any]]:
         """A ``concurrent.futures.Future`` that completes with this one (for
         ``concurrent.futures.wait`` and ``as_completed``); cancelling it cancels this."""
         return _bridge(self)
@@ -567,7 +567,7 @@ class ShardedFuture:
         :meth:`GroupFuture.add_done_callback`)."""
         self._future.add_done_callback(lambda _: fn(self))
 
-    def as_concurrent(self) -> concurrent.futures.Future:
+    def as_concurrent(self) -> concurrent.futures.Future[list[Any]]:
         """A ``concurrent.futures.Future`` that completes with this one."""
         return _bridge(self)
 
@@ -584,8 +584,8 @@ def _group_text(name: str | None) -> str:
     return "a group" if name is None else f"group {name}"
 
 
-def _bridge(future: GroupFuture | ShardedFuture) -> concurrent.futures.Future:
-    bridge: concurrent.futures.Future = concurrent.futures.Future()
+def _bridge(future: GroupFuture | ShardedFuture) -> concurrent.futures.Future[list[Any]]:
+    bridge: concurrent.futures.Future[list[Any]] = concurrent.futures.Future()
 
     def done(_: Any) -> None:
         if future.cancelled():

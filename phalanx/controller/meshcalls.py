@@ -103,7 +103,7 @@ class Mesh:
         self.sharding: NamedSharding | None = None
         self._dp_axis = dp_axis
         self._dp_leaders = list(range(world_size))
-        self._plans: dict[tuple, tuple[ShardedPlan, list[int]]] = {}  # by call options
+        self._plans: dict[tuple[Any, ...], tuple[ShardedPlan, list[int]]] = {}  # by call options
         if mesh is None:
             if tied_axes or isinstance(tied_axes, str):
                 self.require("tied_axes")
@@ -187,7 +187,7 @@ class Mesh:
     @staticmethod
     def payloads(
         plan: ShardedPlan,
-        args: tuple,
+        args: tuple[Any, ...],
         kwargs: dict[str, Any],
         common_kwargs: Mapping[str, Any] | None,
         live: Callable[[list[int]], list[int]],
@@ -213,7 +213,7 @@ class Mesh:
             payload = encoded.get(path)
             if payload is None:
                 if path is None:  # a dummy call: None for every data argument
-                    sliced_args: tuple = (None,) * len(args)
+                    sliced_args: tuple[Any, ...] = (None,) * len(args)
                     sliced_kwargs = dict.fromkeys(kwargs)
                 else:
                     sliced_args = tuple([_take(v, path) for v in args]) if args else ()

@@ -159,7 +159,8 @@ class ObjectRef:
 
     @property
     def state(self) -> RefState:
-        return self._record.state
+        state: RefState = self._record.state  # a Record's (_record: Any for its kinds' fields)
+        return state
 
     @property
     def id(self) -> int:

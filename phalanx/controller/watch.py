@@ -50,7 +50,7 @@ class RankHealth:
     restarts: int = 0  # how many times its rank was started again (recreate, restart, ...)
 
 
-class StackReport(dict):
+class StackReport(dict[int, str]):
     """``rank -> text`` of every thread's Python stack; ``str()`` shows them all, each
     under a header naming the rank, its node and pid."""
 
@@ -76,7 +76,7 @@ class RankStartup:
     constructor: float | None  # the worker object's constructor
 
 
-class StartupReport(list):
+class StartupReport(list[RankStartup]):
     """One :class:`RankStartup` per rank; ``str()`` is a table."""
 
     def __str__(self) -> str:
