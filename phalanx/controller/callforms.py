@@ -81,13 +81,12 @@ class CallForms:
                kwargs: dict[str, Any]) -> tuple[CallOptions, dict[str, Any]]:
         """The options a convenience form's keywords give, and the method's keywords."""
         accepted = self._form_options[form]  # type: ignore[index]
-        given = [name for name in kwargs if name in accepted]
-        if not given:
+        if accepted.isdisjoint(kwargs):
             return self._options, kwargs
-        refuse_clash(form, method, given, self._path.methods.parameters(method))
-        own = dict(kwargs)
-        taken = {name: own.pop(name) for name in given}
-        return self._options.with_options(taken), own
+        self._path.check_open()  # a closed group says so before any other complaint
+        taken = {name: kwargs.pop(name) for name in accepted.intersection(kwargs)}
+        refuse_clash(form, method, list(taken), self._path.methods.parameters(method))
+        return self._options.with_options(taken), kwargs
 
     # -- the forms --------------------------------------------------------------------
 

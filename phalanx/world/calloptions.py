@@ -63,6 +63,8 @@ def _flag(value: Any, name: str) -> bool:
 
 
 def _workers(value: Any) -> Workers:
+    if type(value) is list and all(type(rank) is int for rank in value):
+        return tuple(value)  # the usual explicit selection, checked at once
     if isinstance(value, str):
         if value not in ("all", "any", "ready"):
             raise ValueError(
@@ -134,7 +136,14 @@ class CallOptions:
         name or a value of the wrong type, ValueError for one out of range)."""
         if not options:
             return self
-        return dataclasses.replace(self, **checked(options))
+        # A copy of the fields, not dataclasses.replace(): the call forms' option keywords
+        # make one record per call, and replace() (with __init__ setting each frozen
+        # field) cost more than the rest of a call's way to the sender.
+        record = object.__new__(CallOptions)
+        fields = record.__dict__
+        fields.update(self.__dict__)
+        fields.update(checked(options))
+        return record
 
 
 DEFAULT = CallOptions()
