@@ -103,7 +103,7 @@ def _procs(value: str) -> int | str:
 
 
 def _hosts(value: str) -> tuple[str, ...]:
-    from phalanx.backends.cluster.backend import parse_host
+    from phalanx.backends.cluster.link import parse_host
 
     entries = tuple(entry.strip() for entry in value.split(",") if entry.strip())
     try:

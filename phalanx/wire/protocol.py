@@ -109,13 +109,14 @@ def header(kind: int, call_id: int, rank: int | Sequence[int], *extra: Any) -> b
     head = bytes([kind]) + struct.pack("<Q", call_id) + _ranks_part(rank)
     if kind == CALL or kind == CALL_STREAM:
         method, flags = extra if len(extra) == 2 else (extra[0], 0)
-        return head + bytes([flags]) + method.encode()
+        name: bytes = method.encode()
+        return head + bytes([flags]) + name
     if not extra:
         return head
     return head + plain.dumps(extra)
 
 
-def parse(segment: Any) -> tuple[int, int, tuple[int, ...], tuple]:
+def parse(segment: Any) -> tuple[int, int, tuple[int, ...], tuple[Any, ...]]:
     """``(kind, call_id, ranks, extra)`` of a header (the inverse of :func:`header`);
     :class:`ValueError` if it is malformed."""
     kind, call_id, rank = _HEAD.unpack_from(segment)
@@ -139,7 +140,8 @@ def body_offset(segment: Any) -> int:
     """Where the flags and method name of a call (or the extra fields) of a header start."""
     if _HEAD.unpack_from(segment)[2] != MANY:
         return HEAD_SIZE
-    return HEAD_SIZE + _COUNT.size + 4 * _COUNT.unpack_from(segment, HEAD_SIZE)[0]
+    count: int = _COUNT.unpack_from(segment, HEAD_SIZE)[0]
+    return HEAD_SIZE + _COUNT.size + 4 * count
 
 
 def retarget(segment: Any, ranks: Sequence[int]) -> bytes:
@@ -153,7 +155,8 @@ def retarget(segment: Any, ranks: Sequence[int]) -> bytes:
 # -- controller -> ranks ------------------------------------------------------------------
 
 
-def init_frame(rank: int, sys_path: Sequence[str], options: dict, payload: list[Any]) -> list[Any]:
+def init_frame(rank: int, sys_path: Sequence[str], options: dict[str, Any],
+               payload: list[Any]) -> list[Any]:
     """Build the rank's object: ``payload`` is the pickled ``(target, args, kwargs)``.
     ``sys_path`` entries go first on the worker's ``sys.path`` (empty: leave it be)."""
     return framing.frame([header(INIT, 0, rank, list(sys_path), options), *payload])
@@ -203,7 +206,7 @@ def inject_frame(rank: int, method: str, kind: str, argument: Any) -> list[Any]:
 
 
 def share_frame(rank: int | Sequence[int], ref_id: int, token: str,
-                location: tuple) -> list[Any]:
+                location: tuple[Any, ...]) -> list[Any]:
     """Where the rank's node holds shared object ``ref_id``
     (:meth:`phalanx.node.shm.Block.location`)."""
     return framing.frame([header(SHARE, 0, rank, ref_id, token, location)])
@@ -236,7 +239,7 @@ def heartbeat_frame(rank: int) -> list[Any]:
     return framing.frame([_HEAD.pack(HEARTBEAT, 0, rank)])
 
 
-def init_error_frame(rank: int, failure: tuple) -> list[Any]:
+def init_error_frame(rank: int, failure: tuple[Any, ...]) -> list[Any]:
     return framing.frame([header(INIT_ERROR, 0, rank, failure)])
 
 
@@ -249,11 +252,11 @@ def end_of_stream_frame(call_id: int, rank: int) -> list[Any]:
     return framing.frame([_HEAD.pack(RESULT, call_id, rank), _NONE])
 
 
-def error_frame(call_id: int, rank: int, failure: tuple) -> list[Any]:
+def error_frame(call_id: int, rank: int, failure: tuple[Any, ...]) -> list[Any]:
     return framing.frame([header(ERROR, call_id, rank, failure)])
 
 
-def exited_message(rank: int, failure: dict) -> list[Any]:
+def exited_message(rank: int, failure: dict[str, Any]) -> list[Any]:
     """The node side's report that a rank's process ended, as the segments of a received
     frame (``failure``: ProcessFailure fields, plain data that any node side can send)."""
     return [header(EXITED, 0, rank, failure)]

@@ -207,8 +207,9 @@ class AgentRankChannel(Channel):
 
     def stacks(self, rank: int, timeout: float) -> str:
         try:
-            return self.agent.request(agentwire.STACKS, self.rank, timeout,
-                                      timeout=timeout + REQUEST_TIMEOUT)
+            text: str = self.agent.request(agentwire.STACKS, self.rank, timeout,
+                                           timeout=timeout + REQUEST_TIMEOUT)
+            return text
         except PhalanxError as exc:
             return f"(no stack: {exc})"
 
