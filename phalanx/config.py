@@ -89,9 +89,15 @@ DEBUG_BACKLOG = 128
 ENV_TOKEN = "PHALANX_TOKEN"
 WITHHELD_FROM_RANKS = (ENV_TOKEN,)
 # Ray backend
-# After a rank's stream ends, the longest wait for how it ended (its actor reports the exit
-# status within a few ms; the wait only runs out when that is slow, e.g. on a loaded node)
-RAY_CAUSE_WAIT = 0.25
+# After a rank's stream ends, the longest wait for how it ended. It ends as soon as the exit
+# status is known (its warden, or its actor's return, reports it within a few ms) or nothing
+# is left that could tell it (the warden is gone, and Ray has given its account); the bound
+# only runs out when a source still alive is that slow -- seconds on a loaded node, where a
+# shorter one posted deaths with no exit status at all.
+RAY_CAUSE_WAIT = 10.0
+# Of which, once the exit status is known, the longest wait for Ray's own account too (it
+# names causes the status cannot: ray.kill(), Ray's memory monitor, a node's death)
+RAY_REASON_WAIT = 0.25
 RAY_SIGNAL_TIMEOUT = 10.0  # seconds for a signal to reach a rank through its actor
 RAY_KILL_WAIT = 10.0  # seconds for killed actors to be reported gone
 # What an agent takes from a controller (phalanx.backends.cluster.messages.check_request):

@@ -369,6 +369,12 @@ class SideStream:
     def request(self, kind: int, argument: Any, timeout: float) -> Any:
         return self.answer(self.ask(kind, argument), time.monotonic() + timeout)
 
+    @property
+    def ended(self) -> bool:
+        """Whether the stream has ended (the warden is gone, or the stream was closed)."""
+        with self._cond:
+            return self._ended
+
     def close(self) -> None:
         self._conn.close()
 

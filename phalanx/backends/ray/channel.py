@@ -35,6 +35,7 @@ from phalanx.wire.admission import Admission
 logger = logging.getLogger(__name__)
 
 _HEAD_SIZE = protocol.HEAD_SIZE
+_CAUSE_POLL = 0.05  # seconds between two looks at a dead rank's warden (_await_cause)
 
 
 # A rank's account when this process left Ray (the user's ray.shutdown()) while it ran.
@@ -120,6 +121,7 @@ class RayChannel(Channel):
         self._side: SideStream | None = None  # to the rank's warden, once connected
         self._side_ready = threading.Event()
         self._status_known = threading.Event()  # the warden said how the rank ended
+        self._news = threading.Event()  # set on each account (and close): a settle looks
         self._closed = False
         # its death, told once (a later account again): the record's sources change under
         # this channel's lock, and so does the burial's state
@@ -190,7 +192,7 @@ class RayChannel(Channel):
     # -- events ------------------------------------------------------------------------
 
     def dying(self, rank: int) -> bool:
-        return self._burial.claimed  # EXITED waits for Ray's account of it (up to a second)
+        return self._burial.claimed  # EXITED waits for the account of it (_await_cause)
 
     def receive(self, fd: int) -> list[list[Any]]:
         conn = self._conn
@@ -228,7 +230,7 @@ class RayChannel(Channel):
                 except OSError:
                     pass
 
-    def ray_reports(self, reason: str | None, served: dict | None = None,
+    def ray_reports(self, reason: str | None, served: dict[str, Any] | None = None,
                     exitcode: int | None = None) -> None:
         """How the rank ended (watcher thread): ``served`` is what the actor's ``serve``
         returned (the rank's pid and exit status); ``reason`` Ray's account when the
@@ -244,6 +246,7 @@ class RayChannel(Channel):
             late = self._burial.told and not self._closed
             never_connected = self._conn is None
         self._reason_known.set()
+        self._news.set()
         if never_connected:
             self._bury_later(wait_for_reason=False)
         elif late:
@@ -261,6 +264,7 @@ class RayChannel(Channel):
                 self.pid = pid
             late = changed and self._burial.told and not self._closed
         self._status_known.set()
+        self._news.set()
         if late:
             self._burial.tell()
 
@@ -281,15 +285,48 @@ class RayChannel(Channel):
 
     def _settle(self, wait_for_reason: bool) -> None:
         if wait_for_reason:
-            deadline = time.monotonic() + config.RAY_CAUSE_WAIT
-            self._reason_known.wait(config.RAY_CAUSE_WAIT)
-            if self._side is not None:  # the warden's word on the exit status
-                self._status_known.wait(max(0.0, deadline - time.monotonic()))
+            self._await_cause()
         if self._tap is not None:
             self._tap.wait_closed(config.OUTPUT_WAIT)
         with self._lock:  # the watcher may not have looked yet: Ray's shutdown is the why
             if self._reason is None and not self._services.ray.is_initialized():
                 self._reason = RAY_SHUT_DOWN
+
+    def _await_cause(self) -> None:
+        """Wait until how the rank ended is known, or nothing is left that could tell,
+        ``config.RAY_CAUSE_WAIT`` s at most. Not a fixed moment: on a loaded node the
+        accounts take seconds, and a death told without them has no exit status. Each
+        account wakes the wait; between them it looks every ``_CAUSE_POLL`` s whether the
+        warden is still there to give one."""
+        start = time.monotonic()
+        deadline = start + config.RAY_CAUSE_WAIT
+        while True:
+            self._news.clear()  # before looking: an account after the look wakes the wait
+            now = time.monotonic()
+            if self._cause_settled(now - start):
+                return
+            if now >= deadline:
+                logger.debug("rank %d: no full account of its end after %.1f s; told as "
+                             "known", self.rank, now - start)
+                return
+            self._news.wait(min(deadline - now, _CAUSE_POLL))
+
+    def _cause_settled(self, waited: float) -> bool:
+        """Whether the record of the rank's end is as complete as it will get: its exit
+        status is known (from the warden or the actor's return) and Ray has given its
+        account, or has had ``config.RAY_REASON_WAIT`` s to (a cause the status cannot
+        name); or, with no exit status, Ray has given its account and the warden cannot
+        (it never connected, it is gone, or it reported no status)."""
+        with self._lock:
+            if self._closed:
+                return True
+            status = self._exitcode is not None
+            side = self._side
+        reason = self._reason_known.is_set()
+        if status:
+            return reason or waited >= config.RAY_REASON_WAIT
+        warden_done = side is None or side.ended or self._status_known.is_set()
+        return reason and warden_done
 
     def _post(self, event: list[Any]) -> None:
         if self._sink is not None:
@@ -376,6 +413,7 @@ class RayChannel(Channel):
             conn, self._conn = self._conn, None
             outputs, self._outputs = self._outputs, {}
             side, self._side = self._side, None
+        self._news.set()  # a settle under way ends
         if side is not None:
             side.close()
         if conn is not None:
