@@ -82,7 +82,7 @@ def test_option_values_are_checked_when_given(group, options, error, words):
     before = calls_made(group)
     with pytest.raises(error, match=words):
         group.options(**options)
-    name, value = next(iter(options.items()))
+    name = next(iter(options))
     if name in ("keep", "timeout", "workers"):  # the convenience keyword: checked too
         with pytest.raises(error, match=words):
             group.call("plain", **options)
@@ -134,7 +134,7 @@ def test_recreate_and_shutdown_from_two_threads_run_one_after_the_other(backend)
     def recreate() -> None:
         try:
             group.recreate(1, timeout=60)
-        except BaseException as exc:  # noqa: BLE001 - checked below
+        except BaseException as exc:  # checked below
             errors.append(exc)
 
     try:

@@ -89,8 +89,8 @@ def test_a_calls_flags_travel_apart_from_its_method_name(flags, method):
     segment = header(CALL, 7, 3, method, flags)
     assert parse(segment) == (CALL, 7, (3,), (method, flags))
     payload = pickling.dumps_fast(((), {}))
-    for frame in (protocol.call_frames(7, [3, 4], method, [payload], False, flags)
-                  + [protocol.call_frame(7, [3, 4], method, payload, True, flags)]):
+    for frame in [*protocol.call_frames(7, [3, 4], method, [payload], False, flags),
+                  protocol.call_frame(7, [3, 4], method, payload, True, flags)]:
         (got,) = transmit(frame)
         assert parse(got[0])[3] == (method, flags)
 
