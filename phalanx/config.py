@@ -125,6 +125,12 @@ ENV_PARENT_PID = "PHALANX_PARENT_PID"  # the parent's pid, re-checked after PDEA
 ENV_RANK_SCHED = "PHALANX_RANK_SCHED"  # "batch" (default) or "normal": a rank's CPU policy
 ENV_STACKS_FD = "PHALANX_STACKS_FD"  # file the worker dumps its threads' stacks into
 STACKS_SIGNAL = signal.SIGRTMIN + 3  # asks for that dump (SIGUSR1/2 are the frameworks')
+# (phalanx.node.stacks) A rank's own stack thread, named STACKS_THREAD, answers STACKS_REQUEST
+# with its stacks read under the GIL, a record between two STACKS_MARKs in that file;
+# STACKS_SIGNAL, sent to that thread only, makes faulthandler dump them without the GIL.
+STACKS_REQUEST = signal.SIGRTMIN + 4
+STACKS_THREAD = "phalanx-stacks"  # as /proc/PID/task/TID/comm shows it (15 bytes at most)
+STACKS_MARK = "\x1e"  # ASCII RS: never in faulthandler's output (it escapes control bytes)
 
 # Read from the controller's environment.
 ENV_START_TIMEOUT = "PHALANX_START_TIMEOUT"
@@ -134,12 +140,6 @@ ENV_PROGRESS = "PHALANX_PROGRESS"  # "0" hides the start-up progress bar, "1" fo
 class Settings:
     """Controller-side settings that may come from the environment.
 
-# (phalanx.node.stacks) A rank's own stack thread, named STACKS_THREAD, answers STACKS_REQUEST
-# with its stacks read under the GIL, a record between two STACKS_MARKs in that file;
-# STACKS_SIGNAL, sent to that thread only, makes faulthandler dump them without the GIL.
-STACKS_REQUEST = signal.SIGRTMIN + 4
-STACKS_THREAD = "phalanx-stacks"  # as /proc/PID/task/TID/comm shows it (15 bytes at most)
-STACKS_MARK = "\x1e"  # ASCII RS: never in faulthandler's output (it escapes control bytes)
     A plain class, not a dataclass: the node supervisor imports this module, and its start
     is on a rank's critical path (``dataclasses`` costs it ~5 ms).
     """

@@ -352,9 +352,9 @@ class WorkerRuntime:
                 kind, call_id, rank = head(first)
                 start = head_size if rank != many else protocol.body_offset(first)
                 if kind == call:
-                    run(call_id, first[start:].decode(), segs)
+                    run(call_id, first[start + 1:].decode(), segs, False, first[start])
                 elif kind == protocol.CALL_STREAM:
-                    run(call_id, first[start:].decode(), segs, True)
+                    run(call_id, first[start + 1:].decode(), segs, True, first[start])
                 elif kind == protocol.SHUTDOWN:
                     return 0
                 else:
