@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from phalanx.backends.held import NodeAddress
-from phalanx.controller.futures import GroupFuture
+from phalanx.controller.futures import Call, GroupFuture
 from phalanx.controller.refs import Record, RefState, ResultRef, check_usable
 from phalanx.rank import kept as rankkept
 from phalanx.rank import shared as rankshared
@@ -144,7 +144,7 @@ class KeptResults:
         if isinstance(location, rankkept.RayLocation) or location.machine == rankkept.machine():
             return rankkept.read(location, self.describe(result))
         payload = self._encode((result.call_id,), {})  # see phalanx.rank.kept
-        return self._send("@fetch", [result.rank], [payload]).result(timeout)[0]
+        return self._send("@fetch", [result.rank], [payload], builtin=True).result(timeout)[0]
 
     # -- release ------------------------------------------------------------------------
 
@@ -199,7 +199,8 @@ class KeptResults:
                 return
             for rank, call_ids in batch.items():
                 try:
-                    self._send("@drop", [rank], [self._encode((call_ids,), {})])
+                    self._send("@drop", [rank], [self._encode((call_ids,), {})],
+                               builtin=True)
                 except Exception as exc:  # noqa: BLE001 - the rank is gone: so are they
                     logger.debug("could not drop kept results %s on rank %d: %s",
                                  call_ids, rank, exc)
@@ -246,7 +247,7 @@ def _release_copies(results: Any) -> None:
             consumer.drop_copy(result)
 
 
-class KeptFuture(GroupFuture):
+class KeptFuture(Call):
     """A ``keep=True`` call's future: each rank's value is a :class:`ResultRef`. Every
     result kept gets its handle once the call is done, so that the results of a call that
     failed on another rank are freed too (with their unused handles)."""
@@ -261,24 +262,24 @@ class KeptFuture(GroupFuture):
         self._refs: list[ResultRef | None] = [None] * len(ranks)
         self.hold(self, [])  # once every rank is done: unhold() makes the handles
 
-    def rank_value(self, i: int) -> Any:
+    def _rank_value(self, i: int) -> Any:
         ref = self._refs[i]
         if ref is None:
-            answer = super().rank_value(i)
+            answer = super()._rank_value(i)
             ref = self._refs[i] = self._kept.adopt(self._ranks[i], self._call_id,
                                                    self.method, answer)
         return ref
 
     def result(self, timeout: float | None = None) -> list[Any]:
         super().result(timeout)  # raises the first failure
-        return [self.rank_value(i) for i in range(len(self._ranks))]
+        return [self._rank_value(i) for i in range(len(self._ranks))]
 
     def unhold(self, _: list[Any]) -> None:
         """Every rank is done: a handle for each that answered (unused ones free theirs)."""
         for i in range(len(self._ranks)):
-            if self.rank_done(i) and self.rank_error(i) is None:
+            if self._rank_done(i) and self._rank_error(i) is None:
                 try:
-                    self.rank_value(i)
+                    self._rank_value(i)
                 except Exception:
                     logger.exception("the kept result of rank %d is unreadable",
                                      self._ranks[i])
