@@ -24,7 +24,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from phalanx.backends.held import NodeAddress
-from phalanx.controller.futures import GroupFuture, StreamFuture
+from phalanx.controller.futures import Call, StreamCall
 from phalanx.controller.kept import KeptFuture, KeptResults
 from phalanx.controller.observe import CallWatch, nbytes
 from phalanx.controller.shared import Encoded, Payload, met
@@ -138,7 +138,7 @@ class Sender:
         flags = protocol.BUILTIN if builtin else 0
         tolerant = type(workers) is str and workers in ("ready", "any")
         if stream:
-            future: GroupFuture = StreamFuture(method, ranks, self._dispatcher, tolerant,
+            future: Call = StreamCall(method, ranks, self._dispatcher, tolerant,
                                                timeout, self._kept)
         elif keep:
             if self._kept is None:  # pragma: no cover - the group sets it at once
@@ -147,7 +147,7 @@ class Sender:
                                 call_id)
             flags |= protocol.KEEP  # the rank keeps the result (phalanx.rank.kept)
         else:
-            future = GroupFuture(method, ranks, self._dispatcher, tolerant, self._kept)
+            future = Call(method, ranks, self._dispatcher, tolerant, self._kept)
         if payloads and (len(payloads[0]) > 1 or type(payloads[0]) is Encoded or (
                 len(payloads) > 1 and any(type(p) is Encoded for p in payloads))):
             segments = self._shared.prepare(future, payloads, met(payloads),

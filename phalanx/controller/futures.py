@@ -17,15 +17,17 @@ Per-rank state lives in flat lists inside the group future (a call in flight cos
 small objects, not one per rank): pipelining tens of thousands of calls stays cheap for the
 allocator and the garbage collector. Results are unpickled on first access.
 
-Every future has two sides. The *user side* is what a caller holds: ``result()``,
-``done()``, iteration, ``await``. The *completion side*, named :class:`Completion`, is how
-the rest of the controller completes a call: the dispatcher resolves or fails each rank as
-its answer (or its death) is known and hands a streamed call its items, a membership
-change fails the calls it breaks, the watchdog asks which ranks are late; the sender defers
-a synchronous call's sends to its first wait (:meth:`GroupFuture.defer`) and
-:mod:`phalanx.controller.shared` makes it hold the put objects its arguments name
-(:meth:`GroupFuture.hold`). Like ``concurrent.futures.Future.set_result``, these methods
-are public for the library's sake, not meant for user code.
+Every future has two sides. The *user side* is the public class a caller holds
+(:class:`GroupFuture`, :class:`StreamFuture`): ``result()``, ``done()``, iteration,
+``await``. The *completion side* is how the rest of the controller completes a call, and
+lives on the internal subclasses the sender makes (:class:`Call`, :class:`StreamCall`),
+never on the public classes: the dispatcher resolves or fails each rank as its answer (or
+its death) is known and hands a streamed call its items, a membership change fails the
+calls it breaks, the watchdog asks which ranks are late (all through the
+:class:`Completion` protocol); the sender defers a synchronous call's sends to its first
+wait (:meth:`Call.defer`) and :mod:`phalanx.controller.shared` makes it hold the put
+objects its arguments name (:meth:`Call.hold`). :class:`RankFuture` is a view into its
+group future, the one other class that reads the group future's private per-rank state.
 
 A streamed call (``call_stream``) is a :class:`StreamFuture`: its ranks send items as
 their generator yields them, and a RESULT ends each rank's stream.
@@ -69,7 +71,10 @@ class Completion(Protocol):
     watchdog use to complete a call or look at it."""
 
     method: str  # the method called (for the errors that name it)
-    tolerant: bool  # made on workers="ready" / "any": a membership change does not fail it
+
+    @property
+    def tolerant(self) -> bool:
+        """Made on workers="ready" / "any": a membership change does not fail it."""
 
     def resolve_rank(self, rank: int, segments: list[Any]) -> None:
         """``rank`` answered: ``segments`` are its encoded value (a pickle and buffers)."""
@@ -110,9 +115,9 @@ class GroupFuture:
         "_positions",
         "_ranks",
         "_remaining",
+        "_tolerant",
         "_values",
         "method",
-        "tolerant",
     )
 
     def __init__(self, method: str, ranks: list[int], dispatcher: Dispatcher,
@@ -136,59 +141,14 @@ class GroupFuture:
         # [(owner, objects)]: what the call's arguments name, held until it ends
         self._holds: list[tuple[Any, list[Any]]] | None = None
         # made on workers="ready" / "any": a change of the group's nodes does not fail it
-        self.tolerant = tolerant
+        self._tolerant = tolerant
         # the group's KeptResults: what makes handles of px.keep() values in the results
         self._kept = kept
-
-    # -- completion side (see Completion) ----------------------------------------------
-
-    def defer(self, send: Callable[[], None]) -> None:
-        """Have ``send()`` (the call's sends) run at the future's first wait, as late as
-        possible (see :meth:`Dispatcher.wait <phalanx.controller.dispatch.Dispatcher.wait>`);
-        anything else that looks at the future runs it first."""
-        self._kickoff = send
-
-    def hold(self, owner: Any, objects: list[Any]) -> None:
-        """Keep ``objects`` (put objects, kept results the arguments name) in use until
-        every rank is done; then ``owner.unhold(objects)``."""
-        if self._holds is None:
-            self._holds = []
-        self._holds.append((owner, objects))
 
     def _index(self, rank: int) -> int:
         if self._positions is not None:
             return self._positions[rank]
         return self._ranks.index(rank)
-
-    def resolve_rank(self, rank: int, segments: list[Any]) -> None:
-        """``rank`` answered with ``segments`` (decoded on first access)."""
-        if self._positions is None:
-            i = 0 if len(self._ranks) == 1 else self._ranks.index(rank)
-        else:
-            i = self._positions[rank]
-        if self._values[i] is _PENDING:
-            self._values[i] = segments
-            self._remaining -= 1
-            if self._remaining == 0 and (self._callbacks is not None
-                                         or self._holds is not None):
-                self._settle()
-
-    def fail_rank(self, rank: int, error: BaseException) -> None:
-        """``rank`` failed: the call fails with ``error`` unless another rank failed first."""
-        i = self._index(rank)
-        if self._values[i] is not _PENDING:
-            return
-        if self._errors is None:
-            self._errors = {}
-        self._errors[i] = error
-        self._values[i] = None
-        self._remaining -= 1
-        if self._failed < 0:
-            self._failed = i
-            if self._callbacks is not None:
-                self._settle()
-        if self._remaining == 0 and self._holds is not None:
-            self._settle()
 
     def _settle(self) -> None:
         """Run the done-callbacks, once; once every rank is done, let go of what the
@@ -218,10 +178,7 @@ class GroupFuture:
         """The per-rank futures, in rank order."""
         return [RankFuture(self, i) for i in range(len(self._ranks))]
 
-    def yield_rank(self, rank: int, segments: list[Any]) -> None:
-        """An item streamed by ``rank``: a call that is not streamed has none to keep."""
-
-    def late_ranks(self) -> list[int]:
+    def _late_ranks(self) -> list[int]:
         """The ranks that have not answered yet."""
         return [r for r, v in zip(self._ranks, self._values, strict=True) if v is _PENDING]
 
@@ -230,25 +187,25 @@ class GroupFuture:
 
     # -- one rank's outcome (what a RankFuture shows), by its position i in ranks --------
 
-    def rank_at(self, i: int) -> int:
+    def _rank_at(self, i: int) -> int:
         return self._ranks[i]
 
-    def rank_done(self, i: int) -> bool:
+    def _rank_done(self, i: int) -> bool:
         """Whether the rank at ``i`` answered or failed (as known now)."""
         return self._values[i] is not _PENDING
 
-    def rank_done_now(self, i: int) -> bool:
-        """:meth:`rank_done`, once the call's sends are made and the answers already in
+    def _rank_done_now(self, i: int) -> bool:
+        """:meth:`_rank_done`, once the call's sends are made and the answers already in
         are taken."""
         self._kick()
-        if not self.rank_done(i):
+        if not self._rank_done(i):
             self._dispatcher.poll_now()
-        return self.rank_done(i)
+        return self._rank_done(i)
 
-    def rank_error(self, i: int) -> BaseException | None:
+    def _rank_error(self, i: int) -> BaseException | None:
         return None if self._errors is None else self._errors.get(i)
 
-    def rank_value(self, i: int) -> Any:
+    def _rank_value(self, i: int) -> Any:
         """The decoded value of a rank that succeeded (decoded once, on first access)."""
         if self._decoded >> i & 1:
             return self._values[i]
@@ -273,20 +230,12 @@ class GroupFuture:
         self._decoded |= 1 << i
         return value
 
-    def adopt_piece(self, rank: int, key: int, answer: tuple[Any, ...]) -> Any:
-        """A handle on a ``px.keep()`` value of ``rank``'s result, as it is decoded (see
-        :func:`phalanx.rank.kept.piece`)."""
-        if self._kept is None:
-            raise TypeError(f"the result of {self.method}() holds a px.keep() value, which "
-                            "this call cannot take")
-        return self._kept.adopt(rank, key, self.method, answer)
-
     def _kick(self) -> None:
         kickoff, self._kickoff = self._kickoff, None
         if kickoff is not None:
             kickoff()
 
-    def wait_for(self, is_done: Callable[[], bool], timeout: float | None) -> None:
+    def _wait_for(self, is_done: Callable[[], bool], timeout: float | None) -> None:
         """Wait until ``is_done()`` (the call's sends made first), receiving meanwhile;
         CallTimeout naming the late ranks after ``timeout`` s."""
         if timeout is not None and not (type(timeout) is float and timeout >= 0):
@@ -295,7 +244,7 @@ class GroupFuture:
         if kickoff is None and is_done():
             return
         if not self._dispatcher.wait(is_done, timeout, kickoff):
-            pending = self.late_ranks()
+            pending = self._late_ranks()
             # where the late ranks are, unless the caller polls with short timeouts
             stacks = (self._dispatcher.stacks_of(pending)
                       if timeout is not None and timeout >= config.STACKS_ON_TIMEOUT else None)
@@ -316,7 +265,7 @@ class GroupFuture:
         if timeout is not None:
             check_seconds(timeout)
         if self._kickoff is not None or not (self._remaining == 0 or self._failed >= 0):
-            self.wait_for(self._settled, timeout)
+            self._wait_for(self._settled, timeout)
         if self._cancelled:
             raise concurrent.futures.CancelledError(f"{self.method}() was cancelled")
         if self._failed >= 0:
@@ -330,19 +279,19 @@ class GroupFuture:
                     for p in self._values
                 ]
             except Exception:  # noqa: BLE001 - redone value by value to name the rank
-                return [self.rank_value(i) for i in range(len(self._values))]
+                return [self._rank_value(i) for i in range(len(self._values))]
             finally:
                 adopting.future = previous
             self._values = values
             self._decoded = (1 << len(values)) - 1
             return list(values)
-        return [self.rank_value(i) for i in range(len(self._values))]
+        return [self._rank_value(i) for i in range(len(self._values))]
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The first failure, or None once every rank succeeded."""
         if timeout is not None:
             check_seconds(timeout)
-        self.wait_for(self._settled, timeout)
+        self._wait_for(self._settled, timeout)
         if self._cancelled:
             raise concurrent.futures.CancelledError(f"{self.method}() was cancelled")
         return None if self._failed < 0 else self._errors[self._failed]  # type: ignore[index]
@@ -372,7 +321,7 @@ class GroupFuture:
         while left:
             ready = [i for i in left if self._values[i] is not _PENDING]
             if not ready:
-                self._dispatcher.wait(lambda: any(self.rank_done(i) for i in left), None)
+                self._dispatcher.wait(lambda: any(self._rank_done(i) for i in left), None)
                 continue
             for i in ready:
                 left.remove(i)
@@ -421,19 +370,19 @@ class RankFuture:
     def __init__(self, group: GroupFuture, index: int) -> None:
         self._group = group
         self._i = index
-        self.rank = group.rank_at(index)
+        self.rank = group._rank_at(index)  # noqa: SLF001 - its group future's view
 
     @property
     def method(self) -> str:
         return self._group.method
 
     def done(self) -> bool:
-        return self._group.rank_done_now(self._i)
+        return self._group._rank_done_now(self._i)  # noqa: SLF001 - its group future's view
 
     def _wait(self, timeout: float | None) -> None:
         group, i = self._group, self._i
         try:
-            group.wait_for(lambda: group.rank_done(i), timeout)
+            group._wait_for(lambda: group._rank_done(i), timeout)  # noqa: SLF001 - its group future's view
         except CallTimeout as exc:
             stacks = {self.rank: exc.stacks[self.rank]} if self.rank in exc.stacks else None
             raise CallTimeout(group.method, timeout or 0.0, [self.rank], stacks,
@@ -444,21 +393,21 @@ class RankFuture:
         if timeout is not None:
             check_seconds(timeout)
         self._wait(timeout)
-        error = self._group.rank_error(self._i)
+        error = self._group._rank_error(self._i)  # noqa: SLF001 - its group future's view
         if error is not None:
             raise error
-        return self._group.rank_value(self._i)
+        return self._group._rank_value(self._i)  # noqa: SLF001 - its group future's view
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         self._wait(timeout)
-        return self._group.rank_error(self._i)
+        return self._group._rank_error(self._i)  # noqa: SLF001 - its group future's view
 
     def __repr__(self) -> str:
         group = self._group
-        if not group.rank_done(self._i):
+        if not group._rank_done(self._i):  # noqa: SLF001 - its group future's view
             state = "pending"
         else:
-            state = "failed" if group.rank_error(self._i) is not None else "done"
+            state = "failed" if group._rank_error(self._i) is not None else "done"  # noqa: SLF001 - its group future's view
         return (f"<RankFuture {group.method}() on rank {self.rank} of "
                 f"{_group_text(group.group_name)} {state}>")
 
@@ -481,11 +430,6 @@ class StreamFuture(GroupFuture):
         self._items: collections.deque[tuple[int, list[Any]]] = collections.deque()
         self.timeout = timeout
 
-    def yield_rank(self, rank: int, segments: list[Any]) -> None:
-        """An item streamed by ``rank``, kept until the iterator takes it."""
-        if not self._cancelled:
-            self._items.append((rank, segments))
-
     def _has_news(self) -> bool:
         return bool(self._items) or self._remaining == 0 or self._failed >= 0
 
@@ -501,7 +445,7 @@ class StreamFuture(GroupFuture):
             if self._remaining == 0 or self._cancelled:
                 return
             if not self._dispatcher.wait(self._has_news, self.timeout):
-                raise CallTimeout(self.method, self.timeout or 0.0, self.late_ranks(),
+                raise CallTimeout(self.method, self.timeout or 0.0, self._late_ranks(),
                                   group=self.group_name)
 
     def result(self, timeout: float | None = None) -> list[Any]:
@@ -528,6 +472,88 @@ class StreamFuture(GroupFuture):
             ) from exc
         finally:
             adopting.future = previous
+
+
+class Call(GroupFuture):
+    """A call's future as the controller completes it: the :class:`GroupFuture` a caller
+    holds, with its completion side (see the module docstring and :class:`Completion`).
+    Internal: the sender makes it; user code sees the public class's methods only."""
+
+    __slots__ = ()
+
+    @property
+    def tolerant(self) -> bool:
+        """Made on workers="ready" / "any": a change of the group's nodes does not fail it."""
+        return self._tolerant
+
+    def defer(self, send: Callable[[], None]) -> None:
+        """Have ``send()`` (the call's sends) run at the future's first wait, as late as
+        possible (see :meth:`Dispatcher.wait <phalanx.controller.dispatch.Dispatcher.wait>`);
+        anything else that looks at the future runs it first."""
+        self._kickoff = send
+
+    def hold(self, owner: Any, objects: list[Any]) -> None:
+        """Keep ``objects`` (put objects, kept results the arguments name) in use until
+        every rank is done; then ``owner.unhold(objects)``."""
+        if self._holds is None:
+            self._holds = []
+        self._holds.append((owner, objects))
+
+    def resolve_rank(self, rank: int, segments: list[Any]) -> None:
+        """``rank`` answered with ``segments`` (decoded on first access)."""
+        if self._positions is None:
+            i = 0 if len(self._ranks) == 1 else self._ranks.index(rank)
+        else:
+            i = self._positions[rank]
+        if self._values[i] is _PENDING:
+            self._values[i] = segments
+            self._remaining -= 1
+            if self._remaining == 0 and (self._callbacks is not None
+                                         or self._holds is not None):
+                self._settle()
+
+    def fail_rank(self, rank: int, error: BaseException) -> None:
+        """``rank`` failed: the call fails with ``error`` unless another rank failed first."""
+        i = self._index(rank)
+        if self._values[i] is not _PENDING:
+            return
+        if self._errors is None:
+            self._errors = {}
+        self._errors[i] = error
+        self._values[i] = None
+        self._remaining -= 1
+        if self._failed < 0:
+            self._failed = i
+            if self._callbacks is not None:
+                self._settle()
+        if self._remaining == 0 and self._holds is not None:
+            self._settle()
+
+    def yield_rank(self, rank: int, segments: list[Any]) -> None:
+        """An item streamed by ``rank``: a call that is not streamed has none to keep."""
+
+    def late_ranks(self) -> list[int]:
+        """The ranks that have not answered yet."""
+        return self._late_ranks()
+
+    def adopt_piece(self, rank: int, key: int, answer: tuple[Any, ...]) -> Any:
+        """A handle on a ``px.keep()`` value of ``rank``'s result, as it is decoded (see
+        :func:`phalanx.rank.kept.piece`)."""
+        if self._kept is None:
+            raise TypeError(f"the result of {self.method}() holds a px.keep() value, which "
+                            "this call cannot take")
+        return self._kept.adopt(rank, key, self.method, answer)
+
+
+class StreamCall(Call, StreamFuture):
+    """A streamed call's future as the controller completes it (see :class:`Call`)."""
+
+    __slots__ = ()
+
+    def yield_rank(self, rank: int, segments: list[Any]) -> None:
+        """An item streamed by ``rank``, kept until the iterator takes it."""
+        if not self._cancelled:
+            self._items.append((rank, segments))
 
 
 class ShardedFuture:

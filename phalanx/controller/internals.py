@@ -14,7 +14,7 @@ from phalanx.rank.kept import BUILTIN
 
 if TYPE_CHECKING:
     from phalanx.controller.calls import Sender
-    from phalanx.controller.futures import GroupFuture
+    from phalanx.controller.futures import Call
     from phalanx.controller.observe import Observer
     from phalanx.controller.ranks import RankTable
     from phalanx.controller.state import Gate
@@ -39,7 +39,7 @@ class GroupInternals:
 
     def send_builtin(self, method: str, ranks: Sequence[int],
                      args: Sequence[tuple[Any, ...]], *, defer: bool = False,
-                     watched: bool = True) -> GroupFuture:
+                     watched: bool = True) -> Call:
         """Run phalanx's own call ``method`` (a built-in of the rank runtime, named
         ``@...``: see :func:`phalanx.rank.kept.builtin`) on ``ranks``, ``ranks[i]`` with
         ``args[i]``. GroupClosed or WorkerDied before anything is sent; ``defer``: sent at

@@ -52,7 +52,7 @@ from phalanx.wire import pickling
 
 if TYPE_CHECKING:
     from phalanx.backends.base import Backend, Channel
-    from phalanx.controller.futures import GroupFuture
+    from phalanx.controller.futures import Call
     from phalanx.controller.kept import KeptRecord
 
 logger = logging.getLogger(__name__)
@@ -310,7 +310,7 @@ class SharedObjects:
 
     # -- calls --------------------------------------------------------------------------
 
-    def prepare(self, future: GroupFuture, payloads: list[Payload],
+    def prepare(self, future: Call, payloads: list[Payload],
                 refs: Sequence[ObjectRef], targets: Callable[[], list[Channel]]
                 ) -> list[list[Any]]:
         """Before a call is sent, its payloads' segments: the kept results it names copied

@@ -88,7 +88,7 @@ from phalanx.options import check_seconds
 from phalanx.rank import weightsync as rankside
 
 if TYPE_CHECKING:
-    from phalanx.controller.futures import GroupFuture
+    from phalanx.controller.futures import Call
     from phalanx.controller.group import WorkerGroup
 
 logger = logging.getLogger(__name__)
@@ -450,7 +450,7 @@ def _nodes(group: WorkerGroup) -> dict[int, int]:
     return {h.rank: h.node for h in group.health()}
 
 
-def _gather(futures: list[GroupFuture], timeout: float) -> list[list[Any]]:
+def _gather(futures: list[Call], timeout: float) -> list[list[Any]]:
     """Every future's results (their sends made now, all at once), within ``timeout``
     s; the first failure raises at once -- the first future's (the source's) when it is
     among them, the root cause; CallTimeout naming the late ranks past ``timeout``."""

@@ -271,7 +271,7 @@ def keep(value: Any) -> Keep:
 
 
 class _Adopting(threading.local):
-    # the future decoding a result on this thread (a GroupFuture: .adopt_piece)
+    # the future decoding a result on this thread (a controller's Call: .adopt_piece)
     future: Any = None
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
-from phalanx.controller.futures import GroupFuture, RankFuture, StreamFuture
+from phalanx.controller.futures import Call, GroupFuture, RankFuture, StreamCall, StreamFuture
 from phalanx.errors import CallTimeout, GroupClosed, SerializationError
 from phalanx.wire import pickling
 
@@ -40,7 +40,7 @@ class ScriptedDispatcher:
 class RankHandle:
     """A rank's future, plus the dispatcher-side calls that complete it."""
 
-    def __init__(self, group_future: GroupFuture, future: RankFuture) -> None:
+    def __init__(self, group_future: Call, future: RankFuture) -> None:
         self.future = future
         self._group_future = group_future
 
@@ -56,7 +56,7 @@ class RankHandle:
 
 def make(ranks=(0, 1, 2), method="step"):
     dispatcher = ScriptedDispatcher()
-    group_future = GroupFuture(method, list(ranks), dispatcher)
+    group_future = Call(method, list(ranks), dispatcher)
     handles = [RankHandle(group_future, f) for f in group_future.futures]
     return group_future, handles, dispatcher
 
@@ -269,13 +269,13 @@ def test_a_call_that_is_not_streamed_ignores_streamed_items():
 
 
 def test_tolerance_is_set_at_creation():
-    assert GroupFuture("m", [0], ScriptedDispatcher()).tolerant is False
-    assert GroupFuture("m", [0], ScriptedDispatcher(), tolerant=True).tolerant is True
+    assert Call("m", [0], ScriptedDispatcher()).tolerant is False
+    assert Call("m", [0], ScriptedDispatcher(), tolerant=True).tolerant is True
 
 
 def test_a_stream_yields_items_in_arrival_order_then_ends_with_every_rank():
     dispatcher = ScriptedDispatcher()
-    stream = StreamFuture("gen", [0, 1], dispatcher)
+    stream = StreamCall("gen", [0, 1], dispatcher)
     dispatcher.events = [
         lambda: stream.yield_rank(1, encoded("b1")),
         lambda: stream.yield_rank(0, encoded("a1")),
@@ -288,9 +288,24 @@ def test_a_stream_yields_items_in_arrival_order_then_ends_with_every_rank():
 
 def test_a_stream_times_out_naming_the_late_ranks():
     dispatcher = ScriptedDispatcher()
-    stream = StreamFuture("gen", [0, 1], dispatcher)
+    stream = StreamCall("gen", [0, 1], dispatcher)
     stream.timeout = 0.01
     dispatcher.events = [lambda: stream.resolve_rank(0, encoded(None))]
     with pytest.raises(CallTimeout) as info:
         list(stream)
     assert info.value.pending_ranks == [1]
+
+
+COMPLETION_SIDE = ("resolve_rank", "fail_rank", "yield_rank", "defer", "hold", "adopt_piece",
+                   "late_ranks", "tolerant", "wait_for", "rank_at", "rank_done",
+                   "rank_done_now", "rank_error", "rank_value")
+
+
+def test_the_public_futures_show_only_the_user_side():
+    """What completes a call is the controller's (Call, StreamCall), not the user's."""
+    for public in (GroupFuture, StreamFuture, RankFuture):
+        assert not [name for name in COMPLETION_SIDE if hasattr(public, name)], public
+    call = Call("m", [0], ScriptedDispatcher())
+    assert isinstance(call, GroupFuture) and not isinstance(call, StreamFuture)
+    stream = StreamCall("m", [0], ScriptedDispatcher())
+    assert isinstance(stream, StreamFuture) and isinstance(stream, Call)
