@@ -62,6 +62,9 @@ class _Pending:
 
 
 _PENDING = _Pending()
+# In the pickle of an answer that holds px.keep() parts: the function they unpickle by
+# (phalanx.rank.kept.piece). Only a failed call's answers are searched for it.
+_KEPT_PART = b"piece"
 _POSITIONS_FROM = 8  # calls on more ranks than this find a rank's entry through a dict
 
 
@@ -152,11 +155,14 @@ class GroupFuture:
 
     def _settle(self) -> None:
         """Run the done-callbacks, once; once every rank is done, let go of what the
-        call's arguments held."""
-        if self._remaining == 0 and self._holds is not None:
-            holds, self._holds = self._holds, None
-            for owner, objects in holds:
-                owner.unhold(objects)
+        call's arguments held, and give a failed call's kept parts their handles."""
+        if self._remaining == 0:
+            if self._failed >= 0:
+                self._adopt_survivors()
+            if self._holds is not None:
+                holds, self._holds = self._holds, None
+                for owner, objects in holds:
+                    owner.unhold(objects)
         if self._callbacks is None:
             return
         callbacks, self._callbacks = self._callbacks, None
@@ -177,6 +183,22 @@ class GroupFuture:
     def futures(self) -> list[RankFuture]:
         """The per-rank futures, in rank order."""
         return [RankFuture(self, i) for i in range(len(self._ranks))]
+
+    def _adopt_survivors(self) -> None:
+        """A failed call's ranks are all done: the ``px.keep()`` parts of the answers of
+        those that succeeded get their handles now (their values decoded), so that they
+        are freed with the future. Nobody reads those answers through ``result()``, and a
+        part without a handle would stay on its rank until the group closes."""
+        for i, value in enumerate(self._values):
+            if self._decoded >> i & 1 or value is None or value is _PENDING:
+                continue
+            pickled = value[0]
+            if _KEPT_PART not in (pickled if isinstance(pickled, bytes) else bytes(pickled)):
+                continue
+            try:
+                self._rank_value(i)
+            except SerializationError as exc:
+                logger.warning("%s", exc)
 
     def _late_ranks(self) -> list[int]:
         """The ranks that have not answered yet."""
@@ -269,7 +291,13 @@ class GroupFuture:
         if self._cancelled:
             raise concurrent.futures.CancelledError(f"{self.method}() was cancelled")
         if self._failed >= 0:
-            raise self._errors[self._failed]  # type: ignore[index]
+            error = self._errors[self._failed]  # type: ignore[index]
+            # The error keeps this frame in its traceback and the future keeps the error:
+            # without `self` in the frame that is no cycle, and a failed call's results
+            # (and the kept values they name) go when the caller lets go of both, not at
+            # the cyclic collector's next run.
+            del self
+            raise error
         if self._decoded == 0:  # first access: decode every value in one pass
             adopting, previous = ADOPTING, ADOPTING.future
             adopting.future = self
@@ -395,6 +423,7 @@ class RankFuture:
         self._wait(timeout)
         error = self._group._rank_error(self._i)  # noqa: SLF001 - its group future's view
         if error is not None:
+            del self  # no cycle through the traceback (see GroupFuture.result)
             raise error
         return self._group._rank_value(self._i)  # noqa: SLF001 - its group future's view
 
@@ -509,7 +538,7 @@ class Call(GroupFuture):
             self._values[i] = segments
             self._remaining -= 1
             if self._remaining == 0 and (self._callbacks is not None
-                                         or self._holds is not None):
+                                         or self._holds is not None or self._failed >= 0):
                 self._settle()
 
     def fail_rank(self, rank: int, error: BaseException) -> None:
@@ -526,7 +555,7 @@ class Call(GroupFuture):
             self._failed = i
             if self._callbacks is not None:
                 self._settle()
-        if self._remaining == 0 and self._holds is not None:
+        if self._remaining == 0 and (self._holds is not None or self._failed >= 0):
             self._settle()
 
     def yield_rank(self, rank: int, segments: list[Any]) -> None:

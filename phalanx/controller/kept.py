@@ -271,7 +271,11 @@ class KeptFuture(Call):
         return ref
 
     def result(self, timeout: float | None = None) -> list[Any]:
-        super().result(timeout)  # raises the first failure
+        try:
+            super().result(timeout)  # raises the first failure
+        except BaseException:
+            del self  # no cycle through the traceback (see GroupFuture.result)
+            raise
         return [self._rank_value(i) for i in range(len(self._ranks))]
 
     def unhold(self, _: list[Any]) -> None:

@@ -11,6 +11,7 @@ import gc
 import os
 import re
 import threading
+import time
 
 import numpy as np
 import psutil
@@ -41,6 +42,15 @@ class Producer:
 
     def batch(self, n: int, base: float = 0.0) -> dict:
         return {"tokens": px.keep(tokens(n, self.rank(), base)), "lengths": [n, self.rank()]}
+
+    def batch_or_fail(self, n: int, failing: int, parts: bool) -> dict | np.ndarray:
+        """:meth:`batch` (``parts``: with a px.keep() part; else a plain array), except
+        on rank ``failing``, which raises once the others have answered (so that the call
+        fails with every other rank's answer in)."""
+        if self.rank() == failing:
+            time.sleep(0.5)
+            raise ValueError("this rank's batch failed")
+        return self.batch(n) if parts else tokens(n, self.rank())
 
     def whole(self, n: int) -> px.keep:
         return px.keep(np.arange(n) + 100 * self.rank())
@@ -504,3 +514,20 @@ def test_re_chunking_kept_results_does_not_grow_the_controller(groups):
     gc.collect()
     grown = me.memory_info().rss - before
     assert grown < 16 * MIB, f"the controller grew {grown / MIB:.1f} MiB"
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["px.keep parts", "keep=True"])
+def test_a_failed_calls_kept_results_are_freed_with_the_call(groups, keep):
+    """The ranks that answered a call that failed on another rank hold what they kept
+    only as long as the caller holds the call: with the error caught and dropped, reference
+    counting frees it on the ranks (no garbage collection run needed)."""
+    producers, _ = groups
+    before = held(producers)
+    gc.disable()  # what frees them must not be the cyclic collector
+    try:
+        view = producers.options(keep=True) if keep else producers
+        with pytest.raises(WorkerError, match="this rank's batch failed"):
+            view.call("batch_or_fail", 1000, producers.world_size - 1, not keep)
+        assert wait_until(lambda: sum(new_since(producers, before)) == 0, T)
+    finally:
+        gc.enable()
