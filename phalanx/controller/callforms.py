@@ -81,11 +81,21 @@ class CallForms:
                kwargs: dict[str, Any]) -> tuple[CallOptions, dict[str, Any]]:
         """The options a convenience form's keywords give, and the method's keywords."""
         accepted = self._form_options[form]  # type: ignore[index]
-        if accepted.isdisjoint(kwargs):
+        taken: dict[str, Any] | None = None
+        for name in kwargs:
+            if name in accepted:
+                if taken is None:
+                    taken = {}
+                taken[name] = kwargs[name]
+        if taken is None:
             return self._options, kwargs
-        self._path.check_open()  # a closed group says so before any other complaint
-        taken = {name: kwargs.pop(name) for name in accepted.intersection(kwargs)}
-        refuse_clash(form, method, list(taken), self._path.methods.parameters(method))
+        path = self._path
+        path.check_open()  # a closed group says so before any other complaint
+        parameters = path.methods.parameters(method)
+        if parameters:
+            refuse_clash(form, method, list(taken), parameters)
+        for name in taken:
+            del kwargs[name]  # a dict of this call's own (**kwargs)
         return self._options.with_options(taken), kwargs
 
     # -- the forms --------------------------------------------------------------------

@@ -58,6 +58,7 @@ MOVES: dict[GroupState, frozenset[GroupState]] = {
 """The legal moves of :class:`GroupState` (its docstring draws them)."""
 
 _SHUT = frozenset({GroupState.CLOSING, GroupState.CLOSED})
+_CLOSING, _CLOSED = GroupState.CLOSING, GroupState.CLOSED
 
 
 class Gate:
@@ -83,12 +84,14 @@ class Gate:
     @property
     def closed(self) -> bool:
         """Whether the group is shutting down or shut down."""
-        return self._state in _SHUT
+        state = self._state
+        return state is GroupState.CLOSING or state is GroupState.CLOSED
 
     def check(self) -> None:
         """GroupClosed if the group is shutting down or shut down (before every call:
-        kept cheap)."""
-        if self._state in _SHUT:
+        kept cheap, by identity: an enum member's hash is a Python-level call)."""
+        state = self._state
+        if state is _CLOSING or state is _CLOSED:
             raise GroupClosed(f"{self._what} has been shut down")
 
     def move(self, to: GroupState) -> None:

@@ -142,23 +142,20 @@ class CallOptions:
         record = object.__new__(CallOptions)
         fields = record.__dict__
         fields.update(self.__dict__)
-        fields.update(checked(options))
+        for name, value in options.items():
+            check = _CHECKS.get(name)
+            if check is None:
+                raise _unknown(name)
+            fields[name] = check(value)
         return record
 
 
 DEFAULT = CallOptions()
 
 
-def checked(options: Mapping[str, Any]) -> dict[str, Any]:
-    """``options`` with each value checked and normalised (see :class:`CallOptions`)."""
-    out = {}
-    for name, value in options.items():
-        check = _CHECKS.get(name)
-        if check is None:
-            raise TypeError(f"{name!r} is not a call option; the options are: "
-                            f"{', '.join(OPTION_NAMES)}")
-        out[name] = check(value)
-    return out
+def _unknown(name: str) -> TypeError:
+    return TypeError(f"{name!r} is not a call option; the options are: "
+                     f"{', '.join(OPTION_NAMES)}")
 
 
 def refuse_clash(form: str, method: str, given: Sequence[str],
