@@ -217,10 +217,16 @@ def exit_status(pid: int) -> int | None:
 
 def catches(pid: int, sig: int) -> bool:
     """Whether ``pid`` has a handler installed for ``sig`` (from ``/proc/PID/status``)."""
+    return signal_in(f"/proc/{pid}/status", b"SigCgt:", sig)
+
+
+def signal_in(status: str, field: bytes, sig: int) -> bool:
+    """Whether ``sig``'s bit is set in the mask ``field`` (``SigCgt:``, ``SigPnd:``, ...)
+    of the ``/proc`` status file ``status`` (False if it cannot be read)."""
     try:
-        with open(f"/proc/{pid}/status", "rb") as f:
+        with open(status, "rb") as f:
             for line in f:
-                if line.startswith(b"SigCgt:"):
+                if line.startswith(field):
                     return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
     except (OSError, ValueError, IndexError):
         pass

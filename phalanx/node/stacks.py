@@ -175,14 +175,7 @@ def _comm(pid: int, tid: int) -> str | None:
 def _pending(pid: int, tid: int, sig: int) -> bool:
     """Whether ``sig`` waits on thread ``tid`` already (the thread's ``SigPnd``): one that
     waits for the GIL answers every request made meanwhile, so none piles up."""
-    try:
-        with open(f"/proc/{pid}/task/{tid}/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"SigPnd:"):
-                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
-    except (OSError, ValueError, IndexError):
-        pass
-    return False
+    return proctree.signal_in(f"/proc/{pid}/task/{tid}/status", b"SigPnd:", sig)
 
 
 def _signal(pid: int, tid: int, sig: int) -> str | None:
