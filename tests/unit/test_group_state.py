@@ -60,9 +60,8 @@ def test_an_operation_that_raises_still_returns_to_running():
     assert gate.state is GroupState.RUNNING
 
 
-def test_closing_waits_for_an_operation_then_refuses_new_ones():
-    gate = Gate("g")
-    gate.move(GroupState.RUNNING)
+def _running_operation(gate: Gate) -> tuple[threading.Thread, threading.Event]:
+    """A thread inside one of ``gate``'s operations until the event it returns is set."""
     started, release = threading.Event(), threading.Event()
 
     def operation() -> None:
@@ -73,6 +72,13 @@ def test_closing_waits_for_an_operation_then_refuses_new_ones():
     thread = threading.Thread(target=operation)
     thread.start()
     assert started.wait(30)
+    return thread, release
+
+
+def test_closing_waits_for_an_operation_then_refuses_new_ones():
+    gate = Gate("g")
+    gate.move(GroupState.RUNNING)
+    thread, release = _running_operation(gate)
     threading.Timer(0.1, release.set).start()
     began = time.monotonic()
     with gate.closing(30) as first:
@@ -91,16 +97,7 @@ def test_closing_waits_for_an_operation_then_refuses_new_ones():
 def test_closing_does_not_wait_past_its_bound():
     gate = Gate("g")
     gate.move(GroupState.RUNNING)
-    started, release = threading.Event(), threading.Event()
-
-    def operation() -> None:
-        with gate.operation("recreate"):
-            started.set()
-            release.wait(30)
-
-    thread = threading.Thread(target=operation)
-    thread.start()
-    assert started.wait(30)
+    thread, release = _running_operation(gate)
     try:
         with gate.closing(0.05) as first:
             assert first and gate.state is GroupState.CLOSING
