@@ -221,7 +221,9 @@ class RayChannel(Channel):
         with self._lock:
             self._corrupt = f"its control stream was closed: {why}"
             conn = self._conn
-        self._bury_later()
+        # buried at once: that is how it ended for the group (its process may live on, so
+        # no exit status is coming to wait for)
+        self._bury_later(wait_for_reason=False)
         if conn is not None:
             sock = getattr(conn.stream, "sock", None)
             if sock is not None:  # (pipes end with the channel's close)
