@@ -25,14 +25,41 @@ from typing import TYPE_CHECKING, Any
 
 from phalanx.controller.methods import MethodProxy
 from phalanx.world.calloptions import DEFAULT, FORM_OPTIONS, CallOptions, refuse_clash
+from phalanx.world.selection import Workers
 
 if TYPE_CHECKING:
     from phalanx.controller.callpath import CallPath
     from phalanx.controller.futures import GroupFuture, ShardedFuture, StreamFuture
     from phalanx.controller.meshcalls import Mesh
-    from phalanx.world.selection import Workers
 
 _SLICE_FORM_OPTIONS = {form: names - {"workers"} for form, names in FORM_OPTIONS.items()}
+_MADE = 256  # records a form's option keywords made, kept per group, slice or view
+_UNSET: Any = object()  # an option keyword not given
+# Each form's option keywords, in the order its signature (and _given) takes them.
+_ORDER: dict[str, tuple[str, ...]] = {
+    "call": ("workers", "timeout", "rank0_only_axes", "keep"),
+    "call_async": ("workers", "rank0_only_axes", "keep"),
+    "call_one": ("timeout", "keep"),
+    "map_async": ("workers", "rank0_only_axes", "common_kwargs", "keep"),
+    "map": ("workers", "timeout", "rank0_only_axes", "common_kwargs", "keep"),
+    "call_stream": ("workers", "timeout"),
+    "call_sharded": ("in_sharded_axes", "replicate_on_axes", "output_is_replicated",
+                     "dummy_calls_to_free_axes", "common_kwargs", "keep"),
+}
+
+
+def _key(form: str, method: str, values: tuple[Any, ...]) -> tuple[Any, ...]:
+    """What identifies the record a form's option values make for ``method``: the values
+    with their types (``keep=1`` is no ``keep=True``, ``[True]`` no ``[1]``). A list as the
+    first option (``workers``, ``in_sharded_axes``: the usual) is keyed as a tuple; where
+    another value is not hashable, neither is the key (see :meth:`CallForms._given`).
+    C-level work only: this runs on every call that names an option."""
+    first = values[0]
+    if type(first) is list:
+        first = tuple(first)
+        return (form, method, first, tuple(map(type, first)), values[1:],
+                tuple(map(type, values)))
+    return (form, method, values, tuple(map(type, values)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +90,11 @@ class CallForms:
         self._options = options
         self._form_options = None if not convenience else (
             FORM_OPTIONS if scope.workers is None else _SLICE_FORM_OPTIONS)
+        # The records the option keywords made, by form, method and values: a loop of
+        # calls with the same keywords (pipelined call_async(..., workers=[0])) checks
+        # and makes its record once. Checked records only; a value that is not plain
+        # data is checked each time.
+        self._made: dict[tuple[Any, ...], CallOptions] = {}
 
     def options(self, **options: Any) -> CallView:
         """A view of these ranks whose calls are made with ``options`` (any of
@@ -77,47 +109,68 @@ class CallForms:
                             "take a slice of it, or use call_one(rank, ...)")
         return CallView(self._path, self._scope, self._options.with_options(options))
 
-    def _split(self, form: str, method: str,
-               kwargs: dict[str, Any]) -> tuple[CallOptions, dict[str, Any]]:
-        """The options a convenience form's keywords give, and the method's keywords."""
-        accepted = self._form_options[form]  # type: ignore[index]
-        taken: dict[str, Any] | None = None
-        for name in kwargs:
+    def _given(self, form: str, method: str, kwargs: dict[str, Any],
+               *values: Any) -> CallOptions:
+        """The record a form's option keywords make (``values``: each of the form's
+        options, in :data:`_ORDER`, or ``_UNSET``). On a view every one of them is the
+        method's keyword, and so is ``workers`` on a slice: those go into ``kwargs``."""
+        key: tuple[Any, ...] | None = _key(form, method, values)
+        try:
+            options = self._made.get(key)  # type: ignore[arg-type]
+        except TypeError:  # a value that is not hashable (a dict, a list of lists): no key
+            key = options = None
+        if options is not None:
+            return options
+        accepted = self._form_options[form] if self._form_options is not None else ()
+        taken: dict[str, Any] = {}
+        for name, value in zip(_ORDER[form], values, strict=True):
+            if value is _UNSET:
+                continue
             if name in accepted:
-                if taken is None:
-                    taken = {}
-                taken[name] = kwargs[name]
-        if taken is None:
-            return self._options, kwargs
+                taken[name] = value
+            else:
+                kwargs[name] = value  # the method's own
+        if not taken:
+            return self._options
         path = self._path
         path.check_open()  # a closed group says so before any other complaint
         parameters = path.methods.parameters(method)
         if parameters:
             refuse_clash(form, method, list(taken), parameters)
-        for name in taken:
-            del kwargs[name]  # a dict of this call's own (**kwargs)
-        return self._options.with_options(taken), kwargs
+        options = self._options.with_options(taken)
+        if key is not None and len(taken) == len(values) - values.count(_UNSET) \
+                and len(self._made) < _MADE:
+            self._made[key] = options  # (none went to the method: the same next time)
+        return options
 
     # -- the forms --------------------------------------------------------------------
 
-    def call(self, method: str, /, *args: Any, **kwargs: Any) -> list[Any]:
+    def call(self, method: str, /, *args: Any, workers: Workers = _UNSET,
+             timeout: float | None = _UNSET, rank0_only_axes: Sequence[str] | None = _UNSET,
+             keep: bool = _UNSET, **kwargs: Any) -> list[Any]:
         """Call ``method(*args, **kwargs)`` on the selected ranks (arguments pickled once)
-        and wait; results in rank order. Options (on a group: also as keywords):
-        ``workers``, ``timeout``, ``rank0_only_axes``, ``keep``."""
+        and wait; results in rank order. Options: ``workers``, ``timeout``,
+        ``rank0_only_axes``, ``keep`` (see :meth:`options`)."""
         options = self._options
-        if kwargs and self._form_options is not None:
-            options, kwargs = self._split("call", method, kwargs)
+        if not (workers is _UNSET and timeout is _UNSET and rank0_only_axes is _UNSET
+                and keep is _UNSET):
+            options = self._given("call", method, kwargs, workers, timeout,
+                                  rank0_only_axes, keep)
         return self._path.call(method, args, kwargs, options, self._scope)
 
-    def call_async(self, method: str, /, *args: Any, **kwargs: Any) -> GroupFuture:
+    def call_async(self, method: str, /, *args: Any, workers: Workers = _UNSET,
+                   rank0_only_axes: Sequence[str] | None = _UNSET, keep: bool = _UNSET,
+                   **kwargs: Any) -> GroupFuture:
         """:meth:`call` without waiting: a :class:`~phalanx.controller.futures.GroupFuture`.
         Options: ``workers``, ``rank0_only_axes``, ``keep``."""
         options = self._options
-        if kwargs and self._form_options is not None:
-            options, kwargs = self._split("call_async", method, kwargs)
+        if not (workers is _UNSET and rank0_only_axes is _UNSET and keep is _UNSET):
+            options = self._given("call_async", method, kwargs, workers, rank0_only_axes,
+                                  keep)
         return self._path.call_async(method, args, kwargs, options, self._scope)
 
-    def call_one(self, rank: int, method: str, /, *args: Any, **kwargs: Any) -> Any:
+    def call_one(self, rank: int, method: str, /, *args: Any, timeout: float | None = _UNSET,
+                 keep: bool = _UNSET, **kwargs: Any) -> Any:
         """Call ``method`` on ``rank`` and return its value. Options: ``timeout``,
         ``keep``."""
         if not isinstance(rank, int) or isinstance(rank, bool):
@@ -127,45 +180,63 @@ class CallForms:
             raise ValueError(f"rank {rank!r} is not in this slice (its ranks are "
                              f"{sorted(members)})")
         options = self._options
-        if kwargs and self._form_options is not None:
-            options, kwargs = self._split("call_one", method, kwargs)
+        if not (timeout is _UNSET and keep is _UNSET):
+            options = self._given("call_one", method, kwargs, timeout, keep)
         return self._path.call(method, args, kwargs, options, self._scope, [rank])[0]
 
-    def map_async(self, method: str, /, *arg_lists: Sequence[Any],
+    def map_async(self, method: str, /, *arg_lists: Sequence[Any], workers: Workers = _UNSET,
+                  rank0_only_axes: Sequence[str] | None = _UNSET,
+                  common_kwargs: Mapping[str, Any] | None = _UNSET, keep: bool = _UNSET,
                   **kwarg_lists: Any) -> GroupFuture:
         """Each positional/keyword argument is a list with one item per called rank
         (matched to them in rank order). Options: ``workers``, ``rank0_only_axes``,
         ``common_kwargs`` (keywords every called rank gets unchanged), ``keep``."""
         options = self._options
-        if kwarg_lists and self._form_options is not None:
-            options, kwarg_lists = self._split("map_async", method, kwarg_lists)
+        if not (workers is _UNSET and rank0_only_axes is _UNSET and common_kwargs is _UNSET
+                and keep is _UNSET):
+            options = self._given("map_async", method, kwarg_lists, workers,
+                                  rank0_only_axes, common_kwargs, keep)
         return self._path.map_async(method, arg_lists, kwarg_lists, options, self._scope)
 
-    def map(self, method: str, /, *arg_lists: Sequence[Any], **kwarg_lists: Any) -> list[Any]:
+    def map(self, method: str, /, *arg_lists: Sequence[Any], workers: Workers = _UNSET,
+            timeout: float | None = _UNSET, rank0_only_axes: Sequence[str] | None = _UNSET,
+            common_kwargs: Mapping[str, Any] | None = _UNSET, keep: bool = _UNSET,
+            **kwarg_lists: Any) -> list[Any]:
         """:meth:`map_async`, waited for; results in rank order. Options as there, and
         ``timeout``."""
         options = self._options
-        if kwarg_lists and self._form_options is not None:
-            options, kwarg_lists = self._split("map", method, kwarg_lists)
+        if not (workers is _UNSET and timeout is _UNSET and rank0_only_axes is _UNSET
+                and common_kwargs is _UNSET and keep is _UNSET):
+            options = self._given("map", method, kwarg_lists, workers, timeout,
+                                  rank0_only_axes, common_kwargs, keep)
         return self._path.map(method, arg_lists, kwarg_lists, options, self._scope)
 
-    def call_stream(self, method: str, /, *args: Any, **kwargs: Any) -> StreamFuture:
+    def call_stream(self, method: str, /, *args: Any, workers: Workers = _UNSET,
+                    timeout: float | None = _UNSET, **kwargs: Any) -> StreamFuture:
         """Call a generator method on the selected ranks and iterate ``(rank, item)`` pairs
         as they arrive (a method that is not a generator streams its value as one item).
         Options: ``workers``, ``timeout`` (the wait for each next item: CallTimeout)."""
         options = self._options
-        if kwargs and self._form_options is not None:
-            options, kwargs = self._split("call_stream", method, kwargs)
+        if not (workers is _UNSET and timeout is _UNSET):
+            options = self._given("call_stream", method, kwargs, workers, timeout)
         return self._path.call_stream(method, args, kwargs, options, self._scope)
 
-    def call_sharded(self, method: str, /, *args: Any, **kwargs: Any) -> ShardedFuture:
+    def call_sharded(self, method: str, /, *args: Any,
+                     in_sharded_axes: Sequence[str] = _UNSET,
+                     replicate_on_axes: Sequence[str] = _UNSET,
+                     output_is_replicated: Sequence[str] = _UNSET,
+                     dummy_calls_to_free_axes: bool = _UNSET,
+                     common_kwargs: Mapping[str, Any] | None = _UNSET, keep: bool = _UNSET,
+                     **kwargs: Any) -> ShardedFuture:
         """Send each rank its slice of nested-list data (NeMo-RL's sharded-data rules; see
         :mod:`phalanx.world.sharding`); the future's result holds one value per data shard.
         Options: ``in_sharded_axes``, ``replicate_on_axes``, ``output_is_replicated``,
         ``dummy_calls_to_free_axes``, ``common_kwargs``, ``keep``."""
         options = self._options
-        if kwargs and self._form_options is not None:
-            options, kwargs = self._split("call_sharded", method, kwargs)
+        values = (in_sharded_axes, replicate_on_axes, output_is_replicated,
+                  dummy_calls_to_free_axes, common_kwargs, keep)
+        if values.count(_UNSET) != len(values):
+            options = self._given("call_sharded", method, kwargs, *values)
         return self._path.call_sharded(method, args, kwargs, options, self._scope)
 
     def __getattr__(self, name: str) -> MethodProxy:

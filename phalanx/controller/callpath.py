@@ -58,9 +58,9 @@ class CallPath:
         call, and the selection they came from."""
         self.check_open()
         self._check_method(method)
-        workers = (only if only is not None else options.workers if scope.workers is None
-                   else scope.workers)
-        ranks = self._select_ranks(list(workers) if type(workers) is tuple else workers)
+        # (none of these is ever empty: a slice's ranks, a form's own, the options')
+        workers = only or scope.workers or options.workers
+        ranks = self._select_ranks(workers)
         if options.rank0_only_axes and only is None:
             ranks = scope.mesh.rank0_only(ranks, options.rank0_only_axes)
         return ranks, workers

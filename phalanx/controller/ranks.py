@@ -277,7 +277,8 @@ class RankTable:
         ``"ready"`` skips dead ones, ``"any"`` is the first live one."""
         if workers == "all" and self._dispatcher.deaths == self._deaths_seen:
             return self._all  # no rank died since every rank was last known alive
-        if type(workers) is list and workers and self._all_usable(workers):
+        if (isinstance(workers, (list, tuple)) and workers
+                and self._all_usable(workers)):
             return list(workers)  # live, valid, increasing; a copy: the caller may change theirs
         if workers in ("ready", "any"):
             self._dispatcher.poll_now()  # learn of deaths that already happened
@@ -298,7 +299,7 @@ class RankTable:
             raise GroupClosed("workers='any': no rank of this group is alive")
         return ranks
 
-    def _all_usable(self, ranks: list[int]) -> bool:
+    def _all_usable(self, ranks: Sequence[int]) -> bool:
         entries = self.entries
         previous = -1
         for rank in ranks:

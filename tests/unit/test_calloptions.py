@@ -80,3 +80,17 @@ def test_a_clash_is_refused_exactly_when_a_given_option_is_a_parameter(given_, p
     else:
         refuse_clash("call", "f", given_, parameters)
     refuse_clash("call", "f", given_, None)  # parameters not known: nothing to refuse
+
+
+def test_each_call_form_takes_its_option_keywords_in_its_signature():
+    """The forms declare their option keywords (typed, shown by help()), and they are the
+    ones FORM_OPTIONS lists, in the order the forms hand them on."""
+    import inspect
+
+    from phalanx.controller.callforms import _ORDER, CallForms
+
+    for form, names in FORM_OPTIONS.items():
+        keyword_only = [p.name for p in inspect.signature(getattr(CallForms, form))
+                        .parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+        assert tuple(keyword_only) == _ORDER[form], form
+        assert set(keyword_only) == names, form
