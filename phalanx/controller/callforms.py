@@ -20,6 +20,7 @@ reads axes against: :class:`Scope`) go to the one
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +47,7 @@ _ORDER: dict[str, tuple[str, ...]] = {
     "call_sharded": ("in_sharded_axes", "replicate_on_axes", "output_is_replicated",
                      "dummy_calls_to_free_axes", "common_kwargs", "keep"),
 }
+_WORKERS_FIRST = frozenset(form for form, names in _ORDER.items() if names[0] == "workers")
 
 
 def _key(form: str, method: str, values: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -114,13 +116,28 @@ class CallForms:
         """The record a form's option keywords make (``values``: each of the form's
         options, in :data:`_ORDER`, or ``_UNSET``). On a view every one of them is the
         method's keyword, and so is ``workers`` on a slice: those go into ``kwargs``."""
-        key: tuple[Any, ...] | None = _key(form, method, values)
-        try:
-            options = self._made.get(key)  # type: ignore[arg-type]
-        except TypeError:  # a value that is not hashable (a dict, a list of lists): no key
-            key = options = None
-        if options is not None:
-            return options
+        first = values[0]
+        key: tuple[Any, ...] | None
+        if (type(first) is list and form in _WORKERS_FIRST
+                and values.count(_UNSET) == len(values) - 1):
+            # workers=[...] alone, the pipelined loop's call: keyed by its ranks only, and
+            # taken when they are the very objects of the record's (True is not 1)
+            ranks = tuple(first)
+            key = (form, method, ranks)
+            try:
+                options = self._made.get(key)
+            except TypeError:
+                key = options = None
+            if options is not None and all(map(operator.is_, ranks, options.workers)):  # type: ignore[arg-type]
+                return options
+        else:
+            key = _key(form, method, values)
+            try:
+                options = self._made.get(key)
+            except TypeError:  # a value that is not hashable (a dict, a list of lists)
+                key = options = None
+            if options is not None:
+                return options
         accepted = self._form_options[form] if self._form_options is not None else ()
         taken: dict[str, Any] = {}
         for name, value in zip(_ORDER[form], values, strict=True):

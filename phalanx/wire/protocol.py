@@ -84,6 +84,7 @@ MANY = 0xFFFFFFFF  # rank field of a message for several ranks (their list follo
 KEEP = 1
 TRACED = 2
 BUILTIN = 4
+_FLAG_BYTES = tuple(bytes([flags]) for flags in range(8))  # each one's byte, made once
 
 _HEAD = struct.Struct("<BQI")  # kind, call id, rank: the one layout of a header
 HEAD_SIZE = _HEAD.size
@@ -110,7 +111,7 @@ def header(kind: int, call_id: int, rank: int | Sequence[int], *extra: Any) -> b
     if kind == CALL or kind == CALL_STREAM:
         method, flags = extra if len(extra) == 2 else (extra[0], 0)
         name: bytes = method.encode()
-        return head + bytes([flags]) + name
+        return head + _FLAG_BYTES[flags] + name
     if not extra:
         return head
     return head + plain.dumps(extra)
@@ -180,7 +181,7 @@ def call_frames(
     """One call frame per rank: ``payloads`` holds one payload for all, or one per rank
     (a payload object repeated in the list is the same bytes, framed for each rank)."""
     kind = CALL_STREAM if stream else CALL
-    name = bytes([flags]) + method.encode()
+    name = _FLAG_BYTES[flags] + method.encode()
     pack = _HEAD.pack
     frame = framing.frame
     if len(payloads) == 1:

@@ -153,3 +153,14 @@ def test_recreate_and_shutdown_from_two_threads_run_one_after_the_other(backend)
         assert not errors or isinstance(errors[0], px.GroupClosed), errors
     finally:
         group.shutdown()
+
+
+def test_a_value_equal_to_a_good_one_is_still_checked(group):
+    """The group keeps the records its calls' option keywords made: a value equal to one
+    it made a record for, but of another type, is refused all the same."""
+    assert group.call("plain", 1, workers=[1], keep=False) == [1]
+    assert group.call("plain", 1, workers=[1]) == [1]
+    with pytest.raises(TypeError, match="integer ranks"):
+        group.call("plain", 1, workers=[True])
+    with pytest.raises(TypeError, match="keep must be True or False"):
+        group.call("plain", 1, workers=[1], keep=0)
