@@ -33,6 +33,7 @@ starts its rank under a supervisor of its own, ahead of time (:class:`Prestarted
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import math
@@ -204,6 +205,20 @@ class NodeRank:
 # --------------------------------------------------------------------------- a rank's burial
 
 
+class BurialState(enum.Enum):
+    """Where a rank's burial is (:class:`Burial`). The legal moves::
+
+        ALIVE   -> CLAIMED   a first sign of its death claimed it (claim()), or it is
+                             stopped on purpose (stop(): nothing will be told)
+        CLAIMED -> TOLD      its EXITED event went out (exited())
+        TOLD    -> TOLD      told again, with an account that came after (tell())
+    """
+
+    ALIVE = "alive"
+    CLAIMED = "claimed"
+    TOLD = "told"
+
+
 class Burial:
     """One rank's death, told once: the one routine for a rank that died, used by every
     channel at the controller (the local backend's, Ray's, an agent link's) and by an
@@ -234,8 +249,9 @@ class Burial:
     owner's ``lock`` (when the record's sources change under it), such an account is
     either in the event :meth:`exited` builds or finds the burial :attr:`told`.
 
-    States: ALIVE -> CLAIMED (:meth:`claim`, or :meth:`stop`) -> TOLD (:meth:`exited`). A
-    stop once claimed changes nothing: the event still goes out.
+    Its state is a :class:`BurialState`: ALIVE -> CLAIMED (:meth:`claim`, or :meth:`stop`)
+    -> TOLD (:meth:`exited`). A stop once claimed changes nothing: the event still goes
+    out.
     """
 
     def __init__(self, rank: int, record: Callable[[], ProcessFailure],
@@ -248,28 +264,31 @@ class Burial:
         self._message = message or (
             lambda failure: protocol.exited_message(rank, failure.as_dict()))
         self._lock = lock or threading.Lock()
-        self._claimed = False
-        self._told = False
+        self._state = BurialState.ALIVE
         self.deadline = math.inf  # once claimed: the longest the record waits for output
 
     @property
+    def state(self) -> BurialState:
+        return self._state
+
+    @property
     def claimed(self) -> bool:
-        """Whether the rank is dead or stopped, as far as this side knows (no lock: one
-        flag, set once)."""
-        return self._claimed
+        """Whether the rank is dead or stopped, as far as this side knows (no lock: the
+        state only ever moves on from ALIVE)."""
+        return self._state is not BurialState.ALIVE
 
     @property
     def told(self) -> bool:
         """Whether its EXITED event went out."""
-        return self._told
+        return self._state is BurialState.TOLD
 
     def claim(self) -> bool:
         """Whether this sign of death is the first: the caller then buries the rank.
         False once claimed, or stopped."""
         with self._lock:
-            if self._claimed:
+            if self._state is not BurialState.ALIVE:
                 return False
-            self._claimed = True
+            self._state = BurialState.CLAIMED
             self.deadline = time.monotonic() + config.OUTPUT_WAIT
         return True
 
@@ -277,12 +296,13 @@ class Burial:
         """The rank is stopped on purpose: the group records its end, and no later sign of
         death claims it."""
         with self._lock:
-            self._claimed = True
+            if self._state is BurialState.ALIVE:
+                self._state = BurialState.CLAIMED
 
     def exited(self) -> list[Any]:
         """The EXITED event of the record as known now; the burial is told."""
         with self._lock:
-            self._told = True
+            self._state = BurialState.TOLD
             return self._message(self._record())
 
     def tell(self) -> None:

@@ -179,3 +179,22 @@ def test_a_rank_started_as_a_child_shares_its_starters_group_and_output(tmp_path
         for fd in (to_rank_r, from_rank_r, from_rank_w):
             os.close(fd)
         stacks.close()
+
+
+def test_a_burial_moves_alive_claimed_told_once_each():
+    from phalanx.errors import ProcessFailure
+    from phalanx.node.spawn import Burial, BurialState
+
+    posted: list = []
+    burial = Burial(3, lambda: ProcessFailure(3, 0, 42, -9), posted.append)
+    assert burial.state is BurialState.ALIVE and not burial.claimed
+    assert burial.claim() and burial.state is BurialState.CLAIMED
+    assert not burial.claim()  # a second sign of the same death
+    burial.stop()  # stopping once claimed changes nothing
+    assert burial.state is BurialState.CLAIMED and not burial.told
+    burial.tell()
+    assert burial.state is BurialState.TOLD and burial.told and len(posted) == 1
+
+    stopped = Burial(4, lambda: ProcessFailure(4, 0, 43, None))
+    stopped.stop()
+    assert stopped.state is BurialState.CLAIMED and not stopped.claim()
