@@ -33,21 +33,13 @@ if TYPE_CHECKING:
     from phalanx.controller.futures import GroupFuture, ShardedFuture, StreamFuture
     from phalanx.controller.meshcalls import Mesh
 
-_SLICE_FORM_OPTIONS = {form: names - {"workers"} for form, names in FORM_OPTIONS.items()}
+# On a slice, workers= is the method's keyword (its ranks are its selection).
+_SLICE_FORM_OPTIONS = {form: tuple(name for name in names if name != "workers")
+                       for form, names in FORM_OPTIONS.items()}
 _MADE = 256  # records a form's option keywords made, kept per group, slice or view
 _UNSET: Any = object()  # an option keyword not given
-# Each form's option keywords, in the order its signature (and _given) takes them.
-_ORDER: dict[str, tuple[str, ...]] = {
-    "call": ("workers", "timeout", "rank0_only_axes", "keep"),
-    "call_async": ("workers", "rank0_only_axes", "keep"),
-    "call_one": ("timeout", "keep"),
-    "map_async": ("workers", "rank0_only_axes", "common_kwargs", "keep"),
-    "map": ("workers", "timeout", "rank0_only_axes", "common_kwargs", "keep"),
-    "call_stream": ("workers", "timeout"),
-    "call_sharded": ("in_sharded_axes", "replicate_on_axes", "output_is_replicated",
-                     "dummy_calls_to_free_axes", "common_kwargs", "keep"),
-}
-_WORKERS_FIRST = frozenset(form for form, names in _ORDER.items() if names[0] == "workers")
+_WORKERS_FIRST = frozenset(form for form, names in FORM_OPTIONS.items()
+                           if names[0] == "workers")
 
 
 def _key(form: str, method: str, values: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -83,7 +75,7 @@ class CallForms:
     _path: CallPath
     _scope: Scope
     _options: CallOptions
-    _form_options: Mapping[str, frozenset[str]] | None  # None: every keyword is the method's
+    _form_options: Mapping[str, tuple[str, ...]] | None  # None: every keyword is the method's
 
     def _init_forms(self, path: CallPath, scope: Scope, options: CallOptions = DEFAULT,
                     convenience: bool = True) -> None:
@@ -114,8 +106,9 @@ class CallForms:
     def _given(self, form: str, method: str, kwargs: dict[str, Any],
                *values: Any) -> CallOptions:
         """The record a form's option keywords make (``values``: each of the form's
-        options, in :data:`_ORDER`, or ``_UNSET``). On a view every one of them is the
-        method's keyword, and so is ``workers`` on a slice: those go into ``kwargs``."""
+        options in the order :data:`~phalanx.world.calloptions.FORM_OPTIONS` gives, or
+        ``_UNSET``). On a view every one of them is the method's keyword, and so is
+        ``workers`` on a slice: those go into ``kwargs``."""
         first = values[0]
         key: tuple[Any, ...] | None
         if (type(first) is list and form in _WORKERS_FIRST
@@ -140,13 +133,14 @@ class CallForms:
                 return options
         accepted = self._form_options[form] if self._form_options is not None else ()
         taken: dict[str, Any] = {}
-        for name, value in zip(_ORDER[form], values, strict=True):
+        for name, value in zip(FORM_OPTIONS[form], values, strict=True):
             if value is _UNSET:
                 continue
             if name in accepted:
                 taken[name] = value
             else:
                 kwargs[name] = value  # the method's own
+                key = None  # a record with it would not say where it went
         if not taken:
             return self._options
         path = self._path
@@ -155,9 +149,8 @@ class CallForms:
         if parameters:
             refuse_clash(form, method, list(taken), parameters)
         options = self._options.with_options(taken)
-        if key is not None and len(taken) == len(values) - values.count(_UNSET) \
-                and len(self._made) < _MADE:
-            self._made[key] = options  # (none went to the method: the same next time)
+        if key is not None and len(self._made) < _MADE:
+            self._made[key] = options
         return options
 
     # -- the forms --------------------------------------------------------------------

@@ -30,17 +30,16 @@ OPTION_NAMES = (
 )
 
 # The option keywords each call form takes beside the method's own (the convenience
-# form); every other keyword goes to the method.
-FORM_OPTIONS: Mapping[str, frozenset[str]] = types.MappingProxyType({
-    "call": frozenset({"workers", "timeout", "rank0_only_axes", "keep"}),
-    "call_async": frozenset({"workers", "rank0_only_axes", "keep"}),
-    "map": frozenset({"workers", "timeout", "rank0_only_axes", "common_kwargs", "keep"}),
-    "map_async": frozenset({"workers", "rank0_only_axes", "common_kwargs", "keep"}),
-    "call_one": frozenset({"timeout", "keep"}),
-    "call_stream": frozenset({"workers", "timeout"}),
-    "call_sharded": frozenset({
-        "in_sharded_axes", "replicate_on_axes", "output_is_replicated",
-        "dummy_calls_to_free_axes", "common_kwargs", "keep"}),
+# form), in the order its signature declares them; every other keyword goes to the method.
+FORM_OPTIONS: Mapping[str, tuple[str, ...]] = types.MappingProxyType({
+    "call": ("workers", "timeout", "rank0_only_axes", "keep"),
+    "call_async": ("workers", "rank0_only_axes", "keep"),
+    "map": ("workers", "timeout", "rank0_only_axes", "common_kwargs", "keep"),
+    "map_async": ("workers", "rank0_only_axes", "common_kwargs", "keep"),
+    "call_one": ("timeout", "keep"),
+    "call_stream": ("workers", "timeout"),
+    "call_sharded": ("in_sharded_axes", "replicate_on_axes", "output_is_replicated",
+                     "dummy_calls_to_free_axes", "common_kwargs", "keep"),
 })
 
 
