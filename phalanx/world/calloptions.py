@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from phalanx.options import check_seconds
-from phalanx.world.selection import Workers
+from phalanx.world.selection import Workers, check_workers
 
 OPTION_NAMES = (
     "workers", "timeout", "keep", "rank0_only_axes", "common_kwargs", "in_sharded_axes",
@@ -61,28 +61,6 @@ def _flag(value: Any, name: str) -> bool:
     return value
 
 
-def _workers(value: Any) -> Workers:
-    if type(value) is list and all(type(rank) is int for rank in value):
-        return tuple(value)  # the usual explicit selection, checked at once
-    if isinstance(value, str):
-        if value not in ("all", "any", "ready"):
-            raise ValueError(
-                f"workers={value!r}: expected 'all', 'any', 'ready' or a list of ranks")
-        return value
-    if isinstance(value, bool):
-        raise TypeError(f"workers must be a selection or ranks, got {value!r}")
-    if isinstance(value, int):
-        return value
-    if not isinstance(value, Sequence):
-        raise TypeError(f"workers must be 'all', 'any', 'ready' or a list of ranks, "
-                        f"got {value!r}")
-    ranks = tuple(value)
-    for rank in ranks:
-        if not isinstance(rank, int) or isinstance(rank, bool):
-            raise TypeError(f"workers must hold integer ranks, got {rank!r}")
-    return ranks
-
-
 def _common(value: Any) -> Mapping[str, Any] | None:
     if value is None:
         return None
@@ -95,7 +73,7 @@ def _common(value: Any) -> Mapping[str, Any] | None:
 
 
 _CHECKS: dict[str, Callable[[Any], Any]] = {
-    "workers": _workers,
+    "workers": check_workers,
     "timeout": check_seconds,
     "keep": lambda v: _flag(v, "keep"),
     "rank0_only_axes": lambda v: _axes(v, "rank0_only_axes"),
