@@ -32,7 +32,7 @@ from phalanx.controller.membership import Membership
 from phalanx.controller.methods import MethodNames
 from phalanx.controller.names import GROUP_NAMES
 from phalanx.controller.observe import EVERY_GROUP
-from phalanx.controller.ranks import RankTable, channels_of
+from phalanx.controller.ranks import RankTable
 from phalanx.controller.refs import ObjectRef
 from phalanx.controller.request import GroupPlan, plan_group
 from phalanx.controller.shared import SharedObjects
@@ -247,19 +247,13 @@ class WorkerGroup(CallForms):
         starter.reserve()
         watchdog.start()
         undo.callback(watchdog.stop)
-        undo.callback(self._stop_ranks)  # any the start left running
+        undo.callback(self._lifecycle.stop_ranks)  # any the start left running
         starter.start(list(range(starter.layout.world_size)))
 
     def _abandon(self) -> None:
         """A failed start ends CLOSED (what a repr or a stray reference then says)."""
         with self._gate.closing(0.0):
             pass
-
-    def _stop_ranks(self) -> None:
-        entries = self._ranks.known()
-        self._backend.stop(channels_of(entries), grace=0.0, force=True)
-        for entry in entries:
-            entry.exited(None)
 
     @property
     def name(self) -> str:

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from phalanx.controller.dispatch import Dispatcher
     from phalanx.controller.membership import Membership
     from phalanx.controller.methods import MethodNames
-    from phalanx.controller.ranks import RankTable
+    from phalanx.controller.ranks import RankEntry, RankTable
     from phalanx.controller.shared import SharedObjects
     from phalanx.controller.startup import Starter
     from phalanx.controller.state import Gate
@@ -79,8 +79,7 @@ class Lifecycle:
     def recreate(self, ranks: int | Sequence[int], *, timeout: float | None,
                  readmit: str | None) -> None:
         """See :meth:`WorkerGroup.recreate <phalanx.controller.group.WorkerGroup.recreate>`."""
-        self._gate.check()
-        with self._gate.operation("recreate"):
+        with self._gate.operation("recreate"):  # GroupClosed first, if it is closed
             self._recreate(ranks, timeout, readmit)
 
     def _recreate(self, ranks: int | Sequence[int], timeout: float | None,
@@ -148,6 +147,16 @@ class Lifecycle:
         self._starter.start(list(range(world_size)))
         logger.info("restarted %d workers of group %s", world_size, self._starter.name)
 
+    def stop_ranks(self, entries: Sequence[RankEntry] | None = None, grace: float = 0.0,
+                   force: bool = True) -> None:
+        """Stop ``entries``' processes (None: every rank the group knows) within ``grace``
+        s, SIGTERM then SIGKILL (``force``: SIGKILL at once), and record their ends."""
+        if entries is None:
+            entries = self._table.known()
+        self._backend.stop(channels_of(entries), grace=grace, force=force)
+        for entry in entries:
+            entry.exited(None)
+
     def teardown(self, deadline: float, force: bool) -> None:
         """Stop every part and every rank process by ``deadline`` (a
         ``time.monotonic()`` value; inf: no limit), see
@@ -172,9 +181,7 @@ class Lifecycle:
             entries,
         )
         grace = min(config.DEFAULT_TERM_GRACE, max(0.0, deadline - time.monotonic()))
-        self._backend.stop(channels_of(entries), grace=grace, force=force)
-        for entry in entries:
-            entry.exited(None)
+        self.stop_ranks(entries, grace, force)
         self._shared.close()
         self._dispatcher.release()
         self._backend.close()
