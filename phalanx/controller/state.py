@@ -57,7 +57,6 @@ MOVES: dict[GroupState, frozenset[GroupState]] = {
 }
 """The legal moves of :class:`GroupState` (its docstring draws them)."""
 
-_SHUT = frozenset({GroupState.CLOSING, GroupState.CLOSED})
 _CLOSING, _CLOSED = GroupState.CLOSING, GroupState.CLOSED
 
 
@@ -85,7 +84,7 @@ class Gate:
     def closed(self) -> bool:
         """Whether the group is shutting down or shut down."""
         state = self._state
-        return state is GroupState.CLOSING or state is GroupState.CLOSED
+        return state is _CLOSING or state is _CLOSED
 
     def check(self) -> None:
         """GroupClosed if the group is shutting down or shut down (before every call:
@@ -127,7 +126,7 @@ class Gate:
         locked = self._operation.acquire(timeout=max(0.0, min(timeout, threading.TIMEOUT_MAX)))
         try:
             with self._moving:
-                first = self._state not in _SHUT
+                first = not self.closed
                 if first:
                     # from REPLACING too: an operation that outlived the wait (or the
                     # thread's own, at exit) ends as its ranks go
