@@ -84,6 +84,10 @@ AGENT_HTTP_BACKLOG = 128
 DEBUG_TOKEN_TIMEOUT = 5.0
 DEBUG_MAX_PENDING = 128
 DEBUG_BACKLOG = 128
+# A multi-node phalanx run's host (phalanx.launcher.jobhost): each launcher's connection
+# holds a thread there. Past the job's most nodes (--nnodes) plus this many, a connection is
+# refused at once (a "refused" message naming the limit) and closed, with no thread.
+JOB_MAX_EXTRA_CONNECTIONS = 64
 # The shared token, read by a controller and an agent; kept out of every rank's environment
 # (phalanx.node.spawn), since user code runs there.
 ENV_TOKEN = "PHALANX_TOKEN"
@@ -111,6 +115,9 @@ AGENT_MAX_ENV = 4096  # variables of one rank's environment, entries of its sys.
 # requests of one controller in progress at once (each waits on a thread of its own)
 AGENT_MAX_REQUESTS = 1024
 AGENT_MAX_HELD = 4096  # put objects one controller holds on a node (each a memfd)
+# bytes of put objects one controller holds on a node (phalanx agent --max-held-mib);
+# None: half the node's memory (its cgroup's limit, if lower)
+AGENT_MAX_HELD_BYTES: int | None = None
 # Which processes may map each other's memory blocks (phalanx.wire.memfd.block_domain):
 # set on agents that stand for separate machines on one (tests, benchmarks), so that their
 # ranks pass kept results to each other as between machines, through the agents.

@@ -293,6 +293,9 @@ def _add_agent(commands: Any) -> None:  # argparse's subparsers (a class with no
                             f"closed (default: {config.AGENT_HANDSHAKE_TIMEOUT:g})")
     agent.add_argument("--max-frame-mib", type=_positive, default=1024, metavar="MIB",
                        help="refuse frames larger than this from a controller (default: 1024)")
+    agent.add_argument("--max-held-mib", type=_positive, default=None, metavar="MIB",
+                       help="refuse put objects past this many MiB held for one controller "
+                            "(default: half the node's memory)")
     agent.add_argument("--store", metavar="DIR",
                        help="where shipped code is kept (ClusterBackend(sync=...); default: "
                             "$XDG_CACHE_HOME/phalanx/agent)")
@@ -375,7 +378,8 @@ def _agent(options: argparse.Namespace, argv: list[str] | None = None) -> int:
                      handshake_timeout=options.handshake_timeout,
                      max_frame=options.max_frame_mib << 20, tls=tls, peer_tls=peer_tls,
                      store=options.store, once=options.once,
-                     idle_timeout=options.idle_timeout, on_listening=on_listening)
+                     idle_timeout=options.idle_timeout, on_listening=on_listening,
+                     max_held=None if options.max_held_mib is None else options.max_held_mib << 20)
 
 
 def _token(options: argparse.Namespace) -> int:

@@ -25,6 +25,7 @@ NAME = config.SHARE_BLOCK_PREFIX
 _ALIGN = 64  # every buffer starts on a cache line (numpy and torch want aligned data)
 _CHUNK = 64 << 20
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 
 
 def supported() -> bool:
@@ -133,6 +134,21 @@ class Block:
                 pass
         for part, (offset, length) in zip(parts, extents, strict=True):
             self._map[offset:offset + length] = memoryview(part).cast("B")
+
+    def map_resident(self) -> None:
+        """Map the whole block in this process, every page of it present, until
+        :meth:`close`: its bytes then count in this process's resident set (``RssShmem`` in
+        ``/proc/<pid>/status``), which the kernel's OOM killer weighs. A block's pages are
+        charged to no process's resident set while only a descriptor holds them, so a
+        holder of many would look small, and a node short of memory would kill a
+        bystander instead of the process whose end frees them."""
+        if self._map is None:
+            self._map = mmap.mmap(self.fd, self.capacity)
+        try:
+            self._map.madvise(_MADV_POPULATE_READ)  # maps the pages the write made
+        except OSError:  # before Linux 5.14: read one byte of each page
+            with memoryview(self._map) as whole, whole[::mmap.PAGESIZE] as pages:
+                pages.tobytes()
 
     def location(self, extents: Extents, release: bool = False, writable: bool = False) -> Location:
         """What SHARE tells ranks: ``(pid, fd, name, extents, capacity, release,

@@ -88,7 +88,7 @@ class Agent:
                  store: str | os.PathLike[str] | None = None,
                  max_unauthenticated: int | None = None,
                  max_unauthenticated_per_peer: int = config.AGENT_MAX_UNAUTHENTICATED_PER_PEER,
-                 once: bool = False) -> None:
+                 once: bool = False, max_held: int | None = None) -> None:
         from phalanx.backends.cluster.codesync import Store, default_store
 
         self._store = Store(store if store is not None else default_store())
@@ -99,6 +99,7 @@ class Agent:
         self._heartbeat_timeout = heartbeat_timeout
         self._node_timeout = node_timeout  # a child agent (a tree) silent this long is lost
         self._max_frame = max_frame
+        self._max_held = max_held  # bytes of put objects one session holds (None: default)
         self._handshake_timeout = handshake_timeout
         self._metrics = metrics
         limit = unauthenticated_limit() if max_unauthenticated is None else max_unauthenticated
@@ -274,7 +275,8 @@ class Agent:
                                      node_timeout=self._node_timeout,
                                      max_frame=self._max_frame, counters=self._count,
                                      store=self._store, secret=self._token, auth=auth,
-                                     devices=self._devices, peer_tls=self._peer_tls)
+                                     devices=self._devices, peer_tls=self._peer_tls,
+                                     max_held=self._max_held)
         with self._lock:
             if self._stopping.is_set() or self.served.is_set():
                 sock.close()  # an agent for one job (once) ends with its last connection
@@ -350,7 +352,8 @@ def run(host: str, port: int, token: bytes, *, http_port: int | None,
         handshake_timeout: float = config.AGENT_HANDSHAKE_TIMEOUT,
         node_timeout: float = config.DEFAULT_NODE_TIMEOUT, once: bool = False,
         idle_timeout: float | None = None,
-        on_listening: Callable[[str, int], None] | None = None) -> int:
+        on_listening: Callable[[str, int], None] | None = None,
+        max_held: int | None = None) -> int:
     """``phalanx agent``: serve until SIGINT or SIGTERM; the exit status.
 
     ``once``: serve one job and end as the last of its connections does (an agent started
@@ -370,7 +373,8 @@ def run(host: str, port: int, token: bytes, *, http_port: int | None,
         agent = Agent(host, port, token, heartbeat_timeout=heartbeat_timeout,
                       node_timeout=node_timeout, max_frame=max_frame,
                       handshake_timeout=handshake_timeout,
-                      metrics=metrics, tls=tls, peer_tls=peer_tls, store=store, once=once)
+                      metrics=metrics, tls=tls, peer_tls=peer_tls, store=store, once=once,
+                      max_held=max_held)
         if http_port is not None:
             server = HealthServer(host, http_port, metrics, agent.health)
     except OSError as exc:

@@ -148,7 +148,8 @@ class Session:
                  auth: seal.FrameAuth | None = None,
                  node_timeout: float = config.DEFAULT_NODE_TIMEOUT,
                  devices: NodeDevices | None = None,
-                 peer_tls: ssl.SSLContext | None = None) -> None:
+                 peer_tls: ssl.SSLContext | None = None,
+                 max_held: int | None = None) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         streams.keep_alive(sock)
         self.address = sock.getsockname()[0]  # where the controller reached this node
@@ -181,7 +182,7 @@ class Session:
                                     self._watch_child, self._unwatch), secret, peer_tls)
         # peer_tls: how this agent reaches other agents (children, kept results' sources)
         self._objects = NodeObjects(self._lock, self._node_ranks, secret, self._writer,
-                                    peer_tls)
+                                    peer_tls, max_bytes=max_held)  # None: the default
         # the node's GPUs, one book for every controller the agent serves
         self._devices = devices if devices is not None else NodeDevices(visible_gpus())
 
