@@ -87,8 +87,7 @@ def _suffix_group(item: pytest.Item) -> None:
 def backend(request):
     """The backend's name, or for the cluster backend a configured ``ClusterBackend``."""
     if request.param == "ray":
-        pytest.importorskip("ray", reason="the ray backend needs ray (pip install 'phalanx[ray]')")
-        request.getfixturevalue("ray_cluster")
+        request.getfixturevalue("ray_cluster")  # skips without Ray
     if request.param == "cluster":
         # PHALANX_TEST_CLUSTER_TREE=1: the three agents as a tree (node 1 below node 0)
         tree = {"tree_threshold": 1, "fanout": 2} if os.environ.get(
@@ -115,7 +114,9 @@ def agent_cluster():
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One Ray test cluster for the whole run (three nodes on this machine), shared by every
-    test of the ray backend; each test module checks that it left no actor behind."""
+    test of the ray backend; each test module checks that it left no actor behind. Without
+    Ray, every test that asks for it skips, saying so."""
+    pytest.importorskip("ray", reason="this test needs a Ray cluster (pip install 'phalanx[ray]')")
     from tests import raycluster
 
     cluster = raycluster.start()

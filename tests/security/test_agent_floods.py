@@ -1,7 +1,8 @@
 """``phalanx agent`` under floods of connections that never authenticate, and when it runs
 out of descriptors or threads: the cap on connections before authentication holds, the
 accept loop never dies, ``/health`` says why while the control port cannot accept, and a
-real controller starts a group within 2 s once the flood is over.
+real controller starts a group soon once the flood is over: within 2 s, or three times
+what a start took on the same agent before the flood where the machine is loaded.
 
 Everything is on loopback. Real agents run on 127.0.0.5-7 (stopped when the test ends);
 the flood comes from other loopback addresses (127.0.1.x), so that the controller's own
@@ -34,7 +35,8 @@ from tests.workers import Probe
 
 BURST = 200  # silent connections
 NOFILE = 128  # the agent's descriptor limit: without a cap, the burst alone would exhaust it
-RECOVERY = 2.0  # seconds for a group to start once the burst is over
+RECOVERY = 2.0  # seconds for a group to start once the burst is over, on an idle machine
+SLOWER = 3.0  # ... or this many times the same start before the flood, on a loaded one
 FLOOD_SOURCES = [f"127.0.1.{i}" for i in range(1, 11)]  # 20 connections from each
 
 
@@ -136,10 +138,19 @@ def start_group_on(host: str, port: int, token_file: str) -> float:
         return time.monotonic() - started
 
 
+def recovered(took: float, quiet: float) -> bool:
+    """Whether a start after a flood took no longer than it should: RECOVERY, or SLOWER times
+    the start on the same agent before the flood when the machine is loaded (other suites on
+    a shared CI machine stretch both alike). What this guards against, an agent still held
+    by the flood's connections, waits out their 30 s handshake deadline: far above either."""
+    return took < max(RECOVERY, SLOWER * quiet)
+
+
 def test_a_burst_of_silent_connections_is_capped_and_a_group_starts_after_it(
         agent, token_file):
     host = "127.0.0.5"
     port, http_port = agent(host, "--handshake-timeout", "30")
+    quiet = start_group_on(host, port, token_file)
     cap = unauthenticated_limit(NOFILE)
     socks = burst(host, port)
     try:
@@ -156,13 +167,15 @@ def test_a_burst_of_silent_connections_is_capped_and_a_group_starts_after_it(
     ended = time.monotonic()
     took = start_group_on(host, port, token_file)
     print(f"\nafter a burst of {BURST} silent connections (cap {cap}), a group started and "
-          f"answered in {took:.3f} s ({time.monotonic() - ended:.3f} s after the burst)")
-    assert took < RECOVERY, took
+          f"answered in {took:.3f} s ({time.monotonic() - ended:.3f} s after the burst; "
+          f"{quiet:.3f} s before it)")
+    assert recovered(took, quiet), (took, quiet)
 
 
 def test_silent_connections_are_closed_at_the_handshake_deadline(agent, token_file):
     host = "127.0.0.6"
     port, _ = agent(host, "--handshake-timeout", "1")
+    quiet = start_group_on(host, port, token_file)
     socks = burst(host, port, count=8)
     try:
         started = time.monotonic()
@@ -172,7 +185,7 @@ def test_silent_connections_are_closed_at_the_handshake_deadline(agent, token_fi
     finally:
         for sock in socks:
             sock.close()
-    assert start_group_on(host, port, token_file) < RECOVERY
+    assert recovered(start_group_on(host, port, token_file), quiet)
 
 
 def test_one_address_cannot_take_the_whole_cap(agent, token_file):
@@ -180,6 +193,7 @@ def test_one_address_cannot_take_the_whole_cap(agent, token_file):
     through while the flood holds."""
     host = "127.0.0.7"
     port, _ = agent(host, "--handshake-timeout", "30")
+    quiet = start_group_on(host, port, token_file)
     socks = []
     try:
         for _ in range(BURST // 2):
@@ -189,7 +203,7 @@ def test_one_address_cannot_take_the_whole_cap(agent, token_file):
             sock.connect((host, port))
             socks.append(sock)
         assert len(closed_by_peer(socks, within=2.0)) >= BURST // 2 - 16
-        assert start_group_on(host, port, token_file) < RECOVERY
+        assert recovered(start_group_on(host, port, token_file), quiet)
     finally:
         for sock in socks:
             sock.close()
@@ -247,6 +261,7 @@ def test_out_of_descriptors_the_accept_loop_backs_off_reports_503_and_recovers(t
     client = None
     try:
         port = int(proc.stdout.readline())
+        quiet = start_group_on(host, port, token_file)
         proc.stdin.write("fill\n")
         proc.stdin.flush()
         assert int(proc.stdout.readline()) > 0
@@ -266,8 +281,8 @@ def test_out_of_descriptors_the_accept_loop_backs_off_reports_503_and_recovers(t
         # Descriptors back, a real controller starts a group there.
         took = start_group_on(host, port, token_file)
         print(f"\nout of descriptors: accepting again {report['recovered_in']:.3f} s after "
-              f"they were freed; a group then started in {took:.3f} s")
-        assert took < RECOVERY
+              f"they were freed; a group then started in {took:.3f} s ({quiet:.3f} s before)")
+        assert recovered(took, quiet), (took, quiet)
     finally:
         if client is not None:
             client.close()
@@ -297,6 +312,7 @@ def test_a_thread_that_cannot_start_is_retried_and_the_loop_lives(token_file, mo
             raise RuntimeError("can't start new thread")
         return real_start(self)
 
+    quiet = start_group_on(host, port, token_file)
     monkeypatch.setattr(threading.Thread, "start", start)
     try:
         with socket.create_connection((host, port), timeout=5) as stranger:
@@ -309,7 +325,7 @@ def test_a_thread_that_cannot_start_is_retried_and_the_loop_lives(token_file, mo
         failing.clear()
         assert metrics.value("accept_errors_total") >= 1
         took = start_group_on(host, port, token_file)
-        assert took < RECOVERY and agent.health()["ok"]
+        assert recovered(took, quiet) and agent.health()["ok"], (took, quiet)
     finally:
         agent.stop()
         loop.join(5)
