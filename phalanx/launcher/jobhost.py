@@ -18,6 +18,11 @@ object per line (no pickle: nothing a peer sends is executed). The host
 
 Messages (``type``): member -> host ``join``, ``done``; host -> member ``start``, ``stop``,
 ``end``, ``refused``.
+
+Each connection is read on a thread of its own, so their number is bounded: the job's most
+nodes plus ``config.JOB_MAX_EXTRA_CONNECTIONS`` (launchers joining late, or again). One more
+is refused as it is accepted -- a ``refused`` message naming the limit, then closed -- on
+the accepting thread, with no thread of its own.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import threading
 import time
 from typing import Any
 
+from phalanx import config
 from phalanx.errors import PhalanxError
 from phalanx.launcher.policy import AttemptStatus, RestartDecision, decide
 from phalanx.launcher.report import Failure
@@ -116,6 +122,7 @@ class JobHost:
         self._lock = threading.Lock()
         self._closing = False
         self._threads: list[threading.Thread] = []
+        self._refused = 0  # connections turned away (past max_connections)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -150,13 +157,45 @@ class JobHost:
                 conn, peer = self._listener.accept()
             except OSError:
                 return
-            keep_alive(conn)
-            key = next(self._keys)
             with self._lock:
-                self._conns[key] = conn
+                served = len(self._conns)
+                admitted = served < self.max_connections
+                if admitted:
+                    key = next(self._keys)
+                    self._conns[key] = conn
+            if not admitted:
+                self._turn_away(conn, peer, served)
+                continue
+            keep_alive(conn)
             thread = threading.Thread(target=self._read, args=(key, conn, f"{peer[0]}"),
                                       name="phalanx-job-member", daemon=True)
             thread.start()
+
+    @property
+    def max_connections(self) -> int:
+        """The most connections served at once (each holds a reader thread)."""
+        return self._spec.max_nodes + config.JOB_MAX_EXTRA_CONNECTIONS
+
+    def _turn_away(self, conn: socket.socket, peer: tuple[Any, ...], served: int) -> None:
+        """Refuse a connection past :attr:`max_connections`: say why, if its buffer takes
+        it at once (nothing here waits on a peer), then close it."""
+        reason = (f"the job's host serves {served} connections already, its limit (the "
+                  f"job's most nodes, {self._spec.max_nodes}, plus "
+                  f"{config.JOB_MAX_EXTRA_CONNECTIONS}: phalanx.config."
+                  "JOB_MAX_EXTRA_CONNECTIONS)")
+        self._refused += 1  # a flood logs once, not once a connection
+        (logger.warning if self._refused == 1 else logger.debug)(
+            "refused a connection from %s: %s", peer[0], reason)
+        line = json.dumps({"type": "refused", "reason": reason}).encode() + b"\n"
+        with contextlib.suppress(OSError):
+            conn.send(line, socket.MSG_DONTWAIT)
+            conn.shutdown(socket.SHUT_WR)
+            # what it sent already is read (a join: one line), so that closing does not
+            # reset the connection -- a reset can discard the refusal before it is read
+            for _ in range(16):
+                if not conn.recv(65536, socket.MSG_DONTWAIT):
+                    break
+        conn.close()
 
     def _read(self, key: int, conn: socket.socket, peer: str) -> None:
         lines = Lines(conn)
