@@ -223,21 +223,30 @@ class PipeStream(Stream):
 
 
 class WakePipe:
-    """A self-pipe that interrupts a thread blocked in ``poll()`` on its read end."""
+    """A self-pipe that interrupts a thread blocked in ``poll()`` on its read end.
+
+    :meth:`wake` may come from any thread at any moment, :meth:`close` among them (a
+    burial thread posting a death as its group's dispatcher is released): the two exclude
+    each other, and a wake-up after the close does nothing. Without that, a wake-up between
+    the two ``os.close`` calls met a pipe with no reader (``BrokenPipeError`` in the waker's
+    thread), and one after them wrote its byte to whatever descriptor had taken the write
+    end's number since (another group's pipe, a rank's control stream). Any other failure
+    of the write is a bug and is raised."""
 
     def __init__(self) -> None:
         self.fd, self._write_fd = os.pipe()
         os.set_blocking(self.fd, False)
         os.set_blocking(self._write_fd, False)
+        self._lock = _thread.allocate_lock()  # wake() against close()
 
     def wake(self) -> None:
-        try:
-            os.write(self._write_fd, b"x")
-        except BlockingIOError:
-            pass  # a wake-up is already pending
-        except OSError as exc:
-            if exc.errno != errno.EBADF:  # closed by a concurrent shutdown: nothing to wake
-                raise
+        with self._lock:
+            if self._write_fd < 0:  # closed: nobody is left to wake
+                return
+            try:
+                os.write(self._write_fd, b"x")
+            except BlockingIOError:
+                pass  # a wake-up is already pending
 
     def drain(self) -> None:
         try:
@@ -247,11 +256,15 @@ class WakePipe:
             pass
 
     def close(self) -> None:
-        for fd in (self.fd, self._write_fd):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        with self._lock:
+            if self._write_fd < 0:  # closed already: the numbers may be others' by now
+                return
+            fds, self._write_fd = (self._write_fd, self.fd), -1
+            for fd in fds:  # the write end first: no wake-up ever meets a pipe without reader
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
 
 def wait_readable(fds: list[int], timeout: float | None) -> list[int]:
