@@ -67,6 +67,11 @@ AGENT_HANDSHAKE_TIMEOUT = 5.0  # seconds a connecting controller has to prove th
 AGENT_MAX_UNAUTHENTICATED = 64  # connections still in their handshake, all peers together
 AGENT_MAX_UNAUTHENTICATED_PER_PEER = 16  # of them from one peer address
 AGENT_LISTEN_BACKLOG = 512  # connections the kernel queues before the agent accepts them
+# Sessions an agent serves at once (controllers that proved the token: each group's, pool's
+# and parent agent's connection is one), each holding threads and descriptors for as long as
+# it stays; past them a controller is refused, naming the limit (phalanx agent
+# --max-sessions).
+AGENT_MAX_SESSIONS = 64
 # After accept() failed (no descriptor left, no thread could start), how long the agent
 # waits before it tries again: the first retry soon, then up to the maximum.
 AGENT_ACCEPT_BACKOFF = 0.05

@@ -44,6 +44,10 @@ controller; that exception's own cause is a :class:`RemoteTraceback` holding the
 traceback text, so a user sees the controller stack, then the worker stack.
 
 Every error survives pickling (they cross process boundaries in user code too).
+
+Text a peer chose (a version it claims, a reason an agent gives, a path it asked for) goes
+into a log line or an error message only through :func:`printable`, so that no peer, proved
+or not, can start a line of its own in a log or move a terminal's cursor.
 """
 
 from __future__ import annotations
@@ -57,6 +61,23 @@ from collections.abc import Sequence
 from typing import Any
 
 from phalanx.dumps import innermost_user_frames
+
+SHOWN = 1000  # characters of a peer's text that printable() keeps by default
+
+
+def printable(text: object, limit: int = SHOWN) -> str:
+    """``text`` (a peer's: see the module docstring) fit for one line of a log or an
+    error: every character that is not printable -- newlines, ESC and the other control
+    characters, Unicode's line separators and direction overrides -- written as its Python
+    escape (``\\n``, ``\\x1b``, ``\\u202e``), and its first ``limit`` characters only,
+    then how many more there were."""
+    whole = text if type(text) is str else str(text)
+    head = whole[:max(0, limit)]
+    shown = head if head.isprintable() else "".join(
+        char if char.isprintable() else char.encode("unicode_escape").decode("ascii")
+        for char in head)
+    more = len(whole) - len(head)
+    return shown if not more else f"{shown}... ({more} more characters)"
 
 
 def _rebuild(cls: type[BaseException], args: tuple[Any, ...],
@@ -494,18 +515,25 @@ def _release(version: str) -> tuple[int, ...] | None:
     return tuple(parts) or None
 
 
+_VERSION_SHOWN = 64  # characters of a peer's version in a message (a release's are ~20)
+
+
 class VersionMismatch(AuthenticationError):
     """Two ends of a connection run different phalanx versions (``phalanx.__version__``):
     refused at the handshake, before anything is unpickled (pickles name modules, which move
     between versions). Names both versions and which side to upgrade.
 
     ``peer_version`` is None for a peer so old that its handshake does not say its version.
+    It is the peer's own text, as received; the message shows it through :func:`printable`
+    (a stranger chooses it before it proves anything).
     """
 
     def __init__(self, own: str, own_version: str, peer: str,
                  peer_version: str | None) -> None:
         self.own, self.own_version = own, own_version
         self.peer, self.peer_version = peer, peer_version
+        if peer_version is not None:
+            peer_version = printable(peer_version, _VERSION_SHOWN)
         if peer_version is None:
             text = (f"{peer} runs an older phalanx, whose handshake does not say its version, "
                     f"and {own} runs phalanx {own_version}: upgrade {peer} to phalanx "

@@ -296,6 +296,11 @@ def _add_agent(commands: Any) -> None:  # argparse's subparsers (a class with no
     agent.add_argument("--max-held-mib", type=_positive, default=None, metavar="MIB",
                        help="refuse put objects past this many MiB held for one controller "
                             "(default: half the node's memory)")
+    agent.add_argument("--max-sessions", type=_positive, default=config.AGENT_MAX_SESSIONS,
+                       metavar="N",
+                       help="serve at most N controllers' sessions at once (each group and "
+                            "pool is one); one more is refused, naming this limit (default: "
+                            f"{config.AGENT_MAX_SESSIONS})")
     agent.add_argument("--store", metavar="DIR",
                        help="where shipped code is kept (ClusterBackend(sync=...); default: "
                             "$XDG_CACHE_HOME/phalanx/agent)")
@@ -379,7 +384,8 @@ def _agent(options: argparse.Namespace, argv: list[str] | None = None) -> int:
                      max_frame=options.max_frame_mib << 20, tls=tls, peer_tls=peer_tls,
                      store=options.store, once=options.once,
                      idle_timeout=options.idle_timeout, on_listening=on_listening,
-                     max_held=None if options.max_held_mib is None else options.max_held_mib << 20)
+                     max_held=None if options.max_held_mib is None else options.max_held_mib << 20,
+                     max_sessions=options.max_sessions)
 
 
 def _token(options: argparse.Namespace) -> int:

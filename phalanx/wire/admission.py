@@ -15,14 +15,20 @@ strangers' next connections come round to it.
 its peer proved itself (or failed); :meth:`Admission.expire`, every moment, shuts down
 those past their deadline, so a handshake that trickles (TLS reads one record at a time,
 each under its own timeout) still ends on time. A connection is shut down by its
-descriptor's number while it is held, which is why its owner releases it before closing it.
+descriptor's number while it is held (a TLS wrapper takes the descriptor from the socket
+object admitted), which is why its owner releases it before closing it: a closed number is
+the next socket's. As a second guard, the admission notes which socket the descriptor is
+(its inode) when it admits it, and leaves a number that names another one now alone.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
+
+_Descriptor = tuple[int, int]  # a socket's descriptor: its number, and its inode
 
 
 class Admission:
@@ -40,9 +46,9 @@ class Admission:
         self.limit, self.per_peer, self.timeout = limit, min(per_peer, limit), timeout
         self.spared = spared
         self._lock = threading.Lock()
-        # each connection, oldest first -> its peer, deadline and descriptor's number (the
-        # TLS wrapper takes the descriptor from the socket object admitted)
-        self._pending: dict[socket.socket, tuple[str, float, int]] = {}
+        # each connection, oldest first -> its peer, deadline, and descriptor: its number
+        # and which socket that is (its inode)
+        self._pending: dict[socket.socket, tuple[str, float, _Descriptor]] = {}
         self._per_peer: dict[str, int] = {}
         self.evicted = 0  # connections shut down to make room, in all
 
@@ -76,12 +82,12 @@ class Admission:
                 victim = self._oldest_of(heaviest)
             why = None
             if victim is not None:
-                victim_peer, fd = self._forget(victim)
-                _shut_down(fd)
+                victim_peer, descriptor = self._forget(victim)
+                _shut_down(descriptor)
                 self.evicted += 1
                 why = (f"the oldest connection in its handshake from {victim_peer} was shut "
                        f"down to make room ({self.limit} at most, {mine} from one address)")
-            self._pending[sock] = (peer, time.monotonic() + self.timeout, sock.fileno())
+            self._pending[sock] = (peer, time.monotonic() + self.timeout, _descriptor(sock))
             self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
         return why
 
@@ -96,9 +102,10 @@ class Admission:
         it); how many."""
         now = time.monotonic()
         with self._lock:  # a connection is released before it is closed: the fd is its own
-            late = [fd for _, deadline, fd in self._pending.values() if deadline <= now]
-            for fd in late:
-                _shut_down(fd)
+            late = [descriptor for _, deadline, descriptor in self._pending.values()
+                    if deadline <= now]
+            for descriptor in late:
+                _shut_down(descriptor)
         return len(late)
 
     # -- with the lock held --------------------------------------------------------------
@@ -106,20 +113,35 @@ class Admission:
     def _oldest_of(self, peer: str) -> socket.socket | None:
         return next((sock for sock, entry in self._pending.items() if entry[0] == peer), None)
 
-    def _forget(self, sock: socket.socket) -> tuple[str, int]:
-        """Stop holding ``sock`` -> its peer and descriptor's number."""
-        peer, _, fd = self._pending.pop(sock)
+    def _forget(self, sock: socket.socket) -> tuple[str, _Descriptor]:
+        """Stop holding ``sock`` -> its peer and descriptor."""
+        peer, _, descriptor = self._pending.pop(sock)
         left = self._per_peer[peer] - 1
         if left:
             self._per_peer[peer] = left
         else:
             del self._per_peer[peer]
-        return peer, fd
+        return peer, descriptor
 
 
-def _shut_down(fd: int) -> None:
-    """Shut the connection on descriptor ``fd`` down (its thread reads EOF and ends); the
-    descriptor stays its owner's to close."""
+def _descriptor(sock: socket.socket) -> _Descriptor:
+    fd = sock.fileno()
+    try:
+        return fd, os.fstat(fd).st_ino
+    except OSError:  # closed already (its peer's reset cannot close it: only its owner)
+        return fd, -1
+
+
+def _shut_down(descriptor: _Descriptor) -> None:
+    """Shut the connection on ``descriptor`` down (its thread reads EOF and ends), unless
+    that number was closed and names another socket now; the descriptor stays its owner's
+    to close."""
+    fd, inode = descriptor
+    try:
+        if os.fstat(fd).st_ino != inode:  # (a socket's inode is its own while it is open)
+            return
+    except OSError:  # closed, and no other took the number yet
+        return
     view = socket.socket(fileno=fd)  # the same descriptor, not a copy
     try:
         view.shutdown(socket.SHUT_RDWR)

@@ -20,7 +20,9 @@ once both sides have proved the secret (``phalanx.__version__`` of each: pickles
 module paths, which move between releases, so two releases never exchange one; each side
 raises :class:`~phalanx.errors.VersionMismatch` naming both versions and the side to
 upgrade). A peer of an earlier release (magic ``PHALANX1`` or ``PHALANX2``) is refused as
-older, and told nothing.
+older, and told nothing. A version is the peer's own text (a ``PHALANX2`` stranger's is
+unproved): the error shows it through :func:`phalanx.errors.printable`, so that it cannot
+start a line of its own in a log.
 
 The handshake also gives each side the keys that authenticate every frame after it
 (:mod:`phalanx.wire.seal`, derived from the secret and the whole transcript):

@@ -174,6 +174,33 @@ def test_a_peer_of_the_release_before_this_handshake_is_refused_naming_its_versi
     b.close()
 
 
+def test_a_strangers_version_is_escaped_and_cut_short_in_the_error():
+    a, b = socket.socketpair()
+    claimed = "0.1.0\nphalanx: serving a controller from 10.6.6.6\x1b[2K" + "x" * 200
+    field = claimed.encode()
+    b.sendall(b"PHALANX2" + bytes([len(field)]) + field + bytes(41))
+    with pytest.raises(VersionMismatch) as info:
+        handshake.accept(a, SECRET, timeout=2, peer="the controller", own="this agent",
+                         version="0.2.0")
+    text = str(info.value)
+    assert "\n" not in text and "\x1b" not in text
+    assert "0.1.0\\nphalanx: serving a controller from 10.6.6.6\\x1b[2K" in text
+    assert "more characters" in text and "x" * 100 not in text
+    assert info.value.peer_version == claimed  # the attribute keeps what the peer sent
+    a.close()
+    b.close()
+
+
+def test_a_proved_peers_version_is_escaped_in_both_sides_errors():
+    # (each side's own version is its own text, shown as it is)
+    outcome = run_pair(SECRET, SECRET, accept_version="0.2.0\n\x1b[31mred",
+                       connect_version="0.1.0\r\nforged line")
+    for error in (outcome["accept_error"], outcome["connect_error"]):
+        assert isinstance(error, VersionMismatch)
+    assert "0.1.0\\r\\nforged line" in str(outcome["accept_error"])
+    assert "0.2.0\\n\\x1b[31mred" in str(outcome["connect_error"])
+
+
 def test_an_acceptor_that_hangs_up_before_its_version_hints_at_an_older_release():
     a, b = socket.socketpair()
 

@@ -26,7 +26,7 @@ from phalanx import config
 from phalanx.backends.base import Channel, EventSink, Link, RankStart
 from phalanx.backends.cluster import messages as agentwire
 from phalanx.backends.cluster import tree as agenttree
-from phalanx.errors import PhalanxError, ProcessFailure
+from phalanx.errors import PhalanxError, ProcessFailure, printable
 from phalanx.node.spawn import Burial
 from phalanx.output.logs import LogPump, OutputTap
 from phalanx.wire import framing, protocol, seal, streams
@@ -302,8 +302,8 @@ class AgentLink(Link):
             with self._lock:
                 self._replies.pop(request_id, None)
             raise PhalanxError(f"{where} did not answer within {timeout:g} s")
-        if not waiter[1]:
-            raise PhalanxError(f"{where}: {waiter[2]}")
+        if not waiter[1]:  # the agent's words
+            raise PhalanxError(f"{where}: {printable(waiter[2])}")
         return waiter[2]
 
     # -- receiving --------------------------------------------------------------------
@@ -418,13 +418,14 @@ class AgentLink(Link):
                     channel.exited(extra[0])
             elif kind == agentwire.PING or kind == agentwire.WELCOME:
                 pass
-            elif kind == agentwire.LOST:
+            elif kind == agentwire.LOST:  # the reasons an agent gives go to the log, escaped
                 ids, reason = extra
-                self.lose_nodes([self.nodes[i] for i in ids if i in self.nodes], reason)
+                self.lose_nodes([self.nodes[i] for i in ids if i in self.nodes],
+                                printable(reason))
             elif kind == agentwire.FAULT and call_id:  # one request refused: it alone fails
-                self._answer(call_id, False, str(extra[0]))
+                self._answer(call_id, False, printable(extra[0]))
             elif kind == agentwire.FAULT:
-                self.lose(str(extra[0]))
+                self.lose(printable(extra[0]))
                 return
             else:
                 channel = self._channels.get(rank)

@@ -31,7 +31,7 @@ from typing import Any
 
 from phalanx import config
 from phalanx.backends.cluster import messages as agentwire
-from phalanx.errors import AuthenticationError
+from phalanx.errors import AuthenticationError, printable
 from phalanx.wire import framing, handshake, protocol, seal, streams
 
 Entry = tuple[int, str, int]  # (tree id, host, port)
@@ -77,7 +77,8 @@ def connect_agent(host: str, port: int, secret: bytes, tls: ssl.SSLContext | Non
     ``own`` names this side in errors (the controller, or an agent above it in a tree).
 
     OSError when it cannot be reached or does not finish the handshake (a frozen or
-    restarting agent), AuthenticationError when it does not prove the token or has a
+    restarting agent) or turns this side away (it serves its most sessions already: its
+    FAULT says so), AuthenticationError when it does not prove the token or has a
     certificate this side does not trust, and its VersionMismatch when it runs another
     phalanx version.
     """
@@ -112,6 +113,9 @@ def connect_agent(host: str, port: int, secret: bytes, tls: ssl.SSLContext | Non
         while not frames:
             frames = reader.recv_frames(block=True)
         kind, _, _, extra = protocol.parse(frames[0][0])
+        if kind == agentwire.FAULT:  # it proved the token but serves no more (its cap)
+            raise OSError(f"the agent at {host}:{port} turned {own} away: "
+                          f"{printable(extra[0])}")
         if kind != agentwire.WELCOME:
             raise OSError(f"the agent at {host}:{port} did not introduce itself")
         if isinstance(stream, streams.TLSStream):
@@ -151,11 +155,12 @@ def adopt(joined: Joined, own_id: int, rest: Sequence[Entry], fanout: int,
                     ok, value = extra
                     if not ok:
                         raise OSError(f"the agent at {joined.host}:{joined.port} could not "
-                                      f"adopt its part of the tree: {value}")
+                                      f"adopt its part of the tree: {printable(value)}")
                     adopted: dict[str, Any] = value  # what its Branch.adopt returned
                     return adopted
                 if kind == agentwire.FAULT:
-                    raise OSError(f"the agent at {joined.host}:{joined.port}: {extra[0]}")
+                    raise OSError(f"the agent at {joined.host}:{joined.port}: "
+                                  f"{printable(extra[0])}")
     except seal.FrameRejected as exc:
         raise OSError(f"the connection to the agent at {joined.host}:{joined.port} was "
                       f"tampered with: {exc}") from None
@@ -232,8 +237,8 @@ def form(entries: Sequence[Entry], fanout: int, connect: Callable[[str, int, flo
                 for node_id, welcome in answer["nodes"]:
                     result.nodes[node_id] = (where.get(node_id, "?"), welcome)
                     ids.append(node_id)
-                for node_id, name, why in answer["missing"]:
-                    result.missing[node_id] = (name, why)
+                for node_id, name, why in answer["missing"]:  # the agent's words
+                    result.missing[node_id] = (printable(name), printable(why))
                 result.heads.append(Head(entry, joined, ids))
             return
 

@@ -14,12 +14,24 @@ agent and starts, drives and stops that node's ranks through it
 - after it, frames over ``--max-frame-mib`` are refused (the connection ends, with the
   reason in the log) instead of being allocated;
 - each connection has a thread of its own, so one misbehaving client delays no other;
+- authenticated sessions are capped too (``--max-sessions``, by default
+  ``config.AGENT_MAX_SESSIONS``): each holds threads (its own, its writer's) and
+  descriptors for as long as its controller stays, so a controller past the cap is sent a
+  FAULT naming the limit (its ``connect`` raises it as an OSError, which a ClusterBackend
+  retries until its ``quorum_timeout``) and the connection is closed;
 - connections still in their handshake are capped (:class:`Admission`): at most
   ``config.AGENT_MAX_UNAUTHENTICATED`` in all (fewer when the descriptor limit is low: a
   quarter of ``RLIMIT_NOFILE``, so that silent strangers never take the descriptors a
   group's ranks need) and ``config.AGENT_MAX_UNAUTHENTICATED_PER_PEER`` from one address;
   one more is closed unheard at once. Each has ``--handshake-timeout`` seconds in all, TLS
-  included, then a watchdog shuts it down;
+  included, then a watchdog shuts it down. The admission shuts a connection down by its
+  descriptor's number, so nothing closes that descriptor before the admission released it:
+  a failed TLS handshake (``wrap_socket`` closes the socket it fails on, when it runs the
+  handshake itself) would otherwise hand the number to the next connection accepted, which
+  a later eviction or deadline would then shut down instead;
+- what a peer says (a version, a reason) reaches the log only through
+  :func:`phalanx.errors.printable`: a stranger's newlines or terminal escapes cannot forge
+  a line of the log;
 - the accept loop never dies: when accept() fails (no descriptor left: EMFILE, ENFILE) or
   no thread can start for a connection, it logs once, reports the reason in
   :meth:`Agent.health` (``/health`` answers 503 meanwhile), and backs off
@@ -48,13 +60,14 @@ from collections.abc import Callable
 from typing import Any
 
 from phalanx import config
+from phalanx.backends.cluster import messages as agentwire
 from phalanx.backends.cluster.agent.devices import NodeDevices
 from phalanx.backends.cluster.agent.ranks import Session
 from phalanx.backends.cluster.token import read_token as read_token  # for the CLI
-from phalanx.errors import AuthenticationError
+from phalanx.errors import AuthenticationError, printable
 from phalanx.node.machine import visible_gpus
 from phalanx.version import __version__
-from phalanx.wire import handshake, seal
+from phalanx.wire import framing, handshake, seal
 from phalanx.wire.admission import Admission
 from phalanx.wire.memfd import block_domain, machine_id
 
@@ -88,9 +101,13 @@ class Agent:
                  store: str | os.PathLike[str] | None = None,
                  max_unauthenticated: int | None = None,
                  max_unauthenticated_per_peer: int = config.AGENT_MAX_UNAUTHENTICATED_PER_PEER,
-                 once: bool = False, max_held: int | None = None) -> None:
+                 once: bool = False, max_held: int | None = None,
+                 max_sessions: int = config.AGENT_MAX_SESSIONS) -> None:
         from phalanx.backends.cluster.codesync import Store, default_store
 
+        if max_sessions < 1:
+            raise ValueError(f"an agent serves at least one session, not max_sessions="
+                             f"{max_sessions!r}")
         self._store = Store(store if store is not None else default_store())
         self._token = handshake.stretch(token)  # what the handshake proves (an offline
         # guess of the token costs scrypt); computed once, before the first controller
@@ -120,6 +137,8 @@ class Agent:
         self._once = once
         self.served = threading.Event()  # set as the last of them ends
         self._sessions_started = 0
+        self._max_sessions = max_sessions  # authenticated sessions served at once
+        self._opening = 0  # sessions counted against that cap, not in _sessions yet
 
     def idle(self) -> bool:
         """Whether no controller has connected yet."""
@@ -253,31 +272,52 @@ class Agent:
         try:
             if self._tls is not None:  # TLS first; the token is then proved inside it
                 sock.settimeout(self._handshake_timeout)
-                sock = self._tls.wrap_socket(sock, server_side=True)
+                # the TLS handshake is run here, not by wrap_socket: that would close the
+                # socket as it fails, while the admission still holds its descriptor's
+                # number (see the module docstring); this way _serve closes it, after
+                sock = self._tls.wrap_socket(sock, server_side=True,
+                                             do_handshake_on_connect=False)
+                sock.do_handshake()
             hello = handshake.accept(sock, self._token, self._handshake_timeout,
                                      peer=f"the controller at {peer[0]}:{peer[1]}",
                                      own="this agent")
         except (AuthenticationError, ssl.SSLError) as exc:
+            # (a message naming what the peer claimed shows it escaped already: printable()
+            # of printable text is that text; this is for any other)
             if raw not in self._admission:  # shut down to make room for a newer one
-                logger.debug("dropped %s:%s to make room: %s", peer[0], peer[1], exc)
+                logger.debug("dropped %s:%s to make room: %s", peer[0], peer[1], printable(exc))
                 return sock, None
             self._count("auth_failures_total", 1)
-            logger.warning("refused %s:%s: %s", peer[0], peer[1], exc)
+            logger.warning("refused %s:%s: %s", peer[0], peer[1], printable(exc))
             return sock, None
         except OSError as exc:
-            logger.info("connection from %s:%s failed: %s", peer[0], peer[1], exc)
+            logger.info("connection from %s:%s failed: %s", peer[0], peer[1], printable(exc))
             return sock, None
         return sock, hello.auth
 
     def _run_session(self, sock: socket.socket, peer: tuple[Any, ...],
                      auth: seal.FrameAuth) -> None:
-        session = self.session_class(sock, heartbeat_timeout=self._heartbeat_timeout,
-                                     node_timeout=self._node_timeout,
-                                     max_frame=self._max_frame, counters=self._count,
-                                     store=self._store, secret=self._token, auth=auth,
-                                     devices=self._devices, peer_tls=self._peer_tls,
-                                     max_held=self._max_held)
+        with self._lock:  # a place under the cap, taken before the session costs anything
+            serving = len(self._sessions) + self._opening
+            if serving < self._max_sessions:
+                self._opening += 1
+        if serving >= self._max_sessions:
+            self._turn_away(sock, peer, auth, serving)
+            return
+        try:
+            session = self.session_class(sock, heartbeat_timeout=self._heartbeat_timeout,
+                                         node_timeout=self._node_timeout,
+                                         max_frame=self._max_frame, counters=self._count,
+                                         store=self._store, secret=self._token, auth=auth,
+                                         devices=self._devices, peer_tls=self._peer_tls,
+                                         max_held=self._max_held)
+        except BaseException:
+            with self._lock:
+                self._opening -= 1
+            sock.close()
+            raise
         with self._lock:
+            self._opening -= 1
             if self._stopping.is_set() or self.served.is_set():
                 sock.close()  # an agent for one job (once) ends with its last connection
                 return
@@ -298,7 +338,25 @@ class Agent:
                     self.served.set()
             self._count("controllers_connected", -1)
             logger.info("the controller from %s:%s is gone: %s", peer[0], peer[1],
-                        session.reason or "it closed the connection")
+                        printable(session.reason or "it closed the connection"))
+
+    def _turn_away(self, sock: socket.socket, peer: tuple[Any, ...], auth: seal.FrameAuth,
+                   serving: int) -> None:
+        """A controller that proved the token, past the cap on sessions: a FAULT tells it
+        why (sealed with the connection's keys, as every frame after the handshake), and the
+        connection is closed."""
+        logger.warning("refused a controller from %s:%s: this agent serves %d sessions "
+                       "already, its limit (--max-sessions)", peer[0], peer[1], serving)
+        why = (f"it serves {serving} sessions already, its limit (phalanx agent "
+               f"--max-sessions; by default phalanx.config.AGENT_MAX_SESSIONS = "
+               f"{config.AGENT_MAX_SESSIONS}): try again once one has ended")
+        try:
+            sock.settimeout(self._handshake_timeout)  # a FAULT fits a socket's buffer
+            sock.sendall(b"".join(framing.seal_frames(agentwire.fault(why), auth)))
+        except OSError as exc:
+            logger.info("could not tell %s:%s why: %s", peer[0], peer[1], exc)
+        finally:
+            sock.close()
 
     def _count(self, name: str, value: float) -> None:
         if self._metrics is not None:
@@ -353,7 +411,8 @@ def run(host: str, port: int, token: bytes, *, http_port: int | None,
         node_timeout: float = config.DEFAULT_NODE_TIMEOUT, once: bool = False,
         idle_timeout: float | None = None,
         on_listening: Callable[[str, int], None] | None = None,
-        max_held: int | None = None) -> int:
+        max_held: int | None = None,
+        max_sessions: int = config.AGENT_MAX_SESSIONS) -> int:
     """``phalanx agent``: serve until SIGINT or SIGTERM; the exit status.
 
     ``once``: serve one job and end as the last of its connections does (an agent started
@@ -374,10 +433,10 @@ def run(host: str, port: int, token: bytes, *, http_port: int | None,
                       node_timeout=node_timeout, max_frame=max_frame,
                       handshake_timeout=handshake_timeout,
                       metrics=metrics, tls=tls, peer_tls=peer_tls, store=store, once=once,
-                      max_held=max_held)
+                      max_held=max_held, max_sessions=max_sessions)
         if http_port is not None:
             server = HealthServer(host, http_port, metrics, agent.health)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # ValueError: a --store that is not private
         logger.error("%s", exc)
         return 1
     stop = threading.Event()
