@@ -210,7 +210,17 @@ class SharedObjects:
                           _nbytes(segments), label, private, tensors)
         self._poll()
         # Never under the lock: a node's answer may need the thread that ends calls.
-        self._holder.share(held, self._channels())
+        channels = self._channels()
+        try:
+            self._holder.share(held, channels)
+        except BaseException:
+            # One node refused (over its limit, gone): those that took it drop it again,
+            # so that a failed put() holds nothing anywhere.
+            try:
+                self._holder.unshare(held, channels)
+            except Exception:
+                logger.exception("could not drop object %d after a failed put", held.id)
+            raise
         record = PutRecord(held)
         with self._lock:
             self._objects[held.id] = record

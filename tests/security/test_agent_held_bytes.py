@@ -30,6 +30,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or not shm.
                                 reason="put objects need Linux's memfd_create and /proc")
 
 HOST = "127.0.0.14"
+ROOMY_HOST = "127.0.0.15"  # an agent of no limit of its own, beside the limited one
 MIB = 1 << 20
 LIMIT_MIB = 8
 OBJECT = 3 * MIB  # two fit under the limit, a third does not
@@ -52,22 +53,35 @@ class Agent:
         return px.WorkerGroup(Probe, backend=backend, echo_output=False)
 
 
-@pytest.fixture(scope="module")
-def agent(tmp_path_factory):
-    where = tmp_path_factory.mktemp("held-bytes")
-    token_file = helpers.token_file(where)
-    port = free_port(HOST)
-    proc = start_agent(HOST, port, token_file, "--max-held-mib", str(LIMIT_MIB),
-                       store=str(where / "store"))
+def _agent(where: Path, host: str, *flags: str):
+    token_file = str(where / "token") if (where / "token").exists() else \
+        helpers.token_file(where)
+    port = free_port(host)
+    proc = start_agent(host, port, token_file, *flags, store=str(where / f"store-{host}"))
     helpers.CLUSTER_ROOTS.add(proc.pid)  # it outlives each test; what it runs is checked
     try:
-        assert helpers.wait_until(lambda: proc.poll() is not None or listening(HOST, port),
+        assert helpers.wait_until(lambda: proc.poll() is not None or listening(host, port),
                                   START_TIMEOUT, interval=0.05)
         assert proc.poll() is None, f"the agent exited ({proc.returncode})"
-        yield Agent(proc.pid, f"{HOST}:{port}", token_file)
+        yield Agent(proc.pid, f"{host}:{port}", token_file)
     finally:
         helpers.CLUSTER_ROOTS.discard(proc.pid)
         terminate([proc])
+
+
+@pytest.fixture(scope="module")
+def where(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("held-bytes")
+
+
+@pytest.fixture(scope="module")
+def agent(where):
+    yield from _agent(where, HOST, "--max-held-mib", str(LIMIT_MIB))
+
+
+@pytest.fixture(scope="module")
+def roomy(where, agent):
+    yield from _agent(where, ROOMY_HOST)
 
 
 def _array(value: float) -> np.ndarray:
@@ -107,3 +121,19 @@ def test_the_bytes_held_are_in_the_agents_resident_set(agent):
         assert helpers.wait_until(lambda: agent.status("RssShmem") - before < MIB, 10), \
             agent.status("RssShmem") - before
     assert os.path.exists(f"/proc/{agent.pid}")
+
+
+def test_a_put_one_node_refuses_is_held_by_no_node(agent, roomy):
+    """Over two agents, the limited one refusing the third object: the other, which took
+    it, drops it again, so the failed put() holds no bytes anywhere."""
+    backend = px.ClusterBackend([agent.address, roomy.address], token_file=agent.token_file)
+    with px.WorkerGroup(Probe, nodes=2, backend=backend, echo_output=False) as group:
+        refs = [group.put(_array(1.0)), group.put(_array(2.0))]
+        two = roomy.status("RssShmem")
+        with pytest.raises(px.PhalanxError, match="AGENT_MAX_HELD_BYTES"):
+            group.put(_array(3.0))
+        group.call("rank")  # DROP has no answer: a later request's answer comes after it
+        assert helpers.wait_until(lambda: roomy.status("RssShmem") - two < MIB, 10), \
+            roomy.status("RssShmem") - two
+        sums = [summary["sum"] for summary in group.call("array_summary", refs[1])]
+        assert sums == [2.0 * (OBJECT // 8)] * 2
