@@ -103,6 +103,9 @@ WITHHELD_FROM_RANKS = (ENV_TOKEN,)
 # is left that could tell it (the warden is gone, and Ray has given its account); the bound
 # only runs out when a source still alive is that slow -- seconds on a loaded node, where a
 # shorter one posted deaths with no exit status at all.
+# ... and a connection that has not sent its join within this many seconds is closed, so
+# that silent connections cannot hold those places and turn a real launcher away.
+JOB_JOIN_WITHIN = 30.0
 RAY_CAUSE_WAIT = 10.0
 # Of which, once the exit status is known, the longest wait for Ray's own account too (it
 # names causes the status cannot: ray.kill(), Ray's memory monitor, a node's death)

@@ -200,11 +200,21 @@ class JobHost:
     def _read(self, key: int, conn: socket.socket, peer: str) -> None:
         lines = Lines(conn)
         reason = "its connection closed"
+        # A launcher joins as soon as it connects: one that says nothing in time gives its
+        # place (and thread) back rather than hold it for good.
+        conn.settimeout(config.JOB_JOIN_WITHIN)
         try:
             while True:
-                message = lines.read()
+                try:
+                    message = lines.read()
+                except TimeoutError:
+                    reason = (f"it sent no join within {config.JOB_JOIN_WITHIN:g} s "
+                              "(phalanx.config.JOB_JOIN_WITHIN)")
+                    logger.debug("closing a connection from %s: %s", peer, reason)
+                    break
                 if message is None:
                     break
+                conn.settimeout(None)  # a member: it speaks when its attempt ends
                 self._events.put(("message", key, (peer, message)))
         except (OSError, JobError) as exc:
             reason = f"its connection failed: {exc}"

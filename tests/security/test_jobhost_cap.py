@@ -117,3 +117,35 @@ def test_connections_past_the_limit_are_refused_naming_it_and_the_job_goes_on(tm
     node1 = launchers.node("node1", port, NODES, 1, "-n", "1", show)
     assert launchers.wait(node0, node1, timeout=RUN_TIMEOUT) == [0, 0], launchers.describe()
     assert sorted(p.name for p in tmp_path.glob("ran-*")) == ["ran-0", "ran-1"]
+
+
+def test_a_connection_that_never_joins_gives_its_place_back(monkeypatch):
+    """Silent connections cannot keep the places of the cap for good: one that sends no
+    join within ``config.JOB_JOIN_WITHIN`` is closed (its thread ends), while a launcher's
+    connection that joined stays served however quiet it is afterwards."""
+    from phalanx.launcher.jobhost import JobHost, JobSpec
+
+    monkeypatch.setattr(config, "JOB_JOIN_WITHIN", 0.5)
+    listener = socket.create_server(("127.0.0.1", 0))
+    spec = JobSpec(min_nodes=2, max_nodes=2, static=True, run_id="r", max_restarts=0,
+                   join_timeout=60, last_call=0, master_addr="127.0.0.1")
+    host = JobHost(listener, spec, nonce="n")
+    host.start()
+    silent = joined = None
+    try:
+        silent = socket.create_connection(host.address, timeout=5)
+        joined = socket.create_connection(host.address, timeout=5)
+        joined.sendall(json.dumps({"type": "join", "run_id": "r", "nonce": "m"}).encode()
+                       + b"\n")
+        started = time.monotonic()
+        # closed by the host (EOF) once its time to join is up; bounded, and generous for a
+        # loaded machine: what it guards against is a place held forever
+        assert _refusals([silent], 1) == {0: b""}, "the silent connection was not closed"
+        assert time.monotonic() - started < REFUSED_WITHIN
+        ready, _, _ = select.select([joined], [], [], 1.0)  # the member stays served
+        assert not ready or joined.recv(65536, socket.MSG_PEEK), "the member was closed"
+    finally:
+        for sock in (silent, joined):
+            if sock is not None:
+                sock.close()
+        host.close(timeout=5)
