@@ -41,20 +41,17 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import errno
 import logging
 import os
 import pathlib
-import pwd
 import select
-import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import BinaryIO
 
 from phalanx import config
-from phalanx.output import console
+from phalanx.output import console, ownfiles
 from phalanx.output.collapse import Line, LineCollapser, line_prefix
 from phalanx.wire.streams import WakePipe
 
@@ -222,23 +219,7 @@ class LogDir:
         user's directory, or one that is group- or world-writable (where someone else
         could plant a link at a log file's name, or swap the files)."""
         shown = f"log_dir={str(path)!r}"
-        try:
-            os.makedirs(path, mode=0o700)
-        except FileExistsError:
-            pass  # checked below, whatever it is
-        except OSError as exc:
-            raise ValueError(f"{shown} cannot be created: {exc.strerror or exc}") from None
-        try:
-            seen = os.lstat(path)
-        except OSError as exc:
-            raise ValueError(f"{shown} cannot be used: {exc.strerror or exc}") from None
-        if stat.S_ISLNK(seen.st_mode):
-            raise ValueError(f"{shown} is a symbolic link (owner {_user_name(seen.st_uid)}); "
-                             f"phalanx writes logs only into a directory of yours, not "
-                             f"through a link: {_LOG_DIR_FIX}")
-        if not stat.S_ISDIR(seen.st_mode):
-            raise ValueError(f"{shown} cannot be written: it exists and is not a directory "
-                             f"({_owner_and_mode(seen)})")
+        seen = ownfiles.private_dir(path, shown, _LOG_DIR_FIX)  # made 0700 if absent
         try:
             fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
@@ -247,7 +228,7 @@ class LogDir:
             info = os.fstat(fd)
             if (info.st_dev, info.st_ino) != (seen.st_dev, seen.st_ino):
                 raise ValueError(f"{shown} changed while it was being opened; refusing it")
-            _check_private(shown, info, "directory")
+            ownfiles.check_private(shown, info, _LOG_DIR_FIX)
             return cls(path, fd)
         except BaseException:
             os.close(fd)
@@ -260,29 +241,18 @@ class LogDir:
         the file's (see :func:`log_name`). Raises ``ValueError``."""
         file_name = log_name(rank, name, group)
         shown = f"log file {str(self.path / file_name)!r}"
-        flags = (os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
-                 | os.O_NONBLOCK)  # non-blocking: a FIFO put there is refused, not waited on
         try:
             with self._lock:
                 if self._fd is None:
                     raise ValueError(f"log_dir={str(self.path)!r} is closed")
-                fd = os.open(file_name, flags, 0o600, dir_fd=self._fd)
+                # never through a link, never blocking on a FIFO, only a regular file of ours
+                fd = ownfiles.open_regular(file_name, os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+                                           shown, dir_fd=self._fd, why=_LOG_FILE_FIX)
         except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise ValueError(f"{shown} is a symbolic link: not followed, and its target "
-                                 f"left alone; remove the link, or choose another log_dir"
-                                 ) from None
-            if exc.errno == errno.ENXIO:  # O_NONBLOCK's answer for a FIFO without a reader
-                raise ValueError(f"{shown} is not a regular file (a FIFO?)") from None
             raise ValueError(f"{shown} cannot be written: {exc.strerror or exc}") from None
         try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise ValueError(f"{shown} is not a regular file ({_owner_and_mode(info)})")
-            _check_owner(shown, info, "file")
-            if info.st_mode & 0o077:  # e.g. left 0644 by an older phalanx
+            if os.fstat(fd).st_mode & 0o077:  # e.g. left 0644 by an older phalanx
                 os.fchmod(fd, 0o600)
-            os.set_blocking(fd, True)
             return os.fdopen(fd, "ab", buffering=0)
         except OSError as exc:
             os.close(fd)
@@ -304,36 +274,11 @@ class LogDir:
         self.close()
 
 
-_LOG_DIR_FIX = ("choose a directory of your own that only you can write to (mode 0700 or "
-                "0755), or a path that does not exist yet: phalanx creates it, mode 0700")
-
-
-def _check_private(shown: str, info: os.stat_result, kind: str) -> None:
-    """Refuse a directory another user owns, or that others may write to."""
-    _check_owner(shown, info, kind)
-    if info.st_mode & 0o022:
-        who = "everyone" if info.st_mode & 0o002 else "its group"
-        raise ValueError(f"{shown} can be written by {who} ({_owner_and_mode(info)}): "
-                         f"someone else could plant links or files in it; {_LOG_DIR_FIX}")
-
-
-def _check_owner(shown: str, info: os.stat_result, kind: str) -> None:
-    uid = os.geteuid()
-    if info.st_uid != uid:
-        raise ValueError(f"{shown} belongs to {_user_name(info.st_uid)}, not to you "
-                         f"({_user_name(uid)}), mode {stat.S_IMODE(info.st_mode):04o}; "
-                         f"phalanx writes logs only into a {kind} of yours: {_LOG_DIR_FIX}")
-
-
-def _owner_and_mode(info: os.stat_result) -> str:
-    return f"owner {_user_name(info.st_uid)}, mode {stat.S_IMODE(info.st_mode):04o}"
-
-
-def _user_name(uid: int) -> str:
-    try:
-        return f"user {pwd.getpwuid(uid).pw_name} (uid {uid})"
-    except KeyError:
-        return f"uid {uid}"
+_LOG_DIR_FIX = ("phalanx writes logs only into a directory of yours that no one else can write "
+                "to: choose one (mode 0700 or 0755), or a path that does not exist yet: "
+                "phalanx creates it, mode 0700")
+_LOG_FILE_FIX = ("phalanx writes logs only into files of yours: remove it, or choose another "
+                 "log_dir")
 
 
 def _char_start(data: bytes | bytearray, index: int) -> int:

@@ -269,11 +269,38 @@ def test_check_path_refuses_paths_that_could_leave_the_tree(relative):
 # --------------------------------------------------------------------------- Store
 
 
-def test_a_store_creates_its_directories(tmp_path):
-    store = Store(tmp_path / "deep" / "store")
+def test_a_store_creates_its_directories_private(tmp_path):
+    old_umask = os.umask(0)  # even with a permissive umask
+    try:
+        store = Store(tmp_path / "deep" / "store")
+    finally:
+        os.umask(old_umask)
     assert store.blobs.is_dir() and store.trees.is_dir()
+    for directory in (store.root, store.blobs, store.trees):
+        assert stat.S_IMODE(os.lstat(directory).st_mode) == 0o700, directory
     assert store.tree("0" * 32) is None
     Store(tmp_path / "deep" / "store")  # again: fine
+
+
+def test_an_own_store_that_only_its_user_can_write_is_used_as_it_is(tmp_path):
+    root = tmp_path / "store"
+    root.mkdir(mode=0o755)
+    os.chmod(root, 0o755)
+    data = b"x = 1\n"
+    store = Store(root)
+    store.put(sha(data), data)
+    assert store.missing([("m.py", sha(data), 0o644, len(data))]) == []
+    assert stat.S_IMODE(os.lstat(root).st_mode) == 0o755
+
+
+def test_missing_hashes_what_it_holds_and_drops_a_blob_whose_contents_changed(tmp_path):
+    store, version, listing = filled_store(tmp_path / "store", {"m.py": (b"x = 1\n", 0o644)})
+    blob = store.blobs / listing[0][1]
+    blob.write_bytes(b"x = 2\n")  # same size, other contents: a damaged or planted blob
+    assert store.missing(listing) == [listing[0][1]]
+    assert not blob.exists()
+    store.put(listing[0][1], b"x = 1\n")
+    assert (store.build(version, listing) / "m.py").read_bytes() == b"x = 1\n"
 
 
 def test_missing_lists_only_absent_hashes_each_once_in_listing_order(tmp_path):

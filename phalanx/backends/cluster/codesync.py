@@ -12,17 +12,33 @@ Scanning skips what is not code: version-control and tool directories, virtual
 environments, caches and compiled files (:data:`SKIPPED_DIRS`, :data:`SKIPPED_SUFFIXES`).
 A node checks every path it is sent (relative, inside the tree) and every file against its
 hash before keeping it.
+
+What a node runs is the user's code only if no one else could have put it there. The store
+(``phalanx agent --store DIR``) is used only when ``DIR`` and its ``blobs/`` and ``trees/``
+are directories of the agent's user that no one else can write to (created 0700; another
+user's, a group- or world-writable one, or a link, is refused naming its owner and mode:
+:mod:`phalanx.output.ownfiles`), checked as the agent starts and again at each use. A blob is
+never trusted by its name: :meth:`Store.missing` hashes every blob it counts as held (one
+that does not match, or is not a regular file of ours, is removed and so sent again), and
+:meth:`Store.build` hashes each again as it copies it into a tree, refusing, naming the
+file, one that does not match. Blobs and trees are opened without following links.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import stat
 import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path, PurePosixPath
+from typing import BinaryIO
+
+from phalanx.output import ownfiles
+
+logger = logging.getLogger(__name__)
 
 ENV_VERSION = "PHALANX_CODE_VERSION"
 SKIPPED_DIRS = frozenset({".git", ".hg", ".svn", "__pycache__", ".venv", "venv", ".tox",
@@ -69,10 +85,17 @@ def version_of(listing: Sequence[Entry]) -> str:
 
 
 def _hash_file(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
+        return _hash_of(f)
+
+
+def _hash_of(source: BinaryIO, copy: BinaryIO | None = None) -> str:
+    """The SHA-256 of what is left to read of ``source``, written to ``copy`` on the way."""
+    digest = hashlib.sha256()
+    for chunk in iter(lambda: source.read(1 << 20), b""):
+        digest.update(chunk)
+        if copy is not None:
+            copy.write(chunk)
     return digest.hexdigest()
 
 
@@ -92,36 +115,92 @@ def check_path(relative: str) -> PurePosixPath:
 
 
 class Store:
-    """A node's code: blobs by hash, trees by version, under ``root``."""
+    """A node's code: blobs by hash, trees by version, under ``root`` (see the module
+    docstring: a directory of ours no one else can write to; what is run from it is
+    checked against its hash)."""
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
         self.blobs = self.root / "blobs"
         self.trees = self.root / "trees"
-        for directory in (self.blobs, self.trees):
-            directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for directory in (self.root, self.blobs, self.trees):
+            ownfiles.private_dir(directory, *self._refusal(directory))  # made 0700 if absent
+
+    def _refusal(self, directory: Path) -> tuple[str, str]:
+        """How errors name ``directory`` of the store, and why it is refused."""
+        shown = "code store" if directory == self.root else f"code store's {directory.name}/"
+        return f"{shown} {str(directory)!r}", (
+            "phalanx will not run code kept in it: give phalanx agent --store a directory of "
+            "your own that only you can write to (chmod 700 it), or a path that does not "
+            "exist yet (phalanx creates it, mode 0700)")
+
+    def _check(self) -> None:
+        """The store's directories are still ours and private (a path may be swapped)."""
+        for directory in (self.root, self.blobs, self.trees):
+            ownfiles.private_dir(directory, *self._refusal(directory), create=False)
 
     def tree(self, version: str) -> Path | None:
-        path = self.trees / version
-        return path if path.is_dir() else None
+        """The tree of ``version`` if this node holds it: a directory of ours (a link or
+        anything else there is not taken)."""
+        self._check()
+        path = self.trees / _safe_version(version)
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            return None
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+            raise ValueError(f"code tree {str(path)!r} is not a directory of yours "
+                             f"({ownfiles.owner_and_mode(info)}): phalanx will not run "
+                             "code from it; remove it")
+        return path
 
     def missing(self, listing: Sequence[Entry]) -> list[str]:
-        """The hashes of the listing's files this node does not hold."""
-        return [h for h in dict.fromkeys(h for _, h, _, _ in listing)
-                if not (self.blobs / _safe_hash(h)).is_file()]
+        """The hashes of the listing's files this node does not hold. A file held under a
+        hash is hashed again: one whose contents do not match (or that is not a regular
+        file of ours) is removed, and counted missing, so that it is sent again."""
+        self._check()
+        return [h for h in dict.fromkeys(h for _, h, _, _ in listing) if not self._holds(h)]
+
+    def _holds(self, digest: str) -> bool:
+        path = self.blobs / _safe_hash(digest)
+        shown = f"code blob {str(path)!r}"
+        try:
+            fd = ownfiles.open_regular(path, os.O_RDONLY, shown)
+        except FileNotFoundError:
+            return False
+        except (OSError, ValueError) as exc:
+            self._discard(path, str(exc))
+            return False
+        with os.fdopen(fd, "rb") as f:
+            if _hash_of(f) == digest:
+                return True
+        self._discard(path, f"{shown} does not match its hash")
+        return False
+
+    def _discard(self, path: Path, why: str) -> None:
+        logger.warning("%s: removed, to be sent again", why)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # a directory there: build() refuses it, naming it
+            logger.warning("cannot remove %s: %s", path, exc.strerror or exc)
 
     def put(self, digest: str, data: bytes) -> None:
         """Keep a file's contents, once checked against its hash."""
         name = _safe_hash(digest)
         if hashlib.sha256(data).hexdigest() != digest:
             raise ValueError(f"a file sent as {digest[:12]}... does not match its hash")
+        self._check()
         fd, temporary = tempfile.mkstemp(dir=self.blobs, prefix=".incoming-")
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(temporary, self.blobs / name)
 
     def build(self, version: str, listing: Sequence[Entry]) -> Path:
-        """The tree of ``version`` (assembled from the blobs if it is new)."""
+        """The tree of ``version`` (assembled from the blobs if it is new). Each blob is
+        hashed again as it is copied: one that does not match is removed, and the build
+        refused with a ValueError naming it (the next sync sends it again)."""
         if version_of(listing) != version:
             raise ValueError("the listing does not match its version")
         existing = self.tree(version)
@@ -134,11 +213,7 @@ class Store:
             for relative, digest, mode, _ in listing:
                 target = staging / check_path(relative)
                 target.parent.mkdir(parents=True, exist_ok=True)
-                source = self.blobs / _safe_hash(digest)
-                if not source.is_file():
-                    raise ValueError(f"{relative} was not sent")
-                with open(source, "rb") as src, open(target, "wb") as dst:
-                    dst.write(src.read())
+                self._copy(relative, digest, target)
                 os.chmod(target, mode & 0o755 | 0o600)
             os.rename(staging, self.trees / version)
         except OSError:
@@ -148,11 +223,39 @@ class Store:
             shutil.rmtree(staging, ignore_errors=True)
         return self.trees / version
 
+    def _copy(self, relative: str, digest: str, target: Path) -> None:
+        """Blob ``digest`` to ``target`` (a new file), checked against its hash on the way."""
+        source = self.blobs / _safe_hash(digest)
+        shown = f"code blob {str(source)!r} (for {relative})"
+        try:
+            fd = ownfiles.open_regular(source, os.O_RDONLY, shown)
+        except FileNotFoundError:
+            raise ValueError(f"{relative} was not sent") from None
+        except ValueError as exc:
+            self._discard(source, str(exc))
+            raise ValueError(f"{exc}: removed; the next sync sends it again") from None
+        created = ownfiles.open_regular(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+                                        f"{relative} in the tree being built")
+        with os.fdopen(fd, "rb") as src, os.fdopen(created, "wb") as dst:
+            found = _hash_of(src, dst)
+        if found != digest:
+            self._discard(source, f"{shown} does not match its hash")
+            raise ValueError(f"{shown} does not match its hash (its contents hash to "
+                             f"{found[:12]}..., not {digest[:12]}...): phalanx will not run "
+                             "it; it was removed, and the next sync sends it again")
+
 
 def _safe_hash(digest: str) -> str:
     if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
         raise ValueError(f"not a SHA-256 hash: {digest[:70]!r}")
     return digest
+
+
+def _safe_version(version: str) -> str:
+    """A version as :func:`version_of` makes them: a tree's name, never a path."""
+    if len(version) != 32 or any(c not in "0123456789abcdef" for c in version):
+        raise ValueError(f"not a code version: {version[:40]!r}")
+    return version
 
 
 def default_store() -> Path:

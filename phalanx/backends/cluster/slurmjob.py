@@ -13,6 +13,15 @@ filesystem the nodes share: ``~/.cache/phalanx/slurm`` by default), holding
     job.sh       the batch script (a submitted job)
     agent-<host>.log, batch.log, srun.log   what the agents, the script and srun printed
 
+``state_dir`` may be a path other users can reach, and whoever can write to it could swap
+the job's directory for one of their own: have the controller dial an address of theirs,
+plant a link where srun writes a log (and have it written over a file of the user's), or a
+FIFO where the controller reads (and block it). So it is used only when it is a directory
+of the user's that no one else can write to (created 0700; anything else is refused, before
+anything is submitted, naming its owner and mode: :mod:`phalanx.output.ownfiles`), and the
+controller opens the files in the job's directory without following links or blocking, and
+only when they are regular files of its user.
+
 The directory goes with the job however it ends: the controller removes it as the job ends
 (:meth:`SlurmJob.end`); where the controller was killed, the last agent to exit removes it
 (:meth:`~phalanx.backends.cluster.agent.slurmnode.SlurmNode.withdraw`), and where the
@@ -42,11 +51,12 @@ import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from typing import BinaryIO
 
 from phalanx import config
 from phalanx.backends.cluster.token import new_token
 from phalanx.errors import PhalanxError
-from phalanx.output import console
+from phalanx.output import console, ownfiles
 from phalanx.world.slurm import JOB_AGENTS as AGENTS
 from phalanx.world.slurm import JOB_TOKEN as TOKEN
 from phalanx.world.slurm import expand_hostlist, parse_record
@@ -109,6 +119,13 @@ trap 'rm -rf -- {directory}' EXIT
 trap 'exit 143' TERM INT HUP
 {srun}
 """
+
+
+# why a state_dir that is not private is refused, and what to do
+_STATE_DIR_FIX = ("phalanx will not read an agent address from it, nor have Slurm write the "
+                  "agents' logs there: give SlurmBackend(state_dir=) a directory of your own "
+                  "that only you can write to (chmod 700 it), or a path that does not exist "
+                  "yet (phalanx creates it, mode 0700)")
 
 
 class JobState(enum.Enum):
@@ -227,13 +244,26 @@ class SlurmJob:
         root = self._state_dir or os.path.join(
             os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "phalanx",
             "slurm")
-        os.makedirs(root, mode=0o700, exist_ok=True)
+        shown = f"state_dir {root!r}" if self._state_dir else f"Slurm state directory {root!r}"
+        try:  # made 0700 if absent; else it must be ours, and no one else's to write
+            ownfiles.private_dir(root, shown, _STATE_DIR_FIX)
+        except ValueError as exc:
+            raise PhalanxError(str(exc)) from None
         self.directory = tempfile.mkdtemp(prefix="job-", dir=root)  # 0700
         os.mkdir(os.path.join(self.directory, AGENTS), 0o700)
-        fd = os.open(os.path.join(self.directory, TOKEN),
-                     os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as out:
-            out.write(self.token + "\n")
+        with self._create(TOKEN) as out:
+            out.write(self.token.encode() + b"\n")
+
+    def _create(self, name: str) -> BinaryIO:
+        """A new file of the job's directory, 0600: never through a link, never a FIFO."""
+        assert self.directory is not None
+        path = os.path.join(self.directory, name)
+        try:
+            fd = ownfiles.open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+                                       f"{self.label}'s {path}")
+        except ValueError as exc:
+            raise PhalanxError(str(exc)) from None
+        return os.fdopen(fd, "wb")
 
     def _agent_command(self) -> list[str]:
         assert self.directory is not None
@@ -246,8 +276,9 @@ class SlurmJob:
         assert self.directory is not None
         script = os.path.join(self.directory, "job.sh")
         srun = " ".join(shlex.quote(part) for part in ["srun", *self._agent_command()])
-        with open(script, "w") as out:
-            out.write(_BATCH_SCRIPT.format(directory=shlex.quote(self.directory), srun=srun))
+        with self._create("job.sh") as out:
+            out.write(_BATCH_SCRIPT.format(directory=shlex.quote(self.directory),
+                                           srun=srun).encode())
         # --no-requeue: a job Slurm requeued (a node failure, a preemption) would start
         # agents for a controller that has given up on them (sbatch_args may still requeue)
         done = _slurm("sbatch", "--parsable", "--job-name=phalanx", "--no-requeue",
@@ -272,8 +303,7 @@ class SlurmJob:
         srun = shutil.which("srun")
         if srun is None:
             raise PhalanxError(f"inside {self.label} but no srun on PATH")
-        log = open(os.path.join(self.directory, "srun.log"), "wb")
-        with log:
+        with self._create("srun.log") as log:
             # --overlap: the step shares the allocation's CPUs with the controller's own
             self._srun = subprocess.Popen(
                 [srun, f"--nodes={wanted}", "--overlap", *self._agent_command()],
@@ -323,7 +353,7 @@ class SlurmJob:
             except FileNotFoundError:  # its last agent removed it as it ended: the job did
                 names = []
             for name in names:
-                address = None if name.endswith(".part") else _read_address(
+                address = None if name.endswith(".part") else self._read_address(
                     os.path.join(folder, name))
                 if address:
                     found[name] = address
@@ -429,11 +459,15 @@ class SlurmJob:
         except OSError:
             return None
         for name in names:
+            path = os.path.join(self.directory, name)
             try:
-                with open(os.path.join(self.directory, name), errors="replace") as f:
-                    notices = _STEP_NOTICE.findall(f.read()[-16384:])
+                text = ownfiles.read_regular(path, path, 16384, last=True)
+            except ValueError as exc:
+                logger.warning("%s: not read", exc)
+                continue
             except OSError:
                 continue
+            notices = _STEP_NOTICE.findall(text.decode(errors="replace"))
             if notices:
                 text, state = notices[-1]
                 cause = text.upper().partition(" DUE TO ")[2].strip()
@@ -456,12 +490,27 @@ class SlurmJob:
     def _tail(self, name: str, lines: int = 8) -> str:
         if self.directory is None:
             return ""
+        path = os.path.join(self.directory, name)
         try:
-            with open(os.path.join(self.directory, name), errors="replace") as f:
-                text = f.read()[-8192:].splitlines()[-lines:]
+            data = ownfiles.read_regular(path, path, 8192, last=True)
+        except ValueError as exc:  # a link or a FIFO there: not read, and said
+            return f"\n  {name}: not read: {exc}"
         except OSError:
             return ""
+        text = data.decode(errors="replace").splitlines()[-lines:]
         return f"\n  {name}:\n    " + "\n    ".join(text) if text else ""
+
+    def _read_address(self, path: str) -> str | None:
+        """The ``host:port`` an agent published at ``path`` (None while there is none);
+        PhalanxError for what no agent writes there (a link, a FIFO, another user's file)."""
+        try:
+            data = ownfiles.read_regular(path, f"{self.label}'s agent address {path}", 1024)
+        except ValueError as exc:
+            raise PhalanxError(f"{exc}: phalanx will not dial an address read from it"
+                               ) from None
+        except OSError:
+            return None
+        return data.decode(errors="replace").strip() or None
 
     # -- ending -------------------------------------------------------------------------
 
@@ -482,14 +531,6 @@ class SlurmJob:
                 logger.info("cancelled %s", self.label)
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
-
-
-def _read_address(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
 
 
 def _end_process(proc: subprocess.Popen[bytes], wait: float) -> None:

@@ -26,6 +26,7 @@ import os
 import shutil
 
 from phalanx.node.slurm import node_address
+from phalanx.output.ownfiles import private_dir
 from phalanx.world.slurm import JOB_AGENTS as AGENTS
 from phalanx.world.slurm import JOB_TOKEN as TOKEN
 
@@ -45,7 +46,8 @@ class SlurmNode:
     @classmethod
     def from_environment(cls, directory: str) -> SlurmNode:
         """The node this srun task runs on; ValueError outside a Slurm step or for a
-        directory that is not the controller's."""
+        directory that is not the controller's (or not its user's alone: another user's,
+        one others can write to, a link)."""
         node = os.environ.get("SLURMD_NODENAME")
         if not node:
             raise ValueError("--slurm: $SLURMD_NODENAME is not set; this agent must be "
@@ -53,6 +55,9 @@ class SlurmNode:
         if not os.path.isdir(os.path.join(directory, AGENTS)):
             raise ValueError(f"--slurm {directory}: no {AGENTS}/ directory in it (it is made "
                              "by px.SlurmBackend on a filesystem the nodes share)")
+        for path in (directory, os.path.join(directory, AGENTS)):  # its user's, 0700
+            private_dir(path, f"--slurm {path}", "phalanx agent will not read a token from "
+                        "it nor publish its address there", create=False)
         return cls(directory, node, node_address(node))
 
     def announce(self, host: str, port: int) -> None:
