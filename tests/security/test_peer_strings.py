@@ -25,7 +25,7 @@ from phalanx.backends.cluster import messages as agentwire
 from phalanx.backends.cluster import tree as agenttree
 from phalanx.backends.cluster.link import AgentLink
 from phalanx.errors import PhalanxError, VersionMismatch, printable
-from phalanx.wire import framing, handshake
+from phalanx.wire import framing, handshake, seal
 from tests import helpers
 from tests.agentcluster import free_port, listening, terminate
 
@@ -111,9 +111,11 @@ def test_a_strangers_version_cannot_forge_a_line_of_the_agents_log(agent):
 
 # -- the controller's side: what an agent that proved the token says ------------------------
 
+SECRET = b"p" * 32  # the fake agent's and its controller's
+
 
 @pytest.fixture
-def fake_agent() -> Iterator[Callable[[Callable[[socket.socket, framing.FrameAuth], None]],
+def fake_agent() -> Iterator[Callable[[Callable[[socket.socket, seal.FrameAuth], None]],
                                       tuple[str, int]]]:
     """``fake_agent(script)``: a listener on 127.0.0.1 whose first connection is proved
     with SECRET, then handed to ``script(sock, auth)``; its address."""
@@ -121,14 +123,14 @@ def fake_agent() -> Iterator[Callable[[Callable[[socket.socket, framing.FrameAut
     listener.settimeout(10)
     threads: list[threading.Thread] = []
 
-    def serve(script: Callable[[socket.socket, framing.FrameAuth], None]) -> None:
+    def serve(script: Callable[[socket.socket, seal.FrameAuth], None]) -> None:
         conn, _ = listener.accept()
         with conn:
             hello = handshake.accept(conn, SECRET, timeout=10)
             assert hello.auth is not None
             script(conn, hello.auth)
 
-    def start(script: Callable[[socket.socket, framing.FrameAuth], None]) -> tuple[str, int]:
+    def start(script: Callable[[socket.socket, seal.FrameAuth], None]) -> tuple[str, int]:
         thread = threading.Thread(target=serve, args=(script,), daemon=True)
         thread.start()
         threads.append(thread)
@@ -142,15 +144,13 @@ def fake_agent() -> Iterator[Callable[[Callable[[socket.socket, framing.FrameAut
         listener.close()
 
 
-SECRET = b"p" * 32
 
-
-def _send(sock: socket.socket, auth: framing.FrameAuth, frame: list) -> None:
+def _send(sock: socket.socket, auth: seal.FrameAuth, frame: list) -> None:
     sock.sendall(b"".join(framing.seal_frames(frame, auth)))
 
 
 def test_an_agents_fault_reaches_the_controllers_error_escaped(fake_agent):
-    def turn_away(sock: socket.socket, auth: framing.FrameAuth) -> None:
+    def turn_away(sock: socket.socket, auth: seal.FrameAuth) -> None:
         _send(sock, auth, agentwire.fault(EVIL))
 
     host, port = fake_agent(turn_away)
@@ -161,7 +161,7 @@ def test_an_agents_fault_reaches_the_controllers_error_escaped(fake_agent):
 
 
 def test_an_agents_reasons_after_its_welcome_reach_the_controller_escaped(fake_agent):
-    def serve_badly(sock: socket.socket, auth: framing.FrameAuth) -> None:
+    def serve_badly(sock: socket.socket, auth: seal.FrameAuth) -> None:
         _send(sock, auth, agentwire.request(agentwire.WELCOME, 0, {"host": "fake"}))
         sock.settimeout(10)
         sock.recv(1)  # the controller's request: refuse it, then end the session
