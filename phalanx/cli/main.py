@@ -340,6 +340,8 @@ def _agent(options: argparse.Namespace, argv: list[str] | None = None) -> int:
     from phalanx.backends.cluster.agent import daemon as agent
 
     logging.getLogger("phalanx").setLevel(logging.INFO if options.verbose else logging.WARNING)
+    for handler in logging.getLogger().handlers:  # peers' text cannot forge a line of it
+        handler.setFormatter(agent.LogLines(LOG_FORMAT))
     on_listening = None
     if options.slurm is not None:
         from phalanx.backends.cluster.agent import slurmnode
@@ -426,10 +428,13 @@ def _check_target(target: str, is_module: bool, no_python: bool = False) -> str 
     return None
 
 
+LOG_FORMAT = "phalanx: %(message)s"  # every command's log lines
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     options = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="phalanx: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT)
     # the launcher reports a rank's death itself (restart notice, root-cause report)
     logging.getLogger("phalanx.controller.group").setLevel(logging.ERROR)
     if options.command == "run":

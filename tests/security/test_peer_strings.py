@@ -11,6 +11,8 @@ every wait bounded.
 
 from __future__ import annotations
 
+import io
+import logging
 import os
 import socket
 import subprocess
@@ -23,7 +25,9 @@ import pytest
 
 from phalanx.backends.cluster import messages as agentwire
 from phalanx.backends.cluster import tree as agenttree
+from phalanx.backends.cluster.agent.daemon import LogLines
 from phalanx.backends.cluster.link import AgentLink
+from phalanx.cli.main import LOG_FORMAT
 from phalanx.errors import PhalanxError, VersionMismatch, printable
 from phalanx.wire import framing, handshake, seal
 from tests import helpers
@@ -107,6 +111,32 @@ def test_a_strangers_version_cannot_forge_a_line_of_the_agents_log(agent):
     for line in named:  # what the peer said, escaped, on the refusal's own line
         assert line.startswith("phalanx: refused "), line
         assert "runs phalanx 0.1.0\\n" + FORGED + "\\x1b[1A" in line, line
+
+
+def test_the_agents_log_writes_each_message_on_one_line_whoever_logged_it():
+    """``phalanx agent``'s formatter: a peer's text that some module logs as it came
+    (a GPU holder's name, a child agent's reason) is escaped there too; a traceback after
+    the message stays as Python wrote it."""
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(LogLines(LOG_FORMAT))
+    log = logging.getLogger("tests.peer_strings")
+    log.addHandler(handler)
+    log.propagate = False
+    try:
+        log.warning("the GPUs 0 of this node are held by %s", EVIL)
+        try:
+            raise ValueError("inner")
+        except ValueError:
+            log.exception("a session failed")
+    finally:
+        log.removeHandler(handler)
+    first, second, *traceback = stream.getvalue().splitlines()
+    _no_forged_line(first)
+    assert first.startswith("phalanx: the GPUs 0 of this node are held by 0.1.0\\n" + FORGED)
+    assert second == "phalanx: a session failed"
+    assert traceback[0] == "Traceback (most recent call last):"
+    assert traceback[-1] == "ValueError: inner"
 
 
 # -- the controller's side: what an agent that proved the token says ------------------------

@@ -31,7 +31,8 @@ agent and starts, drives and stops that node's ranks through it
   a later eviction or deadline would then shut down instead;
 - what a peer says (a version, a reason) reaches the log only through
   :func:`phalanx.errors.printable`: a stranger's newlines or terminal escapes cannot forge
-  a line of the log;
+  a line of the log; and ``phalanx agent`` writes every record's message so
+  (:class:`LogLines`), whichever module logged a peer's text;
 - the accept loop never dies: when accept() fails (no descriptor left: EMFILE, ENFILE) or
   no thread can start for a connection, it logs once, reports the reason in
   :meth:`Agent.health` (``/health`` answers 503 meanwhile), and backs off
@@ -78,6 +79,18 @@ DEFAULT_PORT = config.AGENT_PORT
 
 # accept() failures that say nothing about the agent: the peer was gone before it was taken
 _PEER_GONE = (errno.ECONNABORTED, errno.EPROTO, errno.EPERM)
+
+
+class LogLines(logging.Formatter):
+    """``phalanx agent``'s log: each record's message on a line of its own, whatever it
+    holds (:func:`phalanx.errors.printable`: a controller's, a child agent's or a stranger's
+    text reaches the log by many paths); a traceback after it stays as Python wrote it."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return printable(super().formatMessage(record), _LOG_LINE)
+
+
+_LOG_LINE = 16384  # characters of one record's message in the agent's log
 
 
 def unauthenticated_limit(nofile: int | None = None) -> int:
