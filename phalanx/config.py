@@ -82,6 +82,16 @@ AGENT_ACCEPT_BACKOFF_MAX = 1.0
 AGENT_HTTP_REQUEST_TIMEOUT = 5.0
 AGENT_HTTP_MAX_CONNECTIONS = 32
 AGENT_HTTP_BACKLOG = 128
+# Every plain-HTTP port (the agent's, the dashboard's): a request's header lines together
+# may take this many bytes; past them it is refused with 431 (phalanx.wire.httpserve).
+HTTP_MAX_HEADER_BYTES = 32 * 1024
+# px.dashboard(): a request has this long from its connection being taken to carrying the
+# token (not per read), and at most this many connections without it are served at once, a
+# quarter of them from one address (the oldest is shut down to make room). Read when a
+# dashboard starts.
+DASHBOARD_REQUEST_TIMEOUT = 10.0
+DASHBOARD_MAX_CONNECTIONS = 32
+DASHBOARD_BACKLOG = 128
 # A rank stopped in px.breakpoint() (phalanx.rank.debugger): connections waiting to be
 # checked are served together, one thread, so strangers that connect and say nothing delay
 # no one; each has this long to send the token, and past the most held at once the oldest is

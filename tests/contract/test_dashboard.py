@@ -1,6 +1,7 @@
-"""``px.dashboard()`` over plain HTTP, on every backend: the token is required (401 without
-it, 403 with a wrong one), and with it the state, the stacks and ``/metrics`` describe the
-group. (How the page draws them: tests/browser.)"""
+"""``px.dashboard()`` over plain HTTP, on every backend: the API's token is required, in a
+header (401 without it, 403 with a wrong one), and with it the state, the stacks and
+``/metrics`` describe the group. (How the page draws them: tests/browser; what strangers
+cannot do: tests/security/test_dashboard_trust.py.)"""
 
 from __future__ import annotations
 
@@ -31,12 +32,16 @@ def board(group):
         yield board
 
 
-def get(board, path: str, **params: str) -> tuple[int, str, str]:
-    """GET ``path`` of the dashboard: its status, its Content-Type and its body."""
+def get(board, path: str, method: str = "GET", token: str | None = None,
+        **params: str) -> tuple[int, str, str]:
+    """``method`` ``path`` of the dashboard (``token`` in its header): its status, its
+    Content-Type and its body."""
     query = f"?{urllib.parse.urlencode(params)}" if params else ""
     url = f"http://{board.host}:{board.port}{path}{query}"
+    headers = {} if token is None else {"X-Phalanx-Token": token}
     try:
-        with urllib.request.urlopen(url, timeout=30) as reply:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers, method=method),
+                                    timeout=30) as reply:
             return reply.status, reply.headers["Content-Type"], reply.read().decode()
     except urllib.error.HTTPError as refused:
         with refused:
@@ -46,11 +51,10 @@ def get(board, path: str, **params: str) -> tuple[int, str, str]:
 def test_the_url_carries_the_token_and_the_loopback_address(board):
     parts = urllib.parse.urlsplit(board.url)
     assert parts.scheme == "http" and parts.hostname == "127.0.0.1" and parts.port == board.port
-    assert parts.path == "/" and urllib.parse.parse_qs(parts.query) == {"token": [board.token]}
+    assert parts.path == "/" and parts.query == "" and parts.fragment == f"token={board.token}"
 
 
-@pytest.mark.parametrize("path", ["/", "/api/state", "/api/stacks", "/metrics",
-                                  "/static/app.js"])
+@pytest.mark.parametrize("path", ["/api/state", "/api/stacks", "/metrics"])
 def test_without_the_token_401_with_a_wrong_one_403(board, path):
     assert get(board, path)[0] == 401
     assert get(board, path, token="not-" + board.token)[0] == 403
@@ -83,10 +87,11 @@ def test_the_state_lists_the_group_its_ranks_and_its_calls(board, group):
 
 
 def test_stacks_has_one_per_rank_and_an_unknown_group_is_a_json_404(board, group):
-    status, _, body = get(board, "/api/stacks", group=group.name, token=board.token)
+    status, _, body = get(board, "/api/stacks", "POST", group=group.name, token=board.token)
     assert status == 200
     assert sorted(json.loads(body)["stacks"]) == [str(r) for r in range(WORLD)]
-    status, kind, body = get(board, "/api/stacks", group="no-such-group", token=board.token)
+    status, kind, body = get(board, "/api/stacks", "POST", group="no-such-group",
+                             token=board.token)
     assert status == 404 and kind.startswith("application/json")
     assert "no-such-group" in json.loads(body)["error"]
 

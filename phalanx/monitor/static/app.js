@@ -2,8 +2,13 @@
 // ranks, a timeline of their recent calls and the pools; fetches a group's stacks on demand.
 //
 // How it works:
-// - The token comes from this page's own URL (?token=...) and goes, as the query parameter
-//   `token`, on every request this page makes (the server's cookie is not relied on).
+// - The token comes from this page's own URL's fragment (#token=..., which the browser never
+//   sends to any server) and goes in the X-Phalanx-Token header of every request this page
+//   makes: never in a cookie (a browser sends a cookie to every port of the host, so other
+//   servers on the machine would receive it) nor in a URL. The server takes it from that
+//   header only; a page of another origin cannot set the header (it needs a CORS preflight,
+//   which the server refuses) and does not know the token.
+// - What acts on the ranks (their stacks) is a POST.
 // - One request at a time: the next poll is scheduled (setTimeout) only once the previous
 //   one has answered or failed, POLL_MS later; a request that hangs is aborted after
 //   REQUEST_TIMEOUT_MS, so a stuck server shows up as "disconnected" instead of a frozen page.
@@ -28,25 +33,30 @@ const AXIS_H = 16; // room for the tick labels below the lanes
 const MIN_RECT_W = 2; // a 1 ms call still shows
 const NONE = "\u2014"; // what a cell shows for a null
 
-const token = new URLSearchParams(window.location.search).get("token") ?? "";
+const TOKEN_HEADER = "X-Phalanx-Token";
+const token = new URLSearchParams(window.location.hash.slice(1)).get("token") ?? "";
 
-/** A URL of this dashboard's API, relative to the page, with the token and `params`. */
+/** A URL of this dashboard's API, relative to the page, with `params` (never the token). */
 function apiUrl(path, params = {}) {
-  const query = new URLSearchParams({ ...params, token });
-  return `${path}?${query.toString()}`;
+  const query = new URLSearchParams(params).toString();
+  return query ? `${path}?${query}` : path;
 }
 
 /**
- * GET a JSON document, aborted after `timeoutMs`. Rejects with an Error whose message says
- * what went wrong: the server's own {"error": ...} text when it sent one.
+ * Ask the API for a JSON document (`method` GET or POST, the token in its header), aborted
+ * after `timeoutMs`. Rejects with an Error whose message says what went wrong: the server's
+ * own {"error": ...} text when it sent one.
  */
-async function getJson(url, timeoutMs) {
+async function getJson(url, timeoutMs, method = "GET") {
   const abort = new AbortController();
   const timer = setTimeout(() => abort.abort(), timeoutMs);
   try {
     let response;
     try {
-      response = await fetch(url, { cache: "no-store", signal: abort.signal });
+      response = await fetch(url, {
+        method, cache: "no-store", credentials: "omit", signal: abort.signal,
+        headers: { [TOKEN_HEADER]: token },
+      });
     } catch (err) {
       throw new Error(abort.signal.aborted ? `no answer in ${timeoutMs / 1000} s`
         : `cannot reach the controller (${err.message ?? err})`);
@@ -60,7 +70,7 @@ async function getJson(url, timeoutMs) {
         // not JSON: the status line says enough
       }
       const hint = response.status === 401 || response.status === 403
-        ? " (open the URL phalanx gave, with its ?token=)" : "";
+        ? " (open the URL phalanx gave, with its #token=)" : "";
       throw new Error(`HTTP ${response.status} ${detail}${hint}`);
     }
     return await response.json();
@@ -345,7 +355,8 @@ class GroupView {
     this.section.dataset.stacks = "loading";
     setText(this.stacksSummary, "stacks: collecting\u2026");
     try {
-      const answer = await getJson(apiUrl("api/stacks", { group: this.name }), STACKS_TIMEOUT_MS);
+      const answer = await getJson(apiUrl("api/stacks", { group: this.name }),
+        STACKS_TIMEOUT_MS, "POST");
       const stacks = answer.stacks ?? {};
       const ranks = Object.keys(stacks).sort((a, b) => Number(a) - Number(b));
       const parts = [];
@@ -464,4 +475,13 @@ async function poll() {
   }
 }
 
-poll();
+if (token) {
+  poll();
+} else {
+  // Nothing to ask without it: say where it is.
+  const banner = document.getElementById("banner");
+  document.body.dataset.connected = "false";
+  banner.hidden = false;
+  setText(banner, "This page needs its token: open the URL px.dashboard() printed " +
+    "(http://HOST:PORT/#token=...).");
+}

@@ -27,26 +27,14 @@ Design:
   the Prometheus text format by hand: a dozen lines do not justify a dependency on every
   node, and the metric names are the agent's contract with dashboards, so they are listed
   here in one table (``_METRICS``) rather than created wherever they are first used.
-- :class:`HealthServer` is a :class:`http.server.ThreadingHTTPServer` on daemon threads,
-  every connection bounded:
-
-  - a deadline per connection, not per read: a client has ``request_timeout`` seconds
-    (``config.AGENT_HTTP_REQUEST_TIMEOUT``) from its connection being taken to its answer
-    sent, then the serving loop shuts the connection down, however it trickles (one header
-    line every few seconds kept a connection for as long as it liked when the timeout was
-    per read);
-  - at most ``max_connections`` (``config.AGENT_HTTP_MAX_CONNECTIONS``) are served at once,
-    a quarter of them for one address; one more is taken and the oldest connection of its
-    address (at its share), or of the address holding the most, is shut down
-    (:mod:`phalanx.wire.admission`): strangers hold a bounded number of threads, and
-    however many they hold, a kubelet's probe (new, from an address of its own) is served;
-  - a listen backlog of ``config.AGENT_HTTP_BACKLOG``, so probes are not refused in a burst;
-  - http.server's own limits refuse a request line over 64 KiB (414) and headers over
-    64 KiB a line or 100 lines (431);
-  - when accept() fails (no descriptor left), the loop waits a moment before it tries
-    again instead of spinning on the still-readable listener.
-
-  ``health()`` runs on the request's thread, so it must be quick.
+- :class:`HealthServer` is a :class:`phalanx.wire.httpserve.BoundedServer` (the dashboard's
+  too), every connection bounded (see there): a deadline for the whole request, not per
+  read (``request_timeout``, ``config.AGENT_HTTP_REQUEST_TIMEOUT``); at most
+  ``max_connections`` (``config.AGENT_HTTP_MAX_CONNECTIONS``) served at once, a quarter of
+  them for one address, the oldest shut down to make room, so that however many strangers
+  hold, a kubelet's probe (new, from an address of its own) is served; the header lines
+  together bounded (431); a listen backlog of ``config.AGENT_HTTP_BACKLOG``, so probes are
+  not refused in a burst. ``health()`` runs on the request's thread, so it must be quick.
 - The socket is bound in the constructor, so a port that is taken fails where the agent
   starts, with the address in the message, not later on a background thread.
 - Requests are logged at DEBUG only: probes arrive every few seconds on every node.
@@ -56,21 +44,16 @@ Binding is the caller's choice; the agent binds loopback unless told otherwise.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
-import socket
 import threading
-import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from socketserver import TCPServer
 from typing import Any
 from urllib.parse import urlsplit
 
 from phalanx import config
 from phalanx.output.prometheus import CONTENT_TYPE, number
-from phalanx.wire.admission import Admission
+from phalanx.wire.httpserve import BoundedHandler, BoundedServer, where
 
 logger = logging.getLogger(__name__)
 
@@ -82,9 +65,6 @@ REQUEST_TIMEOUT = config.AGENT_HTTP_REQUEST_TIMEOUT
 MAX_CONNECTIONS = config.AGENT_HTTP_MAX_CONNECTIONS
 # Only these fields of health() leave the port (see the module docstring).
 _PUBLIC_HEALTH = ("status", "reason")
-# accept() errors that mean "no resource now": wait this long before trying again
-_ACCEPT_RETRY = 0.05
-_OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 # How long close() may wait for the serving loop to notice (socketserver polls for its
 # shutdown flag); ten idle wake-ups a second cost nothing measurable.
 _POLL_INTERVAL = 0.1
@@ -179,14 +159,9 @@ def health_response(health: Callable[[], dict[str, Any]]) -> tuple[int, dict[str
     return 503, {"status": "unhealthy", "reason": str(report.get("reason", "not ok"))}
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(BoundedHandler):
     server: _Server
-
-    def setup(self) -> None:
-        # each read's limit (the connection's deadline is _Server's); StreamRequestHandler
-        # would set it the same way from a class-wide `timeout`
-        self.request.settimeout(self.server.request_timeout)
-        super().setup()
+    log_to = logger
 
     def do_GET(self) -> None:
         self._answer(send_body=True)
@@ -231,88 +206,15 @@ class _Handler(BaseHTTPRequestHandler):
         if send_body:
             self.wfile.write(body)
 
-    def log_message(self, format: str, *args: object) -> None:
-        logger.debug("agent http %s: " + format, self.address_string(), *args)
 
-    def log_error(self, format: str, *args: object) -> None:
-        # Timeouts and malformed requests are the client's business: DEBUG, like the rest.
-        self.log_message(format, *args)
-
-
-# What socketserver hands a server per request: a stream server's connection, or (a
-# datagram server's) the data and the socket it came on
-_Request = socket.socket | tuple[bytes, socket.socket]
-
-
-def _connection(request: _Request) -> socket.socket:
-    """The connection a request to this stream server is."""
-    if not isinstance(request, socket.socket):  # pragma: no cover - a datagram server's
-        raise TypeError(f"an HTTP server serves connections, not {type(request).__name__}")
-    return request
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = config.AGENT_HTTP_BACKLOG
-
+class _Server(BoundedServer):
     def __init__(self, address: tuple[str, int], metrics: AgentMetrics,
                  health: Callable[[], dict[str, Any]], request_timeout: float,
                  max_connections: int) -> None:
         self.metrics = metrics
         self.health = health
-        self.request_timeout = request_timeout
-        self.max_connections = max_connections
-        # the connections being served: each one's deadline, and room made for the newest
-        # (the oldest of the address holding the most is shut down)
-        self.admission = Admission(max_connections, max(1, max_connections // 4),
-                                   request_timeout)
-        super().__init__(address, _Handler, bind_and_activate=False)
-
-    def server_bind(self) -> None:
-        # HTTPServer.server_bind resolves socket.getfqdn(host), a reverse DNS lookup that
-        # can stall for seconds in a pod without DNS; nothing here needs that name.
-        TCPServer.server_bind(self)
-        host, port = self.socket.getsockname()[:2]  # what TCPServer keeps as server_address
-        self.server_name, self.server_port = host, port
-
-    def get_request(self) -> tuple[socket.socket, object]:
-        try:
-            return super().get_request()
-        except OSError as exc:
-            if exc.errno in _OUT_OF_RESOURCES:
-                # the listener stays readable: without a pause the loop would spin on it
-                time.sleep(_ACCEPT_RETRY)
-            raise
-
-    def process_request(self, request: _Request, client_address: object) -> None:
-        connection = _connection(request)
-        peer = client_address[0] if isinstance(client_address, tuple) else str(client_address)
-        evicted = self.admission.admit(connection, peer)
-        if evicted is not None:  # a probe is served however many strangers hold
-            logger.debug("agent http: took a connection from %s: %s", peer, evicted)
-        try:
-            super().process_request(request, client_address)
-        except BaseException:  # no thread could start: the connection is not served
-            self.shutdown_request(request)
-            raise
-
-    def close_request(self, request: _Request) -> None:
-        # Released before it is closed: the admission shuts connections down by their
-        # descriptor's number, which a closed one hands to the next socket.
-        self.admission.release(_connection(request))
-        super().close_request(request)
-
-    def service_actions(self) -> None:
-        # Run by serve_forever every poll interval: the per-connection deadline.
-        self.admission.expire()
-
-    def handle_error(self, request: object, client_address: object) -> None:
-        # socketserver's default prints the traceback to stderr.
-        logger.debug("agent http request from %s failed", client_address, exc_info=True)
-
-
-class _Server6(_Server):
-    address_family = socket.AF_INET6
+        super().__init__(address, _Handler, request_timeout=request_timeout,
+                         max_connections=max_connections, backlog=config.AGENT_HTTP_BACKLOG)
 
 
 class HealthServer:
@@ -326,24 +228,8 @@ class HealthServer:
                  health: Callable[[], dict[str, Any]], *,
                  request_timeout: float = REQUEST_TIMEOUT,
                  max_connections: int = MAX_CONNECTIONS) -> None:
-        if not request_timeout > 0:
-            raise ValueError(f"request_timeout must be a positive number of seconds, "
-                             f"not {request_timeout!r}")
-        if not (isinstance(max_connections, int) and max_connections >= 1):
-            raise ValueError(f"max_connections must be a positive integer, "
-                             f"not {max_connections!r}")
-        server_class = _Server6 if ":" in host else _Server
-        server = server_class((host, port), metrics, health, request_timeout, max_connections)
-        try:
-            server.server_bind()
-            server.server_activate()
-        except OSError as exc:
-            server.server_close()
-            hint = (": another process is listening there (choose another port, or 0 for "
-                    "any free one)" if exc.errno == errno.EADDRINUSE else "")
-            message = (f"cannot serve agent health and metrics on {_where(host, port)}: "
-                       f"{exc.strerror or exc}{hint}")
-            raise OSError(exc.errno, message) from exc
+        server = _Server((host, port), metrics, health, request_timeout, max_connections)
+        server.open("agent health and metrics")
         self._server = server
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -356,7 +242,7 @@ class HealthServer:
     @property
     def serving(self) -> int:
         """How many connections are being served now."""
-        return len(self._server.admission)
+        return self._server.serving
 
     def start(self) -> None:
         with self._lock:
@@ -368,7 +254,7 @@ class HealthServer:
                 target=self._server.serve_forever, kwargs={"poll_interval": _POLL_INTERVAL},
                 name="phalanx-agent-http", daemon=True)
             self._thread.start()
-        logger.info("agent serving /health and /metrics on http://%s", _where(*self.address))
+        logger.info("agent serving /health and /metrics on http://%s", where(*self.address))
 
     def close(self) -> None:
         with self._lock:
@@ -380,8 +266,4 @@ class HealthServer:
                 self._server.shutdown()
                 self._thread.join()
             self._server.server_close()
-        logger.debug("agent http server on %s closed", _where(*self.address))
-
-
-def _where(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        logger.debug("agent http server on %s closed", where(*self.address))
