@@ -49,7 +49,7 @@ from tests.agentcluster import free_port, terminate
 NOBODY = 65534
 needs_root = pytest.mark.skipif(os.geteuid() != 0,
                                 reason="making a path of another user needs root")
-AGENT_HOST = "127.0.0.11"  # an address no other test module's agents use
+AGENT_HOST = "127.0.0.41"  # an address no other test module's agents use
 BOUND = 10.0  # seconds: what must not block returns within this, or the test fails
 VICTIM_WORDS = "the victim's own words\n"
 
