@@ -81,6 +81,7 @@ _EXPORTS = {
     "WorkerGroup": "phalanx.controller.group",
     "breakpoint": "phalanx.rank.debugger",
     "rendezvous": "phalanx.controller.joint",
+    "joint_store": "phalanx.rank.joint",
     "spmd": "phalanx.controller.spmd",
     "WeightSync": "phalanx.controller.weightsync",
     "weight_sync": "phalanx.controller.weightsync",
@@ -144,6 +145,7 @@ __all__ = [
     "breakpoint",
     "chunk",
     "dashboard",
+    "joint_store",
     "keep",
     "rendezvous",
     "spmd",
@@ -197,6 +199,7 @@ if TYPE_CHECKING:
     from phalanx.monitor.server import Dashboard, dashboard
     from phalanx.rank.debugger import breakpoint
     from phalanx.rank.faults import InjectedFault
+    from phalanx.rank.joint import joint_store
     from phalanx.rank.kept import keep
     from phalanx.world.calloptions import CallOptions
     from phalanx.world.sharding import NamedSharding

@@ -23,8 +23,13 @@ Transports, chosen at each formation from where the members are (``transport="au
     source's rank 0 in it: a header, the metadata (names, dtypes, shapes) as JSON, then
     the bytes in uint8 buckets of at most ``bucket_mb`` MiB (two in flight; a tensor of
     2 MiB or more moves from and into its own memory, smaller ones are packed). It is a
-    ``TCPStore`` and a ``ProcessGroupGloo`` of the sync's own, never
-    ``init_process_group``: the groups' own torch worlds stay as they are.
+    store and a ``ProcessGroupGloo`` of the sync's own, never ``init_process_group``: the
+    groups' own torch worlds stay as they are. The store (:mod:`phalanx.wire.kvstore`)
+    is served by one member on its node's address, not the wildcard, and answers only a
+    peer that proves the formation's secret: 32 random bytes made here for each
+    formation and sent to the members inside the call that forms it, over phalanx's
+    authenticated links. (gloo's own listening ports are gloo's: see the README's
+    security notes.)
 
 Either way what ``set`` is given is its own: a target that keeps the tensors (rather than
 copying them, as ``load_state_dict`` does) keeps them unchanged, and the next push goes
@@ -75,6 +80,7 @@ import concurrent.futures
 import dataclasses
 import enum
 import logging
+import secrets
 import threading
 import time
 import uuid
@@ -328,10 +334,12 @@ class WeightSync:
         return self._asked
 
     def _world_specs(self, parts: list[_Part]) -> list[list[tuple[Any, ...] | None]]:
-        """Each member's ``(address, port, joint rank, size, is store master)``: the
-        source is joint rank 0; the store's master is a member on the node whose address
-        :meth:`WorkerGroup.free_port` gives (node 0 of its group) -- the source when it
-        is on its group's node 0, else the first target group's rank there."""
+        """Each member's ``(address, port, joint rank, size, serves the store, secret)``:
+        the source is joint rank 0; the store is served by a member on the node whose
+        address :meth:`WorkerGroup.free_port` gives (node 0 of its group) -- the source
+        when it is on its group's node 0, else the first target group's rank there -- on
+        that address alone; ``secret``, this formation's own, is what every member proves
+        to it."""
         size = sum(len(p.ranks) for p in parts)
         source_node = _nodes(self._source)[self._src_rank]
         if source_node == 0:
@@ -340,12 +348,13 @@ class WeightSync:
             nodes = _nodes(parts[1].group)
             master = (1, min(r for r in parts[1].ranks if nodes[r] == 0))
         address, port = parts[master[0]].group.free_port()
+        secret = secrets.token_bytes(32)
         specs: list[list[tuple[Any, ...] | None]] = []
         joint = 0
         for i, part in enumerate(parts):
             specs.append([])
             for rank in part.ranks:
-                specs[-1].append((address, port, joint, size, (i, rank) == master))
+                specs[-1].append((address, port, joint, size, (i, rank) == master, secret))
                 joint += 1
         return specs
 

@@ -15,9 +15,13 @@ was replaced) fails at once instead of waiting for peers that will not come.
 Two transports:
 
 ``broadcast`` (:data:`SEND` on the source, :data:`RECEIVE` on the targets)
-    Over a joint gloo world of the source and the targets, a ``dist.TCPStore`` and a
+    Over a joint gloo world of the source and the targets, a store and a
     ``dist.ProcessGroupGloo`` of the sync's own (never ``init_process_group``: the
-    groups' own torch worlds stay as they are), made by :data:`FORM`. The source
+    groups' own torch worlds stay as they are), made by :data:`FORM`. The store is
+    :func:`phalanx.rank.joint.secret_store`'s: one member serves it on its node's address
+    (not the wildcard), and only a peer that proves the formation's secret (made by the
+    controller, sent inside FORM's arguments) reads or writes a key; its server takes no
+    new connection once the world formed. The source
     broadcasts a fixed header (its status: a ``get`` that raised tells the targets so,
     and they return at once), then the metadata as JSON bytes (names, dtypes, shapes,
     the bucket size: never a pickle from a peer), then the tensors' bytes as uint8
@@ -85,25 +89,31 @@ class _Member:
     def __init__(self, generation: int, timeout: float) -> None:
         self.generation = generation
         self.timeout = timeout
-        self.store: Any = None  # dist.TCPStore (kept alive as long as the world)
+        self.store: Any = None  # its joint store (kept as long as the world)
         self.world: Any = None  # dist.ProcessGroupGloo, for the broadcast transport
         self.staging: list[Any] = []  # IN_FLIGHT uint8 buffers for packed buckets
         self.block: Any = None  # memfd.Block the source stages into (shared transport)
         self.arena: Any = None  # anonymous mmap a target receives into (broadcast)
         self._owners: list[Any] = []  # the arena's slices the last push's tensors hold
 
-    def join(self, address: str, port: int, rank: int, size: int, master: bool) -> None:
-        """Form the joint gloo world (every member at once: the store's master waits for
-        the others, the process group for every member)."""
+    def join(self, address: str, port: int, rank: int, size: int, master: bool,
+             secret: bytes) -> None:
+        """Form the joint gloo world (every member at once: the process group waits for
+        every member), the store served by ``master`` on ``address:port``, every member
+        proving ``secret`` to it."""
         from datetime import timedelta
 
         import torch.distributed as dist
 
+        from phalanx.rank.joint import secret_store
+
         timeout = timedelta(seconds=self.timeout)
-        # torch.distributed imports TCPStore without declaring it exported: mypy objects
-        self.store = dist.TCPStore(  # type: ignore[attr-defined]
-            address, port, size, is_master=master, timeout=timeout)
+        self.store = secret_store(address, port, secret, serve=master, timeout=self.timeout)
         self.world = dist.ProcessGroupGloo(self.store, rank, size, timeout)
+        if master:
+            # Every member connected before: each set its address there, which the
+            # master's group read to connect to it. Nobody else needs the port.
+            self.store.stop_listening()
 
     def staging_buffers(self, nbytes: int) -> list[Any]:
         """:data:`IN_FLIGHT` buffers of at least ``nbytes`` (kept for the next push)."""
@@ -173,7 +183,9 @@ class _Member:
 
     def close(self) -> None:
         self.world = None  # before its store: the group's pairs close first
-        self.store = None
+        store, self.store = self.store, None
+        if store is not None:
+            store.close()
         self.staging = []
         self.arena, self._owners = None, []  # views of it keep it
         if self.block is not None:
@@ -233,7 +245,8 @@ def hello(obj: Any, sync_id: str) -> tuple[str | None, int]:
 def form(obj: Any, sync_id: str, generation: int, spec: tuple[Any, ...] | None,
          timeout: float) -> None:
     """Take part in ``generation`` of the sync (replacing any older one): in its joint
-    gloo world ``spec`` = ``(address, port, rank, size, master)``, or none (shared)."""
+    gloo world ``spec`` = ``(address, port, rank, size, master, secret)``, or none
+    (shared)."""
     SYNCS.close(sync_id)  # the old world first: a port or pages it holds are not needed
     member = _Member(generation, timeout)
     if spec is not None:
