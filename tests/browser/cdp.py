@@ -98,13 +98,15 @@ class Browser:
     # -- starting --------------------------------------------------------------------------
 
     @classmethod
-    def launch(cls, executable: str, timeout: float = START_TIMEOUT) -> Browser:
-        """Start Chromium with a fresh profile and connect to its page."""
+    def launch(cls, executable: str, timeout: float = START_TIMEOUT,
+               flags: tuple[str, ...] = ()) -> Browser:
+        """Start Chromium with a fresh profile and connect to its page; ``flags``: more of
+        Chromium's switches (``--host-resolver-rules=MAP name 127.0.0.1``, say)."""
         profile = Path(tempfile.mkdtemp(prefix="phalanx-chromium-"))
         stderr_path = profile.parent / f"{profile.name}.stderr"
         with open(stderr_path, "wb") as stderr:
             proc = subprocess.Popen(
-                [executable, *CHROMIUM_FLAGS, f"--user-data-dir={profile}",
+                [executable, *CHROMIUM_FLAGS, *flags, f"--user-data-dir={profile}",
                  "--remote-debugging-port=0", "about:blank"],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
                 # its own process group: a Ctrl-C at the terminal is the test's to handle
