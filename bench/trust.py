@@ -20,6 +20,9 @@ One ``phalanx agent`` runs on 127.0.0.6 (a private token file, ``--handshake-tim
 - slowloris on the HTTP port: 4 strangers (127.0.2.1-4) hold 16 half-sent requests each,
   re-opened as soon as closed, while 50 ``/health`` probes from 127.0.0.1 (2 s timeout, 50
   ms apart) are counted;
+- the same slowloris on a ``px.dashboard()`` of this process (on 127.0.0.1): 50
+  ``/api/state`` requests with the token (in its header) are counted, and the threads this
+  process gained while the strangers held theirs;
 - the Ray group's listener (``phalanx.backends.ray.channel.Listener``, without Ray; only
   if ``import ray`` works): 12 simulated ranks connect back at once through the actors'
   own ``actor._connect`` (TCP, which retries within ``config.CONNECT_TIMEOUT``), quiet and
@@ -80,6 +83,7 @@ CONTROL_STRANGERS = ("127.0.1.1", "127.0.1.2", "127.0.1.3", "127.0.1.4")
 HTTP_STRANGERS = ("127.0.2.1", "127.0.2.2", "127.0.2.3", "127.0.2.4")
 AGENT_HANDSHAKE_TIMEOUT = 30.0
 HALF_REQUEST = b"GET /health HTTP/1.1\r\nHost: x\r\n"  # never finished
+DASHBOARD_HALF_REQUEST = b"GET /api/state HTTP/1.1\r\nHost: 127.0.0.1\r\n"  # never finished
 HTTP_HOLD = 16  # half-sent requests each HTTP stranger holds
 SURPLUS = 2  # control-port and Ray strangers each hold this many times their address's share
 GUESS = b"sunshine-dragon-2024"
@@ -433,38 +437,72 @@ def measure_lockout(agent: Agent, secret: bytes, plan: Plan, errors: Errors) -> 
     ]
 
 
-def measure_slowloris(agent: Agent, plan: Plan) -> list[Row]:
+def _probes(host: str, port: int, path: str, headers: dict[str, str],
+            plan: Plan) -> tuple[int, int, list[float], list[str]]:
+    """``plan.probes`` GETs of ``path`` from OWN_SOURCE: how many were answered, how many
+    with 200, the answered ones' milliseconds, and why the others were not."""
     answered, ok, latencies, failures = 0, 0, [], []
+    stop = clock() + 40
+    for i in range(plan.probes):
+        if clock() > stop:
+            failures.append("not sent: out of time")
+            continue
+        if i:
+            time.sleep(PROBE_GAP)
+        conn = http.client.HTTPConnection(host, port, timeout=PROBE_TIMEOUT,
+                                          source_address=(OWN_SOURCE, 0))
+        t0 = clock()
+        try:
+            conn.request("GET", path, headers=headers)
+            response = conn.getresponse()
+            response.read()
+            answered += 1
+            ok += response.status == 200
+            latencies.append((clock() - t0) * 1e3)
+        except (OSError, http.client.HTTPException) as exc:
+            failures.append(f"{type(exc).__name__}: {exc}"[:200])
+        finally:
+            conn.close()
+    return answered, ok, latencies, failures
+
+
+def measure_slowloris(agent: Agent, plan: Plan) -> list[Row]:
     with Strangers(AGENT_HOST, agent.http_port, HTTP_STRANGERS, HTTP_HOLD,
                    HALF_REQUEST) as strangers:
-        stop = clock() + 40
-        for i in range(plan.probes):
-            if clock() > stop:
-                failures.append("not sent: out of time")
-                continue
-            if i:
-                time.sleep(PROBE_GAP)
-            conn = http.client.HTTPConnection(AGENT_HOST, agent.http_port,
-                                              timeout=PROBE_TIMEOUT,
-                                              source_address=(OWN_SOURCE, 0))
-            t0 = clock()
-            try:
-                conn.request("GET", "/health")
-                response = conn.getresponse()
-                response.read()
-                answered += 1
-                ok += response.status == 200
-                latencies.append((clock() - t0) * 1e3)
-            except (OSError, http.client.HTTPException) as exc:
-                failures.append(f"{type(exc).__name__}: {exc}"[:200])
-            finally:
-                conn.close()
+        answered, ok, latencies, failures = _probes(AGENT_HOST, agent.http_port, "/health",
+                                                    {}, plan)
     return [
         _row("probes_answered", f"/health probes answered under slowloris (of "
              f"{plan.probes})", "probes", "higher", [answered], ok_200=ok,
              failures=failures, attack=strangers.report),
         _row("probe_ms", "/health probe under slowloris, answered ones", "ms", "lower",
              latencies),
+    ]
+
+
+def measure_dashboard_slowloris(plan: Plan) -> list[Row]:
+    import phalanx as px
+    from phalanx import config
+
+    with px.dashboard() as board:
+        token = {"X-Phalanx-Token": board.token}
+        settle()
+        before = threading.active_count()
+        with Strangers(board.host, board.port, HTTP_STRANGERS, HTTP_HOLD,
+                       DASHBOARD_HALF_REQUEST) as strangers:
+            held = threading.active_count() - before
+            answered, ok, latencies, failures = _probes(board.host, board.port, "/api/state",
+                                                        token, plan)
+    attack = {**strangers.report, "dashboard_limit": config.DASHBOARD_MAX_CONNECTIONS}
+    return [
+        _row("dashboard_probes_answered", f"dashboard /api/state answered under slowloris "
+             f"(of {plan.probes})", "requests", "higher", [answered], ok_200=ok,
+             failures=failures, attack=attack),
+        _row("dashboard_probe_ms", "dashboard /api/state under slowloris, answered ones",
+             "ms", "lower", latencies),
+        _row("dashboard_threads_held", f"threads the controller gained while "
+             f"{len(HTTP_STRANGERS)}x{HTTP_HOLD} half-sent requests were held", "threads",
+             "lower", [held], cap=config.DASHBOARD_MAX_CONNECTIONS),
     ]
 
 
@@ -617,6 +655,7 @@ def main(argv: list[str] | None = None) -> int:
         section("handshake", lambda: measure_handshake(agent, secret, plan))
         section("agent lock-out", lambda: measure_lockout(agent, secret, plan, errors))
         section("slowloris", lambda: measure_slowloris(agent, plan))
+    section("dashboard slowloris", lambda: measure_dashboard_slowloris(plan))
     section("ray listener", lambda: measure_ray_listener(errors))
     left = still_running(new_descendants(before))
     rows.append(_row("leftover_processes", "processes of this run alive at its end",
