@@ -44,6 +44,7 @@ from socketserver import TCPServer
 from typing import Any
 
 from phalanx import config
+from phalanx.errors import printable
 from phalanx.wire.admission import Admission
 
 logger = logging.getLogger(__name__)
@@ -190,7 +191,9 @@ class BoundedHandler(BaseHTTPRequestHandler):
             self.rfile = rfile
 
     def log_message(self, format: str, *args: Any) -> None:
-        self.log_to.debug("http %s: " + format, self.address_string(), *args)
+        # The request line and what a client sent come from a stranger: escaped, so that
+        # no newline or terminal escape of theirs reaches the log as it was sent.
+        self.log_to.debug("http %s: %s", self.address_string(), printable(format % args))
 
     def log_error(self, format: str, *args: Any) -> None:
         # Timeouts and malformed requests are the client's business: DEBUG, like the rest.

@@ -254,3 +254,18 @@ def _first_line(sock: socket.socket, deadline: float) -> bytes:
             return data
         data += chunk
     return data.split(b"\r\n", 1)[0]
+
+
+def test_a_strangers_request_line_is_logged_escaped(board, caplog):
+    """What a client sends reaches the log with its control characters escaped: a request
+    line carrying a terminal escape and a line break cannot forge a line of the log."""
+    forged = "/\x1b[2Jx\rphalanx: serving a controller from 10.6.6.6"
+    with caplog.at_level("DEBUG"), socket.create_connection((board.host, board.port),
+                                                            timeout=10) as sock:
+        sock.sendall(f"GET {forged} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n".encode("latin-1"))
+        sock.settimeout(10)
+        while sock.recv(65536):  # the answer, to its end: the line was logged by then
+            pass
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "\x1b" not in text and "\r" not in text, text
+    assert "\\x1b[2Jx\\rphalanx: serving" in text, text
