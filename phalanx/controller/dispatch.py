@@ -11,7 +11,14 @@ Events that a backend learns on a thread of its own (a death being finished, Ray
 of one) are posted and wake the leader through a self-pipe.
 
 Every event names its rank in its header (:mod:`phalanx.wire.protocol`); an event from a
-channel that no longer carries that rank (an earlier incarnation) is dropped.
+channel that no longer carries that rank (an earlier incarnation) is dropped. A rank speaks
+for itself alone: a frame that names a rank its channel does not carry, or whose header
+cannot be read, or of a kind no rank sends, is the rank breaking the protocol -- it is
+ended (SIGKILL) and its calls fail saying so (``rank 0 broke the protocol: it sent an
+answer as rank 1 (ended by the controller)``), as an agent ends one of its ranks. Those
+checks cost the hot path nothing: they run where a frame is dropped or not understood
+anyway. (An answer to a call not pending on the rank is not one: a call failed meanwhile
+-- a membership change -- is still answered later; and it reaches no other rank's call.)
 
 The dispatcher routes to the rank table's entries (:mod:`phalanx.controller.ranks`) and
 completes futures through their completion side
@@ -26,6 +33,8 @@ import dataclasses
 import logging
 import os
 import select
+import signal
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -380,12 +389,17 @@ class Dispatcher:
         now = time.monotonic()
         for segs in events:
             first = segs[0]
-            kind, call_id, rank = _ROUTE(first)
+            try:
+                kind, call_id, rank = _ROUTE(first)
+            except struct.error:
+                self._broke(channel, f"it sent a malformed message header ({len(first)} "
+                            "bytes)")
+                return
             entry = by_rank.get(rank)
             if entry is None or entry.channel is not channel:
-                if rank == protocol.MANY:  # e.g. EXITED for every rank of a lost node
-                    self._on_many(channel, segs)
-                continue  # otherwise an earlier incarnation's last words
+                if not self._stray(channel, segs, kind, rank):
+                    return  # the channel's rank broke the protocol: nothing more of it
+                continue
             entry.seen = now
             if kind == _RESULT:  # the hot path
                 future = entry.pending.pop(call_id, None)
@@ -398,15 +412,56 @@ class Dispatcher:
             elif kind == _HEARTBEAT:
                 pass
             else:
-                self._on_control(entry, kind, call_id, protocol.parse(first)[3])
+                try:
+                    extra = protocol.parse(first)[3]
+                except Exception as exc:  # noqa: BLE001 - a header that does not parse raises anything
+                    self._broke(channel, f"it sent a malformed message header "
+                                f"({type(exc).__name__})")
+                    return
+                self._on_control(entry, kind, call_id, extra)
 
-    def _on_many(self, channel: Receiver, segs: list[Any]) -> None:
-        """A message naming several ranks: handled once per rank it names."""
-        kind, call_id, ranks, extra = protocol.parse(segs[0])
-        for rank in ranks:
-            entry = self._by_rank.get(rank)
+    def _stray(self, channel: Receiver, segs: list[Any], kind: int, rank: int) -> bool:
+        """A frame naming a rank that is not routed to ``channel``: an earlier
+        incarnation's last words (dropped), a message for several ranks, or the channel's
+        rank speaking as another; False when it broke the protocol so (it is ended)."""
+        carried = getattr(channel, "ranks", None)  # a channel's (every one carries one)
+        if rank != protocol.MANY:
+            if carried is None or rank in carried:
+                return True  # its rank was replaced or removed: its last words
+            what = "an answer" if kind in (_RESULT, _YIELD, protocol.ERROR) else "a message"
+            self._broke(channel, f"it sent {what} as rank {rank}")
+            return False
+        try:
+            kind, call_id, ranks, extra = protocol.parse(segs[0])
+        except Exception as exc:  # noqa: BLE001 - a header that does not parse raises anything
+            self._broke(channel, f"it sent a malformed message header ({type(exc).__name__})")
+            return False
+        if carried is not None and not set(ranks) <= set(carried):
+            self._broke(channel, f"it sent a message as ranks {sorted(ranks)[:8]}")
+            return False
+        for named in ranks:  # a message naming several ranks: handled once for each
+            entry = self._by_rank.get(named)
             if entry is not None and entry.channel is channel:
                 self._on_control(entry, kind, call_id, extra)
+        return True
+
+    def _broke(self, channel: Receiver, why: str) -> None:
+        """The rank of ``channel`` broke the protocol (``why``): it is ended, and its calls
+        fail saying so -- its death recorded first, as the watchdog records a silent
+        rank's, so that the exit status that follows the kill only adds to it."""
+        carried: tuple[int, ...] = getattr(channel, "ranks", ())
+        entry = self._by_rank.get(carried[0]) if len(carried) == 1 else None
+        if entry is None or entry.channel is not channel or not entry.alive:
+            logger.warning("dropped what a retired rank's channel sent: %s", why)
+            return  # a retired incarnation's: its process is being stopped already
+        reason = f"rank {entry.rank} broke the protocol: {why} (ended by the controller)"
+        logger.warning("ending rank %d of group %s: it broke the protocol: %s", entry.rank,
+                       self.group_name, why)
+        self._on_control(entry, protocol.EXITED, 0, (ProcessFailure(
+            entry.rank, entry.node, entry.pid, None, reason=reason).as_dict(),))
+        # from a thread: a signal may wait for an answer (Ray's goes through the warden)
+        threading.Thread(target=entry.channel.signal, args=(entry.rank, signal.SIGKILL),
+                         name="phalanx-end-rank", daemon=True).start()
 
     def _on_control(self, entry: RankEntry, kind: int, call_id: int,
                     extra: tuple[Any, ...]) -> None:
@@ -442,7 +497,7 @@ class Dispatcher:
             if self._on_death is not None:
                 self._on_death(entry)
         else:
-            logger.error("rank %d sent an unknown message kind %r", entry.rank, kind)
+            self._broke(entry.channel, f"it sent a message of kind {kind}, which no rank sends")
 
     # -- death ------------------------------------------------------------------------
 

@@ -121,6 +121,7 @@ class AgentRankChannel(Channel):
         self.pid: int | None = None
         self._exitcode: int | None = None
         self._reason: str | None = None
+        self._told: str | None = None  # why its agent ended it, if it did (EXITED's reason)
         self._sink: EventSink | None = None
         self._early: list[list[Any]] = []
         self._lock = threading.Lock()
@@ -175,6 +176,8 @@ class AgentRankChannel(Channel):
             if failure is not None:
                 self.pid = failure.get("pid") or self.pid
                 self._exitcode = failure.get("exitcode")
+                if failure.get("reason"):  # a rank that broke the protocol, say
+                    self._told = printable(failure["reason"])
             self._reason = reason
         self._burial.tell_later(self._settle)
 
@@ -215,9 +218,9 @@ class AgentRankChannel(Channel):
 
     def exit_record(self, rank: int) -> ProcessFailure:
         failure = ProcessFailure(self.rank, self.node, self.pid, self._exitcode,
-                                 self._tap.stderr_tail(), self._reason)
+                                 self._tap.stderr_tail(), self._reason or self._told)
         label = self.agent.label
-        if self._reason is None and label is not None:
+        if failure.reason is None and label is not None:
             # where else its node is named (a Slurm job's node: a signal there is most
             # often the job's end, scancel or its time limit, told before the node is lost)
             why = (self.agent.explain() if self.agent.explain is not None

@@ -144,16 +144,17 @@ class Branch:
             gather = self._gathers[call_id] = _Gather()
         gather.waiting.update(ranks)
 
-    def up(self, segs: list[Any]) -> None:
-        """A message of a rank of this subtree, for the controller."""
-        if self._gathers and self._held(segs):
+    def up(self, segs: list[Any], head: tuple[int, int, int]) -> None:
+        """A message of a rank of this subtree, for the controller (``head``: its header's
+        ``(kind, call id, rank)``)."""
+        if self._gathers and self._held(segs, head):
             return
         self._relay.queue(framing.frame(list(segs)))
 
-    def _held(self, segs: list[Any]) -> bool:
+    def _held(self, segs: list[Any], head: tuple[int, int, int]) -> bool:
         """Whether a message going up is a result gathered here (else it goes at once; a
         failure stops the wait for its rank)."""
-        kind, call_id, rank = protocol.unpack_head(segs[0])
+        kind, call_id, rank = head
         gather = self._gathers.get(call_id)
         if kind == _RESULT:
             if gather is None or rank not in gather.waiting:
@@ -271,7 +272,7 @@ class Branch:
                 if kind == agentwire.FAULT:
                     self._lose_child(child, str(protocol.parse(segs[0])[3][0]))
                     return
-            self.up(segs)
+            self.up(segs, protocol.unpack_head(segs[0]))
 
     def check_children(self, now: float) -> None:
         """Lose the children silent too long; ping the others. Each child sends a sign of

@@ -8,6 +8,14 @@ controller:
 
 - a rank's frames go to the controller unchanged (the rank is in each header); a frame for
   several of this node's ranks (``rank = MANY``) arrived once and is handed to each;
+- a rank speaks for itself alone: every frame up its pipe must name it, be of a kind a rank
+  sends (READY, INIT_ERROR, RESULT, YIELD, ERROR, HEARTBEAT, RELEASED), and answer only a
+  call this session passed down to it and it has not answered yet (each rank's outstanding
+  call ids: a set add as a call goes down, a removal as its RESULT or ERROR comes up). A
+  rank that breaks this is ended (SIGKILL), nothing more of it goes up, and its EXITED says
+  so (``rank 0 broke the protocol: it sent an answer as rank 1 (ended by the agent)``):
+  through an agent, whose ranks share one connection, the controller could not tell
+  rank 0's forged answer from rank 1's;
 - what a rank writes to stdout and stderr goes up as OUTPUT messages, then OUTPUT_END;
 - its death (the keeper's status pipe) goes up as EXITED with the node side's failure
   record (:meth:`phalanx.node.spawn.NodeRank.failure`), after its last frames and, for a
@@ -49,6 +57,7 @@ branch (the tree), the node's objects (put); the relay loop here drives them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import select
@@ -66,6 +75,7 @@ from phalanx.backends.cluster.agent.branch import GATHER_WINDOW, Branch, Relay
 from phalanx.backends.cluster.agent.devices import NodeDevices
 from phalanx.backends.cluster.agent.share import NodeObjects
 from phalanx.backends.cluster.agent.share import read as read_kept
+from phalanx.errors import ProcessFailure
 from phalanx.node import spawn as node
 from phalanx.node.machine import pick_free_ports, visible_gpus
 from phalanx.wire import framing, protocol, seal, streams
@@ -73,6 +83,11 @@ from phalanx.wire import framing, protocol, seal, streams
 logger = logging.getLogger(__name__)
 
 _READ = 1 << 16
+_HEAD_SIZE = protocol.HEAD_SIZE
+_unpack_head = protocol.unpack_head
+_RESULT, _ERROR, _YIELD = protocol.RESULT, protocol.ERROR, protocol.YIELD
+# what else a rank may send up, none of it about a call
+_SAYS = frozenset({protocol.READY, protocol.INIT_ERROR, protocol.HEARTBEAT, protocol.RELEASED})
 
 
 class Pulse:
@@ -125,7 +140,8 @@ PULSE = Pulse()  # the agent process's
 
 class _Rank:
     """One running rank of the session: its process on this node, what the relay keeps of
-    it (its output pipes, relayed here), and its burial (EXITED naming its launch)."""
+    it (its output pipes, relayed here), the calls it was sent and has not answered, and
+    its burial (EXITED naming its launch)."""
 
     def __init__(self, process: node.NodeRank) -> None:
         self.process = process
@@ -133,10 +149,16 @@ class _Rank:
         self.conn = process.conn
         stdout_fd, stderr_fd = process.take_output()
         self.outputs = {stdout_fd: agentwire.STDOUT, stderr_fd: agentwire.STDERR}
+        self.calls: set[int] = set()  # ids of the calls passed down to it, not answered yet
+        self.broke: str | None = None  # how it broke the protocol, once it did
         # the node side's record, no stderr: its controller has the output relayed to it
-        self.burial = node.Burial(process.rank, process.failure, message=lambda failure: (
+        self.burial = node.Burial(process.rank, self._record, message=lambda failure: (
             agentwire.exited(process.rank, process.incarnation, failure.as_dict())))
         self.counted = False  # in the agent's ranks_alive
+
+    def _record(self) -> ProcessFailure:
+        failure = self.process.failure()
+        return failure if self.broke is None else dataclasses.replace(failure, reason=self.broke)
 
 
 class Session:
@@ -292,11 +314,11 @@ class Session:
                 if kind == protocol.CALL:
                     branch.expect(call_id, ranks)
                 ranks = branch.hand_down(ranks, segs)
-            if kind in (protocol.CALL, protocol.CALL_STREAM):
+            call = kind == protocol.CALL or kind == protocol.CALL_STREAM
+            if call:
                 self._count("calls_total", len(ranks))
             # a rank reads a call or a shutdown for several ranks as its own: same bytes
-            shared = len(ranks) == 1 or kind in (protocol.CALL, protocol.CALL_STREAM,
-                                                 protocol.SHUTDOWN)
+            shared = len(ranks) == 1 or call or kind == protocol.SHUTDOWN
             same = framing.frame(list(segs)) if shared else None
             for rank in ranks:
                 target = self._ranks.get(rank)
@@ -304,6 +326,8 @@ class Session:
                     if branch.gathering:
                         branch.rank_gone((rank,))
                     continue  # its EXITED is on its way (or went)
+                if call:  # before it can answer: the relay reads its answer after this
+                    target.calls.add(call_id)
                 frame = same if same is not None else framing.frame(
                     [protocol.header(kind, call_id, rank, *extra), *segs[1:]])
                 try:
@@ -336,13 +360,54 @@ class Session:
                 rank.process.stream_ended()  # (or came with the stream's end: read it now)
                 self._died(rank)
             return
-        for segs in frames:
-            self._up(segs)
+        self._up(rank, frames)
 
-    def _up(self, segs: list[Any]) -> None:
-        """A message of a rank of this node for the controller (held a moment if it is a
-        result the tree gathers)."""
-        self._branch.up(segs)
+    def _up(self, rank: _Rank, frames: list[list[Any]]) -> None:
+        """Messages of a rank of this node for the controller (a result the tree gathers
+        is held a moment), each checked to be the rank's own to send (see the module
+        docstring); the first that is not ends the rank, and drops what follows it."""
+        if rank.broke is not None:
+            return
+        up = self._branch.up
+        number, calls = rank.rank, rank.calls
+        for segs in frames:
+            first = segs[0]
+            if len(first) < _HEAD_SIZE:
+                self._broke(rank, f"it sent a malformed message header ({len(first)} bytes)")
+                return
+            head = _unpack_head(first)
+            kind, call_id, sender = head
+            if sender != number:
+                what = "an answer" if kind in (_RESULT, _ERROR, _YIELD) else "a message"
+                self._broke(rank, f"it sent {what} as rank {sender}" if sender != protocol.MANY
+                            else f"it sent {what} as several ranks")
+                return
+            if kind == _RESULT or kind == _ERROR:
+                if call_id not in calls:
+                    self._broke(rank, f"it answered call {call_id}, which was not sent to it "
+                                "or was answered already")
+                    return
+                calls.discard(call_id)
+            elif kind == _YIELD:
+                if call_id not in calls:
+                    self._broke(rank, f"it sent an item of call {call_id}, which was not sent "
+                                "to it or was answered already")
+                    return
+            elif kind not in _SAYS:
+                self._broke(rank, f"it sent a message of kind {kind}, which no rank sends")
+                return
+            up(segs, head)
+
+    def _broke(self, rank: _Rank, why: str) -> None:
+        """``rank`` broke the protocol: it is ended (SIGKILL), nothing more of it goes up,
+        and its EXITED says why."""
+        rank.broke = f"rank {rank.rank} broke the protocol: {why} (ended by the agent)"
+        logger.warning("ending rank %d of a controller's group: it broke the protocol: %s",
+                       rank.rank, why)
+        self._unwatch(rank.conn.read_fd)
+        if not rank.burial.claimed:  # its exit status follows on the status pipe
+            rank.process.stream_ended()
+            self._died(rank)
 
     def _queue(self, frame: list[Any]) -> None:
         """Send ``frame`` with the rest of this pass (relay thread only)."""
@@ -378,8 +443,7 @@ class Session:
             return
         if rank.process.death_fd is not None:
             self._unwatch(rank.process.death_fd)
-        for segs in rank.process.drain():  # what it sent before it ended
-            self._up(segs)
+        self._up(rank, rank.process.drain())  # what it sent before it ended
         self._dying.append(rank)
 
     def _report_deaths(self) -> None:
