@@ -11,7 +11,9 @@ connection, the runtime's (found up its own stack), as a rank's code could. The 
 call id is what the victim itself saw (written to a file the test reads): the forger
 needs nothing the controller would not have sent some rank anyway.
 
-The agents are the session's (127.0.0.2-4); every wait is bounded.
+The agents are the session's (127.0.0.2-4), and so is the Ray cluster (a Ray rank's frames
+reach the controller's dispatcher on its own channel, as a local rank's); every wait is
+bounded.
 """
 
 from __future__ import annotations
@@ -118,6 +120,15 @@ def local_group():
         group.shutdown(timeout=5)
 
 
+@pytest.fixture
+def ray_group(ray_cluster):
+    group = px.WorkerGroup(Forger, procs_per_node=2, backend="ray", echo_output=False)
+    try:
+        yield group
+    finally:
+        group.shutdown(timeout=5)
+
+
 # --------------------------------------------------------------------------- through an agent
 
 
@@ -149,12 +160,20 @@ def test_a_node_message_from_a_rank_ends_the_rank(on_agent):
             "no rank sends (ended by the agent)" in str(error)), str(error)
 
 
-# --------------------------------------------------------------------------- the local backend
+# --------------------------------------------------------------------------- local and Ray ranks
 
 
 def test_an_answer_forged_as_another_rank_ends_the_local_rank(local_group, tmp_path):
     future, call_id = _victim_call(local_group, tmp_path)
     error = _ended(local_group, "answer", call_id, 1, "FORGED-by-rank-0")
+    assert ("rank 0 broke the protocol: it sent an answer as rank 1 (ended by the "
+            "controller)" in str(error)), str(error)
+    assert future.result(timeout=CALL_WAIT) == ["real-1"]
+
+
+def test_an_answer_forged_as_another_rank_ends_the_ray_rank(ray_group, tmp_path):
+    future, call_id = _victim_call(ray_group, tmp_path)
+    error = _ended(ray_group, "answer", call_id, 1, "FORGED-by-rank-0")
     assert ("rank 0 broke the protocol: it sent an answer as rank 1 (ended by the "
             "controller)" in str(error)), str(error)
     assert future.result(timeout=CALL_WAIT) == ["real-1"]
