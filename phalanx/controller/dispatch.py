@@ -71,6 +71,42 @@ _LONGEST_SLEEP = 3600.0
 _yield = getattr(os, "sched_yield", lambda: None)
 
 
+def _is_failure(value: Any) -> bool:
+    """Whether ``value`` has the shape of a RemoteFailure's tuple (four texts, bytes or
+    None)."""
+    return (isinstance(value, (list, tuple)) and len(value) == 5
+            and all(isinstance(v, str) for v in value[:4])
+            and isinstance(value[4], (bytes, type(None))))
+
+
+def _misshapen(kind: int, extra: tuple[Any, ...]) -> str | None:
+    """What is wrong with the fields a rank sent with a READY, INIT_ERROR, ERROR or RELEASED
+    (None when nothing is): checked before they are used, so that a rank that lies about
+    them is ended as one that broke the protocol rather than break the dispatcher."""
+    if kind == protocol.ERROR or kind == protocol.INIT_ERROR:
+        if len(extra) == 1 and _is_failure(extra[0]):
+            return None
+        return "it sent a malformed failure report"
+    if kind == protocol.READY:
+        if len(extra) == 4:
+            pid, methods, timings, version = extra
+            if (isinstance(pid, int) and isinstance(methods, dict)
+                    and all(isinstance(k, str) and isinstance(v, list)
+                            and all(isinstance(n, str) for n in v)
+                            for k, v in methods.items())
+                    and isinstance(timings, dict)
+                    and all(isinstance(k, str) and isinstance(v, (int, float))
+                            for k, v in timings.items())
+                    and isinstance(version, (str, type(None)))):
+                return None
+        return "it sent a malformed READY"
+    if kind == protocol.RELEASED:
+        if len(extra) == 1 and isinstance(extra[0], int):
+            return None
+        return "it sent a malformed RELEASED"
+    return None
+
+
 def _no_stacks(ranks: list[int]) -> dict[int, str]:
     return {}
 
@@ -417,6 +453,10 @@ class Dispatcher:
                 except Exception as exc:  # noqa: BLE001 - a header that does not parse raises anything
                     self._broke(channel, f"it sent a malformed message header "
                                 f"({type(exc).__name__})")
+                    return
+                problem = _misshapen(kind, extra)
+                if problem is not None:
+                    self._broke(channel, problem)
                     return
                 self._on_control(entry, kind, call_id, extra)
 

@@ -183,3 +183,29 @@ def test_a_malformed_header_ends_the_local_rank_not_the_pump(local_group):
     error = _ended(local_group, "send_raw", [b"\x02\x00\x00"])
     assert ("rank 0 broke the protocol: it sent a malformed message header (3 bytes) "
             "(ended by the controller)" in str(error)), str(error)
+
+
+@pytest.mark.parametrize("fields", [
+    ("not a failure",),                                   # ERROR of a call of its own
+    (["ValueError", "m", "tb"],),                          # too few fields
+    (["ValueError", "m", "tb", "stage", 7],),              # a pickle that is no bytes
+], ids=["text", "short", "not-bytes"])
+def test_a_malformed_error_report_ends_the_local_rank_not_the_pump(local_group, fields):
+    """An ERROR whose failure report has not the fields one has (to a call that is the
+    rank's own: nothing else about it is wrong) ends the rank, told as a protocol
+    violation; the group goes on."""
+    from phalanx.wire import protocol
+
+    forged = [protocol.header(protocol.ERROR, 0, 0, *fields)]
+    error = _ended(local_group, "send_raw", forged)
+    assert ("rank 0 broke the protocol: it sent a malformed failure report (ended by the "
+            "controller)" in str(error)), str(error)
+
+
+def test_a_malformed_ready_ends_the_local_rank_not_the_pump(local_group):
+    from phalanx.wire import protocol
+
+    forged = [protocol.header(protocol.READY, 0, 0, "pid", {}, {}, None)]
+    error = _ended(local_group, "send_raw", forged)
+    assert ("rank 0 broke the protocol: it sent a malformed READY (ended by the controller)"
+            in str(error)), str(error)
