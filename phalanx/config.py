@@ -103,6 +103,9 @@ DEBUG_BACKLOG = 128
 # holds a thread there. Past the job's most nodes (--nnodes) plus this many, a connection is
 # refused at once (a "refused" message naming the limit) and closed, with no thread.
 JOB_MAX_EXTRA_CONNECTIONS = 64
+# ... and a connection that has not sent its join within this many seconds is closed, so
+# that silent connections cannot hold those places and turn a real launcher away.
+JOB_JOIN_WITHIN = 30.0
 # The shared token, read by a controller and an agent; kept out of every rank's environment
 # (phalanx.node.spawn), since user code runs there.
 ENV_TOKEN = "PHALANX_TOKEN"
@@ -113,9 +116,6 @@ WITHHELD_FROM_RANKS = (ENV_TOKEN,)
 # is left that could tell it (the warden is gone, and Ray has given its account); the bound
 # only runs out when a source still alive is that slow -- seconds on a loaded node, where a
 # shorter one posted deaths with no exit status at all.
-# ... and a connection that has not sent its join within this many seconds is closed, so
-# that silent connections cannot hold those places and turn a real launcher away.
-JOB_JOIN_WITHIN = 30.0
 RAY_CAUSE_WAIT = 10.0
 # Of which, once the exit status is known, the longest wait for Ray's own account too (it
 # names causes the status cannot: ray.kill(), Ray's memory monitor, a node's death)
