@@ -60,3 +60,17 @@ def test_no_device_is_ever_held_twice(steps):
         taken = [d for devices in held.values() for d in devices]
         assert len(taken) == len(set(taken))  # never one device to two holders
         assert sorted(taken) == sorted(set(GPUS) - set(book.free(GPUS)))
+
+
+def test_a_node_refuses_a_holder_name_that_could_forge_lines_for_other_controllers():
+    """A holder's name reaches other controllers' refusals and ``/health``: a name with a
+    line break or terminal escape takes nothing."""
+    from phalanx.backends.cluster.agent.devices import NodeDevices
+
+    node = NodeDevices(["0", "1"])
+    owner = object()
+    for name in ("pool\nphalanx: forged line", "pool\x1b[2J", "pool\u202e"):
+        answer = node.take(owner, 1, name)
+        assert "refused" in answer and "must be printable text" in answer["refused"], answer
+        assert "\n" not in answer["refused"] and "\x1b" not in answer["refused"]
+    assert node.take(owner, 2, "pool-1 of the controller on h, pid 42") == {"gpus": ["0", "1"]}

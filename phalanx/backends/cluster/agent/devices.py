@@ -18,7 +18,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from phalanx.errors import DevicesTaken
+from phalanx.errors import DevicesTaken, printable
 from phalanx.world.devices import DeviceBook
 
 
@@ -33,7 +33,13 @@ class NodeDevices:
 
     def take(self, owner: object, count: int, holder: str) -> dict[str, Any]:
         """``count`` GPUs for ``holder`` (what it held before is given back first; 0: only
-        that) -> ``{"gpus": [...]}``, or ``{"refused": why}`` taking nothing."""
+        that) -> ``{"gpus": [...]}``, or ``{"refused": why}`` taking nothing. The name is
+        shown to other controllers (in their refusals) and in ``/health``: one that is not
+        printable text (no line break, no terminal escape) is refused; its length is bounded
+        where the request is read (``messages``)."""
+        if not isinstance(holder, str) or not holder.isprintable():
+            return {"refused": "a holder's name must be printable text, not "
+                               f"{printable(holder, 80)!r}"}
         with self._lock:
             other = self._owners.get(holder)
             if other is not None and other is not owner:
