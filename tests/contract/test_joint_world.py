@@ -1,6 +1,8 @@
 """``px.rendezvous(*groups)``: one world over two groups' ranks, with a real gloo broadcast
 from a trainer group (which keeps its own torch world for itself) to a generator group, on
-every backend with the same test code."""
+every backend with the same test code: through ``px.joint_store`` (the store that answers
+only the world's members), and through torch's own ``TCPStore`` from the same dict, as code
+written before ``px.joint_store`` does."""
 
 from __future__ import annotations
 
@@ -24,15 +26,19 @@ class Member:
             dist.init_process_group("gloo")
         self.weights = torch.full((1000,), value)
 
-    def join(self, world: dict) -> tuple[int, int]:
+    def join(self, world: dict, how: str = "joint_store") -> tuple[int, int]:
         from datetime import timedelta
 
         import torch.distributed as dist
 
         rank, size = int(world["RANK"]), int(world["WORLD_SIZE"])
-        store = dist.TCPStore(world["MASTER_ADDR"], int(world["MASTER_PORT"]), size,
-                              is_master=rank == 0, timeout=timedelta(seconds=30))
+        if how == "joint_store":
+            store = px.joint_store(world, timeout=30)
+        else:  # torch's TCPStore: every interface, no secret
+            store = dist.TCPStore(world["MASTER_ADDR"], int(world["MASTER_PORT"]), size,
+                                  is_master=rank == 0, timeout=timedelta(seconds=30))
         self.joint = dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=30))
+        self.store = store
         return rank, size
 
     def broadcast(self) -> float:
@@ -49,7 +55,8 @@ class Member:
         return dist.get_world_size() if dist.is_initialized() else 0
 
 
-def test_two_groups_form_one_world_and_broadcast_weights(backend):
+@pytest.mark.parametrize("how", ["joint_store", "tcpstore"])
+def test_two_groups_form_one_world_and_broadcast_weights(backend, how):
     with WorkerGroup(Member, args=(3.0, True), procs_per_node=2, framework="torch",
                      backend=backend, echo_output=False) as trainers, \
             WorkerGroup(Member, procs_per_node=2, backend=backend,
@@ -57,13 +64,17 @@ def test_two_groups_form_one_world_and_broadcast_weights(backend):
         worlds = px.rendezvous(trainers, generators)
         assert [[w["RANK"] for w in ws] for ws in worlds] == [["0", "1"], ["2", "3"]]
         assert {w["WORLD_SIZE"] for ws in worlds for w in ws} == {"4"}
-        assert len({(w["MASTER_ADDR"], w["MASTER_PORT"]) for ws in worlds for w in ws}) == 1
-        joined = [trainers.map_async("join", worlds[0]), generators.map_async("join", worlds[1])]
+        assert len({(w["MASTER_ADDR"], w["MASTER_PORT"], w["STORE_SECRET"])
+                    for ws in worlds for w in ws}) == 1
+        joined = [trainers.map_async("join", worlds[0], [how] * 2),
+                  generators.map_async("join", worlds[1], [how] * 2)]
         assert [f.result(timeout=60) for f in joined] == [[(0, 4), (1, 4)], [(2, 4), (3, 4)]]
         sent = [trainers.call_async("broadcast"), generators.call_async("broadcast")]
         assert [f.result(timeout=60) for f in sent] == [[3000.0] * 2, [3000.0] * 2]
         assert trainers.call("own_world") == [2, 2]  # the trainers' own world is untouched
-        assert px.rendezvous(generators)[0][1]["WORLD_SIZE"] == "2"
+        again = px.rendezvous(generators)[0]
+        assert again[1]["WORLD_SIZE"] == "2"
+        assert again[1]["STORE_SECRET"] != worlds[0][0]["STORE_SECRET"]  # each world its own
     with pytest.raises(GroupClosed):
         px.rendezvous(trainers)
 
