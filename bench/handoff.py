@@ -147,9 +147,10 @@ class Weights:
 
         import torch.distributed as dist
 
+        import phalanx as px
+
         rank, size = int(world["RANK"]), int(world["WORLD_SIZE"])
-        store = dist.TCPStore(world["MASTER_ADDR"], int(world["MASTER_PORT"]), size,
-                              is_master=rank == 0, timeout=timedelta(seconds=120))
+        store = px.joint_store(world, timeout=120)  # answers only the world's own ranks
         self.store = store  # the process group needs it alive
         self.joint = dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=600))
         return rank

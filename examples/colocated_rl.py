@@ -51,9 +51,10 @@ def join_world(world: dict):
 
     import torch.distributed as dist
 
+    import phalanx as px
+
     rank, size = int(world["RANK"]), int(world["WORLD_SIZE"])
-    store = dist.TCPStore(world["MASTER_ADDR"], int(world["MASTER_PORT"]), size,
-                          is_master=rank == 0, timeout=timedelta(seconds=60))
+    store = px.joint_store(world, timeout=60)  # answers only the world's own ranks
     return dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=60))
 
 
