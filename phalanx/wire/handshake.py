@@ -98,7 +98,10 @@ def _version_field(version: str) -> bytes:
     return bytes([len(data)]) + data
 
 
-def _read(sock: socket.socket, size: int, deadline: float) -> bytes:
+def read_exactly(sock: socket.socket, size: int, deadline: float) -> bytes:
+    """``size`` bytes by ``deadline`` (each read's timeout is what is left of it, so a peer
+    that trickles ends on time too); :class:`HandshakeIncomplete` when the peer is late,
+    closes or the connection fails."""
     data = bytearray()
     while len(data) < size:
         remaining = deadline - time.monotonic()
@@ -119,8 +122,8 @@ def _read(sock: socket.socket, size: int, deadline: float) -> bytes:
 
 def _read_version(sock: socket.socket, deadline: float) -> tuple[bytes, str]:
     """The peer's version field (as received) and the version it names."""
-    (size,) = _read(sock, 1, deadline)
-    field = bytes([size]) + _read(sock, size, deadline)
+    (size,) = read_exactly(sock, 1, deadline)
+    field = bytes([size]) + read_exactly(sock, size, deadline)
     return field, field[1:].decode("utf-8", "replace")
 
 
@@ -158,7 +161,7 @@ def connect(sock: socket.socket, secret: bytes, hello: Hello, timeout: float,
     sock.settimeout(timeout)
     sock.sendall(MAGIC + nonce)
     try:
-        their_nonce = _read(sock, _NONCE, deadline)
+        their_nonce = read_exactly(sock, _NONCE, deadline)
     except HandshakeIncomplete as exc:
         raise HandshakeIncomplete(
             f"{peer}: {exc}, before it answered (a peer of a phalanx older than this one, "
@@ -167,14 +170,14 @@ def connect(sock: socket.socket, secret: bytes, hello: Hello, timeout: float,
                 + _HELLO.pack(hello.role, hello.rank, hello.incarnation))
     sock.sendall(greeting[len(MAGIC) + 2 * _NONCE:] + _mac(secret, b"connector", greeting))
     try:
-        answer = _read(sock, 1, deadline)
+        answer = read_exactly(sock, 1, deadline)
     except HandshakeIncomplete as exc:
         raise HandshakeIncomplete(f"{peer}: {exc}, after this side's proof") from None
     if answer != ACCEPTED:
         raise AuthenticationError(f"{peer} refused this side's proof of the shared secret "
                                   "(a wrong token or secret on one side)")
     their_field, theirs = _read_version(sock, deadline)
-    proof = _read(sock, _DIGEST, deadline)
+    proof = read_exactly(sock, _DIGEST, deadline)
     if not hmac.compare_digest(proof, _mac(secret, b"acceptor", greeting, their_field)):
         raise AuthenticationError(f"{peer} could not prove the shared secret (a wrong "
                                   "token or secret on one side)")
@@ -191,7 +194,7 @@ def accept(sock: socket.socket, secret: bytes, timeout: float, peer: str = "the 
     two sides in errors; ``version``: this side's (default ``phalanx.__version__``)."""
     deadline = time.monotonic() + timeout
     version = release.__version__ if version is None else version
-    magic = _read(sock, len(MAGIC), deadline)  # a stranger is told apart at once
+    magic = read_exactly(sock, len(MAGIC), deadline)  # a stranger is told apart at once
     if magic in _OLDER:
         theirs = None
         if _OLDER[magic]:  # that release named its version next (nothing is sent back)
@@ -201,14 +204,14 @@ def accept(sock: socket.socket, secret: bytes, timeout: float, peer: str = "the 
     if magic != MAGIC:
         raise AuthenticationError(f"the peer does not speak the phalanx protocol (it sent "
                                   f"{magic!r})")
-    their_nonce = _read(sock, _NONCE, deadline)
+    their_nonce = read_exactly(sock, _NONCE, deadline)
     nonce = secrets.token_bytes(_NONCE)
     sock.sendall(nonce)  # random: nothing derived from the secret goes to an unproved peer
     their_field, theirs = _read_version(sock, deadline)
-    hello_part = _read(sock, _HELLO.size, deadline)
+    hello_part = read_exactly(sock, _HELLO.size, deadline)
     role, rank, incarnation = _HELLO.unpack(hello_part)
     greeting = magic + their_nonce + nonce + their_field + hello_part
-    proof = _read(sock, _DIGEST, deadline)
+    proof = read_exactly(sock, _DIGEST, deadline)
     if not hmac.compare_digest(proof, _mac(secret, b"connector", greeting)):
         _send_quietly(sock, REFUSED)
         raise AuthenticationError(f"a peer claiming to be rank {rank} failed to prove the secret")

@@ -36,6 +36,7 @@ from phalanx import config
 from phalanx.errors import AuthenticationError
 from phalanx.wire import kvproto, streams
 from phalanx.wire.admission import Admission
+from phalanx.wire.handshake import HandshakeIncomplete, read_exactly
 from phalanx.wire.kvproto import Op
 
 logger = logging.getLogger(__name__)
@@ -294,7 +295,7 @@ class StoreServer(KeyValueStore):
                 op, fields = kvproto.parse_request(body)
                 status, reply = self._answer(op, fields)
                 sock.sendall(sealer.seal(kvproto.encode(status, reply)))
-        except (OSError, kvproto.ProtocolError, StoreClosed, _Incomplete) as exc:
+        except (OSError, kvproto.ProtocolError, StoreClosed, HandshakeIncomplete) as exc:
             logger.debug("a connection from %s to the store at %s:%d ended: %s", peer,
                          *self.address, exc)
         finally:
@@ -307,7 +308,7 @@ class StoreServer(KeyValueStore):
         """The connection's frame keys once the peer proved the secret; None (after telling
         it so) when it did not."""
         deadline = time.monotonic() + self._handshake_timeout
-        hello = _read(sock, kvproto.HELLO_SIZE, deadline)
+        hello = read_exactly(sock, kvproto.HELLO_SIZE, deadline)
         if hello[:len(kvproto.MAGIC)] != kvproto.MAGIC:
             logger.debug("a connection from %s to the store at %s:%d is not a store's "
                          "client", peer, *self.address)
@@ -315,7 +316,7 @@ class StoreServer(KeyValueStore):
         nonce_s = secrets.token_bytes(kvproto.NONCE_SIZE)
         sock.sendall(nonce_s)
         proofs = kvproto.Proofs(self._secret, hello[len(kvproto.MAGIC):], nonce_s)
-        if not kvproto.proved(proofs.client, _read(sock, kvproto.PROOF_SIZE, deadline)):
+        if not kvproto.proved(proofs.client, read_exactly(sock, kvproto.PROOF_SIZE, deadline)):
             self._refusals += 1
             log = logger.warning if self._refusals == 1 else logger.debug
             log("a connection from %s to the store at %s:%d did not prove the world's "
@@ -397,7 +398,7 @@ def _connect(host: str, port: int, secret: bytes, timeout: float, handshake_time
                     sock, secret, min(deadline, time.monotonic() + handshake_timeout),
                     _where((host, port)))
                 return sock, sealer, opener
-            except _Incomplete as exc:  # cut short (a server making room): try again
+            except HandshakeIncomplete as exc:  # cut short (a server making room): try again
                 streams.close_socket(sock)
                 last = str(exc)
             except BaseException:
@@ -415,48 +416,23 @@ def _client_handshake(sock: socket.socket, secret: bytes, deadline: float, where
     try:
         sock.sendall(kvproto.MAGIC + nonce_c)
     except OSError as exc:
-        raise _Incomplete(f"the handshake: {exc}") from exc
-    nonce_s = _read(sock, kvproto.NONCE_SIZE, deadline)
+        raise HandshakeIncomplete(f"the handshake: {exc}") from exc
+    nonce_s = read_exactly(sock, kvproto.NONCE_SIZE, deadline)
     proofs = kvproto.Proofs(secret, nonce_c, nonce_s)
     try:
         sock.sendall(proofs.client)
     except OSError as exc:
-        raise _Incomplete(f"the handshake: {exc}") from exc
-    if _read(sock, 1, deadline) != kvproto.ACCEPTED:
+        raise HandshakeIncomplete(f"the handshake: {exc}") from exc
+    if read_exactly(sock, 1, deadline) != kvproto.ACCEPTED:
         raise AuthenticationError(f"the store at {where} refused this member's proof: the "
                                   "secret it was given is not its world's")
-    if not kvproto.proved(proofs.server, _read(sock, kvproto.PROOF_SIZE, deadline)):
+    if not kvproto.proved(proofs.server, read_exactly(sock, kvproto.PROOF_SIZE, deadline)):
         raise AuthenticationError(f"the peer at {where} did not prove the world's secret: "
                                   "it is not the world's store")
     return kvproto.Sealer(proofs.to_server), kvproto.Opener(proofs.to_client)
 
 
 # -- bytes off a socket -------------------------------------------------------------------
-
-
-class _Incomplete(Exception):
-    """A handshake cut short (a timeout, a reset, the end): nothing was proved either way."""
-
-
-def _read(sock: socket.socket, size: int, deadline: float) -> bytes:
-    """``size`` bytes by ``deadline`` (each read's timeout is what is left of it, so a peer
-    that trickles ends on time too)."""
-    data = bytearray()
-    while len(data) < size:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise _Incomplete("the peer did not complete the handshake in time")
-        sock.settimeout(remaining)
-        try:
-            chunk = sock.recv(size - len(data))
-        except TimeoutError:
-            continue
-        except OSError as exc:
-            raise _Incomplete(f"the connection failed during the handshake: {exc}") from exc
-        if not chunk:
-            raise _Incomplete("the peer closed the connection during the handshake")
-        data += chunk
-    return bytes(data)
 
 
 def _read_frame(sock: socket.socket, opener: kvproto.Opener) -> bytes | None:
