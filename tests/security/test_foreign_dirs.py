@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import importlib
 import os
-import secrets
 import socket
 import subprocess
 import sys
@@ -273,10 +272,7 @@ def agent_env() -> dict[str, str]:
 
 @pytest.fixture
 def token_file(tmp_path) -> str:
-    path = tmp_path / "token"
-    path.write_text(secrets.token_urlsafe(32))
-    path.chmod(0o600)
-    return str(path)
+    return helpers.token_file(tmp_path)
 
 
 @pytest.fixture
