@@ -87,7 +87,8 @@ def _suffix_group(item: pytest.Item) -> None:
 def backend(request):
     """The backend's name, or for the cluster backend a configured ``ClusterBackend``."""
     if request.param == "ray":
-        request.getfixturevalue("ray_cluster")  # skips without Ray
+        pytest.importorskip("ray", reason="the ray backend needs ray (pip install 'phalanx[ray]')")
+        request.getfixturevalue("ray_cluster")
     if request.param == "cluster":
         # PHALANX_TEST_CLUSTER_TREE=1: the three agents as a tree (node 1 below node 0)
         tree = {"tree_threshold": 1, "fanout": 2} if os.environ.get(

@@ -85,7 +85,9 @@ SITECUSTOMIZE = textwrap.dedent('''\
 
 # A representative part of the suite: contract tests run on both backends and on
 # framework="torch"/"jax", and the framework unit tests.
-SUBSET = ["tests/contract/test_placement.py", "tests/unit/test_frameworks.py"]
+# tests/security/test_ray_listener.py: tests of no backend that use the shared Ray cluster.
+SUBSET = ["tests/contract/test_placement.py", "tests/unit/test_frameworks.py",
+          "tests/security/test_ray_listener.py"]
 
 CHECK_HIDDEN = textwrap.dedent("""\
     import importlib.metadata, importlib.util
@@ -150,6 +152,7 @@ def test_the_suite_skips_what_needs_a_missing_extra(tmp_path):
     # skipped for the reason, not for anything else
     assert "torch is not installed" in output, output
     assert "the ray backend needs ray" in output, output
+    assert "this test needs a Ray cluster" in output, output
 
 
 if __name__ == "__main__":
