@@ -237,7 +237,7 @@ class WorkerGroup(CallForms):
             membership=membership, methods=methods, sender=sender, shared=shared,
             watchdog=watchdog)
         self._init_forms(CallPath(gate, methods, ranks, sender), Scope(self._mesh))
-        register(self, GroupInternals(gate, ranks, sender))
+        register(self, GroupInternals(gate, ranks, sender, starter.node_address))
         backend_.open(plan.output)
         undo.callback(backend_.close)  # what it opened, reserved and launched
         # Exit handlers run last-registered first: ours must run before those of what

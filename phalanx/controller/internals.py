@@ -7,7 +7,7 @@ code has no use for it.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from phalanx.rank.kept import BUILTIN
@@ -27,10 +27,17 @@ class GroupInternals:
     not: the built-in calls of the rank runtime (weight sync, traces) and the watching of
     every call (traces, dashboards). Reached with :func:`internals`."""
 
-    def __init__(self, gate: Gate, table: RankTable, sender: Sender) -> None:
+    def __init__(self, gate: Gate, table: RankTable, sender: Sender,
+                 node_address: Callable[[int], str]) -> None:
         self._gate = gate
         self._table = table
         self._sender = sender
+        self._node_address = node_address
+
+    def node_address(self, node: int) -> str:
+        """How the other nodes reach node ``node`` of the group (where a rank there
+        listens for peers of phalanx's own, never on the wildcard)."""
+        return self._node_address(node)
 
     def watch_calls(self, observer: Observer, on: bool = True) -> None:
         """Have ``observer`` watch every call from now on (``on=False``: stop): the

@@ -282,6 +282,10 @@ class Starter:
         node = self._nodes[0]
         return node.address, self._backend.free_port(node)
 
+    def node_address(self, node: int) -> str:
+        """How the other nodes reach node ``node`` (its backend's ``Node.address``)."""
+        return self._nodes[node].address
+
     def rendezvous(self) -> dict[str, str]:
         """The variables every rank got with the same value (``MASTER_ADDR``, ...)."""
         envs = [dict(start.env) for start in self._starts]
