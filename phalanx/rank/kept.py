@@ -295,6 +295,7 @@ def _location(block: Any, extents: list[Any], tensors: bool) -> tuple[Any, ...]:
 
 
 WEIGHT_SYNC = "@sync."  # px.weight_sync's built-ins start so (phalanx.rank.weightsync.PREFIX)
+SHARD_SYNC = "@sync.shard."  # those of its sharded sync (phalanx.rank.shardsync.PREFIX)
 
 
 def builtin(name: str, obj: Any = None) -> Any:
@@ -302,6 +303,10 @@ def builtin(name: str, obj: Any = None) -> Any:
     (:mod:`phalanx.rank.weightsync`, imported with the first of them: a rank that syncs
     no weights never imports it, nor torch) call the methods of the rank's object
     ``obj``."""
+    if name.startswith(SHARD_SYNC):
+        from phalanx.rank import shardsync
+
+        return shardsync.builtin(name, obj)
     if name.startswith(WEIGHT_SYNC):
         from phalanx.rank import weightsync
 

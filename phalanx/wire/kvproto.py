@@ -90,11 +90,13 @@ class ProtocolError(ValueError):
 
 
 class Proofs:
-    """What one handshake proves and derives, from the secret and both nonces."""
+    """What one handshake proves and derives, from the secret and both nonces (``magic``:
+    the protocol's, which the proofs cover: one protocol's proof is none of another's)."""
 
-    def __init__(self, secret: bytes, nonce_c: bytes, nonce_s: bytes) -> None:
+    def __init__(self, secret: bytes, nonce_c: bytes, nonce_s: bytes,
+                 magic: bytes = MAGIC) -> None:
         check_secret(secret)
-        transcript = MAGIC + nonce_c + nonce_s
+        transcript = magic + nonce_c + nonce_s
         self.client = _mac(secret, b"client", transcript)
         self.server = _mac(secret, b"server", transcript)
         self.to_server = _mac(secret, b"frames client->server", transcript)
