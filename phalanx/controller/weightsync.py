@@ -85,7 +85,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from phalanx.controller.internals import GroupInternals, internals
@@ -96,6 +96,7 @@ from phalanx.rank import weightsync as rankside
 if TYPE_CHECKING:
     from phalanx.controller.futures import Call
     from phalanx.controller.group import WorkerGroup
+    from phalanx.controller.shardsync import ShardSync
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +137,14 @@ class Transport(enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class PushStats:
     """What one push moved: ``bytes`` of ``tensors`` tensors to ``targets`` ranks, by
-    ``transport``, in ``buckets`` buckets (0 for shared memory), in ``seconds``."""
+    ``transport``, in ``buckets`` buckets (0 for shared memory), in ``seconds``.
+
+    A sync by parts (``src_rank="all"``, :mod:`phalanx.controller.shardsync`; transport
+    ``"p2p"``) also gives the bytes each target rank received, ``per_target``:
+    ``{(group name, rank): bytes}``, the seconds of each phase (``plan_s``: forming, 0.0
+    when the last formation held; ``stage_s``, ``apply_s``; ``total_s`` is ``seconds``)
+    and the ``version`` staged; its ``buckets`` are its transfers (source to target, one
+    box of one tensor each), and ``targets`` the target ranks that completed the step."""
 
     transport: str
     tensors: int
@@ -145,6 +153,16 @@ class PushStats:
     buckets: int
     seconds: float
     formed: bool  # whether this push formed the world first
+    per_target: Mapping[tuple[str, int], int] = dataclasses.field(default_factory=dict,
+                                                                   hash=False)
+    plan_s: float = 0.0
+    stage_s: float = 0.0
+    apply_s: float = 0.0
+    version: int | None = None
+
+    @property
+    def total_s(self) -> float:
+        return self.seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,10 +179,12 @@ class _Part:
 
 class WeightSync:
     """Pushes the state dict of rank ``src_rank`` of ``source`` to every rank of
-    ``targets`` (a group, or a list of groups): see :func:`weight_sync`."""
+    ``targets`` (a group, or a list of groups): see :func:`weight_sync`. With
+    ``src_rank="all"`` (or ``want=``, ``stage``, ``apply``, ``catch_up``), weights move by
+    parts: :mod:`phalanx.controller.shardsync`."""
 
     def __init__(self, source: WorkerGroup, targets: WorkerGroup | Sequence[WorkerGroup],
-                 src_rank: int = 0, *, transport: str | Transport = "auto",
+                 src_rank: int | str = 0, *, transport: str | Transport = "auto",
                  timeout: float = DEFAULT_TIMEOUT) -> None:
         from phalanx.controller.group import WorkerGroup
 
@@ -186,14 +206,19 @@ class WeightSync:
         if len({id(g) for g in listed}) != len(listed):
             twice = next(g for g in listed if sum(h is g for h in listed) > 1)
             raise ValueError(f"weight_sync(): target group {twice.name} is given twice")
-        if not isinstance(src_rank, int) or isinstance(src_rank, bool):
-            raise TypeError(f"weight_sync(): src_rank must be an integer, got {src_rank!r}")
+        self._all = src_rank == "all"  # every source rank sends its part
+        if not self._all and (not isinstance(src_rank, int) or isinstance(src_rank, bool)):
+            raise TypeError(f"weight_sync(): src_rank must be an integer or 'all', got "
+                            f"{src_rank!r}")
         try:
             self._asked = Transport(transport)
         except ValueError:
             choices = ", ".join(repr(t.value) for t in Transport)
             raise ValueError(f"weight_sync(): transport={transport!r}; expected one of "
                              f"{choices}") from None
+        if self._all and self._asked is not Transport.AUTO:
+            raise ValueError(f"weight_sync(src_rank='all'): transport={transport!r}; a sync "
+                             "by parts sends point to point (leave transport='auto')")
         if timeout is None:  # every wait of a push is bounded
             raise TypeError("weight_sync(): timeout must be a number of seconds, not None")
         self._timeout: float = check_seconds(timeout, "weight_sync() timeout",
@@ -201,7 +226,7 @@ class WeightSync:
         self._deadline = self._timeout + min(_MARGIN, max(1.0, self._timeout / 10))
         self._source = source
         self._targets = list(listed)
-        self._src_rank = src_rank
+        self._src_rank = 0 if self._all else int(src_rank)
         self._check_groups()
         self._id = uuid.uuid4().hex[:16]  # names this sync on every rank
         self._lock = threading.Lock()  # one push (or close) at a time
@@ -210,39 +235,136 @@ class WeightSync:
         self._transport: Transport | None = None  # the one chosen at the last formation
         self._parts: list[_Part] = []  # source part first
         self._identity: tuple[Any, ...] | None = None  # members' processes when formed
-        groups = [source, *self._targets]
+        self._members = [source, *self._targets]  # add() adds to it
         # collected without close(): the members let go, from a thread of their own
-        self._finalizer = weakref.finalize(self, _release_quietly, self._id, groups)
+        self._finalizer = weakref.finalize(self, _release_quietly, self._id, self._members)
         self._finalizer.atexit = False  # at exit the ranks end anyway
+        self._parts_sync: ShardSync | None = None  # the sync by parts, made at first use
+        if self._all:
+            self._shards()
 
     # -- reading ------------------------------------------------------------------------
 
     @property
     def state(self) -> SyncState:
+        if self._all:
+            return self._shards().state
         return self._state
 
     @property
     def transport(self) -> str | None:
         """The transport of the last formation (``"shared"`` or ``"broadcast"``; None
-        before the first push)."""
+        before the first push; ``"p2p"`` for a sync by parts once formed)."""
+        if self._all:
+            from phalanx.controller.shardsync import TRANSPORT
+
+            return TRANSPORT if self._shards().generation else None
         return None if self._transport is None else self._transport.value
 
     @property
     def generation(self) -> int:
         """How many times the members formed (a new joint world each time)."""
+        if self._all:
+            return self._shards().generation
         return self._generation
+
+    # -- by parts (phalanx.controller.shardsync) ----------------------------------------
+
+    def _shards(self) -> ShardSync:
+        """The sync by parts: from every source rank (``src_rank="all"``), else from
+        ``src_rank`` alone; made at its first use."""
+        if self._parts_sync is None:
+            from phalanx.controller.shardsync import ShardSync
+
+            self._parts_sync = ShardSync(
+                self._source, self._targets, None if self._all else [self._src_rank],
+                timeout=self._timeout, deadline=self._deadline)
+        return self._parts_sync
+
+    def stage(self, get: str, want: str | None = None, *, verify: bool = False) -> PushStats:
+        """Stage a new version on every target rank while they keep answering calls:
+        every source rank's ``get`` (a dict of name -> tensor or ``px.Shard``) snapshot
+        and sent point to point, each target receiving the ``px.Region`` its ``want``
+        asks for (None: every name, whole). :meth:`apply` makes it theirs. A failed
+        target fails alone: PhalanxError naming it after the others staged (``.stats``
+        attached). ``verify``: a digest per transfer, checked by the target."""
+        self._check_open()
+        return self._shards().stage(get, want, verify=verify)
+
+    def apply(self, set: str) -> PushStats:
+        """Every target rank that staged the current version calls ``set`` with its
+        regions (dict name -> tensor of the region's shape): the pause."""
+        self._check_open()
+        return self._shards().apply(set)
+
+    def catch_up(self, get: str, set: str,
+                 want: str | None = None) -> PushStats:
+        """Stage and apply the current version on the target ranks behind it only
+        (recreated, restarted, added): no other target receives a byte."""
+        self._check_open()
+        return self._shards().catch_up(get, set, want)
+
+    @property
+    def version(self) -> int:
+        """How many versions were staged (:meth:`stage`, :meth:`push` by parts)."""
+        return 0 if self._parts_sync is None else self._parts_sync.version
+
+    def versions(self) -> dict[tuple[str, int], int | None]:
+        """Each target rank's applied version, ``{(group name, rank): version}``: None
+        while its ``apply`` runs, when it never applied, or when its process is not the
+        one that did (recreated)."""
+        return self._shards().versions()
+
+    def add(self, group: WorkerGroup) -> None:
+        """A new target group: it receives the current version from :meth:`catch_up`, or
+        the next one from :meth:`push` / :meth:`stage`."""
+        from phalanx.controller.group import WorkerGroup
+
+        if not isinstance(group, WorkerGroup):
+            raise TypeError(f"add(): expected a WorkerGroup, got {group!r}")
+        if group is self._source:
+            raise ValueError(f"add(): group {group.name} is the source")
+        if any(group is g for g in self._targets):
+            raise ValueError(f"add(): group {group.name} is already a target")
+        if group.closed:
+            raise GroupClosed(f"add(): group {group.name} was shut down")
+        with self._lock:
+            self._check_open()
+            self._targets.append(group)
+            self._members.append(group)
+        if self._parts_sync is not None:
+            self._parts_sync.add(group)
+
+    def _check_open(self) -> None:
+        if self._state is SyncState.CLOSED:
+            raise GroupClosed("this weight sync was closed")
 
     # -- pushing ------------------------------------------------------------------------
 
-    def push(self, get: str, set: str, bucket_mb: float | None = None) -> PushStats:
+    def push(self, get: str, set: str, want: str | None = None,
+             bucket_mb: float | None = None, *, verify: bool = False) -> PushStats:
         """Call ``get`` on the source rank and ``set`` with its state dict on every
         target rank; returns once every ``set`` returned (:class:`PushStats`).
+
+        By parts (``src_rank="all"``, or ``want``/``verify`` given): :meth:`stage` then
+        :meth:`apply`, each target receiving the regions its ``want`` asks for; a failed
+        target fails alone (PhalanxError naming it once the others applied, ``.stats``
+        attached). ``bucket_mb`` is the broadcast's, of a ``src_rank=<int>`` push.
 
         Bad arguments raise TypeError / ValueError / AttributeError (an unknown method) /
         GroupClosed before anything is sent. A rank that fails raises its error
         (``WorkerError`` or ``WorkerDied``, naming the group and rank; ``CallTimeout``
         past ``timeout``); the next push forms the world again.
         """
+        if (bucket_mb is None and isinstance(want, (int, float))
+                and not isinstance(want, bool)):
+            want, bucket_mb = None, want  # push(get, set, bucket_mb), as it always was
+        if self._all or want is not None or verify:
+            if bucket_mb is not None:
+                raise TypeError("push(): bucket_mb is the broadcast's; a sync by parts "
+                                "(src_rank='all', want=, verify=) takes none")
+            self._check_open()
+            return self._shards().push(get, set, want, verify=verify)
         bucket = self._check_push(get, set, bucket_mb)
         with self._lock:
             if self._state is SyncState.CLOSED:
@@ -378,7 +500,7 @@ class WeightSync:
             if group.closed:
                 raise GroupClosed(f"weight_sync(): the {role} group {group.name} was shut "
                                   "down")
-        if not 0 <= self._src_rank < self._source.world_size:
+        if not self._all and not 0 <= self._src_rank < self._source.world_size:
             raise ValueError(f"weight_sync(): src_rank {self._src_rank} is outside group "
                              f"{self._source.name}'s ranks 0..{self._source.world_size - 1}")
 
@@ -412,6 +534,8 @@ class WeightSync:
             self._finalizer.detach()
             if self._generation:
                 _release(self._id, [self._source, *self._targets], wait=CLOSE_TIMEOUT)
+        if self._parts_sync is not None:
+            self._parts_sync.close()
 
     def __enter__(self) -> WeightSync:
         return self
@@ -420,13 +544,14 @@ class WeightSync:
         self.close()
 
     def __repr__(self) -> str:
-        transport = "" if self._transport is None else f" {self._transport.value}"
-        return (f"<WeightSync {self._source.name}[{self._src_rank}] -> "
-                f"{', '.join(g.name for g in self._targets)} {self._state.name}{transport}>")
+        transport = "" if self.transport is None else f" {self.transport}"
+        source = "all" if self._all else self._src_rank
+        return (f"<WeightSync {self._source.name}[{source}] -> "
+                f"{', '.join(g.name for g in self._targets)} {self.state.name}{transport}>")
 
 
 def weight_sync(source: WorkerGroup, targets: WorkerGroup | Sequence[WorkerGroup],
-                src_rank: int = 0, *, transport: str | Transport = "auto",
+                src_rank: int | str = 0, *, transport: str | Transport = "auto",
                 timeout: float = DEFAULT_TIMEOUT) -> WeightSync:
     """A :class:`WeightSync` from rank ``src_rank`` of ``source`` to every rank of
     ``targets`` (a WorkerGroup or a list of them); nothing is formed until the first
