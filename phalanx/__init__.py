@@ -73,6 +73,8 @@ _EXPORTS = {
     "StartupReport": "phalanx.controller.watch",
     "GroupFuture": "phalanx.controller.futures",
     "NamedSharding": "phalanx.world.sharding",
+    "Region": "phalanx.world.syncplan",
+    "Shard": "phalanx.world.syncplan",
     "ShardedFuture": "phalanx.controller.futures",
     "RankFuture": "phalanx.controller.futures",
     "RankHealth": "phalanx.controller.watch",
@@ -122,10 +124,12 @@ __all__ = [
     "RankHealth",
     "RayBackend",
     "RefState",
+    "Region",
     "RemoteTraceback",
     "ResourcePool",
     "ResultRef",
     "SerializationError",
+    "Shard",
     "ShardedFuture",
     "SliceRef",
     "SlurmBackend",
@@ -203,6 +207,7 @@ if TYPE_CHECKING:
     from phalanx.rank.kept import keep
     from phalanx.world.calloptions import CallOptions
     from phalanx.world.sharding import NamedSharding
+    from phalanx.world.syncplan import Region, Shard
 
 
 def __getattr__(name: str) -> object:

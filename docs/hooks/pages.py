@@ -72,7 +72,7 @@ TOPICS = (
           "A mesh over a group's ranks, plain functions on every rank, a distributed world "
           "made of several groups, and weights sent from one group to another.",
           ("phalanx.controller.spmd", "phalanx.world.sharding", "phalanx.controller.joint",
-           "phalanx.rank.joint", "phalanx.controller.weightsync")),
+           "phalanx.rank.joint", "phalanx.controller.weightsync", "phalanx.world.syncplan")),
     Topic("backends", "Backends",
           "Where the ranks run: child processes of this one, Ray actors, your own nodes "
           "(``phalanx agent``) or a Slurm allocation.",
