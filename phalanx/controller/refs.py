@@ -8,8 +8,10 @@ knows its rank and can be fetched -- and both go the same way into a call: anywh
 arguments, where the encoder (:meth:`.shared.SharedObjects.encode`) meets them, notes them
 and pickles each as what its rank reads; nothing else may pickle one.
 
-Rows of kept results are named by a :class:`SliceRef` (``ref[a:b]``, ``px.chunk``: see
-:mod:`.chunks`), which holds the handles it cuts from and pickles as their parts.
+Rows of kept results are named by a :class:`SliceRef` (``ref[a:b]``, ``ref[[0, 2]]``,
+``ref[mask]``, ``px.chunk``: see :mod:`.chunks`; which rows, as pure logic:
+:mod:`phalanx.world.rowselect`), which holds the handles it cuts from and pickles as
+where each is read and the rows of it.
 
 Each handle has a record in the table of the part that made it (its *owner*, a
 :class:`Keeper`), and every record goes through the one lifecycle :class:`RefState`. The
@@ -22,11 +24,13 @@ from __future__ import annotations
 import enum
 import weakref
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from phalanx.errors import ObjectFreed, ObjectLost
 from phalanx.rank import kept as rankkept
 from phalanx.rank import rows as rowslib
+from phalanx.world import rowselect
+from phalanx.world.rowselect import Rows
 
 
 class RefState(enum.Enum):
@@ -239,9 +243,10 @@ class ResultRef(ObjectRef):
         owner: Any = self._owner
         return owner.to_ray(self)
 
-    def __getitem__(self, index: slice) -> Any:
-        """Rows ``a:b`` of its value, as a :class:`SliceRef`
-        (nothing is read until a rank's call names it)."""
+    def __getitem__(self, index: object) -> SliceRef:
+        """Rows of its value, as a :class:`SliceRef` (nothing is read until a rank's call
+        names it): ``ref[a:b]``, ``ref[[0, 2, 5]]`` (row numbers, in that order) or
+        ``ref[mask]`` (one bool per row); see :func:`phalanx.world.rowselect.index_rows`."""
         return slice_ref(self, index)
 
     def __repr__(self) -> str:
@@ -250,68 +255,107 @@ class ResultRef(ObjectRef):
                 f"{_state_text(record)}>")
 
 
-Part = tuple[ResultRef, int, int]  # a kept result and the rows [start, stop) of it
+Part = tuple[ResultRef, Rows]  # a kept result and rows of it (a run, or picked rows)
 
 
 class SliceRef:
-    """A handle on rows of kept results, in order: made by ``ref[a:b]`` or :func:`chunk`.
+    """A handle on rows of kept results, in order: made by ``ref[a:b]``, ``ref[[0, 2]]``,
+    ``ref[mask]`` or :func:`chunk`.
 
     Pass it anywhere in a call's arguments (any group's): the rank receives one value
-    holding those rows. ``rows`` is how many; ``get()`` fetches them here; slicing it
-    again (``part[a:b]``) narrows it.
+    holding those rows (an empty list where it names no kept result at all: a chunk of
+    ``px.chunk([], n)``). ``rows`` is how many; ``indices`` where they are in what it was
+    cut from; ``get()`` fetches them here; indexing it again (``part[a:b]``,
+    ``part[[1, 0]]``, ``part[mask]``) narrows it.
     """
 
-    __slots__ = ("_parts",)
+    __slots__ = ("_indices", "_parts", "_rows")
 
-    def __init__(self, parts: Sequence[Part]) -> None:
-        if not parts:
-            raise ValueError("a SliceRef names at least one part")
+    def __init__(self, parts: Sequence[Part], indices: Rows | None = None) -> None:
         self._parts = tuple(parts)
+        self._rows = rowselect.count_rows(self._parts)
+        if indices is None:
+            indices = range(self._rows)
+        elif len(indices) != self._rows:
+            raise ValueError(f"a SliceRef of {self._rows} rows given {len(indices)} indices")
+        self._indices = indices
 
     @property
     def parts(self) -> tuple[Part, ...]:
-        """``(handle, start, stop)`` for each kept result it cuts rows from, in order."""
+        """``(handle, rows)`` for each kept result it cuts rows from, in order: ``rows`` a
+        ``range`` (a run of them, read as views) or a tuple of row numbers (picked ones,
+        gathered into a value of their own). Empty for a handle on no kept result."""
         return self._parts
 
     @property
     def refs(self) -> tuple[ResultRef, ...]:
-        return tuple(ref for ref, _, _ in self._parts)
+        return tuple(ref for ref, _ in self._parts)
 
     @property
     def rows(self) -> int:
-        return sum(stop - start for _, start, stop in self._parts)
+        return self._rows
+
+    @property
+    def indices(self) -> range | list[int]:
+        """Where its rows are in what it was cut from, in order: the rows of ``ref`` for
+        ``ref[...]``, of all of ``refs`` one after another for ``px.chunk(refs, n)``. A
+        ``range`` when they are a run (a chunk's always are, unless ``select=`` picked its
+        rows), else a list: index the controller's own per-row arrays with it
+        (``advantages[c.indices]``, numpy or torch) to line them up with the rows the
+        rank receives."""
+        indices = self._indices
+        return indices if isinstance(indices, range) else list(indices)
 
     def __len__(self) -> int:
-        return self.rows
+        return self._rows
 
-    def __getitem__(self, index: Any) -> SliceRef:
-        start, stop = _bounds(index, self.rows, repr(self))
-        return SliceRef(cut(self._parts, start, stop))
+    def __getitem__(self, index: object) -> SliceRef:
+        rows = rowselect.index_rows(index, self._rows, repr(self))
+        return SliceRef(rowselect.narrow(self._parts, rows), rows)
 
     def get(self, timeout: float | None = None) -> Any:
-        """The rows, fetched to the controller (see :meth:`ResultRef.get`)."""
-        return rowslib.join([rowslib.take(ref.get(timeout), start, stop)
-                             for ref, start, stop in self._parts])
+        """The rows, fetched to the controller (see :meth:`ResultRef.get`; each kept
+        result once, however many parts cut it)."""
+        values: dict[ResultRef, Any] = {}
+        for ref, _ in self._parts:
+            if ref not in values:
+                values[ref] = ref.get(timeout)
+        return rowslib.join([rowslib.cut(values[ref], rows) for ref, rows in self._parts])
 
     def reduce_for(self, consumer: Any) -> tuple[Any, ...]:
-        """How it pickles into a call of ``consumer``'s group: each part as its handle
-        pickles (where its rank reads it), with its rows (:func:`rankkept.read_rows`)."""
-        parts = []
-        for ref, start, stop in self._parts:
-            _, where = ref.reduce_for(consumer)
-            parts.append((where, start, stop))
-        return rankkept.read_rows, (parts,)
+        """How it pickles into a call of ``consumer``'s group: where each kept result it
+        cuts is read (as its handle pickles there), once however many parts cut it, and
+        each part's rows (:func:`rankkept.read_rows`)."""
+        sources: dict[ResultRef, int] = {}
+        places: list[Any] = []
+        parts: list[tuple[int, Rows]] = []
+        for ref, rows in self._parts:
+            source = sources.get(ref)
+            if source is None:
+                source = sources[ref] = len(places)
+                places.append(ref.reduce_for(consumer)[1])
+            parts.append((source, rows))
+        return rankkept.read_rows, (places, parts)
 
     def __reduce__(self) -> tuple[Any, ...]:
         raise TypeError(f"{self!r} can only be passed in the arguments of a group's calls "
                         "(phalanx pickles it there as what the rank reads)")
 
     def __repr__(self) -> str:
-        spans = ", ".join(f"{ref.owner.describe(ref.record)} [{start}:{stop}]"
-                          for ref, start, stop in self._parts[:3])
+        if not self._parts:
+            return "<SliceRef of 0 rows: no kept result>"
+        spans = ", ".join(f"{ref.owner.describe(ref.record)} {_rows_text(rows)}"
+                          for ref, rows in self._parts[:3])
         more = f", and {len(self._parts) - 3} more" if len(self._parts) > 3 else ""
-        nbytes = sum(ref.nbytes for ref in self.refs)
-        return f"<SliceRef of {self.rows} rows: {spans}{more} (of {size_text(nbytes)})>"
+        nbytes = sum(ref.nbytes for ref in set(self.refs))
+        return f"<SliceRef of {self._rows} rows: {spans}{more} (of {size_text(nbytes)})>"
+
+
+def _rows_text(rows: Rows) -> str:
+    if isinstance(rows, range):
+        return f"[{rows.start}:{rows.stop}]"
+    shown = ", ".join(map(str, rows[:4]))
+    return f"[[{shown}{', ...' if len(rows) > 4 else ''}]] ({len(rows)} rows)"
 
 
 def rows_of(ref: Any, what: str = "the handle") -> int:
@@ -329,47 +373,19 @@ def rows_of(ref: Any, what: str = "the handle") -> int:
     return int(rows)
 
 
-def slice_ref(ref: ResultRef, index: Any) -> SliceRef:
+def parts_of(ref: object, what: str = "the handle") -> tuple[Part, ...]:
+    """The parts naming every row of ``ref`` (a ResultRef or a SliceRef); TypeError naming
+    ``what`` as :func:`rows_of` gives."""
+    if isinstance(ref, SliceRef):
+        return ref.parts
+    rows = rows_of(ref, what)  # a ResultRef with rows, or TypeError
+    return ((cast(ResultRef, ref), range(rows)),)
+
+
+def slice_ref(ref: ResultRef, index: object) -> SliceRef:
     """``ref[index]`` (``ResultRef.__getitem__``)."""
-    start, stop = _bounds(index, rows_of(ref), repr(ref))
-    return SliceRef([(ref, start, stop)])
-
-
-def _bounds(index: Any, rows: int, what: str) -> tuple[int, int]:
-    if not isinstance(index, slice):
-        raise TypeError(f"{what} is sliced by rows, as ref[a:b]; got index {index!r}")
-    start, stop, step = index.indices(rows)
-    if step != 1:
-        raise ValueError(f"{what}[{index.start}:{index.stop}:{index.step}]: rows are cut "
-                         "in one piece (step 1)")
-    return start, max(start, stop)
-
-
-def cut(parts: Sequence[Part], start: int, stop: int) -> list[Part]:
-    """The parts covering rows ``[start, stop)`` of ``parts`` joined (never empty: an
-    empty range keeps an empty cut of the part it falls in, so its value has a type)."""
-    out: list[Part] = []
-    offset = 0
-    for ref, a, b in parts:
-        size = b - a
-        lo, hi = max(start, offset), min(stop, offset + size)
-        if lo < hi:
-            out.append((ref, a + lo - offset, a + hi - offset))
-        offset += size
-    if not out:
-        out.append(_empty_cut(parts, start))
-    return out
-
-
-def _empty_cut(parts: Sequence[Part], row: int) -> Part:
-    """No rows, at ``row`` of the part it falls in (the end of the last one past it)."""
-    offset = 0
-    for ref, a, b in parts:
-        if row < offset + (b - a):
-            return ref, a + row - offset, a + row - offset
-        offset += b - a
-    ref, _, b = parts[-1]
-    return ref, b, b
+    rows = rowselect.index_rows(index, rows_of(ref), repr(ref))
+    return SliceRef([(ref, rows)], rows)
 
 
 def _state_text(record: Record) -> str:

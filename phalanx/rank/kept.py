@@ -34,10 +34,13 @@ import os
 import threading
 import time
 from collections.abc import Hashable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from phalanx.rank import rows, shared, tracing
 from phalanx.wire import pickling
+
+if TYPE_CHECKING:  # what a handle's rows are; the rank never needs the module itself
+    from phalanx.world.rowselect import Rows
 
 BUILTIN = "@"  # the names of the calls phalanx's runtime serves itself start with it
 IN_RAY_WORKER = False  # set when the rank runs in its Ray actor's worker (start_in_actor)
@@ -314,10 +317,13 @@ def builtin(name: str, obj: Any = None) -> Any:
     return {"@fetch": KEPT.fetch, "@drop": KEPT.drop, "@trace": tracing.take}.get(name)
 
 
-def read_rows(parts: list[tuple[tuple[Any, ...], int, int]]) -> Any:
-    """What a handle on rows of kept results unpickles to in a rank: each part's value
-    read where it is (:func:`read`), cut to its rows, and the cuts joined in order."""
-    return rows.join([rows.take(read(*where), start, stop) for where, start, stop in parts])
+def read_rows(places: list[tuple[Any, ...]], parts: list[tuple[int, Rows]]) -> Any:
+    """What a handle on rows of kept results unpickles to in a rank: each kept result it
+    cuts read where it is (``places``: :func:`read`'s arguments; once each, however many
+    parts cut it), each part (the index of its place, its rows) cut out of its value,
+    and the cuts joined in order (no parts: an empty list)."""
+    values = [read(*where) for where in places]
+    return rows.join([rows.cut(values[place], picked) for place, picked in parts])
 
 
 def read(location: KeptLocation, producer: str, copy: tuple[int, str] | None = None) -> Any:

@@ -10,16 +10,23 @@ equal parts (``px.chunk``) when the value has *rows*: it is
 - a list: its items are its rows, whatever they are (rollouts of different lengths; a
   list's meaning never depends on its items' lengths, so its cuts join back the same way).
 
-Nothing here does I/O or imports numpy or torch itself (a value's own type says which
-it is); the rank slices what it reads (a view of shared memory: nothing is copied), and
-joins the parts of a handle that spans several producers.
+A handle names rows of a value as :data:`~phalanx.world.rowselect.Rows`: a run
+(``ref[a:b]``), which :func:`take` cuts as views (of shared memory: nothing is copied),
+or picked row numbers (``ref[[0, 2, 5]]``, ``ref[mask]``), which :func:`pick` gathers
+into a value of their own as numpy's ``a[[0, 2, 5]]`` does (each field of a dict alike,
+a list's items by number). Nothing here does I/O or imports numpy or torch itself (a
+value's own type says which it is); the rank cuts what it reads and joins the parts of a
+handle that spans several producers.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what a handle's rows are; the rank never needs the module itself
+    from phalanx.world.rowselect import Rows
 
 
 class Shape(enum.Enum):
@@ -76,14 +83,18 @@ def rows_of(value: Any) -> int | None:
     return None if found is None else found[1]
 
 
-def take(value: Any, start: int, stop: int) -> Any:
-    """Rows ``start:stop`` of ``value`` (views where the value's type makes them)."""
+def _layout_or_refuse(value: Any) -> tuple[Shape, int]:
     found = layout(value)
     if found is None:
         raise TypeError(f"a {type(value).__name__} has no rows to slice: only arrays, "
                         "tensors, lists, and dicts / tuples of arrays with one first "
                         "dimension do")
-    shape, rows = found
+    return found
+
+
+def take(value: Any, start: int, stop: int) -> Any:
+    """Rows ``start:stop`` of ``value`` (views where the value's type makes them)."""
+    shape, rows = _layout_or_refuse(value)
     if start == 0 and stop >= rows:
         return value
     if shape is not Shape.FIELDS:
@@ -93,10 +104,52 @@ def take(value: Any, start: int, stop: int) -> Any:
     return _rebuild(value, [field[start:stop] for field in value])
 
 
+def pick(value: Any, indices: Sequence[int]) -> Any:
+    """Rows ``indices`` of ``value`` (row numbers within its rows, in that order; a number
+    may repeat), gathered into a new value of its kind: an array indexed by them (numpy,
+    torch, jax: by its own library), each field of a dict or tuple of arrays alike, a
+    list's items by number."""
+    shape, _ = _layout_or_refuse(value)
+    if shape is Shape.ARRAY:
+        return _gather(value, indices)
+    if shape is Shape.ITEMS:
+        return [value[i] for i in indices]
+    if isinstance(value, dict):
+        return {key: _gather(field, indices) for key, field in value.items()}
+    return _rebuild(value, [_gather(field, indices) for field in value])
+
+
+def cut(value: Any, rows: Rows) -> Any:
+    """``rows`` of ``value``: a run by :func:`take` (views), picked rows by :func:`pick`."""
+    if isinstance(rows, range):
+        return take(value, rows.start, rows.stop)
+    return pick(value, rows)
+
+
+def _gather(array: Any, indices: Sequence[int]) -> Any:
+    """Rows ``indices`` of an array, indexed by an array of its own library (on its
+    device): torch takes a list as numpy does, but jax refuses one."""
+    library = type(array).__module__.partition(".")[0]
+    if library == "torch":
+        import torch
+
+        return array[torch.as_tensor(indices, dtype=torch.long, device=array.device)]
+    if library in ("jax", "jaxlib"):
+        import jax.numpy as jnp
+
+        return array[jnp.asarray(indices, dtype=int)]
+    import numpy
+
+    return array[numpy.asarray(indices, dtype=numpy.intp)]
+
+
 def join(values: Sequence[Any]) -> Any:
     """The rows of ``values`` one after the other, as one value of their kind (arrays
     concatenated; dicts, lists and tuples of arrays field by field; lists of items
-    chained). TypeError naming the first part that does not match the first."""
+    chained); no values at all (a handle on no kept result), an empty list. TypeError
+    naming the first part that does not match the first."""
+    if not values:
+        return []
     if len(values) == 1:
         return values[0]
     first = values[0]

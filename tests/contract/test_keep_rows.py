@@ -1,8 +1,10 @@
-"""``px.keep()`` inside results and rows of kept results (``ref[a:b]``, ``px.chunk``), on
-every backend with the same test code: handles in place of the kept parts (in call,
-call_one, map and streamed items), read by another group's ranks and freed on the
-producer; slices of arrays, tensors, dicts and lists reaching a rank as only those rows;
-chunks across producers joined into one value; the errors; a freed parent, a dead
+"""``px.keep()`` inside results and rows of kept results (``ref[a:b]``, ``ref[[0, 2]]``,
+``ref[mask]``, ``px.chunk``), on every backend with the same test code: handles in place
+of the kept parts (in call, call_one, map and streamed items), read by another group's
+ranks and freed on the producer; slices and picked rows of arrays, tensors, dicts and
+lists reaching a rank as only those rows, in order; chunks across producers joined into
+one value, empty chunks as empty lists, and chunks' ``indices`` lining the controller's
+per-row arrays up with the rows each rank receives; the errors; a freed parent, a dead
 producer; and the controller's memory while chunks move."""
 
 from __future__ import annotations
@@ -72,6 +74,15 @@ class Producer:
     def rollouts(self, lengths: list[int], base: int):
         """Rollouts of different lengths: a list of items."""
         return px.keep([np.full(length, float(base + i)) for i, length in enumerate(lengths)])
+
+    def scored(self, groups: int, size: int) -> dict:
+        """GRPO-shaped: ``size`` completions of each of ``groups`` prompts. The rows (ids
+        numbered across ranks) stay here; their rewards come back. Every odd group's
+        rewards all tie: GRPO drops such a group, it has nothing to learn from."""
+        ids = np.arange(groups * size) + 1000 * self.rank()
+        rewards = [1.0 if g % 2 else float(i == self.rank() % size)
+                   for g in range(groups) for i in range(size)]
+        return {"rows": px.keep({"id": ids, "x": ids * 2.0}), "rewards": rewards}
 
     def tensor(self, n: int, base: float):
         import torch
@@ -308,6 +319,9 @@ def test_slices_and_chunks_of_torch_tensors(torch_groups):
     assert got == [("Tensor", "torch.float32", [float(i) for i in range(7)]),
                    ("Tensor", "torch.float32", [7.0] + [100.0 + i for i in range(5)])]
     assert chunks[1].get(timeout=T).tolist() == [7.0] + [100.0 + i for i in range(5)]
+    picked = chunks[1][[5, 0, 5]]  # rows of both producers, one twice
+    assert consumers.call_one(1, "look_tensor", picked, timeout=T) == (
+        "Tensor", "torch.float32", [104.0, 7.0, 104.0])
 
 
 def test_a_rank_writing_into_a_tensor_it_received_leaves_the_kept_value_alone(torch_groups):
@@ -381,6 +395,86 @@ def test_a_chunk_of_rollouts_of_different_lengths_is_a_list_of_those_rollouts(gr
     assert [[float(r[0]), len(r)] for r in got[1]] == [[11, 6], [12, 2]]
 
 
+# -- picked rows, empty chunks, indices --------------------------------------------------
+
+
+def test_picked_rows_reach_a_rank_as_those_rows_in_the_order_given(groups):
+    producers, consumers = groups
+    before = held(producers)
+    array = producers.call_one(0, "whole", 10, timeout=T)
+    batch = producers.call_one(1, "fields", 6, 100, timeout=T)
+    items = producers.call_one(0, "items", 5, 0, timeout=T)
+    part = array[[7, 0, 7, -1]]
+    assert type(part) is px.SliceRef and part.rows == 4 and part.indices == [7, 0, 7, 9]
+    for value, writable in consumers.call("look", part, timeout=T):  # on every node
+        np.testing.assert_array_equal(value, [7, 0, 7, 9])
+        assert writable == [True]  # gathered: a value of the rank's own
+    value, writable = consumers.call_one(1, "look", array[[3, 4, 5]], timeout=T)
+    np.testing.assert_array_equal(value, [3, 4, 5])
+    assert writable == [False]  # a run of rows: a view of the producer's, as array[3:6]
+    mask = np.array([True, False, False, True, True, False])
+    value, _ = consumers.call_one(0, "look", batch[mask], timeout=T)
+    expected = fields(6, 100)
+    assert list(value) == ["a", "b"]
+    np.testing.assert_array_equal(value["a"], expected["a"][mask])
+    np.testing.assert_array_equal(value["b"], expected["b"][mask])
+    assert consumers.call_one(1, "look", items[[4, 1]], timeout=T) == (
+        [{"i": 4}, {"i": 1}], [])
+    # a pick of a pick, a slice of a pick, a pick across two producers
+    value, _ = consumers.call_one(0, "look", part[[1, 3]][1:], timeout=T)
+    np.testing.assert_array_equal(value, [9])
+    both = px.chunk([array, producers.call_one(1, "whole", 3, timeout=T)], 1)[0]
+    value, _ = consumers.call_one(1, "look", both[[11, 0, 12, 9]], timeout=T)
+    np.testing.assert_array_equal(value, [101, 0, 102, 9])
+    np.testing.assert_array_equal(both[[11, 0]].get(timeout=T), [101, 0])
+    assert items[[False, True, False, False, True]].get(timeout=T) == [{"i": 1}, {"i": 4}]
+    del array, batch, items, part, both
+    assert freed_since(producers, before)
+
+
+def test_chunks_of_nothing_reach_their_ranks_as_empty_lists(groups):
+    producers, consumers = groups
+    chunks = px.chunk([], consumers.world_size)
+    assert [c.rows for c in chunks] == [0, 0] and [c.get() for c in chunks] == [[], []]
+    assert consumers.map("look", chunks, timeout=T) == [([], []), ([], [])]
+    # and a step whose rows were all dropped: empty chunks of a handle's type
+    ref = producers.call_one(0, "whole", 4, timeout=T)
+    empty = px.chunk([ref], 2, select=[False] * 4)
+    got = consumers.map("look", empty, timeout=T)
+    assert [value.shape for value, _ in got] == [(0,), (0,)]
+
+
+def test_chunk_indices_line_per_row_arrays_up_with_the_rows_each_rank_receives(groups):
+    producers, consumers = groups
+    before = held(producers)
+    size = 4
+    outs = producers.map("scored", [3, 2], [size, size], timeout=T)
+    refs = [o["rows"] for o in outs]
+    rewards = np.concatenate([o["rewards"] for o in outs]).reshape(-1, size)
+    ids = np.concatenate([np.arange(3 * size), np.arange(2 * size) + 1000])
+    spread = rewards.std(axis=1)
+    keep = np.repeat(spread > 0, size)  # groups whose rewards all tie are dropped
+    advantages = ((rewards - rewards.mean(axis=1, keepdims=True))
+                  / np.where(spread > 0, spread, 1)[:, None]).reshape(-1)
+    assert keep.sum() == 3 * size  # groups 0 and 2 of rank 0, group 0 of rank 1
+    chunks = px.chunk(refs, 2, select=keep)
+    assert [c.rows for c in chunks] == [6, 6]
+    assert [list(c.indices) for c in chunks] == [[0, 1, 2, 3, 8, 9], list(range(10, 16))]
+    got = consumers.map("look", [{"rows": c, "advantages": advantages[c.indices]}
+                                 for c in chunks], timeout=T)
+    by_id = dict(zip(ids.tolist(), advantages.tolist(), strict=True))
+    delivered = []
+    for (value, _), c in zip(got, chunks, strict=True):
+        np.testing.assert_array_equal(value["rows"]["id"], ids[c.indices])
+        np.testing.assert_array_equal(value["rows"]["x"], ids[c.indices] * 2.0)
+        assert [by_id[i] for i in value["rows"]["id"].tolist()] == value[
+            "advantages"].tolist()
+        delivered += value["rows"]["id"].tolist()
+    assert delivered == ids[keep].tolist()  # every kept row once, in order
+    del outs, refs, chunks, c
+    assert freed_since(producers, before)
+
+
 # -- errors ------------------------------------------------------------------------------
 
 
@@ -389,8 +483,14 @@ def test_what_cannot_be_sliced_or_chunked_is_refused(groups):
     ref = producers.call_one(0, "whole", 5, timeout=T)
     with pytest.raises(ValueError, match="step 1"):
         ref[::2]
-    with pytest.raises(TypeError, match="sliced by rows"):
+    with pytest.raises(TypeError, match=r"indexed by rows.*ref\[\[3\]\]"):
         ref[3]
+    with pytest.raises(IndexError, match="row 5 is out of range for its 5 rows"):
+        ref[[0, 5]]
+    with pytest.raises(IndexError, match="a mask of length 4 for a value of 5 rows"):
+        ref[[True] * 4]
+    with pytest.raises(TypeError, match="not float"):
+        ref[[0.0]]
     scalar = producers.call_one(0, "scalar", timeout=T)
     assert scalar.rows is None and scalar.get(timeout=T) == 3.5
     with pytest.raises(TypeError, match="has no rows"):
@@ -399,8 +499,8 @@ def test_what_cannot_be_sliced_or_chunked_is_refused(groups):
         px.chunk([ref], 2.0)
     with pytest.raises(ValueError, match="at least 1"):
         px.chunk([ref], 0)
-    with pytest.raises(ValueError, match="no handles"):
-        px.chunk([], 2)
+    with pytest.raises(IndexError, match=r"chunk\(select=...\)"):
+        px.chunk([ref], 2, select=[9])
     put = consumers.put(np.ones(3))
     with pytest.raises(TypeError, match="handle 1"):
         px.chunk([ref, put], 2)
@@ -429,6 +529,7 @@ def test_a_freed_parent_is_object_freed_where_its_rows_are_passed(groups):
     before = held(producers)
     parent, other = producers.map("whole", [6, 4], timeout=T)
     part = parent[1:4]
+    picked = parent[[5, 0]]
     spanning = px.chunk([part, other], 1)[0]
     only_other = px.chunk([part, other], 2)[1]
     assert only_other.refs == (other,)
@@ -436,6 +537,8 @@ def test_a_freed_parent_is_object_freed_where_its_rows_are_passed(groups):
     looked = consumers.call("looked", timeout=T)
     with pytest.raises(ObjectFreed, match="freed"):
         consumers.call("look", part, timeout=T)
+    with pytest.raises(ObjectFreed, match="freed"):
+        consumers.call("look", picked, timeout=T)
     with pytest.raises(ObjectFreed, match="freed"):
         consumers.call_one(0, "look", {"chunk": spanning}, timeout=T)
     with pytest.raises(ObjectFreed, match="freed"):
@@ -452,7 +555,7 @@ def test_a_freed_parent_is_object_freed_where_its_rows_are_passed(groups):
     np.testing.assert_array_equal(consumers.call_one(0, "look", keeper, timeout=T)[0],
                                   [2, 3, 4])
     assert new_since(producers, before)[0] == 1
-    del part, spanning, only_other, other, keeper
+    del part, picked, spanning, only_other, other, keeper
     assert freed_since(producers, before)
 
 
@@ -471,6 +574,8 @@ def test_rows_of_a_dead_producer_are_object_lost_naming_it(backend):
             c.call("look", spanning, timeout=T)
         with pytest.raises(ObjectLost, match=re.escape(where)):
             c.call("look", px.chunk(refs, 2)[1], timeout=T)  # chunked after it died
+        with pytest.raises(ObjectLost, match=re.escape(where)):
+            c.call("look", spanning[[0, 7]], timeout=T)
         with pytest.raises(ObjectLost):
             refs[1][:2].get(timeout=T)
         value, _ = c.call_one(0, "look", refs[0][1:3], timeout=T)  # rank 0's is there

@@ -1,7 +1,9 @@
 """Rows of kept results, without a rank: how a value's rows are counted, cut and joined
-(:mod:`phalanx.rank.rows`), how handles are sliced (``ref[a:b]``, ``SliceRef[a:b]``) and
-re-cut across several (:func:`px.chunk`), checked on every case hypothesis finds; and a
-slice read in this process from a real kept block (``read_rows``)."""
+(:mod:`phalanx.rank.rows`: runs as views, picked rows gathered), how handles are sliced
+and picked from (``ref[a:b]``, ``ref[[0, 2]]``, ``ref[mask]``, again on a ``SliceRef``) and
+re-cut across several (:func:`px.chunk`, its chunks' ``indices``), checked on every case
+hypothesis finds; and rows read in this process from real kept blocks (``read_rows``).
+The index logic itself, alone, is tests/unit/test_rowselect.py's."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import phalanx as px
 from phalanx.backends.held import HeldObject
 from phalanx.controller.chunks import chunk
 from phalanx.controller.kept import KeptRecord
-from phalanx.controller.refs import ResultRef, SliceRef, cut
+from phalanx.controller.refs import ResultRef, SliceRef
 from phalanx.controller.shared import PutRecord
 from phalanx.rank import kept as rankkept
 from phalanx.rank import rows
@@ -136,6 +138,66 @@ def test_take_and_join_keep_a_named_tuple_of_arrays():
     np.testing.assert_array_equal(joined.lengths, batch.lengths)
 
 
+# -- pick and cut ----------------------------------------------------------------------
+
+
+def test_pick_gathers_rows_of_an_array_in_the_order_given():
+    value = np.arange(20).reshape(10, 2)
+    part = rows.pick(value, (7, 0, 7, -1))
+    np.testing.assert_array_equal(part, value[[7, 0, 7, -1]])
+    assert not np.shares_memory(part, value)  # gathered: a value of its own
+    assert rows.pick(value, ()).shape == (0, 2)
+    assert rows.cut(value, range(2, 4)).base is not None  # a run: a view
+    np.testing.assert_array_equal(rows.cut(value, (3, 1)), value[[3, 1]])
+    assert rows.cut(value, range(10)) is value
+
+
+def test_pick_gathers_every_field_alike_and_a_lists_items_by_number():
+    batch = {"tokens": np.arange(12).reshape(6, 2), "mask": np.arange(6) % 2 == 0}
+    part = rows.pick(batch, (4, 1))
+    assert list(part) == ["tokens", "mask"]
+    assert part["tokens"].tolist() == [[8, 9], [2, 3]] and part["mask"].tolist() == [1, 0]
+    Batch = collections.namedtuple("Batch", ["tokens", "lengths"])
+    named = rows.pick(Batch(np.arange(8).reshape(4, 2), np.arange(4)), (3, 3))
+    assert type(named) is Batch and named.lengths.tolist() == [3, 3]
+    pair = rows.pick((np.arange(3), np.arange(3) * 10), (2,))
+    assert type(pair) is tuple and [a.tolist() for a in pair] == [[2], [20]]
+    items = [{"i": i} for i in range(5)]
+    assert rows.pick(items, (4, 0, 4)) == [{"i": 4}, {"i": 0}, {"i": 4}]
+    ragged = rows.pick([np.zeros(2), np.zeros(3), np.zeros(4)], (2, 0))
+    assert [len(r) for r in ragged] == [4, 2]
+    with pytest.raises(TypeError, match="has no rows to slice"):
+        rows.pick(5, (0,))
+
+
+def test_pick_gathers_torch_tensors_with_torch():
+    torch = pytest.importorskip("torch")
+    value = torch.arange(10, dtype=torch.float32).reshape(5, 2)
+    part = rows.pick(value, (4, 0))
+    assert isinstance(part, torch.Tensor) and part.tolist() == [[8.0, 9.0], [0.0, 1.0]]
+    assert rows.pick(value, ()).shape == (0, 2)
+    fields = rows.pick({"t": torch.arange(3), "n": np.arange(3)}, (2, 1))
+    assert isinstance(fields["t"], torch.Tensor) and fields["t"].tolist() == [2, 1]
+    assert isinstance(fields["n"], np.ndarray) and fields["n"].tolist() == [2, 1]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 12), st.data(), st.sampled_from(["array", "dict", "items"]))
+def test_pick_is_numpys_indexing_of_the_rows(n, data, kind):
+    picked = tuple(data.draw(st.lists(st.integers(0, n - 1), max_size=15)))
+    base = np.arange(n * 3).reshape(n, 3)
+    value = {"array": base, "dict": {"a": base, "b": base[:, 0]},
+             "items": [f"row {i}" for i in range(n)]}[kind]
+    got = rows.pick(value, picked)
+    if kind == "items":
+        assert got == [f"row {i}" for i in picked]
+    elif kind == "dict":
+        np.testing.assert_array_equal(got["a"], base[list(picked)])
+        np.testing.assert_array_equal(got["b"], base[list(picked), 0])
+    else:
+        np.testing.assert_array_equal(got, base[list(picked)])
+
+
 # -- join ------------------------------------------------------------------------------
 
 
@@ -153,6 +215,7 @@ def test_join_concatenates_arrays_fields_and_chains_items():
     assert rows.join([[1, 2], [3], []]) == [1, 2, 3]
     one = {"x": np.arange(3)}
     assert rows.join([one]) is one  # one part: itself
+    assert rows.join([]) == []  # a handle on no kept result: an empty list
 
 
 def test_join_chains_items_whatever_shape_the_items_of_each_cut_have():
@@ -219,7 +282,7 @@ def test_joining_the_cuts_of_a_value_gives_the_value(n, splits, kind):
         np.testing.assert_array_equal(joined, value)
 
 
-# -- handles: ResultRef, SliceRef, cut, chunk (on a fake owner) --------------------------
+# -- handles: ResultRef, SliceRef, chunk (on a stand-in owner) ---------------------------
 
 
 class Owner:
@@ -259,13 +322,13 @@ def make_ref(n: int | None, owner: Owner | None = None, value: object = None) ->
 
 def flat(parts) -> list[tuple[int, int]]:
     """Every row the parts name, as (handle id, row), in order."""
-    return [(ref.id, row) for ref, start, stop in parts for row in range(start, stop)]
+    return [(ref.id, row) for ref, rows in parts for row in rows]
 
 
 def rows_of_refs(refs) -> list[tuple[int, int]]:
     out = []
     for ref in refs:
-        out += flat(ref.parts) if isinstance(ref, SliceRef) else flat([(ref, 0, ref.rows)])
+        out += flat(ref.parts) if isinstance(ref, SliceRef) else flat([(ref, range(ref.rows))])
     return out
 
 
@@ -274,29 +337,80 @@ def test_a_handle_is_sliced_by_rows():
     assert ref.rows == 10
     part = ref[2:5]
     assert isinstance(part, px.SliceRef)
-    assert part.parts == ((ref, 2, 5),) and part.rows == 3 == len(part)
+    assert part.parts == ((ref, range(2, 5)),) and part.rows == 3 == len(part)
     assert part.refs == (ref,)
-    assert ref[-3:].parts == ((ref, 7, 10),)
-    assert ref[:].parts == ((ref, 0, 10),)
-    assert ref[:100].parts == ((ref, 0, 10),)  # clamped, as a list's slice is
+    assert part.indices == range(2, 5)
+    assert ref[-3:].parts == ((ref, range(7, 10)),)
+    assert ref[:].parts == ((ref, range(10)),)
+    assert ref[:100].parts == ((ref, range(10)),)  # clamped, as a list's slice is
     assert ref[7:3].rows == 0  # empty, at row 7
-    assert ref[7:3].parts == ((ref, 7, 7),)
+    assert ref[7:3].parts == ((ref, range(7, 7)),)
     assert ref[::1].rows == 10
 
 
-@pytest.mark.parametrize(("index", "error"), [
-    (slice(None, None, 2), ValueError),
-    (slice(None, None, -1), ValueError),
-    (3, TypeError),
-    ("a", TypeError),
-    ((slice(0, 1), slice(0, 1)), TypeError),
-])
-def test_a_handle_is_sliced_only_by_one_slice_of_step_one(index, error):
+def test_a_handle_picks_rows_by_number_in_the_order_given():
     ref = make_ref(10)
-    with pytest.raises(error, match="rows"):
+    part = ref[[5, 0, 2]]
+    assert isinstance(part, px.SliceRef)
+    assert part.parts == ((ref, (5, 0, 2)),) and part.rows == 3
+    assert part.indices == [5, 0, 2]  # a list: numpy reads a tuple as dimensions
+    assert ref[[-1, -10]].parts == ((ref, (9, 0)),)  # from the end, as Python's
+    assert ref[[3, 3]].parts == ((ref, (3, 3)),)  # a row twice, as numpy gives it
+    assert ref[range(4, 1, -1)].parts == ((ref, (4, 3, 2)),)
+    # a run of rows is read as the slice of it is: views, nothing gathered
+    assert ref[[2, 3, 4]].parts == ref[2:5].parts == ((ref, range(2, 5)),)
+    assert ref[[2, 3, 4]].indices == range(2, 5)
+    assert ref[[]].rows == 0 and ref[[]].parts == ((ref, range(0)),)
+    assert "[[5, 0, 2]] (3 rows)" in repr(part)
+
+
+def test_a_handle_picks_rows_by_a_mask_and_by_arrays():
+    ref = make_ref(6)
+    mask = [True, False, True, True, False, False]
+    assert ref[mask].parts == ((ref, (0, 2, 3)),)
+    assert ref[np.array(mask)].parts == ((ref, (0, 2, 3)),)
+    assert ref[np.array([4, -6], dtype=np.int32)].parts == ((ref, (4, 0)),)
+    assert ref[np.array([1, 2], dtype=np.uint8)].parts == ((ref, range(1, 3)),)
+    assert ref[[np.int64(5), np.int64(1)]].parts == ((ref, (5, 1)),)
+    assert ref[list(np.array(mask))].parts == ((ref, (0, 2, 3)),)  # numpy's own bools
+    assert ref[[False] * 6].rows == 0
+    torch = pytest.importorskip("torch")
+    assert ref[torch.tensor([3, 1])].parts == ((ref, (3, 1)),)
+    assert ref[torch.tensor(mask)].parts == ((ref, (0, 2, 3)),)
+
+
+@pytest.mark.parametrize(("index", "error", "message"), [
+    (slice(None, None, 2), ValueError, r"step 1.*ref\[\[0, 2, 4\]\]"),
+    (slice(None, None, -1), ValueError, "step 1"),
+    (3, TypeError, r"indexed by rows.*ref\[\[3\]\]"),
+    (np.int64(3), TypeError, "indexed by rows"),
+    ("a", TypeError, "indexed by rows"),
+    (None, TypeError, "indexed by rows"),
+    ({0, 1}, TypeError, "indexed by rows"),
+    ((0, 2), TypeError, r"by a list, not a tuple.*ref\[\[0, 2\]\]"),
+    ((slice(0, 1), slice(0, 1)), TypeError, "by a list, not a tuple"),
+    ([0.5], TypeError, r"integers or bools, not float \(0.5\)"),
+    (["0"], TypeError, "integers or bools, not str"),
+    ([True, 1], TypeError, "mixes bools and row numbers"),
+    (np.array([0.0, 1.0]), TypeError, "not of float64"),
+    (np.zeros((2, 2), int), TypeError, "one-dimensional"),
+    ([10], IndexError, "row 10 is out of range for its 10 rows"),
+    ([0, -11], IndexError, "row -11 is out of range for its 10 rows"),
+    ([True] * 9, IndexError, "a mask of length 9 for a value of 10 rows"),
+    (np.ones(11, bool), IndexError, "a mask of length 11 for a value of 10 rows"),
+])
+def test_what_cannot_index_a_handle_is_refused_naming_it(index, error, message):
+    ref = make_ref(10)
+    with pytest.raises(error, match=message):
         ref[index]
-    with pytest.raises(error, match="rows"):
-        ref[0:8][index]
+    with pytest.raises(error, match=message):
+        make_ref(12)[1:11][index]
+
+
+def test_an_index_error_names_the_handle():
+    ref = make_ref(4)
+    with pytest.raises(IndexError, match=r"<ResultRef the result of make\(\) on rank 0"):
+        ref[[4]]
 
 
 def test_a_handle_without_rows_cannot_be_sliced():
@@ -304,15 +418,26 @@ def test_a_handle_without_rows_cannot_be_sliced():
     assert ref.rows is None
     with pytest.raises(TypeError, match="has no rows"):
         ref[0:1]
+    with pytest.raises(TypeError, match="has no rows"):
+        ref[[0]]
 
 
-def test_a_slice_ref_names_at_least_one_part_and_cannot_be_pickled_by_hand():
-    with pytest.raises(ValueError, match="at least one part"):
-        SliceRef([])
+def test_a_slice_ref_of_no_parts_is_an_empty_list_and_none_is_pickled_by_hand():
+    empty = SliceRef([])
+    assert empty.rows == 0 and empty.parts == () and empty.refs == ()
+    assert empty.indices == range(0) and empty.get() == []
+    assert empty.reduce_for(object()) == (rankkept.read_rows, ([], []))
+    assert rankkept.read_rows([], []) == []
+    assert empty[:].rows == 0 and empty[[]].rows == 0
+    with pytest.raises(IndexError, match="out of range for its 0 rows"):
+        empty[[0]]
+    assert "SliceRef of 0 rows" in repr(empty)
     part = make_ref(4)[1:3]
     with pytest.raises(TypeError, match="a group's calls"):
         pickle.dumps(part)
     assert "SliceRef of 2 rows" in repr(part) and "[1:3]" in repr(part)
+    with pytest.raises(ValueError, match="2 rows given 3 indices"):
+        SliceRef(part.parts, (0, 1, 2))
 
 
 def test_a_slice_keeps_its_handles_alive():
@@ -320,10 +445,14 @@ def test_a_slice_keeps_its_handles_alive():
     ref = make_ref(6, owner)
     ref_id = ref.id
     part = ref[1:4]
+    picked = ref[[5, 0]]
     del ref
     gc.collect()
-    assert owner.freed == []  # the slice holds it
+    assert owner.freed == []  # the slices hold it
     del part
+    gc.collect()
+    assert owner.freed == []
+    del picked
     gc.collect()
     assert owner.freed == [ref_id]
 
@@ -335,43 +464,55 @@ def test_get_of_a_slice_joins_the_rows_of_its_handles():
     got = whole.get()
     assert got["x"].tolist() == [1, 2, 3, 4, 5]
     assert got["y"].tolist() == [10, 20, 30, 40, 50]
+    picked = chunk([a, b], 1)[0][[6, 0, 5, 1]]
+    got = picked.get()
+    assert got["x"].tolist() == [6, 0, 5, 1]
+    assert got["y"].tolist() == [60, 0, 50, 10]
 
 
-def test_a_slice_pickles_into_a_call_as_its_parts_and_their_rows():
+def test_get_fetches_each_kept_result_once():
+    fetched = []
+
+    class Counting(Owner):
+        def get(self, ref, timeout):
+            fetched.append(ref.id)
+            return super().get(ref, timeout)
+
+    owner = Counting()
+    a = make_ref(5, owner, np.arange(5))
+    assert a[[4, 0, 3, 1]].get().tolist() == [4, 0, 3, 1]
+    (both,) = chunk([a[[4]], make_ref(2, owner, np.arange(2) + 10), a[:2]], 1)
+    assert both.get().tolist() == [4, 10, 11, 0, 1]
+    assert sorted(fetched) == sorted([a.id, a.id, a.id + 1])
+
+
+def test_a_slice_pickles_into_a_call_as_where_each_result_is_read_and_its_rows():
     a, b = make_ref(4), make_ref(5)
     (both,) = chunk([a[1:], b], 1)
-    function, (parts,) = both.reduce_for(object())
+    function, (places, parts) = both.reduce_for(object())
     assert function is rankkept.read_rows
-    assert [(start, stop) for _, start, stop in parts] == [(1, 4), (0, 5)]
-    assert [where[1] for where, _, _ in parts] == [a.owner.describe(a.record)] * 2
+    assert parts == [(0, range(1, 4)), (1, range(0, 5))]
+    assert [where[1] for where in places] == [a.owner.describe(a.record)] * 2
+    # a result cut into several parts is read once
+    (mixed,) = chunk([a[[3, 0]], b[1:2], a[1:3]], 1)
+    _, (places, parts) = mixed.reduce_for(object())
+    assert len(places) == 2
+    assert parts == [(0, (3, 0)), (1, range(1, 2)), (0, range(1, 3))]
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.integers(0, 12), min_size=1, max_size=6), st.data())
-def test_cut_names_exactly_the_rows_asked_for(sizes, data):
-    refs = [make_ref(n) for n in sizes]
-    parts = [(ref, 0, ref.rows) for ref in refs]
-    every = flat(parts)
-    start = data.draw(st.integers(0, len(every) + 2))
-    stop = data.draw(st.integers(0, len(every) + 2))
-    out = cut(parts, start, stop)
-    assert out, "a cut is never empty"
-    assert flat(out) == every[start:stop]
-    assert all(0 <= a <= b <= ref.rows for ref, a, b in out)
-    if start < stop <= len(every):
-        assert all(a < b for _, a, b in out)  # no empty parts in a cut with rows
-
-
-@settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 15), st.booleans()), min_size=1, max_size=6),
+@given(st.lists(st.tuples(st.integers(0, 15), st.sampled_from(["whole", "slice", "pick"])),
+                min_size=1, max_size=6),
        st.integers(1, 20), st.data())
 def test_chunk_covers_every_row_once_in_order_in_sizes_differing_by_one(specs, n, data):
     refs: list = []
-    for size, sliced in specs:
+    for size, how in specs:
         ref = make_ref(size)
-        if sliced:  # a slice of a handle goes into chunk as a handle does
+        if how == "slice":  # a slice of a handle goes into chunk as a handle does
             a = data.draw(st.integers(0, size))
             ref = ref[a:data.draw(st.integers(a, size))]
+        elif how == "pick" and size:
+            ref = ref[data.draw(st.lists(st.integers(-size, size - 1), max_size=8))]
         refs.append(ref)
     chunks = chunk(refs, n)
     assert len(chunks) == n
@@ -379,11 +520,18 @@ def test_chunk_covers_every_row_once_in_order_in_sizes_differing_by_one(specs, n
     sizes = [c.rows for c in chunks]
     assert max(sizes) - min(sizes) <= 1
     assert sizes == sorted(sizes, reverse=True)  # the first ones the larger
-    assert [r for c in chunks for r in flat(c.parts)] == rows_of_refs(refs)
+    every = rows_of_refs(refs)
+    assert [r for c in chunks for r in flat(c.parts)] == every
+    assert [i for c in chunks for i in c.indices] == list(range(len(every)))
     for c in chunks:
-        assert all(0 <= a <= b <= ref.rows for ref, a, b in c.parts)
+        assert isinstance(c.indices, range)  # a chunk of all the rows: a run of them
+        assert [every[i] for i in c.indices] == flat(c.parts)
+        for ref, named in c.parts:
+            assert all(0 <= row < ref.rows for row in named)
+            if isinstance(named, range):
+                assert 0 <= named.start <= named.stop <= ref.rows
         if c.rows:
-            assert all(a < b for _, a, b in c.parts)
+            assert all(len(named) for _, named in c.parts)
         else:
             assert len(c.parts) == 1
 
@@ -391,7 +539,7 @@ def test_chunk_covers_every_row_once_in_order_in_sizes_differing_by_one(specs, n
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(0, 10), min_size=1, max_size=5), st.integers(1, 4),
        st.data())
-def test_slicing_a_slice_is_slicing_its_rows(sizes, n, data):
+def test_slicing_or_picking_from_a_slice_is_doing_so_on_its_rows(sizes, n, data):
     refs = [make_ref(s) for s in sizes]
     part = data.draw(st.sampled_from(chunk(refs, n)))
     every = flat(part.parts)
@@ -400,8 +548,21 @@ def test_slicing_a_slice_is_slicing_its_rows(sizes, n, data):
     narrowed = part[a:b]
     assert flat(narrowed.parts) == every[a:b]
     assert narrowed.rows == len(every[a:b])
+    assert list(narrowed.indices) == list(range(len(every)))[a:b]
     c, d = data.draw(bound), data.draw(bound)
     assert flat(narrowed[c:d].parts) == every[a:b][c:d]
+    if not every:
+        return
+    picked = data.draw(st.lists(st.integers(-len(every), len(every) - 1), max_size=12))
+    chosen = part[picked]
+    assert flat(chosen.parts) == [every[i] for i in picked]
+    assert list(chosen.indices) == [i % len(every) for i in picked]
+    mask = data.draw(st.lists(st.booleans(), min_size=len(every), max_size=len(every)))
+    assert flat(part[mask].parts) == [r for r, keep in zip(every, mask, strict=True) if keep]
+    if chosen.rows:  # a pick of a pick, a slice of a pick
+        again = data.draw(st.lists(st.integers(0, chosen.rows - 1), max_size=6))
+        assert flat(chosen[again].parts) == [every[picked[i]] for i in again]
+        assert flat(chosen[c:d].parts) == [every[i] for i in picked][c:d]
 
 
 def test_chunk_checks_its_arguments():
@@ -416,10 +577,20 @@ def test_chunk_checks_its_arguments():
         chunk([ref], 0)
     with pytest.raises(ValueError, match="at least 1"):
         chunk([ref], -3)
-    with pytest.raises(ValueError, match="no handles"):
-        chunk([], 2)
-    with pytest.raises(ValueError, match="no handles"):
-        chunk(iter([]), 2)
+    with pytest.raises(IndexError, match=r"chunk\(select=...\): rows\[mask\]: a mask of "
+                       "length 3 for a value of 4 rows"):
+        chunk([ref], 2, select=[True] * 3)
+    with pytest.raises(TypeError, match=r"chunk\(select=...\)"):
+        chunk([ref], 2, select=1)
+
+
+def test_chunk_of_no_handles_is_n_empty_chunks():
+    for refs in ([], iter([])):
+        chunks = chunk(refs, 3)
+        assert len(chunks) == 3
+        assert all(c.rows == 0 and c.parts == () and c.indices == range(0) for c in chunks)
+        assert [c.get() for c in chunks] == [[], [], []]
+    assert [c.rows for c in chunk([], 2, select=[])] == [0, 0]
 
 
 def test_chunk_names_the_handle_that_has_no_rows():
@@ -436,8 +607,49 @@ def test_chunk_takes_any_iterable_and_more_chunks_than_rows():
     a, b = make_ref(2), make_ref(1)
     chunks = chunk(iter([a, b]), 5)
     assert [c.rows for c in chunks] == [1, 1, 1, 0, 0]
-    assert [c.parts for c in chunks[:3]] == [((a, 0, 1),), ((a, 1, 2),), ((b, 0, 1),)]
-    assert chunks[4].parts == ((b, 1, 1),)  # empty, at the end of the last handle
+    assert [c.parts for c in chunks[:3]] == [((a, range(0, 1)),), ((a, range(1, 2)),),
+                                             ((b, range(0, 1)),)]
+    assert chunks[4].parts == ((b, range(1, 1)),)  # empty, at the end of the last handle
+    assert [c.indices for c in chunks] == [range(0, 1), range(1, 2), range(2, 3),
+                                           range(3, 3), range(3, 3)]
+
+
+def test_chunk_of_selected_rows_gives_their_numbers_as_indices():
+    a, b = make_ref(4), make_ref(3)
+    every = rows_of_refs([a, b])
+    mask = [True, False, False, True, True, False, True]
+    chunks = chunk([a, b], 2, select=mask)
+    assert [list(c.indices) for c in chunks] == [[0, 3], [4, 6]]
+    for c in chunks:
+        assert flat(c.parts) == [every[i] for i in c.indices]
+    # per-row arrays of the controller, cut by them, line up with the rows delivered
+    advantages = np.arange(7) * 10.0
+    assert [advantages[c.indices].tolist() for c in chunks] == [[0.0, 30.0], [40.0, 60.0]]
+    numbered = chunk([a, b], 3, select=np.array([6, 0, 1, 2]))
+    assert [list(c.indices) for c in numbered] == [[6, 0], [1], [2]]
+    assert flat(numbered[0].parts) == [every[6], every[0]]
+    with pytest.raises(IndexError, match="row 7 is out of range for its 7 rows"):
+        chunk([a, b], 2, select=[7])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 8), max_size=5), st.integers(1, 6), st.data())
+def test_chunk_with_select_delivers_the_selected_rows_with_their_indices(sizes, n, data):
+    refs = [make_ref(s) for s in sizes]
+    every = rows_of_refs(refs)
+    total = len(every)
+    if data.draw(st.booleans()):
+        select = data.draw(st.lists(st.booleans(), min_size=total, max_size=total))
+        wanted = [i for i, keep in enumerate(select) if keep]
+    else:
+        select = data.draw(st.lists(st.integers(-total, total - 1), max_size=12)) if total \
+            else []
+        wanted = [i % total for i in select]
+    chunks = chunk(refs, n, select=select)
+    assert [i for c in chunks for i in c.indices] == wanted
+    assert [r for c in chunks for r in flat(c.parts)] == [every[i] for i in wanted]
+    sizes_out = [c.rows for c in chunks]
+    assert max(sizes_out) - min(sizes_out) <= 1
 
 
 def test_chunk_exports():
@@ -445,7 +657,7 @@ def test_chunk_exports():
     assert px.keep is rankkept.keep
 
 
-# -- read_rows: a slice read from a real kept block, in this process ---------------------
+# -- read_rows: rows read from real kept blocks, in this process -------------------------
 
 
 def _kept_here(kept: rankkept.Kept, value: object) -> tuple[tuple, int | None]:
@@ -461,13 +673,19 @@ def test_read_rows_reads_cuts_of_kept_blocks_without_copying_and_joins_them():
     b, rows_b = _kept_here(kept, {"x": np.arange(10.0, 17.0), "y": np.zeros((7, 2), int)})
     try:
         assert (rows_a, rows_b) == (10, 7) and len(kept) == 2
-        one = rankkept.read_rows([(a, 2, 5)])
+        one = rankkept.read_rows([a], [(0, range(2, 5))])
         assert one["x"].tolist() == [2.0, 3.0, 4.0]
         assert not one["x"].flags.writeable  # a view of the producer's block
-        both = rankkept.read_rows([(a, 8, 10), (b, 0, 3)])
+        both = rankkept.read_rows([a, b], [(0, range(8, 10)), (1, range(0, 3))])
         assert both["x"].tolist() == [8.0, 9.0, 10.0, 11.0, 12.0]
         assert both["y"].tolist() == [[16, 17], [18, 19], [0, 0], [0, 0], [0, 0]]
-        del one, both
+        picked = rankkept.read_rows([a, b], [(1, (6, 0)), (0, range(9, 10)), (0, (3, 3))])
+        assert picked["x"].tolist() == [16.0, 10.0, 9.0, 3.0, 3.0]
+        assert picked["y"].tolist() == [[0, 0], [0, 0], [18, 19], [6, 7], [6, 7]]
+        gathered = rankkept.read_rows([a], [(0, (5, 1))])
+        assert gathered["x"].tolist() == [5.0, 1.0]
+        assert gathered["x"].flags.writeable  # gathered: a copy of its own
+        del one, both, picked, gathered
     finally:
         kept.drop([-1, -2])
     assert len(kept) == 0
