@@ -49,6 +49,7 @@ import logging
 import math
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -465,8 +466,8 @@ class _Outgoing:
         self.key, self.host, self.port, self.shared = key, host, port, shared
         self.entries: list[shardwire.Entry] = []
         self.where: tuple[int, int, str, int] = (0, 0, "", 0)
-        self.memory: memoryview | None = None  # the snapshot (TCP): one buffer, in order
-        self.keep: Any = None  # what backs ``memory``
+        self.parts: list[memoryview] = []  # each transfer's snapshot (TCP), in order
+        self.keep: Any = None  # the buffer that backs ``parts``
 
 
 def send(obj: Any, sync_id: str, generation: int, version: int, get: str,
@@ -475,7 +476,8 @@ def send(obj: Any, sync_id: str, generation: int, version: int, get: str,
     """Snapshot every box of ``sends`` (``(tid, target key, host, port, machine, name,
     offset, shape, nbytes)``: the box of this rank's block of ``name``), then send to every
     target at once, each within ``timeout`` -> ``{"acked": {key: bytes}, "errors": {key:
-    why}, "snapshot_s", "send_s"}``. A target that fails is reported, not raised."""
+    why}, "via": {key: "shared" or "tcp"}, "snapshot_s", "send_s"}``. A target that fails
+    is reported, not raised."""
     from phalanx.wire import memfd
 
     secret = kvproto.check_secret(bytes.fromhex(secret_hex))
@@ -516,8 +518,9 @@ def send(obj: Any, sync_id: str, generation: int, version: int, get: str,
     for key in targets:  # a thread stuck past every deadline (it should not be)
         if key not in acked and key not in errors:
             errors[key] = f"no answer within {timeout:g} s"
-    return {"acked": dict(acked), "errors": dict(errors), "snapshot_s": snapshot_s,
-            "send_s": time.perf_counter() - start}
+    via = {key: "shared" if outgoing.shared else "tcp" for key, outgoing in targets.items()}
+    return {"acked": dict(acked), "errors": dict(errors), "via": via,
+            "snapshot_s": snapshot_s, "send_s": time.perf_counter() - start}
 
 
 def _snapshot(member: _Member, outgoing: _Outgoing,
@@ -551,7 +554,6 @@ def _snapshot(member: _Member, outgoing: _Outgoing,
     else:
         buffer = torch.empty(max(total, 1), dtype=torch.uint8)
         outgoing.keep, memory = buffer, _memory(buffer)
-        outgoing.memory = memory[:total]
     try:
         for (tid, name, offset, shape, nbytes), at in zip(boxes, offsets, strict=True):
             part = memory[at:at + nbytes]
@@ -564,7 +566,10 @@ def _snapshot(member: _Member, outgoing: _Outgoing,
                 shardwire.digest(part) if verify else b""))
             if CORRUPT is not None and nbytes:
                 CORRUPT(part)
-            part.release()
+            if outgoing.shared:
+                part.release()
+            else:
+                outgoing.parts.append(part)
     finally:
         if mapping is not None:
             memory.release()
@@ -582,7 +587,7 @@ def _send_to(outgoing: _Outgoing, version: int, secret: bytes, timeout: float,
         sock, sealer, opener = shardwire.connect(outgoing.host, outgoing.port, secret,
                                                  deadline)
     except (OSError, HandshakeIncomplete) as exc:
-        errors[key] = f"cannot reach its receiver at {where}: {_why(exc)}"
+        errors[key] = f"cannot reach its receiver at {where}: {_why(exc, deadline)}"
         return
     except Exception as exc:  # noqa: BLE001 - AuthenticationError, a refusal: reported
         errors[key] = f"its receiver at {where} failed the handshake: {exc}"
@@ -592,8 +597,8 @@ def _send_to(outgoing: _Outgoing, version: int, secret: bytes, timeout: float,
         body = shardwire.encode_batch(shardwire.Batch(version, mode, outgoing.where,
                                                       outgoing.entries))
         shardwire.send_frame(sock, sealer, body, deadline)
-        if outgoing.memory is not None:
-            shardwire.send_bytes(sock, outgoing.memory, deadline)
+        for part in outgoing.parts:  # (none in shared mode)
+            shardwire.send_bytes(sock, part, deadline)
         reply = shardwire.read_frame(sock, opener, deadline)
         if reply is None:
             raise ConnectionError("it closed the connection before it acked")
@@ -604,14 +609,14 @@ def _send_to(outgoing: _Outgoing, version: int, secret: bytes, timeout: float,
             more = f" (and {len(failed) - 3} more)" if len(failed) > 3 else ""
             errors[key] = f"{len(failed)} transfer(s) failed at the target: {shown}{more}"
     except (OSError, kvproto.ProtocolError) as exc:
-        errors[key] = f"sending to {where} failed: {_why(exc)}"
+        errors[key] = f"sending to {where} failed: {_why(exc, deadline)}"
     finally:
         streams.close_socket(sock)
 
 
-def _why(exc: BaseException) -> str:
-    if isinstance(exc, TimeoutError):
-        return f"timed out ({exc})" if str(exc) else "timed out"
+def _why(exc: BaseException, deadline: shardwire.Deadline) -> str:
+    if isinstance(exc, TimeoutError) or time.monotonic() >= deadline.at:
+        return f"no answer within {deadline.seconds:g} s ({exc or type(exc).__name__})"
     return str(exc) or type(exc).__name__
 
 
@@ -673,12 +678,11 @@ def _block_of(name: str, value: Any, get: str
 
 def _dtensor_block(value: Any) -> tuple[Any, tuple[int, ...], tuple[int, ...]] | None:
     """A DTensor's local tensor, its offset in the global one and the global shape; None
-    for anything else (or where torch has no DTensor)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return None
-    if not isinstance(value, DTensor):
+    for anything else. A DTensor's module is imported by whoever made one: where it is not
+    imported yet, ``value`` is none (importing torch.distributed costs a second or two)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None)
+    if dtensor is None or not isinstance(value, dtensor):
         return None
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     from torch.distributed.tensor.placement_types import Partial

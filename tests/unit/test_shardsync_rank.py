@@ -1,0 +1,471 @@
+"""The rank side of a sharded weight sync (phalanx/rank/shardsync.py), its built-ins driven
+directly in real processes: each rank a spawned process holding a small object with
+get/want/set, the test playing the controller (a plan made by hand from the blocks the
+sources report and the regions the targets want). Sources and targets on "different
+machines" (distinct block domains: every byte over TCP) and on one (a memory block named
+over the socket)."""
+
+from __future__ import annotations
+
+import array
+import math
+import os
+import pickle
+import secrets
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from phalanx.errors import AuthenticationError  # noqa: E402
+from phalanx.rank import shardsync  # noqa: E402
+from phalanx.wire import kvproto, shardwire  # noqa: E402
+from phalanx.world.syncplan import Region, Shard  # noqa: E402
+from tests import helpers  # noqa: E402
+
+REPLY_TIMEOUT = 60.0  # seconds for a rank's answer: a spawned process imports torch first
+SYNC = "sync-a"
+
+
+# -- a rank: a spawned process answering commands ---------------------------------------------
+
+
+class _Model:
+    """The user's object on a rank."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, Any] = {}
+        self.region: dict[str, Any] | None = None
+        self.history: list[dict[str, Any]] = []  # every dict set() was given, kept as given
+
+    def get(self) -> dict[str, Any]:
+        return self.state
+
+    def want(self) -> dict[str, Any] | None:
+        return self.region
+
+    def set(self, state: dict[str, Any]) -> None:
+        self.history.append(state)  # kept: the next version must not write into these
+
+
+def _tensors_of(state: dict[str, Any]) -> list[Any]:
+    return [v.tensor if isinstance(v, Shard) else v for v in state.values()]
+
+
+def _rank_main() -> None:
+    """A rank's process (``python -c``): commands from stdin, answers on stdout, each a
+    length-prefixed pickle."""
+    from phalanx.rank import kept
+    from phalanx.rank import shardsync as rank_side
+
+    model = _Model()
+    inbox, outbox = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # nothing else may write to the answers
+
+    def mutate() -> None:  # the optimizer step right after the snapshot
+        for tensor in _tensors_of(model.state):
+            tensor.fill_(-1)
+
+    def corrupt(part: memoryview) -> None:
+        part[0] ^= 0xFF
+
+    while True:
+        header = inbox.read(4)
+        if len(header) < 4:
+            return
+        op, *args = pickle.loads(inbox.read(struct.unpack("<I", header)[0]))
+        try:
+            if op == "call":
+                name, call_args = args
+                result = kept.builtin(name, model)(*call_args)
+            elif op == "hold":
+                model.state, model.region = args
+                result = None
+            elif op == "domain":
+                os.environ["PHALANX_BLOCK_DOMAIN"] = args[0]
+                result = None
+            elif op == "hooks":
+                mutate_on, corrupt_on = args
+                rank_side.AFTER_SNAPSHOT = mutate if mutate_on else None
+                rank_side.CORRUPT = corrupt if corrupt_on else None
+                result = None
+            elif op == "state":
+                result = [t.clone() for t in _tensors_of(model.state)]
+            elif op == "history":
+                result = [{k: v.clone() for k, v in d.items()} for d in model.history]
+            else:
+                raise ValueError(f"unknown op {op}")
+            answer = pickle.dumps(("ok", result))
+        except Exception as exc:
+            answer = pickle.dumps(("error", f"{type(exc).__name__}: {exc}"))
+        outbox.write(struct.pack("<I", len(answer)) + answer)
+        outbox.flush()
+
+
+class Rank:
+    def __init__(self, domain: str) -> None:
+        env = helpers.script_env()
+        env["PHALANX_BLOCK_DOMAIN"] = domain
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c",
+             "from tests.unit.test_shardsync_rank import _rank_main; _rank_main()"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=helpers.REPO)
+
+    def ask(self, *msg: Any, timeout: float = REPLY_TIMEOUT) -> Any:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        body = pickle.dumps(msg)
+        self.proc.stdin.write(struct.pack("<I", len(body)) + body)
+        self.proc.stdin.flush()
+        end = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        (size,) = struct.unpack("<I", _read(fd, 4, end, msg))
+        status, result = pickle.loads(_read(fd, size, end, msg))
+        if status != "ok":
+            raise RuntimeError(result)
+        return result
+
+    def call(self, name: str, *args: Any, timeout: float = REPLY_TIMEOUT) -> Any:
+        return self.ask("call", name, args, timeout=timeout)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)  # one the test stopped
+            self.proc.kill()
+        self.proc.wait(10)
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                pipe.close()
+
+
+def _read(fd: int, size: int, end: float, msg: Any) -> bytes:
+    out = b""
+    while len(out) < size:
+        if not select.select([fd], [], [], max(0.0, end - time.monotonic()))[0]:
+            raise TimeoutError(f"no answer to {msg[:2]} in time")
+        chunk = os.read(fd, size - len(out))
+        if not chunk:
+            raise EOFError(f"the rank ended while answering {msg[:2]}")
+        out += chunk
+    return out
+
+
+@pytest.fixture
+def spawn():
+    started: list[Rank] = []
+
+    def make(*domains: str) -> list[Rank]:
+        ranks = [Rank(d) for d in domains]
+        started.extend(ranks)
+        return ranks
+
+    yield make
+    for rank in started:
+        rank.stop()
+
+
+# -- the controller's part, by hand --------------------------------------------------------------
+
+
+def _plan(blocks: dict[int, list[tuple[Any, ...]]], wants: dict[str, dict[str, Any]]
+          ) -> tuple[dict[int, list[tuple[Any, ...]]], dict[str, tuple[dict[str, Any],
+                                                                         list[tuple[Any, ...]]]]]:
+    """Per source its boxes ``(tid, target, name, src_offset, shape, nbytes)``; per target
+    its layout and transfers. Each wanted element from the first source holding it."""
+    sends: dict[int, list[tuple[Any, ...]]] = {s: [] for s in blocks}
+    expects: dict[str, tuple[dict[str, Any], list[tuple[Any, ...]]]] = {}
+    fulls = {b[0]: b[3] for held in blocks.values() for b in held}
+    tid = 0
+    for target, regions in wants.items():
+        layout: dict[str, Any] = {}
+        transfers: list[tuple[Any, ...]] = []
+        for name, region in regions.items():
+            roff, rshape = region if region is not None else ((0,) * len(fulls[name]),
+                                                               fulls[name])
+            layout[name] = (rshape, "float32")
+            done: set[tuple[Any, ...]] = set()
+            for source, held in blocks.items():
+                for bname, boff, bshape, _, dtype, itemsize in held:
+                    assert (dtype, itemsize) == ("float32", 4)
+                    if bname != name:
+                        continue
+                    lo = tuple(max(a, b) for a, b in zip(roff, boff, strict=True))
+                    hi = tuple(min(a + s, b + t) for a, s, b, t
+                               in zip(roff, rshape, boff, bshape, strict=True))
+                    if any(h <= m for m, h in zip(lo, hi, strict=True)) or (lo, hi) in done:
+                        continue
+                    done.add((lo, hi))
+                    shape = tuple(h - m for m, h in zip(lo, hi, strict=True))
+                    nbytes = math.prod(shape) * 4
+                    src = tuple(m - b for m, b in zip(lo, boff, strict=True))
+                    dst = tuple(m - r for m, r in zip(lo, roff, strict=True))
+                    sends[source].append((tid, target, name, src, shape, nbytes))
+                    transfers.append((tid, name, dst, shape, nbytes))
+                    tid += 1
+        expects[target] = (layout, transfers)
+    return sends, expects
+
+
+def _stage(sources: dict[int, Rank], targets: dict[str, Rank], version: int,
+           secret: str, wants: dict[str, dict[str, Any]], addresses: dict[str, Any],
+           verify: bool = False, timeout: float = 20.0) -> dict[int, Any]:
+    """One version: the plan from what the sources hold now, every target armed, every
+    source sending; each source's answer."""
+    blocks = {s: rank.call(shardsync.BLOCKS, SYNC, "get") for s, rank in sources.items()}
+    sends, expects = _plan(blocks, wants)
+    for key, rank in targets.items():
+        if key in addresses:
+            rank.call(shardsync.EXPECT, SYNC, 1, version, *expects[key])
+    out = {}
+    for s, rank in sources.items():
+        rows = [(tid, key, *addresses[key], name, src, shape, nbytes)
+                for tid, key, name, src, shape, nbytes in sends[s]]
+        out[s] = rank.call(shardsync.SEND, SYNC, 1, version, "get", rows, verify, timeout,
+                           secret)
+    return out
+
+
+def _listen(targets: dict[str, Rank], secret: str) -> dict[str, Any]:
+    return {key: rank.call(shardsync.LISTEN, SYNC, 1, secret, "127.0.0.1")
+            for key, rank in targets.items()}
+
+
+def _wants(targets: dict[str, Rank], fulls: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    names_full = {name: (tuple(full), "float32") for name, full in fulls.items()}
+    return {key: rank.call(shardsync.WANTS, SYNC, "want" if key == "cols" else None,
+                           names_full) for key, rank in targets.items()}
+
+
+def _region_bytes(region: Any, full: tuple[int, ...]) -> int:
+    return 4 * math.prod(full if region is None else region[1])
+
+
+# -- tests ---------------------------------------------------------------------------------------
+
+
+W = torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48)  # row-sharded by the sources
+V = torch.arange(6 * 40, dtype=torch.float32).reshape(6, 40) + 0.5  # column-sharded
+B = torch.arange(5, dtype=torch.float32) - 7.0  # whole on both
+
+
+def _hold(sources: list[Rank], plus: float = 0.0) -> None:
+    w, v, b = W + plus, V + plus, B + plus
+    sources[0].ask("hold", {"w": Shard(w[:32].clone(), (0, 0), (64, 48)),
+                            "v": Shard(v[:, :20].clone(), (0, 0), (6, 40)),
+                            "b": b.clone()}, None)
+    sources[1].ask("hold", {"w": Shard(w[32:].clone(), (32, 0), (64, 48)),
+                            "v": Shard(v[:, 20:].clone(), (0, 20), (6, 40)),
+                            "b": b.clone()}, None)
+
+
+def test_row_shards_reach_a_column_region_over_tcp_and_through_shared_memory(spawn):
+    """Two row-sharded sources, a target wanting columns 8..40 of ``w`` only and one
+    wanting everything (``v``'s column shards land in non-contiguous boxes of its
+    staging): each target gets exactly its regions' bytes and values, first with every
+    rank on a machine of its own (TCP), then on one machine (a memory block per target);
+    tensors a set() kept are never written by a later version."""
+    s0, s1, cols, whole = spawn("m0", "m1", "m2", "m3")
+    sources, targets = {0: s0, 1: s1}, {"cols": cols, "whole": whole}
+    _hold([s0, s1])
+    cols.ask("hold", {}, {"w": Region((0, 8), (64, 32))})
+    assert s0.call(shardsync.BLOCKS, SYNC, "get") == [
+        ("w", (0, 0), (32, 48), (64, 48), "float32", 4),
+        ("v", (0, 0), (6, 20), (6, 40), "float32", 4),
+        ("b", (0,), (5,), (5,), "float32", 4)]
+    fulls = {"w": (64, 48), "v": (6, 40), "b": (5,)}
+    wants = _wants(targets, fulls)
+    assert wants == {"cols": {"w": ((0, 8), (64, 32))},
+                     "whole": {"w": None, "v": None, "b": None}}
+    expected = {key: sum(_region_bytes(r, fulls[n]) for n, r in regions.items())
+                for key, regions in wants.items()}
+
+    for generation_domain, via, plus, version in (("apart", "tcp", 0.0, 1),
+                                                  ("one machine", "shared", 1000.0, 2)):
+        if generation_domain == "one machine":
+            for rank in (s0, s1, cols, whole):
+                rank.ask("domain", "same")
+            for rank in (s0, s1, cols, whole):  # a new generation: listeners on "same"
+                rank.call(shardsync.CLOSE, SYNC)
+            _hold([s0, s1], plus)
+        secret = secrets.token_hex(32)
+        addresses = _listen(targets, secret)
+        answers = _stage(sources, targets, version, secret, wants, addresses)
+        received: dict[str, int] = {}
+        for answer in answers.values():
+            assert answer["errors"] == {}
+            assert set(answer["via"].values()) == {via}
+            for key, nbytes in answer["acked"].items():
+                received[key] = received.get(key, 0) + nbytes
+        assert received == expected
+        for rank in targets.values():
+            assert rank.call(shardsync.APPLY, SYNC, 1, version, "set")[0] == version
+            assert rank.call(shardsync.VERSION, SYNC) == version
+        got_cols = cols.ask("history")[-1]
+        assert list(got_cols) == ["w"]
+        assert torch.equal(got_cols["w"], (W + plus)[:, 8:40])
+        got = whole.ask("history")[-1]
+        assert torch.equal(got["w"], W + plus)
+        assert torch.equal(got["v"], V + plus)
+        assert torch.equal(got["b"], B + plus)
+
+    first, second = whole.ask("history")  # set() kept version 1's tensors: still version 1's
+    assert torch.equal(first["w"], W) and torch.equal(second["w"], W + 1000.0)
+
+
+def test_the_snapshot_is_taken_before_any_byte_leaves(spawn):
+    """The source's tensors change (an optimizer step) right after send's snapshot, before
+    its sends: the target receives the values of the snapshot, over TCP and through a
+    block."""
+    source, target = spawn("m0", "m1")
+    sources, targets = {0: source}, {"whole": target}
+    full = torch.randn(16, 8)
+    wants = {"whole": {"w": None}}
+    for version, domain in ((1, None), (2, "same")):
+        if domain is not None:
+            for rank in (source, target):
+                rank.ask("domain", domain)
+                rank.call(shardsync.CLOSE, SYNC)
+        source.ask("hold", {"w": full.clone()}, None)
+        source.ask("hooks", True, False)  # fill every tensor with -1 after the snapshot
+        secret = secrets.token_hex(32)
+        addresses = _listen(targets, secret)
+        answer = _stage(sources, targets, version, secret, wants, addresses)[0]
+        assert answer["errors"] == {}
+        assert answer["via"] == {"whole": "tcp" if domain is None else "shared"}
+        target.call(shardsync.APPLY, SYNC, 1, version, "set")
+        assert torch.equal(target.ask("history")[-1]["w"], full)
+        (now,) = source.ask("state")  # the hook did run: the source's tensor changed
+        assert torch.equal(now, torch.full((16, 8), -1.0))
+
+
+def test_a_dead_or_stalled_target_is_reported_and_the_others_complete(spawn):
+    """One target killed, one stopped (SIGSTOP: it accepts connections and never answers):
+    the source reports both, within its timeout, and the live target gets its bytes and
+    applies."""
+    source, live, dead, stalled = spawn("m0", "m1", "m2", "m3")
+    targets = {"live": live, "dead": dead, "stalled": stalled}
+    full = torch.randn(32, 32)
+    source.ask("hold", {"w": full.clone()}, None)
+    secret = secrets.token_hex(32)
+    addresses = _listen(targets, secret)
+    wants = {key: {"w": None} for key in targets}
+    blocks = {0: source.call(shardsync.BLOCKS, SYNC, "get")}
+    sends, expects = _plan(blocks, wants)
+    for key, rank in targets.items():
+        rank.call(shardsync.EXPECT, SYNC, 1, 1, *expects[key])
+    dead.proc.kill()
+    dead.proc.wait(10)
+    os.kill(stalled.proc.pid, signal.SIGSTOP)
+    rows = [(tid, key, *addresses[key], name, src, shape, nbytes)
+            for tid, key, name, src, shape, nbytes in sends[0]]
+    timeout = 3.0
+    start = time.monotonic()
+    answer = source.call(shardsync.SEND, SYNC, 1, 1, "get", rows, False, timeout, secret)
+    took = time.monotonic() - start
+    assert took < timeout + 10, took  # bounded by the timeout (and a loaded machine's slack)
+    assert set(answer["errors"]) == {"dead", "stalled"}, answer
+    assert "cannot reach" in answer["errors"]["dead"]
+    assert f"no answer within {timeout:g} s" in answer["errors"]["stalled"]
+    assert answer["acked"] == {"live": full.numel() * 4}
+    live.call(shardsync.APPLY, SYNC, 1, 1, "set")
+    assert torch.equal(live.ask("history")[-1]["w"], full)
+
+
+def test_verify_catches_a_corrupted_transfer(spawn):
+    """With verify, a transfer whose bytes changed after their digest (a test hook flips a
+    byte of the snapshot) fails at the target, the source reports it, and apply refuses
+    the version; the next clean version goes through. Over TCP and through a block."""
+    source, target = spawn("m0", "m1")
+    sources, targets = {0: source}, {"whole": target}
+    full = torch.randn(8, 8)
+    source.ask("hold", {"w": full.clone()}, None)
+    wants = {"whole": {"w": None}}
+    for domain in (None, "same"):
+        if domain is not None:
+            for rank in (source, target):
+                rank.ask("domain", domain)
+                rank.call(shardsync.CLOSE, SYNC)
+        secret = secrets.token_hex(32)
+        addresses = _listen(targets, secret)
+        source.ask("hooks", False, True)
+        answer = _stage(sources, targets, 1, secret, wants, addresses, verify=True)[0]
+        assert "do not match their digest" in answer["errors"]["whole"], answer
+        with pytest.raises(RuntimeError, match="not fully staged"):
+            target.call(shardsync.APPLY, SYNC, 1, 1, "set")
+        assert target.call(shardsync.VERSION, SYNC) is None
+        source.ask("hooks", False, False)
+        answer = _stage(sources, targets, 2, secret, wants, addresses, verify=True)[0]
+        assert answer["errors"] == {}
+        target.call(shardsync.APPLY, SYNC, 1, 2, "set")
+        assert torch.equal(target.ask("history")[-1]["w"], full)
+
+
+def test_a_stranger_without_the_secret_gets_nothing(spawn):
+    """A peer with a wrong secret is refused (it saw a nonce and a refusal, nothing more)
+    and stages nothing; one that sends a batch frame without a handshake is dropped; the
+    target then still takes the real source's bytes."""
+    (target,) = spawn("m1")
+    secret = secrets.token_hex(32)
+    host, port, _ = target.call(shardsync.LISTEN, SYNC, 1, secret, "127.0.0.1")
+    target.call(shardsync.EXPECT, SYNC, 1, 1, {"w": ((4,), "float32")},
+                [(0, "w", (0,), (4,), 16)])
+
+    with pytest.raises(AuthenticationError, match="refused"):
+        shardwire.connect(host, port, secrets.token_bytes(32), shardwire.Deadline(10))
+
+    with socket.create_connection((host, port), timeout=10) as sock:  # raw: what it sees
+        sock.sendall(shardwire.MAGIC + secrets.token_bytes(kvproto.NONCE_SIZE))
+        seen = _read_all(sock, 10)
+        assert len(seen) == kvproto.NONCE_SIZE  # a nonce; then it waits for a proof
+        sock.sendall(b"\0" * kvproto.PROOF_SIZE)
+        assert _read_all(sock, 10) == kvproto.REFUSED  # and the connection ends
+
+    with socket.create_connection((host, port), timeout=10) as sock:  # no handshake at all
+        sealer = kvproto.Sealer(b"k" * 32)
+        batch = shardwire.Batch(1, shardwire.TCP, (0, 0, "", 0),
+                                [shardwire.Entry(0, 16, 0, b"")])
+        sock.sendall(sealer.seal(shardwire.encode_batch(batch)) + b"\1" * 16)
+        assert _read_all(sock, 10) == b""  # dropped, unanswered
+
+    with pytest.raises(RuntimeError, match="not fully staged"):
+        target.call(shardsync.APPLY, SYNC, 1, 1, "set")
+
+    # the real source still gets through (from this process: it knows the secret)
+    sock, sealer, opener = shardwire.connect(host, port, bytes.fromhex(secret),
+                                             shardwire.Deadline(10))
+    with sock:
+        data = array.array("f", [0.0, 1.0, 2.0, 3.0])
+        batch = shardwire.Batch(1, shardwire.TCP, (0, 0, "", 0),
+                                [shardwire.Entry(0, 16, 0, b"")])
+        deadline = shardwire.Deadline(10)
+        shardwire.send_frame(sock, sealer, shardwire.encode_batch(batch), deadline)
+        shardwire.send_bytes(sock, memoryview(data), deadline)
+        reply = shardwire.read_frame(sock, opener, deadline)
+        assert reply is not None and shardwire.decode_ack(reply) == (16, [])
+    target.call(shardsync.APPLY, SYNC, 1, 1, "set")
+    assert torch.equal(target.ask("history")[-1]["w"], torch.arange(4, dtype=torch.float32))
+
+
+def _read_all(sock: socket.socket, timeout: float) -> bytes:
+    """What the peer sends until it waits (a short quiet) or ends, within ``timeout``."""
+    end = time.monotonic() + timeout
+    out = b""
+    while time.monotonic() < end:
+        sock.settimeout(0.5 if out else max(0.01, end - time.monotonic()))
+        try:
+            chunk = sock.recv(4096)
+        except TimeoutError:
+            return out
+        except ConnectionResetError:
+            return out
+        if not chunk:
+            return out
+        out += chunk
+    return out
