@@ -12,7 +12,6 @@ import math
 import os
 import pickle
 import secrets
-import select
 import signal
 import socket
 import struct
@@ -60,15 +59,34 @@ def _tensors_of(state: dict[str, Any]) -> list[Any]:
     return [v.tensor if isinstance(v, Shard) else v for v in state.values()]
 
 
-def _rank_main() -> None:
-    """A rank's process (``python -c``): commands from stdin, answers on stdout, each a
+def _zygote() -> None:
+    """The process every rank of a test forks from (``python -c``), torch imported once:
+    each line on stdin, ``<socket path> <block domain>``, forks a rank that connects to the
+    test there; its pid goes to stdout. Ranks are reaped as they end."""
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    for line in sys.stdin:
+        path, domain = line.split()
+        pid = os.fork()
+        if pid == 0:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            os.environ["PHALANX_BLOCK_DOMAIN"] = domain
+            try:
+                _rank_main(path)
+            finally:
+                os._exit(0)
+        print(pid, flush=True)
+
+
+def _rank_main(path: str) -> None:
+    """A rank: commands from the test over a Unix socket, each answered; each message a
     length-prefixed pickle."""
     from phalanx.rank import kept
     from phalanx.rank import shardsync as rank_side
 
     model = _Model()
-    inbox, outbox = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr  # nothing else may write to the answers
+    sock = socket.socket(socket.AF_UNIX)
+    sock.connect(path)
+    _send(sock, os.getpid())
 
     def mutate() -> None:  # the optimizer step right after the snapshot
         for tensor in _tensors_of(model.state):
@@ -78,10 +96,10 @@ def _rank_main() -> None:
         part[0] ^= 0xFF
 
     while True:
-        header = inbox.read(4)
-        if len(header) < 4:
+        try:
+            op, *args = _receive(sock, None)
+        except EOFError:
             return
-        op, *args = pickle.loads(inbox.read(struct.unpack("<I", header)[0]))
         try:
             if op == "call":
                 name, call_args = args
@@ -103,31 +121,41 @@ def _rank_main() -> None:
                 result = [{k: v.clone() for k, v in d.items()} for d in model.history]
             else:
                 raise ValueError(f"unknown op {op}")
-            answer = pickle.dumps(("ok", result))
+            answer: Any = ("ok", result)
         except Exception as exc:
-            answer = pickle.dumps(("error", f"{type(exc).__name__}: {exc}"))
-        outbox.write(struct.pack("<I", len(answer)) + answer)
-        outbox.flush()
+            answer = ("error", f"{type(exc).__name__}: {exc}")
+        _send(sock, answer)
+
+
+def _send(sock: socket.socket, value: Any) -> None:
+    body = pickle.dumps(value)
+    sock.sendall(struct.pack("<I", len(body)) + body)
+
+
+def _receive(sock: socket.socket, timeout: float | None) -> Any:
+    end = None if timeout is None else time.monotonic() + timeout
+    (size,) = struct.unpack("<I", _exactly(sock, 4, end))
+    return pickle.loads(_exactly(sock, size, end))
+
+
+def _exactly(sock: socket.socket, size: int, end: float | None) -> bytes:
+    out = b""
+    while len(out) < size:
+        sock.settimeout(None if end is None else max(0.001, end - time.monotonic()))
+        chunk = sock.recv(size - len(out))
+        if not chunk:
+            raise EOFError("the peer ended the connection")
+        out += chunk
+    return out
 
 
 class Rank:
-    def __init__(self, domain: str) -> None:
-        env = helpers.script_env()
-        env["PHALANX_BLOCK_DOMAIN"] = domain
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c",
-             "from tests.unit.test_shardsync_rank import _rank_main; _rank_main()"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=helpers.REPO)
+    def __init__(self, pid: int, sock: socket.socket) -> None:
+        self.pid, self.sock = pid, sock
 
     def ask(self, *msg: Any, timeout: float = REPLY_TIMEOUT) -> Any:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        body = pickle.dumps(msg)
-        self.proc.stdin.write(struct.pack("<I", len(body)) + body)
-        self.proc.stdin.flush()
-        end = time.monotonic() + timeout
-        fd = self.proc.stdout.fileno()
-        (size,) = struct.unpack("<I", _read(fd, 4, end, msg))
-        status, result = pickle.loads(_read(fd, size, end, msg))
+        _send(self.sock, msg)
+        status, result = _receive(self.sock, timeout)
         if status != "ok":
             raise RuntimeError(result)
         return result
@@ -135,40 +163,57 @@ class Rank:
     def call(self, name: str, *args: Any, timeout: float = REPLY_TIMEOUT) -> Any:
         return self.ask("call", name, args, timeout=timeout)
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGCONT)  # one the test stopped
-            self.proc.kill()
-        self.proc.wait(10)
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            if pipe is not None:
-                pipe.close()
+    def signal(self, signum: int) -> None:
+        try:
+            os.kill(self.pid, signum)
+        except ProcessLookupError:
+            pass
 
-
-def _read(fd: int, size: int, end: float, msg: Any) -> bytes:
-    out = b""
-    while len(out) < size:
-        if not select.select([fd], [], [], max(0.0, end - time.monotonic()))[0]:
-            raise TimeoutError(f"no answer to {msg[:2]} in time")
-        chunk = os.read(fd, size - len(out))
-        if not chunk:
-            raise EOFError(f"the rank ended while answering {msg[:2]}")
-        out += chunk
-    return out
+    def kill(self) -> None:
+        self.signal(signal.SIGCONT)  # one the test stopped
+        self.signal(signal.SIGKILL)
+        assert helpers.wait_dead(self.pid, 10)
 
 
 @pytest.fixture
-def spawn():
+def spawn(tmp_path):
+    """``spawn(domain, ...)``: a rank per block domain, forked from one process of the
+    test's (torch imported once), all killed at the end."""
+    env = helpers.script_env()
+    zygote = subprocess.Popen(
+        [sys.executable, "-c", "from tests.unit.test_shardsync_rank import _zygote; _zygote()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=helpers.REPO)
+    path = str(tmp_path / "ranks.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen()
+    listener.settimeout(REPLY_TIMEOUT)
     started: list[Rank] = []
 
     def make(*domains: str) -> list[Rank]:
-        ranks = [Rank(d) for d in domains]
-        started.extend(ranks)
+        assert zygote.stdin is not None and zygote.stdout is not None
+        ranks = []
+        for domain in domains:
+            zygote.stdin.write(f"{path} {domain}\n")
+            zygote.stdin.flush()
+            sock, _ = listener.accept()  # (within the listener's timeout)
+            rank = Rank(_receive(sock, REPLY_TIMEOUT), sock)
+            started.append(rank)
+            ranks.append(rank)
         return ranks
 
-    yield make
-    for rank in started:
-        rank.stop()
+    try:
+        yield make
+    finally:
+        for rank in started:
+            rank.kill()
+            rank.sock.close()
+        listener.close()
+        zygote.kill()
+        zygote.wait(10)
+        for pipe in (zygote.stdin, zygote.stdout):
+            if pipe is not None:
+                pipe.close()
 
 
 # -- the controller's part, by hand --------------------------------------------------------------
@@ -345,37 +390,41 @@ def test_the_snapshot_is_taken_before_any_byte_leaves(spawn):
         assert torch.equal(now, torch.full((16, 8), -1.0))
 
 
-def test_a_dead_or_stalled_target_is_reported_and_the_others_complete(spawn):
-    """One target killed, one stopped (SIGSTOP: it accepts connections and never answers):
-    the source reports both, within its timeout, and the live target gets its bytes and
-    applies."""
-    source, live, dead, stalled = spawn("m0", "m1", "m2", "m3")
-    targets = {"live": live, "dead": dead, "stalled": stalled}
-    full = torch.randn(32, 32)
-    source.ask("hold", {"w": full.clone()}, None)
+def test_a_stalled_or_dead_target_is_reported_and_the_other_completes(spawn):
+    """A target stopped (SIGSTOP: its port takes the connection, nobody answers), then
+    killed: the source reports it each time, within its timeout, and the live target gets
+    its bytes and applies both versions."""
+    source, live, victim = spawn("m0", "m1", "m2")
+    targets = {"live": live, "victim": victim}
     secret = secrets.token_hex(32)
     addresses = _listen(targets, secret)
     wants = {key: {"w": None} for key in targets}
-    blocks = {0: source.call(shardsync.BLOCKS, SYNC, "get")}
-    sends, expects = _plan(blocks, wants)
-    for key, rank in targets.items():
-        rank.call(shardsync.EXPECT, SYNC, 1, 1, *expects[key])
-    dead.proc.kill()
-    dead.proc.wait(10)
-    os.kill(stalled.proc.pid, signal.SIGSTOP)
-    rows = [(tid, key, *addresses[key], name, src, shape, nbytes)
-            for tid, key, name, src, shape, nbytes in sends[0]]
     timeout = 3.0
-    start = time.monotonic()
-    answer = source.call(shardsync.SEND, SYNC, 1, 1, "get", rows, False, timeout, secret)
-    took = time.monotonic() - start
-    assert took < timeout + 10, took  # bounded by the timeout (and a loaded machine's slack)
-    assert set(answer["errors"]) == {"dead", "stalled"}, answer
-    assert "cannot reach" in answer["errors"]["dead"]
-    assert f"no answer within {timeout:g} s" in answer["errors"]["stalled"]
-    assert answer["acked"] == {"live": full.numel() * 4}
-    live.call(shardsync.APPLY, SYNC, 1, 1, "set")
-    assert torch.equal(live.ask("history")[-1]["w"], full)
+    for version, harm in ((1, "stop"), (2, "kill")):
+        full = torch.randn(32, 32)
+        source.ask("hold", {"w": full.clone()}, None)
+        blocks = {0: source.call(shardsync.BLOCKS, SYNC, "get")}
+        sends, expects = _plan(blocks, wants)
+        live.call(shardsync.EXPECT, SYNC, 1, version, *expects["live"])
+        if harm == "stop":
+            victim.call(shardsync.EXPECT, SYNC, 1, version, *expects["victim"])
+            victim.signal(signal.SIGSTOP)
+        else:
+            victim.kill()
+        rows = [(tid, key, *addresses[key], name, src, shape, nbytes)
+                for tid, key, name, src, shape, nbytes in sends[0]]
+        start = time.monotonic()
+        answer = source.call(shardsync.SEND, SYNC, 1, version, "get", rows, False, timeout,
+                             secret)
+        took = time.monotonic() - start
+        # bounded by the timeout (what is over: a loaded machine's scheduling)
+        assert took < timeout + 10, took
+        assert set(answer["errors"]) == {"victim"}, answer
+        why = answer["errors"]["victim"]
+        assert (f"no answer within {timeout:g} s" if harm == "stop" else "cannot reach") in why
+        assert answer["acked"] == {"live": full.numel() * 4}
+        live.call(shardsync.APPLY, SYNC, 1, version, "set")
+        assert torch.equal(live.ask("history")[-1]["w"], full)
 
 
 def test_verify_catches_a_corrupted_transfer(spawn):
