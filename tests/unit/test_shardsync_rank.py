@@ -62,7 +62,12 @@ def _tensors_of(state: dict[str, Any]) -> list[Any]:
 def _zygote() -> None:
     """The process every rank of a test forks from (``python -c``), torch imported once:
     each line on stdin, ``<socket path> <block domain>``, forks a rank that connects to the
-    test there; its pid goes to stdout. Ranks are reaped as they end."""
+    test there (and says its pid). Ranks are reaped as they end. ``sys.argv[1:]``:
+    modules to import before the first fork."""
+    import importlib
+
+    for module in sys.argv[1:]:
+        importlib.import_module(module)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
     for line in sys.stdin:
         path, domain = line.split()
@@ -74,7 +79,6 @@ def _zygote() -> None:
                 _rank_main(path)
             finally:
                 os._exit(0)
-        print(pid, flush=True)
 
 
 def _rank_main(path: str) -> None:
@@ -115,6 +119,8 @@ def _rank_main(path: str) -> None:
                 rank_side.AFTER_SNAPSHOT = mutate if mutate_on else None
                 rank_side.CORRUPT = corrupt if corrupt_on else None
                 result = None
+            elif op == "dtensor":  # hold ``local`` as this rank's row shard of a DTensor
+                result = _hold_dtensor(model, *args)
             elif op == "state":
                 result = [t.clone() for t in _tensors_of(model.state)]
             elif op == "history":
@@ -125,6 +131,18 @@ def _rank_main(path: str) -> None:
         except Exception as exc:
             answer = ("error", f"{type(exc).__name__}: {exc}")
         _send(sock, answer)
+
+
+def _hold_dtensor(model: _Model, store: str, rank: int, size: int, local: Any) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Shard as RowShard
+
+    dist.init_process_group("gloo", store=dist.FileStore(store, size), rank=rank,
+                            world_size=size)
+    mesh = init_device_mesh("cpu", (size,))
+    model.state = {"w": DTensor.from_local(local, mesh, [RowShard(0)], run_check=False)}
 
 
 def _send(sock: socket.socket, value: Any) -> None:
@@ -177,12 +195,10 @@ class Rank:
 
 @pytest.fixture
 def spawn(tmp_path):
-    """``spawn(domain, ...)``: a rank per block domain, forked from one process of the
-    test's (torch imported once), all killed at the end."""
-    env = helpers.script_env()
-    zygote = subprocess.Popen(
-        [sys.executable, "-c", "from tests.unit.test_shardsync_rank import _zygote; _zygote()"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=helpers.REPO)
+    """``spawn(domain, ..., preload=())``: a rank per block domain, forked from one
+    process of the test's (torch, and the modules ``preload`` names, imported once), all
+    killed at the end."""
+    zygotes: list[subprocess.Popen[str]] = []
     path = str(tmp_path / "ranks.sock")
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(path)
@@ -190,8 +206,14 @@ def spawn(tmp_path):
     listener.settimeout(REPLY_TIMEOUT)
     started: list[Rank] = []
 
-    def make(*domains: str) -> list[Rank]:
-        assert zygote.stdin is not None and zygote.stdout is not None
+    def make(*domains: str, preload: tuple[str, ...] = ()) -> list[Rank]:
+        if not zygotes:
+            zygotes.append(subprocess.Popen(
+                [sys.executable, "-c",
+                 "from tests.unit.test_shardsync_rank import _zygote; _zygote()", *preload],
+                stdin=subprocess.PIPE, text=True, env=helpers.script_env(), cwd=helpers.REPO))
+        zygote = zygotes[0]
+        assert zygote.stdin is not None
         ranks = []
         for domain in domains:
             zygote.stdin.write(f"{path} {domain}\n")
@@ -209,11 +231,11 @@ def spawn(tmp_path):
             rank.kill()
             rank.sock.close()
         listener.close()
-        zygote.kill()
-        zygote.wait(10)
-        for pipe in (zygote.stdin, zygote.stdout):
-            if pipe is not None:
-                pipe.close()
+        for zygote in zygotes:
+            zygote.kill()
+            zygote.wait(10)
+            if zygote.stdin is not None:
+                zygote.stdin.close()
 
 
 # -- the controller's part, by hand --------------------------------------------------------------
@@ -425,6 +447,32 @@ def test_a_stalled_or_dead_target_is_reported_and_the_other_completes(spawn):
         assert answer["acked"] == {"live": full.numel() * 4}
         live.call(shardsync.APPLY, SYNC, 1, version, "set")
         assert torch.equal(live.ask("history")[-1]["w"], full)
+
+
+def test_a_dtensor_is_sent_as_its_local_shard(spawn, tmp_path):
+    """A source whose get() returns a DTensor (rows sharded over a gloo world of the two
+    sources) reports its local shard's offset and the global shape, and sends from it."""
+    pytest.importorskip("torch.distributed.tensor")
+    s0, s1, target = spawn("m0", "m1", "m2", preload=("torch.distributed.tensor",))
+    store = str(tmp_path / "store")
+    full = torch.randn(10, 6)
+    futures = []
+    for rank, (source, rows) in enumerate(((s0, full[:5]), (s1, full[5:]))):
+        _send(source.sock, ("dtensor", store, rank, 2, rows.clone()))  # both at once
+        futures.append(source)
+    for source in futures:
+        status, result = _receive(source.sock, REPLY_TIMEOUT)
+        assert status == "ok", result
+    assert s1.call(shardsync.BLOCKS, SYNC, "get") == [
+        ("w", (5, 0), (5, 6), (10, 6), "float32", 4)]
+    secret = secrets.token_hex(32)
+    targets = {"cols": target}
+    target.ask("hold", {}, {"w": Region((0, 2), (10, 3))})
+    wants = _wants(targets, {"w": (10, 6)})
+    answers = _stage({0: s0, 1: s1}, targets, 1, secret, wants, _listen(targets, secret))
+    assert all(a["errors"] == {} for a in answers.values())
+    target.call(shardsync.APPLY, SYNC, 1, 1, "set")
+    assert torch.equal(target.ask("history")[-1]["w"], full[:, 2:5])
 
 
 def test_verify_catches_a_corrupted_transfer(spawn):
