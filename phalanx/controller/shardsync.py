@@ -569,11 +569,11 @@ class ShardSync:
         if failed:
             parts.append("; ".join(f"rank {rank} of group {group} failed ({reason})"
                                    for (group, rank), reason in sorted(failed.items())))
-        done = (" nothing was applied" if sources and what != "stage"
-                else f" the other {stats.targets} target ranks completed"
+        done = ("nothing was applied" if sources and what != "stage"
+                else f"the other {stats.targets} target ranks completed it"
                 if stats.targets else "")
         error = PhalanxError(f"weight sync {self._id}: {what} of version {self._version} "
-                             f"failed: {'; '.join(parts)}.{done}")
+                             f"failed: {'; '.join(parts)}" + (f"; {done}." if done else "."))
         error.stats = stats  # type: ignore[attr-defined]
         error.failed = failed  # type: ignore[attr-defined]
         error.sources = sources  # type: ignore[attr-defined]
