@@ -31,6 +31,13 @@ Transports, chosen at each formation from where the members are (``transport="au
     authenticated links. (gloo's own listening ports are gloo's: see the README's
     security notes.)
 
+By parts -- ``src_rank="all"``, or a push given ``want=`` or ``verify=``, and
+``stage``/``apply``/``catch_up``/``versions``/``add`` -- every source rank sends the part
+it holds (``px.Shard``) and every target rank receives the region it wants
+(``px.Region``), point to point on a plan formed once: :mod:`phalanx.controller.shardsync`,
+which this class hands those calls to. A ``src_rank=<int>`` push without them is the
+transports above, unchanged.
+
 Either way what ``set`` is given is its own: a target that keeps the tensors (rather than
 copying them, as ``load_state_dict`` does) keeps them unchanged, and the next push goes
 to new memory instead of the memory reused from push to push.
@@ -553,8 +560,9 @@ class WeightSync:
 def weight_sync(source: WorkerGroup, targets: WorkerGroup | Sequence[WorkerGroup],
                 src_rank: int | str = 0, *, transport: str | Transport = "auto",
                 timeout: float = DEFAULT_TIMEOUT) -> WeightSync:
-    """A :class:`WeightSync` from rank ``src_rank`` of ``source`` to every rank of
-    ``targets`` (a WorkerGroup or a list of them); nothing is formed until the first
+    """A :class:`WeightSync` from rank ``src_rank`` of ``source`` (``"all"``: every rank,
+    each sending the part it holds, see :mod:`phalanx.controller.shardsync`) to every rank
+    of ``targets`` (a WorkerGroup or a list of them); nothing is formed until the first
     :meth:`~WeightSync.push`. ``transport``: ``"auto"`` (shared memory when every member
     is on one machine, else a gloo broadcast), ``"shared"`` or ``"broadcast"``;
     ``timeout``: seconds for a push and for each gloo operation. TypeError / ValueError

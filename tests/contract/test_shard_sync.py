@@ -323,9 +323,14 @@ def test_src_rank_0_still_pushes_whole_state_dicts(fresh):
     with px.weight_sync(trainers, split, src_rank=0) as sync:
         stats = sync.push("whole", "load")
         assert stats.transport in ("shared", "broadcast") and stats.per_target == {}
-    whole = {name: (str(t.dtype), tuple(t.shape), t.tolist())
-             for name, t in ((n, _full(n, 8)) for n in FULL)}
-    assert split.call("received") == [whole, whole]
+        whole = {name: (str(t.dtype), tuple(t.shape), t.tolist())
+                 for name, t in ((n, _full(n, 8)) for n in FULL)}
+        assert split.call("received") == [whole, whole]
+        # want= moves parts, from rank 0 alone
+        stats = sync.push("whole", "load", "wanted")
+        assert stats.transport == "p2p" and sync.version == 1
+        assert stats.per_target == {(split.name, r): _bytes(True, r) for r in range(2)}
+        _check(split, True, 8)
 
 
 def test_bad_arguments_are_refused_before_anything_is_sent(fresh):
