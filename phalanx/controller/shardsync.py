@@ -586,6 +586,8 @@ class ShardSync:
         error = PhalanxError(f"weight sync {self._id}: {step} failed: " + "; ".join(
             f"source rank {rank} of group {self._source.name} failed: {reason}"
             for rank, reason in sorted(reasons.items())))
+        error.stats = PushStats(TRANSPORT, 0, 0, 0, 0, 0.0, False,  # type: ignore[attr-defined]
+                                version=self._version)
         error.failed = {}  # type: ignore[attr-defined]
         error.sources = reasons  # type: ignore[attr-defined]
         raise error from next(iter(errors.values()))

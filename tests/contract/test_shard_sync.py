@@ -311,6 +311,10 @@ def test_a_failing_source_is_named_and_nothing_is_applied(fresh):
         assert set(failed.value.sources) == {1}
         assert isinstance(failed.value.__cause__, px.WorkerError)
         assert split.call("count") == loads  # no target applied a part of it
+        with pytest.raises(PhalanxError, match=rf"forming failed: source rank 1 of group "
+                                               f"{trainers.name}") as failed:
+            sync.push("shards", "load", "wanted")  # forms again: its blocks fail too
+        assert set(failed.value.sources) == {1} and failed.value.stats.targets == 0
         trainers.call("configure")
         trainers.call("step", 7)
         sync.push("shards", "load", "wanted")
