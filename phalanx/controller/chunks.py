@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from phalanx.controller.refs import Part, ResultRef, SliceRef, parts_of
+from phalanx.controller.refs import Part, ResultRef, SliceRef, rows_of
 from phalanx.world import rowselect
 
 
@@ -51,7 +51,10 @@ def chunk(refs: Iterable[ResultRef | SliceRef], n: int, *,
         raise ValueError(f"chunk(): n must be at least 1, got {n}")
     parts: list[Part] = []
     for i, ref in enumerate(refs):
-        parts.extend(parts_of(ref, f"handle {i}"))
+        if isinstance(ref, SliceRef):
+            parts.extend(ref.parts)
+        else:
+            parts.append((ref, range(rows_of(ref, f"handle {i}"))))  # TypeError if not
     total = rowselect.count_rows(parts)
     rows: rowselect.Rows = range(total)
     if select is not None:

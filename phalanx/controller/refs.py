@@ -24,7 +24,7 @@ from __future__ import annotations
 import enum
 import weakref
 from collections.abc import Sequence
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 from phalanx.errors import ObjectFreed, ObjectLost
 from phalanx.rank import kept as rankkept
@@ -269,15 +269,12 @@ class SliceRef:
     ``part[[1, 0]]``, ``part[mask]``) narrows it.
     """
 
-    __slots__ = ("_indices", "_parts", "_rows")
+    __slots__ = ("_indices", "_parts")
 
     def __init__(self, parts: Sequence[Part], indices: Rows | None = None) -> None:
-        self._parts = tuple(parts)
-        self._rows = rowselect.count_rows(self._parts)
-        if indices is None:
-            indices = range(self._rows)
-        elif len(indices) != self._rows:
-            raise ValueError(f"a SliceRef of {self._rows} rows given {len(indices)} indices")
+        """``parts``: see :attr:`parts`; ``indices``: one for each of their rows (None:
+        ``range(rows)``, the rows of the parts themselves)."""
+        self._parts = parts if type(parts) is tuple else tuple(parts)
         self._indices = indices
 
     @property
@@ -293,7 +290,7 @@ class SliceRef:
 
     @property
     def rows(self) -> int:
-        return self._rows
+        return rowselect.count_rows(self._parts)
 
     @property
     def indices(self) -> range | list[int]:
@@ -304,13 +301,15 @@ class SliceRef:
         (``advantages[c.indices]``, numpy or torch) to line them up with the rows the
         rank receives."""
         indices = self._indices
+        if indices is None:
+            return range(self.rows)
         return indices if isinstance(indices, range) else list(indices)
 
     def __len__(self) -> int:
-        return self._rows
+        return self.rows
 
     def __getitem__(self, index: object) -> SliceRef:
-        rows = rowselect.index_rows(index, self._rows, repr(self))
+        rows = rowselect.index_rows(index, self.rows, self.__repr__)
         return SliceRef(rowselect.narrow(self._parts, rows), rows)
 
     def get(self, timeout: float | None = None) -> Any:
@@ -348,7 +347,7 @@ class SliceRef:
                           for ref, rows in self._parts[:3])
         more = f", and {len(self._parts) - 3} more" if len(self._parts) > 3 else ""
         nbytes = sum(ref.nbytes for ref in set(self.refs))
-        return f"<SliceRef of {self._rows} rows: {spans}{more} (of {size_text(nbytes)})>"
+        return f"<SliceRef of {self.rows} rows: {spans}{more} (of {size_text(nbytes)})>"
 
 
 def _rows_text(rows: Rows) -> str:
@@ -373,18 +372,9 @@ def rows_of(ref: Any, what: str = "the handle") -> int:
     return int(rows)
 
 
-def parts_of(ref: object, what: str = "the handle") -> tuple[Part, ...]:
-    """The parts naming every row of ``ref`` (a ResultRef or a SliceRef); TypeError naming
-    ``what`` as :func:`rows_of` gives."""
-    if isinstance(ref, SliceRef):
-        return ref.parts
-    rows = rows_of(ref, what)  # a ResultRef with rows, or TypeError
-    return ((cast(ResultRef, ref), range(rows)),)
-
-
 def slice_ref(ref: ResultRef, index: object) -> SliceRef:
     """``ref[index]`` (``ResultRef.__getitem__``)."""
-    rows = rowselect.index_rows(index, rows_of(ref), repr(ref))
+    rows = rowselect.index_rows(index, rows_of(ref), ref.__repr__)
     return SliceRef([(ref, rows)], rows)
 
 

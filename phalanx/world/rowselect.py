@@ -32,7 +32,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, Union
 
 Rows = Union[range, tuple[int, ...]]  # noqa: UP007 - a runtime alias on 3.10
@@ -59,7 +59,12 @@ def canonical(picked: Sequence[int]) -> Rows:
     return tuple(picked)
 
 
-def index_rows(index: object, count: int, what: str) -> Rows:
+Name = Union[str, Callable[[], str]]  # noqa: UP007 - a runtime alias on 3.10
+"""What a message calls the value indexed: a string, or what makes one (a handle's
+``__repr__``: made only for an error, never on the way of an index that is fine)."""
+
+
+def index_rows(index: object, count: int, what: Name) -> Rows:
     """The rows of a value of ``count`` rows that ``value[index]`` names, for a handle
     called ``what`` in messages.
 
@@ -72,31 +77,36 @@ def index_rows(index: object, count: int, what: str) -> Rows:
     if isinstance(index, slice):
         start, stop, step = index.indices(count)
         if step != 1:
-            raise ValueError(f"{what}[{_slice_text(index)}]: rows are cut in one piece (step "
-                             "1); pick others by a list of row numbers (ref[[0, 2, 4]])")
+            raise ValueError(f"{_named(what)}[{_slice_text(index)}]: rows are cut in one "
+                             "piece (step 1); pick others by a list of row numbers "
+                             "(ref[[0, 2, 4]])")
         return range(start, max(start, stop))
     items, kind = _items(index, what)
     if kind == "mask":
         if len(items) != count:
-            raise IndexError(f"{what}[mask]: a mask of length {len(items)} for a value of "
+            raise IndexError(f"{_named(what)}[mask]: a mask of length {len(items)} for a value of "
                              f"{count} rows (it needs one bool per row)")
         return canonical([row for row, keep in enumerate(items) if keep])
     picked = []
     for row in items:
         if not -count <= row < count:
-            raise IndexError(f"{what}[{_rows_text(items)}]: row {row} is out of range for "
+            raise IndexError(f"{_named(what)}[{_rows_text(items)}]: row {row} is out of range for "
                              f"its {count} rows")
         picked.append(row + count if row < 0 else row)
     return canonical(picked)
 
 
-def _items(index: object, what: str) -> tuple[Sequence[Any], str]:
+def _named(what: Name) -> str:
+    return what if isinstance(what, str) else what()
+
+
+def _items(index: object, what: Name) -> tuple[Sequence[Any], str]:
     """The items of a selection, and whether they are a ``"mask"`` or ``"numbers"``."""
     if isinstance(index, tuple):
         # numpy reads a[0, 2] (a tuple) as a row and a column, never as rows 0 and 2
         hint = f": write ref[{list(index)!r}]" if all(
             isinstance(i, int) for i in index) else ""
-        raise TypeError(f"{what}[{index!r}]: rows are picked by a list, not a tuple (a "
+        raise TypeError(f"{_named(what)}[{index!r}]: rows are picked by a list, not a tuple (a "
                         f"tuple indexes several dimensions){hint}")
     if isinstance(index, range):
         return index, "numbers"
@@ -104,17 +114,17 @@ def _items(index: object, what: str) -> tuple[Sequence[Any], str]:
         return _classify(index, what)
     ndim = getattr(index, "ndim", None)
     if ndim == 0 or (ndim is None and hasattr(index, "__index__")):  # one row number
-        raise TypeError(f"{what}[{index!r}]: a handle is indexed by rows, as ref[a:b] or "
+        raise TypeError(f"{_named(what)}[{index!r}]: a handle is indexed by rows, as ref[a:b] or "
                         f"ref[[{index!r}]] (a handle on that one row)")
     if ndim is not None and callable(getattr(index, "tolist", None)) and not isinstance(
             index, type):
         if ndim != 1:
-            raise TypeError(f"{what}[...]: rows are picked by a one-dimensional array, "
+            raise TypeError(f"{_named(what)}[...]: rows are picked by a one-dimensional array, "
                             f"not one of {ndim} dimensions")
         dtype = getattr(index, "dtype", None)
         kind = getattr(dtype, "kind", None)  # numpy's (and jax's); torch's dtypes have none
         if kind is not None and kind not in "biuO":
-            raise TypeError(f"{what}[...]: rows are picked by an array of integers or "
+            raise TypeError(f"{_named(what)}[...]: rows are picked by an array of integers or "
                             f"bools, not of {dtype}")
         listed = index.tolist()  # type: ignore[attr-defined]  # checked callable above
         if kind == "b":
@@ -122,11 +132,11 @@ def _items(index: object, what: str) -> tuple[Sequence[Any], str]:
         if kind in ("i", "u"):
             return listed, "numbers"
         return _classify(listed, what)  # torch's tensors, numpy's object arrays
-    raise TypeError(f"{what}[{index!r}]: a handle is indexed by rows: a slice (ref[a:b]), "
+    raise TypeError(f"{_named(what)}[{index!r}]: a handle is indexed by rows: a slice (ref[a:b]), "
                     "a list of row numbers (ref[[0, 2, 5]]) or a mask of bools, one per row")
 
 
-def _classify(items: list[Any], what: str) -> tuple[list[Any], str]:
+def _classify(items: list[Any], what: Name) -> tuple[list[Any], str]:
     """A list's items as row numbers or a mask; TypeError naming the first item that is
     neither, or a list that mixes them."""
     bools = numbers = 0
@@ -139,11 +149,11 @@ def _classify(items: list[Any], what: str) -> tuple[list[Any], str]:
         try:
             out.append(operator.index(item))
         except TypeError:
-            raise TypeError(f"{what}[...]: rows are picked by integers or bools, not "
+            raise TypeError(f"{_named(what)}[...]: rows are picked by integers or bools, not "
                             f"{type(item).__name__} ({item!r})") from None
         numbers += 1
     if bools and numbers:
-        raise TypeError(f"{what}[...]: a selection mixes bools and row numbers; give "
+        raise TypeError(f"{_named(what)}[...]: a selection mixes bools and row numbers; give "
                         "either a mask (one bool per row) or row numbers")
     return out, "mask" if bools else "numbers"
 
@@ -166,7 +176,10 @@ def _rows_text(items: Sequence[Any]) -> str:
 
 def count_rows(parts: Sequence[tuple[S, Rows]]) -> int:
     """How many rows ``parts`` name together."""
-    return sum(len(rows) for _, rows in parts)
+    total = 0
+    for _, rows in parts:  # (a loop: a handle has a few parts, and sum() of a generator
+        total += len(rows)  # costs twice as much on each handle made)
+    return total
 
 
 def narrow(parts: Sequence[tuple[S, Rows]], rows: Rows) -> list[tuple[S, Rows]]:
@@ -182,12 +195,15 @@ def _cut(parts: Sequence[tuple[S, Rows]], start: int, stop: int) -> list[tuple[S
     out: list[tuple[S, Rows]] = []
     offset = 0
     for source, rows in parts:
-        size = len(rows)
-        lo, hi = max(start, offset), min(stop, offset + size)
-        if lo < hi:
-            part = rows[lo - offset:hi - offset]
-            out.append((source, part if isinstance(part, range) else canonical(part)))
-        offset += size
+        end = offset + len(rows)
+        if start < end and offset < stop and offset < end:  # it has rows in [start, stop)
+            lo = start - offset if start > offset else 0
+            hi = (stop if stop < end else end) - offset
+            if type(rows) is range:  # (made, not sliced: px.chunk's path, at every step)
+                out.append((source, range(rows.start + lo, rows.start + hi)))
+            else:
+                out.append((source, canonical(rows[lo:hi])))
+        offset = end
     if not out and parts:
         out.append(_empty(parts, start))
     return out
@@ -238,12 +254,15 @@ def _pick(parts: Sequence[tuple[S, Rows]], picked: tuple[int, ...]) -> list[tupl
 def split(rows: Rows, n: int) -> list[Rows]:
     """``rows`` cut into ``n`` pieces one after another, their sizes differing by at most
     one row (the first ones the larger)."""
-    total = len(rows)
+    size, larger = divmod(len(rows), n)
+    base = rows.start if isinstance(rows, range) else None
     out: list[Rows] = []
     first = 0
     for i in range(n):
-        size = total // n + (i < total % n)
-        piece = rows[first:first + size]
-        out.append(piece if isinstance(piece, range) else canonical(piece))
-        first += size
+        stop = first + size + (i < larger)
+        if base is not None:  # (made, not sliced: px.chunk's path, at every step)
+            out.append(range(base + first, base + stop))
+        else:
+            out.append(canonical(rows[first:stop]))
+        first = stop
     return out
