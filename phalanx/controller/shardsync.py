@@ -76,12 +76,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from phalanx.controller.internals import internals
-from phalanx.controller.weightsync import (
-    CLOSE_TIMEOUT,
-    PushStats,
-    SyncState,
-    _check_method,
-)
+from phalanx.controller.syncrecords import CLOSE_TIMEOUT, PushStats, SyncState, check_method
 from phalanx.errors import CallTimeout, GroupClosed, PhalanxError, WorkerDied, printable
 from phalanx.rank import shardsync as rankside
 from phalanx.world import syncplan
@@ -610,16 +605,16 @@ class ShardSync:
             raise TypeError(f"the want method must be a name (str) or None, got {want!r}")
         if not isinstance(verify, bool):
             raise TypeError(f"verify must be True or False, got {verify!r}")
-        _check_method(self._source, get)
+        check_method(self._source, get)
         if want is not None:
             for group in self._targets:
-                _check_method(group, want)
+                check_method(group, want)
 
     def _check_set(self, set_: Any) -> None:
         if not isinstance(set_, str):
             raise TypeError(f"the set method must be a name (str), got {set_!r}")
         for group in self._targets:
-            _check_method(group, set_)
+            check_method(group, set_)
 
     # -- closing ------------------------------------------------------------------------
 

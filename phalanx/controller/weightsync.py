@@ -92,10 +92,11 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from phalanx.controller.internals import GroupInternals, internals
+from phalanx.controller.syncrecords import CLOSE_TIMEOUT, PushStats, SyncState, check_method
 from phalanx.errors import CallTimeout, GroupClosed, PhalanxError
 from phalanx.options import check_seconds
 from phalanx.rank import weightsync as rankside
@@ -109,28 +110,10 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_MB = 16  # see the module docstring: the fastest bucket measured
 DEFAULT_TIMEOUT = 300.0  # seconds for a push, a formation, and each gloo operation
-CLOSE_TIMEOUT = 10.0  # seconds close() waits for the members to let go
 # How long past the ranks' own timeouts the controller waits (their errors say more than
 # its CallTimeout would): a tenth of them, at least a second, at most this.
 _MARGIN = 10.0
 MiB = 1 << 20
-
-
-class SyncState(enum.Enum):
-    """Where a :class:`WeightSync` is (the moves are in the module docstring).
-
-    ``NEW``     constructed; nothing formed on any rank.
-    ``FORMED``  the members hold the current generation: a push goes straight through
-                (after checking that no member's process changed).
-    ``BROKEN``  a push, or forming, failed: the next push forms the world again first.
-    ``CLOSED``  closed by :meth:`WeightSync.close` (or collected); pushes raise
-                GroupClosed.
-    """
-
-    NEW = "new"
-    FORMED = "formed"
-    BROKEN = "broken"
-    CLOSED = "closed"
 
 
 class Transport(enum.Enum):
@@ -139,37 +122,6 @@ class Transport(enum.Enum):
     AUTO = "auto"  # SHARED when every member is on one machine, else BROADCAST
     SHARED = "shared"
     BROADCAST = "broadcast"
-
-
-@dataclasses.dataclass(frozen=True)
-class PushStats:
-    """What one push moved: ``bytes`` of ``tensors`` tensors to ``targets`` ranks, by
-    ``transport``, in ``buckets`` buckets (0 for shared memory), in ``seconds``.
-
-    A sync by parts (``src_rank="all"``, :mod:`phalanx.controller.shardsync`; transport
-    ``"p2p"``) also gives the bytes each target rank received, ``per_target``:
-    ``{(group name, rank): bytes}``, the seconds of each phase (``plan_s``: forming, 0.0
-    when the last formation held; ``stage_s``, ``apply_s``; ``total_s`` is ``seconds``)
-    and the ``version`` staged; its ``buckets`` are its transfers (source to target, one
-    box of one tensor each), and ``targets`` the target ranks that completed the step."""
-
-    transport: str
-    tensors: int
-    bytes: int
-    targets: int
-    buckets: int
-    seconds: float
-    formed: bool  # whether this push formed the world first
-    per_target: Mapping[tuple[str, int], int] = dataclasses.field(default_factory=dict,
-                                                                   hash=False)
-    plan_s: float = 0.0
-    stage_s: float = 0.0
-    apply_s: float = 0.0
-    version: int | None = None
-
-    @property
-    def total_s(self) -> float:
-        return self.seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -517,9 +469,9 @@ class WeightSync:
             if not isinstance(name, str):
                 raise TypeError(f"push(): the {what} method must be a name (str), got "
                                 f"{name!r}")
-        _check_method(self._source, get)
+        check_method(self._source, get)
         for group in self._targets:
-            _check_method(group, set_)
+            check_method(group, set_)
         if bucket_mb is None:
             return DEFAULT_BUCKET_MB * MiB
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)):
@@ -577,15 +529,6 @@ def weight_sync(source: WorkerGroup, targets: WorkerGroup | Sequence[WorkerGroup
 
 
 # -- helpers ----------------------------------------------------------------------------
-
-
-def _check_method(group: WorkerGroup, name: str) -> None:
-    """AttributeError naming the methods there are, as the group's calls raise (private
-    names pass: the rank answers for them)."""
-    methods = group.methods
-    if name not in methods and not name.startswith("_"):
-        raise AttributeError(f"group {group.name}'s workers have no method {name!r}; "
-                             f"available: {', '.join(methods) or 'none'}")
 
 
 def _nodes(group: WorkerGroup) -> dict[int, int]:
