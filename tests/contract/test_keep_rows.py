@@ -437,6 +437,9 @@ def test_chunks_of_nothing_reach_their_ranks_as_empty_lists(groups):
     chunks = px.chunk([], consumers.world_size)
     assert [c.rows for c in chunks] == [0, 0] and [c.get() for c in chunks] == [[], []]
     assert consumers.map("look", chunks, timeout=T) == [([], []), ([], [])]
+    stored = consumers.put({"rows": chunks[0]})  # names no kept result: put as its value
+    assert consumers.call_one(1, "look", stored, timeout=T) == ({"rows": []}, [])
+    stored.free()
     # and a step whose rows were all dropped: empty chunks of a handle's type
     ref = producers.call_one(0, "whole", 4, timeout=T)
     empty = px.chunk([ref], 2, select=[False] * 4)
