@@ -314,3 +314,23 @@ def test_phalanx_run_under_srun_needs_no_flags(tmp_path):
     lines = sorted(line.split("RANK", 1)[1] for line in done.stdout.splitlines()
                    if "RANK" in line)
     assert lines == [f" {r} OF 4 AT 127.0.0.2" for r in range(4)], done.stdout
+
+
+def test_a_sync_by_parts_crosses_the_jobs_nodes():
+    """px.weight_sync(src_rank="all") through a Slurm job's agents: two trainers (one on
+    each node) send their row shards, two generators get exactly their column regions."""
+    pytest.importorskip("torch", reason="the weight sync needs torch (pip install torch)")
+    from tests.contract.test_shard_sync import Generator, Trainer, _bytes, _check
+
+    with px.ResourcePool(nodes=2, procs_per_node=1, colocate=2,
+                         backend=px.SlurmBackend(nodes=2)) as pool:
+        trainers = px.WorkerGroup(Trainer, pool=pool, echo_output=False)
+        generators = px.WorkerGroup(Generator, pool=pool, echo_output=False,
+                                    rank_kwargs={0: {"split": True}, 1: {"split": True}})
+        with px.weight_sync(trainers, generators, src_rank="all", timeout=60) as sync:
+            trainers.call("step", 3, timeout=60)
+            stats = sync.push("shards", "load", "wanted")
+            assert stats.per_target == {(generators.name, r): _bytes(True, r) for r in (0, 1)}
+            _check(generators, True, 3)
+        generators.shutdown()
+        trainers.shutdown()
