@@ -14,9 +14,14 @@ prefers. Each step:
    differ, as they usually do): each trainer reads its rows straight from the generators,
    one value of its rows even where they span two of them;
 3. the trainers take a policy-gradient step (DDP averages the gradients), and
-   ``px.weight_sync`` pushes trainer 0's state dict to every generator: over shared
-   memory when all share a machine, else a gloo broadcast in a world of their own,
-   formed on the first push (and again by itself after a rank is recreated).
+   ``px.weight_sync(..., src_rank="all")`` moves the new weights by parts, as a sharded
+   trainer would: each trainer offers the rows of each tensor that are its share
+   (``px.Shard``, FSDP-style), and every generator receives each row from the one
+   trainer that offers it, point to point (a memory block when they share a machine,
+   TCP otherwise), on a plan formed on the first push (and again by itself after a rank
+   is recreated). The generators here are whole replicas, so each wants every tensor
+   whole (``want`` left out); a tensor-parallel generator would name its columns with
+   ``px.Region`` (see the README).
 
 The generators are checked to hold exactly the trainers' weights after every step, and the
 mean reward climbs from chance (1/actions).
@@ -122,8 +127,19 @@ class Trainer:
         self.optimizer.step()
         return len(actions)
 
-    def state_dict(self) -> dict:
-        return {name: tensor.detach() for name, tensor in self.net.state_dict().items()}
+    def shards(self) -> dict:
+        """This trainer's share of the weights for ``px.weight_sync``: its rows of each
+        tensor (as an FSDP rank holds them; DDP replicas hold all, and offer a part)."""
+        import os
+
+        rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        out = {}
+        for name, tensor in self.net.state_dict().items():
+            rows = tensor.shape[0]
+            first, last = rows * rank // size, rows * (rank + 1) // size
+            out[name] = px.Shard(tensor.detach()[first:last], offset=(first,) + (0,) * (
+                tensor.dim() - 1), full=tuple(tensor.shape))
+        return out
 
     def digest(self) -> str:
         return _digest({k: v.detach().numpy() for k, v in self.net.state_dict().items()})
@@ -144,7 +160,7 @@ def main() -> None:
                         framework="torch", backend=opts.backend) as trainers, \
             px.WorkerGroup(Generator, args=(opts.actions, PROMPTS, GROUP),
                            procs_per_node=opts.generators, backend=opts.backend) as generators, \
-            px.weight_sync(trainers, generators) as sync:
+            px.weight_sync(trainers, generators, src_rank="all") as sync:
         print(f"{opts.trainers} trainers and {opts.generators} generators ready in "
               f"{time.perf_counter() - started:.1f} s")
         rewards = []
@@ -156,13 +172,13 @@ def main() -> None:
             if sum(trained) != sum(r["rows"] for r in rollouts):
                 raise SystemExit(f"step {step}: the trainers saw {trained} rows of "
                                  f"{[r['rows'] for r in rollouts]}")
-            sync.push("state_dict", "load")
+            stats = sync.push("shards", "load")
             held, expected = generators.call("digest"), trainers.call("digest")
             if set(held) != set(expected) or len(set(expected)) != 1:
                 raise SystemExit(f"step {step}: generators hold {held}, trainers {expected}")
             if step % 5 == 0 or step == opts.steps - 1:
                 print(f"step {step:3d}: mean reward {rewards[-1]:.3f}, rows {trained}, "
-                      f"weights {held[0]} ({sync.transport})")
+                      f"weights {held[0]} ({sync.transport}, {stats.buckets} transfers)")
     chance = 1 / opts.actions
     print(f"mean reward {rewards[0]:.3f} -> {rewards[-1]:.3f} (chance {chance:.3f}); "
           f"done in {time.perf_counter() - started:.1f} s")
