@@ -76,7 +76,14 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from phalanx.controller.internals import internals
-from phalanx.controller.syncrecords import CLOSE_TIMEOUT, PushStats, SyncState, check_method
+from phalanx.controller.syncrecords import (
+    CLOSE_TIMEOUT,
+    PushStats,
+    SyncState,
+    check_method,
+    release,
+    release_quietly,
+)
 from phalanx.errors import CallTimeout, GroupClosed, PhalanxError, WorkerDied, printable
 from phalanx.rank import shardsync as rankside
 from phalanx.world import syncplan
@@ -163,8 +170,8 @@ class ShardSync:
         self._record = threading.Lock()
         self._applied: dict[Target, tuple[int | None, int]] = {}
         self._applying: set[Target] = set()
-        self._finalizer = weakref.finalize(self, _release_quietly, self._id,
-                                           [source, *self._targets])
+        self._finalizer = weakref.finalize(self, release_quietly, self._id,
+                                           [source, *self._targets], rankside.CLOSE)
         self._finalizer.atexit = False  # at exit the ranks end anyway
 
     # -- reading ------------------------------------------------------------------------
@@ -272,8 +279,9 @@ class ShardSync:
             self._check_open()
             self._targets.append(group)
             self._finalizer.detach()
-            self._finalizer = weakref.finalize(self, _release_quietly, self._id,
-                                               [self._source, *self._targets])
+            self._finalizer = weakref.finalize(self, release_quietly, self._id,
+                                               [self._source, *self._targets],
+                                               rankside.CLOSE)
             self._finalizer.atexit = False
 
     # -- forming ------------------------------------------------------------------------
@@ -626,7 +634,8 @@ class ShardSync:
             self._state = SyncState.CLOSED
             self._finalizer.detach()
             if self._generation:
-                _release(self._id, [self._source, *self._targets], wait=CLOSE_TIMEOUT)
+                release(self._id, [self._source, *self._targets], rankside.CLOSE,
+                        wait=CLOSE_TIMEOUT)
 
 
 # -- helpers ----------------------------------------------------------------------------
@@ -753,41 +762,3 @@ def _key(key: Any) -> Target | None:
             and isinstance(key[1], int)):
         return (key[0], key[1])
     return None
-
-
-def _release(sync_id: str, groups: list[WorkerGroup], wait: float | None) -> None:
-    """Tell every live rank of the open ``groups`` to forget the sync (waiting up to
-    ``wait`` s; None: not at all)."""
-    futures = []
-    for group in groups:
-        if group.closed:
-            continue
-        ranks = [h.rank for h in group.health() if h.alive]
-        if not ranks:
-            continue
-        try:
-            futures.append(internals(group).send_builtin(rankside.CLOSE, ranks,
-                                                         [(sync_id,)] * len(ranks)))
-        except PhalanxError as exc:  # shut down or died meanwhile: its ranks hold nothing
-            logger.debug("weight sync %s: group %s not told to close: %s", sync_id,
-                         group.name, exc)
-    if wait is None:
-        return
-    for future in futures:
-        try:
-            future.result(wait)
-        except PhalanxError as exc:
-            logger.warning("weight sync %s: closing it on group %s: %s", sync_id,
-                           future.group_name, exc)
-
-
-def _release_quietly(sync_id: str, groups: list[WorkerGroup]) -> None:
-    """The finalizer of a sync collected without close(): from a thread of its own."""
-    def run() -> None:
-        try:
-            _release(sync_id, groups, None)
-        except Exception as exc:  # noqa: BLE001 - a finalizer has no caller to tell
-            logger.debug("weight sync %s: release failed: %s", sync_id, exc)
-
-    threading.Thread(target=run, daemon=True, name=f"phalanx-shard-sync-{sync_id}").start()
-

@@ -1,18 +1,26 @@
 """What both kinds of ``px.weight_sync`` share (:mod:`phalanx.controller.weightsync`, one
 source rank's whole state dict; :mod:`phalanx.controller.shardsync`, every source rank's
-parts to every target's regions): the sync's states, the stats of a push, how long closing
-waits, and the check of a method's name before anything is sent.
+parts to every target's regions): the sync's states, the stats of a push, the check of a
+method's name before anything is sent, and letting the ranks go (how long closing waits;
+the finalizer of a sync never closed).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
+import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from phalanx.controller.internals import internals
+from phalanx.errors import PhalanxError
+
 if TYPE_CHECKING:
     from phalanx.controller.group import WorkerGroup
+
+logger = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT = 10.0  # seconds close() waits for the members to let go
 
@@ -73,3 +81,41 @@ def check_method(group: WorkerGroup, name: str) -> None:
     if name not in methods and not name.startswith("_"):
         raise AttributeError(f"group {group.name}'s workers have no method {name!r}; "
                              f"available: {', '.join(methods) or 'none'}")
+
+
+def release(sync_id: str, groups: list[WorkerGroup], close: str, wait: float | None) -> None:
+    """Tell every live rank of the open ``groups`` to forget the sync (the built-in call
+    ``close``), waiting up to ``wait`` s (None: not at all)."""
+    futures = []
+    for group in groups:
+        if group.closed:
+            continue
+        ranks = [h.rank for h in group.health() if h.alive]
+        if not ranks:
+            continue
+        try:
+            futures.append(internals(group).send_builtin(close, ranks,
+                                                         [(sync_id,)] * len(ranks)))
+        except PhalanxError as exc:  # shut down or died meanwhile: its ranks hold nothing
+            logger.debug("weight sync %s: group %s not told to close: %s", sync_id,
+                         group.name, exc)
+    if wait is None:
+        return
+    for future in futures:
+        try:
+            future.result(wait)
+        except PhalanxError as exc:
+            logger.warning("weight sync %s: closing it on group %s: %s", sync_id,
+                           future.group_name, exc)
+
+
+def release_quietly(sync_id: str, groups: list[WorkerGroup], close: str) -> None:
+    """The finalizer of a sync collected without close(): from a thread of its own (a
+    collection may run inside any call, in any thread, even a sync's own module's)."""
+    def run() -> None:
+        try:
+            release(sync_id, groups, close, None)
+        except Exception as exc:  # noqa: BLE001 - a finalizer has no caller to tell
+            logger.debug("weight sync %s: release failed: %s", sync_id, exc)
+
+    threading.Thread(target=run, daemon=True, name=f"phalanx-weight-sync-{sync_id}").start()

@@ -96,8 +96,15 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from phalanx.controller.internals import GroupInternals, internals
-from phalanx.controller.syncrecords import CLOSE_TIMEOUT, PushStats, SyncState, check_method
-from phalanx.errors import CallTimeout, GroupClosed, PhalanxError
+from phalanx.controller.syncrecords import (
+    CLOSE_TIMEOUT,
+    PushStats,
+    SyncState,
+    check_method,
+    release,
+    release_quietly,
+)
+from phalanx.errors import CallTimeout, GroupClosed
 from phalanx.options import check_seconds
 from phalanx.rank import weightsync as rankside
 
@@ -196,7 +203,8 @@ class WeightSync:
         self._identity: tuple[Any, ...] | None = None  # members' processes when formed
         self._members = [source, *self._targets]  # add() adds to it
         # collected without close(): the members let go, from a thread of their own
-        self._finalizer = weakref.finalize(self, _release_quietly, self._id, self._members)
+        self._finalizer = weakref.finalize(self, release_quietly, self._id, self._members,
+                                           rankside.CLOSE)
         self._finalizer.atexit = False  # at exit the ranks end anyway
         self._parts_sync: ShardSync | None = None  # the sync by parts, made at first use
         if self._all:
@@ -492,7 +500,8 @@ class WeightSync:
             self._state = SyncState.CLOSED
             self._finalizer.detach()
             if self._generation:
-                _release(self._id, [self._source, *self._targets], wait=CLOSE_TIMEOUT)
+                release(self._id, [self._source, *self._targets], rankside.CLOSE,
+                        wait=CLOSE_TIMEOUT)
         if self._parts_sync is not None:
             self._parts_sync.close()
 
@@ -554,41 +563,3 @@ def _gather(futures: list[Call], timeout: float) -> list[list[Any]]:
         first = futures[late[0]]
         raise CallTimeout(first.method, timeout, first.late_ranks(), group=first.group_name)
     return [b.result() for b in bridges]
-
-
-def _release(sync_id: str, groups: list[WorkerGroup], wait: float | None) -> None:
-    """Tell every live rank of the open ``groups`` to forget the sync (waiting up to
-    ``wait`` s; None: not at all)."""
-    futures = []
-    for group in groups:
-        if group.closed:
-            continue
-        ranks = [h.rank for h in group.health() if h.alive]
-        if not ranks:
-            continue
-        try:
-            futures.append(internals(group).send_builtin(rankside.CLOSE, ranks,
-                                                         [(sync_id,)] * len(ranks)))
-        except PhalanxError as exc:  # shut down or died meanwhile: its ranks hold nothing
-            logger.debug("weight sync %s: group %s not told to close: %s", sync_id,
-                         group.name, exc)
-    if wait is None:
-        return
-    for future in futures:
-        try:
-            future.result(wait)
-        except PhalanxError as exc:
-            logger.warning("weight sync %s: closing it on group %s: %s", sync_id,
-                           future.group_name, exc)
-
-
-def _release_quietly(sync_id: str, groups: list[WorkerGroup]) -> None:
-    """The finalizer of a sync collected without close(): from a thread of its own (a
-    collection may run inside any call, in any thread, even this module's)."""
-    def run() -> None:
-        try:
-            _release(sync_id, groups, None)
-        except Exception as exc:  # noqa: BLE001 - a finalizer has no caller to tell
-            logger.debug("weight sync %s: release failed: %s", sync_id, exc)
-
-    threading.Thread(target=run, daemon=True, name=f"phalanx-weight-sync-{sync_id}").start()
