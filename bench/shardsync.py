@@ -30,10 +30,12 @@ loopback TCP.
 Generators are zeroed before each trial and their values checked after it (a grid of
 rows and columns, every row quarter's edges among them; untimed). One warm-up trial of
 each way (the sync's forming in it), then 3 trials (1 with ``--quick``), order cycling.
-Then, on the sync: one generator rank is SIGKILLed mid-stage (from a thread here, 40% of
-a normal stage's time into a push) and the push's time, until it raises naming that
-rank, is compared with a normal push's; the killed rank is recreated and ``catch_up``
-gives it the current version: the bytes each target received then.
+Then, on the sync, 3 rounds (1 with ``--quick``) of: a normal push, and a push during
+which one generator rank is SIGKILLed from a thread here (0.5, 0.3 and 0.7 of the median
+stage into it: before its sources reach it, or while they send), timed until it raises
+naming that rank, against the normal pushes' median; the others' values checked; then the
+rank recreated and given the current version by ``catch_up``: the bytes each target
+received then.
 
 The floor: this machine's memcpy bandwidth (numpy, 256 MiB) and loopback TCP bandwidth
 (one connection between two processes, 256 MiB), measured in the same run.
@@ -639,7 +641,7 @@ def _targets(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                                "+-2% (the sync)", ok))
         shares = [info["apply_s"] / info["push_s"] for info in syncs]
         targets.append(_target(f"W15 {case}: the apply pause < 10% of the push",
-                               None if not shares else median(shares) < 0.10))
+                               None if not shares else (median(shares) or 0.0) < 0.10))
         kills = res.get("kills") or []
         ratios = [k["seconds"] / k["baseline_push_s"] for k in kills]
         targets.append(_target(
