@@ -47,6 +47,7 @@ import ctypes
 import functools
 import logging
 import math
+import mmap
 import os
 import socket
 import sys
@@ -81,13 +82,12 @@ IDLE_TIMEOUT = 120.0
 _JOIN_MARGIN = 5.0  # seconds past its timeout a send waits for a sender thread to end
 _ALIGN = 64  # each transfer's bytes start on a cache line in a snapshot
 
-# Test hooks (set in a test's own process only): called once a send's snapshot is taken,
-# before any byte leaves; called with each transfer's snapshot bytes after its digest.
 # The broadcast transport's holder of an arena a target receives into (reused while no
 # tensor of it outlives set) and of a block a source writes into (reused once unread).
 _Holder = weightsync._Member  # noqa: SLF001 - its rules, shared rather than copied
 
-AFTER_SNAPSHOT: Callable[[], None] | None = None
+# A test hook (set in a test's own process only): called with each piece's snapshot bytes
+# after its digest (it makes every piece a copy: it must not write the user's tensors).
 CORRUPT: Callable[[memoryview], None] | None = None
 
 
@@ -125,7 +125,12 @@ class _Member:
         self.pending: _Version | None = None
         self.applied: int | None = None
         self.arena = _Holder(generation, IDLE_TIMEOUT)  # staging, reused
-        self.blocks: dict[Any, _Holder] = {}  # target key -> its block's holder
+        # as a source: the block of every target on this machine, this process's mapping
+        # of it; the buffer of the TCP targets' copies; the last send's sender threads
+        self.block = _Holder(generation, 0)
+        self.mapped: tuple[Any, mmap.mmap] | None = None  # (memfd.Block, its mapping)
+        self.buffer: Any = None
+        self.senders: list[threading.Thread] = []
 
     def close(self) -> None:
         listener, self.listener = self.listener, None
@@ -134,9 +139,30 @@ class _Member:
         with self.lock:
             self.pending = None
         self.arena.close()
-        for holder in self.blocks.values():
-            holder.close()
-        self.blocks = {}
+        self.unmap()
+        self.block.close()
+        self.buffer = None
+
+    def map_block(self, nbytes: int) -> memoryview:
+        """The bytes of the block to snapshot ``nbytes`` into (the last one, if it fits and
+        no target maps it any more), through a mapping of this process kept with it: its
+        pages, once there, cost nothing to write again."""
+        block = self.block.block_for(max(nbytes, 1))
+        if self.mapped is None or self.mapped[0] is not block:
+            self.unmap()
+            mapping = mmap.mmap(block.fd, block.capacity)
+            try:  # its pages made in one go, not one fault each
+                mapping.madvise(getattr(mmap, "MADV_POPULATE_WRITE", 23))
+            except OSError:  # before Linux 5.14
+                pass
+            self.mapped = (block, mapping)
+        return memoryview(self.mapped[1])
+
+    def unmap(self) -> None:
+        mapped, self.mapped = self.mapped, None
+        if mapped is not None:
+            with contextlib.suppress(BufferError):  # a view left: it goes with it
+                mapped[1].close()
 
 
 class Syncs:
@@ -352,19 +378,28 @@ def close(obj: Any, sync_id: str) -> None:
 def _receive(member: _Member, sock: socket.socket, sealer: kvproto.Sealer,
              opener: kvproto.Opener, peer: str) -> None:
     """Serve one source's connection (a listener's thread): each batch staged, then
-    acked."""
-    while True:
-        deadline = shardwire.Deadline(IDLE_TIMEOUT, stall=True)
-        body = shardwire.read_frame(sock, opener, deadline)
-        if body is None:
-            return
-        batch = shardwire.decode_batch(body)
-        staged, failed = _stage_batch(member, sock, batch, deadline)
-        shardwire.send_frame(sock, sealer, shardwire.encode_ack(staged, failed), deadline)
+    acked; a source's block stays mapped between its batches, and is unmapped before the
+    last one's ack (the source writes it again once no target maps it)."""
+    maps = _BlockMaps()
+    try:
+        while True:
+            deadline = shardwire.Deadline(IDLE_TIMEOUT, stall=True)
+            body = shardwire.read_frame(sock, opener, deadline)
+            if body is None:
+                return
+            batch = shardwire.decode_batch(body)
+            staged, failed = _stage_batch(member, sock, batch, deadline, maps)
+            if batch.last:
+                maps.release()
+            shardwire.send_frame(sock, sealer, shardwire.encode_ack(staged, failed),
+                                 deadline)
+    finally:
+        maps.release()
 
 
 def _stage_batch(member: _Member, sock: socket.socket, batch: shardwire.Batch,
-                 deadline: shardwire.Deadline) -> tuple[int, list[tuple[int, str]]]:
+                 deadline: shardwire.Deadline, maps: _BlockMaps
+                 ) -> tuple[int, list[tuple[int, str]]]:
     """Put each transfer of ``batch`` into its place in the staging of its version ->
     bytes staged, and (tid, why) of each transfer that failed. A transfer that cannot be
     placed is read and dropped (TCP), so the stream stays in step."""
@@ -375,32 +410,32 @@ def _stage_batch(member: _Member, sock: socket.socket, batch: shardwire.Batch,
         have = "none" if pending is None else f"version {pending.version}"
         wrong = f"the target expects no version {batch.version} (it expects {have})"
     staged, failed = 0, []
-    with _mapped(batch, wrong is None) as block:
-        for entry in batch.entries:
-            why = wrong
-            spec = None if pending is None else pending.transfers.get(entry.tid)
-            if why is None and spec is None:
-                why = f"transfer {entry.tid} is not one the target expects"
-            elif why is None and spec is not None and spec.nbytes != entry.nbytes:
-                why = (f"transfer {entry.tid} is {spec.nbytes} bytes at the target, "
-                       f"{entry.nbytes} at the source")
-            if why is None and pending is not None and spec is not None:
-                why = _place(pending, spec, entry, sock, block, deadline)
-            elif batch.mode == shardwire.TCP:
-                shardwire.drain(sock, entry.nbytes, deadline)
-            if why is None:
-                staged += entry.nbytes
-            else:
-                failed.append((entry.tid, why))
-            if pending is not None and spec is not None:
-                with member.lock:
-                    if why is None:
-                        pending.staged.add(entry.tid)
-                        pending.failed.pop(entry.tid, None)
-                        pending.received += entry.nbytes
-                    else:
-                        pending.staged.discard(entry.tid)
-                        pending.failed[entry.tid] = why
+    block = maps.view(batch) if wrong is None else None
+    for entry in batch.entries:
+        why = wrong
+        spec = None if pending is None else pending.transfers.get(entry.tid)
+        if why is None and spec is None:
+            why = f"transfer {entry.tid} is not one the target expects"
+        elif why is None and spec is not None and spec.nbytes != entry.nbytes:
+            why = (f"transfer {entry.tid} is {spec.nbytes} bytes at the target, "
+                   f"{entry.nbytes} at the source")
+        if why is None and pending is not None and spec is not None:
+            why = _place(pending, spec, entry, sock, block, deadline)
+        elif batch.mode == shardwire.TCP:
+            shardwire.drain(sock, entry.nbytes, deadline)
+        if why is None:
+            staged += entry.nbytes
+        else:
+            failed.append((entry.tid, why))
+        if pending is not None and spec is not None:
+            with member.lock:
+                if why is None:
+                    pending.staged.add(entry.tid)
+                    pending.failed.pop(entry.tid, None)
+                    pending.received += entry.nbytes
+                else:
+                    pending.staged.discard(entry.tid)
+                    pending.failed[entry.tid] = why
     return staged, failed
 
 
@@ -436,48 +471,83 @@ def _place(pending: _Version, spec: _Transfer, entry: shardwire.Entry, sock: soc
     return None
 
 
-@contextlib.contextmanager
-def _mapped(batch: shardwire.Batch, wanted: bool) -> Iterator[memoryview | None]:
-    """The source's block a shared batch names, mapped (and its read lock held) while the
-    batch is placed, then unmapped: the source may write it again once every target that
-    read it acked. None for a TCP batch."""
-    if batch.mode != shardwire.SHARED or not wanted:
-        yield None
-        return
-    from phalanx.rank import shared
+class _BlockMaps:
+    """The source's block a connection's shared batches name, mapped (its read lock held)
+    from the first batch that names it until :meth:`release`: the source writes it again
+    once every target that read it released it."""
 
-    pid, fd, token, capacity = batch.where
-    mapping = shared.map_block(pid, fd, token, capacity, True, locked=True)
-    view = memoryview(mapping)
-    try:
-        yield view
-    finally:
-        view.release()
-        del mapping  # with the last reference, its read lock goes
+    def __init__(self) -> None:
+        self._where: tuple[int, int, str, int] | None = None
+        self._mapping: Any = None
+        self._view: memoryview | None = None
+
+    def view(self, batch: shardwire.Batch) -> memoryview | None:
+        """The bytes of the block ``batch`` names (None for a TCP batch)."""
+        if batch.mode != shardwire.SHARED:
+            return None
+        if self._where != batch.where:
+            from phalanx.rank import shared
+
+            self.release()
+            pid, fd, token, capacity = batch.where
+            self._mapping = shared.map_block(pid, fd, token, capacity, True, locked=True)
+            self._view, self._where = memoryview(self._mapping), batch.where
+        return self._view
+
+    def release(self) -> None:
+        view, self._view, self._where = self._view, None, None
+        if view is not None:
+            view.release()
+        self._mapping = None  # with the last reference, its read lock goes
 
 
 # -- the source ---------------------------------------------------------------------------
 
 
+class _Piece:
+    """One distinct box of a local block this send hands out, snapshot once for every
+    target that gets it: in the member's block (targets on this machine), or in a buffer
+    or, where the box is contiguous in the tensor, the tensor's own memory (TCP)."""
+
+    def __init__(self, name: str, offset: tuple[int, ...], shape: tuple[int, ...],
+                 nbytes: int, shared: bool) -> None:
+        self.name, self.offset, self.shape, self.nbytes = name, offset, shape, nbytes
+        self.shared = shared
+        self.at = 0  # where it starts in the block or the buffer
+        self.source: Any = None  # the box of the local tensor (kept: ``memory`` may be its)
+        self.own = False  # sent from the tensor's own memory: nothing to copy
+        self.memory: memoryview | None = None  # its bytes (TCP), once ready
+        self.digest = b""
+        self.rank = 0  # the earliest place any target sends it at: the copying order
+        self.ready = threading.Event()  # its bytes (and digest) are there, or the copy failed
+
+
 class _Outgoing:
-    """What one send hands one target: its transfers' snapshot, in a buffer or a block."""
+    """What one send hands one target: its transfers, each a piece, in order."""
 
     def __init__(self, key: Any, host: str, port: int, shared: bool) -> None:
         self.key, self.host, self.port, self.shared = key, host, port, shared
-        self.entries: list[shardwire.Entry] = []
+        self.items: list[tuple[int, _Piece]] = []  # (tid, piece)
         self.where: tuple[int, int, str, int] = (0, 0, "", 0)
-        self.parts: list[memoryview] = []  # each transfer's snapshot (TCP), in order
-        self.keep: Any = None  # the buffer that backs ``parts``
+
+
+class _Snapshot:
+    """One send's copying, as its senders see it: ``failed`` says why it stopped."""
+
+    def __init__(self) -> None:
+        self.failed: str | None = None
 
 
 def send(obj: Any, sync_id: str, generation: int, version: int, get: str,
          sends: Sequence[tuple[Any, ...]], verify: bool, timeout: float,
          secret_hex: str) -> dict[str, Any]:
     """Snapshot every box of ``sends`` (``(tid, target key, host, port, machine, name,
-    offset, shape, nbytes)``: the box of this rank's block of ``name``), then send to every
-    target at once, each within ``timeout`` -> ``{"acked": {key: bytes}, "errors": {key:
-    why}, "via": {key: "shared" or "tcp"}, "snapshot_s", "send_s"}``. A target that fails
-    is reported, not raised."""
+    offset, shape, nbytes)``: the box of this rank's block of ``name``) and send it to
+    every target that gets it, all targets at once, each within ``timeout`` ->
+    ``{"acked": {key: bytes}, "errors": {key: why}, "via": {key: "shared" or "tcp"},
+    "snapshot_s", "send_s"}`` (``snapshot_s``: the copying, which the sends overlap;
+    ``send_s``: from the first sender's start to the last ack). A target that fails is
+    reported, not raised."""
     from phalanx.wire import memfd
 
     secret = kvproto.check_secret(bytes.fromhex(secret_hex))
@@ -486,7 +556,7 @@ def send(obj: Any, sync_id: str, generation: int, version: int, get: str,
     state = _state(obj, get)
     here = memfd.block_domain() if memfd.supported() else None
     targets: dict[Any, _Outgoing] = {}
-    boxes: dict[Any, list[tuple[int, str, tuple[int, ...], tuple[int, ...], int]]] = {}
+    pieces: dict[tuple[Any, ...], _Piece] = {}
     locals_: dict[str, Any] = {}
     for tid, key, host, port, machine, name, offset, shape, nbytes in sends:
         if name not in state:
@@ -494,91 +564,144 @@ def send(obj: Any, sync_id: str, generation: int, version: int, get: str,
                            "sync's plan")
         if name not in locals_:
             locals_[name] = _block_of(name, state[name], get)[0]
-        if key not in targets:
-            targets[key] = _Outgoing(key, host, port, here is not None and machine == here)
-            boxes[key] = []
-        boxes[key].append((tid, name, tuple(offset), tuple(shape), nbytes))
-    for key, outgoing in targets.items():
-        _snapshot(member, outgoing, boxes[key], locals_, verify)
-    del state, locals_
-    snapshot_s = time.perf_counter() - start
-    if AFTER_SNAPSHOT is not None:
-        AFTER_SNAPSHOT()
-    start = time.perf_counter()
-    acked: dict[Any, int] = {}
-    errors: dict[Any, str] = {}
-    threads = [threading.Thread(target=_send_to, daemon=True, name="phalanx-shardsync-send",
-                                args=(outgoing, version, secret, timeout, acked, errors))
-               for outgoing in targets.values()]
-    for thread in threads:
-        thread.start()
-    end = time.monotonic() + timeout + _JOIN_MARGIN
-    for thread in threads:
-        thread.join(max(0.0, end - time.monotonic()))
-    for key in targets:  # a thread stuck past every deadline (it should not be)
-        if key not in acked and key not in errors:
-            errors[key] = f"no answer within {timeout:g} s"
-    via = {key: "shared" if outgoing.shared else "tcp" for key, outgoing in targets.items()}
-    return {"acked": dict(acked), "errors": dict(errors), "via": via,
-            "snapshot_s": snapshot_s, "send_s": time.perf_counter() - start}
-
-
-def _snapshot(member: _Member, outgoing: _Outgoing,
-              boxes: list[tuple[int, str, tuple[int, ...], tuple[int, ...], int]],
-              locals_: dict[str, Any], verify: bool) -> None:
-    """Copy ``boxes`` of the local blocks into ``outgoing``'s snapshot: a block of this
-    rank for a target on its machine, else one buffer (each box at a cache line)."""
-    import mmap
-
-    import torch
-
-    offsets, total = [], 0
-    for tid, name, offset, shape, nbytes in boxes:
+        outgoing = targets.get(key)
+        if outgoing is None:
+            outgoing = targets[key] = _Outgoing(key, host, port,
+                                                here is not None and machine == here)
+        offset, shape = tuple(offset), tuple(shape)
         tensor = locals_[name]
         if not _within(offset, shape, tuple(tensor.shape)) or (
                 nbytes != math.prod(shape) * tensor.element_size()):
             raise ValueError(f"transfer {tid}: a box of {shape} at {offset} ({nbytes} bytes) "
                              f"is not within this rank's {tuple(tensor.shape)} {name!r}")
-        total = -(-total // _ALIGN) * _ALIGN
-        offsets.append(total)
-        total += nbytes
-    mapping: mmap.mmap | None = None
-    if outgoing.shared:
-        holder = member.blocks.get(outgoing.key)
-        if holder is None:
-            holder = member.blocks[outgoing.key] = _Holder(member.generation, 0)
-        block = holder.block_for(max(total, 1))
-        mapping = mmap.mmap(block.fd, block.capacity)
-        outgoing.where = (os.getpid(), block.fd, block.token, block.capacity)
-        memory = memoryview(mapping)
-    else:
-        buffer = torch.empty(max(total, 1), dtype=torch.uint8)
-        outgoing.keep, memory = buffer, _memory(buffer)
+        where = (name, offset, shape, outgoing.shared)
+        piece = pieces.get(where)
+        if piece is None:
+            piece = pieces[where] = _Piece(name, offset, shape, nbytes, outgoing.shared)
+            piece.source, piece.rank = tensor[_slices(offset, shape)], len(outgoing.items)
+        piece.rank = min(piece.rank, len(outgoing.items))
+        outgoing.items.append((tid, piece))
+    del state
+    order = sorted(pieces.values(), key=lambda p: p.rank)  # (stable: the plan's order)
+    snapshot = _Snapshot()
+    copies, mapping = _lay_out(member, order, verify)
+    shared_where = ((os.getpid(), member.block.block.fd, member.block.block.token,
+                     member.block.block.capacity) if mapping is not None else (0, 0, "", 0))
+    for outgoing in targets.values():
+        if outgoing.shared:
+            outgoing.where = shared_where
+    acked: dict[Any, int] = {}
+    errors: dict[Any, str] = {}
+    sending = time.perf_counter()
+    threads = [threading.Thread(target=_send_to, daemon=True, name="phalanx-shardsync-send",
+                                args=(outgoing, version, secret, timeout, snapshot, acked,
+                                      errors))
+               for outgoing in targets.values()]
+    member.senders = threads
+    for thread in threads:
+        thread.start()  # each connects (its handshake) while the pieces are copied
     try:
-        for (tid, name, offset, shape, nbytes), at in zip(boxes, offsets, strict=True):
-            part = memory[at:at + nbytes]
-            if nbytes:
-                source = locals_[name][_slices(offset, shape)]
-                with _quiet():
-                    torch.frombuffer(part, dtype=source.dtype).view(shape).copy_(source)
-            outgoing.entries.append(shardwire.Entry(
-                tid, nbytes, at if outgoing.shared else 0,
-                shardwire.digest(part) if verify else b""))
-            if CORRUPT is not None and nbytes:
-                CORRUPT(part)
-            if outgoing.shared:
-                part.release()
-            else:
-                outgoing.parts.append(part)
+        _copy(copies, mapping, verify)
+    except BaseException as exc:
+        snapshot.failed = f"this source could not copy what it sends: {exc}"
+        raise
     finally:
         if mapping is not None:
-            memory.release()
-            mapping.close()
+            mapping.release()
+        snapshot_s = time.perf_counter() - start
+        for piece in order:  # (those copied are set already)
+            piece.ready.set()
+        if snapshot.failed is not None:
+            _join(threads, 5.0)
+    del locals_
+    end = time.monotonic() + timeout + _JOIN_MARGIN
+    _join(threads, end - time.monotonic())
+    for key in targets:  # a thread stuck past every deadline (it should not be)
+        if key not in acked and key not in errors:
+            errors[key] = f"no answer within {timeout:g} s"
+    via = {key: "shared" if outgoing.shared else "tcp" for key, outgoing in targets.items()}
+    return {"acked": dict(acked), "errors": dict(errors), "via": via,
+            "snapshot_s": snapshot_s, "send_s": time.perf_counter() - sending}
+
+
+def _join(threads: list[threading.Thread], seconds: float) -> None:
+    end = time.monotonic() + seconds
+    for thread in threads:
+        thread.join(max(0.0, end - time.monotonic()))
+
+
+def _lay_out(member: _Member, pieces: list[_Piece], verify: bool
+             ) -> tuple[list[_Piece], memoryview | None]:
+    """Place each piece: the shared ones in the member's block (one for every target on
+    this machine, written again only once no target maps it), the TCP ones in the member's
+    buffer (reused once no sender of the last send is left), or in the tensor's own memory
+    where the box is contiguous there (ready now, unless its digest is to be taken) ->
+    the pieces to copy, in order, and the block's mapping (None: no shared piece)."""
+    import torch
+
+    shared_total = tcp_total = 0
+    copies = []
+    for piece in pieces:
+        box = piece.source
+        if not piece.shared and CORRUPT is None and box.device.type == "cpu" and (
+                box.is_contiguous()):
+            piece.memory, piece.own = _memory(box), True  # (``box`` holds that memory)
+            if verify:
+                copies.append(piece)
+            else:
+                piece.ready.set()
+            continue
+        copies.append(piece)
+        if piece.shared:
+            shared_total = -(-shared_total // _ALIGN) * _ALIGN
+            piece.at, shared_total = shared_total, shared_total + piece.nbytes
+        else:
+            tcp_total = -(-tcp_total // _ALIGN) * _ALIGN
+            piece.at, tcp_total = tcp_total, tcp_total + piece.nbytes
+    if tcp_total:
+        buffer = member.buffer
+        if buffer is None or not tcp_total <= buffer.numel() <= 2 * tcp_total or any(
+                thread.is_alive() for thread in member.senders):
+            buffer = member.buffer = torch.empty(tcp_total, dtype=torch.uint8)
+        memory = _memory(buffer)
+        for piece in copies:
+            if not piece.shared and piece.memory is None:
+                piece.memory = memory[piece.at:piece.at + piece.nbytes]
+    mapping = member.map_block(shared_total) if any(p.shared for p in pieces) else None
+    return copies, mapping
+
+
+def _copy(pieces: list[_Piece], mapping: memoryview | None, verify: bool) -> None:
+    """Copy each piece into its place, in order, each ready (its senders go) once it is
+    there and its digest taken."""
+    import torch
+
+    for piece in pieces:
+        if piece.shared:
+            assert mapping is not None
+            part = mapping[piece.at:piece.at + piece.nbytes]
+        else:
+            assert piece.memory is not None
+            part = piece.memory
+        try:
+            if piece.nbytes and not piece.own:
+                box = piece.source
+                with _quiet():
+                    torch.frombuffer(part, dtype=box.dtype).view(piece.shape).copy_(box)
+            if verify:
+                piece.digest = shardwire.digest(part)
+            if CORRUPT is not None and piece.nbytes:
+                CORRUPT(part)
+        finally:
+            if piece.shared:
+                part.release()
+        piece.ready.set()
 
 
 def _send_to(outgoing: _Outgoing, version: int, secret: bytes, timeout: float,
-             acked: dict[Any, int], errors: dict[Any, str]) -> None:
-    """One target's batch, sent and acked by the deadline (a sender thread); the outcome
+             snapshot: _Snapshot, acked: dict[Any, int], errors: dict[Any, str]) -> None:
+    """One target's transfers, each sent once its piece is ready (in batches of those
+    ready together), and every batch acked, by the deadline (a sender thread); the outcome
     into ``acked`` or ``errors``."""
     key = outgoing.key
     deadline = shardwire.Deadline(timeout)
@@ -592,26 +715,60 @@ def _send_to(outgoing: _Outgoing, version: int, secret: bytes, timeout: float,
     except Exception as exc:  # noqa: BLE001 - AuthenticationError, a refusal: reported
         errors[key] = f"its receiver at {where} failed the handshake: {exc}"
         return
+    staged, sent, answered = 0, 0, 0
+    failed: list[tuple[int, str]] = []
     try:
         mode = shardwire.SHARED if outgoing.shared else shardwire.TCP
-        body = shardwire.encode_batch(shardwire.Batch(version, mode, outgoing.where,
-                                                      outgoing.entries))
-        shardwire.send_frame(sock, sealer, body, deadline)
-        for part in outgoing.parts:  # (none in shared mode)
-            shardwire.send_bytes(sock, part, deadline)
-        reply = shardwire.read_frame(sock, opener, deadline)
-        if reply is None:
-            raise ConnectionError("it closed the connection before it acked")
-        staged, failed = shardwire.decode_ack(reply)
+        items, done = outgoing.items, 0
+        while done < len(items):
+            if not items[done][1].ready.wait(deadline.left()):
+                raise TimeoutError(f"this source did not copy its bytes within {timeout:g} s")
+            if snapshot.failed is not None:
+                errors[key] = snapshot.failed
+                return
+            end = done + 1
+            while end < len(items) and end - done < shardwire.MAX_TRANSFERS and (
+                    items[end][1].ready.is_set()):
+                end += 1
+            batch = items[done:end]
+            entries = [shardwire.Entry(tid, piece.nbytes, piece.at if outgoing.shared else 0,
+                                       piece.digest) for tid, piece in batch]
+            body = shardwire.encode_batch(shardwire.Batch(version, mode, outgoing.where,
+                                                          entries, end == len(items)))
+            shardwire.send_frame(sock, sealer, body, deadline)
+            if not outgoing.shared:
+                for _, piece in batch:
+                    assert piece.memory is not None
+                    shardwire.send_bytes(sock, piece.memory, deadline)
+            done, sent = end, sent + 1
+            # acks waiting are read now: a target never blocks on an ack nobody reads
+            while answered < sent and streams.wait_readable([sock.fileno()], 0):
+                answered += 1
+                staged, failed = _acked(sock, opener, deadline, staged, failed)
+        while answered < sent:
+            answered += 1
+            staged, failed = _acked(sock, opener, deadline, staged, failed)
         acked[key] = staged
         if failed:
             shown = "; ".join(why for _, why in failed[:3])
             more = f" (and {len(failed) - 3} more)" if len(failed) > 3 else ""
             errors[key] = f"{len(failed)} transfer(s) failed at the target: {shown}{more}"
     except (OSError, kvproto.ProtocolError) as exc:
+        if staged:
+            acked[key] = staged
         errors[key] = f"sending to {where} failed: {_why(exc, deadline)}"
     finally:
         streams.close_socket(sock)
+
+
+def _acked(sock: socket.socket, opener: kvproto.Opener, deadline: shardwire.Deadline,
+           staged: int, failed: list[tuple[int, str]]) -> tuple[int, list[tuple[int, str]]]:
+    """The next ack read, added to ``staged`` and ``failed``."""
+    reply = shardwire.read_frame(sock, opener, deadline)
+    if reply is None:
+        raise ConnectionError("it closed the connection before it acked")
+    more, why = shardwire.decode_ack(reply)
+    return staged + more, failed + why
 
 
 def _why(exc: BaseException, deadline: shardwire.Deadline) -> str:

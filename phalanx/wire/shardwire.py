@@ -3,23 +3,27 @@ one target rank (:mod:`phalanx.rank.shardsync`), as bytes on a socket, with no t
 
 A target listens on its node's address; a source connects to it, proves the sync's secret
 (32 random bytes the controller made and handed to every member inside calls) and is
-proved to in turn, then sends *batches*: all it has for that target in one ``send``. The
-handshake is the joint worlds' store's (:mod:`phalanx.wire.kvproto`: the client proves
+proved to in turn, then sends *batches*: one ``send``'s boxes for that target, in one
+batch or in several (each box as soon as the source has it: the last batch says it is the
+last). The handshake is the joint worlds' store's (:mod:`phalanx.wire.kvproto`: the client proves
 first, so a stranger learns nothing derived from the secret; then the server), under a
 magic of its own, and so are the frames' tags (``<u32 length> body <tag>``, one key per
 direction, counting the frames)::
 
-    source -> target   BATCH frame: version, mode, where (shared mode), then per transfer
-                       tid, nbytes, offset (in the block), digest (empty: none)
+    source -> target   BATCH frame: version, mode, where (shared mode), last, then per
+                       transfer tid, nbytes, offset (in the block), digest (empty: none)
     source -> target   (TCP mode) each transfer's bytes, in order, raw
-    target -> source   ACK frame: status OK or FAILED, bytes staged, then (tid, reason)
-                       per transfer that failed
+    ...                (more batches; the source need not wait for an ack to send one)
+    target -> source   ACK frame per batch, in order: status OK or FAILED, bytes staged,
+                       then (tid, reason) per transfer that failed
 
 In TCP mode the bytes follow the frame untagged: a relay that forwarded the handshake
 could alter them, which ``verify`` (a blake2b digest per transfer, carried in the tagged
 frame) catches. In shared mode (source and target on one machine) no byte crosses the
 socket: the frame names a memory block of the source (:class:`phalanx.wire.memfd.Block`),
-which the target maps, copies from and unmaps before it acks.
+which the target maps, copies from, and unmaps before it acks the *last* batch (it may keep
+it mapped between the batches of one connection: the source writes a block again only once
+no target maps it).
 
 Every read and write has a deadline (:class:`Deadline`): a peer that stalls fails the
 operation on time; nothing here waits without one.
@@ -49,7 +53,8 @@ HELLO_SIZE = len(MAGIC) + kvproto.NONCE_SIZE
 TCP, SHARED = 0, 1  # a batch's mode: its bytes follow on the socket, or sit in a block
 BATCH = 1  # the code of a batch frame (an ack's code is kvproto.OK or kvproto.FAILED)
 DIGEST_SIZE = 32  # blake2b's, of one transfer's bytes
-_FIXED = 6  # a batch's fields before its transfers: version, mode, pid, fd, token, capacity
+_FIXED = 7  # a batch's fields before its transfers: version, mode, pid, fd, token,
+# capacity, last
 _PER_TRANSFER = 4  # tid, nbytes, offset, digest
 # transfers of one batch: a frame holds at most kvproto.MAX_FIELDS fields
 MAX_TRANSFERS = (kvproto.MAX_FIELDS - _FIXED) // _PER_TRANSFER
@@ -95,6 +100,7 @@ class Batch(NamedTuple):
     mode: int  # TCP or SHARED
     where: tuple[int, int, str, int]  # the block: (pid, fd, token, capacity); shared mode
     entries: list[Entry]
+    last: bool = True  # the source's last batch of this connection
 
 
 def digest(data: memoryview) -> bytes:
@@ -232,7 +238,7 @@ def encode_batch(batch: Batch) -> bytes:
     pid, fd, token, capacity = batch.where
     fields = [kvproto.integer(batch.version), kvproto.integer(batch.mode),
               kvproto.integer(pid), kvproto.integer(fd), token.encode(),
-              kvproto.integer(capacity)]
+              kvproto.integer(capacity), kvproto.integer(int(batch.last))]
     for entry in batch.entries:
         fields += [kvproto.integer(entry.tid), kvproto.integer(entry.nbytes),
                    kvproto.integer(entry.offset), entry.digest]
@@ -245,8 +251,8 @@ def decode_batch(body: bytes) -> Batch:
     if code != BATCH or len(fields) < _FIXED or (len(fields) - _FIXED) % _PER_TRANSFER:
         raise kvproto.ProtocolError("a frame that is not a batch")
     version, mode, pid, fd = (kvproto.to_int(f) for f in fields[:4])
-    capacity = kvproto.to_int(fields[5])
-    if mode not in (TCP, SHARED) or min(pid, fd, capacity) < 0:
+    capacity, last = kvproto.to_int(fields[5]), kvproto.to_int(fields[6])
+    if mode not in (TCP, SHARED) or min(pid, fd, capacity) < 0 or last not in (0, 1):
         raise kvproto.ProtocolError(f"a batch of mode {mode}, block ({pid}, {fd}, "
                                     f"{capacity})")
     try:
@@ -261,7 +267,7 @@ def decode_batch(body: bytes) -> Batch:
             raise kvproto.ProtocolError(f"transfer {tid}: {nbytes} bytes at {offset}, a "
                                         f"digest of {len(digest_)} bytes")
         entries.append(Entry(tid, nbytes, offset, digest_))
-    return Batch(version, mode, (pid, fd, token, capacity), entries)
+    return Batch(version, mode, (pid, fd, token, capacity), entries, bool(last))
 
 
 def encode_ack(staged: int, failed: Sequence[tuple[int, str]]) -> bytes:

@@ -92,7 +92,7 @@ def _rank_main(path: str) -> None:
     sock.connect(path)
     _send(sock, os.getpid())
 
-    def mutate() -> None:  # the optimizer step right after the snapshot
+    def mutate() -> None:  # the optimizer step once send returned
         for tensor in _tensors_of(model.state):
             tensor.fill_(-1)
 
@@ -115,8 +115,9 @@ def _rank_main(path: str) -> None:
                 os.environ["PHALANX_BLOCK_DOMAIN"] = args[0]
                 result = None
             elif op == "hooks":
-                mutate_on, corrupt_on = args
-                rank_side.AFTER_SNAPSHOT = mutate if mutate_on else None
+                mutate_now, corrupt_on = args
+                if mutate_now:
+                    mutate()
                 rank_side.CORRUPT = corrupt if corrupt_on else None
                 result = None
             elif op == "dtensor":  # hold ``local`` as this rank's row shard of a DTensor
@@ -386,10 +387,10 @@ def test_row_shards_reach_a_column_region_over_tcp_and_through_shared_memory(spa
     assert torch.equal(first["w"], W) and torch.equal(second["w"], W + 1000.0)
 
 
-def test_the_snapshot_is_taken_before_any_byte_leaves(spawn):
-    """The source's tensors change (an optimizer step) right after send's snapshot, before
-    its sends: the target receives the values of the snapshot, over TCP and through a
-    block."""
+def test_a_step_once_send_returned_changes_nothing_staged(spawn):
+    """The source's tensors change (an optimizer step) as soon as send returned, before the
+    target applies: the target applies the values send was called with, over TCP (sent from
+    the tensor's own memory: a whole tensor) and through a block."""
     source, target = spawn("m0", "m1")
     sources, targets = {0: source}, {"whole": target}
     full = torch.randn(16, 8)
@@ -400,10 +401,10 @@ def test_the_snapshot_is_taken_before_any_byte_leaves(spawn):
                 rank.ask("domain", domain)
                 rank.call(shardsync.CLOSE, SYNC)
         source.ask("hold", {"w": full.clone()}, None)
-        source.ask("hooks", True, False)  # fill every tensor with -1 after the snapshot
         secret = secrets.token_hex(32)
         addresses = _listen(targets, secret)
         answer = _stage(sources, targets, version, secret, wants, addresses)[0]
+        source.ask("hooks", True, False)  # fill every tensor with -1 now
         assert answer["errors"] == {}
         assert answer["via"] == {"whole": "tcp" if domain is None else "shared"}
         target.call(shardsync.APPLY, SYNC, 1, version, "set")
