@@ -337,7 +337,8 @@ def test_row_shards_reach_a_column_region_over_tcp_and_through_shared_memory(spa
     """Two row-sharded sources, a target wanting columns 8..40 of ``w`` only and one
     wanting everything (``v``'s column shards land in non-contiguous boxes of its
     staging): each target gets exactly its regions' bytes and values, first with every
-    rank on a machine of its own (TCP), then on one machine (a memory block per target);
+    rank on a machine of its own (TCP), then on one machine (one memory block of each
+    source for both targets);
     tensors a set() kept are never written by a later version."""
     s0, s1, cols, whole = spawn("m0", "m1", "m2", "m3")
     sources, targets = {0: s0, 1: s1}, {"cols": cols, "whole": whole}
@@ -411,6 +412,35 @@ def test_a_step_once_send_returned_changes_nothing_staged(spawn):
         assert torch.equal(target.ask("history")[-1]["w"], full)
         (now,) = source.ask("state")  # the hook did run: the source's tensor changed
         assert torch.equal(now, torch.full((16, 8), -1.0))
+
+
+def test_targets_wanting_the_same_box_each_get_it_over_tcp_shared_memory_or_both(spawn):
+    """Two targets want the same columns of a source's tensor (a box it copies once for
+    both): each gets them, with every rank apart (TCP), all on one machine (one block the
+    targets both map), and one target beside the source and one apart (one of each);
+    with verify, each transfer's digest checked."""
+    source, a, b = spawn("m0", "m1", "m2")
+    sources, targets = {0: source}, {"a": a, "b": b}
+    layouts = (("apart", {"a": "tcp", "b": "tcp"}, ("m0", "m1", "m2")),
+               ("one machine", {"a": "shared", "b": "shared"}, ("m", "m", "m")),
+               ("both", {"a": "shared", "b": "tcp"}, ("n", "n", "o")))
+    for version, (_, via, domains) in enumerate(layouts, start=1):
+        for rank, domain in zip((source, a, b), domains, strict=True):
+            rank.ask("domain", domain)
+            rank.call(shardsync.CLOSE, SYNC)
+        full = torch.randn(16, 8)
+        source.ask("hold", {"w": full.clone()}, None)
+        secret = secrets.token_hex(32)
+        addresses = _listen(targets, secret)
+        region = ((0, 2), (16, 4))  # (what each want() returns: see _wants)
+        wants = {key: {"w": region} for key in targets}
+        answer = _stage(sources, targets, version, secret, wants, addresses, verify=True)[0]
+        assert answer["errors"] == {}, answer
+        assert answer["via"] == via
+        assert answer["acked"] == {"a": 16 * 4 * 4, "b": 16 * 4 * 4}
+        for rank in (a, b):
+            rank.call(shardsync.APPLY, SYNC, 1, version, "set")
+            assert torch.equal(rank.ask("history")[-1]["w"], full[:, 2:6])
 
 
 def test_a_stalled_or_dead_target_is_reported_and_the_other_completes(spawn):
