@@ -21,17 +21,27 @@ version: staging tensors of each wanted region's shape, views of an arena that i
 for the next version while no tensor of it outlives ``set`` (the broadcast transport's
 rule: :meth:`phalanx.rank.weightsync._Member.receiving`), and the transfers it will get.
 
-A source (:func:`send`) calls ``get`` and *snapshots* every box it sends before it sends
-any (an optimizer step once ``send`` returned, or while it sends, changes nothing sent):
+A source (:func:`send`) calls ``get`` and sends what its tensors hold *while the call
+runs*: every distinct box (a name's offset and shape) is copied once, however many targets
+get it, in the order the targets need them, and each box's sends start as soon as it is
+copied (copying box *k* overlaps sending box *k - 1*; the targets' connections are made
+meanwhile). The call runs on the rank's main thread and returns once every target acked
+(or failed), so nothing of the user's code on that thread (an optimizer step) runs while it
+sends: what is sent is the tensors' values when ``send`` was called, and a step once it
+returned changes nothing sent. A thread of the user's own writing the tensors while the
+call runs races with it, as with any read of them (what it sends is then undefined, and a
+``verify`` digest may fail). The boxes go:
 
-- to a target on another machine, into a buffer of that target's, sent over TCP straight
-  from its memory; the target receives straight into its staging tensor's memory where
-  the box is contiguous there, else into a buffer it then copies from;
-- to a target on the same machine (``machine_id`` equal: :func:`phalanx.wire.memfd.block_domain`),
-  into a memory block of the source's (:class:`phalanx.wire.memfd.Block`, the shared
-  transport's, kept per target and written again once that target no longer maps it); only
-  a frame naming the block crosses the socket, and the target maps it, copies into staging
-  and unmaps it before it acks.
+- to a target on another machine, over TCP: from a buffer of the source's (reused while no
+  sender of the last send is left), or straight from the tensor's memory where the box is
+  contiguous there (a CPU tensor: nothing to copy); the target receives straight into its
+  staging tensor's memory where the box is contiguous there, else into a buffer it then
+  copies from;
+- to targets on the same machine (``machine_id`` equal: :func:`phalanx.wire.memfd.block_domain`),
+  into one memory block of the source's holding each box once for all of them
+  (:class:`phalanx.wire.memfd.Block`, the shared transport's, written again only once no
+  target maps it); only frames naming offsets in it cross the socket, and each target maps
+  it (once per send), copies into staging and unmaps it before it acks the last batch.
 
 Targets are sent to concurrently, a thread each, each bounded by ``timeout``: a target that
 is dead, unreachable, stalls, or fails a transfer (``verify``: a blake2b digest per
