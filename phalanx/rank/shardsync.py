@@ -175,12 +175,8 @@ class _Member:
                 mapped[1].close()
 
 
-class Syncs:
-    """This rank's sharded syncs, by id (calls on a thread pool may come at once)."""
-
-    def __init__(self) -> None:
-        self._members: dict[str, _Member] = {}
-        self._lock = threading.Lock()
+class Syncs(weightsync.Syncs[_Member]):
+    """This rank's sharded syncs, by id; a member is made by :meth:`join`."""
 
     def join(self, sync_id: str, generation: int) -> _Member:
         """The sync's member of ``generation``, made (replacing an older one) if need be;
@@ -198,30 +194,8 @@ class Syncs:
             old.close()
         return member
 
-    def get(self, sync_id: str, generation: int | None = None) -> _Member:
-        """The sync's member (of ``generation``, unless None); LookupError if this rank
-        holds none, or another generation."""
-        with self._lock:
-            member = self._members.get(sync_id)
-        if member is None or (generation is not None and member.generation != generation):
-            held = "none" if member is None else f"generation {member.generation}"
-            raise LookupError(
-                f"this rank holds no generation {generation} of sharded weight sync "
-                f"{sync_id} (it holds {held}): its process started after the sync last "
-                "formed; the next stage forms it again")
-        return member
 
-    def close(self, sync_id: str) -> None:
-        with self._lock:
-            member = self._members.pop(sync_id, None)
-        if member is not None:
-            member.close()
-
-    def __len__(self) -> int:
-        return len(self._members)
-
-
-SYNCS = Syncs()
+SYNCS = Syncs("sharded weight sync", "stage")
 
 
 # -- what a rank holds and wants ------------------------------------------------------------

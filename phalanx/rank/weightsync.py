@@ -57,7 +57,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 # Every built-in's name starts with it: phalanx.rank.kept.WEIGHT_SYNC, on which
 # kept.builtin routes them here (this module imports no kept: it is kept's to import).
@@ -193,30 +193,42 @@ class _Member:
             self.block = None
 
 
-class Syncs:
-    """This rank's weight syncs, by id (calls on a thread pool may come at once)."""
+class _Held(Protocol):
+    generation: int
 
-    def __init__(self) -> None:
-        self._members: dict[str, _Member] = {}
+    def close(self) -> None: ...
+
+
+M = TypeVar("M", bound=_Held)
+
+
+class Syncs(Generic[M]):
+    """This rank's weight syncs of one kind (``what``: "weight sync"), by id (calls on a
+    thread pool may come at once); ``step``: what forms one again ("push")."""
+
+    def __init__(self, what: str, step: str) -> None:
+        self._what, self._step = what, step
+        self._members: dict[str, M] = {}
         self._lock = threading.Lock()
 
-    def form(self, sync_id: str, member: _Member) -> None:
+    def form(self, sync_id: str, member: M) -> None:
         with self._lock:
             old = self._members.pop(sync_id, None)
             self._members[sync_id] = member
         if old is not None:
             old.close()
 
-    def get(self, sync_id: str, generation: int) -> _Member:
-        """The sync's member of ``generation``; LookupError if this rank holds another."""
+    def get(self, sync_id: str, generation: int | None = None) -> M:
+        """The sync's member (of ``generation``, unless None); LookupError if this rank
+        holds none, or another generation."""
         with self._lock:
             member = self._members.get(sync_id)
-        if member is None or member.generation != generation:
+        if member is None or (generation is not None and member.generation != generation):
             held = "none" if member is None else f"generation {member.generation}"
             raise LookupError(
-                f"this rank holds no generation {generation} of weight sync {sync_id} "
+                f"this rank holds no generation {generation} of {self._what} {sync_id} "
                 f"(it holds {held}): its process started after the sync last formed; the "
-                "next push forms it again")
+                f"next {self._step} forms it again")
         return member
 
     def close(self, sync_id: str) -> None:
@@ -229,7 +241,7 @@ class Syncs:
         return len(self._members)
 
 
-SYNCS = Syncs()
+SYNCS: Syncs[_Member] = Syncs("weight sync", "push")
 
 
 # -- the built-ins ------------------------------------------------------------------------
