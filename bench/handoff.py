@@ -48,6 +48,7 @@ from bench.util import (
     compile_sources,
     machine_info,
     rss_mib,
+    run_reported,
     settle,
     trial_order,
 )
@@ -387,12 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     w11_soak: dict[str, float] = {}
 
     def attempt(where: str, fn: Callable[[], None]) -> None:
-        try:
-            fn()
-        except Exception as exc:  # reported; the run goes on
-            text = f"{where}: {type(exc).__name__}: {exc}".splitlines()[0][:300]
-            errors.append(text)
-            print(f"  ! {text}", file=sys.stderr, flush=True)
+        run_reported(errors, where, fn)
 
     if "W11" in only:
         print("W11 on the local backend ...", file=sys.stderr, flush=True)

@@ -32,7 +32,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.util import Row, alternate_rounds, compile_sources, machine_info, median
+from bench.util import (
+    Row,
+    alternate_rounds,
+    compile_sources,
+    machine_info,
+    median,
+    run_reported,
+)
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "rechunk.json"
 MiB = 1 << 20
@@ -189,12 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     notes: list[str] = []
 
     def attempt(where: str, fn: Callable[[], None]) -> None:
-        try:
-            fn()
-        except Exception as exc:  # reported; the run goes on
-            text = f"{where}: {type(exc).__name__}: {exc}".splitlines()[0][:300]
-            errors.append(text)
-            print(f"  ! {text}", file=sys.stderr, flush=True)
+        run_reported(errors, where, fn)
 
     print("W13 on the local backend ...", file=sys.stderr, flush=True)
     attempt("W13 local", lambda: _local(rounds, results))

@@ -69,6 +69,7 @@ from bench.util import (
     machine_info,
     median,
     reap,
+    run_reported,
     settle,
     trial_order,
 )
@@ -693,12 +694,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     def attempt(where: str, fn: Callable[[], None]) -> None:
-        try:
-            fn()
-        except Exception as exc:  # reported; the run goes on
-            text = f"{where}: {type(exc).__name__}: {exc}".splitlines()[0][:300]
-            errors.append(text)
-            print(f"  ! {text}", file=sys.stderr, flush=True)
+        run_reported(errors, where, fn)
 
     print("W15 floor: memcpy and loopback bandwidth ...", file=sys.stderr, flush=True)
     floor = {"memcpy_gbps": _memcpy_gbps(), "loopback_gbps": _loopback_gbps()}

@@ -56,6 +56,17 @@ def settle() -> None:
     time.sleep(SETTLE_S)
 
 
+def run_reported(errors: list[str], where: str, fn: Callable[[], None]) -> None:
+    """Run one part of a benchmark: an exception it raises is reported (its first line, in
+    ``errors`` and on stderr, named ``where``) and the run goes on with the next part."""
+    try:
+        fn()
+    except Exception as exc:  # reported; the run goes on
+        text = f"{where}: {type(exc).__name__}: {exc}".splitlines()[0][:300]
+        errors.append(text)
+        print(f"  ! {text}", file=sys.stderr, flush=True)
+
+
 def rss_mib() -> float:
     """This process's resident memory in MiB, after collecting garbage."""
     gc.collect()
