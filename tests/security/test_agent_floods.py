@@ -223,12 +223,26 @@ loop = threading.Thread(target=agent.serve_forever, daemon=True)
 loop.start()
 print(agent.address[1], flush=True)
 sys.stdin.readline()                   # fill every descriptor
+# The group the test started has ended, but the agent closes its sessions' sockets and the
+# ranks' pipes on its own threads: wait for that, then fill again until a pause frees none,
+# so no descriptor freed late lets the accept below succeed.
+settle = time.monotonic() + 10
+while agent.health()["controllers"] and time.monotonic() < settle:
+    time.sleep(0.02)
 held = []
-try:
-    while True:
-        held.append(os.open(os.devnull, os.O_RDONLY))
-except OSError:
-    pass
+def fill():
+    before = len(held)
+    try:
+        while True:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        pass
+    return len(held) - before
+fill()
+while time.monotonic() < settle:
+    time.sleep(0.3)
+    if not fill():
+        break
 print(len(held), flush=True)
 sys.stdin.readline()                   # a client connected: the agent cannot take it
 deadline = time.monotonic() + 10
