@@ -43,6 +43,7 @@ _EXPORTS = {
     "VersionMismatch": "phalanx.errors",
     "AuthenticationError": "phalanx.errors",
     "CallTimeout": "phalanx.errors",
+    "CollectiveStuck": "phalanx.errors",
     "DevicesTaken": "phalanx.errors",
     "ClusterBackend": "phalanx.backends.cluster.backend",
     "FrameworkNotInstalled": "phalanx.errors",
@@ -99,6 +100,7 @@ __all__ = [
     "CallTimeout",
     "CallView",
     "ClusterBackend",
+    "CollectiveStuck",
     "Dashboard",
     "DebuggerUnavailable",
     "DevicesTaken",
@@ -178,6 +180,7 @@ if TYPE_CHECKING:
     from phalanx.errors import (
         AuthenticationError,
         CallTimeout,
+        CollectiveStuck,
         DebuggerUnavailable,
         DevicesTaken,
         FrameworkNotInstalled,

@@ -32,6 +32,9 @@ SPAWN_TIMEOUT = 30.0  # seconds for the node supervisor to report a new worker's
 STACKS_TIMEOUT = 1.0  # seconds a rank has to dump its threads' stacks
 STACKS_ON_TIMEOUT = 1.0  # a CallTimeout of at least this many seconds carries stacks
 DEFAULT_HEARTBEAT_TIMEOUT = 180.0  # seconds of silence before a rank is unresponsive
+# seconds some ranks may wait in a collective that others have not entered before the
+# call raises CollectiveStuck and the ranks are released
+DEFAULT_COLLECTIVE_TIMEOUT = 180.0
 # seconds a cluster node's agent may give no sign of life (it sends one every second, from a
 # thread of its own) before the node is lost: frozen, its machine gone, or its link cut
 DEFAULT_NODE_TIMEOUT = 15.0

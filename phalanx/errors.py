@@ -11,6 +11,9 @@
      │    └── WorkerUnresponsive     silent past ``heartbeat_timeout`` (stopped, stuck holding
      │                               the GIL): killed; carries how long and its stacks
      ├── CallTimeout (TimeoutError)  a call's ``timeout`` passed before every rank answered
+     ├── CollectiveStuck             ranks waited ``collective_timeout`` in a collective that
+     │                               others never entered (or entered with other shapes): names
+     │                               both, and how the waiting ranks were released
      ├── GroupClosed                 the group was shut down (pending calls end with this)
      ├── ObjectFreed (ValueError)    a put object's or kept result's handle used once freed
      ├── ObjectLost                  a kept result is gone with the rank that made it
@@ -397,6 +400,30 @@ def _what_happened(failure: ProcessFailure, method: str | None, before_sent: boo
     if before_sent:
         return f"{where} was already dead when {method}() was sent"
     return f"{where} died while running {method}()"
+
+
+class CollectiveStuck(PhalanxError):
+    """Ranks of a call waited ``collective_timeout`` seconds in a collective that other
+    members never entered, or entered with other arguments (see
+    :mod:`phalanx.controller.collectivewatch`).
+
+    ``.culprits``: ``{rank: what it was doing instead}`` (it returned from the method, is in
+    another call or collective, is stopped, died, entered with another shape);
+    ``.waiting``: ``{rank: the collective it waits in}``; ``.collective``: its operation;
+    ``.since``: when the first rank entered it (a ``time.time()`` value); ``.released``: what
+    was done so that the group answers calls again; ``.group``: the group's name.
+    """
+
+    def __init__(self, message: str, *, culprits: dict[int, str], waiting: dict[int, str],
+                 collective: str, since: float, released: str,
+                 group: str | None = None) -> None:
+        super().__init__(message)
+        self.culprits = culprits
+        self.waiting = waiting
+        self.collective = collective
+        self.since = since
+        self.released = released
+        self.group = group
 
 
 class WorkerUnresponsive(WorkerDied):

@@ -80,9 +80,10 @@ def _is_failure(value: Any) -> bool:
 
 
 def _misshapen(kind: int, extra: tuple[Any, ...]) -> str | None:
-    """What is wrong with the fields a rank sent with a READY, INIT_ERROR, ERROR or RELEASED
-    (None when nothing is): checked before they are used, so that a rank that lies about
-    them is ended as one that broke the protocol rather than break the dispatcher."""
+    """What is wrong with the fields a rank sent with a READY, INIT_ERROR, ERROR, RELEASED or
+    COLLECTIVE (None when nothing is): checked before they are used, so that a rank that
+    lies about them is ended as one that broke the protocol rather than break the
+    dispatcher."""
     if kind == protocol.ERROR or kind == protocol.INIT_ERROR:
         if len(extra) == 1 and _is_failure(extra[0]):
             return None
@@ -104,6 +105,11 @@ def _misshapen(kind: int, extra: tuple[Any, ...]) -> str | None:
         if len(extra) == 1 and isinstance(extra[0], int):
             return None
         return "it sent a malformed RELEASED"
+    if kind == protocol.COLLECTIVE:
+        if (len(extra) == 2 and isinstance(extra[0], list) and isinstance(extra[1], list)
+                and all(isinstance(item, list) for item in extra[0] + extra[1])):
+            return None
+        return "it sent a malformed COLLECTIVE"
     return None
 
 
@@ -526,6 +532,8 @@ class Dispatcher:
         elif kind == protocol.RELEASED:
             if self._on_released is not None:
                 self._on_released(entry.channel, extra[0])
+        elif kind == protocol.COLLECTIVE:  # judged by phalanx.controller.collectivewatch
+            entry.collectives = (extra[0], extra[1])
         elif kind == protocol.EXITED:
             failure = ProcessFailure.from_dict(extra[0])
             if failure.pid is None and entry.pid is not None:
@@ -575,6 +583,12 @@ class Dispatcher:
                 del self._by_rank[entry.rank]
             for future in entry.take_pending():
                 future.fail_rank(entry.rank, error_factory(future.method, entry.rank))
+        self._wakeup.wake()
+        with self._cond:
+            self._cond.notify_all()
+
+    def wake_waiters(self) -> None:
+        """Wake the threads waiting on futures: calls were failed from another thread."""
         self._wakeup.wake()
         with self._cond:
             self._cond.notify_all()

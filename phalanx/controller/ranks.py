@@ -124,6 +124,9 @@ class RankEntry:
         # Call id -> the completion side of its future: the sender adds a call as it sends
         # it, the dispatcher pops it as the answer comes; everything else uses take_pending.
         self.pending: dict[int, Completion] = {}
+        # The collectives it is inside and the last each of its process groups completed,
+        # as it last reported them (phalanx.rank.collectives); None until it reports.
+        self.collectives: tuple[list[Any], list[Any]] | None = None
         self._suspected_in = RankState.STARTING  # the state UNRESPONSIVE was entered from
         self.restarts = 0  # how many incarnations of its rank came before it (RankTable)
 

@@ -38,9 +38,12 @@ if TYPE_CHECKING:
     from phalanx.world.sharding import NamedSharding
 
 
-def heartbeat_interval(timeout: float | None) -> float | None:
-    """How often ranks send a heartbeat: a few times per timeout, at most every 5 s."""
-    return None if timeout is None else min(5.0, max(0.01, timeout / 5))
+def heartbeat_interval(timeout: float | None,
+                       collective_timeout: float | None = None) -> float | None:
+    """How often ranks send a heartbeat (and, with ``collective_timeout``, the collectives
+    they are in): a few times per timeout, at most every 5 s."""
+    limits = [t for t in (timeout, collective_timeout) if t is not None]
+    return None if not limits else min(5.0, max(0.01, min(limits) / 5))
 
 
 @dataclasses.dataclass
@@ -55,6 +58,7 @@ class GroupPlan:
     start_timeout: float
     heartbeat_timeout: float | None
     straggler_warning: float | None
+    collective_timeout: float | None
     target_name: str
     name: str  # the group's, taken in GROUP_NAMES: given back when it shuts down
     progress: bool | None  # None: shown when stderr is a terminal
@@ -86,6 +90,7 @@ def plan_group(
     dp_leaders: Sequence[int] | None,
     heartbeat_timeout: float | None,
     straggler_warning: float | None,
+    collective_timeout: float | None,
     master_addr: str | None,
     master_port: int | None,
     part_of: WorldPart | None,
@@ -107,6 +112,8 @@ def plan_group(
                                       allow_zero=False)
     straggler_warning = check_seconds(straggler_warning, "straggler_warning",
                                       allow_zero=False)
+    collective_timeout = check_seconds(collective_timeout, "collective_timeout",
+                                       allow_zero=False)
     python = check_interpreter(python)
     booking = None
     if pool is not None:
@@ -140,7 +147,9 @@ def plan_group(
         "start_timeout", allow_zero=False)
     boot = make_boot(target, args, kwargs, cwd=cwd, python=python, rank_kwargs=per_rank,
                      options={"concurrency": concurrency, "framework": framework,
-                              "heartbeat": heartbeat_interval(heartbeat_timeout)})
+                              "heartbeat": heartbeat_interval(heartbeat_timeout,
+                                                              collective_timeout),
+                              "collectives": collective_timeout is not None})
     target_name = getattr(target, "__qualname__", getattr(target, "__name__", "target"))
     name = GROUP_NAMES.claim(name, base_of(target))
     try:
@@ -154,7 +163,8 @@ def plan_group(
     return GroupPlan(
         backend=backend_, placement=placement, boot=boot, output=options, mesh=group_mesh,
         start_timeout=start_timeout, heartbeat_timeout=heartbeat_timeout,
-        straggler_warning=straggler_warning, target_name=target_name, name=name,
+        straggler_warning=straggler_warning, collective_timeout=collective_timeout,
+        target_name=target_name, name=name,
         progress=settings.progress, lease=lease)
 
 

@@ -12,7 +12,9 @@ One daemon thread per group wakes every ``tick`` seconds and
   :class:`~phalanx.errors.WorkerUnresponsive`, and it is killed so that it cannot come
   back half-alive;
 - logs once per call when some ranks answered it ``straggler_warning`` seconds ago and
-  others still have not, naming the late ranks and where their code is.
+  others still have not, naming the late ranks and where their code is;
+- judges the collectives the ranks are in (:mod:`phalanx.controller.collectivewatch`):
+  the ranks the others wait for, named, and a stuck one's waiting ranks released.
 
 It moves an entry only through the entry's transitions (``suspect()``, then
 ``clear_suspicion()`` if the rank spoke meanwhile); the death that follows the kill is the
@@ -34,6 +36,7 @@ from phalanx.errors import ProcessFailure
 from phalanx.wire import protocol
 
 if TYPE_CHECKING:
+    from phalanx.controller.collectivewatch import CollectiveWatch
     from phalanx.controller.dispatch import Dispatcher
     from phalanx.controller.futures import Completion
     from phalanx.controller.ranks import RankEntry
@@ -59,13 +62,18 @@ class Watchdog:
         *,
         heartbeat_timeout: float | None,
         straggler_warning: float | None,
+        collectives: CollectiveWatch | None = None,
     ) -> None:
         self._dispatcher = dispatcher
         self._entries = entries
         self._take_stacks = take_stacks
         self.heartbeat_timeout = heartbeat_timeout
         self.straggler_warning = straggler_warning
-        limits = [t / 4 for t in (heartbeat_timeout, straggler_warning) if t]
+        self._collectives = collectives if collectives is not None and collectives.active \
+            else None
+        timeouts = (heartbeat_timeout, straggler_warning,
+                    None if collectives is None else collectives.timeout)
+        limits = [t / 4 for t in timeouts if t]
         self.tick = max(0.02, min([1.0, *limits]))
         self._partial: dict[Completion, tuple[float, bool]] = {}  # first answer, warned
         self._stop = threading.Event()
@@ -103,6 +111,8 @@ class Watchdog:
                     self._check_silence(time.monotonic())
                 if self.straggler_warning:
                     self._check_stragglers(time.monotonic())
+                if self._collectives is not None and not stalled:
+                    self._collectives.check(time.monotonic())
             except Exception:  # the watchdog must keep watching
                 logger.exception("phalanx watchdog check failed")
 

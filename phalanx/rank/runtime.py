@@ -69,15 +69,20 @@ def arm_stack_dumps(fd: int | None = None) -> None:
     stacks.arm(fd)
 
 
-def _beat(conn: framing.Connection, rank: int, interval: float) -> None:
+def _beat(conn: framing.Connection, rank: int, interval: float,
+          tracker: types.ModuleType | None = None) -> None:
     """Send HEARTBEAT every ``interval`` s from a thread of its own: the controller hears
-    nothing while the process is stopped or a C call holds the GIL."""
+    nothing while the process is stopped or a C call holds the GIL. With ``tracker``
+    (:mod:`phalanx.rank.collectives`), the collectives the rank is in go with it
+    (COLLECTIVE) whenever they changed."""
 
     def beat() -> None:
         frame = protocol.heartbeat_frame(rank)
         while True:  # the first at once: the controller judges silence from then on
             try:
                 conn.send(frame)
+                if tracker is not None and tracker.changed():
+                    conn.send(protocol.collective_frame(rank, *tracker.report()))
             except framing.ConnectionLost:
                 return
             _SHARES.poll()  # a view of a freed object dropped since
@@ -275,8 +280,14 @@ class WorkerRuntime:
             self.conn.send(protocol.init_error_frame(self.rank, failure.as_tuple()))
             return False
         _SHARES.notify = self._released
+        tracker: types.ModuleType | None = None
+        if options.get("collectives"):  # collective_timeout: which collective it is in
+            from phalanx.rank import collectives
+
+            collectives.arm()
+            tracker = collectives
         if options.get("heartbeat"):
-            _beat(self.conn, self.rank, options["heartbeat"])
+            _beat(self.conn, self.rank, options["heartbeat"], tracker)
         sys.path[:] = list(dict.fromkeys([*sys_path, *sys.path]))
         stage = "unpickling the target"
         try:

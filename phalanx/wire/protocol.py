@@ -31,6 +31,9 @@ Message kinds (payload = the segments after the header: a pickle and its buffers
                          YIELD                              payload item (RESULT ends the stream)
                          ERROR        (RemoteFailure tuple)
                          HEARTBEAT                          a sign of life, sent from a thread
+                         COLLECTIVE   (inside, last)        the collectives it is in, and the
+                                                            last each group completed
+                                                            (phalanx.rank.collectives)
     node side -> ctrl    EXITED       (ProcessFailure fields)  the rank's process ended
 
 A call's flags say how the rank treats it, apart from the method's name (which is the
@@ -77,6 +80,7 @@ UNSHARE = 13
 INJECT = 14
 UNMAP = 15
 RELEASED = 16
+COLLECTIVE = 17
 
 MANY = 0xFFFFFFFF  # rank field of a message for several ranks (their list follows)
 
@@ -238,6 +242,10 @@ def ready_frame(rank: int, pid: int, methods: dict[str, list[str]],
 
 def heartbeat_frame(rank: int) -> list[Any]:
     return framing.frame([_HEAD.pack(HEARTBEAT, 0, rank)])
+
+
+def collective_frame(rank: int, inside: list[Any], last: list[Any]) -> list[Any]:
+    return framing.frame([header(COLLECTIVE, 0, rank, inside, last)])
 
 
 def init_error_frame(rank: int, failure: tuple[Any, ...]) -> list[Any]:

@@ -9,13 +9,13 @@ controller:
 - a rank's frames go to the controller unchanged (the rank is in each header); a frame for
   several of this node's ranks (``rank = MANY``) arrived once and is handed to each;
 - a rank speaks for itself alone: every frame up its pipe must name it, be of a kind a rank
-  sends (READY, INIT_ERROR, RESULT, YIELD, ERROR, HEARTBEAT, RELEASED), and answer only a
-  call this session passed down to it and it has not answered yet (each rank's outstanding
-  call ids: a set add as a call goes down, a removal as its RESULT or ERROR comes up). A
-  rank that breaks this is ended (SIGKILL), nothing more of it goes up, and its EXITED says
-  so (``rank 0 broke the protocol: it sent an answer as rank 1 (ended by the agent)``):
-  through an agent, whose ranks share one connection, the controller could not tell
-  rank 0's forged answer from rank 1's;
+  sends (READY, INIT_ERROR, RESULT, YIELD, ERROR, HEARTBEAT, RELEASED, COLLECTIVE), and
+  answer only a call this session passed down to it and it has not answered yet (each
+  rank's outstanding call ids: a set add as a call goes down, a removal as its RESULT or
+  ERROR comes up). A rank that breaks this is ended (SIGKILL), nothing more of it goes up,
+  and its EXITED says so (``rank 0 broke the protocol: it sent an answer as rank 1
+  (ended by the agent)``): through an agent, whose ranks share one connection, the
+  controller could not tell rank 0's forged answer from rank 1's;
 - what a rank writes to stdout and stderr goes up as OUTPUT messages, then OUTPUT_END;
 - its death (the keeper's status pipe) goes up as EXITED with the node side's failure
   record (:meth:`phalanx.node.spawn.NodeRank.failure`), after its last frames and, for a
@@ -87,7 +87,8 @@ _HEAD_SIZE = protocol.HEAD_SIZE
 _unpack_head = protocol.unpack_head
 _RESULT, _ERROR, _YIELD = protocol.RESULT, protocol.ERROR, protocol.YIELD
 # what else a rank may send up, none of it about a call
-_SAYS = frozenset({protocol.READY, protocol.INIT_ERROR, protocol.HEARTBEAT, protocol.RELEASED})
+_SAYS = frozenset({protocol.READY, protocol.INIT_ERROR, protocol.HEARTBEAT, protocol.RELEASED,
+                   protocol.COLLECTIVE})
 
 
 class Pulse:
