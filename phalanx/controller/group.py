@@ -23,6 +23,7 @@ from phalanx.backends import Backend
 from phalanx.controller.callforms import CallForms, Scope
 from phalanx.controller.callpath import CallPath
 from phalanx.controller.calls import Sender
+from phalanx.controller.collectivewatch import CollectiveWatch
 from phalanx.controller.dispatch import Dispatcher
 from phalanx.controller.injection import inject_fault
 from phalanx.controller.internals import GroupInternals, register
@@ -34,7 +35,7 @@ from phalanx.controller.names import GROUP_NAMES
 from phalanx.controller.observe import EVERY_GROUP
 from phalanx.controller.ranks import RankTable
 from phalanx.controller.refs import ObjectRef
-from phalanx.controller.request import GroupPlan, plan_group
+from phalanx.controller.request import GroupPlan, heartbeat_interval, plan_group
 from phalanx.controller.shared import SharedObjects
 from phalanx.controller.slices import GroupSlice
 from phalanx.controller.startup import Starter
@@ -155,6 +156,7 @@ class WorkerGroup(CallForms):
         dp_leaders: Sequence[int] | None = None,
         heartbeat_timeout: float | None = config.DEFAULT_HEARTBEAT_TIMEOUT,
         straggler_warning: float | None = config.DEFAULT_STRAGGLER_WARNING,
+        collective_timeout: float | None = config.DEFAULT_COLLECTIVE_TIMEOUT,
         master_addr: str | None = None,
         master_port: int | None = None,
         part_of: WorldPart | None = None,
@@ -171,8 +173,8 @@ class WorkerGroup(CallForms):
                 output=(echo_output, collapse_output, log_ranks, log_dir), cwd=cwd,
                 mesh=mesh, dp_axis=dp_axis, tied_axes=tied_axes, dp_leaders=dp_leaders,
                 heartbeat_timeout=heartbeat_timeout, straggler_warning=straggler_warning,
-                master_addr=master_addr, master_port=master_port, part_of=part_of,
-                name=name)
+                collective_timeout=collective_timeout, master_addr=master_addr,
+                master_port=master_port, part_of=part_of, name=name)
             self._name = name = plan.name
             undo.callback(GROUP_NAMES.release, name)  # taken by the plan
             self._lease = plan.lease
@@ -225,9 +227,13 @@ class WorkerGroup(CallForms):
             start_timeout=plan.start_timeout, progress=plan.progress,
             dispatcher=dispatcher, table=ranks, shared=shared, methods=methods)
         self._watch = watch = Watcher(ranks, dispatcher, gate)
+        collectives = CollectiveWatch(
+            dispatcher, ranks, watch.take_stacks, timeout=plan.collective_timeout,
+            straggler_warning=plan.straggler_warning,
+            interval=heartbeat_interval(plan.heartbeat_timeout, plan.collective_timeout) or 5.0)
         watchdog = Watchdog(dispatcher, ranks.live, watch.take_stacks,
                             heartbeat_timeout=plan.heartbeat_timeout,
-                            straggler_warning=plan.straggler_warning)
+                            straggler_warning=plan.straggler_warning, collectives=collectives)
         self._membership = membership = Membership(  # listens before the backend opens
             backend=backend_, dispatcher=dispatcher, table=ranks, starter=starter,
             mesh=self._mesh, gate=gate)

@@ -147,6 +147,22 @@ class Lifecycle:
         self._starter.start(list(range(world_size)))
         logger.info("restarted %d workers of group %s", world_size, self._starter.name)
 
+    def release(self, why: str) -> str:
+        """Recreate every rank on a new rendezvous to free ranks stuck in a collective
+        (``why``: what is stuck, for the log); returns what was done. See
+        :mod:`phalanx.controller.collectivewatch`."""
+        with self._gate.operation("release"):
+            entries = self._table.known()
+            logger.info("group %s: recreating every rank to release a stuck collective: %s",
+                        self._starter.name, why)
+            self._starter.retire(entries, grace=0.0, force=True)  # stuck: nothing to wait for
+            self._starter.new_launch()
+            world_size = self._starter.layout.world_size
+            self._starter.start(list(range(world_size)))
+        return (f"released: every rank of group {self._starter.name} (0-{world_size - 1}) "
+                "was recreated on a new rendezvous, the constructors forming the world "
+                "again (gloo cannot abort a collective in flight)")
+
     def stop_ranks(self, entries: Sequence[RankEntry] | None = None, grace: float = 0.0,
                    force: bool = True) -> None:
         """Stop ``entries``' processes (None: every rank the group knows) within ``grace``
