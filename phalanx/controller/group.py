@@ -437,25 +437,56 @@ class WorkerGroup(CallForms):
         *,
         timeout: float | None = None,
         readmit: str | None = None,
+        restore_from: int | Mapping[int, int] | str | None = None,
+        get: str | None = None,
+        set: str | None = None,
     ) -> None:
         """Start a fresh process for each of ``ranks`` (stopping the old one if it still
         runs), with the same constructor arguments.
 
         The fresh ranks must be ready within ``timeout`` seconds (default: the group's
         ``start_timeout``), else :class:`StartupError` (and they are stopped): a rank whose
-        constructor waits for peers that will not come fails then, not minutes later.
+        constructor waits for peers that will not come fails then, not minutes later. A
+        torch world (``framework="torch"``) takes no fresh rank back by itself: recreated
+        without ``readmit``, a rank whose constructor joins it times out, and the error
+        carries its stack and says to pass ``readmit``.
+
+        ``restore_from`` gives each fresh rank the state of a healthy peer before anything
+        else runs on it: a peer rank, a dict ``{fresh rank: peer rank}``, or ``"peers"``
+        (for each fresh rank, a live rank not recreated that holds the same part: with a
+        ``mesh``, the rank at its coordinates on every axis but ``dp_axis``, in another
+        data-parallel replica; without, any live rank; one on the fresh rank's node first,
+        then the lowest). ``get`` and ``set`` name the user's methods: ``get()`` returns
+        the rank's state (anything picklable, e.g. ``{"model": model.state_dict(),
+        "optim": optimizer.state_dict()}``); ``set(state)`` loads it. ``get()`` runs on
+        each peer with its result kept there (as ``keep=True`` keeps it); the fresh rank's
+        ``set()`` reads it straight from the peer (no checkpoint, the bytes never pass
+        through the controller), then it is freed. Each step within ``timeout``; a failure
+        stops the fresh ranks and raises :class:`StartupError` naming the fresh rank, the
+        peer and the method. Every argument is checked before anything is stopped
+        (TypeError, ValueError, AttributeError for an unknown method).
 
         ``readmit`` re-forms a collective group (torch.distributed, ...) around the fresh
         ranks. They start on a new rendezvous (fresh ``MASTER_PORT``), with
         ``PHALANX_READMIT=1`` in their environment: their constructor should not join a
-        collective group then. Once they are up, the method named by ``readmit`` is called
-        on every live rank at once, fresh ones included, with the new rendezvous (a dict
-        of the variables every rank shares, e.g. ``MASTER_ADDR``, ``MASTER_PORT``,
-        ``WORLD_SIZE``), within ``timeout`` too; it should leave the old group and join the
-        new one, e.g. ``dist.destroy_process_group(); os.environ.update(rendezvous);
-        dist.init_process_group("gloo")``.
+        collective group then. Once they are up (and restored), the method named by
+        ``readmit`` is called on every live rank at once, fresh ones included, with the new
+        rendezvous (a dict of the variables every rank shares, e.g. ``MASTER_ADDR``,
+        ``MASTER_PORT``, ``WORLD_SIZE``; and ``PHALANX_FRESH_RANKS``, the fresh ranks as
+        ``"1"`` or ``"0,2"``, and ``PHALANX_RESTORED``, ``"1"`` if they were restored from
+        peers, else ``"0"``), within ``timeout`` too; it should leave the old group and join
+        the new one, e.g. ``dist.destroy_process_group(); os.environ.update(rendezvous);
+        dist.init_process_group("gloo")``, then wrap the model in DDP again.
+
+        Rank 0 hazard: DDP (and any code that broadcasts from rank 0) gives every rank
+        rank 0's weights when it wraps the model. Restored, a fresh rank 0 holds its peer's
+        exact state, so that broadcast changes nothing; not restored, it would overwrite
+        every rank with rank 0's fresh state -- a re-admission with rank 0 fresh and no
+        ``restore_from`` logs a warning saying so.
         """
-        self._lifecycle.recreate(ranks, timeout=timeout, readmit=readmit)
+        self._lifecycle.recreate(ranks, timeout=timeout, readmit=readmit,
+                                 restore_from=restore_from, get=get, set=set,
+                                 mesh=self._mesh)
 
     def rendezvous(self) -> dict[str, str]:
         """The variables every rank got with the same value (``MASTER_ADDR``,

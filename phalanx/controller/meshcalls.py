@@ -86,8 +86,8 @@ def _names(axes: Sequence[str]) -> tuple[str, ...]:
 class Mesh:
     """A group's mesh (``mesh=``; None: every rank is its own data-parallel replica).
 
-    Interface: :attr:`sharding`, :attr:`dp_size`, :meth:`dp_leader`, :meth:`require`,
-    :meth:`rank0_only`, :meth:`plan` and :meth:`payloads` for ``call_sharded``,
+    Interface: :attr:`sharding`, :attr:`dp_axis`, :attr:`dp_size`, :meth:`dp_leader`,
+    :meth:`require`, :meth:`rank0_only`, :meth:`plan` and :meth:`payloads` for ``call_sharded``,
     :meth:`sliced` for a slice's mesh, and :meth:`resized` when a resize changes the
     world's size (only without a mesh).
 
@@ -143,6 +143,11 @@ class Mesh:
         if self.sharding is None:
             raise ValueError(f"{what} needs a group created with mesh=... (this one has none)")
         return self.sharding
+
+    @property
+    def dp_axis(self) -> str:
+        """The name of the data-parallel axis (``dp_axis=``)."""
+        return self._dp_axis
 
     @property
     def dp_size(self) -> int:

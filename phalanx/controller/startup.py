@@ -18,7 +18,7 @@ import logging
 import sys
 import time
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from phalanx import config
@@ -298,10 +298,11 @@ class Starter:
     # -- starting and stopping ----------------------------------------------------------
 
     def start(self, ranks: list[int], timeout: float | None = None,
-              limit: str | None = None) -> None:
+              limit: str | None = None,
+              explain_late: Callable[[list[int]], str] | None = None) -> None:
         """Launch ``ranks`` (one batch per node) and wait until every one is ready (within
-        ``timeout``, default ``start_timeout``). A rank becomes visible to calls only once
-        its INIT is on its way."""
+        ``timeout``, default ``start_timeout``; ``explain_late``: see :func:`await_ready`).
+        A rank becomes visible to calls only once its INIT is on its way."""
         by_node: dict[int, list[RankStart]] = {}
         for rank in ranks:
             by_node.setdefault(self._layout.node_of(rank), []).append(self._starts[rank])
@@ -329,6 +330,7 @@ class Starter:
                 limit=limit,
                 python=self._boot.python,
                 group=self.name,
+                explain_late=explain_late,
             )
         except BaseException:
             self.retire(entries, grace=0.0, force=True)  # they stay known as dead ranks
@@ -360,11 +362,14 @@ def await_ready(
     limit: str | None = None,
     python: str | None = None,
     group: str | None = None,
+    explain_late: Callable[[list[int]], str] | None = None,
 ) -> None:
     """Return once every entry is ready; raise :class:`StartupError` at the first failure
     (a constructor that raised, a worker that died) or when ``timeout`` passes (``limit``
     names the setting that gave it, for the message; ``python``, the interpreter the
-    ranks run, when ``python=`` chose one; ``group``, the group's name)."""
+    ranks run, when ``python=`` chose one; ``group``, the group's name;
+    ``explain_late(late ranks)``, more to say about a timeout, asked while the late
+    ranks still run, e.g. their stacks)."""
     bar = Progress(f"starting {len(entries)} workers", len(entries), enabled=progress)
     deadline = time.monotonic() + timeout
 
@@ -389,10 +394,11 @@ def await_ready(
                 late = [s.rank for s in entries if not s.ever_ready]
                 limit = limit or f"start_timeout= (or {config.ENV_START_TIMEOUT})"
                 of = "" if group is None else f" of group {group}"
+                more = "" if explain_late is None else explain_late(late)
                 raise StartupError(
                     f"ranks {late}{of} did not become ready within {timeout:g} s; raise "
                     f"{limit} if {target_name}() is slow to construct, or see what it "
-                    "waits for",
+                    f"waits for{more}",
                     rank=late[0], group=group,
                 )
     finally:
