@@ -61,9 +61,9 @@ class CollectiveWatch:
         self._take_stacks = take_stacks
         self.timeout = timeout
         self.straggler_warning = straggler_warning
-        # seconds between a rank's reports; three missed mean "stopped"
+        # seconds between a rank's reports; two missed (and a margin) mean "stopped"
         self._interval = interval
-        self._silence = 3 * interval + 1.0
+        self._silence = 2 * interval + 0.5
         self.release: Release | None = None
         self._first: dict[tuple[str, int], float] = {}  # first seen incomplete (monotonic)
         self._warned: dict[tuple[str, int], stuck.Waiting] = {}  # late entrants to report
@@ -133,7 +133,8 @@ class CollectiveWatch:
         entry = self._entry(rank)
         if entry is None or not entry.alive:
             cause = entry.failure.cause if entry is not None and entry.failure else None
-            return f"it died ({cause})" if cause else "it is dead"
+            where = " inside it" if entry is not None and _was_inside(entry, waiting) else ""
+            return f"it died{where} ({cause})" if cause else f"it died{where}"
         silent = time.monotonic() - entry.last_sign
         if silent > self._silence:
             return f"it is stopped or hung (silent for {silent:.1f} s)"
@@ -149,7 +150,7 @@ class CollectiveWatch:
         if calls:
             return f"it is in {', '.join(c + '()' for c in calls)}"
         if method is not None and any(f.method == method for f in entry.pending.values()):
-            return f"it is still in {method}() but never entered {waiting.op}"
+            return f"it is still in {method}()"
         if method is not None:
             return f"it returned from {method}()"
         return "it is idle"
@@ -214,9 +215,10 @@ class CollectiveWatch:
         waiting_ranks = [r for r in waiting.inside if r not in waiting.odd]
         parts = []
         for rank, doing in culprits.items():
-            verb = ("entered it with other arguments" if rank in waiting.odd
-                    else f"never entered {waiting.op}")
-            parts.append(f"rank {rank} {verb} ({doing})")
+            if rank in waiting.odd or doing.startswith("it died inside"):
+                parts.append(f"rank {rank}: {doing}")
+            else:
+                parts.append(f"rank {rank} never entered {waiting.op} ({doing})")
         head = (f"{'; '.join(parts)}: ranks {stuck.ranges(waiting_ranks)} of group {name} "
                 f"wait in {waiting.op} (#{waiting.seq} of process group {waiting.group}) "
                 f"since {since}")
@@ -254,6 +256,14 @@ class CollectiveWatch:
                 culprits=culprits, waiting=waits, collective=waiting.op,
                 since=waiting.since, released=released, group=name))
         self._dispatcher.wake_waiters()
+
+
+def _was_inside(entry: RankEntry, waiting: stuck.Waiting) -> bool:
+    """Whether ``entry`` last reported being inside ``waiting``'s collective."""
+    if entry.collectives is None:
+        return False
+    return any(len(f) == 7 and f[0] == waiting.group and f[1] == waiting.seq
+               for f in entry.collectives[0])
 
 
 def _last_of(entry: RankEntry, group: str) -> list[float] | None:

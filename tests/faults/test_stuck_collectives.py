@@ -1,0 +1,202 @@
+"""A chaos matrix of collectives, on local and agents: real torch ranks in a real gloo world,
+one of them (rank 2) misbehaving around an ``all_reduce`` the others wait in. In every case
+the wedge is told (0 undetected), the rank the others wait for is named with what it was
+doing, and the ranks that waited are released: the group answers calls again without the
+user restarting anything.
+
+- it skips the collective (returns from the method): ``CollectiveStuck``, "it returned";
+- it is SIGSTOPped before entering: ``CollectiveStuck``, "it is stopped";
+- it is busy in another call: ``CollectiveStuck``, "it is in busy()";
+- it is SIGKILLed inside the collective: the call fails (``WorkerDied``), and no survivor
+  stays inside (gloo's own error, or phalanx recreating them);
+- it enters with another shape: gloo ends one side (its assertion), the call fails naming
+  it, and no survivor stays inside;
+- it enters late, twice: no error; the warning names rank 2 as the one the others wait for,
+  and how late it entered each.
+
+Each prints its detection time (misbehaviour to error) and release time (error to the
+group answering again); the matrix in the closing note comes from these lines.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+import pytest
+
+import phalanx as px
+from tests import helpers
+from tests.conftest import BACKENDS
+
+pytest.importorskip("torch", reason="the collectives are torch.distributed's: pip install torch")
+
+TIMEOUT = 2.0  # collective_timeout of the group under test
+CULPRIT = 2
+
+
+class Member:
+    """A rank of a 3-rank gloo world; ``reduce(case)`` has rank 2 misbehave."""
+
+    def __init__(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo")
+        self.rank = dist.get_rank()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def reduce(self, case: str = "", delay: float = 0.0, before: float = 0.0) -> float:
+        import torch
+        import torch.distributed as dist
+
+        if self.rank != CULPRIT:
+            time.sleep(before)
+        elif case == "skip":
+            return -1.0
+        elif case == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif case == "late":
+            time.sleep(delay)
+        tensor = torch.ones(8 if case == "shape" and self.rank == CULPRIT else 4)
+        dist.all_reduce(tensor)
+        if case == "late":  # and once more, as late
+            if self.rank == CULPRIT:
+                time.sleep(delay)
+            dist.all_reduce(tensor)
+        return float(tensor[0])
+
+    def busy(self, seconds: float) -> str:
+        time.sleep(seconds)
+        return "done"
+
+
+@pytest.fixture(scope="module", params=[b for b in ("local", "cluster") if b in BACKENDS])
+def where(request):
+    if request.param == "cluster":
+        return request.getfixturevalue("agent_cluster").backend()
+    return "local"
+
+
+@pytest.fixture(scope="module")
+def group(where):
+    with helpers.long_lived_group(Member, procs_per_node=3, framework="torch", backend=where,
+                                  echo_output=False, collective_timeout=TIMEOUT,
+                                  straggler_warning=1.0, start_timeout=120) as group:
+        assert group.call("reduce", timeout=60) == [3.0, 3.0, 3.0]
+        yield group
+
+
+def _answers_again(group: px.WorkerGroup, within: float = 60.0) -> float:
+    """Seconds until every rank answers a collective again."""
+    began = time.monotonic()
+    assert helpers.wait_until(lambda: _works(group), within), "the group did not answer again"
+    return time.monotonic() - began
+
+
+def _works(group: px.WorkerGroup) -> bool:
+    try:
+        return group.call("reduce", timeout=30) == [3.0, 3.0, 3.0]
+    except px.PhalanxError:
+        return False
+
+
+def _stuck(group: px.WorkerGroup, call: px.GroupFuture, began: float) -> px.CollectiveStuck:
+    with pytest.raises(px.CollectiveStuck) as info:
+        call.result(timeout=90)
+    error = info.value
+    took = time.monotonic() - began
+    released = float(error.released.rsplit(" in ", 1)[1].split(" s")[0])
+    print(f"\n{error.culprits[CULPRIT]!r}: error {took:.1f} s after the misbehaviour "
+          f"(collective_timeout={TIMEOUT:g} s; {released:.1f} s of it releasing)")
+    assert set(error.culprits) == {CULPRIT}, error.culprits
+    assert error.waiting == {0: "all_reduce", 1: "all_reduce"}, error.waiting
+    assert error.collective == "all_reduce" and error.group == group.name
+    assert f"rank {CULPRIT} never entered all_reduce" in str(error), str(error)
+    assert "ranks 0, 1 of group" in str(error) and "recreated" in error.released
+    assert _answers_again(group, within=5.0) < 5.0  # at once: released before the error
+    return error
+
+
+def test_a_rank_that_skips_the_collective_is_named_and_the_others_released(group):
+    began = time.monotonic()
+    error = _stuck(group, group.call_async("reduce", "skip"), began)
+    assert error.culprits[CULPRIT] == "it returned from reduce()"
+
+
+def test_a_stopped_rank_is_named_as_stopped(group):
+    began = time.monotonic()
+    error = _stuck(group, group.call_async("reduce", "stop"), began)
+    assert error.culprits[CULPRIT].startswith("it is stopped or hung"), error.culprits
+
+
+def test_a_rank_busy_in_another_call_is_named_with_that_call(group):
+    busy = group.call_async("busy", 120, workers=[CULPRIT])
+    time.sleep(0.5)
+    began = time.monotonic()
+    error = _stuck(group, group.call_async("reduce"), began)
+    assert error.culprits[CULPRIT] == "it is in busy()", error.culprits
+    with pytest.raises(px.CollectiveStuck):  # its rank was recreated too
+        busy.result(timeout=10)
+
+
+def _no_survivor_inside(group: px.WorkerGroup, call: px.GroupFuture, began: float,
+                        what: str) -> None:
+    with pytest.raises(px.PhalanxError) as info:
+        call.result(timeout=90)
+    detected = time.monotonic() - began
+    assert isinstance(info.value, (px.WorkerDied, px.WorkerError, px.CollectiveStuck)), info.value
+    # Every rank alive answers within the bound: none is left waiting in the collective.
+    survivors = [h.rank for h in group.health() if h.alive]
+    released = time.monotonic()
+    for rank in survivors:
+        assert helpers.wait_until(lambda r=rank: _answers_alone(group, r), 30), (
+            f"rank {rank} is still inside the collective")
+    print(f"\n{what}: {type(info.value).__name__} {detected:.1f} s after it, survivors "
+          f"{survivors} answering {time.monotonic() - released:.1f} s later")
+    group.restart()  # a dead rank's world is the user's to form again
+    assert _works(group)
+
+
+def _answers_alone(group: px.WorkerGroup, rank: int) -> bool:
+    try:
+        return isinstance(group.call_one(rank, "pid", timeout=2), int)
+    except px.PhalanxError:
+        return False
+
+
+def test_a_rank_killed_inside_the_collective_leaves_no_survivor_inside(group):
+    pids = group.call("pid")
+    call = group.call_async("reduce", "", 0.0, 1.5)  # rank 2 inside, 0 and 1 enter later
+    time.sleep(1.0)
+    began = time.monotonic()
+    os.kill(pids[CULPRIT], signal.SIGKILL)
+    _no_survivor_inside(group, call, began, "killed inside")
+
+
+def test_a_rank_with_another_shape_fails_the_call_and_no_survivor_stays_inside(group):
+    began = time.monotonic()
+    _no_survivor_inside(group, group.call_async("reduce", "shape"), began, "another shape")
+
+
+def test_a_late_rank_is_named_as_the_one_waited_for_and_how_late(group, caplog):
+    caplog.set_level(logging.WARNING, logger="phalanx.controller.collectivewatch")
+    delay = 1.6  # past straggler_warning, well within collective_timeout
+    assert group.call("reduce", "late", delay, timeout=60) == [9.0, 9.0, 9.0]
+    waited_for = [r.getMessage() for r in caplog.records if "have waited" in r.getMessage()]
+    assert helpers.wait_until(lambda: sum(
+        "entered all_reduce" in r.getMessage() for r in caplog.records) >= 2, 10), \
+        [r.getMessage() for r in caplog.records]
+    late = [r.getMessage() for r in caplog.records if "entered all_reduce" in r.getMessage()]
+    print("\n" + "\n".join(waited_for + late))
+    assert len(waited_for) == 2 and all(f"for ranks {CULPRIT}:" in m for m in waited_for)
+    assert all(f"rank {CULPRIT}: it is still in reduce()" in m for m in waited_for)
+    for message in late:
+        assert message.startswith(f"rank {CULPRIT} of group {group.name} entered all_reduce")
+        seconds = float(message.split(") ")[1].split(" s after")[0])
+        assert delay - 0.5 < seconds < delay + 5, message
