@@ -103,6 +103,19 @@ class DDPTrainer:
         return self.told
 
 
+class Shard:
+    """A rank of a dp x tp mesh holding a state of its own."""
+
+    def __init__(self) -> None:
+        self.held = f"fresh {os.environ['RANK']}"
+
+    def state(self) -> str:
+        return self.held
+
+    def load(self, state: str) -> None:
+        self.held = state
+
+
 def _digest(value: object) -> str:
     import hashlib
 
@@ -177,6 +190,17 @@ def test_a_killed_rank_comes_back_with_its_peers_model_and_optimizer(trainers, v
     _same(trainers.call("train", 3, timeout=60))  # and they stay in step
     print(f"recreate+restore of rank {victim} ({trainers.backend}): {took:.2f} s; "
           "digests match")
+
+
+@pytest.mark.timeout(60)
+def test_peers_on_a_mesh_are_the_same_place_in_another_replica(make_group):
+    group = make_group(Shard, procs_per_node=4, mesh={"dp": 2, "tp": 2})
+    group.map("load", [f"dp{r // 2} tp{r % 2}" for r in range(4)])
+    group.recreate([0, 3], restore_from="peers", get="state", set="load", timeout=30)
+    # rank 0 (dp 0, tp 0) from rank 2 (dp 1, tp 0); rank 3 (dp 1, tp 1) from rank 1
+    assert group.call("state") == ["dp1 tp0", "dp0 tp1", "dp1 tp0", "dp0 tp1"]
+    with pytest.raises(ValueError, match=r"no live rank .* holds rank 1's state"):
+        group.recreate([1, 3], restore_from="peers", get="state", set="load")
 
 
 @pytest.mark.timeout(60)
