@@ -103,6 +103,11 @@ class WorkerGroup(CallForms):
     declared unresponsive: its calls fail with :class:`WorkerUnresponsive` and it is killed
     (None: never). When some ranks answered a call ``straggler_warning`` seconds ago and
     others have not, the late ranks and where their code is are logged (None: never).
+    When ranks of a call have waited ``collective_timeout`` seconds in a
+    ``torch.distributed`` collective that other members never entered (or entered with
+    other shapes), the call raises :class:`CollectiveStuck` naming them, once every rank
+    was recreated to release the waiting ones (None: never; see
+    :mod:`phalanx.controller.collectivewatch`).
 
     ``master_addr`` / ``master_port`` fix the rendezvous the ranks get as ``MASTER_ADDR`` /
     ``MASTER_PORT`` (default: node 0's address and a port free there, new on each restart).

@@ -124,9 +124,15 @@ def _stuck(group: px.WorkerGroup, call: px.GroupFuture, began: float) -> px.Coll
 
 
 def test_a_rank_that_skips_the_collective_is_named_and_the_others_released(group):
-    began = time.monotonic()
-    error = _stuck(group, group.call_async("reduce", "skip"), began)
+    with group.trace(timeout=2) as trace:
+        began = time.monotonic()
+        error = _stuck(group, group.call_async("reduce", "skip"), began)
     assert error.culprits[CULPRIT] == "it returned from reduce()"
+    # the trace says what was done too: the waiting ranks' slices end with the error
+    (stuck,) = [c for c in trace.calls if c.method == "reduce" and c.errors]
+    assert sorted(stuck.errors) == [0, 1]
+    assert all(e.startswith("CollectiveStuck: ") and "recreated" in e
+               for e in stuck.errors.values()), stuck.errors
 
 
 def test_a_stopped_rank_is_named_as_stopped(group):
