@@ -247,6 +247,7 @@ class WorkerGroup(CallForms):
             gate=gate, backend=backend_, dispatcher=dispatcher, table=ranks, starter=starter,
             membership=membership, methods=methods, sender=sender, shared=shared,
             watchdog=watchdog)
+        collectives.release = self._lifecycle.release
         self._init_forms(CallPath(gate, methods, ranks, sender), Scope(self._mesh))
         register(self, GroupInternals(gate, ranks, sender, starter.node_address))
         backend_.open(plan.output)
