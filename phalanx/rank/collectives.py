@@ -27,15 +27,15 @@ be named.
 
 from __future__ import annotations
 
-import functools
-import importlib.abc
-import importlib.machinery
 import sys
 import threading
 import time
-import types
-from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # a rank's start-up imports neither (importlib.abc alone costs ~6 ms)
+    import importlib.machinery
+    import types
+    from collections.abc import Callable, Sequence
 
 TRACKED = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
@@ -71,8 +71,9 @@ def arm() -> None:
         sys.meta_path.insert(0, _Hook())
 
 
-class _Hook(importlib.abc.MetaPathFinder):
-    """Wraps ``torch.distributed``'s collectives right after the module is executed."""
+class _Hook:
+    """A finder on ``sys.meta_path`` (duck-typed: ``find_spec`` is the protocol) that wraps
+    ``torch.distributed``'s collectives right after the module is executed."""
 
     def find_spec(self, fullname: str, path: Sequence[str] | None,
                   target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
@@ -83,12 +84,14 @@ class _Hook(importlib.abc.MetaPathFinder):
                 continue
             spec: importlib.machinery.ModuleSpec | None = finder.find_spec(fullname, path, target)
             if spec is not None and spec.loader is not None:
-                spec.loader = _Loader(spec.loader)
+                spec.loader = _Loader(spec.loader)  # type: ignore[assignment]  # one by protocol
                 return spec
         return None
 
 
-class _Loader(importlib.abc.Loader):
+class _Loader:
+    """The loader found for ``torch.distributed``, with :func:`install` after it ran."""
+
     def __init__(self, inner: Any) -> None:
         self._inner = inner
 
@@ -125,7 +128,6 @@ def _wrapped(op: str, fn: Callable[..., Any], dist: Any) -> Callable[..., Any]:
         names = []
     group_at = names.index("group") if "group" in names else None
 
-    @functools.wraps(fn)
     def tracked(*args: Any, **kwargs: Any) -> Any:
         if kwargs.get("async_op"):
             return fn(*args, **kwargs)
@@ -141,6 +143,9 @@ def _wrapped(op: str, fn: Callable[..., Any], dist: Any) -> Callable[..., Any]:
         finally:
             _leave(mark)
 
+    for attribute in ("__module__", "__name__", "__qualname__", "__doc__"):
+        setattr(tracked, attribute, getattr(fn, attribute, None))
+    tracked.__wrapped__ = fn  # type: ignore[attr-defined]
     setattr(tracked, _MARK, True)
     return tracked
 
