@@ -45,7 +45,7 @@ from phalanx.launcher.policy import AttemptStatus, RestartDecision, decide
 from phalanx.launcher.report import Failure
 from phalanx.launcher.roster import Member, Roster, layout_counts, root_cause
 from phalanx.node.machine import free_port
-from phalanx.wire.streams import keep_alive
+from phalanx.wire.streams import tune_link
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ class JobHost:
             if not admitted:
                 self._turn_away(conn, peer, served)
                 continue
-            keep_alive(conn)
+            tune_link(conn)
             thread = threading.Thread(target=self._read, args=(key, conn, f"{peer[0]}"),
                                       name="phalanx-job-member", daemon=True)
             thread.start()

@@ -42,7 +42,7 @@ from phalanx.launcher.options import BadOptions, JobOptions, RunOptions
 from phalanx.launcher.report import FAILED, Failure, exit_status, format_report
 from phalanx.launcher.signals import SignalForwarder
 from phalanx.output import console
-from phalanx.wire.streams import keep_alive
+from phalanx.wire.streams import tune_link
 from phalanx.world.frameworks import WorldPart
 from phalanx.world.layout import Layout
 
@@ -86,7 +86,7 @@ class JobMember:
         self._on_stop = on_stop
         self._messages: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._sock = self._connect(deadline)
-        keep_alive(self._sock)
+        tune_link(self._sock)
         send_message(self._sock, {"type": "join", **join})
         self._lost = "its connection closed"
         self._reader = threading.Thread(target=self._read, name="phalanx-job-member",

@@ -263,7 +263,7 @@ class StoreServer(KeyValueStore):
                          peer, evicted)
         try:
             sock.setblocking(True)
-            streams.keep_alive(sock)
+            streams.tune_link(sock)
             threading.Thread(target=self._serve, args=(sock, peer), daemon=True,
                              name="phalanx-store-peer").start()
         except (RuntimeError, OSError) as exc:  # "can't start new thread"
@@ -393,7 +393,7 @@ def _connect(host: str, port: int, secret: bytes, timeout: float, handshake_time
             last = f"connecting: {exc.strerror or exc}"
         else:
             try:
-                streams.keep_alive(sock)
+                streams.tune_link(sock)
                 sealer, opener = _client_handshake(
                     sock, secret, min(deadline, time.monotonic() + handshake_timeout),
                     _where((host, port)))

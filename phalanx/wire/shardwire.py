@@ -117,6 +117,7 @@ def connect(host: str, port: int, secret: bytes, deadline: Deadline
     OSError (TimeoutError among them) if it cannot be reached in time."""
     sock = socket.create_connection((host.strip("[]"), port), timeout=deadline.left())
     try:
+        streams.tune_link(sock)
         nonce_c = secrets.token_bytes(kvproto.NONCE_SIZE)
         sock.settimeout(deadline.left())
         sock.sendall(MAGIC + nonce_c)
@@ -365,6 +366,7 @@ class Listener:
                 self._closed.wait(_POLL)
                 continue
             peer = str(address[0])
+            streams.tune_link(sock)
             self._admission.admit(sock, peer)
             with self._lock:
                 self._peers.add(sock)

@@ -84,7 +84,7 @@ def connect_agent(host: str, port: int, secret: bytes, tls: ssl.SSLContext | Non
     """
     timeout = max(0.1, timeout)
     sock = socket.create_connection((host, port), timeout=timeout)
-    streams.keep_alive(sock)  # a peer whose machine vanished is noticed on an idle link too
+    streams.tune_link(sock)  # no Nagle delay; a vanished peer is noticed on an idle link too
     if tls is not None:
         try:
             sock = tls.wrap_socket(sock, server_hostname=host)

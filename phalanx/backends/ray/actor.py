@@ -129,8 +129,7 @@ def _open(controller: tuple[str, int, str], timeout: float) -> socket.socket:
             f"could not connect back to the controller at {address}:{port} ({exc}); a "
             "controller the cluster cannot reach needs RayBackend(transport='ray')"
         ) from exc
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    streams.keep_alive(sock)  # a link cut without a FIN is noticed, not waited on for good
+    streams.tune_link(sock)  # no Nagle delay; a link cut without a FIN is noticed
     return sock
 
 

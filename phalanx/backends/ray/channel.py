@@ -605,7 +605,7 @@ class Listener:
         try:
             sock.setblocking(True)
             if sock.family != socket.AF_UNIX:
-                streams.keep_alive(sock)
+                streams.tune_link(sock)
             threading.Thread(target=self._handshake, args=(sock, peer), daemon=True,
                              name="phalanx-ray-handshake").start()
         except (RuntimeError, OSError) as exc:  # "can't start new thread"

@@ -68,7 +68,7 @@ from phalanx.backends.cluster.token import read_token as read_token  # for the C
 from phalanx.errors import AuthenticationError, printable
 from phalanx.node.machine import visible_gpus
 from phalanx.version import __version__
-from phalanx.wire import framing, handshake, seal
+from phalanx.wire import framing, handshake, seal, streams
 from phalanx.wire.admission import Admission
 from phalanx.wire.memfd import block_domain, machine_id
 
@@ -283,6 +283,7 @@ class Agent:
         keys that authenticate every frame after the handshake (None: it did not)."""
         sock = raw
         try:
+            streams.tune_link(raw)  # every frame of a session leaves at once
             if self._tls is not None:  # TLS first; the token is then proved inside it
                 sock.settimeout(self._handshake_timeout)
                 # the TLS handshake is run here, not by wrap_socket: that would close the

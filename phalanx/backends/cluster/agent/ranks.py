@@ -173,8 +173,7 @@ class Session:
                  devices: NodeDevices | None = None,
                  peer_tls: ssl.SSLContext | None = None,
                  max_held: int | None = None) -> None:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        streams.keep_alive(sock)
+        streams.tune_link(sock)
         self.address = sock.getsockname()[0]  # where the controller reached this node
         self._writer = framing.BacklogWriter("phalanx-agent-writer")
         # auth: the handshake's frame keys, which seal and check every frame from here on
