@@ -128,8 +128,7 @@ class CollectiveWatch:
     def _doing(self, rank: int, waiting: stuck.Waiting, method: str | None) -> str:
         """What an absent (or odd) member was doing instead of waiting with the others."""
         if rank in waiting.odd:
-            return (f"it entered {waiting.op} with {waiting.odd[rank] or 'no tensor'} where "
-                    f"the others have {waiting.common or 'no tensor'}")
+            return f"it entered {waiting.odd[rank]} where the others entered {waiting.common}"
         entry = self._entry(rank)
         if entry is None or not entry.alive:
             cause = entry.failure.cause if entry is not None and entry.failure else None

@@ -20,9 +20,10 @@ the controller learns from it how late a straggler entered one that completed.
 :func:`report` gives that state as plain data and :func:`changed` says whether it moved
 since the last report: the rank's heartbeat thread sends it (``COLLECTIVE``) only then. A
 collective that starts and ends between two heartbeats costs two dictionary writes.
-Asynchronous collectives (``async_op=True``) and point-to-point operations are not
-tracked: their wait happens elsewhere, and a pair is not a group whose absent member can
-be named.
+A collective run inside another (``all_gather_object`` gathers sizes, then data) is part
+of the outer one: only the outer is counted. Asynchronous collectives (``async_op=True``)
+and point-to-point operations are not tracked: their wait happens elsewhere, and a pair is
+not a group whose absent member can be named.
 """
 
 from __future__ import annotations
@@ -129,7 +130,9 @@ def _wrapped(op: str, fn: Callable[..., Any], dist: Any) -> Callable[..., Any]:
     group_at = names.index("group") if "group" in names else None
 
     def tracked(*args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("async_op"):
+        # async: its wait is elsewhere; nested (all_gather_object runs all_gather and
+        # more): the outer one is the collective the rank is in, counted once
+        if kwargs.get("async_op") or threading.get_ident() in _inside:
             return fn(*args, **kwargs)
         if "group" in kwargs:
             group = kwargs["group"]

@@ -8,8 +8,9 @@ process group, same sequence number) together as one :class:`Waiting`, and names
 
 - ``absent``: the members that are not in it (they never entered it, are in another one,
   or are gone) -- the ones the others wait for;
-- ``odd``: ranks in it whose signature differs from the most common one (a mismatched
-  shape or dtype: the collective cannot complete either).
+- ``odd``: ranks in it whose operation or signature differs from the most common one
+  (another collective at the same number, a mismatched shape or dtype: it cannot complete
+  either).
 
 Global ranks are mapped to the group's ranks by the offset the reports show (a group that
 is one part of a bigger world starts at its first rank); members outside the group are
@@ -38,18 +39,29 @@ class Inside:
     entered: float  # wall clock, the rank's
     me: int  # the rank's global rank
 
+    @property
+    def call(self) -> str:
+        """The operation and its signature: what every member must enter alike."""
+        return f"{self.op} {self.signature}".rstrip()
+
     @classmethod
     def parse(cls, rank: int, fields: Sequence[Any]) -> Inside:
         """From the plain fields a rank sent (``ValueError`` when they are not that)."""
+        if not isinstance(fields, (list, tuple)):
+            raise ValueError(f"{type(fields).__name__}, not a list of fields")
         if len(fields) != 7:
             raise ValueError(f"{len(fields)} fields, not 7")
         group, seq, op, members, signature, entered, me = fields
-        if not (isinstance(group, str) and isinstance(seq, int) and isinstance(op, str)
-                and isinstance(members, list) and all(isinstance(m, int) for m in members)
+        if not (isinstance(group, str) and _integer(seq) and isinstance(op, str)
+                and isinstance(members, list) and all(_integer(m) for m in members)
                 and isinstance(signature, str) and isinstance(entered, (int, float))
-                and isinstance(me, int)):
+                and not isinstance(entered, bool) and _integer(me)):
             raise ValueError("a field of the wrong type")
         return cls(rank, group, seq, op, tuple(members), signature, float(entered), me)
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +74,8 @@ class Waiting:
     inside: dict[int, Inside]  # the group's rank -> its report
     members: tuple[int, ...]  # the group's ranks that belong to it
     absent: tuple[int, ...]  # members not in it
-    odd: dict[int, str]  # ranks in it with another signature -> theirs
-    common: str  # the most common signature
+    odd: dict[int, str]  # ranks in it with another operation or signature -> theirs
+    common: str  # the most common operation and signature
 
     @property
     def key(self) -> tuple[str, int]:
@@ -100,13 +112,13 @@ def gather(reports: Iterable[Inside], world_size: int) -> list[Waiting]:
         members = tuple(sorted({m - offset for m in first.members
                                 if 0 <= m - offset < world_size}))
         absent = tuple(r for r in members if r not in inside)
-        signatures = collections.Counter(report.signature for report in inside.values())
-        # the most common signature is taken as the right one (a tie: the greater, so that
+        signatures = collections.Counter(report.call for report in inside.values())
+        # the most common call is taken as the right one (a tie: the greater, so that
         # every rank's report names the same odd ones)
         common = max(signatures, key=lambda s: (signatures[s], s))
-        odd = {rank: report.signature for rank, report in inside.items()
-               if report.signature != common}
-        out.append(Waiting(group, seq, first.op, inside, members, absent, odd, common))
+        odd = {rank: report.call for rank, report in inside.items() if report.call != common}
+        op = next(r.op for r in inside.values() if r.call == common)
+        out.append(Waiting(group, seq, op, inside, members, absent, odd, common))
     return out
 
 

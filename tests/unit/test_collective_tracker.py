@@ -146,6 +146,25 @@ def test_an_asynchronous_collective_is_not_tracked_and_still_works(tmp_path):
     assert out["sum"] == [2.0, 2.0, 2.0]
 
 
+def test_a_collective_run_inside_another_is_counted_once_with_the_outer(tmp_path):
+    out = run("""
+        collectives.arm()
+        import torch.distributed as dist
+
+        world()
+        gathered = [None]
+        dist.all_gather_object(gathered, {"a": 1})  # all_gather, and more, inside it
+        listed = [{"b": 2}]
+        dist.broadcast_object_list(listed, src=0)
+        out = {"report": collectives.report(), "seq": collectives._seq}
+        dist.destroy_process_group()
+        print(json.dumps(out))
+    """, tmp_path)
+    assert out["seq"] == {"0": 2}
+    assert [done[:3] for done in out["report"][1]] == [["0", 2, "broadcast_object_list"]]
+    assert out["report"][0] == []
+
+
 def test_a_subgroup_is_counted_apart_from_the_default_group(tmp_path):
     out = run("""
         collectives.arm()

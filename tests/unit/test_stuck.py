@@ -87,7 +87,14 @@ WRONG = [
     (4, None), (4, (4, 2)),  # signature
     (5, "now"), (5, None),  # entered
     (6, "1"), (6, 1.0), (6, None),  # me
+    (1, True), (3, [0, False]), (5, True), (6, False),  # a bool is no rank, number or time
 ]
+
+
+@pytest.mark.parametrize("fields", [None, 7, "0", {"group": "0"}])
+def test_parse_refuses_what_is_not_a_list_of_fields(fields):
+    with pytest.raises(ValueError, match="not a list of fields"):
+        Inside.parse(0, fields)
 
 
 @pytest.mark.parametrize(("index", "value"), WRONG)
@@ -171,9 +178,21 @@ def test_the_minority_with_other_signatures_is_odd(scene, common, data):
               for r in minority}
     reports = [scene.report(r, signature=theirs.get(r, common)) for r in scene.inside]
     [waiting] = gather(data.draw(st.permutations(reports)), scene.world_size)
-    assert waiting.common == common
-    assert waiting.odd == theirs
+    # what is compared is the call: the operation and its signature
+    assert waiting.common == f"all_reduce {common}".rstrip()
+    assert waiting.odd == {r: f"all_reduce {s}".rstrip() for r, s in theirs.items()}
     assert waiting.complete == (not waiting.absent and not minority)
+
+
+@given(data=st.data())
+def test_another_operation_at_the_same_number_is_odd_whatever_its_shape(data):
+    # rank 1 is in broadcast #1 where ranks 0 and 2 are in all_reduce #1, on one tensor shape
+    reports = [Inside(r, "0", 1, "broadcast" if r == 1 else "all_reduce", (0, 1, 2),
+                      "(4,) torch.float32", 1.0, r) for r in range(3)]
+    [waiting] = gather(data.draw(st.permutations(reports)), 3)
+    assert waiting.op == "all_reduce" and waiting.common == "all_reduce (4,) torch.float32"
+    assert waiting.odd == {1: "broadcast (4,) torch.float32"}
+    assert not waiting.complete
 
 
 @settings(max_examples=200, deadline=None)
@@ -195,8 +214,9 @@ def test_a_tie_names_the_same_odd_ranks_whatever_the_order(data):
     reports = [Inside(r, "0", 1, "all_reduce", (0, 1, 2, 3), s, 1.0, r)
                for r, s in enumerate(signatures)]
     [waiting] = gather(data.draw(st.permutations(reports)), 4)
-    assert waiting.common == "(4, 2) torch.float32"  # the greater of the two
-    assert waiting.odd == {2: "(4, 2) torch.bfloat16", 3: "(4, 2) torch.bfloat16"}
+    assert waiting.common == "all_reduce (4, 2) torch.float32"  # the greater of the two
+    assert waiting.odd == {2: "all_reduce (4, 2) torch.bfloat16",
+                           3: "all_reduce (4, 2) torch.bfloat16"}
 
 
 @settings(max_examples=300, deadline=None)
