@@ -149,6 +149,11 @@ KEPT_COPY_TIMEOUT = 300.0  # s: for an agent to fetch a kept result from another
 ENV_FD = "PHALANX_FD"  # file descriptor of the worker's control socket
 ENV_FRAME_KEYS = "PHALANX_FRAME_KEYS"  # its frame keys, when that socket crossed a network
 ENV_GROUP = "PHALANX_GROUP"  # its group's name (px.breakpoint() records it for phalanx debug)
+# the modules the node's supervisor imports once and forks the group's ranks from
+# (comma-separated), and the path to find them on (os.pathsep-separated); read by the
+# supervisor's starter, never by the rank (phalanx.node.keeper._Preload)
+ENV_PRELOAD = "PHALANX_PRELOAD"
+ENV_PRELOAD_PATH = "PHALANX_PRELOAD_PATH"
 ENV_PARENT_PID = "PHALANX_PARENT_PID"  # the parent's pid, re-checked after PDEATHSIG
 ENV_RANK_SCHED = "PHALANX_RANK_SCHED"  # "batch" (default) or "normal": a rank's CPU policy
 ENV_STACKS_FD = "PHALANX_STACKS_FD"  # file the worker dumps its threads' stacks into

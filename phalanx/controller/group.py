@@ -162,6 +162,7 @@ class WorkerGroup(CallForms):
         heartbeat_timeout: float | None = config.DEFAULT_HEARTBEAT_TIMEOUT,
         straggler_warning: float | None = config.DEFAULT_STRAGGLER_WARNING,
         collective_timeout: float | None = config.DEFAULT_COLLECTIVE_TIMEOUT,
+        preload: bool | Sequence[str] | None = None,
         master_addr: str | None = None,
         master_port: int | None = None,
         part_of: WorldPart | None = None,
@@ -178,8 +179,9 @@ class WorkerGroup(CallForms):
                 output=(echo_output, collapse_output, log_ranks, log_dir), cwd=cwd,
                 mesh=mesh, dp_axis=dp_axis, tied_axes=tied_axes, dp_leaders=dp_leaders,
                 heartbeat_timeout=heartbeat_timeout, straggler_warning=straggler_warning,
-                collective_timeout=collective_timeout, master_addr=master_addr,
-                master_port=master_port, part_of=part_of, name=name)
+                collective_timeout=collective_timeout, preload=preload,
+                master_addr=master_addr, master_port=master_port, part_of=part_of,
+                name=name)
             self._name = name = plan.name
             undo.callback(GROUP_NAMES.release, name)  # taken by the plan
             self._lease = plan.lease
@@ -230,7 +232,8 @@ class WorkerGroup(CallForms):
             rendezvous=((master_addr, master_port)
                         if master_addr is not None or master_port is not None else None),
             start_timeout=plan.start_timeout, progress=plan.progress,
-            dispatcher=dispatcher, table=ranks, shared=shared, methods=methods)
+            dispatcher=dispatcher, table=ranks, shared=shared, methods=methods,
+            preload=plan.preload)
         self._watch = watch = Watcher(ranks, dispatcher, gate)
         collectives = CollectiveWatch(
             dispatcher, ranks, watch.take_stacks, timeout=plan.collective_timeout,

@@ -31,11 +31,17 @@ from phalanx.options import check_count, check_seconds
 from phalanx.output.logs import OutputOptions
 from phalanx.world.layout import merge_env, rank_scheduling
 from phalanx.world.placement import Placement, place
+from phalanx.world.preload import check_preload, preload_modules
 
 if TYPE_CHECKING:
     from phalanx.controller.pool import Lease, ResourcePool
     from phalanx.world.frameworks import WorldPart
     from phalanx.world.sharding import NamedSharding
+
+
+# backends whose nodes start ranks through phalanx's supervisor (phalanx.node.supervisor),
+# which can fork them from preloaded modules: Ray runs each rank in an actor of its own
+_FORKING = ("local", "cluster", "slurm")
 
 
 def heartbeat_interval(timeout: float | None,
@@ -59,6 +65,7 @@ class GroupPlan:
     heartbeat_timeout: float | None
     straggler_warning: float | None
     collective_timeout: float | None
+    preload: tuple[str, ...]
     target_name: str
     name: str  # the group's, taken in GROUP_NAMES: given back when it shuts down
     progress: bool | None  # None: shown when stderr is a terminal
@@ -91,6 +98,7 @@ def plan_group(
     heartbeat_timeout: float | None,
     straggler_warning: float | None,
     collective_timeout: float | None,
+    preload: bool | Sequence[str] | None,
     master_addr: str | None,
     master_port: int | None,
     part_of: WorldPart | None,
@@ -115,6 +123,7 @@ def plan_group(
     collective_timeout = check_seconds(collective_timeout, "collective_timeout",
                                        allow_zero=False)
     python = check_interpreter(python)
+    check_preload(preload)
     booking = None
     if pool is not None:
         from phalanx.controller.pool import booking_on
@@ -131,6 +140,10 @@ def plan_group(
     placement = place(framework, nodes, 1 if procs_per_node is None else procs_per_node,
                       gpus_per_worker or 0, backend_.gpus_per_node(nodes))
     require_package(placement.framework)
+    modules = preload_modules(
+        preload, placement.framework.preload, getattr(target, "__module__", None),
+        ships_code=backend_.capabilities.code is not None,
+        forks=python is None and backend_.name in _FORKING)
     world_size = placement.layout.world_size
     if part_of is not None:
         check_part_of(part_of, master_addr, master_port, placement)
@@ -164,7 +177,7 @@ def plan_group(
         backend=backend_, placement=placement, boot=boot, output=options, mesh=group_mesh,
         start_timeout=start_timeout, heartbeat_timeout=heartbeat_timeout,
         straggler_warning=straggler_warning, collective_timeout=collective_timeout,
-        target_name=target_name, name=name,
+        preload=modules, target_name=target_name, name=name,
         progress=settings.progress, lease=lease)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
 import time
 import types
@@ -184,8 +185,10 @@ class Starter:
         table: RankTable,
         shared: SharedObjects,
         methods: MethodNames,
+        preload: Sequence[str] = (),
     ) -> None:
         self.name = name  # the group's (phalanx.controller.names)
+        self._preload = tuple(preload)  # phalanx.world.preload
         self._backend = backend
         self._placement = placement
         self._layout = placement.layout
@@ -262,6 +265,9 @@ class Starter:
             generic.update(self._part_of.rank_env(rank, launch.master_addr,
                                                   launch.master_port))
         generic[config.ENV_GROUP] = self.name  # which group, for px.breakpoint()
+        if self._preload:  # for the node's supervisor (phalanx.node.keeper._Preload)
+            generic[config.ENV_PRELOAD] = ",".join(self._preload)
+            generic[config.ENV_PRELOAD_PATH] = os.pathsep.join(self._boot.sys_path)
         env = merge_env({}, generic, self._user_env, self._rank_env.get(rank))
         return RankStart(
             rank=rank,

@@ -38,10 +38,13 @@ if TYPE_CHECKING:  # _signal's names as typeshed knows them: it has no stub for 
     # its stdout, stderr and status pipe; the variables that name descriptors ("{i}": the
     # i-th one's number in the rank); the variable that tells the rank its keeper's pid;
     # and whether it runs as SCHED_BATCH (PHALANX_RANK_SCHED, phalanx.world.layout).
+    # "preload": modules to import once in this process and fork the rank from, with
+    # "preload_path" on sys.path for them (see _preload); "forked", set here: whether it is.
     StartRequest = TypedDict("StartRequest", {
         "argv": list[str], "env": dict[str, str], "cwd": str | None, "pass": list[int],
         "stdout": int, "stderr": int, "status": int, "fd_env": dict[str, str],
-        "pid_env": str, "batch": bool,
+        "pid_env": str, "batch": bool, "preload": list[str], "preload_path": list[str],
+        "forked": bool, "why_not": str,
     })
 else:
     # CPython's C modules: signal.py and socket.py on top of them are ~6 ms of this
@@ -149,7 +152,12 @@ def _reap(keepers: dict[int, int], poller: select.poll) -> None:
                     pass
 
 
-def _fork_keeper(request: bytes, fds: list[int], sock: socket.socket, controller: int) -> int:
+def _fork_keeper(data: bytes, fds: list[int], sock: socket.socket, controller: int) -> int:
+    request = marshal.loads(data)
+    if request.get("preload"):
+        why_not = _PRELOAD.ready(request)
+        request["forked"] = why_not is None
+        request["why_not"] = why_not or ""
     supervisor = os.getpid()
     pid = os.fork()
     if pid == 0:  # the keeper
@@ -158,7 +166,7 @@ def _fork_keeper(request: bytes, fds: list[int], sock: socket.socket, controller
             sock.close()
             if controller >= 0:
                 os.close(controller)
-            code = _keep(marshal.loads(request), fds, supervisor)
+            code = _keep(request, fds, supervisor)
         finally:
             os._exit(code)
     for fd in fds:
@@ -178,6 +186,8 @@ def _keep(request: StartRequest, fds: list[int], supervisor: int) -> int:
     for key, template in request["fd_env"].items():
         env[key] = template.format(*fds)
     env[request["pid_env"]] = str(os.getpid())
+    if request.get("why_not"):
+        _report(status, "note", request["why_not"])
     try:
         rank = _start(request, fds, env)
     except OSError as exc:
@@ -226,6 +236,9 @@ def _start(request: StartRequest, fds: list[int], env: dict[str, str]) -> int:
                 _schedule_as_batch()
             if cwd:
                 os.chdir(cwd)
+            if request.get("forked"):
+                os.close(errors_w)  # it runs: nothing more to report through it
+                _run_forked(argv, env)  # never returns
             os.execvpe(argv[0], argv, env)
         except BaseException as exc:  # noqa: BLE001 - reported to the keeper, then exit
             try:
@@ -248,6 +261,173 @@ def _start(request: StartRequest, fds: list[int], env: dict[str, str]) -> int:
     return pid
 
 
+class _Preload:
+    """The modules ranks import, imported once in this process (the node supervisor), so
+    that a rank forked from it (by its keeper, with no ``exec``) starts with them loaded:
+    a node pays ``import torch`` once, not once per rank, and again at every recreate.
+
+    :meth:`ready` says whether a rank can be forked from here, or why not -- the rank is
+    then started as a fresh interpreter, as without preloading, and the keeper reports the
+    reason on the status pipe (``note TEXT``) for the node side to log:
+
+    - it runs another interpreter (``python=``);
+    - a module could not be imported here (the rank will try itself);
+    - importing started a thread (a fork copies no thread, but does copy the locks the
+      others held) or initialised CUDA (a forked child cannot use it);
+    - a preloaded module's file changed since (a rank must run the code on disk).
+
+    The import runs once, on the first request that names modules; this process is
+    single-threaded, so nothing else runs meanwhile. It was started with ``-S``: ``site``
+    is run then, to find the packages a rank would find.
+    """
+
+    def __init__(self) -> None:
+        self.modules: list[str] | None = None  # imported (None: not yet tried)
+        self.why_not: str | None = None  # why no rank can be forked from here
+        self.files: dict[str, float] = {}  # file -> its mtime when imported
+
+    def ready(self, request: StartRequest) -> str | None:
+        if request["argv"][0] != sys.executable:
+            return f"the ranks run another interpreter ({request['argv'][0]})"
+        if self.modules is None:
+            self._load(request["preload"], request.get("preload_path", []))
+        if self.why_not is None:
+            for path, mtime in self.files.items():
+                try:
+                    changed = os.stat(path).st_mtime != mtime
+                except OSError:
+                    changed = True
+                if changed:
+                    self.why_not = f"{path} changed since it was preloaded"
+                    break
+        return self.why_not
+
+    def _load(self, modules: list[str], path: list[str]) -> None:
+        import gc
+        import importlib
+
+        if "site" not in sys.modules:
+            import site
+
+            site.main()
+        sys.path.extend(p for p in path if p not in sys.path)
+        self.modules = []
+        failed = []
+        # OpenMP starts its pool as torch is imported, and a child forked after the pool
+        # ran hangs in its first parallel region: imported with one thread, no pool is
+        # made here; each rank sets its own count after the fork (_threads_as_fresh)
+        given = {key: os.environ.get(key) for key in _ONE_THREAD}
+        os.environ.update(dict.fromkeys(_ONE_THREAD, "1"))
+        try:
+            for name in modules:
+                try:
+                    module = importlib.import_module(name)
+                except BaseException as exc:  # noqa: BLE001 - any error: the rank's to see
+                    failed.append(f"{name} ({type(exc).__name__}: {exc})")
+                    continue
+                self.modules.append(name)
+                where = getattr(module, "__file__", None)
+                if where and not where.startswith(sys.base_prefix):  # the stdlib stays
+                    self.files[where] = os.stat(where).st_mtime
+        finally:
+            for key, value in given.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+        threads = len(os.listdir("/proc/self/task"))
+        torch = sys.modules.get("torch")
+        cuda = getattr(torch, "cuda", None) if torch is not None else None
+        if threads > 1:
+            self.why_not = (f"importing {', '.join(self.modules)} started {threads - 1} "
+                            "thread(s): a fork would copy the locks they hold")
+        elif cuda is not None and cuda.is_initialized():
+            self.why_not = f"importing {', '.join(self.modules)} initialised CUDA"
+        elif failed and not self.modules:
+            self.why_not = f"nothing could be preloaded: {'; '.join(failed)}"
+        gc.freeze()  # what is imported stays shared between the ranks' pages
+
+
+_PRELOAD = _Preload()
+_ONE_THREAD = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def _threads_as_fresh(env: dict[str, str]) -> None:
+    """The intra-op thread count a fresh interpreter would take (its ``OMP_NUM_THREADS``,
+    else one per CPU it may run on), where the preloading set one."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    given = env.get("OMP_NUM_THREADS", "")
+    count = int(given) if given.isdigit() and int(given) > 0 else len(os.sched_getaffinity(0))
+    torch.set_num_threads(count)
+
+
+def _run_forked(argv: list[str], env: dict[str, str]) -> None:
+    """Become the rank in this forked process, as ``exec`` of ``argv`` (``python -c
+    CODE``) would have: its environment, a fresh ``__main__``, Python's default signal
+    handlers, fresh random state; then run ``CODE`` and exit as the interpreter would
+    (``SystemExit``'s code, atexit handlers, non-daemon threads joined, streams flushed)."""
+    import atexit
+    import threading
+    import types
+
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = ["-c"]
+    _fresh_streams(bool(env.get("PYTHONUNBUFFERED")))
+    main = types.ModuleType("__main__")
+    sys.modules["__main__"] = main
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGTERM, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+    _threads_as_fresh(env)
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:  # its global state is seeded once, at import: reseed it
+        numpy_random.seed()  # (Python's random reseeds itself in a forked child)
+    code: object = 0
+    try:
+        exec(compile(argv[2], "<string>", "exec"), main.__dict__)  # phalanx's own boot
+    except SystemExit as exc:
+        code = exc.code
+    except BaseException:  # noqa: BLE001 - as the interpreter reports an uncaught one
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    try:
+        # what the interpreter does at its exit, which this process never reaches
+        threading._shutdown()  # type: ignore[attr-defined]  # noqa: SLF001
+        atexit._run_exitfuncs()  # noqa: SLF001
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:
+                stream.flush()
+    finally:
+        if code is None:
+            code = 0
+        elif not isinstance(code, int):
+            sys.stderr.write(f"{code}\n")
+            code = 1
+        os._exit(code)
+
+
+def _fresh_streams(unbuffered: bool) -> None:
+    """``sys.stdout`` and ``sys.stderr`` on descriptors 1 and 2 as a fresh interpreter makes
+    them (``PYTHONUNBUFFERED``: no buffer, each write goes out at once)."""
+    import io
+
+    for fd, name, errors in ((1, "stdout", None), (2, "stderr", "backslashreplace")):
+        old = getattr(sys, name)
+        encoding = getattr(old, "encoding", None) or "utf-8"
+        raw = io.FileIO(fd, "w", closefd=False)
+        stream = io.TextIOWrapper(raw if unbuffered else io.BufferedWriter(raw),
+                                  encoding=encoding, errors=errors or getattr(old, "errors", None),
+                                  line_buffering=not unbuffered and name == "stderr",
+                                  write_through=unbuffered)
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+
+
 def _schedule_as_batch() -> None:
     """``SCHED_BATCH`` for this process (its nice value kept), where the system has it."""
     try:
@@ -268,8 +448,8 @@ def _orphaned(signum: int, frame: object) -> None:
 
 
 def _report(fd: int, what: str, value: object) -> None:
-    """One line on the status pipe: ``pid N``, ``status N`` (a wait status) or
-    ``error TEXT``."""
+    """One line on the status pipe: ``pid N``, ``status N`` (a wait status), ``error TEXT``
+    or ``note TEXT`` (why the rank was not forked from preloaded modules)."""
     text = " ".join(str(value).split())  # one line
     try:
         os.write(fd, f"{what} {text}\n".encode())

@@ -208,10 +208,14 @@ class Supervisor:
             theirs.append(stacks_fd)
             fd_env[config.ENV_STACKS_FD] = f"{{{n + 3}}}"
             passed.append(n + 3)
+        env = dict(env)
+        preload = [m for m in env.pop(config.ENV_PRELOAD, "").split(",") if m]
+        path = [p for p in env.pop(config.ENV_PRELOAD_PATH, "").split(os.pathsep) if p]
         request: StartRequest = {
-            "argv": list(argv), "env": dict(env), "cwd": cwd, "pass": passed,
+            "argv": list(argv), "env": env, "cwd": cwd, "pass": passed,
             "stdout": n, "stderr": n + 1, "status": n + 2, "fd_env": fd_env,
             "pid_env": config.ENV_PARENT_PID, "batch": rank_scheduling(env) == "batch",
+            "preload": preload, "preload_path": path, "forked": False, "why_not": "",
         }
         mine = [fd for fd in (read_fd, write_fd, stdout_fd, stderr_fd, status_fd) if fd >= 0]
         try:
@@ -245,6 +249,16 @@ def _undo_start(popen: subprocess.Popen[bytes]) -> None:
 
 _SLICE = 0.1  # seconds: the longest a status wait sleeps before looking again
 _REAPED_WAIT = 0.05  # s: a reaped worker's keeper writes its status at once
+
+
+_noted: set[str] = set()
+
+
+def _note_once(why: str) -> None:
+    """Say once per process why ranks start as fresh interpreters despite ``preload``."""
+    if why not in _noted:
+        _noted.add(why)
+        logger.warning("ranks start without their preloaded modules: %s", why)
 
 
 class SupervisedProcess:
@@ -305,6 +319,8 @@ class SupervisedProcess:
                     self._code = 127
                 elif what == "status":
                     self._code = os.waitstatus_to_exitcode(int(value))
+                elif what == "note":  # not forked from the preloaded modules: why
+                    _note_once(value)
 
     def _until(self, done: Any, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout

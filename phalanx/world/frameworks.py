@@ -117,7 +117,8 @@ class Framework:
     when the worker exits; ``auto_procs`` turns the number of GPUs a node has into the
     ``procs_per_node="auto"`` count; ``service`` describes a process each node's worker
     runs beside it; a ``single_controller`` framework runs the user function on node 0 only,
-    over a cluster the other nodes join (one process per node).
+    over a cluster the other nodes join (one process per node); ``preload`` names the
+    modules a node may import once and fork its ranks from (``WorkerGroup(preload=)``).
     """
 
     name: str
@@ -131,6 +132,9 @@ class Framework:
     auto_procs: Callable[[int], int] = _one_process
     single_controller: bool = False
     one_per_node: bool = False
+    # modules a node may import once and fork its ranks from (preload=): only those whose
+    # import reads nothing a rank's environment sets and starts no thread
+    preload: tuple[str, ...] = ()
 
 
 def jax_local_devices(layout: Layout, rank: int, launch: Launch) -> list[int] | None:
@@ -272,6 +276,7 @@ FRAMEWORKS: dict[str | None, Framework] = {
         install="pip install 'phalanx[torch]'",
         cleanup="torch_cleanup",
         auto_procs=_one_per_gpu,
+        preload=("torch",),  # CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS: read later, not at import
     ),
     "jax": Framework(
         "jax",
