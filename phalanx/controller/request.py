@@ -31,7 +31,7 @@ from phalanx.options import check_count, check_seconds
 from phalanx.output.logs import OutputOptions
 from phalanx.world.layout import merge_env, rank_scheduling
 from phalanx.world.placement import Placement, place
-from phalanx.world.preload import check_preload, preload_modules
+from phalanx.world.preload import check_preload, imported_packages, preload_modules
 
 if TYPE_CHECKING:
     from phalanx.controller.pool import Lease, ResourcePool
@@ -42,6 +42,28 @@ if TYPE_CHECKING:
 # backends whose nodes start ranks through phalanx's supervisor (phalanx.node.supervisor),
 # which can fork them from preloaded modules: Ray runs each rank in an actor of its own
 _FORKING = ("local", "cluster", "slurm")
+
+
+def installed_imports(target: Any) -> list[str]:
+    """The installed packages (not the standard library's, not the user's own files) the
+    module defining ``target`` imports at its top level, as this process loaded them."""
+    import sys
+
+    module = sys.modules.get(getattr(target, "__module__", "") or "")
+    path = getattr(module, "__file__", None)
+    if not path:
+        return []
+    try:
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+    except (OSError, UnicodeDecodeError):
+        return []
+    found = []
+    for name in imported_packages(source):
+        where = getattr(sys.modules.get(name), "__file__", None) or ""
+        if "site-packages" in where or "dist-packages" in where:
+            found.append(name)
+    return found
 
 
 def heartbeat_interval(timeout: float | None,
@@ -140,10 +162,11 @@ def plan_group(
     placement = place(framework, nodes, 1 if procs_per_node is None else procs_per_node,
                       gpus_per_worker or 0, backend_.gpus_per_node(nodes))
     require_package(placement.framework)
+    forks = python is None and backend_.name in _FORKING
     modules = preload_modules(
-        preload, placement.framework.preload, getattr(target, "__module__", None),
-        ships_code=backend_.capabilities.code is not None,
-        forks=python is None and backend_.name in _FORKING)
+        preload, placement.framework.preload,
+        installed_imports(target) if forks and preload in (None, True) else (),
+        forks=forks)
     world_size = placement.layout.world_size
     if part_of is not None:
         check_part_of(part_of, master_addr, master_port, placement)

@@ -140,7 +140,7 @@ def _kill_children() -> None:
     node supervisor's keepers, on the local backend."""
     import psutil  # type: ignore[import-untyped]  # no stubs: types-psutil is not a dependency
 
-    from phalanx.node.spawn import is_worker_command
+    from phalanx.node.spawn import is_worker
 
     try:
         children = psutil.Process().children(recursive=True)
@@ -148,7 +148,14 @@ def _kill_children() -> None:
         return
     for child in children:
         try:
-            if not is_worker_command(child.cmdline()):
+            lineage = [child.cmdline()]
+            parent = child.parent()
+            for _ in range(2):
+                if parent is None:
+                    break
+                lineage.append(parent.cmdline())
+                parent = parent.parent()
+            if not is_worker(lineage):
                 continue
         except psutil.Error:
             continue

@@ -270,7 +270,9 @@ class _Preload:
     then started as a fresh interpreter, as without preloading, and the keeper reports the
     reason on the status pipe (``note TEXT``) for the node side to log:
 
-    - it runs another interpreter (``python=``);
+    - it runs another interpreter (``python=``), or its environment sets a variable the
+      interpreter reads as it starts (``PYTHONPATH``, ``LD_PRELOAD``, ...) otherwise than
+      this process's (for that rank only);
     - a module could not be imported here (the rank will try itself);
     - importing started a thread (a fork copies no thread, but does copy the locks the
       others held) or initialised CUDA (a forked child cannot use it);
@@ -289,6 +291,12 @@ class _Preload:
     def ready(self, request: StartRequest) -> str | None:
         if request["argv"][0] != sys.executable:
             return f"the ranks run another interpreter ({request['argv'][0]})"
+        env = request["env"]
+        for key in sorted(set(env) | set(os.environ)):
+            if (key.startswith(_READ_AT_START) and key not in _EMULATED
+                    and env.get(key) != os.environ.get(key)):
+                return (f"the rank's {key} differs from the node's (read as an interpreter "
+                        "starts)")
         if self.modules is None:
             self._load(request["preload"], request.get("preload_path", []))
         if self.why_not is None:
@@ -349,6 +357,11 @@ class _Preload:
 
 
 _PRELOAD = _Preload()
+# variables the interpreter or the dynamic loader read as a process starts: a rank whose
+# environment sets one otherwise than this process's needs a fresh interpreter; but
+# PYTHONUNBUFFERED, which _fresh_streams applies
+_READ_AT_START = ("LD_", "PYTHON", "MALLOC_")
+_EMULATED = ("PYTHONUNBUFFERED",)
 _ONE_THREAD = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 

@@ -98,6 +98,21 @@ def is_worker_command(cmdline: list[str]) -> bool:
     )
 
 
+def _is_supervisor_command(cmdline: list[str]) -> bool:
+    return len(cmdline) >= 3 and cmdline[-3] == "-c" and "phalanx.node.keeper" in cmdline[-2]
+
+
+def is_worker(cmdlines: list[list[str]]) -> bool:
+    """Whether a process is a phalanx worker, from its command line, its parent's and its
+    grandparent's (``cmdlines``, in that order): a fresh interpreter running the rank
+    runtime, or a rank forked from preloaded modules, which keeps the command line of the
+    supervisor it was forked from (below a keeper, below the supervisor: three alike; a
+    keeper has two)."""
+    if cmdlines and is_worker_command(cmdlines[0]):
+        return True
+    return len(cmdlines) >= 3 and all(_is_supervisor_command(c) for c in cmdlines[:3])
+
+
 # --------------------------------------------------------------------------- a node's ranks
 
 

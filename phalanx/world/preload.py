@@ -9,11 +9,13 @@ start. A node's supervisor can import those modules once and fork each rank from
 
 - ``None`` or ``True`` (the default): phalanx's rank runtime, the framework's modules
   (:attr:`phalanx.world.frameworks.Framework.preload`: ``torch`` for ``framework="torch"``)
-  and the target's own module where that is safe: not ``__main__`` (that is the user's
-  script, which would run again), and only where the node runs the code from the same
-  files as the controller (no code shipped by ``sync``: a reload must not find the old
-  module loaded). A preloaded module whose file changes later stops the forking: ranks
-  start fresh from then on, and say why;
+  and the installed packages the target's module imports at its top level
+  (:func:`imported_packages`: ``import torch``, ``from transformers import ...``), read
+  from its source -- never the module itself, nor any of the user's own: their code runs
+  in the rank, after its environment (``RANK``, ...) is set, as without preloading. Left
+  out: packages that read a rank's environment as they are imported (:data:`UNSAFE`:
+  jax, tensorflow, ray). A preloaded module whose file changes later stops the forking:
+  ranks start fresh from then on, and say why;
 - ``False``: none; every rank is a fresh interpreter;
 - a list of module names: those, with the rank runtime.
 
@@ -29,6 +31,8 @@ import re
 from collections.abc import Sequence
 
 RUNTIME = "phalanx.rank.runtime"
+# packages that read a rank's environment (its devices, its platform) as they are imported
+UNSAFE = frozenset({"jax", "jaxlib", "tensorflow", "ray", "monarch", "phalanx"})
 # a dotted module name: identifiers separated by dots
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
@@ -46,22 +50,39 @@ def check_preload(preload: object) -> None:
                              "as in 'numpy' or 'torch.nn')")
 
 
+def imported_packages(source: str) -> list[str]:
+    """The top-level packages a module's source imports at its top level (``import a.b``,
+    ``from a import b``: ``a``), in order; relative imports, and imports inside functions,
+    classes or ``if``/``try`` blocks, are not counted. ``[]`` for source that does not
+    parse."""
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    names: list[str] = []
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names += [alias.name.split(".")[0] for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.append(node.module.split(".")[0])
+    return list(dict.fromkeys(names))
+
+
 def preload_modules(preload: bool | Sequence[str] | None, framework: Sequence[str],
-                    target_module: str | None, *, ships_code: bool,
-                    forks: bool) -> tuple[str, ...]:
+                    packages: Sequence[str], *, forks: bool) -> tuple[str, ...]:
     """The modules to preload, in order, without repeats (empty: start fresh interpreters).
 
-    ``framework``: the framework's own; ``target_module``: where the target was defined
-    (None if unknown); ``ships_code``: the backend runs code it ships (``sync``); ``forks``:
-    its nodes start ranks through a phalanx supervisor on the same interpreter."""
+    ``framework``: the framework's own; ``packages``: the installed third-party packages
+    the target's module imports (the caller's to find, :func:`imported_packages`);
+    ``forks``: the backend's nodes start ranks through a phalanx supervisor on the same
+    interpreter."""
     check_preload(preload)
     if preload is False or not forks:
         return ()
     if preload is None or preload is True:
-        modules = [RUNTIME, *framework]
-        if (target_module and target_module != "__main__" and not ships_code
-                and not target_module.startswith("phalanx.")):
-            modules.append(target_module)
+        modules = [RUNTIME, *framework, *(p for p in packages if p not in UNSAFE)]
     else:
         modules = [RUNTIME, *preload]
     return tuple(dict.fromkeys(modules))
