@@ -109,6 +109,11 @@ class WorkerGroup(CallForms):
     was recreated to release the waiting ones (None: never; see
     :mod:`phalanx.controller.collectivewatch`).
 
+    ``preload``: the modules a node imports once and forks its ranks from (None, the
+    default: the rank runtime, the framework's and the installed packages the target's
+    module imports; False: every rank a fresh interpreter; a list: those), see
+    :mod:`phalanx.world.preload`.
+
     ``master_addr`` / ``master_port`` fix the rendezvous the ranks get as ``MASTER_ADDR`` /
     ``MASTER_PORT`` (default: node 0's address and a port free there, new on each restart).
     ``part_of`` makes the group one node of a bigger world whose other nodes other groups
