@@ -67,6 +67,7 @@ class CollectiveWatch:
         self.release: Release | None = None
         self._first: dict[tuple[str, int], float] = {}  # first seen incomplete (monotonic)
         self._warned: dict[tuple[str, int], stuck.Waiting] = {}  # late entrants to report
+        self._gone: dict[tuple[str, int], float] = {}  # warned, no rank in it since (when)
         self._releasing = threading.Event()
 
     @property
@@ -86,9 +87,9 @@ class CollectiveWatch:
                     reports.append(stuck.Inside.parse(entry.rank, fields))
                 except ValueError:
                     continue
-        self._report_late_entries()
         waits = stuck.gather(reports, len(self._table))
         keys = {w.key for w in waits}
+        self._report_late_entries(keys, now)
         for key in [k for k in self._first if k not in keys]:
             del self._first[key]
         for waiting in waits:
@@ -181,8 +182,10 @@ class CollectiveWatch:
             "ranks %s:%s", stuck.ranges(waiting.inside), self._dispatcher.group_name, waited,
             waiting.op, waiting.seq, waiting.group, stuck.ranges(absent), lines)
 
-    def _report_late_entries(self) -> None:
-        """A warned-about collective whose absent ranks entered it since: how late."""
+    def _report_late_entries(self, current: set[tuple[str, int]], now: float) -> None:
+        """A warned-about collective whose absent ranks entered it since: how late. One
+        that no rank is in any more, and that they did not complete, ended otherwise (an
+        error, a death): it is forgotten."""
         for key, waiting in list(self._warned.items()):
             group, seq = key
             entered = {}
@@ -193,10 +196,17 @@ class CollectiveWatch:
                     break
                 done = _last_of(entry, group)
                 if done is None or done[0] < seq:
+                    # its report may come a heartbeat after the others': a grace first
+                    if key in current:
+                        self._gone.pop(key, None)
+                    elif now - self._gone.setdefault(key, now) > 3 * self._interval:
+                        del self._warned[key]
+                        del self._gone[key]
                     break
                 entered[rank] = done[2]
             else:
                 del self._warned[key]
+                self._gone.pop(key, None)
                 for rank, at in sorted(entered.items()):
                     logger.warning(
                         "rank %d of group %s entered %s (#%d of process group %s) %.1f s after "
@@ -245,6 +255,7 @@ class CollectiveWatch:
         finally:
             self._first.clear()
             self._warned.clear()
+            self._gone.clear()
             self._releasing.clear()
         logger.warning("group %s: %s", self._dispatcher.group_name, released)
         name = self._dispatcher.group_name
