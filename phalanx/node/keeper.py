@@ -366,14 +366,38 @@ _ONE_THREAD = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 def _threads_as_fresh(env: dict[str, str]) -> None:
-    """The intra-op thread count a fresh interpreter would take (its ``OMP_NUM_THREADS``,
-    else one per CPU it may run on), where the preloading set one."""
+    """The intra-op thread count torch takes in a fresh interpreter, where the preloading
+    set one: one per physical core the rank may run on, or fewer as ``OMP_NUM_THREADS`` /
+    ``MKL_NUM_THREADS`` say; with MKL (x86 builds) never more than those cores."""
     torch = sys.modules.get("torch")
     if torch is None:
         return
-    given = env.get("OMP_NUM_THREADS", "")
-    count = int(given) if given.isdigit() and int(given) > 0 else len(os.sched_getaffinity(0))
+    cores = _physical_cores()
+    mkl = bool(getattr(getattr(torch.backends, "mkl", None), "is_available", bool)())
+    count = cores
+    for key in ("MKL_NUM_THREADS", "OMP_NUM_THREADS") if mkl else ("OMP_NUM_THREADS",):
+        given = env.get(key, "").strip()
+        if given.isdigit() and int(given) > 0:
+            count = min(int(given), cores) if mkl else int(given)
+            break
     torch.set_num_threads(count)
+
+
+def _physical_cores() -> int:
+    """The physical cores among the CPUs this process may run on (hyperthreads of one
+    core counted once); the CPUs themselves where the topology cannot be read."""
+    cpus = os.sched_getaffinity(0)
+    cores = set()
+    for cpu in cpus:
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/core_id") as f:
+                core = f.read().strip()
+            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/physical_package_id") as f:
+                package = f.read().strip()
+        except OSError:
+            return len(cpus)
+        cores.add((package, core))
+    return len(cores) or len(cpus)
 
 
 def _run_forked(argv: list[str], env: dict[str, str]) -> None:
@@ -394,6 +418,11 @@ def _run_forked(argv: list[str], env: dict[str, str]) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for sig in (signal.SIGTERM, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
+    # what Python ignores as it starts (the keeper set them back to the default for exec):
+    # a write to a closed pipe raises BrokenPipeError, it does not kill the rank
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    if hasattr(signal, "SIGXFSZ"):
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     _threads_as_fresh(env)
     numpy_random = sys.modules.get("numpy.random")
     if numpy_random is not None:  # its global state is seeded once, at import: reseed it

@@ -162,10 +162,6 @@ def test_a_line_printed_without_flushing_reaches_the_controller_while_the_rank_r
     assert arrived, "the line did not reach the controller while the rank ran"
 
 
-@pytest.mark.xfail(strict=True, raises=px.WorkerDied, reason=(
-    "a forked rank has SIGPIPE (and SIGXFSZ) at SIG_DFL: phalanx.node.keeper._start sets "
-    "them to the default before an exec, and _run_forked does not give them back the "
-    "SIG_IGN an interpreter sets as it starts, so the write kills the rank"))
 def test_writing_to_a_closed_pipe_raises_broken_pipe_as_in_a_fresh_interpreter(where, fresh):
     assert fresh.call("write_to_a_closed_pipe", timeout=30) == ["BrokenPipeError"] * WORLD
     with _group(where, procs_per_node=1) as group:
@@ -275,10 +271,6 @@ def test_torch_has_a_fresh_interpreters_thread_count(torch_ranks):
     assert preloaded_threads[:2] == fresh_threads[:2]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "phalanx.node.keeper._threads_as_fresh sets OMP_NUM_THREADS (or one thread per CPU of "
-    "the affinity mask) as given, where torch built with MKL and OpenMP takes "
-    "mkl_get_max_threads(): at most the physical cores"))
 def test_torch_thread_count_given_above_the_cpus_is_a_fresh_interpreters(torch_ranks):
     fresh_threads, preloaded_threads, _ = torch_ranks
     assert preloaded_threads[2] == fresh_threads[2]
