@@ -65,23 +65,37 @@ def fresh_start(name: str, n: int) -> dict[str, Any]:
     interpreter's own start and exit included) and ``left``, the processes of its session
     still alive after it exited (killed). Raises when the child fails, times out or
     prints no JSON line; the message ends with its stderr's tail."""
+    return run_fresh([sys.executable, "-c", SCRIPT, name, str(n)])
+
+
+def run_fresh(argv: list[str], env: dict[str, str] | None = None,
+              timeout: float = TIMEOUT_S) -> dict[str, Any]:
+    """Run ``argv`` in a session of its own (the repository root as its directory) and
+    return the JSON line it printed last, with ``process_s`` (spawn to exit, seen from
+    here) and ``left`` (what it listed as left behind, and what of its session is still
+    alive after it exited: killed). Raises when it fails, runs past ``timeout`` or prints
+    no JSON line; the message ends with its stderr's tail."""
     t0 = clock()
     # Popen rather than subprocess.run: on a timeout, run's kill reaches the child only, and
     # its second communicate() waits for every process holding the child's pipes.
-    proc = subprocess.Popen(
-        [sys.executable, "-c", SCRIPT, name, str(n)], cwd=_ROOT,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
+    proc = subprocess.Popen(argv, cwd=_ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
+        out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        # its tree first: processes in sessions of their own (torchrun's workers) too
+        try:
+            children = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.Error:
+            children = []
+        _kill(proc.pid, children)
         _kill(proc.pid)
         proc.kill()
         try:
             out, err = proc.communicate(timeout=5.0)
         except subprocess.TimeoutExpired:
             out, err = "", ""
-        raise RuntimeError(f"timed out after {TIMEOUT_S:.0f} s; stderr: {_tail(err)}") from None
+        raise RuntimeError(f"timed out after {timeout:.0f} s; stderr: {_tail(err)}") from None
     process_s = clock() - t0
     left = _left_behind(proc.pid)
     if proc.returncode != 0:
@@ -89,7 +103,7 @@ def fresh_start(name: str, n: int) -> dict[str, Any]:
     found = _parse(out)
     if found is None:
         raise RuntimeError(f"no JSON line on stdout {out[-80:]!r}; stderr: {_tail(err)}")
-    return {**found, "process_s": process_s, "left": left}
+    return {**found, "process_s": process_s, "left": [*found.get("left", []), *left]}
 
 
 def _parse(out: str) -> dict[str, float] | None:

@@ -62,7 +62,7 @@ from typing import Any, NoReturn
 import psutil
 
 from bench import report
-from bench.cold import _kill, _left_behind, _parse, _tail
+from bench.cold import _tail, run_fresh
 from bench.util import (
     Errors,
     Row,
@@ -466,40 +466,7 @@ def run_trial(name: str, n: int, preload: str) -> dict[str, Any]:
     Raises when it fails, runs past ``TIMEOUT_S`` or prints no JSON line."""
     path = os.environ.get("PYTHONPATH")
     env = {**os.environ, "PYTHONPATH": _ROOT + (os.pathsep + path if path else "")}
-    t0 = clock()
-    # Popen, as bench.cold: on a timeout, the whole session is killed, not the child alone
-    proc = subprocess.Popen(
-        [sys.executable, "-c", TRIAL, name, str(n), preload],
-        cwd=_ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        # its tree first: torchrun's workers run in sessions of their own
-        with contextlib.suppress(psutil.Error):
-            for child in psutil.Process(proc.pid).children(recursive=True):
-                with contextlib.suppress(psutil.Error):
-                    child.kill()
-        _kill(proc.pid)
-        proc.kill()
-        try:
-            out, err = proc.communicate(timeout=5.0)
-        except subprocess.TimeoutExpired:
-            out, err = "", ""
-        raise RuntimeError(f"timed out after {TIMEOUT_S:.0f} s; stderr: {_tail(err)}") from None
-    process_s = clock() - t0
-    left = _left_behind(proc.pid)
-    if proc.returncode != 0:
-        raise RuntimeError(f"exit status {proc.returncode}; stderr: {_tail(err)}")
-    found: dict[str, Any] | None = _parse(out)
-    if found is None:
-        raise RuntimeError(f"no JSON line on stdout {out[-80:]!r}; stderr: {_tail(err)}")
-    return {**found, "process_s": process_s, "left": [*found.get("left", []), *left]}
+    return run_fresh([sys.executable, "-c", TRIAL, name, str(n), preload], env, TIMEOUT_S)
 
 
 def _cell(wall: Row, cpu: Row, name: str, skipped: dict[str, str], failed: set[str]) -> str:
