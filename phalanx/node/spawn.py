@@ -99,7 +99,9 @@ def is_worker_command(cmdline: list[str]) -> bool:
 
 
 def _is_supervisor_command(cmdline: list[str]) -> bool:
-    return len(cmdline) >= 3 and cmdline[-3] == "-c" and "phalanx.node.keeper" in cmdline[-2]
+    """``python -S -c BOOT SOCKET_FD CONTROLLER_PID`` (phalanx.node.supervisor)."""
+    return (len(cmdline) >= 4 and cmdline[-4] == "-c"
+            and "from phalanx.node.keeper import main" in cmdline[-3])
 
 
 def is_worker(cmdlines: list[list[str]]) -> bool:

@@ -222,7 +222,7 @@ def test_every_control_connection_has_tcp_keepalive(tmp_path):
 
 
 def test_the_launchers_keepalive_is_the_same_helper():
-    assert jobhost.keep_alive is streams.keep_alive
+    assert jobhost.tune_link is streams.tune_link
 
 
 # --------------------------------------------------------------------------- the pulse
