@@ -246,9 +246,9 @@ def test_a_failed_restore_names_both_ranks_and_the_method(trainers):
 def test_recreating_a_torch_rank_without_readmit_says_to_pass_it(trainers, caplog):
     _kill(trainers, 2)
     with pytest.raises(StartupError) as failed:
-        trainers.recreate(2, timeout=8)
+        trainers.recreate(2, timeout=6)
     text = str(failed.value)
-    assert "did not become ready within 8 s" in text
+    assert "did not become ready within 6 s" in text
     assert "readmit=" in text and "restore_from=" in text
     assert "its stack when the start timed out" in text and "__init__" in text
 
