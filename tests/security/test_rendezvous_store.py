@@ -280,6 +280,10 @@ def test_a_stranger_cannot_read_write_or_fail_a_weight_sync_formation(where, tor
             try:
                 pushed = pushing.submit(sync.push, "state", "load")
                 assert helpers.wait_until(lambda: _asked_where(trainers, generators), 30)
+                # the source's question is registered a moment before the generators' (one
+                # after the other, then sent): still so a moment later, they were answered
+                time.sleep(0.3)
+                assert helpers.wait_until(lambda: _asked_where(trainers, generators), 30)
                 napping = generators.call_async("nap", NAP, workers=[1])
                 source_napping.result(timeout=60)
                 opened = _new_listeners(serving, before)
