@@ -28,52 +28,13 @@ import time
 import pytest
 
 import phalanx as px
+from bench.stuck import CULPRIT, Member  # the ranks W16 times: rank 2 misbehaves
 from tests import helpers
 from tests.conftest import BACKENDS
 
 pytest.importorskip("torch", reason="the collectives are torch.distributed's: pip install torch")
 
 TIMEOUT = 2.0  # collective_timeout of the group under test
-CULPRIT = 2
-
-
-class Member:
-    """A rank of a 3-rank gloo world; ``reduce(case)`` has rank 2 misbehave."""
-
-    def __init__(self) -> None:
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo")
-        self.rank = dist.get_rank()
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def reduce(self, case: str = "", delay: float = 0.0, before: float = 0.0) -> float:
-        import torch
-        import torch.distributed as dist
-
-        if self.rank != CULPRIT:
-            time.sleep(before)
-        elif case == "skip":
-            return -1.0
-        elif case == "stop":
-            os.kill(os.getpid(), signal.SIGSTOP)
-        elif case == "late":
-            time.sleep(delay)
-        tensor = torch.ones(8 if case == "shape" and self.rank == CULPRIT else 4)
-        dist.all_reduce(tensor)
-        if case == "late":  # and once more, as late
-            if self.rank == CULPRIT:
-                time.sleep(delay)
-            dist.all_reduce(tensor)
-        return float(tensor[0])
-
-    def busy(self, seconds: float) -> str:
-        time.sleep(seconds)
-        return "done"
 
 
 @pytest.fixture(scope="module", params=[b for b in ("local", "cluster") if b in BACKENDS])
