@@ -39,7 +39,8 @@ if TYPE_CHECKING:  # _signal's names as typeshed knows them: it has no stub for 
     # i-th one's number in the rank); the variable that tells the rank its keeper's pid;
     # and whether it runs as SCHED_BATCH (PHALANX_RANK_SCHED, phalanx.world.layout).
     # "preload": modules to import once in this process and fork the rank from, with
-    # "preload_path" on sys.path for them (see _preload); "forked", set here: whether it is.
+    # "preload_path" on sys.path for them (see _Preload); "forked" and "why_not", set
+    # here: whether it is, and if not, why.
     StartRequest = TypedDict("StartRequest", {
         "argv": list[str], "env": dict[str, str], "cwd": str | None, "pass": list[int],
         "stdout": int, "stderr": int, "status": int, "fd_env": dict[str, str],
@@ -293,7 +294,7 @@ class _Preload:
             return f"the ranks run another interpreter ({request['argv'][0]})"
         env = request["env"]
         for key in sorted(set(env) | set(os.environ)):
-            if (key.startswith(_READ_AT_START) and key not in _EMULATED
+            if (key.startswith(READ_AT_START) and key not in APPLIED_LATER
                     and env.get(key) != os.environ.get(key)):
                 return (f"the rank's {key} differs from the node's (read as an interpreter "
                         "starts)")
@@ -357,11 +358,12 @@ class _Preload:
 
 
 _PRELOAD = _Preload()
-# variables the interpreter or the dynamic loader read as a process starts: a rank whose
-# environment sets one otherwise than this process's needs a fresh interpreter; but
-# PYTHONUNBUFFERED, which _fresh_streams applies
-_READ_AT_START = ("LD_", "PYTHON", "MALLOC_")
-_EMULATED = ("PYTHONUNBUFFERED",)
+# Variables the interpreter or the dynamic loader read as a process starts: a rank whose
+# environment sets one otherwise than a process started ahead of it (this one, a Ray
+# rank's prestarted interpreter) needs a fresh interpreter; but PYTHONUNBUFFERED, which a
+# rank's streams take after the start (_fresh_streams here).
+READ_AT_START = ("LD_", "PYTHON", "MALLOC_")
+APPLIED_LATER = ("PYTHONUNBUFFERED",)
 _ONE_THREAD = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 

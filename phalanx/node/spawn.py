@@ -50,6 +50,7 @@ from typing import Any
 
 from phalanx import config
 from phalanx.errors import ProcessFailure
+from phalanx.node.keeper import APPLIED_LATER, READ_AT_START
 from phalanx.node.machine import require_interpreter, without_own_install
 from phalanx.node.stacks import StackFile
 from phalanx.node.supervisor import SupervisedProcess, Supervisor
@@ -470,11 +471,6 @@ class RankSpawner:
 # --------------------------------------------------------------------------- Ray's way
 
 
-# Variables the interpreter or the dynamic loader read when a process starts: a rank whose
-# environment changes one of them cannot use a process started ahead of time.
-_READ_AT_START = ("LD_", "PYTHON", "MALLOC_")
-
-
 class PrestartedWorker:
     """A worker interpreter started before its rank is known (its imports done meanwhile),
     under ``supervisor``, waiting on a Unix socket for its assignment; it exits if that
@@ -500,9 +496,9 @@ class PrestartedWorker:
         """Whether a rank with ``env`` can use this process (nothing read at start-up
         changes)."""
         return not any(
-            key.startswith(_READ_AT_START) and self.env.get(key) != value
+            key.startswith(READ_AT_START) and self.env.get(key) != value
             for key, value in env.items()
-            if key != "PYTHONUNBUFFERED"
+            if key not in APPLIED_LATER
         )
 
     def assign(self, env: Mapping[str, str], cwd: str | None, control: Sequence[int],

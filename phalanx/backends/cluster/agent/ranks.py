@@ -173,7 +173,7 @@ class Session:
                  devices: NodeDevices | None = None,
                  peer_tls: ssl.SSLContext | None = None,
                  max_held: int | None = None) -> None:
-        streams.tune_link(sock)
+        # its link's options were set as the agent took it (Agent._authenticate)
         self.address = sock.getsockname()[0]  # where the controller reached this node
         self._writer = framing.BacklogWriter("phalanx-agent-writer")
         # auth: the handshake's frame keys, which seal and check every frame from here on
