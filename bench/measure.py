@@ -5,6 +5,7 @@ and each timed section is preceded by :func:`bench.util.settle`."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -182,12 +183,13 @@ def _w1_cold(contenders: Sequence[Contender], n: int, plan: Plan, errors: Errors
     return row
 
 
-def _run_batch(c: Contender, calls: int) -> float:
+def _run_batch(c: Contender, calls: int) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds, all its threads) for ``calls`` no-ops."""
     noop = c.noop
-    t0 = clock()
+    c0, t0 = time.process_time(), clock()
     for _ in range(calls):
         noop()
-    return clock() - t0
+    return clock() - t0, time.process_time() - c0
 
 
 def _warm_calls(c: Contender, plan: Plan) -> int:
@@ -205,6 +207,8 @@ def w2_fanout(contenders: Sequence[Contender], plan: Plan, errors: Errors) -> li
     for n in plan.w2_sizes:
         where = f"W2@{n}"
         row = Row(f"W2.noop.{n}", f"W2 no-op call fan-out, {n} worker(s)", "us/call", "lower")
+        cpu = Row(f"W2.cpu.{n}", f"W2 controller CPU per call, {n} worker(s)", "us CPU/call",
+                  "lower")
         live = start_all(contenders, n, errors, where)
         try:
             calls: dict[str, int] = {}
@@ -218,21 +222,23 @@ def w2_fanout(contenders: Sequence[Contender], plan: Plan, errors: Errors) -> li
                 for c in trial_order(live, batch):
                     k = calls[c.name]
                     settle()
-                    elapsed = errors.attempt(where, c.name, partial(_run_batch, c, k))
-                    if elapsed is None:
+                    took = errors.attempt(where, c.name, partial(_run_batch, c, k))
+                    if took is None:
                         live.remove(c)
                     else:
-                        row.add(c.name, elapsed / k * 1e6)
+                        row.add(c.name, took[0] / k * 1e6)
+                        cpu.add(c.name, took[1] / k * 1e6)
             row.extra["calls_per_batch"] = calls
         finally:
             stop_all(contenders, errors, where)
-        rows.append(row)
+        rows += [row, cpu]
     return rows
 
 
 def w3_pipelined(contenders: Sequence[Contender], plan: Plan, errors: Errors) -> list[Row]:
     count = plan.w3_calls
     row = Row("W3.pipelined", f"W3 pipelined {count:,} no-ops to 1 worker", "calls/s", "higher")
+    cpu = Row("W3.cpu", "W3 controller CPU per call", "us CPU/call", "lower")
     live = start_all(contenders, 1, errors, "W3")
     try:
         for c in list(live):  # warm-up
@@ -240,12 +246,13 @@ def w3_pipelined(contenders: Sequence[Contender], plan: Plan, errors: Errors) ->
                 live.remove(c)
         for _, c in _schedule(live, plan.w3_trials, plan.w3_ray_trials):
             settle()
-            t0 = clock()
+            c0, t0 = time.process_time(), clock()
             if errors.attempt("W3", c.name, lambda c=c: c.pipelined(count) or True):
                 row.add(c.name, count / (clock() - t0))
+                cpu.add(c.name, (time.process_time() - c0) / count * 1e6)
     finally:
         stop_all(contenders, errors, "W3")
-    return [row]
+    return [row, cpu]
 
 
 def w4_broadcast(contenders: Sequence[Contender], plan: Plan, errors: Errors) -> list[Row]:

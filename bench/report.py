@@ -33,6 +33,8 @@ class Target:
 TARGETS = [
     Target("W2@4 fan-out latency <= 1.1x pipe_pool", "W2.noop.4", "ratio", "<=", 1.1),
     Target("W3 pipelined throughput >= 0.9x pipe_pool", "W3.pipelined", "ratio", ">=", 0.9),
+    Target("W2@4 controller CPU per call <= 1.1x pipe_pool", "W2.cpu.4", "ratio", "<=", 1.1),
+    Target("W3 controller CPU per call <= 1.1x pipe_pool", "W3.cpu", "ratio", "<=", 1.1),
     Target("W5 death detection <= 1.5x pipe_pool", "W5.kill", "ratio", "<=", 1.5),
     Target("W5 death detection < 200 ms", "W5.kill", "value", "<", 200.0),
     Target("W1@4 startup <= 2x pipe_pool", "W1.startup.4", "ratio", "<=", 2.0),
@@ -84,6 +86,10 @@ TARGETS = [
         RAY_SUBJECT,
         RAY_BASE,
     ),
+    Target("W5 phalanx-ray death detection <= raw ray actors", "W5.kill", "ratio", "<=", 1.0,
+           RAY_SUBJECT, RAY_BASE),
+    Target("W1@16 phalanx-ray startup <= raw ray actors", "W1.startup.16", "ratio", "<=", 1.0,
+           RAY_SUBJECT, RAY_BASE),
     Target("W5 phalanx-ray death detection <= 50 ms", "W5.kill", "value", "<=", 50.0, RAY_SUBJECT),
     # --observed: what watching calls costs (tracing off is plain "phalanx")
     Target("W2@4 traced <= 1.1x untraced", "W2.noop.4", "ratio", "<=", 1.1, "phalanx+trace",

@@ -51,6 +51,7 @@ class CallPath:
         self._checked: Callable[[list[int]], list[int]] = table.checked
         self._encode = sender.encode
         self._send = sender.send
+        self._send_now = sender.send_now
 
     def _select(self, method: str, options: CallOptions, scope: Scope,
                 only: list[int] | None = None) -> tuple[list[int], Workers]:
@@ -70,8 +71,10 @@ class CallPath:
         """The same arguments (pickled once) to every selected rank."""
         ranks, workers = self._select(method, options, scope)
         payload = self._encode(args, kwargs)
-        return self._send(method, ranks, [payload], workers=workers,  # type: ignore[no-any-return]
-                          keep=options.keep)
+        if options.keep:
+            return self._send(method, ranks, [payload], workers=workers,  # type: ignore[no-any-return]
+                              keep=True)
+        return self._send_now(method, ranks, payload, workers)
 
     def call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
              options: CallOptions, scope: Scope, only: list[int] | None = None) -> list[Any]:

@@ -76,6 +76,7 @@ HARD_SEGMENT_LIMIT = 1 << 24
 
 
 _SMALL_FRAME = 64 * 1024
+SMALL_FRAME = _SMALL_FRAME  # a frame's pickle shorter than this is joined with its header
 _PREFIX_1 = struct.Struct("<IQQ")
 _PREFIX_2 = struct.Struct("<IQQQ")
 

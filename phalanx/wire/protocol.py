@@ -199,6 +199,30 @@ def call_frames(
     return [frame([pack(*head, rank) + name, *p]) for rank, p in zip(ranks, payloads, strict=True)]
 
 
+SMALL_PAYLOAD = framing.SMALL_FRAME  # a pickle shorter than this frames as one bytes object
+_NAMES: dict[str, bytes] = {}  # a method's name, encoded (the hot path's, flags 0)
+_PAIR = struct.Struct("<IQQQ")  # a two-segment frame's prefix (see framing's layout)
+
+
+def small_call_frames(call_id: int, ranks: Sequence[int], method: str,
+                      pickled: bytes) -> list[list[Any]]:
+    """:func:`call_frames` of a plain call (no flags, not streamed) with one pickle
+    shorter than :data:`SMALL_PAYLOAD`: the same bytes, made with less work."""
+    name = _NAMES.get(method)
+    if name is None:
+        name = _FLAG_BYTES[0] + method.encode()
+        if len(_NAMES) < 4096:
+            _NAMES[method] = name
+    head_size = HEAD_SIZE + len(name)
+    size = len(pickled)
+    prefix = _PAIR.pack(2, 16 + head_size + size, head_size, size)
+    tail = name + pickled
+    pack = _HEAD.pack
+    if len(ranks) == 1:  # no comprehension: a tenth of the call's own time at one rank
+        return [[prefix + pack(CALL, call_id, ranks[0]) + tail]]
+    return [[prefix + pack(CALL, call_id, rank) + tail] for rank in ranks]
+
+
 def shutdown_frame(rank: int | Sequence[int]) -> list[Any]:
     """Ask an idle rank to exit on its own (atexit handlers and framework cleanup run)."""
     return framing.frame([header(SHUTDOWN, 0, rank)])

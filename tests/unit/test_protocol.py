@@ -314,3 +314,15 @@ def test_any_process_failure_round_trips_in_exited(rank, node, pid, exitcode, ta
     assert rebuilt == failure
     if not rebuilt.never_started:  # one that never ran has no exit code of its own
         assert rebuilt.cause == (reason or likely_cause(exitcode))
+
+
+@settings(max_examples=60, deadline=None)
+@given(call_id=call_ids, ranks=st.lists(ranks, min_size=1, max_size=5), method=methods,
+       data=st.binary(max_size=300))
+def test_the_plain_calls_frames_are_the_general_builders_bytes(call_id, ranks, method, data):
+    # the pipelined loop's builder (small_call_frames) must frame exactly what
+    # call_frames frames, rank by rank, or a rank would read another call
+    payload = pickling.dumps_plain(((data,), {}))
+    fast = protocol.small_call_frames(call_id, ranks, method, payload[0])
+    assert [as_bytes(f) for f in fast] == [
+        as_bytes(f) for f in protocol.call_frames(call_id, ranks, method, [payload], False)]
