@@ -64,8 +64,9 @@ class _SimConn:
         if kind == protocol.CALL:
             args, kwargs = pickling.loads(segs[1:])
             value = getattr(rank.obj, extra[0])(*args, **kwargs)
-            self.session._up([protocol.header(protocol.RESULT, call_id, rank.rank),
-                              *pickling.dumps_fast(value)])
+            self.session._up(rank, [[protocol.header(protocol.RESULT, call_id,  # type: ignore[arg-type]
+                                                     rank.rank),
+                                     *pickling.dumps_fast(value)]])
         elif kind == protocol.SHUTDOWN:
             rank.exitcode = 0
             self.session._queue(rank.exited())
@@ -91,6 +92,8 @@ class _SimRank:
                  obj: Any) -> None:
         self.rank, self.node, self.incarnation, self.obj = rank, node, incarnation, obj
         self.exitcode: int | None = None
+        self.calls: set[int] = set()  # as a real rank's record: the calls it was sent
+        self.broke: str | None = None
         self.conn = _SimConn(session, self)
         self.burial = _SimBurial(self)
 
@@ -112,7 +115,14 @@ class SimSession(Session):
             ranks.append(_SimRank(self, rank, node_index, incarnation, target(*args, **mine)))
         with self._lock:
             self._launched.extend((r.rank, r) for r in ranks)
-        methods = [m for m in dir(ranks[0].obj) if not m.startswith("_")] if ranks else []
+        # {method: its parameters' names}, as a real rank reports them (phalanx.rank)
+        methods: dict[str, list[str]] = {}
+        if ranks:
+            for m in dir(ranks[0].obj):
+                if not m.startswith("_") and callable(getattr(ranks[0].obj, m)):
+                    code = getattr(getattr(ranks[0].obj, m), "__code__", None)
+                    methods[m] = ([] if code is None
+                                  else list(code.co_varnames[1:code.co_argcount]))
         for r in ranks:  # after _launched: the relay registers them before the next call
             self._send(protocol.ready_frame(r.rank, os.getpid(), methods, {}))
         return [os.getpid()] * len(ranks)
