@@ -111,6 +111,13 @@ class CallForms:
         ``workers`` on a slice: those go into ``kwargs``."""
         first = values[0]
         key: tuple[Any, ...] | None
+        if type(first) is list and len(first) == 1 and type(first[0]) is int:
+            # workers=[r]: one int rank, the commonest pipelined call; its record, if
+            # made, is that of the general branch below (keyed by the same tuple)
+            options = self._made.get((form, method, (first[0],)))
+            if (options is not None and values.count(_UNSET) == len(values) - 1
+                    and type(options.workers[0]) is int):  # type: ignore[index]  # (1,) == (True,)
+                return options
         if (type(first) is list and form in _WORKERS_FIRST
                 and values.count(_UNSET) == len(values) - 1):
             # workers=[...] alone, the pipelined loop's call: keyed by its ranks only, and

@@ -299,6 +299,19 @@ class GroupFuture:
             del self
             raise error
         if self._decoded == 0:  # first access: decode every value in one pass
+            values = self._values
+            if len(values) == 1:  # one rank's plain pickle, the pipelined call's
+                only = values[0]
+                if (len(only) == 1 and type(only[0]) is bytes
+                        and _KEPT_PART not in only[0]):  # no px.keep() part to adopt
+                    try:
+                        value = _loads(only[0])
+                    except Exception:  # noqa: BLE001 - redone below, naming the rank
+                        pass
+                    else:
+                        self._values = [value]
+                        self._decoded = 1
+                        return [value]
             adopting, previous = ADOPTING, ADOPTING.future
             adopting.future = self
             try:
