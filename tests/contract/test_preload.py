@@ -225,6 +225,18 @@ def test_a_rank_whose_pythonpath_differs_from_the_nodes_starts_fresh(notes, tmp_
     assert "PYTHONPATH" in note, note
 
 
+def test_recreated_and_restarted_ranks_are_forked_from_the_preload_too(where):
+    # a recreate (one rank) and a restart (every rank) start ranks as the group did:
+    # forked, the preloaded module there before the target's import
+    with _group(where, preload=["decimal"]) as group:
+        group.recreate(1)
+        assert _forked(group.call_one(1, "command_line"))
+        assert group.call_one(1, "at_import")["decimal"]
+        group.restart()
+        assert all(_forked(line) for line in group.call("command_line"))
+        assert all(found["decimal"] for found in group.call("at_import"))
+
+
 @pytest.mark.skipif("local" not in BACKENDS, reason="the local backend is not under test")
 def test_a_preloaded_module_whose_file_changed_makes_later_ranks_start_fresh(
         notes, tmp_path, monkeypatch):
