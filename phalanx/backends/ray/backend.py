@@ -22,10 +22,14 @@ then by bundle; the nodes are the Ray nodes as they are, so ``NODE_RANK``, ``LOC
 
 The rank runs inside its actor's worker process (:mod:`phalanx.backends.ray.actor`), so
 Ray inside a rank is Ray inside an actor. A rank's death reaches the group as soon as its
-control stream ends (at once, on any node). The bury waits a moment for the exit status
-(the rank's own ``sys.exit``, or what its warden, :mod:`phalanx.node.warden`, saw) or for
-Ray's account (ray.kill, a lost node, Ray's memory monitor); an account that arrives later
-still replaces the record kept for the rank. The pure placement rules live in
+control stream ends (at once, on any node). Its exit status comes first from the kernel
+for a rank on this machine (its actor process watched through a pidfd:
+:mod:`phalanx.backends.ray.exits`, there as the stream ends), else from the rank's own
+``sys.exit`` or its warden (:mod:`phalanx.node.warden`). A death by a signal is told at
+once, with its last output: a ``kill -9`` fails the rank's calls before Ray itself has
+learnt of it. Otherwise the bury waits a moment for Ray's account too (``ray.kill``, a
+lost node); an account that arrives later (Ray's memory monitor behind a SIGKILL) still
+replaces the record kept for the rank. The pure placement rules live in
 :mod:`phalanx.backends.ray.placement`.
 """
 
@@ -55,6 +59,7 @@ from phalanx.backends.ray.channel import (
     hand_over_pipes,
     ray_exit_code,
 )
+from phalanx.backends.ray.exits import ExitWatch
 from phalanx.backends.ray.placement import (
     STRATEGIES,
     TRANSPORTS,
@@ -252,7 +257,9 @@ class RayBackend(Backend):
         if channel is None:
             sock.close()
         elif hello.role == handshake.ROLE_CONTROL and sock.family == socket.AF_UNIX:
-            channel.connected_pipes(*hand_over_pipes(sock))
+            # a rank in its actor's process on this machine: its end is watched from here
+            watch = ExitWatch.of_peer(sock) if channel.ray_worker else None
+            channel.connected_pipes(*hand_over_pipes(sock), exits=watch)
         else:
             channel.connected(hello.role, sock, hello.auth)
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from phalanx import config
 from phalanx.backends.base import Channel, EventSink, RankStart
+from phalanx.backends.ray.exits import ExitWatch
 from phalanx.errors import AuthenticationError, ProcessFailure
 from phalanx.node.spawn import Burial
 from phalanx.node.warden import SideStream
@@ -36,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 _HEAD_SIZE = protocol.HEAD_SIZE
 _CAUSE_POLL = 0.05  # seconds between two looks at a dead rank's warden (_await_cause)
+_EXIT_LOOK = 0.002  # seconds between two looks for other news while its process is awaited
 
 
 # A rank's account when this process left Ray (the user's ray.shutdown()) while it ran.
@@ -121,6 +123,8 @@ class RayChannel(Channel):
         self._side: SideStream | None = None  # to the rank's warden, once connected
         self._side_ready = threading.Event()
         self._status_known = threading.Event()  # the warden said how the rank ended
+        # the rank's process, on this machine, watched from here (exits.ExitWatch)
+        self._exits: ExitWatch | None = None
         self._news = threading.Event()  # set on each account (and close): a settle looks
         self._closed = False
         # its death, told once (a later account again): the record's sources change under
@@ -162,14 +166,20 @@ class RayChannel(Channel):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._adopt(streams.SocketStream(sock), auth)
 
-    def connected_pipes(self, read_fd: int, write_fd: int) -> None:
-        """The control stream of a rank on this machine: a pair of pipes."""
+    def connected_pipes(self, read_fd: int, write_fd: int,
+                        exits: ExitWatch | None = None) -> None:
+        """The control stream of a rank on this machine: a pair of pipes; ``exits``: its
+        process watched from here (its exit status as soon as it ended, see
+        :meth:`_look_at_exit`)."""
         with self._lock:
-            if self._closed:
-                os.close(read_fd)
-                os.close(write_fd)
+            if not self._closed:
+                self._exits = exits
+                self._adopt(streams.PipeStream(read_fd, write_fd, blocking_reads=False))
                 return
-            self._adopt(streams.PipeStream(read_fd, write_fd, blocking_reads=False))
+        os.close(read_fd)
+        os.close(write_fd)
+        if exits is not None:
+            exits.close()
 
     def _adopt(self, stream: streams.Stream, auth: seal.FrameAuth | None = None) -> None:
         """Take ``stream`` as the control stream (lock held): flush what was queued.
@@ -204,8 +214,7 @@ class RayChannel(Channel):
             self._stream_corrupt(f"it sent {exc}")
             return []
         except framing.ConnectionLost:
-            self._bury_later()
-            return []
+            return self._stream_ended()
         for segs in frames:
             if len(segs[0]) < _HEAD_SIZE:
                 self._stream_corrupt(f"it sent a malformed message header ({len(segs[0])} "
@@ -239,20 +248,23 @@ class RayChannel(Channel):
         actor itself died, with the ``exitcode`` Ray gives (if it does and nothing better
         is known)."""
         with self._lock:
+            before = self._told_fields()
             if served is not None:
                 self.pid = served.get("pid", self.pid)
                 self._exitcode = served.get("exitcode")
             elif self._exitcode is None:
                 self._exitcode = exitcode
             self._reason = reason
-            late = self._burial.told and not self._closed
+            # a later account replaces the record kept for the (already dead) rank, if it
+            # changes it (Ray's "its worker died" after the exit status says nothing new)
+            late = (self._burial.told and not self._closed
+                    and self._told_fields() != before)
             never_connected = self._conn is None
         self._reason_known.set()
         self._news.set()
         if never_connected:
             self._bury_later(wait_for_reason=False)
         elif late:
-            # a later account replaces the record kept for the (already dead) rank
             self._burial.tell()
 
     def warden_reports(self, pid: int, status: int | None, how: str) -> None:
@@ -274,15 +286,42 @@ class RayChannel(Channel):
         """The backend stops the rank: the group records its end, so no EXITED is posted."""
         self._burial.stop()
 
+    def _stream_ended(self) -> list[list[Any]]:
+        """The control stream ended (the pumping thread): the rank's EXITED at once if its
+        process, watched from here, is dying of a signal (the kernel has its status as
+        its descriptors close: :mod:`phalanx.backends.ray.exits`) and its last output is
+        in -- the record is complete, no account could add to it but Ray's, which
+        replaces it when it comes --; else from a helper thread, once the record is
+        complete (:meth:`_bury_later`)."""
+        tap = self._tap
+        if self._exits is None or tap is None or self._look_at_exit() is not None:
+            self._bury_later()
+            return []
+        with self._lock:
+            killed = self._exitcode is not None and self._exitcode < 0
+        if not killed or not (tap.wait_closed(0) or tap.drained()
+                              or tap.wait_closed(config.OUTPUT_PEEK)):
+            self._bury_later()
+            return []
+        if not self._claim():
+            return []
+        return [self._burial.exited()]
+
+    def _claim(self) -> bool:
+        """The first sign of its death: its control stream is not watched any more."""
+        if not self._burial.claim():
+            return False
+        with self._lock:
+            if self._conn is not None and self._sink is not None:
+                self._sink.unwatch(self._conn.read_fd, self)
+        return True
+
     def _bury_later(self, wait_for_reason: bool = True) -> None:
         """The first sign of its death buries it: EXITED from a helper thread, once the
         record is complete (``wait_for_reason``: once Ray, and the warden, said how it
         ended) or a moment has passed."""
-        if not self._burial.claim():
+        if not self._claim():
             return
-        with self._lock:
-            if self._conn is not None and self._sink is not None:
-                self._sink.unwatch(self._conn.read_fd, self)
         self._burial.tell_later(lambda: self._settle(wait_for_reason))
 
     def _settle(self, wait_for_reason: bool) -> None:
@@ -299,34 +338,67 @@ class RayChannel(Channel):
         ``config.RAY_CAUSE_WAIT`` s at most. Not a fixed moment: on a loaded node the
         accounts take seconds, and a death told without them has no exit status. Each
         account wakes the wait; between them it looks every ``_CAUSE_POLL`` s whether the
-        warden is still there to give one."""
+        warden is still there to give one. A rank whose process this one watches
+        (:meth:`_look_at_exit`) is waited for on its pidfd first, for
+        ``config.RAY_REASON_WAIT`` s at most, looking for the other accounts every
+        ``_EXIT_LOOK`` s: a rank whose stream ended while its actor lives on (its own
+        ``sys.exit``) is told by them."""
         start = time.monotonic()
         deadline = start + config.RAY_CAUSE_WAIT
         while True:
             self._news.clear()  # before looking: an account after the look wakes the wait
             now = time.monotonic()
+            exits = self._look_at_exit()
             if self._cause_settled(now - start):
                 return
             if now >= deadline:
                 logger.debug("rank %d: no full account of its end after %.1f s; told as "
                              "known", self.rank, now - start)
                 return
-            self._news.wait(min(deadline - now, _CAUSE_POLL))
+            if exits is not None and now - start < config.RAY_REASON_WAIT:
+                exits.ended(min(deadline - now, _EXIT_LOOK))
+            else:
+                self._news.wait(min(deadline - now, _CAUSE_POLL))
+
+    def _look_at_exit(self) -> ExitWatch | None:
+        """Take the exit status of the rank's process, watched from here, once it is
+        ending or ended (:mod:`phalanx.backends.ray.exits`): the kernel's word, before its
+        warden's or Ray's. The watch while the process still runs; None once there is
+        none (its end seen, not on this machine, or the channel closed)."""
+        exits = self._exits
+        if exits is None:
+            return None
+        status = exits.status()
+        if status is None and not exits.ended():
+            return exits
+        with self._lock:
+            if self._exits is not exits:  # closed meanwhile: close() closed it
+                return None
+            self._exits = None
+            if status is not None and self._exitcode is None:
+                self._exitcode = status
+                self.pid = exits.pid
+        exits.close()
+        return None
 
     def _cause_settled(self, waited: float) -> bool:
         """Whether the record of the rank's end is as complete as it will get: its exit
-        status is known (from the warden or the actor's return) and Ray has given its
-        account, or has had ``config.RAY_REASON_WAIT`` s to (a cause the status cannot
-        name); or, with no exit status, Ray has given its account and the warden cannot
-        (it never connected, it is gone, or it reported no status)."""
+        status is known (from its pidfd, the warden or the actor's return) and is a
+        signal's (Ray's account, when it comes, then replaces the record: a
+        ``kill -9`` fails the rank's calls without waiting for Ray to learn of it, and
+        Ray's memory monitor is named a moment later), or Ray has given its account, or
+        has had ``config.RAY_REASON_WAIT`` s to (an exit code Ray may explain: its
+        ``ray.kill()`` ends the worker with code 1); or, with no exit status, Ray has
+        given its account and the warden cannot (it never connected, it is gone, or it
+        reported no status)."""
         with self._lock:
             if self._closed:
                 return True
-            status = self._exitcode is not None
+            status = self._exitcode
             side = self._side
         reason = self._reason_known.is_set()
-        if status:
-            return reason or waited >= config.RAY_REASON_WAIT
+        if status is not None:
+            return reason or status < 0 or waited >= config.RAY_REASON_WAIT
         warden_done = side is None or side.ended or self._status_known.is_set()
         return reason and warden_done
 
@@ -396,11 +468,20 @@ class RayChannel(Channel):
         if side is not None and request is not None:
             side.answer(request, deadline)
 
-    def exit_record(self, rank: int) -> ProcessFailure:
+    def _told_fields(self) -> tuple[int | None, int | None, str | None]:
+        """What of the record the accounts give: pid, exit status and Ray's reason as
+        told (lock held)."""
+        return self.pid, self._exitcode, self._told_reason()
+
+    def _told_reason(self) -> str | None:
         reason = self._reason
         if self._exitcode is not None and reason is not None and reason.startswith(
                 _RAY_SAW_A_WORKER_DIE):  # the exit status says more than Ray's "it died"
-            reason = None
+            return None
+        return reason
+
+    def exit_record(self, rank: int) -> ProcessFailure:
+        reason = self._told_reason()
         if self._corrupt is not None:
             reason = self._corrupt if reason is None else f"{self._corrupt}; {reason}"
         elif reason is None and self._exitcode is None:
@@ -415,7 +496,10 @@ class RayChannel(Channel):
             conn, self._conn = self._conn, None
             outputs, self._outputs = self._outputs, {}
             side, self._side = self._side, None
+            exits, self._exits = self._exits, None
         self._news.set()  # a settle under way ends
+        if exits is not None:
+            exits.close()
         if side is not None:
             side.close()
         if conn is not None:
