@@ -92,8 +92,9 @@ class _SimRank:
                  obj: Any) -> None:
         self.rank, self.node, self.incarnation, self.obj = rank, node, incarnation, obj
         self.exitcode: int | None = None
-        self.calls: set[int] = set()  # as a real rank's record: the calls it was sent
+        self.calls: dict[int, str] = {}  # as a real rank's record: the calls sent to it
         self.broke: str | None = None
+        self.ready: list[Any] | None = None  # a real rank's READY kept for an attach
         self.conn = _SimConn(session, self)
         self.burial = _SimBurial(self)
 

@@ -92,6 +92,9 @@ _EXPORTS = {
     "trace": "phalanx.controller.trace",
     "Dashboard": "phalanx.monitor.server",
     "dashboard": "phalanx.monitor.server",
+    "Orphaned": "phalanx.controller.attach",
+    "attach": "phalanx.controller.attach",
+    "attached": "phalanx.controller.attach",
 }
 
 __all__ = [
@@ -119,6 +122,7 @@ __all__ = [
     "ObjectFreed",
     "ObjectLost",
     "ObjectRef",
+    "Orphaned",
     "PhalanxError",
     "ProcessFailure",
     "QuorumTimeout",
@@ -148,6 +152,8 @@ __all__ = [
     "WorkerGroup",
     "WorkerUnresponsive",
     "__version__",
+    "attach",
+    "attached",
     "breakpoint",
     "chunk",
     "dashboard",
@@ -164,6 +170,7 @@ if TYPE_CHECKING:
     from phalanx.backends.cluster.slurm import SlurmBackend
     from phalanx.backends.local import LocalBackend
     from phalanx.backends.ray.backend import RayBackend
+    from phalanx.controller.attach import Orphaned, attach, attached
     from phalanx.controller.callforms import CallView
     from phalanx.controller.chunks import chunk
     from phalanx.controller.futures import GroupFuture, RankFuture, ShardedFuture, StreamFuture

@@ -35,6 +35,9 @@ DEFAULT_HEARTBEAT_TIMEOUT = 180.0  # seconds of silence before a rank is unrespo
 # seconds some ranks may wait in a collective that others have not entered before the
 # call raises CollectiveStuck and the ranks are released
 DEFAULT_COLLECTIVE_TIMEOUT = 180.0
+# seconds a detached group's nodes keep its ranks after its controller went, waiting for
+# another to attach (px.attach), before they stop them
+DEFAULT_DETACH_TIMEOUT = 600.0
 # seconds a cluster node's agent may give no sign of life (it sends one every second, from a
 # thread of its own) before the node is lost: frozen, its machine gone, or its link cut
 DEFAULT_NODE_TIMEOUT = 15.0

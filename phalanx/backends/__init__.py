@@ -56,7 +56,9 @@ def create_backend(spec: str | Backend, **settings: Any) -> Backend:
         if settings:
             raise TypeError(f"settings {sorted(settings)} go with a backend's name; a "
                             f"{type(spec).__name__} object carries its own")
-        return type(spec)(**spec.settings())
+        copy = type(spec)(**spec.settings())
+        copy.carry_over(spec)
+        return copy
     if spec == "local":
         from phalanx.backends.local import LocalBackend
 

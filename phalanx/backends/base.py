@@ -221,6 +221,11 @@ class Backend(abc.ABC):
         """What it offers beyond the basics (:mod:`phalanx.backends.parts`): none here."""
         return Capabilities()
 
+    def carry_over(self, original: Backend) -> None:
+        """Take what was set on ``original`` after its construction, which its settings do
+        not say (a group runs on a copy of the backend it is given): nothing here."""
+        return None
+
     def open(self, output: OutputOptions) -> None:
         """Start what the backend needs to serve one group (threads, a Ray connection);
         ``output`` says what happens to the ranks' stdout and stderr."""

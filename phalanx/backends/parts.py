@@ -16,6 +16,8 @@ part               what it does                                          offered
 ``slots``          reserves a resource pool's slots once                 local, ray, cluster
 ``code``           ships the controller's code to the nodes (``sync``)   cluster
 ``changing``       nodes that come and go while the group runs           cluster
+``detaching``      ranks that outlive their controller (``detached=``),  cluster (agents,
+                   handed to another (``px.attach``)                     Slurm)
 =================  ====================================================  =================
 
 ``shared_links`` says whether its channels may share one connection per node
@@ -122,6 +124,45 @@ class ChangingNodes(Protocol):
         ...
 
 
+class Detaching(Protocol):
+    """Keeps a group's ranks running past its controller and hands them to another
+    (``detached=True``, ``px.attach``; see :mod:`phalanx.controller.attach`)."""
+
+    def detach(self, name: str, timeout: float | None, spec: bytes) -> None:
+        """Have the nodes keep the group ``name`` for ``timeout`` s after this controller
+        goes (None: no more), with ``spec``, its description, for the next one."""
+        ...
+
+    def attach_to(self, name: str, force: bool) -> None:
+        """The ranks this backend starts next are those of detached group ``name``,
+        taken over (``force``: even from a live controller) instead of launched."""
+        ...
+
+    def attaching(self) -> str | None:
+        """The detached group whose ranks it takes over (:meth:`attach_to`), if any."""
+        ...
+
+    def describe(self, name: str) -> dict[str, Any]:
+        """Detached group ``name`` as its nodes keep it: ``spec``, ``ranks``, ``holder``
+        (the controller holding it, None while it waits), ``timeout``... (LookupError
+        when no node keeps it). Asked before the backend opens."""
+        ...
+
+    def listing(self) -> list[dict[str, Any]]:
+        """Every detached group the backend's nodes keep (as :meth:`describe`)."""
+        ...
+
+    def orphans(self, take: bool) -> list[list[Any]]:
+        """The answers of calls whose controller left before they ended, as the nodes
+        hold them: [rank, node, pid, call id, method, ok, segments] each (``take``:
+        forgotten there)."""
+        ...
+
+    def leave(self) -> None:
+        """Let go of the nodes without stopping their ranks (``group.detach()``)."""
+        ...
+
+
 @dataclasses.dataclass(frozen=True)
 class Capabilities:
     """The parts a backend offers (None: not offered); see the module docstring."""
@@ -131,6 +172,7 @@ class Capabilities:
     slots: SlotReserving | None = None
     code: CodeShipping | None = None
     changing: ChangingNodes | None = None
+    detaching: Detaching | None = None
     shared_links: bool = False
 
 

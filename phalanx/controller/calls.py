@@ -71,6 +71,12 @@ class Sender:
         self.observers: tuple[Observer, ...] = ()
         self._traced = False
 
+    def number_calls_from(self, first: int) -> None:
+        """Number this group's calls from ``first`` on: a controller attaching to a
+        detached group takes numbers above any the ranks and nodes knew (kept results
+        and unanswered calls are known by their call's number)."""
+        self._call_ids = itertools.count(first)
+
     def observe(self, observer: Observer, on: bool = True) -> None:
         """Have ``observer`` watch every call sent from now on (``on=False``: no more)."""
         others = tuple(o for o in self.observers if o is not observer)

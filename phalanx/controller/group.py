@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from phalanx import config
 from phalanx.backends import Backend
+from phalanx.controller.attach import Orphaned, detach_spec, orphan_of
 from phalanx.controller.callforms import CallForms, Scope
 from phalanx.controller.callpath import CallPath
 from phalanx.controller.calls import Sender
@@ -66,7 +67,10 @@ def live_groups() -> list[WorkerGroup]:
 @atexit.register
 def _shutdown_at_exit() -> None:
     for group in list(_live_groups):
-        group.shutdown()
+        if group.detachable:  # it outlives this process: its nodes keep it
+            group.detach()
+        else:
+            group.shutdown()
 
 
 class WorkerGroup(CallForms):
@@ -172,7 +176,23 @@ class WorkerGroup(CallForms):
         master_port: int | None = None,
         part_of: WorldPart | None = None,
         name: str | None = None,
+        detached: bool = False,
+        detach_timeout: float = config.DEFAULT_DETACH_TIMEOUT,
     ) -> None:
+        spec = None
+        if detached:  # what another controller rebuilds the group from (px.attach)
+            spec = detach_spec(name, detach_timeout, dict(
+                target=target, args=args, kwargs=kwargs, nodes=nodes,
+                procs_per_node=procs_per_node, env=env, rank_env=rank_env,
+                rank_kwargs=rank_kwargs, framework=framework,
+                gpus_per_worker=gpus_per_worker, python=python, concurrency=concurrency,
+                cwd=cwd, mesh=mesh, dp_axis=dp_axis, tied_axes=tied_axes,
+                dp_leaders=dp_leaders, heartbeat_timeout=heartbeat_timeout,
+                straggler_warning=straggler_warning, collective_timeout=collective_timeout,
+                preload=preload, detach_timeout=detach_timeout))
+        self._detached: float | None = None  # detach_timeout, while detachable
+        # handles of what ranks kept before this controller attached (None: not asked yet)
+        self._kept_before: list[ObjectRef] | None = []
         # Acquire, register the release: a start that fails at any step gives back what
         # the steps before it took, in reverse order, and nothing else.
         with contextlib.ExitStack() as undo:
@@ -194,8 +214,23 @@ class WorkerGroup(CallForms):
                 undo.callback(plan.lease.release)
             self._backend: Backend = plan.backend
             self._mesh = plan.mesh
+            detaching = plan.backend.capabilities.detaching
+            if spec is not None and detaching is None:
+                raise ValueError(
+                    f"detached=True: the {plan.backend.name} backend cannot keep ranks past "
+                    "this process; run the group on agents (px.ClusterBackend, or "
+                    "px.SlurmBackend, whose agents do)")
+            attaching = detaching is not None and detaching.attaching() is not None
+            if attaching:  # numbers above any the ranks know (their kept results')
+                first_call_id = time.time_ns() // 1000
             self._build(plan, undo, env=env, rank_env=rank_env, part_of=part_of,
-                        master_addr=master_addr, master_port=master_port)
+                        master_addr=master_addr, master_port=master_port,
+                        first_call_id=first_call_id if attaching else 1)
+            if spec is not None and detaching is not None:
+                detaching.detach(name, detach_timeout, spec)
+                self._detached = detach_timeout
+            if attaching:
+                self._kept_before = None  # asked for at the first kept(): a rank may be busy
             undo.pop_all()  # started: the group holds all of it until its shutdown
         self._gate.move(GroupState.RUNNING)
         _live_groups.add(self)
@@ -208,7 +243,7 @@ class WorkerGroup(CallForms):
                env: Mapping[str, str] | None,
                rank_env: Mapping[int, Mapping[str, str]] | None,
                part_of: WorldPart | None, master_addr: str | None,
-               master_port: int | None) -> None:
+               master_port: int | None, first_call_id: int = 1) -> None:
         """Make the parts (drawn in phalanx.controller's docstring), open the backend and
         start every rank, registering on ``undo`` how to give back each thing taken."""
         name, backend_ = plan.name, plan.backend
@@ -226,6 +261,7 @@ class WorkerGroup(CallForms):
         undo.callback(shared.close)
         self._methods = methods = MethodNames(plan.target_name)
         self._sender = sender = Sender(ranks, dispatcher, shared, backend_)
+        sender.number_calls_from(first_call_id)
         self._kept = KeptResults(f"group {name}", sender.send, sender.encode,
                                  sender.source_of)
         sender.keeps_in(self._kept)
@@ -269,6 +305,79 @@ class WorkerGroup(CallForms):
         undo.callback(watchdog.stop)
         undo.callback(self._lifecycle.stop_ranks)  # any the start left running
         starter.start(list(range(starter.layout.world_size)))
+
+    # -- a detached group (phalanx.controller.attach) -----------------------------------
+
+    @property
+    def detachable(self) -> bool:
+        """Whether the group outlives this controller (``detached=True``, or attached
+        with ``px.attach``) and is driven by it now."""
+        return self._detached is not None and not self._gate.closed
+
+    def detach(self) -> None:
+        """Leave the group running without this controller (``detached=True`` only): its
+        ranks, their state and kept results stay for ``px.attach(name)`` in another
+        process, for ``detach_timeout`` seconds. Calls pending here fail with
+        :class:`GroupClosed`; their answers wait in ``orphaned()`` for the next
+        controller. The group is closed here afterwards (as after a shutdown)."""
+        detaching = self._backend.capabilities.detaching
+        if self._detached is None or detaching is None:
+            raise RuntimeError(f"group {self._name} was not started with detached=True: "
+                               "shutdown() ends it, detach() is for a detached group")
+        with self._gate.closing(config.DEFAULT_TERM_GRACE) as first:
+            if not first:
+                return
+            _live_groups.discard(self)
+            try:
+                self._kept.close()  # handles here say so; the results stay on the ranks
+                self._lifecycle.leave(detaching)
+            finally:
+                if self._lease is not None:
+                    self._lease.release()
+                GROUP_NAMES.release(self._name)
+
+    def _undetach(self) -> None:
+        detaching = self._backend.capabilities.detaching
+        self._detached = None
+        if detaching is None:
+            return
+        try:
+            detaching.detach(self._name, None, b"")
+        except PhalanxError as exc:  # its nodes are gone: nothing to keep anyway
+            logger.debug("group %s: %s", self._name, exc)
+
+    def kept(self, timeout: float | None = None) -> list[ObjectRef]:
+        """The handles of the results the ranks kept (``keep=True``) before this
+        controller attached to the group (``px.attach``), each usable as the first
+        controller's was (``.get()``, passed to calls); [] for a group this process
+        started. The first call asks every rank, after the call it may be running
+        (``timeout``: how long to wait for that); the group holds the handles until it
+        shuts down."""
+        if self._kept_before is None:
+            self._gate.check()
+            self._kept_before = self._adopt_kept(check_seconds(timeout, "timeout"))
+        return list(self._kept_before)
+
+    def _adopt_kept(self, timeout: float | None) -> list[ObjectRef]:
+        ranks = self._ranks.select("all")
+        payload = self._sender.encode((), {})
+        listings = self._sender.send("@kept", ranks, [payload], builtin=True,
+                                     watched=False).result(timeout)
+        handles: list[ObjectRef] = []
+        for rank, listing in zip(ranks, listings, strict=True):
+            for call_id, method, answer in listing:
+                handles.append(self._kept.adopt(rank, call_id, method, tuple(answer)))
+        return handles
+
+    def orphaned(self, take: bool = False) -> list[Orphaned]:
+        """The answers of calls that were running when the group's previous controller
+        went (``detached=True``), which no controller asked for since: each with its
+        rank, call number, method and value, or the :class:`WorkerError` it raised.
+        ``take=True`` also forgets them on the nodes. [] for a group never detached."""
+        detaching = self._backend.capabilities.detaching
+        if detaching is None or self._detached is None:
+            return []
+        return [orphan_of(item, self._name) for item in detaching.orphans(take)]
 
     def _abandon(self) -> None:
         """A failed start ends CLOSED (what a repr or a stray reference then says)."""
@@ -560,6 +669,8 @@ class WorkerGroup(CallForms):
         if self._gate.closed:
             return
         timeout = check_seconds(timeout, "shutdown timeout")
+        if self._detached is not None:  # ended on purpose: the nodes keep nothing after it
+            self._undetach()
         deadline = time.monotonic() + (float("inf") if timeout is None else timeout)
         if cleanup is not None and not force:
             try:

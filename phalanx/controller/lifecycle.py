@@ -35,6 +35,7 @@ from phalanx.world.selection import select_ranks
 
 if TYPE_CHECKING:
     from phalanx.backends import Backend
+    from phalanx.backends.parts import Detaching
     from phalanx.controller.calls import Sender
     from phalanx.controller.dispatch import Dispatcher
     from phalanx.controller.futures import GroupFuture
@@ -383,6 +384,24 @@ class Lifecycle:
         self._backend.stop(channels_of(entries), grace=grace, force=force)
         for entry in entries:
             entry.exited(None)
+
+    def leave(self, detaching: Detaching) -> None:
+        """Let go of every rank without stopping one (``group.detach()``): the calls
+        pending here fail, the nodes keep the ranks for the next controller."""
+        entries = self._table.known()
+        self._membership.stop()
+        self._watchdog.stop()
+        name = self._starter.name
+        self._dispatcher.close(
+            lambda method, rank: GroupClosed(
+                f"group {name} was detached while {method}() was pending on rank {rank}; "
+                "the controller that attaches finds its answer in group.orphaned()"),
+            entries,
+        )
+        self._shared.close()
+        self._dispatcher.release()
+        detaching.leave()
+        logger.info("left %d workers of detached group %s running", len(entries), name)
 
     def teardown(self, deadline: float, force: bool) -> None:
         """Stop every part and every rank process by ``deadline`` (a

@@ -16,8 +16,9 @@ the bytes.
 Built-in calls (the ``BUILTIN`` flag; their names start with :data:`BUILTIN`, which keeps
 them apart from the user's methods in traces) serve the controller: ``@fetch`` (a
 kept value, for ``handle.get()`` from another machine), ``@drop`` (the handles were freed:
-forget them; views other ranks hold keep their pages) and ``@trace`` (the spans a trace
-recorded: :mod:`phalanx.rank.tracing`).
+forget them; views other ranks hold keep their pages), ``@kept`` (every result kept here,
+with its call and method: what a controller attaching to a detached group makes handles
+of again) and ``@trace`` (the spans a trace recorded: :mod:`phalanx.rank.tracing`).
 
 A dropped result's block is kept for the next results (at most :data:`POOL_BLOCKS`, each
 closed after :data:`POOL_IDLE` s unused): writing into pages that exist is a plain memory
@@ -113,10 +114,24 @@ class Kept:
         self._lock = threading.Lock()  # calls on a thread pool may keep at once
         self._trimmer: threading.Thread | None = None
         self._pieces = itertools.count(-1, -1)  # keys of px.keep() values: never a call id
+        # call id -> (its method, its answer): what a controller that attaches to a
+        # detached group makes handles of again (``@kept``)
+        self._answers: dict[Hashable, tuple[str, tuple[Any, ...]]] = {}
 
-    def keep(self, call_id: int, value: Any) -> list[Any]:
+    def keep(self, call_id: int, value: Any, method: str = "") -> list[Any]:
         """Hold ``value``; the answer: its size, where it is and its rows (see ResultRef)."""
-        return pickling.dumps_fast(self._hold(call_id, value))
+        answer = self._hold(call_id, value)
+        with self._lock:
+            if call_id in self._held:
+                self._answers[call_id] = (method, answer)
+        return pickling.dumps_fast(answer)
+
+    def listing(self) -> list[tuple[Any, ...]]:
+        """Every result a call kept here and no handle dropped (``@kept``): (call id,
+        method, answer) for each, oldest first."""
+        with self._lock:
+            return [(key, method, answer) for key, (method, answer) in self._answers.items()
+                    if key in self._held]
 
     def keep_piece(self, value: Any) -> tuple[Any, ...]:
         """Hold a :func:`keep` value met in a result: what the controller makes a handle
@@ -169,6 +184,7 @@ class Kept:
         closing = []
         with self._lock:
             for call_id in call_ids:
+                self._answers.pop(call_id, None)
                 held = self._held.pop(call_id, None)
                 if isinstance(held, tuple):
                     self._pool.append((now, held[0]))
@@ -314,7 +330,8 @@ def builtin(name: str, obj: Any = None) -> Any:
         from phalanx.rank import weightsync
 
         return weightsync.builtin(name, obj)
-    return {"@fetch": KEPT.fetch, "@drop": KEPT.drop, "@trace": tracing.take}.get(name)
+    return {"@fetch": KEPT.fetch, "@drop": KEPT.drop, "@trace": tracing.take,
+            "@kept": KEPT.listing}.get(name)
 
 
 def read_rows(places: list[tuple[Any, ...]], parts: list[tuple[int, Rows]]) -> Any:

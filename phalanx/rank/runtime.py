@@ -460,7 +460,8 @@ class WorkerRuntime:
                 self._stream(call_id, result, answered)
                 return False
             stage = "pickling the result"
-            payload = kept.KEPT.keep(call_id, result) if keep else kept.dumps_result(result)
+            payload = (kept.KEPT.keep(call_id, result, method) if keep
+                       else kept.dumps_result(result))
         except SystemExit as exc:
             raise _WorkerExit(exit_code_of(exc.code)) from None
         except BaseException as exc:  # noqa: BLE001 - reported to the controller

@@ -626,6 +626,12 @@ class Connection:
                 _advance(self._backlog, sent)
             return True
 
+    @property
+    def auth(self) -> FrameAuth | None:
+        """The handshake's frame keys this connection seals and checks with (None: a
+        local stream). A connection handed to another owner is rebuilt with them."""
+        return self._auth
+
     def has_backlog(self) -> bool:
         return bool(self._backlog)
 

@@ -192,6 +192,8 @@ class ClusterBackend(Backend):
         self.placed_gpus: list[tuple[str, ...]] | None = None
         self._holding: tuple[str, list[AgentNode]] | None = None  # GPUs held: whose, where
         self.labels: dict[str, str] = {}  # "host:port" -> what else names that agent's node
+        # px.attach's (group name, force): the ranks "launched" are that group's, taken over
+        self.attach_request: tuple[str, bool] | None = None
 
     def __repr__(self) -> str:
         parts = [repr(self.hosts)] if self.dns is None else [
@@ -449,7 +451,64 @@ class ClusterBackend(Backend):
         results, its first agents are a pool's nodes, it ships code (``sync``), its
         nodes may change (DNS), and the ranks of a node share their agent's connection."""
         return Capabilities(objects=self, kept_copies=self, slots=self, code=self,
-                            changing=self, shared_links=True)
+                            changing=self, detaching=self, shared_links=True)
+
+    # -- a detached group (phalanx.controller.attach) --------------------------------------
+
+    def detach(self, name: str, timeout: float | None, spec: bytes) -> None:
+        def tell(agent: AgentNode) -> None:
+            agent.request(agentwire.DETACH, name, timeout, payload=[spec])
+
+        used = self.members.nodes[:self._in_use]  # the group's: the first in_use, in order
+        _on_each([node for node in used if node.lost_reason is None], tell, "phalanx-detach")
+
+    @property
+    def dialer(self) -> Dialer:
+        """How this backend reaches an agent (its token and TLS)."""
+        return self._dialer
+
+    def agent_hosts(self) -> list[str]:
+        """The agents' ``host:port`` as configured (``hosts=``; a backend that finds its
+        agents finds them now)."""
+        return list(self.hosts) if self.hosts or not self.finds_agents else self._find_agents()
+
+    def attach_to(self, name: str, force: bool) -> None:
+        self.attach_request = (name, force)
+
+    def carry_over(self, original: Backend) -> None:
+        if isinstance(original, ClusterBackend):  # px.attach's: the copy takes over too
+            self.attach_request = original.attach_request
+
+    def attaching(self) -> str | None:
+        return None if self.attach_request is None else self.attach_request[0]
+
+    def describe(self, name: str) -> dict[str, Any]:
+        from phalanx.backends.cluster import detaching
+
+        return detaching.describe(self, name)
+
+    def listing(self) -> list[dict[str, Any]]:
+        from phalanx.backends.cluster import detaching
+
+        return detaching.listing(self)
+
+    def orphans(self, take: bool) -> list[list[Any]]:
+        found: list[list[Any]] = []
+        lock = threading.Lock()
+
+        def ask(agent: AgentNode) -> None:
+            answer = agent.request(agentwire.ORPHANS, take)
+            with lock:
+                found.extend(answer)
+
+        _on_each(list(self.members.nodes), ask, "phalanx-orphans")
+        return sorted(found, key=lambda o: (o[3], o[0]))  # by call, then rank
+
+    def leave(self) -> None:
+        self._stopping.set()  # its GPUs stay held: the ranks on them run on
+        self.members.close()
+        if self.opened:
+            self._logs.stop()
 
     def reserve_slots(self, counts: Sequence[int], *, gpus: int,
                       resources: Mapping[str, float], timeout: float,
@@ -496,8 +555,12 @@ class ClusterBackend(Backend):
             controller_path = without_own_install(controller_path)  # its own, not ours
         sys_path = ([code] if code else []) + (list(controller_path) if same else [])
         cwd = code or ((boot.cwd or os.getcwd()) if same else None)
-        pids = agent.request(agentwire.LAUNCH, starts, sys_path, options, cwd,
-                            payload=boot.payload)
+        if self.attach_request is not None:  # px.attach: the detached group's running ranks
+            name, force = self.attach_request
+            pids = agent.request(agentwire.ATTACH, name, starts, force)
+        else:
+            pids = agent.request(agentwire.LAUNCH, starts, sys_path, options, cwd,
+                                 payload=boot.payload)
         for channel, pid in zip(made, pids, strict=False):
             channel.pid = pid or None
 

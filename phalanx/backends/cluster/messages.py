@@ -36,6 +36,19 @@ One authenticated connection per node (:mod:`phalanx.wire.handshake`) carries, a
                                                                      {"gpus": ids} or
                                                                      {"refused": why} (see
                                                                      phalanx.backends.cluster.agent.devices)
+                         DETACH    (name, timeout)                   the group outlives this
+                                                                     controller for timeout s
+                                                                     (None: no more); payload:
+                                                                     its description (see
+                                                                     phalanx.backends.cluster.agent.detached)
+                         ATTACH    (name, starts, force)             drive detached group name
+                                                                     (a new connection's first
+                                                                     request): the ranks' pids,
+                                                                     then each one's READY
+                         DESCRIBE  (name,)                           detached group name ("":
+                                                                     every one) as a dict
+                         ORPHANS   (take,)                           answers of calls whose
+                                                                     controller left
     agent -> agent       READ      (block,)                          a rank's kept result:
                                                                      the reply's payload is
                                                                      its pickle and buffers
@@ -105,6 +118,10 @@ OUTPUT_END = 83
 FAULT = 84
 LOST = 85
 RESULTS = 86
+DETACH = 87
+ATTACH = 88
+DESCRIBE = 89
+ORPHANS = 90
 
 STDOUT, STDERR = 1, 2
 
@@ -277,6 +294,12 @@ def _launch_options(kind: str, field: str, value: Any) -> None:
         raise Malformed(f"{kind} {field}: python={python!r:.200} is not an absolute path")
 
 _RANKS = _items("AGENT_MAX_RANKS", _integer())
+_MAX_NAME = 256  # characters of a detached group's name
+
+
+def _seconds_or_none(kind: str, field: str, value: Any) -> None:
+    if value is not None:
+        _seconds(kind, field, value)
 
 
 def _block(kind: str, field: str, value: Any) -> None:
@@ -324,6 +347,11 @@ _REQUESTS: dict[int, tuple[str, tuple[tuple[str, _Check], ...]]] = {
     READ: ("READ", (("block", _block),)),
     DEVICES: ("DEVICES", (("count", _integer(0, "AGENT_MAX_RANKS")),
                           ("holder", _text(_MAX_HOLDER)))),
+    DETACH: ("DETACH", (("name", _text(_MAX_NAME)), ("timeout", _seconds_or_none))),
+    ATTACH: ("ATTACH", (("name", _text(_MAX_NAME)), ("starts", _items("AGENT_MAX_RANKS", _start)),
+                        ("force", _FLAG))),
+    DESCRIBE: ("DESCRIBE", (("name", _text(_MAX_NAME)),)),
+    ORPHANS: ("ORPHANS", (("take", _FLAG),)),
 }
 
 # The ranks' messages a controller sends through an agent.
@@ -346,5 +374,7 @@ def check_request(kind: int, fields: Any, payload: Sequence[Any]) -> None:
                         f"{': ' if params else ''}{', '.join(p for p, _ in params)})")
     for (field, check), value in zip(params, fields, strict=True):
         check(name, field, value)
+    if kind == DETACH and len(payload) > 1:
+        raise Malformed(f"DETACH with {len(payload)} segments (its description is one)")
     if kind == BLOBS and len(payload) != len(fields[0]):
         raise Malformed(f"BLOBS with {len(fields[0])} hashes for {len(payload)} files")

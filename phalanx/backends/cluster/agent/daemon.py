@@ -62,6 +62,7 @@ from typing import Any
 
 from phalanx import config
 from phalanx.backends.cluster import messages as agentwire
+from phalanx.backends.cluster.agent.detached import DetachedBook
 from phalanx.backends.cluster.agent.devices import NodeDevices
 from phalanx.backends.cluster.agent.ranks import Session
 from phalanx.backends.cluster.token import read_token as read_token  # for the CLI
@@ -141,6 +142,7 @@ class Agent:
         except OSError as exc:
             raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
         self._sessions: set[Session] = set()
+        self._detached = DetachedBook()  # groups that outlive their controller, by name
         self._devices = NodeDevices(visible_gpus())  # one book for every controller
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -324,7 +326,8 @@ class Agent:
                                          max_frame=self._max_frame, counters=self._count,
                                          store=self._store, secret=self._token, auth=auth,
                                          devices=self._devices, peer_tls=self._peer_tls,
-                                         max_held=self._max_held)
+                                         max_held=self._max_held, book=self._detached,
+                                         peer=f"{peer[0]}:{peer[1]}")
         except BaseException:
             with self._lock:
                 self._opening -= 1

@@ -72,6 +72,7 @@ from phalanx import config
 from phalanx.backends.cluster import codesync
 from phalanx.backends.cluster import messages as agentwire
 from phalanx.backends.cluster.agent.branch import GATHER_WINDOW, Branch, Relay
+from phalanx.backends.cluster.agent.detached import DetachedBook, Detachment
 from phalanx.backends.cluster.agent.devices import NodeDevices
 from phalanx.backends.cluster.agent.share import NodeObjects
 from phalanx.backends.cluster.agent.share import read as read_kept
@@ -86,6 +87,7 @@ _READ = 1 << 16
 _HEAD_SIZE = protocol.HEAD_SIZE
 _unpack_head = protocol.unpack_head
 _RESULT, _ERROR, _YIELD = protocol.RESULT, protocol.ERROR, protocol.YIELD
+_READY = protocol.READY
 # what else a rank may send up, none of it about a call
 _SAYS = frozenset({protocol.READY, protocol.INIT_ERROR, protocol.HEARTBEAT, protocol.RELEASED,
                    protocol.COLLECTIVE})
@@ -150,8 +152,10 @@ class _Rank:
         self.conn = process.conn
         stdout_fd, stderr_fd = process.take_output()
         self.outputs = {stdout_fd: agentwire.STDOUT, stderr_fd: agentwire.STDERR}
-        self.calls: set[int] = set()  # ids of the calls passed down to it, not answered yet
+        # the calls passed down to it, not answered yet: id -> method
+        self.calls: dict[int, str] = {}
         self.broke: str | None = None  # how it broke the protocol, once it did
+        self.ready: list[Any] | None = None  # its READY, sent again to a controller attaching
         # the node side's record, no stderr: its controller has the output relayed to it
         self.burial = node.Burial(process.rank, self._record, message=lambda failure: (
             agentwire.exited(process.rank, process.incarnation, failure.as_dict())))
@@ -172,12 +176,14 @@ class Session:
                  node_timeout: float = config.DEFAULT_NODE_TIMEOUT,
                  devices: NodeDevices | None = None,
                  peer_tls: ssl.SSLContext | None = None,
-                 max_held: int | None = None) -> None:
+                 max_held: int | None = None, book: DetachedBook | None = None,
+                 peer: str = "") -> None:
         # its link's options were set as the agent took it (Agent._authenticate)
         self.address = sock.getsockname()[0]  # where the controller reached this node
         self._writer = framing.BacklogWriter("phalanx-agent-writer")
         # auth: the handshake's frame keys, which seal and check every frame from here on
-        self._conn = framing.Connection(streams.socket_stream(sock), self._writer, auth=auth)
+        self._conn: framing.Connection | None = framing.Connection(
+            streams.socket_stream(sock), self._writer, auth=auth)
         self._conn.reader.limit = max_frame
         self._conn.reader.max_segments = config.AGENT_MAX_FRAME_SEGMENTS
         self._heartbeat_timeout = heartbeat_timeout
@@ -207,6 +213,16 @@ class Session:
                                     peer_tls, max_bytes=max_held)  # None: the default
         # the node's GPUs, one book for every controller the agent serves
         self._devices = devices if devices is not None else NodeDevices(visible_gpus())
+        # a detached group's (phalanx.backends.cluster.agent.detached): the agent's book of
+        # them, this session's record once its controller made it detachable, and a
+        # controller taking it over (set by that controller's session, taken by the relay)
+        self._book = book
+        self._peer = peer  # the controller's address, as "host:port"
+        self._detach: Detachment | None = None
+        self._incoming: tuple[Any, ...] | None = None
+        self._link_failed: str | None = None  # why a send to the controller failed
+        self._handed_over = False  # this session's connection went to a waiting session
+        self._heard = time.monotonic()  # when the controller was last heard
 
     @property
     def tree_id(self) -> int:
@@ -218,26 +234,43 @@ class Session:
     def serve(self, welcome: dict[str, Any]) -> None:
         """Relay until the controller goes; then stop every rank. ``welcome`` is sent first."""
         self._send(agentwire.request(agentwire.WELCOME, 0, welcome))
+        assert self._conn is not None  # (None only while a detached group waits)
         self._watch(self._conn.read_fd, "controller", None)
         self._watch(self._wake.fd, "wake", None)
         PULSE.add(self)  # this node's sign of life, from a thread of its own
-        heard = time.monotonic()
+        self._heard = time.monotonic()
         interval = self.ping_interval  # how often the children are judged and pinged
-        next_check = heard + interval
+        next_check = self._heard + interval
         branch = self._branch
         try:
             while not self._closing:
                 # what this pass sends the controller (a lost child's LOST too): one write
                 self._outbox = []
+                if self._incoming is not None:
+                    self._adopt_controller()
                 now = time.monotonic()
-                if now - heard > self._heartbeat_timeout:
-                    self.reason = f"the controller was silent for {now - heard:.0f} s"
-                    break
+                detach = self._detach
+                if detach is not None and detach.waiting():
+                    if detach.expired(now):
+                        self.reason = (f"no controller attached to detached group "
+                                       f"{detach.name} within its {detach.timeout:g} s")
+                        break
+                    until = now + detach.remaining(now)
+                else:
+                    failed, self._link_failed = self._link_failed, None
+                    if failed is None and now - self._heard > self._heartbeat_timeout:
+                        failed = f"the controller was silent for {now - self._heard:.0f} s"
+                    if failed is not None:
+                        if self._wait_detached(failed):
+                            continue
+                        self.reason = self.reason or failed
+                        break
+                    until = self._heard + self._heartbeat_timeout
                 if now >= next_check:
                     next_check = now + interval
                     if branch.has_children:
                         branch.check_children(now)
-                wait = min(next_check, heard + self._heartbeat_timeout) - now
+                wait = min(next_check, until) - now
                 if self._dying:
                     wait = min(wait, min(r.burial.deadline for r in self._dying) - now)
                 if branch.gathering:
@@ -247,8 +280,10 @@ class Session:
                 for fd, _ in self._poller.poll(max(0, int(wait * 1000)) + 1):
                     what, rank = self._by_fd.get(fd, ("gone", None))
                     if what == "controller":
-                        heard = time.monotonic()
+                        self._heard = time.monotonic()
                         if not self._from_controller():
+                            break
+                        if self._handed_over:
                             break
                     elif what == "wake":
                         self._wake.drain()
@@ -277,11 +312,16 @@ class Session:
             self._end()
 
     def _from_controller(self) -> bool:
+        conn = self._conn
+        if conn is None:  # pragma: no cover - its descriptor is watched only while it is set
+            return True
         try:
-            frames = self._conn.reader.recv_frames(block=False)
+            frames = conn.reader.recv_frames(block=False)
         except framing.FrameTooLarge as exc:  # say why before hanging up
             return self._refuse(str(exc))
         except framing.ConnectionLost as exc:
+            if self._wait_detached(f"its connection ended ({exc})"):
+                return True
             self.reason = self.reason or f"the controller's connection ended ({exc})"
             self._closing = True
             return False
@@ -327,7 +367,7 @@ class Session:
                         branch.rank_gone((rank,))
                     continue  # its EXITED is on its way (or went)
                 if call:  # before it can answer: the relay reads its answer after this
-                    target.calls.add(call_id)
+                    target.calls[call_id] = extra[0]
                 frame = same if same is not None else framing.frame(
                     [protocol.header(kind, call_id, rank, *extra), *segs[1:]])
                 try:
@@ -387,7 +427,11 @@ class Session:
                     self._broke(rank, f"it answered call {call_id}, which was not sent to it "
                                 "or was answered already")
                     return
-                calls.discard(call_id)
+                del calls[call_id]
+                detach = self._detach
+                if detach is not None and detach.inherited and detach.orphaned(
+                        number, rank.node, rank.process.pid, call_id, kind == _RESULT, segs):
+                    continue  # a call of a controller that left: kept for the next one
             elif kind == _YIELD:
                 if call_id not in calls:
                     self._broke(rank, f"it sent an item of call {call_id}, which was not sent "
@@ -396,6 +440,8 @@ class Session:
             elif kind not in _SAYS:
                 self._broke(rank, f"it sent a message of kind {kind}, which no rank sends")
                 return
+            elif kind == _READY:
+                rank.ready = [bytes(s) for s in segs]
             up(segs, head)
 
     def _broke(self, rank: _Rank, why: str) -> None:
@@ -478,6 +524,9 @@ class Session:
         if kind == agentwire.DROP:
             self._objects.drop(*fields)
             return
+        if kind == agentwire.ATTACH:  # on the relay's thread: the connection may move
+            self._attach(request_id, *fields)
+            return
         handlers: dict[int, Callable[..., Any]] = {
             agentwire.LAUNCH: self._launch, agentwire.STOP: self._stop,
             agentwire.STACKS: self._stacks, agentwire.PORTS: self._ports,
@@ -485,7 +534,8 @@ class Session:
             agentwire.BLOBS: self._blobs, agentwire.TREE: self._tree,
             agentwire.ADOPT: self._branch.adopt, agentwire.HOLD: self._objects.hold,
             agentwire.COPY: self._objects.copy, agentwire.READ: read_kept,
-            agentwire.DEVICES: self._hold_devices}
+            agentwire.DEVICES: self._hold_devices, agentwire.DETACH: self._detachable,
+            agentwire.DESCRIBE: self._describe, agentwire.ORPHANS: self._orphans}
         handler = handlers.get(kind)
         if handler is None:
             self._send(agentwire.reply(request_id, False, f"unknown request kind {kind}"))
@@ -497,7 +547,8 @@ class Session:
                 logger.warning("refused a request of the controller: %s", exc)
                 self._send(agentwire.fault(f"it refused a request: {exc}", request_id))
                 return
-        instant = kind in (agentwire.PORTS, agentwire.DEVICES)  # bounded work, no waiting
+        instant = kind in (agentwire.PORTS, agentwire.DEVICES, agentwire.DETACH,
+                           agentwire.DESCRIBE, agentwire.ORPHANS)  # bounded, no waiting
         if not instant:  # on a thread of its own: as many as the limit allows
             with self._lock:
                 if self._requests >= config.AGENT_MAX_REQUESTS:
@@ -609,6 +660,165 @@ class Session:
         node.wait_all_exit([r.process.proc for n, r in list(self._ranks.items()) if n in wanted],
                            timeout)
 
+    # -- a detached group -------------------------------------------------------------
+
+    def _detachable(self, name: str, timeout: float | None, payload: list[Any]) -> bool:
+        """DETACH: the group outlives this controller for ``timeout`` s (None: no more)."""
+        if timeout is None:
+            if self._book is not None:
+                self._book.leave(self)
+            self._detach = None
+            return True
+        if self._book is None:
+            raise RuntimeError("this agent keeps no detached groups")
+        if self._branch.has_children:
+            raise ValueError("a detached group cannot span a tree of agents yet: give the "
+                             "backend a tree_threshold above its node count")
+        self._book.enter(name, self)
+        spec = bytes(payload[0]) if payload else b""
+        record = self._detach
+        if record is not None and record.name == name:  # again, by a controller attached:
+            record.timeout, record.spec = float(timeout), spec  # its orphans stay
+        else:
+            self._detach = Detachment(name, float(timeout), spec,
+                                      holder=self._peer or "a controller")
+        return True
+
+    def _describe(self, name: str, payload: list[Any]) -> Any:
+        """DESCRIBE: the detached group ``name`` of this node ("": every one of them)."""
+        book = self._book
+        if book is None:
+            raise RuntimeError("this agent keeps no detached groups")
+        names = book.names() if name == "" else [name]
+        found = []
+        for each in names:
+            session = book.find(each)
+            described = None if session is None else session.detached_description()
+            if described is not None and described["name"] == each:
+                found.append(described)
+        if name and not found:
+            others = ", ".join(book.names()) or "none"
+            raise LookupError(f"no detached group named {name!r} on this node (detached "
+                              f"here: {others})")
+        return found if name == "" else found[0]
+
+    def detached_description(self) -> dict[str, Any] | None:
+        """This session's detached group, as DESCRIBE tells it (None: it has none)."""
+        record = self._detach
+        return None if record is None else record.describe(sorted(self._ranks))
+
+    def _orphans(self, take: bool, payload: list[Any]) -> list[Any]:
+        """ORPHANS: the answers of calls whose controller left before they ended."""
+        record = self._detach
+        if record is None:
+            return []
+        found = [o.as_plain() for o in record.orphans]
+        if take:
+            record.orphans.clear()
+        return found
+
+    def _wait_detached(self, why: str) -> bool:
+        """The controller left (``why``): a detached group with ranks running waits for
+        another (True); anything else ends (False). The relay's thread."""
+        record = self._detach
+        if record is None or self._closing or not any(
+                not r.burial.claimed for r in self._ranks.values()):
+            return False
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            self._unwatch(conn.read_fd)
+            conn.close()
+        record.left, record.why_left = time.monotonic(), why
+        record.inherited = {r.rank: dict(r.calls) for r in self._ranks.values() if r.calls}
+        logger.warning("the controller of detached group %s left (%s): its %d rank(s) run "
+                       "on; another may attach within %g s", record.name, why,
+                       len(self._ranks), record.timeout)
+        return True
+
+    def _attach(self, request_id: int, name: str, starts: list[Any], force: bool) -> None:
+        """ATTACH (this connection's first word after WELCOME): hand this connection to
+        the session of detached group ``name``, which answers it from then on."""
+        book, conn = self._book, self._conn
+        target = None if book is None else book.find(name)
+        if target is None or target is self or conn is None:
+            others = ", ".join(book.names()) if book is not None else ""
+            self._send(agentwire.reply(request_id, False, (
+                f"LookupError: no detached group named {name!r} on this node (detached "
+                f"here: {others or 'none'})")))
+            return
+        while not conn.flush_some():  # what this session wrote goes before the other's
+            time.sleep(0.001)
+        refused = target.take_over(conn, request_id, starts, force, self._peer)
+        if refused is not None:
+            self._send(agentwire.reply(request_id, False, refused))
+            return
+        self._unwatch(conn.read_fd)
+        self._handed_over = True
+        self._closing = True
+
+    def take_over(self, conn: framing.Connection, request_id: int, starts: list[Any],
+                  force: bool, peer: str) -> str | None:
+        """Another session's connection asks to drive this detached group; the reason it
+        may not (text), or None: the relay takes the connection over on its next pass."""
+        with self._lock:
+            record = self._detach
+            if self._closing or record is None:
+                return f"RuntimeError: detached group {record.name if record else '?'} ended"
+            if self._incoming is not None:
+                return (f"RuntimeError: another controller is attaching to detached group "
+                        f"{record.name} right now")
+            if not record.waiting() and not force:
+                return (f"RuntimeError: detached group {record.name} is held by the "
+                        f"controller at {record.holder}; attach with force=True to take it "
+                        "over (that controller's calls then fail)")
+            self._incoming = (conn, request_id, starts, peer)
+        self._wake.wake()
+        return None
+
+    def _adopt_controller(self) -> None:
+        """Take the connection a controller attaching came by (the relay's thread)."""
+        with self._lock:
+            incoming, self._incoming = self._incoming, None
+        if incoming is None or self._detach is None:
+            return
+        given, request_id, starts, peer = incoming
+        record = self._detach
+        old, self._conn = self._conn, None
+        if old is not None:  # force=True: the old controller is told, and let go
+            try:
+                old.send(agentwire.fault(f"another controller ({peer}) took detached group "
+                                         f"{record.name} over"))
+                old.flush_some()
+            except framing.ConnectionLost:
+                pass
+            self._unwatch(old.read_fd)
+            old.close()
+        conn = framing.Connection(given.stream, self._writer, reader=given.reader,
+                                  auth=given.auth)
+        self._conn = conn
+        self._watch(conn.read_fd, "controller", None)
+        self._heard = time.monotonic()
+        record.left, record.holder = None, peer or "a controller"
+        gone = [start[0] for start in starts if start[0] not in self._ranks
+                or self._ranks[start[0]].burial.claimed]
+        if gone:
+            self._send(agentwire.reply(request_id, False, (
+                f"RuntimeError: rank(s) {gone} of detached group {record.name} are no longer "
+                "running on this node")))
+            return
+        pids = []
+        for number, _node, incarnation, _env in starts:
+            rank = self._ranks[number]
+            rank.incarnation = rank.process.incarnation = incarnation
+            pids.append(rank.process.pid or 0)
+        self._send(agentwire.reply(request_id, True, pids))
+        for number, *_ in starts:
+            ready = self._ranks[number].ready
+            if ready is not None:
+                self._send(framing.frame(list(ready)))
+        logger.info("a controller from %s attached to detached group %s (%d rank(s))",
+                    peer, record.name, len(starts))
+
     # -- bookkeeping ------------------------------------------------------------------
 
     def ping(self) -> None:
@@ -617,10 +827,16 @@ class Session:
             self._send(agentwire.ping())
 
     def _send(self, frame: list[Any]) -> None:
+        conn = self._conn
+        if conn is None:  # a detached group's, waiting: nobody to tell
+            return
         try:
-            self._conn.send(frame)
-        except framing.ConnectionLost:
-            self._closing = True
+            conn.send(frame)
+        except framing.ConnectionLost as exc:
+            if self._detach is not None:  # the relay decides (on its thread) what follows
+                self._link_failed = f"its connection failed ({exc})"
+            else:
+                self._closing = True
             self._wake.wake()
             return
         self._count("sent_bytes_total", sum(memoryview(s).nbytes for s in frame))
@@ -666,6 +882,8 @@ class Session:
     def _end(self) -> None:
         """The controller is gone: stop every rank and everything they started."""
         PULSE.remove(self)
+        if self._book is not None:
+            self._book.leave(self)
         ranks = list(self._ranks.values())
         running = [r for r in ranks if r.process.proc.alive()]
         if running:  # not those that ended, their EXITED still on its way
@@ -679,7 +897,8 @@ class Session:
         for holder in self._devices.release(self):
             logger.info("the GPUs %s held are free again: its controller is gone", holder)
         self._branch.close()
-        self._conn.close()
+        if self._conn is not None and not self._handed_over:  # (else: the stream moved)
+            self._conn.close()
         self._writer.stop()
         self._wake.close()
         self.ended.set()

@@ -1,0 +1,179 @@
+"""W17: a controller killed and replaced -- ``detached=True`` and ``px.attach``, timed.
+
+    python -m bench.detach [--json PATH] [--nodes 4] [--per-node 16] [--trials 3]
+
+``--nodes`` ``phalanx agent`` processes on 127.0.0.2, .3, ... (a private token), and a
+controller in a process of its own that starts a detached group of ``nodes x per_node``
+ranks on them (64 by default), keeps a 1 MiB result on every rank (``keep=True``), starts
+a 3 s call on every rank, and is SIGKILLed 0.5 s into it. This process then attaches
+(``px.attach``) and makes its first call: the time from the SIGKILL to that call's answer
+(**attach to first call**, the issue's figure) and from ``px.attach``'s start (**attach**).
+Checked each trial: the ranks are the same processes (**restarts**: ranks whose pid
+changed, must be 0), every kept result is usable through its new handle (**kept
+usable**: ``get()`` of each equals what the killed controller read), and the running
+call's answers are reachable (**orphans**: ``group.orphaned()`` once the call ended, one
+per rank). Prints a table, writes JSON (default bench/results/detach.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+from bench.report import write_json
+from bench.util import machine_info, reap
+
+DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "detach.json"
+ROOT = Path(__file__).resolve().parent.parent
+
+CONTROLLER = textwrap.dedent("""
+    import json, sys, time
+    import numpy as np
+    import phalanx as px
+
+    class Rank:
+        def make(self, n):
+            return np.full(n, float(__import__("os").getpid()))
+        def sleep(self, s):
+            time.sleep(s)
+            return "slept"
+        def pid(self):
+            return __import__("os").getpid()
+
+    hosts, token_file, name, per_node = json.loads(sys.argv[1])
+    group = px.WorkerGroup(Rank, nodes=len(hosts), procs_per_node=per_node,
+                           backend=px.ClusterBackend(hosts, token_file=token_file),
+                           name=name, detached=True, detach_timeout=120, echo_output=False)
+    kept = group.call("make", 1 << 17, keep=True)  # 1 MiB each
+    print(json.dumps({"pids": group.call("pid"),
+                      "kept": [float(h.get()[0]) for h in kept]}), flush=True)
+    group.call_async("sleep", 3.0)
+    time.sleep(0.5)
+    print("running", flush=True)
+    time.sleep(600)
+""")
+
+
+@contextmanager
+def agents(count: int) -> Iterator[tuple[list[str], str]]:
+    """``count`` agents on 127.0.0.2, .3, ...: their ``host:port`` and the token file."""
+    from bench.cluster import _free_port
+    from bench.shardsync import _listening
+
+    directory = tempfile.mkdtemp(prefix="phalanx-bench-")
+    token_file = os.path.join(directory, "token")
+    Path(token_file).write_text(secrets.token_urlsafe(32))
+    os.chmod(token_file, 0o600)
+    procs, hosts = [], []
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    try:
+        for i in range(count):
+            host = f"127.0.0.{i + 2}"
+            port = _free_port(host)
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "phalanx", "agent", "--host", host, "--port",
+                 str(port), "--no-http", "--token-file", token_file],
+                env={**env, "PHALANX_BLOCK_DOMAIN": f"bench-detach-{i}-{os.getpid()}"},
+                cwd=ROOT, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            hosts.append(f"{host}:{port}")
+        deadline = time.monotonic() + 30
+        while not all(_listening(h) for h in hosts):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                raise RuntimeError("the benchmark's agents did not start")
+            time.sleep(0.1)
+        yield hosts, token_file
+    finally:
+        for proc in procs:
+            proc.terminate()
+        reap(procs)
+
+
+def trial(hosts: list[str], token_file: str, per_node: int, name: str) -> dict[str, Any]:
+    import phalanx as px
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CONTROLLER, json.dumps([hosts, token_file, name, per_node])],
+        stdout=subprocess.PIPE, env=env, cwd=ROOT, text=True)
+    try:
+        started = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
+        if proc.stdout.readline() != "running\n":  # type: ignore[union-attr]
+            raise RuntimeError("the controller did not start its call")
+        killed = time.perf_counter()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()  # type: ignore[union-attr]
+    t0 = time.perf_counter()
+    group = px.attach(name, backend=px.ClusterBackend(hosts, token_file=token_file),
+                      echo_output=False)
+    try:
+        pids = group.call("pid")
+        first_call = time.perf_counter()
+        handles = group.kept()
+        usable = sorted(float(h.get()[0]) for h in handles) == sorted(started["kept"])
+        deadline = time.monotonic() + 30
+        orphans = group.orphaned()
+        while len(orphans) < len(pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            orphans = group.orphaned()
+    finally:
+        group.shutdown()
+    return {"ranks": len(pids), "attach_s": first_call - t0,
+            "kill_to_first_call_s": first_call - killed,
+            "restarts": sum(a != b for a, b in zip(pids, started["pids"], strict=True)),
+            "kept_usable": usable and len(handles) == len(pids),
+            "orphans": sum(o.value == "slept" for o in orphans)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.detach",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--per-node", type=int, default=16)
+    parser.add_argument("--trials", type=int, default=3)
+    args = parser.parse_args(argv)
+    results = []
+    with agents(args.nodes) as (hosts, token_file):
+        for i in range(args.trials):
+            result = trial(hosts, token_file, args.per_node, f"bench-detach-{i}")
+            results.append(result)
+            print(f"trial {i}: {json.dumps(result)}", flush=True)
+    ok = all(r["restarts"] == 0 and r["kept_usable"] and r["orphans"] == r["ranks"]
+             for r in results)
+    attach = median(r["attach_s"] for r in results)
+    total = median(r["kill_to_first_call_s"] for r in results)
+    print(f"\nW17 {args.nodes} agents x {args.per_node} ranks: attach to first call "
+          f"{attach:.2f} s (kill to first call {total:.2f} s), median of {len(results)}; "
+          f"restarts 0, kept usable, orphans reachable: {'yes' if ok else 'NO'}")
+    print(f"  {'PASS' if attach < 2.0 else 'FAIL'}  attach to first call < 2 s at "
+          f"{args.nodes * args.per_node} ranks")
+    write_json(args.json, {"benchmark": "detach", "nodes": args.nodes,
+                           "per_node": args.per_node, "trials": results,
+                           "attach_s": attach, "kill_to_first_call_s": total,
+                           "checks_ok": ok, "machine": machine_info()}, [])
+    print(f"JSON: {args.json}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
