@@ -37,7 +37,7 @@ CONTROLLER = textwrap.dedent("""
     import phalanx as px
     from tests.workers import Probe
 
-    hosts, token_file, name, detached, timeout = json.loads(sys.argv[1])
+    hosts, token_file, name, detached, timeout, end = json.loads(sys.argv[1])
     group = px.WorkerGroup(Probe, nodes=2, backend=px.ClusterBackend(hosts[:2],
                            token_file=token_file), name=name, detached=detached,
                            detach_timeout=timeout, echo_output=False)
@@ -48,18 +48,22 @@ CONTROLLER = textwrap.dedent("""
     running = group.call_async("sleep", 2.0, "slept")
     time.sleep(0.3)
     print("running", flush=True)
+    if end == "exit":  # a normal exit: the group is detached, not shut down
+        sys.exit(0)
+    if end == "detach":
+        group.detach()
     time.sleep(60)  # killed here, inside the running call
 """)
 
 
-def _controller(agents, name: str, *, detached: bool = True,
-                timeout: float = 30.0) -> tuple[subprocess.Popen, dict]:
+def _controller(agents, name: str, *, detached: bool = True, timeout: float = 30.0,
+                end: str = "kill") -> tuple[subprocess.Popen, dict]:
     """A controller process that started the group and runs a call; what it printed."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO),
                                                          os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen(
         [sys.executable, "-c", CONTROLLER,
-         json.dumps([agents.hosts, agents.token_file, name, detached, timeout])],
+         json.dumps([agents.hosts, agents.token_file, name, detached, timeout, end])],
         stdout=subprocess.PIPE, env=env, cwd=REPO, text=True)
     line = proc.stdout.readline()  # type: ignore[union-attr]
     running = proc.stdout.readline()  # type: ignore[union-attr]
@@ -106,6 +110,21 @@ def test_a_killed_controllers_group_is_attached_with_its_ranks_state_and_kept_re
         assert group.call("add", 1, 2) == [3, 3]
     finally:
         group.shutdown()
+    assert wait_until(lambda: not _alive(started["pids"]), 15)
+
+
+@pytest.mark.parametrize("end", ["exit", "detach"])
+def test_a_controller_that_exits_or_detaches_leaves_the_group_to_the_next(agent_cluster, end):
+    proc, started = _controller(agent_cluster, f"left-{end}", end=end)
+    try:
+        assert proc.wait(timeout=20) == 0 if end == "exit" else proc.poll() is None
+        group = px.attach(f"left-{end}", backend=agent_cluster.backend(), echo_output=False)
+        try:
+            assert group.call("pid") == started["pids"]
+        finally:
+            group.shutdown()
+    finally:
+        _kill(proc)
     assert wait_until(lambda: not _alive(started["pids"]), 15)
 
 
