@@ -16,8 +16,8 @@ part               what it does                                          offered
 ``slots``          reserves a resource pool's slots once                 local, ray, cluster
 ``code``           ships the controller's code to the nodes (``sync``)   cluster
 ``changing``       nodes that come and go while the group runs           cluster
-``detaching``      ranks that outlive their controller (``detached=``),  cluster (agents,
-                   handed to another (``px.attach``)                     Slurm)
+``detaching``      ranks that outlive their controller (``detached=``),  cluster (flat)
+                   handed to another (``px.attach``)
 =================  ====================================================  =================
 
 ``shared_links`` says whether its channels may share one connection per node

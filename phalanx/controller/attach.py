@@ -22,8 +22,9 @@ The new controller numbers its calls from the clock's microseconds, above any nu
 ranks and agents knew from the old one (a kept result is known by its call's number).
 
 Backends offer this through :class:`~phalanx.backends.parts.Detaching`: the cluster
-backend's agents (and so Slurm's) do. The local and Ray backends do not yet: their ranks
-are this process's children or its Ray job's, and ``detached=True`` there is refused
+backend's agents do (a flat cluster: not yet across an agent tree). The local, Ray and
+Slurm backends do not yet -- their ranks are this process's children, its Ray job's, or a
+job that ends with the controller's backend -- and ``detached=True`` there is refused
 before anything starts.
 """
 
@@ -91,17 +92,16 @@ def attach(name: str, backend: Backend, *, force: bool = False,
            log_dir: str | None = None) -> WorkerGroup:
     """The live group ``name`` that a controller started with ``detached=True``, taken
     over from the nodes of ``backend`` (not opened yet: a ``px.ClusterBackend`` with the
-    agents' hosts and token, or a ``px.SlurmBackend`` of the job): the same ranks (the
-    same processes), mesh and options. Refused, naming it, while another live controller
-    holds the group, unless ``force=True`` (its calls then fail). The output options are
-    this controller's own."""
+    agents' hosts and token): the same ranks (the same processes), mesh and options.
+    Refused, naming it, while another live controller holds the group, unless
+    ``force=True`` (its calls then fail). The output options are this controller's own."""
     from phalanx.controller.group import WorkerGroup
 
     detaching = backend.capabilities.detaching
     if detaching is None:
         raise ValueError(f"px.attach: the {backend.name} backend keeps no detached groups; "
                          "attach on the backend the group ran on (px.ClusterBackend with "
-                         "its agents' hosts and token, or px.SlurmBackend)")
+                         "its agents' hosts and token)")
     if backend.opened:
         raise ValueError("px.attach needs a backend of its own, not one a group opened")
     found = detaching.describe(name)

@@ -218,8 +218,8 @@ class WorkerGroup(CallForms):
             if spec is not None and detaching is None:
                 raise ValueError(
                     f"detached=True: the {plan.backend.name} backend cannot keep ranks past "
-                    "this process; run the group on agents (px.ClusterBackend, or "
-                    "px.SlurmBackend, whose agents do)")
+                    "this process yet; run the group on agents (px.ClusterBackend; on one "
+                    "machine, a `phalanx agent` of your own)")
             attaching = detaching is not None and detaching.attaching() is not None
             if attaching:  # numbers above any the ranks know (their kept results')
                 first_call_id = time.time_ns() // 1000

@@ -166,7 +166,7 @@ def test_a_held_group_is_refused_naming_its_controller_or_taken_over_with_force(
 def test_bad_detached_groups_are_refused_before_anything_starts(agent_cluster):
     with pytest.raises(ValueError, match="detached=True needs name="):
         px.WorkerGroup(Probe, backend=agent_cluster.backend(), detached=True)
-    with pytest.raises(ValueError, match="local backend cannot keep ranks past"):
+    with pytest.raises(ValueError, match="local backend cannot keep ranks past this process"):
         px.WorkerGroup(Probe, name="local-detached", detached=True)
     with pytest.raises(ValueError, match="detach_timeout must be a positive"):
         px.WorkerGroup(Probe, backend=agent_cluster.backend(), name="x", detached=True,
@@ -176,3 +176,4 @@ def test_bad_detached_groups_are_refused_before_anything_starts(agent_cluster):
                        rank_kwargs=lambda rank: {})
     with pytest.raises(ValueError, match="keeps no detached groups"):
         px.attach("x", backend=px.LocalBackend())
+    assert px.SlurmBackend(nodes=1).capabilities.detaching is None  # not yet (its job ends)

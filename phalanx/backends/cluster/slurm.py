@@ -38,7 +38,7 @@ from phalanx.backends.cluster.backend import ClusterBackend
 from phalanx.backends.cluster.pool import ClusterSlots
 from phalanx.backends.cluster.pool import reserve_slots as reserve_cluster_slots
 from phalanx.backends.cluster.slurmjob import JobRequest, SlurmJob, sequence_or_empty
-from phalanx.backends.parts import SlotReservation
+from phalanx.backends.parts import Capabilities, SlotReservation
 from phalanx.errors import MembershipEvent
 from phalanx.output.logs import OutputOptions
 from phalanx.world.pools import PoolSlot
@@ -155,6 +155,12 @@ class SlurmBackend(ClusterBackend):
                     + ("uses" if self.job.inside else "asks Slurm for")
                     + f" {limit} node(s){'' if self.job.inside else ': ask for more there'}")
         return f"this allocation ({self.job.label}) has {limit} node(s) ($SLURM_JOB_NUM_NODES)"
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """A cluster backend's, but no detached groups yet: its job ends with the
+        controller's backend (attaching needs a backend that joins a running job)."""
+        return dataclasses.replace(super().capabilities, detaching=None)
 
     # -- the job --------------------------------------------------------------------------
 
