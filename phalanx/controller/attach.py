@@ -22,10 +22,12 @@ The new controller numbers its calls from the clock's microseconds, above any nu
 ranks and agents knew from the old one (a kept result is known by its call's number).
 
 Backends offer this through :class:`~phalanx.backends.parts.Detaching`: the cluster
-backend's agents do (a flat cluster: not yet across an agent tree). The local, Ray and
-Slurm backends do not yet -- their ranks are this process's children, its Ray job's, or a
-job that ends with the controller's backend -- and ``detached=True`` there is refused
-before anything starts.
+backend's agents do (a flat cluster: not yet across an agent tree). The local backend's
+ranks are this process's children, so a detached group of the local backend runs on this
+user's own agent on this machine instead (:mod:`phalanx.backends.cluster.localagent`,
+started as needed; ``px.attach(name)`` finds it). The Ray and Slurm backends do not yet --
+their ranks are its Ray job's, or a job that ends with the controller's backend -- and
+``detached=True`` there is refused before anything starts.
 """
 
 from __future__ import annotations
@@ -74,6 +76,42 @@ def detach_spec(name: str | None, timeout: float, arguments: dict[str, Any]) -> 
             "module-level target and rank_kwargs as a dict, not a lambda") from None
 
 
+def _is_local(backend: Backend | str) -> bool:
+    from phalanx.backends.local import LocalBackend
+
+    return backend == "local" or isinstance(backend, LocalBackend)
+
+
+def detached_backend(backend: Backend | str, nodes: int | None) -> Backend | str:
+    """Where a detached group runs: ``backend``, or for the local backend this user's own
+    agent on this machine (:mod:`phalanx.backends.cluster.localagent`), started if none
+    runs: the controller's children die with it, an agent's ranks do not."""
+    if not _is_local(backend):
+        return backend
+    if nodes not in (None, 1):
+        raise ValueError(f"detached=True on the local backend runs the group on this "
+                         f"user's local agent, one node: nodes={nodes!r} cannot be had (use "
+                         "procs_per_node, or agents of your own with px.ClusterBackend)")
+    from phalanx.backends.cluster import localagent
+    from phalanx.backends.cluster.backend import ClusterBackend
+
+    host, token_file = localagent.ensure()
+    return ClusterBackend([host], token_file=token_file, quorum_timeout=10.0)
+
+
+def _local_agent_backend() -> Backend:
+    """The backend of this user's running local agent (LookupError when none runs)."""
+    from phalanx.backends.cluster import localagent
+    from phalanx.backends.cluster.backend import ClusterBackend
+
+    found = localagent.running()
+    if found is None:
+        raise LookupError("no detached group on this machine: this user's local phalanx "
+                          "agent, which holds them, does not run")
+    host, token_file = found
+    return ClusterBackend([host], token_file=token_file, quorum_timeout=10.0)
+
+
 def orphan_of(item: list[Any], group: str) -> Orphaned:
     """An agent's record of an orphaned answer ([rank, node, pid, call id, method, ok,
     segments])."""
@@ -87,16 +125,23 @@ def orphan_of(item: list[Any], group: str) -> Orphaned:
                                 group=group))
 
 
-def attach(name: str, backend: Backend, *, force: bool = False,
+def attach(name: str, backend: Backend | str = "local", *, force: bool = False,
            start_timeout: float | None = None, echo_output: bool = True,
            log_dir: str | None = None) -> WorkerGroup:
     """The live group ``name`` that a controller started with ``detached=True``, taken
     over from the nodes of ``backend`` (not opened yet: a ``px.ClusterBackend`` with the
-    agents' hosts and token): the same ranks (the same processes), mesh and options.
+    agents' hosts and token; the default, ``"local"``, is this user's local agent, which
+    holds the local backend's detached groups): the same ranks (the same processes), mesh
+    and options.
     Refused, naming it, while another live controller holds the group, unless
     ``force=True`` (its calls then fail). The output options are this controller's own."""
     from phalanx.controller.group import WorkerGroup
 
+    if _is_local(backend):
+        backend = _local_agent_backend()
+    if isinstance(backend, str):
+        raise ValueError(f"px.attach: backend={backend!r}: give the backend the group ran on "
+                         "(px.ClusterBackend(hosts, token_file=...)), or 'local'")
     detaching = backend.capabilities.detaching
     if detaching is None:
         raise ValueError(f"px.attach: the {backend.name} backend keeps no detached groups; "
@@ -121,10 +166,19 @@ def attach(name: str, backend: Backend, *, force: bool = False,
                        log_dir=log_dir)
 
 
-def attached(backend: Backend) -> list[dict[str, Any]]:
-    """The detached groups the nodes of ``backend`` keep, which a controller may attach
-    to: each with its ``name``, ``ranks``, ``hosts``, ``holder`` (the controller holding
-    it, None while it waits), ``waiting_for`` (seconds), ``timeout``, ``orphans``."""
+def attached(backend: Backend | str = "local") -> list[dict[str, Any]]:
+    """The detached groups the nodes of ``backend`` keep (default: this user's local
+    agent's), which a controller may attach to: each with its ``name``, ``ranks``,
+    ``hosts``, ``holder`` (the controller holding it, None while it waits),
+    ``waiting_for`` (seconds), ``timeout``, ``orphans``."""
+    if _is_local(backend):
+        try:
+            backend = _local_agent_backend()
+        except LookupError:
+            return []
+    if isinstance(backend, str):
+        raise ValueError(f"px.attached: backend={backend!r}: give a configured backend, or "
+                         "'local'")
     detaching = backend.capabilities.detaching
     if detaching is None:
         return []

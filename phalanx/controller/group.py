@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from phalanx import config
 from phalanx.backends import Backend
-from phalanx.controller.attach import Orphaned, detach_spec, orphan_of
+from phalanx.controller.attach import Orphaned, detach_spec, detached_backend, orphan_of
 from phalanx.controller.callforms import CallForms, Scope
 from phalanx.controller.callpath import CallPath
 from phalanx.controller.calls import Sender
@@ -191,6 +191,8 @@ class WorkerGroup(CallForms):
                 straggler_warning=straggler_warning, collective_timeout=collective_timeout,
                 preload=preload, detach_timeout=detach_timeout))
         self._detached: float | None = None  # detach_timeout, while detachable
+        if spec is not None:
+            backend = detached_backend(backend, nodes)  # local: this user's own agent
         # handles of what ranks kept before this controller attached (None: not asked yet)
         self._kept_before: list[ObjectRef] | None = []
         # Acquire, register the release: a start that fails at any step gives back what

@@ -13,6 +13,7 @@ with its controller as before; bad input is refused before anything starts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -29,8 +30,8 @@ from tests.conftest import BACKENDS
 from tests.helpers import REPO, wait_until
 from tests.workers import Probe
 
-pytestmark = pytest.mark.skipif("cluster" not in BACKENDS,
-                                reason="the cluster backend is not under test")
+needs_agents = pytest.mark.skipif("cluster" not in BACKENDS,
+                                  reason="the cluster backend is not under test")
 
 CONTROLLER = textwrap.dedent("""
     import json, sys, time
@@ -38,9 +39,11 @@ CONTROLLER = textwrap.dedent("""
     from tests.workers import Probe
 
     hosts, token_file, name, detached, timeout, end = json.loads(sys.argv[1])
-    group = px.WorkerGroup(Probe, nodes=2, backend=px.ClusterBackend(hosts[:2],
-                           token_file=token_file), name=name, detached=detached,
-                           detach_timeout=timeout, echo_output=False)
+    backend = ("local" if hosts is None else
+               px.ClusterBackend(hosts[:2], token_file=token_file))
+    group = px.WorkerGroup(Probe, nodes=None if hosts is None else 2, procs_per_node=None if
+                           hosts is not None else 2, backend=backend, name=name,
+                           detached=detached, detach_timeout=timeout, echo_output=False)
     group.call("record", "before")
     kept = group.call("make_array", 1000, keep=True)
     print(json.dumps({"pids": group.call("pid"),
@@ -58,12 +61,15 @@ CONTROLLER = textwrap.dedent("""
 
 def _controller(agents, name: str, *, detached: bool = True, timeout: float = 30.0,
                 end: str = "kill") -> tuple[subprocess.Popen, dict]:
-    """A controller process that started the group and runs a call; what it printed."""
+    """A controller process that started the group (on ``agents``; None: the local
+    backend) and runs a call; what it printed."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO),
                                                          os.environ.get("PYTHONPATH", "")])}
+    hosts = None if agents is None else agents.hosts
+    token_file = None if agents is None else agents.token_file
     proc = subprocess.Popen(
         [sys.executable, "-c", CONTROLLER,
-         json.dumps([agents.hosts, agents.token_file, name, detached, timeout, end])],
+         json.dumps([hosts, token_file, name, detached, timeout, end])],
         stdout=subprocess.PIPE, env=env, cwd=REPO, text=True)
     line = proc.stdout.readline()  # type: ignore[union-attr]
     running = proc.stdout.readline()  # type: ignore[union-attr]
@@ -85,6 +91,7 @@ def _alive(pids: list[int]) -> list[int]:
             and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
 
 
+@needs_agents
 def test_a_killed_controllers_group_is_attached_with_its_ranks_state_and_kept_results(
         agent_cluster):
     proc, started = _controller(agent_cluster, "attach-me")
@@ -113,6 +120,7 @@ def test_a_killed_controllers_group_is_attached_with_its_ranks_state_and_kept_re
     assert wait_until(lambda: not _alive(started["pids"]), 15)
 
 
+@needs_agents
 @pytest.mark.parametrize("end", ["exit", "detach"])
 def test_a_controller_that_exits_or_detaches_leaves_the_group_to_the_next(agent_cluster, end):
     proc, started = _controller(agent_cluster, f"left-{end}", end=end)
@@ -128,6 +136,7 @@ def test_a_controller_that_exits_or_detaches_leaves_the_group_to_the_next(agent_
     assert wait_until(lambda: not _alive(started["pids"]), 15)
 
 
+@needs_agents
 def test_nobody_attaching_within_the_timeout_stops_the_ranks(agent_cluster):
     proc, started = _controller(agent_cluster, "left-alone", timeout=1.0)
     _kill(proc)
@@ -137,12 +146,14 @@ def test_nobody_attaching_within_the_timeout_stops_the_ranks(agent_cluster):
         px.attach("left-alone", backend=agent_cluster.backend())
 
 
+@needs_agents
 def test_a_group_that_is_not_detached_ends_with_its_controller(agent_cluster):
     proc, started = _controller(agent_cluster, "not-detached", detached=False)
     _kill(proc)
     assert wait_until(lambda: not _alive(started["pids"]), 20)
 
 
+@needs_agents
 def test_a_held_group_is_refused_naming_its_controller_or_taken_over_with_force(
         agent_cluster):
     proc, started = _controller(agent_cluster, "held")  # alive: it holds the group
@@ -163,11 +174,12 @@ def test_a_held_group_is_refused_naming_its_controller_or_taken_over_with_force(
     assert wait_until(lambda: not _alive(started["pids"]), 15)
 
 
+@needs_agents
 def test_bad_detached_groups_are_refused_before_anything_starts(agent_cluster):
     with pytest.raises(ValueError, match="detached=True needs name="):
         px.WorkerGroup(Probe, backend=agent_cluster.backend(), detached=True)
-    with pytest.raises(ValueError, match="local backend cannot keep ranks past this process"):
-        px.WorkerGroup(Probe, name="local-detached", detached=True)
+    with pytest.raises(ValueError, match="runs the group on this user's local agent, one node"):
+        px.WorkerGroup(Probe, nodes=2, name="local-detached", detached=True)
     with pytest.raises(ValueError, match="detach_timeout must be a positive"):
         px.WorkerGroup(Probe, backend=agent_cluster.backend(), name="x", detached=True,
                        detach_timeout=0)
@@ -175,5 +187,40 @@ def test_bad_detached_groups_are_refused_before_anything_starts(agent_cluster):
         px.WorkerGroup(Probe, backend=agent_cluster.backend(), name="x", detached=True,
                        rank_kwargs=lambda rank: {})
     with pytest.raises(ValueError, match="keeps no detached groups"):
-        px.attach("x", backend=px.LocalBackend())
+        px.attach("x", backend=px.RayBackend())
     assert px.SlurmBackend(nodes=1).capabilities.detaching is None  # not yet (its job ends)
+
+
+@pytest.fixture
+def local_agent_dir(tmp_path, monkeypatch):
+    """This user's local agent, in a private runtime directory of the test's own; stopped
+    (if it still runs) at the end."""
+    from phalanx.backends.cluster import localagent
+
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    yield runtime
+    state = runtime / "phalanx" / "local-agent.json"
+    if state.exists():
+        pid = json.loads(state.read_text())["pid"]
+        if not wait_until(lambda: not _alive([pid]), 10):  # --once: it ends with its groups
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+    assert localagent.running() is None
+
+
+def test_the_local_backend_keeps_a_detached_group_in_a_local_agent(local_agent_dir):
+    proc, started = _controller(None, "local-kept")
+    _kill(proc)
+    listed = px.attached()  # the local agent's, by default
+    assert [(g["name"], g["holder"]) for g in listed] == [("local-kept", None)]
+    group = px.attach("local-kept", echo_output=False)
+    try:
+        assert group.call("pid") == started["pids"]
+        assert group.call("history") == [["before"], ["before"]]
+        assert wait_until(lambda: len(group.orphaned()) == 2, 10)
+    finally:
+        group.shutdown()
+    assert wait_until(lambda: not _alive(started["pids"]), 15)
