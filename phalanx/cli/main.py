@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from phalanx import config
-from phalanx.cli import k8s
+from phalanx.cli import k8s, ps
 from phalanx.launcher import flags as runflags
 from phalanx.launcher import report as runreport
 from phalanx.launcher.flags import parse_ranks
@@ -224,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     runflags.add_torchrun_arguments(run)
     _add_agent(commands)
     k8s.add_parser(commands)
+    ps.add_parser(commands)
     token = commands.add_parser(
         "token", help="make a shared token for agents and their controllers (256 bits)",
         description="Print a fresh token (256 random bits, URL-safe), or write it to a new "
@@ -445,6 +446,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _agent(options, list(sys.argv[1:]) if argv is None else None)
     if options.command == "k8s":
         return k8s.main(options)
+    if options.command == "ps":
+        return ps.main(options)
     if options.command == "token":
         return _token(options)
     parser.error(f"unknown command {options.command!r}")  # pragma: no cover - argparse checks

@@ -163,6 +163,16 @@ def test_a_held_group_is_refused_naming_its_controller_or_taken_over_with_force(
         assert len(listed["held"]["hosts"]) == 2 and listed["held"]["timeout"] == 30
         with pytest.raises(RuntimeError, match="is held by the controller at 127"):
             px.attach("held", backend=agent_cluster.backend())
+        stranger = px.ClusterBackend(agent_cluster.hosts, token="not-the-token-" * 3,
+                                     quorum_timeout=5)
+        with pytest.raises(px.AuthenticationError):  # before anything is shown
+            px.attach("held", backend=stranger)
+        shown = subprocess.run(
+            [sys.executable, "-m", "phalanx", "ps", "--hosts", ",".join(agent_cluster.hosts),
+             "--token-file", agent_cluster.token_file], capture_output=True, text=True,
+            timeout=60, cwd=REPO)
+        line = next(row for row in shown.stdout.splitlines() if row.startswith("held "))
+        assert line.split()[1] == "2" and "127.0.0.1:" in line, shown.stdout
         group = px.attach("held", backend=agent_cluster.backend(), force=True,
                           echo_output=False)
         try:

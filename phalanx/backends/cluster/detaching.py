@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from phalanx import config
 from phalanx.backends.cluster import messages as agentwire
 from phalanx.backends.cluster.link import REQUEST_TIMEOUT, AgentLink, AgentNode, parse_host
-from phalanx.errors import PhalanxError
+from phalanx.errors import AuthenticationError, PhalanxError, VersionMismatch
 from phalanx.wire import framing
 
 if TYPE_CHECKING:
@@ -42,6 +42,8 @@ def describe(backend: ClusterBackend, name: str) -> dict[str, Any]:
     for host in backend.agent_hosts():
         try:
             found: dict[str, Any] = ask(backend, host, agentwire.DESCRIBE, name)
+        except (AuthenticationError, VersionMismatch):
+            raise  # this side is wrong, not the agent: say so, not that none keeps it
         except (PhalanxError, OSError) as exc:
             said.append(f"{host}: {exc}")
             continue
@@ -51,14 +53,18 @@ def describe(backend: ClusterBackend, name: str) -> dict[str, Any]:
 
 
 def listing(backend: ClusterBackend) -> list[dict[str, Any]]:
-    """Every detached group the backend's agents keep, each once (with its hosts)."""
+    """Every detached group the backend's agents keep, each once (with its hosts and the
+    ranks of them all)."""
     groups: dict[str, dict[str, Any]] = {}
     for host in backend.agent_hosts():
         try:
             found = ask(backend, host, agentwire.DESCRIBE, "")
+        except (AuthenticationError, VersionMismatch):
+            raise
         except (PhalanxError, OSError):
             continue
         for group in found:
-            known = groups.setdefault(group["name"], {**group, "hosts": []})
+            known = groups.setdefault(group["name"], {**group, "hosts": [], "ranks": []})
             known["hosts"].append(host)
+            known["ranks"] = sorted([*known["ranks"], *group["ranks"]])
     return sorted(groups.values(), key=lambda g: g["name"])
