@@ -2,8 +2,8 @@
 
 ``WorkerGroup(..., name="policy", detached=True, detach_timeout=600)`` starts as any group,
 then tells its nodes to keep it past this controller: with the group's *description* (the
-constructor's arguments, pickled: the target by reference, as every rank imports it) under
-its name. When the controller goes -- killed, its machine lost, ``group.detach()`` -- the
+constructor's arguments, pickled as the ranks get them: a class of a script's ``__main__``
+by value, an importable one by reference) under its name. When the controller goes -- killed, its machine lost, ``group.detach()`` -- the
 nodes' agents keep the ranks running: their state, their kept results, the calls they run
 (whose answers are held as *orphans*). Nobody attaching within ``detach_timeout`` seconds,
 the agents stop the ranks as they would a closed group's: nothing is left behind.
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from phalanx.errors import RemoteFailure, WorkerError
 from phalanx.options import check_seconds
-from phalanx.wire import protocol
+from phalanx.wire import pickling, protocol
 
 if TYPE_CHECKING:
     from phalanx.backends.base import Backend
@@ -67,8 +67,9 @@ def detach_spec(name: str | None, timeout: float, arguments: dict[str, Any]) -> 
     if seconds is None or seconds <= 0:
         raise ValueError(f"detach_timeout must be a positive number of seconds, got "
                          f"{timeout!r}")
-    try:
-        return pickle.dumps({"version": _SPEC_VERSION, "arguments": arguments}, protocol=5)
+    try:  # as the ranks get the target: a class of a script's __main__ by value
+        parts = pickling.dumps({"version": _SPEC_VERSION, "arguments": arguments})
+        return pickle.dumps([bytes(part) for part in parts], protocol=5)
     except Exception as exc:  # noqa: BLE001 - anything a __reduce__ raises
         raise ValueError(
             f"detached=True: the group's arguments must pickle, since the controller that "
@@ -155,7 +156,7 @@ def attach(name: str, backend: Backend | str = "local", *, force: bool = False,
         raise RuntimeError(f"detached group {name} is held by the controller at {holder}; "
                            "px.attach(..., force=True) takes it over (that controller's "
                            "calls then fail)")
-    description = pickle.loads(found["spec"])
+    description = pickling.loads(pickle.loads(found["spec"]))
     if description.get("version") != _SPEC_VERSION:
         raise RuntimeError(f"detached group {name} was described by another phalanx "
                            f"version (layout {description.get('version')!r})")
