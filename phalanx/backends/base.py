@@ -47,6 +47,7 @@ from phalanx.world.layout import Layout
 
 if TYPE_CHECKING:
     from phalanx.output.logs import OutputOptions
+    from phalanx.wire.protocol import Gathered
 
 logger = logging.getLogger(__name__)
 
@@ -79,10 +80,11 @@ class EventSink(Protocol):
         """Only from inside a watched channel's ``receive()``: handle another channel's
         events now (a connection shared by several channels)."""
 
-    def resolve_results(self, call_id: int,
-                        results: list[tuple[Channel, int, list[Any]]]) -> None:
-        """Only from inside a watched channel's ``receive()``: one call's results of several
-        ranks at once, ``(channel, rank, payload segments)`` (a tree's gathered ones)."""
+    def resolve_results(self, call_id: int, gathered: Gathered, link: object,
+                        channel_of: Callable[[int], Channel | None]) -> None:
+        """Only from inside a watched ``link``'s ``receive()``: one call's results of
+        several ranks at once (a tree's gathered ones); ``channel_of(rank)``: the channel
+        ``link`` carries for that rank (None: none)."""
 
     def wait(self, is_done: Callable[[], bool], timeout: float | None) -> bool:
         """Wait until ``is_done()`` (or ``timeout``), receiving meanwhile: how a thread waits

@@ -14,6 +14,14 @@ The sends of a synchronous call are deferred to the first wait on its future (se
 :meth:`Dispatcher.wait <phalanx.controller.dispatch.Dispatcher.wait>`): nothing then
 stands between the last send and sleeping. When several ranks share one link (an agent's
 connection), the same payload crosses it once, addressed to all of them.
+
+A call of one payload to many ranks on shared links costs the controller per link, not per
+rank: the ranks' entries, grouped by link with each link's rank field packed, are a
+:class:`~phalanx.controller.ranks.Cohort` made once and kept while no rank dies and none is
+placed anew (the rank table's ``version`` and the dispatcher's ``deaths``), and the call is
+registered on the cohort once. A death processed while such a call is sent fails that
+rank's part of it as sent too late, as for a call registered rank by rank. Calls that are
+watched (traces, metrics), streamed or kept go rank by rank, as before.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from phalanx.backends.held import NodeAddress
 from phalanx.controller.futures import Call, StreamCall
 from phalanx.controller.kept import KeptFuture, KeptResults
 from phalanx.controller.observe import CallWatch, nbytes
+from phalanx.controller.ranks import Cohort
 from phalanx.controller.shared import Encoded, Payload, met
 from phalanx.errors import ObjectFreed, ObjectLost, SerializationError
 from phalanx.wire import pickling, protocol
@@ -34,6 +43,7 @@ from phalanx.wire import pickling, protocol
 _clock = time.monotonic
 _POLL_EVERY = 0.001  # s: a death older than this is known before the next call goes out
 _SMALL = protocol.SMALL_PAYLOAD  # a pickle framed with its header in one bytes object
+_COHORTS_KEPT = 8  # cohorts of rank selections other than the last one used
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -57,6 +67,7 @@ class Sender:
     def __init__(self, table: RankTable, dispatcher: Dispatcher, shared: SharedObjects,
                  backend: Backend) -> None:
         self._entries = table.entries  # the same list for the group's life
+        self._table = table
         self._dispatcher = dispatcher
         self._fail_if_dead = dispatcher.fail_if_dead
         self._shared = shared
@@ -70,6 +81,8 @@ class Sender:
         # the ranks when they ran each call
         self.observers: tuple[Observer, ...] = ()
         self._traced = False
+        self._cohort: Cohort | None = None  # the last one a call went to
+        self._cohorts: dict[tuple[int, ...], Cohort] = {}  # by their ranks
 
     def number_calls_from(self, first: int) -> None:
         """Number this group's calls from ``first`` on: a controller attaching to a
@@ -244,6 +257,11 @@ class Sender:
     def _deliver_shared(self, call_id: int, ranks: list[int], future: Completion,
                         method: str, payload: list[Any], stream: bool, flags: int) -> None:
         """The same payload to ``ranks``: once per link shared by several of them."""
+        if not stream and type(future) is Call:
+            cohort = self._cohort_for(ranks)
+            if cohort is not None:
+                self._deliver_cohort(cohort, call_id, future, method, payload, flags)
+                return
         entries = self._entries
         by_link: dict[Any, list[int]] = {}
         for rank in ranks:
@@ -261,3 +279,57 @@ class Sender:
                 entry = entries[rank]
                 if not entry.alive:  # type: ignore[union-attr]
                     self._fail_if_dead(entry, call_id, future)  # type: ignore[arg-type]
+
+    def _deliver_cohort(self, cohort: Cohort, call_id: int, future: Call, method: str,
+                        payload: list[Any], flags: int) -> None:
+        """The same payload to every rank of ``cohort``: registered once, sent once per
+        link, each frame's rank field packed already."""
+        deaths = cohort.version[1]
+        future.fan_out(cohort, call_id)
+        cohort.calls[call_id] = future  # before its frames go: an answer must find it
+        frame_to = protocol.call_frame_to
+        for link, part in cohort.sends:
+            link.send(frame_to(call_id, part, method, payload, flags))
+        if self._dispatcher.deaths != deaths:  # a death processed meanwhile: sent too late?
+            self._dispatcher.fail_dead_in(cohort, call_id, future)
+
+    def _cohort_for(self, ranks: list[int]) -> Cohort | None:
+        """The cohort of ``ranks``, current (made anew when a rank died or was placed since
+        it was made); None when one of them is not running, or not on a link."""
+        version = (self._table.version, self._dispatcher.deaths)
+        cohort = self._cohort
+        if cohort is not None and cohort.ranks is ranks and cohort.version == version:
+            return cohort
+        key = tuple(ranks)
+        cohort = self._cohorts.get(key)
+        if cohort is not None:
+            del self._cohorts[key]
+            if cohort.version == version:
+                self._cohorts[key] = self._cohort = cohort  # the most recently used: last
+                return cohort
+            cohort.retire()
+        entries = self._entries
+        called = [entries[r] for r in ranks]
+        links: list[Any] = []
+        for entry in called:
+            if entry is None or not entry.alive or entry.channel is None:
+                return None
+            link = getattr(entry.channel, "link", None)
+            if link is None:
+                return None
+            links.append(link)
+        cohort = Cohort(ranks, called, version)  # type: ignore[arg-type]
+        runs: dict[Any, list[int]] = {}  # link -> its places
+        for i, link in enumerate(links):
+            runs.setdefault(link, []).append(i)
+        sends: list[tuple[Any, bytes]] = []
+        for link, places in runs.items():
+            sends.append((link, protocol.ranks_part([ranks[i] for i in places])))
+            if places[-1] - places[0] == len(places) - 1:  # a run: its answers come as one
+                cohort.parts[link] = (places[0], places[-1] + 1)
+        cohort.sends = sends
+        if len(self._cohorts) >= _COHORTS_KEPT:
+            oldest = self._cohorts.pop(next(iter(self._cohorts)))
+            oldest.retire()  # its calls in flight still find it; new ones will not
+        self._cohorts[key] = self._cohort = cohort
+        return cohort

@@ -22,7 +22,11 @@ anyway. (An answer to a call not pending on the rank is not one: a call failed m
 
 The dispatcher routes to the rank table's entries (:mod:`phalanx.controller.ranks`) and
 completes futures through their completion side
-(:class:`~phalanx.controller.futures.Completion`). It moves an entry only through the entry's
+(:class:`~phalanx.controller.futures.Completion`). An answer finds its call on the rank's
+entry, or once for many ranks on a cohort of entries; the gathered answers of a run of
+ranks (an agent tree's RESULTS) resolve the run at once when the call was registered on a
+cohort and the run is one the link that brought it carries (:meth:`Dispatcher.resolve_results`),
+else rank by rank. It moves an entry only through the entry's
 own transitions (READY, INIT_ERROR, EXITED); :meth:`Dispatcher.bury` is the one routine
 for a dead rank, whoever learnt of the death.
 """
@@ -53,8 +57,9 @@ from phalanx.wire import protocol, streams
 
 if TYPE_CHECKING:
     from phalanx.backends.base import Channel, Receiver
-    from phalanx.controller.futures import Completion, GroupFuture
-    from phalanx.controller.ranks import RankEntry
+    from phalanx.controller.futures import Call, Completion, GroupFuture
+    from phalanx.controller.ranks import Cohort, RankEntry
+    from phalanx.wire.protocol import Gathered
 
 logger = logging.getLogger(__name__)
 
@@ -203,20 +208,40 @@ class Dispatcher:
         another channel now (a node's link reads for each of its ranks' channels)."""
         self._on_events(channel, events)
 
-    def resolve_results(self, call_id: int,
-                        results: list[tuple[Channel, int, list[Any]]]) -> None:
-        """From inside a channel's ``receive()``: one call's results of several ranks (an
-        agent tree's gathered ones), resolved in one pass."""
+    def resolve_results(self, call_id: int, gathered: Gathered, link: object,
+                        channel_of: Callable[[int], Channel | None]) -> None:
+        """From inside ``link``'s ``receive()``: one call's results of several ranks (an
+        agent tree's gathered ones). A call registered on a cohort takes the whole run at
+        once, when the run is one of its places that ``link`` carries and every one of them
+        was waited for; otherwise each rank's answer goes to its call as a RESULT would
+        (``channel_of(rank)``: the channel ``link`` carries for it)."""
+        ranks = gathered.ranks
+        entry = self._by_rank.get(ranks[0])
+        if entry is not None and entry.cohorts:
+            for cohort, _ in entry.cohorts:
+                future = cohort.calls.get(call_id)
+                if future is None:
+                    continue
+                lo = -1 if cohort.gone.get(call_id) else cohort.span(link, ranks)
+                if lo >= 0 and future.resolve_span(lo, gathered):
+                    now = time.monotonic()  # each a sign of life, as a RESULT would be
+                    for called in cohort.entries[lo:lo + len(ranks)]:
+                        called.seen = now
+                    return
+                break
         by_rank = self._by_rank
         now = time.monotonic()
-        for channel, rank, payload in results:
+        for i, rank in enumerate(ranks):
+            channel = channel_of(rank)
             entry = by_rank.get(rank)
-            if entry is None or entry.channel is not channel:
-                continue
+            if channel is None or entry is None or entry.channel is not channel:
+                continue  # an earlier incarnation's, or a rank not on that link
             entry.seen = now
-            future = entry.pending.pop(call_id, None)
-            if future is not None:
-                future.resolve_rank(rank, payload)
+            pending = entry.calls.pop(call_id, None)
+            if pending is None and entry.cohorts:
+                pending = entry.cohort_call(call_id)
+            if pending is not None:
+                pending.resolve_rank(rank, gathered.payload(i))
 
     def post_all(self, batches: list[tuple[Channel, list[list[Any]]]]) -> None:
         """Deliver the events of several channels with one wake-up (a node's link)."""
@@ -444,11 +469,13 @@ class Dispatcher:
                 continue
             entry.seen = now
             if kind == _RESULT:  # the hot path
-                future = entry.pending.pop(call_id, None)
+                future = entry.calls.pop(call_id, None)
+                if future is None and entry.cohorts:
+                    future = entry.cohort_call(call_id)
                 if future is not None:
                     future.resolve_rank(rank, segs[1:])
             elif kind == _YIELD:  # an item of a streamed call; RESULT ends the stream
-                future = entry.pending.get(call_id)
+                future = entry.calls.get(call_id)
                 if future is not None:
                     future.yield_rank(rank, segs[1:])
             elif kind == _HEARTBEAT:
@@ -512,7 +539,9 @@ class Dispatcher:
     def _on_control(self, entry: RankEntry, kind: int, call_id: int,
                     extra: tuple[Any, ...]) -> None:
         if kind == protocol.ERROR:
-            future = entry.pending.pop(call_id, None)
+            future = entry.calls.pop(call_id, None)
+            if future is None and entry.cohorts:
+                future = entry.cohort_call(call_id)
             if future is not None:
                 remote = RemoteFailure(*extra[0])
                 if remote.exc_type == "ObjectLost":  # a kept result it needed is gone
@@ -562,10 +591,19 @@ class Dispatcher:
         """Close the race between sending to an entry and its death being processed: a call
         sent to a rank known dead by then fails as sent too late."""
         if not entry.alive:
-            entry.pending.pop(call_id, None)
+            entry.calls.pop(call_id, None)
             failure = entry.failure
             future.fail_rank(entry.rank, death_error(failure, future.method,  # type: ignore[arg-type]
                                                     before_sent=True, group=self.group_name))
+
+    def fail_dead_in(self, cohort: Cohort, call_id: int, future: Call) -> None:
+        """:meth:`fail_if_dead` for a call registered on ``cohort``, once a death was
+        processed while it was sent: each rank of it known dead fails as sent too late."""
+        for i, entry in enumerate(cohort.entries):
+            if not entry.alive and cohort.owes(call_id, future, i):
+                future.fail_rank(entry.rank, death_error(
+                    entry.failure, future.method,  # type: ignore[arg-type]
+                    before_sent=True, group=self.group_name))
 
     def remove(self, entry: RankEntry) -> None:
         """Stop routing the rank's events to ``entry`` (it is being replaced or stopped)."""

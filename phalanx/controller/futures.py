@@ -15,7 +15,13 @@ received the completing message, and must not block.
 
 Per-rank state lives in flat lists inside the group future (a call in flight costs two
 small objects, not one per rank): pipelining tens of thousands of calls stays cheap for the
-allocator and the garbage collector. Results are unpickled on first access.
+allocator and the garbage collector. Results are unpickled on first access. The answers of
+a run of ranks that came together (an agent tree's gathered ones,
+:class:`~phalanx.wire.protocol.Gathered`) resolve the run at once: its places hold one
+shared :class:`_Span` until a value is read, and reading them all decodes each run in one
+pass -- one unpickling for a run whose ranks all answered with the same bytes and an
+immutable value (``None``, a number, a text), so a call to thousands of ranks returning
+``None`` costs the controller no per-rank work at all beyond the result list.
 
 Every future has two sides. The *user side* is the public class a caller holds
 (:class:`GroupFuture`, :class:`StreamFuture`): ``result()``, ``done()``, iteration,
@@ -49,6 +55,8 @@ from phalanx.rank.kept import ADOPTING
 
 if TYPE_CHECKING:
     from phalanx.controller.dispatch import Dispatcher
+    from phalanx.controller.ranks import Cohort
+    from phalanx.wire.protocol import Gathered
 
 _loads = pickle.loads
 logger = logging.getLogger(__name__)
@@ -62,6 +70,40 @@ class _Pending:
 
 
 _PENDING = _Pending()
+# a place whose value was decoded (GroupFuture._out holds it) and its answer let go
+_DECODED = _Pending()
+# what one decoding of the same bytes may give every rank of a run: immutable values
+_ATOMS = frozenset((type(None), bool, int, float, complex, str, bytes))
+
+
+class _Span:
+    """The answers of a run of a call's ranks that came together (places ``lo`` to
+    ``lo + len(gathered)``): what each of those places holds until it is decoded."""
+
+    __slots__ = ("gathered", "lo")
+
+    def __init__(self, gathered: Gathered, lo: int) -> None:
+        self.gathered = gathered
+        self.lo = lo
+
+    def payload(self, i: int) -> list[Any]:
+        """The answer of the call's place ``i`` (one of the run's)."""
+        return self.gathered.payload(i - self.lo)
+
+    def decode(self) -> list[Any]:
+        """Every value of the run, in order, in one pass."""
+        gathered = self.gathered
+        count = len(gathered)
+        same = gathered.uniform()
+        if same is not None:  # every rank answered with these bytes
+            value = _loads(same)
+            if type(value) in _ATOMS:
+                return [value] * count
+            return [value, *[_loads(same) for _ in range(count - 1)]]
+        if gathered.plain:
+            return [_loads(p) for p in gathered.pickles()]
+        return [_loads(p[0]) if len(p) == 1 else _loads(p[0], buffers=p[1:])
+                for p in map(gathered.payload, range(count))]
 # In the pickle of an answer that holds px.keep() parts: the function they unpickle by
 # (phalanx.rank.kept.piece). Only a failed call's answers are searched for it.
 _KEPT_PART = b"piece"
@@ -112,12 +154,15 @@ class GroupFuture:
         "_dispatcher",
         "_errors",
         "_failed",
+        "_fanned",
         "_holds",
         "_kept",
         "_kickoff",
+        "_out",
         "_positions",
         "_ranks",
         "_remaining",
+        "_spans",
         "_tolerant",
         "_values",
         "method",
@@ -128,15 +173,20 @@ class GroupFuture:
         self.method = method
         self._ranks = ranks  # never mutated (it may be shared with the group)
         self._dispatcher = dispatcher
-        self._values: list[Any] = [_PENDING] * len(ranks)  # encoded, then decoded, values
-        self._decoded = 0  # bit i set once _values[i] holds the decoded value
+        # each place's answer as it came: a RESULT's segments, a _Span, None (failed)
+        self._values: list[Any] = [_PENDING] * len(ranks)
+        self._decoded = 0  # bit i set once _out[i] holds the decoded value
+        self._out: list[Any] | None = None  # the decoded values
+        self._spans: list[_Span] | None = None  # the runs of answers that came together
         self._errors: dict[int, BaseException] | None = None
         self._remaining = len(ranks)
         self._failed = -1  # index of the first failed rank
         self._cancelled = False
-        self._positions: dict[int, int] | None = (
-            {rank: i for i, rank in enumerate(ranks)} if len(ranks) > _POSITIONS_FROM else None
-        )
+        # a rank's place, for calls on more than _POSITIONS_FROM ranks: made when first
+        # needed (a cohort's call shares the cohort's)
+        self._positions: dict[int, int] | None = None
+        # (cohort, call id) while the call is registered on a cohort (phalanx.controller.ranks)
+        self._fanned: tuple[Cohort, int] | None = None
         # For synchronous calls the group defers the sends to the first wait (see
         # Dispatcher.wait); anything that looks at the future sends them first.
         self._kickoff: Callable[[], None] | None = None
@@ -149,14 +199,22 @@ class GroupFuture:
         self._kept = kept
 
     def _index(self, rank: int) -> int:
-        if self._positions is not None:
-            return self._positions[rank]
-        return self._ranks.index(rank)
+        positions = self._positions
+        if positions is None:
+            ranks = self._ranks
+            if len(ranks) <= _POSITIONS_FROM:
+                return ranks.index(rank)
+            positions = self._positions = {r: i for i, r in enumerate(ranks)}
+        return positions[rank]
 
     def _settle(self) -> None:
         """Run the done-callbacks, once; once every rank is done, let go of what the
         call's arguments held, and give a failed call's kept parts their handles."""
         if self._remaining == 0:
+            fanned = self._fanned
+            if fanned is not None:  # no rank owes it an answer: off its cohort
+                self._fanned = None
+                fanned[0].done(fanned[1])
             if self._failed >= 0:
                 self._adopt_survivors()
             if self._holds is not None:
@@ -192,7 +250,7 @@ class GroupFuture:
         for i, value in enumerate(self._values):
             if self._decoded >> i & 1 or value is None or value is _PENDING:
                 continue
-            pickled = value[0]
+            pickled = value.payload(i)[0] if type(value) is _Span else value[0]
             if _KEPT_PART not in (pickled if isinstance(pickled, bytes) else bytes(pickled)):
                 continue
             try:
@@ -230,8 +288,10 @@ class GroupFuture:
     def _rank_value(self, i: int) -> Any:
         """The decoded value of a rank that succeeded (decoded once, on first access)."""
         if self._decoded >> i & 1:
-            return self._values[i]
+            return self._out[i]  # type: ignore[index]
         payload = self._values[i]
+        if type(payload) is _Span:
+            payload = payload.payload(i)
         adopting, previous = ADOPTING, ADOPTING.future
         adopting.future = self
         try:
@@ -248,7 +308,9 @@ class GroupFuture:
             ) from exc
         finally:
             adopting.future = previous
-        self._values[i] = value
+        if self._out is None:
+            self._out = [None] * len(self._values)
+        self._out[i] = value
         self._decoded |= 1 << i
         return value
 
@@ -302,31 +364,54 @@ class GroupFuture:
             values = self._values
             if len(values) == 1:  # one rank's plain pickle, the pipelined call's
                 only = values[0]
-                if (len(only) == 1 and type(only[0]) is bytes
+                if (type(only) is list and len(only) == 1 and type(only[0]) is bytes
                         and _KEPT_PART not in only[0]):  # no px.keep() part to adopt
                     try:
                         value = _loads(only[0])
                     except Exception:  # noqa: BLE001 - redone below, naming the rank
                         pass
                     else:
-                        self._values = [value]
+                        self._values = [_DECODED]
+                        self._out = [value]
                         self._decoded = 1
                         return [value]
             adopting, previous = ADOPTING, ADOPTING.future
             adopting.future = self
             try:
-                values = [
-                    _loads(p[0]) if len(p) == 1 else _loads(p[0], buffers=p[1:])
-                    for p in self._values
-                ]
+                out = self._decode_all()
             except Exception:  # noqa: BLE001 - redone value by value to name the rank
                 return [self._rank_value(i) for i in range(len(self._values))]
             finally:
                 adopting.future = previous
-            self._values = values
-            self._decoded = (1 << len(values)) - 1
-            return list(values)
+            count = len(out)
+            self._out = out
+            self._decoded = (1 << count) - 1
+            self._values = [_DECODED] * count  # the answers' bytes go
+            return list(out)
+        decoded = self._out
+        if decoded is not None and self._decoded == (1 << len(decoded)) - 1:
+            return list(decoded)
         return [self._rank_value(i) for i in range(len(self._values))]
+
+    def _decode_all(self) -> list[Any]:
+        """Every place's value (all answered), in one pass; each run that came together
+        decoded as one (:meth:`_Span.decode`)."""
+        values = self._values
+        spans = self._spans
+        if spans is None:
+            return [_loads(p[0]) if len(p) == 1 else _loads(p[0], buffers=p[1:])
+                    for p in values]
+        out = list(values)
+        covered = 0
+        for span in spans:
+            run = span.decode()
+            out[span.lo:span.lo + len(run)] = run
+            covered += len(run)
+        if covered != len(values):  # some came on their own
+            for i, p in enumerate(values):
+                if type(p) is list:
+                    out[i] = _loads(p[0]) if len(p) == 1 else _loads(p[0], buffers=p[1:])
+        return out
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The first failure, or None once every rank succeeded."""
@@ -543,16 +628,51 @@ class Call(GroupFuture):
 
     def resolve_rank(self, rank: int, segments: list[Any]) -> None:
         """``rank`` answered with ``segments`` (decoded on first access)."""
-        if self._positions is None:
-            i = 0 if len(self._ranks) == 1 else self._ranks.index(rank)
+        positions = self._positions
+        if positions is None:
+            i = 0 if len(self._ranks) == 1 else self._index(rank)
         else:
-            i = self._positions[rank]
+            i = positions[rank]
         if self._values[i] is _PENDING:
             self._values[i] = segments
             self._remaining -= 1
-            if self._remaining == 0 and (self._callbacks is not None
-                                         or self._holds is not None or self._failed >= 0):
+            if self._remaining == 0 and (self._callbacks is not None or self._holds is not None
+                                         or self._failed >= 0 or self._fanned is not None):
                 self._settle()
+
+    def resolve_span(self, lo: int, gathered: Gathered) -> bool:
+        """The ranks at places ``lo`` to ``lo + len(gathered)`` answered, together
+        (decoded on first access, in one pass); False, and nothing done, unless every one
+        of them was still waited for (then each is resolved on its own)."""
+        count = len(gathered)
+        values = self._values
+        hi = lo + count
+        if self._decoded == 0:  # nothing decoded: the places hold no user object to compare
+            if values[lo:hi].count(_PENDING) != count:
+                return False
+        elif not all(values[i] is _PENDING for i in range(lo, hi)):
+            return False
+        span = _Span(gathered, lo)
+        values[lo:hi] = [span] * count
+        if self._spans is None:
+            self._spans = [span]
+        else:
+            self._spans.append(span)
+        self._remaining -= count
+        if self._remaining == 0 and (self._callbacks is not None or self._holds is not None
+                                     or self._failed >= 0 or self._fanned is not None):
+            self._settle()
+        return True
+
+    def waits_on(self, i: int) -> bool:
+        """Whether the rank at place ``i`` has neither answered nor failed."""
+        return self._values[i] is _PENDING
+
+    def fan_out(self, cohort: Cohort, call_id: int) -> None:
+        """The call is registered once on ``cohort``, whose ranks are its own, in order:
+        it takes the cohort's places, and leaves it when every rank is done."""
+        self._positions = cohort.positions
+        self._fanned = (cohort, call_id)
 
     def fail_rank(self, rank: int, error: BaseException) -> None:
         """``rank`` failed: the call fails with ``error`` unless another rank failed first."""

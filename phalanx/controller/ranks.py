@@ -10,8 +10,17 @@ Who changes what: only an entry's own methods move it from state to state (the d
 calls them as READY, INIT_ERROR and EXITED arrive, the watchdog when a rank falls silent,
 the shutdown when it stops them all); only the table places and drops entries. Two fields are
 left plain for the hot path's sake, each with one writer documented on it:
-:attr:`RankEntry.seen` (stamped by the dispatcher on every message) and :attr:`RankEntry.pending`
+:attr:`RankEntry.seen` (stamped by the dispatcher on every message) and :attr:`RankEntry.calls`
 (a call's sender adds to it, the dispatcher takes its answers out).
+
+A call to many ranks at once is not registered on each of them: the sender registers it
+once on a :class:`Cohort`, the entries it calls together (every rank of the group, say),
+and the call's future says which of them still owe an answer. So a call to a thousand
+ranks costs the controller no per-rank registration, and its answers, gathered by an agent
+tree, resolve a whole run of ranks at once. :attr:`RankEntry.pending` shows both kinds
+together -- the calls a rank owes an answer to -- for everything that looks at one rank
+(its death, a membership change, health, the watchdog); taking a call from it there takes
+it for that rank alone.
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from phalanx.errors import GroupClosed, ProcessFailure, RemoteFailure, death_error
@@ -28,7 +37,7 @@ from phalanx.world.selection import Workers, select_ranks
 if TYPE_CHECKING:
     from phalanx.backends.base import Channel
     from phalanx.controller.dispatch import Dispatcher
-    from phalanx.controller.futures import Completion
+    from phalanx.controller.futures import Call, Completion
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +109,9 @@ class RankEntry:
     ``pid``, ``methods``, ``timings`` and ``code_version`` (what READY told),
     ``init_failure`` (what INIT_ERROR told), ``failure`` (how its process ended),
     ``started``, ``restarts`` (how many incarnations of its rank came before it). Written
-    only through the methods, except :attr:`seen`, :attr:`pending` and :attr:`restarts`
-    (the rank table's, as it installs the entry).
+    only through the methods, except :attr:`seen`, :attr:`calls` and :attr:`restarts`
+    (the rank table's, as it installs the entry); :attr:`pending` is every call it owes an
+    answer to, its own and its cohorts' (see the module docstring).
     """
 
     def __init__(self, rank: int, node: int, channel: Channel) -> None:
@@ -121,9 +131,12 @@ class RankEntry:
         # When it last gave a sign of life (any message); None until its first. The
         # dispatcher stamps it on every message it routes here.
         self.seen: float | None = None
-        # Call id -> the completion side of its future: the sender adds a call as it sends
-        # it, the dispatcher pops it as the answer comes; everything else uses take_pending.
-        self.pending: dict[int, Completion] = {}
+        # Call id -> the completion side of its future, for the calls registered on it
+        # alone: the sender adds a call as it sends it, the dispatcher pops it as the answer
+        # comes; everything else uses pending and take_pending.
+        self.calls: dict[int, Completion] = {}
+        # (cohort, its position there): the cohorts whose calls it is called in
+        self.cohorts: list[tuple[Cohort, int]] = []
         # The collectives it is inside and the last each of its process groups completed,
         # as it last reported them (phalanx.rank.collectives); None until it reports.
         self.collectives: tuple[list[Any], list[Any]] | None = None
@@ -131,6 +144,19 @@ class RankEntry:
         self.restarts = 0  # how many incarnations of its rank came before it (RankTable)
 
     # -- reading --------------------------------------------------------------------------
+
+    @property
+    def pending(self) -> PendingCalls:
+        """Every call it owes an answer to: those sent to it alone and its cohorts'."""
+        return PendingCalls(self)
+
+    def cohort_call(self, call_id: int) -> Call | None:
+        """The call ``call_id`` of one of its cohorts, if it still owes its answer."""
+        for cohort, i in self.cohorts:
+            call = cohort.calls.get(call_id)
+            if call is not None:
+                return call if cohort.owes(call_id, call, i) else None
+        return None
 
     @property
     def heard(self) -> bool:
@@ -199,17 +225,170 @@ class RankEntry:
     def take_pending(
         self, which: Callable[[Completion], bool] | None = None
     ) -> list[Completion]:
-        """Remove and return the calls pending on it (only those ``which`` selects)."""
+        """Remove and return the calls pending on it (only those ``which`` selects); a
+        cohort's call is taken for this entry alone (the caller completes it for it)."""
         if which is None:
-            pending, self.pending = self.pending, {}
-            return list(pending.values())
-        taken = [(call_id, c) for call_id, c in self.pending.items() if which(c)]
-        for call_id, _ in taken:
-            del self.pending[call_id]
-        return [c for _, c in taken]
+            pending, self.calls = self.calls, {}
+            taken = list(pending.values())
+        else:
+            chosen = [(call_id, c) for call_id, c in self.calls.items() if which(c)]
+            for call_id, _ in chosen:
+                del self.calls[call_id]
+            taken = [c for _, c in chosen]
+        for cohort, i in self.cohorts:
+            taken += cohort.take(i, which)
+        return taken
 
     def __repr__(self) -> str:
         return f"<RankEntry rank {self.rank} node {self.node} {self.state.name}>"
+
+
+class PendingCalls(MutableMapping[int, "Completion"]):
+    """The calls one entry owes an answer to (:attr:`RankEntry.pending`): a view of its
+    own calls and of its cohorts' calls it has not answered. Removing one removes it for
+    this entry alone."""
+
+    __slots__ = ("_entry",)
+
+    def __init__(self, entry: RankEntry) -> None:
+        self._entry = entry
+
+    def _items(self) -> list[tuple[int, Completion]]:
+        entry = self._entry
+        items: list[tuple[int, Completion]] = list(entry.calls.items())
+        for cohort, i in entry.cohorts:
+            items += cohort.owed(i)
+        return items
+
+    def __getitem__(self, call_id: int) -> Completion:
+        entry = self._entry
+        call = entry.calls.get(call_id)
+        if call is None:
+            call = entry.cohort_call(call_id)
+        if call is None:
+            raise KeyError(call_id)
+        return call
+
+    def __setitem__(self, call_id: int, call: Completion) -> None:
+        self._entry.calls[call_id] = call
+
+    def __delitem__(self, call_id: int) -> None:
+        entry = self._entry
+        if entry.calls.pop(call_id, None) is not None:
+            return
+        for cohort, i in entry.cohorts:
+            call = cohort.calls.get(call_id)
+            if call is not None and cohort.owes(call_id, call, i):
+                cohort.let_go(call_id, i)
+                return
+        raise KeyError(call_id)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter([call_id for call_id, _ in self._items()])
+
+    def __len__(self) -> int:
+        return len(self._items())
+
+    def __bool__(self) -> bool:
+        entry = self._entry
+        return bool(entry.calls) or any(cohort.owed(i) for cohort, i in entry.cohorts)
+
+    def __repr__(self) -> str:
+        return f"<pending calls of rank {self._entry.rank}: {dict(self._items())}>"
+
+
+class Cohort:
+    """Entries called together (every rank of a group, say), a call to all of them
+    registered here once (see the module docstring).
+
+    ``ranks`` and ``entries`` are in the calls' order (``positions``: a rank's place
+    there); a registered call is owed by each entry whose place its future still waits on
+    (:meth:`Call.waits_on <phalanx.controller.futures.Call.waits_on>`), unless it was taken
+    from that entry (:meth:`take`). ``parts`` is the sender's: which places each connection
+    carries (a run of them), for the answers that come back over it.
+    """
+
+    __slots__ = ("calls", "entries", "gone", "parts", "positions", "ranks", "retired",
+                 "sends", "version")
+
+    def __init__(self, ranks: list[int], entries: list[RankEntry], version: Any) -> None:
+        self.ranks = ranks  # never mutated (calls' futures share it)
+        self.entries = entries
+        self.version = version  # what it was made from (the sender's, to know it is current)
+        self.positions = {rank: i for i, rank in enumerate(ranks)}
+        self.calls: dict[int, Call] = {}  # call id -> its future, until every place is done
+        self.gone: dict[int, set[int]] = {}  # call id -> places it was taken from
+        self.parts: dict[Any, tuple[int, int]] = {}  # a link -> the places [lo, hi) on it
+        self.sends: list[tuple[Any, bytes]] = []  # each link, and its ranks' header field
+        self.retired = False
+        for i, entry in enumerate(entries):
+            entry.cohorts.append((self, i))
+
+    def owes(self, call_id: int, call: Call, i: int) -> bool:
+        """Whether the entry at place ``i`` owes its answer to ``call``."""
+        if not call.waits_on(i):
+            return False
+        gone = self.gone.get(call_id) if self.gone else None
+        return gone is None or i not in gone
+
+    def owed(self, i: int) -> list[tuple[int, Completion]]:
+        """The calls the entry at place ``i`` owes its answer to."""
+        return [(call_id, call) for call_id, call in self.calls.items()
+                if self.owes(call_id, call, i)]
+
+    def take(self, i: int, which: Callable[[Completion], bool] | None) -> list[Completion]:
+        """Take the calls the entry at place ``i`` owes (those ``which`` selects) from it."""
+        taken: list[Completion] = []
+        for call_id, call in list(self.calls.items()):
+            if self.owes(call_id, call, i) and (which is None or which(call)):
+                self.let_go(call_id, i)
+                taken.append(call)
+        return taken
+
+    def let_go(self, call_id: int, i: int) -> None:
+        """The entry at place ``i`` no longer owes call ``call_id`` (taken from it)."""
+        self.gone.setdefault(call_id, set()).add(i)
+
+    def span(self, link: Any, ranks: Sequence[int]) -> int:
+        """The place of ``ranks[0]`` when ``ranks`` (increasing) are a run of places all
+        carried by ``link``; -1 when they are not."""
+        part = self.parts.get(link)
+        if part is None:
+            return -1
+        first = self.positions.get(ranks[0])
+        if first is None:
+            return -1
+        end = first + len(ranks)
+        if first < part[0] or end > part[1]:
+            return -1
+        if type(ranks) is range:  # increasing ints from ranks[0] to ranks[-1]: a run
+            return first if self.ranks[end - 1] == ranks[-1] else -1
+        return first if tuple(self.ranks[first:end]) == tuple(ranks) else -1
+
+    def done(self, call_id: int) -> None:
+        """Call ``call_id`` is complete: every place answered or failed."""
+        self.calls.pop(call_id, None)
+        if self.gone:
+            self.gone.pop(call_id, None)
+        if self.retired and not self.calls:
+            self.detach()
+
+    def retire(self) -> None:
+        """No call will be registered here any more: leave the entries once the calls in
+        flight are complete."""
+        self.retired = True
+        if not self.calls:
+            self.detach()
+
+    def detach(self) -> None:
+        for i, entry in enumerate(self.entries):
+            try:
+                entry.cohorts.remove((self, i))
+            except ValueError:
+                pass
+
+    def __repr__(self) -> str:
+        return f"<Cohort of {len(self.ranks)} ranks, {len(self.calls)} calls in flight>"
 
 
 def channels_of(entries: Sequence[RankEntry]) -> list[Channel]:
@@ -229,6 +408,7 @@ class RankTable:
         self._all = list(range(world_size))  # never mutated: futures may share it
         self._dispatcher = dispatcher
         self._deaths_seen = -1  # dispatcher.deaths when every rank was last seen alive
+        self.version = 0  # moves on whenever an entry is placed (a cohort made before: stale)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -240,12 +420,14 @@ class RankTable:
             if old is not None:
                 entry.restarts = old.restarts + 1
             self.entries[entry.rank] = entry
+        self.version += 1
 
     def reset(self, world_size: int) -> None:
         """A new layout: ``world_size`` ranks, none started yet."""
         self.entries[:] = [None] * world_size
         self._all = list(range(world_size))
         self._deaths_seen = -1
+        self.version += 1
 
     # -- views --------------------------------------------------------------------------
 

@@ -55,6 +55,7 @@ like any other message.
 
 from __future__ import annotations
 
+import itertools
 import struct
 from collections.abc import Sequence
 
@@ -96,6 +97,8 @@ _COUNT = struct.Struct("<H")
 unpack_head = _HEAD.unpack_from  # (kind, call_id, rank) of segment 0
 pack_head = _HEAD.pack  # (kind, call_id, rank) -> a header with no extra fields
 _NONE = b"\x80\x05N."  # pickle.dumps(None, protocol=5): pickle is not imported here
+_ID = struct.Struct("<Q")
+_CALL_BYTE = bytes([CALL])
 
 
 def _ranks_part(rank: int | Sequence[int]) -> bytes:
@@ -141,6 +144,13 @@ def parse(segment: Any) -> tuple[int, int, tuple[int, ...], tuple[Any, ...]]:
     return kind, call_id, ranks, (plain.loads(rest) if rest else ())
 
 
+def ranks_part(ranks: Sequence[int]) -> bytes:
+    """The rank field of a header for ``ranks`` (one rank, or ``MANY`` and their list):
+    made once by a sender that sends to the same ranks again and again
+    (:func:`call_frame_to`)."""
+    return _ranks_part(ranks)
+
+
 def body_offset(segment: Any) -> int:
     """Where the flags and method name of a call (or the extra fields) of a header start."""
     if _HEAD.unpack_from(segment)[2] != MANY:
@@ -176,6 +186,24 @@ def call_frame(
     call's (:data:`KEEP`, :data:`TRACED`, :data:`BUILTIN`)."""
     kind = CALL_STREAM if stream else CALL
     return framing.frame([header(kind, call_id, rank, method, flags), *payload])
+
+
+def call_frame_to(call_id: int, part: bytes, method: str, payload: list[Any],
+                  flags: int = 0) -> list[Any]:
+    """:func:`call_frame` of a call that is not streamed, to the ranks whose rank field is
+    ``part`` (:func:`ranks_part`, made once): the same bytes, with no packing of the ranks
+    per call."""
+    name = None if flags else _NAMES.get(method)
+    if name is None:
+        name = _FLAG_BYTES[flags] + method.encode()
+        if not flags and len(_NAMES) < 4096:
+            _NAMES[method] = name
+    head = _CALL_BYTE + _ID.pack(call_id) + part + name
+    if len(payload) == 1 and type(payload[0]) is bytes and len(payload[0]) < SMALL_PAYLOAD:
+        pickled = payload[0]
+        return [_PAIR.pack(2, 16 + len(head) + len(pickled), len(head), len(pickled)) + head
+                + pickled]
+    return framing.frame([head, *payload])
 
 
 def call_frames(
@@ -283,6 +311,78 @@ def result_frame(call_id: int, rank: int, payload: list[Any], item: bool = False
 
 def end_of_stream_frame(call_id: int, rank: int) -> list[Any]:
     return framing.frame([_HEAD.pack(RESULT, call_id, rank), _NONE])
+
+
+class Gathered:
+    """Several ranks' answers to one call, as one message brings them (an agent tree's
+    RESULTS, :mod:`phalanx.backends.cluster.messages`): read in one pass, each rank's
+    answer cut out only when its value is read.
+
+    ``ranks`` are increasing (a ``range`` when they are contiguous). Each rank's pickle
+    lies in ``blob``, back to back in rank order (``sizes``: their lengths); the
+    out-of-band buffers of the answers that have any follow in ``buffers``, in rank order,
+    ``counts`` of them for each rank (None: no answer has any).
+    """
+
+    __slots__ = ("_blob", "_buffers", "_cuts", "_sizes", "_starts", "ranks")
+
+    def __init__(self, ranks: Sequence[int], blob: Any, sizes: Sequence[int],
+                 buffers: Sequence[Any] = (), counts: Sequence[int] | None = None) -> None:
+        self.ranks = ranks
+        self._blob = blob
+        self._sizes = sizes
+        self._cuts: list[int] | None = None  # where each pickle starts: made when needed
+        self._buffers = buffers
+        self._starts = (None if counts is None
+                        else list(itertools.accumulate(counts, initial=0)))
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def _offsets(self) -> list[int]:
+        cuts = self._cuts
+        if cuts is None:
+            cuts = self._cuts = list(itertools.accumulate(self._sizes, initial=0))
+        return cuts
+
+    def pickle(self, i: int) -> Any:
+        """The pickle of the answer of ``ranks[i]`` (its out-of-band buffers apart)."""
+        offsets = self._offsets
+        return self._blob[offsets[i]:offsets[i + 1]]
+
+    @property
+    def plain(self) -> bool:
+        """Whether no answer has out-of-band buffers (each is its pickle alone)."""
+        return self._starts is None
+
+    def pickles(self) -> list[Any]:
+        """Every rank's pickle, in rank order (out-of-band buffers apart)."""
+        blob, offsets = self._blob, self._offsets
+        return [blob[a:b] for a, b in itertools.pairwise(offsets)]
+
+    def payload(self, i: int) -> list[Any]:
+        """The answer of ``ranks[i]`` as a RESULT carries it: its pickle, then its buffers."""
+        offsets, starts = self._offsets, self._starts
+        pickled = self._blob[offsets[i]:offsets[i + 1]]
+        if starts is None or starts[i] == starts[i + 1]:
+            return [pickled]
+        return [pickled, *self._buffers[starts[i]:starts[i + 1]]]
+
+    def uniform(self) -> bytes | None:
+        """The one pickle every rank answered with, byte for byte, with no out-of-band
+        buffers (a call every rank answers alike: ``None``, a count); None when they
+        differ. One comparison over the bytes, whatever the number of ranks."""
+        blob = self._blob
+        if self._starts is not None or type(blob) is not bytes:
+            return None
+        sizes = self._sizes
+        count, size = len(sizes), sizes[0]
+        if size == 0 or len(blob) != size * count or sizes.count(size) != count:
+            return None
+        first = blob[:size]
+        # non-overlapping occurrences: count of them in count * size bytes tile it exactly
+        return first if count == 1 or blob.count(first) == count else None
 
 
 def error_frame(call_id: int, rank: int, failure: tuple[Any, ...]) -> list[Any]:

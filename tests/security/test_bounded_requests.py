@@ -322,21 +322,31 @@ def test_the_agent_still_serves_after_all_of_it(agent):
     assert "Traceback" not in agent.log_text()
 
 
-def _results(counts, ranks=(3, 4), segments=3) -> list:
-    return [protocol.header(agentwire.RESULTS, 9, list(ranks), counts),
-            *[b"x"] * segments]
+def _results(sizes=(1, 2), blob=b"xyy", listed=None, counts=None, buffers=0,
+             count=2) -> list:
+    """A RESULTS (messages.results' layout) of ranks 3 and 4, or whatever the fields say."""
+    packed = struct.pack(f"<{len(sizes)}Q", *sizes) if isinstance(sizes, tuple) else sizes
+    return [protocol.header(agentwire.RESULTS, 9, 3, count, listed, packed, counts), blob,
+            *[b"b"] * buffers]
 
 
 @pytest.mark.parametrize(("segs", "words"), [
-    (_results([1, 2]), None),
+    (_results(), None),
+    (_results(listed=struct.pack("<2I", 3, 7), counts=struct.pack("<2I", 0, 1), buffers=1),
+     None),
     ([protocol.header(agentwire.FAULT, 0, 0, "it stopped")], None),
-    (_results([1, 1]), "a malformed RESULTS (counts [1, 1] for 2 ranks and 3 segments)"),
-    (_results([3]), "counts [3] for 2 ranks"),
-    (_results([-1, 4]), "counts [-1, 4]"),
-    (_results("12"), "counts '12'"),
+    (_results(blob=b"xy"), "a malformed RESULTS (pickles of 3 bytes in all, in a segment of 2)"),
+    (_results(sizes=(3,)), "sizes of 8 bytes for 2 ranks"),
+    (_results(listed=struct.pack("<2I", 3, 3)), "ranks that are not increasing from 3"),
+    (_results(sizes="12"), "sizes of a str '12' for 2 ranks"),
+    (_results(buffers=1), "1 buffers, and no rank's count of them"),
+    (_results(counts=struct.pack("<2I", 1, 1), buffers=1),
+     "counts of buffers adding up to 2 for 1 buffers"),
+    (_results(count=-1), "results of -1 ranks"),
     ([protocol.pack_head(agentwire.RESULTS, 9, 0) + b"\x80\x05junk"],
      "a malformed message header (ValueError: malformed header fields"),
-], ids=["results", "fault", "short", "too-few-counts", "negative", "not-a-list", "pickle"])
+], ids=["results", "listed-with-buffers", "fault", "short", "too-few-sizes", "unordered",
+        "not-bytes", "buffers-uncounted", "buffers-miscounted", "negative", "pickle"])
 def test_a_childs_results_are_checked_before_the_relay_reads_them(segs, words):
     found = malformed_from_child(segs)
     assert found is None if words is None else words in found, found

@@ -404,10 +404,12 @@ class AgentLink(Link):
                 if channel is not None:
                     batches.setdefault(channel, []).append(segs)
                 continue
-            _, _, ranks, extra = protocol.parse(segs[0])
             if kind == agentwire.RESULTS:  # a subtree's results, gathered (a tree)
-                self._results(call_id, ranks, extra[0], segs, pumping, batches)
-            elif kind == agentwire.REPLY:
+                if not self._results(call_id, segs, pumping, batches):
+                    return  # malformed: the link is lost
+                continue
+            extra = protocol.parse(segs[0])[3]
+            if kind == agentwire.REPLY:
                 self._answer(call_id, *extra)
             elif kind == agentwire.OUTPUT or kind == agentwire.OUTPUT_END:
                 channel = self._channels.get(rank)
@@ -446,25 +448,27 @@ class AgentLink(Link):
         for sink, items in posts.items():  # one wake-up for the whole read
             sink.post_all(items)
 
-    def _results(self, call_id: int, ranks: tuple[int, ...], counts: list[int],
-                 segs: list[Any], pumping: EventSink | None,
-                 batches: dict[AgentRankChannel, list[list[Any]]]) -> None:
-        """A RESULTS message: resolved at once, all together, on the dispatcher's thread;
-        else added to the read's batches as each rank's RESULT."""
-        pos = 1
-        direct: list[tuple[Any, int, list[Any]]] = []
+    def _results(self, call_id: int, segs: list[Any], pumping: EventSink | None,
+                 batches: dict[AgentRankChannel, list[list[Any]]]) -> bool:
+        """A RESULTS message (a subtree's results, gathered): read in one pass and, on the
+        dispatcher's thread, resolved all together (the dispatcher checks each rank is one
+        this link carries); else added to the read's batches as each rank's RESULT. False
+        when it is malformed: the link is lost, as for any message an agent cannot send."""
+        try:
+            gathered = agentwire.read_results(segs)
+        except Exception as exc:  # noqa: BLE001 - anything it raises: a malformed message
+            self.lose(f"it sent a malformed RESULTS ({exc})")
+            return False
+        if pumping is not None:
+            pumping.resolve_results(call_id, gathered, self, self._channels.get)
+            return True
         channels = self._channels
-        for rank, count in zip(ranks, counts, strict=True):
+        for i, rank in enumerate(gathered.ranks):
             channel = channels.get(rank)
             if channel is not None:
-                if pumping is not None and channel.sink is pumping:
-                    direct.append((channel, rank, segs[pos:pos + count]))
-                else:
-                    head = protocol.pack_head(protocol.RESULT, call_id, rank)
-                    batches.setdefault(channel, []).append([head, *segs[pos:pos + count]])
-            pos += count
-        if direct:
-            pumping.resolve_results(call_id, direct)  # type: ignore[union-attr]
+                head = protocol.pack_head(protocol.RESULT, call_id, rank)
+                batches.setdefault(channel, []).append([head, *gathered.payload(i)])
+        return True
 
     def _answer(self, request_id: int, ok: bool, value: Any) -> None:
         with self._lock:

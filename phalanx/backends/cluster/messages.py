@@ -66,10 +66,9 @@ One authenticated connection per node (:mod:`phalanx.wire.handshake`) carries, a
                                                                      goes on
                          LOST      (ids, reason)                     nodes of its subtree
                                                                      it lost (a tree)
-                         RESULTS   (counts,), rank = MANY            a call's results of
+                         RESULTS   (count, ranks, sizes, buffers)    a call's results of
                                                                      several ranks, in rank
-                                                                     order: payload, each
-                                                                     rank's segments in turn
+                                                                     order (see results())
                          PING                                        no reply
 
 A node's own message names, in the header's rank field, the tree node it is for (0: the
@@ -81,6 +80,16 @@ does anything with it: a count or size over its limit in :mod:`phalanx.config` i
 (:class:`OverLimit`, naming the field, the value and the limit), and a message of an unknown
 kind or with fields of the wrong number or type is :class:`Malformed`.
 
+A RESULTS message carries the results of one call of ``count`` ranks of a subtree, gathered
+by an agent of a tree (:mod:`phalanx.backends.cluster.agent.branch`), laid out so that the
+controller reads it in one pass whatever the number of ranks: the header's rank field names
+the first rank, ``ranks`` is None when the ranks run on from it (else their ``<u32>`` list),
+``sizes`` the ``<u64>`` length of each rank's pickle, all of which lie back to back in the one
+segment after the header, and ``buffers`` (None when no rank has any) the ``<u32>`` count of
+each rank's out-of-band buffers, which follow as segments of their own, in rank order
+(:func:`results`, read back by :func:`read_results` as a
+:class:`~phalanx.wire.protocol.Gathered`).
+
 An EXITED, OUTPUT or OUTPUT_END from an agent carries the rank's launch (its incarnation)
 as ``call_id``, so a death or output reported late is never taken for that of the rank
 started after it (an earlier launch's OUTPUT_END would end the new one's stream).
@@ -89,6 +98,8 @@ started after it (an earlier launch's OUTPUT_END would end the new one's stream)
 from __future__ import annotations
 
 import math
+import operator
+import struct
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -177,6 +188,92 @@ def exited(rank: int, incarnation: int, failure: dict[str, Any]) -> list[Any]:
 def lost(ids: Sequence[int], reason: str) -> list[Any]:
     """An agent's report that the nodes ``ids`` of its subtree are unreachable."""
     return framing.frame([protocol.header(LOST, 0, 0, list(ids), reason)])
+
+
+def results(call_id: int, ranks: Sequence[int], payloads: Sequence[Sequence[Any]]) -> list[Any]:
+    """A RESULTS message (see the module docstring): the answers to call ``call_id`` of
+    ``ranks`` (increasing), ``payloads[i]`` that of ``ranks[i]`` as its RESULT carried it
+    (a pickle, then its out-of-band buffers)."""
+    count = len(ranks)
+    first = ranks[0]
+    listed = None if ranks[-1] - first == count - 1 else struct.pack(f"<{count}I", *ranks)
+    sizes = struct.pack(f"<{count}Q", *[memoryview(p[0]).nbytes for p in payloads])
+    extra = [len(p) - 1 for p in payloads]
+    buffers = [s for p in payloads for s in p[1:]] if any(extra) else []
+    counts = struct.pack(f"<{count}I", *extra) if buffers else None
+    blob = b"".join([p[0] for p in payloads])
+    return framing.frame([protocol.header(RESULTS, call_id, first, count, listed, sizes, counts),
+                          blob, *buffers])
+
+
+# The header of the usual RESULTS (contiguous ranks, no buffers) as plain.dumps lays it out:
+# kind, call id, first rank; (count, None, sizes, None) as t 4 | q count | N | b 8*count...
+_USUAL = struct.Struct("<BQIcIcqccI")
+_USUAL_TAGS = (b"t", 4, b"q", b"N", b"b")
+
+
+def read_results(segs: Sequence[Any]) -> protocol.Gathered:
+    """A RESULTS message read back (:func:`results`), checked whole before anything of it
+    is used: ValueError saying what is wrong (a header that does not parse raises what
+    :func:`phalanx.wire.protocol.parse` raises)."""
+    head = segs[0]
+    if len(head) > _USUAL.size and len(segs) == 2 and head[-1:] == b"N":
+        # the usual one, read in one unpacking: exactly the bytes the general reading
+        # below accepts for it, or that reading decides
+        kind, _, first, t, four, q, count, none, b, nbytes = _USUAL.unpack_from(head)
+        if (kind == RESULTS and (t, four, q, none, b) == _USUAL_TAGS and count > 0
+                and nbytes == 8 * count and len(head) == _USUAL.size + nbytes + 1
+                and first + count <= protocol.MANY):
+            lengths = struct.unpack_from(f"<{count}Q", head, _USUAL.size)
+            carried = memoryview(segs[1]).nbytes
+            if sum(lengths) != carried:
+                raise ValueError(f"pickles of {sum(lengths)} bytes in all, in a segment of "
+                                 f"{carried}")
+            return protocol.Gathered(range(first, first + count), segs[1], lengths)
+    kind, _, named, extra = protocol.parse(head)
+    if kind != RESULTS or len(extra) != 4 or len(named) != 1:
+        raise ValueError(f"a message of kind {kind} with {len(extra)} fields for "
+                         f"{len(named)} ranks is no RESULTS")
+    count, listed, sizes, counts = extra
+    if type(count) is not int or count < 1:  # its lists' lengths bound it below
+        raise ValueError(f"results of {count!r:.40} ranks")
+    first = named[0]
+    ranks: Sequence[int]
+    if listed is None:
+        if first + count > protocol.MANY:
+            raise ValueError(f"results of ranks {first} to {first + count - 1}")
+        ranks = range(first, first + count)
+    else:
+        if type(listed) is not bytes or len(listed) != 4 * count:
+            raise ValueError(f"a list of ranks of {_size(listed)} for {count} ranks")
+        ranks = struct.unpack(f"<{count}I", listed)
+        if ranks[0] != first or any(map(operator.ge, ranks, ranks[1:])):
+            raise ValueError(f"ranks that are not increasing from {first}: {list(ranks)!r:.80}")
+    if type(sizes) is not bytes or len(sizes) != 8 * count:
+        raise ValueError(f"sizes of {_size(sizes)} for {count} ranks")
+    lengths = struct.unpack(f"<{count}Q", sizes)
+    if len(segs) < 2:
+        raise ValueError("no segment of pickles")
+    blob = segs[1]
+    carried = memoryview(blob).nbytes
+    if sum(lengths) != carried:
+        raise ValueError(f"pickles of {sum(lengths)} bytes in all, in a segment of {carried}")
+    if counts is None:
+        if len(segs) != 2:
+            raise ValueError(f"{len(segs) - 2} buffers, and no rank's count of them")
+        return protocol.Gathered(ranks, blob, lengths)
+    if type(counts) is not bytes or len(counts) != 4 * count:
+        raise ValueError(f"counts of buffers of {_size(counts)} for {count} ranks")
+    numbers = struct.unpack(f"<{count}I", counts)
+    if sum(numbers) != len(segs) - 2:
+        raise ValueError(f"counts of buffers adding up to {sum(numbers)} for "
+                         f"{len(segs) - 2} buffers")
+    return protocol.Gathered(ranks, blob, lengths, list(segs[2:]), numbers)
+
+
+def _size(value: Any) -> str:
+    return (f"{len(value)} bytes" if type(value) is bytes
+            else f"a {type(value).__name__} {value!r:.40}")
 
 
 def is_node_message(kind: int) -> bool:

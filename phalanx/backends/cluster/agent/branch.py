@@ -8,15 +8,19 @@ Down: a node's request for another node of the subtree goes to the child above t
 a rank's message goes once to each child whose subtree holds some of its ranks, its header
 naming those. Up: what a child sends is relayed unchanged, except the results of calls,
 which are *gathered*: an agent holds the results of its subtree's ranks for a call until
-every one of them answered (or ``GATHER_WINDOW`` passed since the first one it holds) and
+every one of them answered -- or none came for ``GATHER_WINDOW`` (the others are late:
+those in hand go up now, the late ones after), or it held them ``GATHER_MOST`` -- and
 sends them up as one RESULTS message, in rank order -- so the controller reads one message
-per top agent, not one per rank. Errors, deaths and lost children go up at once (a failure
-anywhere reaches the controller without waiting for the rest), and the ranks they concern
-are no longer waited for.
+per top agent, not one per rank, and reads it in one pass: the ranks' pickles travel back
+to back in one segment, their lengths in the header
+(:func:`phalanx.backends.cluster.messages.results`). Errors, deaths and lost children go up
+at once (a failure anywhere reaches the controller without waiting for the rest), and the
+ranks they concern are no longer waited for.
 
 A child is an agent with the token, but its messages are still checked before they are
-read: a FAULT or RESULTS that is malformed (counts that do not give each rank its own
-segments, a header that does not parse) loses that child, as its connection ending would.
+read: a FAULT or RESULTS that is malformed (sizes or counts that do not give each rank its
+own bytes and segments, ranks out of order, a header that does not parse) loses that
+child, as its connection ending would.
 """
 
 from __future__ import annotations
@@ -35,7 +39,10 @@ from phalanx.wire import framing, protocol
 
 logger = logging.getLogger(__name__)
 
-GATHER_WINDOW = 0.05  # s: the longest an agent holds a result waiting for its siblings'
+# s: how long an agent holds results for a call while no more of them come (a subtree whose
+# ranks answer one after the other, agents busy, is waited for; a late rank is not)
+GATHER_WINDOW = 0.05
+GATHER_MOST = 0.5  # s: the longest an agent holds a result waiting for its siblings'
 
 _RESULT = protocol.RESULT
 _RESULTS = agentwire.RESULTS
@@ -43,19 +50,18 @@ _RESULTS = agentwire.RESULTS
 
 def malformed_from_child(segs: list[Any]) -> str | None:
     """What is wrong with a child's FAULT or RESULTS, before the relay reads it (None: it
-    is well formed): a RESULTS' counts must give each of its ranks its own segments."""
+    is well formed): a RESULTS must give each of its ranks its own bytes and segments
+    (:func:`phalanx.backends.cluster.messages.read_results`)."""
     try:
-        kind, _, ranks, extra = protocol.parse(segs[0])
-    except Exception as exc:  # noqa: BLE001 - unpickling bad bytes raises anything
+        kind, _, _, extra = protocol.parse(segs[0])
+    except Exception as exc:  # noqa: BLE001 - reading bad bytes raises anything
         return f"a malformed message header ({type(exc).__name__}: {exc})"
     if kind == agentwire.FAULT:
         return None if len(extra) == 1 else f"a FAULT with {len(extra)} fields"
-    counts = extra[0] if len(extra) == 1 else None
-    if (type(counts) is not list or len(counts) != len(ranks)
-            or not all(type(c) is int and c >= 0 for c in counts)
-            or sum(counts) != len(segs) - 1):
-        return (f"a malformed RESULTS (counts {counts!r:.80} for {len(ranks)} ranks and "
-                f"{len(segs) - 1} segments)")
+    try:
+        agentwire.read_results(segs)
+    except Exception as exc:  # noqa: BLE001 - anything it raises says the message is bad
+        return f"a malformed RESULTS ({exc})"
     return None
 
 
@@ -78,12 +84,13 @@ class _Child:
 class _Gather:
     """The results of one call's ranks in this subtree, held until all are in."""
 
-    __slots__ = ("got", "since", "waiting")
+    __slots__ = ("got", "last", "since", "waiting")
 
     def __init__(self) -> None:
         self.waiting: set[int] = set()  # ranks not answered yet
         self.got: dict[int, list[Any]] = {}  # rank -> its RESULT's payload segments
         self.since = 0.0  # when the first result held now arrived
+        self.last = 0.0  # when the last one did
 
 
 class Relay(NamedTuple):
@@ -151,6 +158,22 @@ class Branch:
             return
         self._relay.queue(framing.frame(list(segs)))
 
+    def _up_results(self, segs: list[Any], gathered: protocol.Gathered) -> None:
+        """A child's RESULTS (read and checked): held with the call's other results here,
+        or, when this node gathers none for that call, passed up as it came."""
+        call_id = protocol.unpack_head(segs[0])[1]
+        gather = self._gathers.get(call_id)
+        if gather is None:
+            self._relay.queue(framing.frame(list(segs)))
+            return
+        waiting, got = gather.waiting, gather.got
+        for i, rank in enumerate(gathered.ranks):
+            waiting.discard(rank)
+            got[rank] = gathered.payload(i)
+        gather.last = time.monotonic()
+        if not gather.since:
+            gather.since = gather.last
+
     def _held(self, segs: list[Any], head: tuple[int, int, int]) -> bool:
         """Whether a message going up is a result gathered here (else it goes at once; a
         failure stops the wait for its rank)."""
@@ -161,15 +184,6 @@ class Branch:
                 return False
             gather.waiting.discard(rank)
             gather.got[rank] = segs[1:]
-        elif kind == _RESULTS:
-            if gather is None:
-                return False
-            _, _, ranks, (counts,) = protocol.parse(segs[0])
-            pos = 1
-            for rank, count in zip(ranks, counts, strict=True):
-                gather.waiting.discard(rank)
-                gather.got[rank] = segs[pos:pos + count]
-                pos += count
         elif kind == protocol.ERROR:
             if gather is not None:
                 gather.waiting.discard(rank)
@@ -179,8 +193,9 @@ class Branch:
             return False
         else:
             return False
+        gather.last = time.monotonic()
         if not gather.since:
-            gather.since = time.monotonic()
+            gather.since = gather.last
         return True
 
     def rank_gone(self, ranks: Any) -> None:
@@ -192,15 +207,14 @@ class Branch:
         """Send up what is complete, or held long enough (each pass of the relay)."""
         now = time.monotonic()
         for call_id, gather in list(self._gathers.items()):
-            if gather.got and (not gather.waiting or now - gather.since >= GATHER_WINDOW):
-                ranks = sorted(gather.got)
+            if gather.got and (not gather.waiting or now - gather.last >= GATHER_WINDOW
+                               or now - gather.since >= GATHER_MOST):
+                got = gather.got
+                ranks = sorted(got)
                 if len(ranks) == 1:
-                    frame = protocol.result_frame(call_id, ranks[0], gather.got[ranks[0]])
+                    frame = protocol.result_frame(call_id, ranks[0], got[ranks[0]])
                 else:
-                    payloads = [gather.got[r] for r in ranks]
-                    frame = framing.frame([protocol.header(_RESULTS, call_id, ranks,
-                                                        [len(p) for p in payloads]),
-                                        *[s for p in payloads for s in p]])
+                    frame = agentwire.results(call_id, ranks, [got[r] for r in ranks])
                 self._relay.queue(frame)
                 gather.got, gather.since = {}, 0.0
             if not gather.waiting and not gather.got:
@@ -264,14 +278,19 @@ class Branch:
             kind = segs[0][0]
             if kind == agentwire.PING or kind == agentwire.WELCOME:
                 continue
-            if kind == agentwire.FAULT or kind == _RESULTS:
+            if kind == _RESULTS:
+                try:
+                    gathered = agentwire.read_results(segs)
+                except Exception as exc:  # noqa: BLE001 - anything it raises: a bad message
+                    self._lose_child(child, f"it sent a malformed RESULTS ({exc})")
+                    return
+                self._up_results(segs, gathered)
+                continue
+            if kind == agentwire.FAULT:
                 why = malformed_from_child(segs)
-                if why is not None:
-                    self._lose_child(child, f"it sent {why}")
-                    return
-                if kind == agentwire.FAULT:
-                    self._lose_child(child, str(protocol.parse(segs[0])[3][0]))
-                    return
+                self._lose_child(child, str(protocol.parse(segs[0])[3][0]) if why is None
+                                 else f"it sent {why}")
+                return
             self.up(segs, protocol.unpack_head(segs[0]))
 
     def check_children(self, now: float) -> None:
