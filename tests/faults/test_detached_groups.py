@@ -41,9 +41,14 @@ CONTROLLER = textwrap.dedent("""
     hosts, token_file, name, detached, timeout, end = json.loads(sys.argv[1])
     backend = ("local" if hosts is None else
                px.ClusterBackend(hosts[:2], token_file=token_file))
-    group = px.WorkerGroup(Probe, nodes=None if hosts is None else 2, procs_per_node=None if
-                           hosts is not None else 2, backend=backend, name=name,
-                           detached=detached, detach_timeout=timeout, echo_output=False)
+    if end == "attach-kill":  # a second controller, itself killed in a call
+        group = px.attach(name, backend=backend, echo_output=False)
+        group.call("record", "second")
+    else:
+        group = px.WorkerGroup(Probe, nodes=None if hosts is None else 2,
+                               procs_per_node=None if hosts is not None else 2,
+                               backend=backend, name=name, detached=detached,
+                               detach_timeout=timeout, echo_output=False)
     group.call("record", "before")
     kept = group.call("make_array", 1000, keep=True)
     print(json.dumps({"pids": group.call("pid"),
@@ -133,6 +138,23 @@ def test_a_controller_that_exits_or_detaches_leaves_the_group_to_the_next(agent_
             group.shutdown()
     finally:
         _kill(proc)
+    assert wait_until(lambda: not _alive(started["pids"]), 15)
+
+
+@needs_agents
+def test_a_group_outlives_one_controller_after_another(agent_cluster):
+    first, started = _controller(agent_cluster, "relay")
+    _kill(first)
+    second, again = _controller(agent_cluster, "relay", end="attach-kill")
+    _kill(second)  # inside its own call: the orphans of both controllers' calls
+    group = px.attach("relay", backend=agent_cluster.backend(), echo_output=False)
+    try:
+        assert again["pids"] == started["pids"] == group.call("pid")
+        assert group.call("history") == [["before", "second", "before"]] * 2
+        assert wait_until(lambda: len(group.orphaned()) == 4, 10)
+        assert sorted(o.call_id for o in group.orphaned())[0] < 1 << 32  # the first's
+    finally:
+        group.shutdown()
     assert wait_until(lambda: not _alive(started["pids"]), 15)
 
 
