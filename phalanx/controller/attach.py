@@ -3,8 +3,8 @@
 ``WorkerGroup(..., name="policy", detached=True, detach_timeout=600)`` starts as any group,
 then tells its nodes to keep it past this controller: with the group's *description* (the
 constructor's arguments, pickled as the ranks get them: a class of a script's ``__main__``
-by value, an importable one by reference) under its name. When the controller goes -- killed, its machine lost, ``group.detach()`` -- the
-nodes' agents keep the ranks running: their state, their kept results, the calls they run
+by value, an importable one by reference) under its name. When the controller goes --
+killed, its machine lost, ``group.detach()`` -- the nodes' agents keep the ranks running: their state, their kept results, the calls they run
 (whose answers are held as *orphans*). Nobody attaching within ``detach_timeout`` seconds,
 the agents stop the ranks as they would a closed group's: nothing is left behind.
 
@@ -73,8 +73,8 @@ def detach_spec(name: str | None, timeout: float, arguments: dict[str, Any]) -> 
     except Exception as exc:  # noqa: BLE001 - anything a __reduce__ raises
         raise ValueError(
             f"detached=True: the group's arguments must pickle, since the controller that "
-            f"attaches rebuilds the group from them ({type(exc).__name__}: {exc}); pass a "
-            "module-level target and rank_kwargs as a dict, not a lambda") from None
+            f"attaches rebuilds the group from them ({type(exc).__name__}: {exc}); a lock, "
+            "an open file or a socket among them cannot be") from None
 
 
 def _is_local(backend: Backend | str) -> bool:

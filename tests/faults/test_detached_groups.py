@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import psutil
@@ -217,7 +218,7 @@ def test_bad_detached_groups_are_refused_before_anything_starts(agent_cluster):
                        detach_timeout=0)
     with pytest.raises(ValueError, match="must pickle"):
         px.WorkerGroup(Probe, backend=agent_cluster.backend(), name="x", detached=True,
-                       rank_kwargs=lambda rank: {})
+                       kwargs={"lock": threading.Lock()})
     with pytest.raises(ValueError, match="keeps no detached groups"):
         px.attach("x", backend=px.RayBackend())
     assert px.SlurmBackend(nodes=1).capabilities.detaching is None  # not yet (its job ends)

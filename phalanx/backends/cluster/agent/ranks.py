@@ -220,7 +220,8 @@ class Session:
         self._peer = peer  # the controller's address, as "host:port"
         self._detach: Detachment | None = None
         self._incoming: tuple[Any, ...] | None = None
-        self._link_failed: str | None = None  # why a send to the controller failed
+        # (the connection, why) when a send to the controller failed on another thread
+        self._link_failed: tuple[framing.Connection, str] | None = None
         self._handed_over = False  # this session's connection went to a waiting session
         self._heard = time.monotonic()  # when the controller was last heard
 
@@ -257,7 +258,9 @@ class Session:
                         break
                     until = now + detach.remaining(now)
                 else:
-                    failed, self._link_failed = self._link_failed, None
+                    link_failed, self._link_failed = self._link_failed, None
+                    failed = (link_failed[1] if link_failed is not None
+                              and link_failed[0] is self._conn else None)  # (not an old one)
                     if failed is None and now - self._heard > self._heartbeat_timeout:
                         failed = f"the controller was silent for {now - self._heard:.0f} s"
                     if failed is not None:
@@ -746,7 +749,12 @@ class Session:
                 f"LookupError: no detached group named {name!r} on this node (detached "
                 f"here: {others or 'none'})")))
             return
+        deadline = time.monotonic() + 5.0
         while not conn.flush_some():  # what this session wrote goes before the other's
+            if time.monotonic() > deadline:
+                self._send(agentwire.reply(request_id, False, (
+                    "RuntimeError: this controller does not read what the agent sends")))
+                return
             time.sleep(0.001)
         refused = target.take_over(conn, request_id, starts, force, self._peer)
         if refused is not None:
@@ -834,7 +842,7 @@ class Session:
             conn.send(frame)
         except framing.ConnectionLost as exc:
             if self._detach is not None:  # the relay decides (on its thread) what follows
-                self._link_failed = f"its connection failed ({exc})"
+                self._link_failed = (conn, f"its connection failed ({exc})")
             else:
                 self._closing = True
             self._wake.wake()
