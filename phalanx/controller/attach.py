@@ -4,8 +4,9 @@
 then tells its nodes to keep it past this controller: with the group's *description* (the
 constructor's arguments, pickled as the ranks get them: a class of a script's ``__main__``
 by value, an importable one by reference) under its name. When the controller goes --
-killed, its machine lost, ``group.detach()`` -- the nodes' agents keep the ranks running: their state, their kept results, the calls they run
-(whose answers are held as *orphans*). Nobody attaching within ``detach_timeout`` seconds,
+killed, its machine lost, ``group.detach()`` -- the nodes' agents keep the ranks running:
+their state, their kept results, the calls they run (whose answers are held as
+*orphans*). Nobody attaching within ``detach_timeout`` seconds,
 the agents stop the ranks as they would a closed group's: nothing is left behind.
 
 ``px.attach("policy", backend=px.ClusterBackend(hosts, token=...))``, in any process that
