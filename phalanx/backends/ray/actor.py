@@ -9,10 +9,13 @@ an actor: ``ray.is_initialized()``, the actor's id, its node, the controller's j
 ``get_current_placement_group()`` (the group's), and ``ray.ObjectRef`` handles travelling
 in a call's arguments (:func:`share_ray_refs`: phalanx's pickling uses Ray's own reducer for them).
 
-The controller makes each rank's actor when the rank launches, given its
-:class:`ActorStart`, and the actor's constructor starts the rank, on the main thread, with
-no second Ray call to wait for (an actor made earlier -- the first of a node on another
-machine, asked for the node's free ports -- does the same when its ``serve`` call comes):
+The controller makes each rank's actor when the rank launches, having left its
+:class:`ActorStart` in Ray's key-value store under the actor's name (not as an argument:
+Ray deserializes arguments with its serialization context, whose making costs every
+actor ~50 ms of CPU as it starts), and the actor's constructor takes it and starts the
+rank, on the main thread, with no second Ray call to wait for (an actor made earlier --
+the first of a node on another machine, asked for the node's free ports -- does the same
+when its ``serve`` call comes, given the start):
 
 1. it connects four streams back to the controller -- stdout, stderr, control, side -- at
    once, each proving the group's secret (:mod:`phalanx.wire.handshake`): over TCP, or
@@ -34,10 +37,12 @@ machine, asked for the node's free ports -- does the same when its ``serve`` cal
 Then :meth:`RankActor.serve`, Ray's one long call to the actor, serves the rank
 (:func:`phalanx.rank.runtime.finish`) over the control stream (sealed across the network),
 ends what it left behind, restores the actor's output and signals
-(:mod:`phalanx.backends.ray.hosting`), and returns the pid and exit status
-(``sys.exit(code)`` in user code: ``code``). A death of the actor itself (a signal,
-``os._exit``) is reported by the warden: the actor notes ``os._exit`` and fatal signals it
-sends itself before they take effect.
+(:mod:`phalanx.backends.ray.hosting`), and notes the exit status for the warden
+(``sys.exit(code)`` in user code: ``code``), which tells the controller; then it waits
+for the controller to end the actor, returning nothing (a result would cost the actor
+Ray's serialization context). A death of the actor itself (a signal, ``os._exit``) is
+reported by the warden too: the actor notes ``os._exit`` and fatal signals it sends
+itself before they take effect.
 
 The relay transport (a controller the nodes cannot connect to) needs concurrent Ray calls
 beside ``serve``: ``RelayedRankActor`` (:mod:`phalanx.backends.ray.relay`), a threaded
@@ -46,6 +51,7 @@ actor whose rank is a child process under a node supervisor, its streams moved b
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -176,18 +182,31 @@ def share_ray_refs() -> None:
     address: a ref passed in a call's arguments (or returned) can be ``ray.get`` where it
     arrives. Ray pins a ref pickled outside its own calls for this process's lifetime (as
     for any ``ray.cloudpickle.dumps`` of one). In a process connected to Ray; once is
-    enough, again is harmless."""
+    enough, again is harmless. Ray's reducers are taken when the first ref is pickled:
+    they come with Ray's serialization context, whose making imports pyarrow (~50 ms of
+    CPU, each rank's actor, as it starts) and which a rank that never pickles one never
+    needs."""
     import copyreg
 
+    import ray
+
+    for cls in (ray.ObjectRef, ray.actor.ActorHandle):
+        if copyreg.dispatch_table.get(cls) is not _ray_reduce:
+            copyreg.pickle(cls, _ray_reduce)
+
+
+def _ray_reduce(obj: Any) -> Any:
+    """``obj`` (an ``ObjectRef`` or ``ActorHandle``) reduced by Ray's own reducer for its
+    type, registered by Ray's serialization context (made now if it is not yet)."""
     import ray
     from ray import cloudpickle as ray_pickle
 
     # registers Ray's reducers (Ray has no public name for it)
     ray._private.worker.global_worker.get_serialization_context()  # type: ignore[no-untyped-call]  # noqa: SLF001
-    for cls in (ray.ObjectRef, ray.actor.ActorHandle):
-        reducer: Any = ray_pickle.CloudPickler.dispatch.get(cls)
-        if reducer is not None and copyreg.dispatch_table.get(cls) is not reducer:
-            copyreg.pickle(cls, reducer)
+    reducer: Any = ray_pickle.CloudPickler.dispatch.get(type(obj))
+    if reducer is None:  # not a type Ray reduces (a subclass): as pickle would
+        return obj.__reduce_ex__(5)
+    return reducer(obj)
 
 
 class ActorStart(NamedTuple):
@@ -204,25 +223,97 @@ class ActorStart(NamedTuple):
     cwd: str | None
     own_process: bool = False
 
+    def encode(self) -> bytes:
+        """As JSON (what :meth:`decode` reads): plain data, nothing for Ray to
+        deserialize."""
+        address, port, local = self.controller
+        return json.dumps({"controller": [address, port, local], "secret": self.secret.hex(),
+                           "rank": self.rank, "incarnation": self.incarnation,
+                           "env": dict(self.env), "cwd": self.cwd,
+                           "own_process": self.own_process}).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> ActorStart:
+        fields = json.loads(data)
+        address, port, local = fields["controller"]
+        return cls((str(address), int(port), str(local)), bytes.fromhex(fields["secret"]),
+                   int(fields["rank"]), int(fields["incarnation"]), dict(fields["env"]),
+                   fields["cwd"], bool(fields["own_process"]))
+
+
+# Where the controller leaves each rank's ActorStart for its actor to take as it starts
+# (Ray's internal key-value store, which Ray's actor options and the arguments of its calls
+# travel through too): not an argument of the actor's constructor, which Ray would
+# deserialize with its serialization context, made there and then -- ~50 ms of CPU in
+# every rank's actor (it imports pyarrow), where a rank that never uses Ray's serializer
+# needs none of it.
+START_STORE = "phalanx"  # the store's namespace
+
+
+def start_key(namespace: str | None, actor_name: str) -> bytes:
+    """The key of the start of the actor ``actor_name`` in the Ray namespace ``namespace``
+    (actors' names are unique within one)."""
+    return f"start/{namespace or ''}/{actor_name}".encode()
+
+
+def put_start(start: ActorStart, namespace: str | None, actor_name: str) -> bytes:
+    """Leave ``start`` for the actor to be made as ``actor_name``; its key."""
+    from ray.experimental import internal_kv
+
+    key = start_key(namespace, actor_name)
+    internal_kv._internal_kv_put(key, start.encode(), overwrite=True,  # noqa: SLF001
+                                 namespace=START_STORE)
+    return key
+
+
+def drop_starts(keys: Sequence[bytes]) -> None:
+    """Remove starts that no actor took (theirs never started)."""
+    from ray.experimental import internal_kv
+
+    for key in keys:
+        try:
+            internal_kv._internal_kv_del(key, namespace=START_STORE)  # noqa: SLF001
+        except Exception as exc:  # noqa: BLE001 - Ray going away: its store with it
+            logger.debug("could not remove a rank's start from Ray's store: %s", exc)
+
+
+def _take_start() -> ActorStart:
+    """This actor's start, as the controller left it under its name; removed from the
+    store (it holds the group's secret)."""
+    import ray
+    from ray.experimental import internal_kv
+
+    context = ray.get_runtime_context()
+    name = context.get_actor_name()
+    key = start_key(context.namespace, name or "")
+    data = internal_kv._internal_kv_get(key, namespace=START_STORE)  # noqa: SLF001
+    if data is None:
+        raise StartupError(f"the start of this rank's actor ({name}) is not in Ray's store: "
+                           "its controller is gone, or removed it")
+    internal_kv._internal_kv_del(key, namespace=START_STORE)  # noqa: SLF001
+    return ActorStart.decode(data)
+
 
 class RankActor:
     """One rank's place in Ray, on the direct transport: its actor's process runs the rank
     on its main thread (a sync actor: ``max_concurrency=1``, no concurrency groups).
 
-    Made with its :class:`ActorStart`, the actor starts its rank in its constructor: the
+    Made with no argument, the actor takes its :class:`ActorStart` from Ray's store
+    (:data:`START_STORE`, under its name) and starts its rank in its constructor: the
     rank connects, builds the user's object and answers READY there, without waiting for
     Ray to deliver a second call; :meth:`serve`, Ray's one long call to the actor, then
-    serves it. An actor made before its rank was known (the first of a node on another
-    machine, asked for the node's ports) is given its start by :meth:`serve` instead."""
+    serves it. An actor ``made_ahead``, before its rank was known (the first of a node on
+    another machine, asked for the node's ports), is given its start by :meth:`serve`
+    instead."""
 
-    def __init__(self, start: ActorStart | None = None) -> None:
+    def __init__(self, made_ahead: bool = False) -> None:
         # imported now, while the controller places the other actors: the rank's start
         # does not wait for them
         from phalanx.node import proctree, warden  # noqa: F401
         from phalanx.rank import runtime  # noqa: F401
         from phalanx.wire import framing, pickling, protocol  # noqa: F401
 
-        self._rank = None if start is None else _InActor.begin(start)
+        self._rank = None if made_ahead else _InActor.begin(_take_start())
 
     def free_ports(self, host: str, count: int) -> list[int]:
         """``count`` distinct ports free on this node now."""
@@ -238,19 +329,28 @@ class RankActor:
         return interpreter_problem(python, version, f"Ray node {socket.gethostname()}",
                                    needs)
 
-    def serve(self, start: ActorStart | None = None) -> dict[str, Any]:
-        """Serve the rank until it ends; its pid and exit status. The rank is the one the
-        constructor started, or, given ``start``, one started now. ``own_process``: the
-        rank runs in a child process instead (``python -m phalanx.rank.runtime``), for a
-        rank that joins a Ray of its own (``framework="ray"``), which a process already
-        connected to this Ray cannot."""
+    def serve(self, start: ActorStart | None = None) -> None:
+        """Serve the rank until it ends, then wait for the controller to end the actor:
+        this call returns nothing (raises how the rank's start failed). The rank is the
+        one the constructor started, or, given ``start``, one started now.
+        ``own_process``: the rank runs in a child process instead (``python -m
+        phalanx.rank.runtime``), for a rank that joins a Ray of its own
+        (``framework="ray"``), which a process already connected to this Ray cannot.
+
+        Its end (pid, exit status) reaches the controller from the rank's warden (the
+        actor's last note, ``done``) and its control stream, not as this call's result:
+        Ray would serialize a result with its serialization context, whose making costs
+        ~50 ms of CPU (it imports pyarrow) that a rank which never used Ray's serializer
+        would pay for that alone. The controller ends the actor (``ray.kill``) as it stops
+        or replaces the rank; a SIGTERM (Ray ending the job) ends the wait too."""
         rank, self._rank = self._rank, None
         if rank is None:
             if start is None:
                 raise RuntimeError("this rank's actor was made without its start, and "
                                    "serve() was not given one")
             rank = _InActor.begin(start)
-        return rank.finish()
+        rank.finish()
+        threading.Event().wait()
 
 
 def _connect_all(start: ActorStart) -> tuple[list[tuple[socket.socket, seal.FrameAuth]],

@@ -165,6 +165,9 @@ class RayBackend(Backend):
         self._relayed = relays(address, transport)
         self._bundles: list[Bundle] = []
         self._channels: dict[tuple[int, int], RayChannel] = {}
+        # (rank, incarnation) -> the key of its start in Ray's store, until its actor took
+        # it (connected) or is gone (actor.put_start)
+        self._start_keys: dict[tuple[int, int], bytes] = {}
         self._pg: Any = None
         self._session: ray_session.Lease | None = None
         self._stopping = False
@@ -253,6 +256,7 @@ class RayBackend(Backend):
     def _arrived(self, hello: handshake.Hello, sock: socket.socket) -> None:
         """A connection whose peer proved the secret (its handshake's thread): to its
         rank's channel, or closed if that rank's incarnation is gone."""
+        self._start_keys.pop((hello.rank, hello.incarnation), None)  # taken by its actor
         channel = self._channels.get((hello.rank, hello.incarnation))
         if channel is None:
             sock.close()
@@ -362,11 +366,16 @@ class RayBackend(Backend):
         self._make_actor(b, rank)
 
     def _make_actor(self, b: Bundle, rank: int, start: Any = None) -> None:
-        """``b``'s actor for its current incarnation; with ``start`` (an ``ActorStart``),
-        one that starts its rank in its constructor."""
+        """``b``'s actor for its current incarnation; with ``start`` (an ``ActorStart``,
+        left for it in Ray's store), one that starts its rank in its constructor."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from phalanx.backends.ray.actor import CONCURRENCY, RankActor, rank_runtime_env
+        from phalanx.backends.ray.actor import (
+            CONCURRENCY,
+            RankActor,
+            put_start,
+            rank_runtime_env,
+        )
         from phalanx.backends.ray.relay import RELAY_CONCURRENCY, RelayedRankActor
 
         resources = dict(self._seat_resources[b.index])
@@ -391,9 +400,22 @@ class RayBackend(Backend):
             options["namespace"] = self.namespace
         options["runtime_env"] = rank_runtime_env(self._actor_env, self._python)
         self._made_with[rank] = self._python
-        actor_class = RelayedRankActor if self._relayed else RankActor
-        made = ray_session.remote_class(actor_class).options(**options)
-        b.actor = made.remote() if start is None else made.remote(start)
+        made = ray_session.remote_class(
+            RelayedRankActor if self._relayed else RankActor).options(**options)
+        if self._relayed:
+            b.actor = made.remote()
+        elif start is None:
+            b.actor = made.remote(True)  # made ahead: serve() brings its start
+        else:  # no argument: the actor takes its start from Ray's store
+            self._start_keys[(rank, b.incarnation)] = put_start(
+                start, self._ray_namespace(), options["name"])
+            b.actor = made.remote()
+
+    def _ray_namespace(self) -> str:
+        """The Ray namespace of the actors (theirs if set, else this job's)."""
+        if self.namespace is not None:
+            return self.namespace
+        return str(self._ray.get_runtime_context().namespace)
 
     def _live_bundle(self, rank: int) -> Bundle:
         """The rank's bundle with an actor that has not served yet: a new one (a fresh
@@ -517,14 +539,30 @@ class RayBackend(Backend):
         with self._watch_lock:
             for ref in refs:
                 self._watched.pop(ref, None)
+        untaken = [self._start_keys.pop((c.rank, c.incarnation), None) for c in ours]
+        self._drop_starts([key for key in untaken if key is not None])
         for channel in ours:
             self._channels.pop((channel.rank, channel.incarnation), None)
 
+    def _drop_starts(self, keys: Sequence[bytes]) -> None:
+        """Remove from Ray's store the starts no actor took (theirs never started)."""
+        if keys:
+            from phalanx.backends.ray.actor import drop_starts
+
+            drop_starts(keys)
+
     def wait_exited(self, channels: Sequence[Channel], timeout: float) -> None:
+        """A relayed rank's end is its actor's ``serve_relayed`` returning; a direct
+        rank's, its warden's account (its actor's ``serve`` never returns)."""
+        deadline = time.monotonic() + timeout
         refs = [c.serve_ref for c in channels
-                if isinstance(c, RayChannel) and c.serve_ref is not None]
+                if isinstance(c, RelayChannel) and c.serve_ref is not None]
+        for channel in channels:
+            if isinstance(channel, RayChannel) and not isinstance(channel, RelayChannel):
+                channel.wait_ended(deadline)
         if refs and not self._ray_gone():
-            self._ray.wait(refs, num_returns=len(refs), timeout=timeout, fetch_local=False)
+            self._ray.wait(refs, num_returns=len(refs), fetch_local=False,
+                           timeout=max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         if not self.opened or self._stopping:
@@ -579,6 +617,8 @@ class RayBackend(Backend):
         if self._shares is not None:
             self._shares.close()
         self._release_reservation()
+        untaken, self._start_keys = list(self._start_keys.values()), {}
+        self._drop_starts(untaken)
 
     def _release_reservation(self) -> None:
         """Kill the actors of the current reservation and remove its placement group if it

@@ -123,6 +123,8 @@ class RayChannel(Channel):
         self._side: SideStream | None = None  # to the rank's warden, once connected
         self._side_ready = threading.Event()
         self._status_known = threading.Event()  # the warden said how the rank ended
+        self._how = ""  # how the warden knows it (phalanx.node.warden: "returned", ...)
+        self._on_purpose = False  # the backend stops it: Ray's account of that is no news
         # the rank's process, on this machine, watched from here (exits.ExitWatch)
         self._exits: ExitWatch | None = None
         self._news = threading.Event()  # set on each account (and close): a settle looks
@@ -248,6 +250,8 @@ class RayChannel(Channel):
         actor itself died, with the ``exitcode`` Ray gives (if it does and nothing better
         is known)."""
         with self._lock:
+            if self._on_purpose and self._burial.told:
+                return  # its actor ended by the backend (ray.kill) after its death was told
             before = self._told_fields()
             if served is not None:
                 self.pid = served.get("pid", self.pid)
@@ -273,9 +277,11 @@ class RayChannel(Channel):
         a fatal signal the rank sent itself --, ``kernel`` or ``delivered``)."""
         with self._lock:
             changed = status is not None and self._exitcode != status
+            self._how = how
             if status is not None:
                 self._exitcode = status
-                self.pid = pid
+                if self.ray_worker:  # else the actor's pid, not the rank's (its child)
+                    self.pid = pid
             late = changed and self._burial.told and not self._closed
         self._status_known.set()
         self._news.set()
@@ -284,7 +290,30 @@ class RayChannel(Channel):
 
     def stopped_on_purpose(self) -> None:
         """The backend stops the rank: the group records its end, so no EXITED is posted."""
+        with self._lock:
+            self._on_purpose = True
         self._burial.stop()
+
+    def wait_ended(self, deadline: float) -> bool:
+        """Wait until ``deadline`` (``time.monotonic()``) at most for the rank to have
+        ended on its own: its warden told how (its actor's last note), or Ray (its actor
+        is gone), or the channel closed. A rank whose warden never connected, or is gone,
+        is waited for until its control stream ends."""
+        while True:
+            self._news.clear()
+            with self._lock:
+                if self._closed or self._reason_known.is_set() or \
+                        self._status_known.is_set():
+                    return True
+                side = self._side
+                stream_ended = self._burial.claimed
+            if (side is None or side.ended) and stream_ended:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            # the stream's end and a warden going away wake nothing: looked at again soon
+            self._news.wait(min(left, _CAUSE_POLL))
 
     def _stream_ended(self) -> list[list[Any]]:
         """The control stream ended (the pumping thread): the rank's EXITED at once if its
@@ -383,22 +412,26 @@ class RayChannel(Channel):
 
     def _cause_settled(self, waited: float) -> bool:
         """Whether the record of the rank's end is as complete as it will get: its exit
-        status is known (from its pidfd, the warden or the actor's return) and is a
-        signal's (Ray's account, when it comes, then replaces the record: a
-        ``kill -9`` fails the rank's calls without waiting for Ray to learn of it, and
-        Ray's memory monitor is named a moment later), or Ray has given its account, or
-        has had ``config.RAY_REASON_WAIT`` s to (an exit code Ray may explain: its
-        ``ray.kill()`` ends the worker with code 1); or, with no exit status, Ray has
-        given its account and the warden cannot (it never connected, it is gone, or it
-        reported no status)."""
+        status is known (from its pidfd, the warden, or a relayed actor's return) and
+        either the rank ended on its own (the warden's ``returned``: its actor lives on,
+        Ray has nothing to say), or it is a signal's (Ray's account, when it comes, then
+        replaces the record: a ``kill -9`` fails the rank's calls without waiting for Ray
+        to learn of it, and Ray's memory monitor is named a moment later), or Ray has
+        given its account, or has had ``config.RAY_REASON_WAIT`` s to (an exit code Ray
+        may explain: its ``ray.kill()`` ends the worker with code 1); or, with no exit
+        status, Ray has given its account and the warden cannot (it never connected, it
+        is gone, or it reported no status)."""
         with self._lock:
             if self._closed:
                 return True
             status = self._exitcode
             side = self._side
+            how = self._how
         reason = self._reason_known.is_set()
         if status is not None:
-            return reason or status < 0 or waited >= config.RAY_REASON_WAIT
+            # "returned": the actor ended its rank and lives on; Ray has nothing to add
+            return reason or status < 0 or how == "returned" or \
+                waited >= config.RAY_REASON_WAIT
         warden_done = side is None or side.ended or self._status_known.is_set()
         return reason and warden_done
 
