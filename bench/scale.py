@@ -1,6 +1,10 @@
 """W10: the cluster backend at scale, simulated: 10, 100 and 1,000 nodes, flat and tree.
 
-``python -m bench.scale [--sizes 10,100,1000] [--calls N] [--out DIR]``
+``python -m bench.scale [--sizes 10,100,1000,1000x10] [--ranks-per-node R] [--modes flat,tree]
+[--calls N] [--out DIR]``
+
+A size is a number of nodes, with ``--ranks-per-node`` ranks each (1 unless given), or
+``NODESxRANKS``: ``1000x10`` is 10,000 ranks on 1,000 nodes.
 
 Every node is a real agent (``bench.simagents``: its own loopback address, listener,
 token handshake and relay; in a tree, real adoption and forwarding) whose one rank is
@@ -8,20 +12,25 @@ simulated in-process, so that 1,000 nodes fit on a 2-core machine. ``PROCESSES``
 hold the agents; node ``i`` lives in process ``i % PROCESSES``, so even 10 nodes are spread
 over all of them.
 
-For each size, a group with one rank per node runs on ``px.ClusterBackend`` twice: *flat*
-(``tree_threshold`` above the size: the controller connects to every agent) and *tree*
-(``tree_threshold=1, fanout=50``: at most 50 connections, the agents adopting the rest).
-Measured, each the median over the calls:
+For each size, a group runs on ``px.ClusterBackend`` twice: *flat* (``tree_threshold``
+above the size: the controller connects to every agent) and *tree* (``tree_threshold=1,
+fanout=50``: at most 50 connections, the agents adopting the rest). Measured, each the
+median over the calls:
 
-- a no-op call on every rank (ms), the controller's own CPU time per call (ms), and the
-  CPU time all the agents' processes together spend per call (ms, the mean);
-- a 1 MiB ``bytes`` argument sent to every rank, each returning its length (ms);
+- a no-op call on every rank (ms), the controller's own CPU time per call (ms, and per
+  rank in us: ``time.process_time()`` around the call, every thread of the controller),
+  and the CPU time all the agents' processes together spend per call (ms, the mean);
+- a 1 MiB ``bytes`` argument sent to every rank, each returning its length (ms), and the
+  bytes each link carried per such call (MiB: every agent's bytes received from whoever
+  is above it, the most of them -- 1.0 when the argument crosses each link once);
 - the TCP connections the controller holds to agents (counted by psutil);
-- group start-up (s).
+- group start-up (s), and the controller's CPU time during it (s).
 
 It prints a table, writes JSON and a PNG (latency against node count) under ``--out``,
-and checks the targets: in tree mode at most ``fanout`` connections, and a call to 1,000
-nodes at most 3x a call to 10 nodes.
+and checks the targets: in tree mode at most ``fanout`` connections; a no-op call to
+1,000 nodes at most 1 ms of the controller's CPU, to 10,000 ranks at most 2 ms; 1,000
+nodes started in at most 2 s of its CPU; a broadcast crossing each link once; and a call
+to 1,000 nodes at most 3x a call to 10 nodes.
 """
 
 from __future__ import annotations
@@ -83,6 +92,25 @@ class SimCluster:
         listed = [json.loads(p.stdout.readline()) for p in self.procs]  # type: ignore[union-attr]
         self.hosts = [listed[i % len(listed)][i // len(listed)] for i in range(count)]
 
+    def received_bytes(self) -> dict[str, int]:
+        """Per agent (``host:port``), the bytes it has received from above so far: from the
+        controller, or its parent agent in a tree."""
+        totals: dict[str, int] = {}
+        for proc in self.procs:
+            proc.stdin.write("bytes\n")  # type: ignore[union-attr]
+            proc.stdin.flush()  # type: ignore[union-attr]
+        for proc in self.procs:
+            totals.update(json.loads(proc.stdout.readline()))  # type: ignore[union-attr]
+        return totals
+
+    def stop_agent(self, host: str) -> None:
+        """Stop the agent at ``host`` (``host:port``) as if its machine went: its
+        connections end, to the controller or its parent and to its children."""
+        proc = self.procs[self.hosts.index(host) % len(self.procs)]
+        proc.stdin.write(f"stop {host}\n")  # type: ignore[union-attr]
+        proc.stdin.flush()  # type: ignore[union-attr]
+        assert json.loads(proc.stdout.readline()) == f"stopped {host}"  # type: ignore[union-attr]
+
     def close(self) -> None:
         for proc in self.procs:
             proc.stdin.close()  # type: ignore[union-attr]
@@ -103,17 +131,22 @@ def agent_connections(ports: set[int]) -> int:
                if c.status == psutil.CONN_ESTABLISHED and c.raddr and c.raddr.port in ports)
 
 
-def measure(cluster: SimCluster, nodes: int, tree: bool, calls: int) -> dict[str, Any]:
+def measure(cluster: SimCluster, nodes: int, tree: bool, calls: int,
+            ranks_per_node: int = 1) -> dict[str, Any]:
     import phalanx as px
 
     hosts = cluster.hosts[:nodes]
+    ranks = nodes * ranks_per_node
     backend = px.ClusterBackend(hosts, token_file=cluster.token_file,
                                 tree_threshold=1 if tree else nodes + 1, fanout=FANOUT,
-                                heartbeat_timeout=120, quorum_timeout=120)
-    started = time.perf_counter()
-    group = px.WorkerGroup(Sim, nodes=nodes, backend=backend, heartbeat_timeout=None,
-                           straggler_warning=None, echo_output=False, start_timeout=600)
+                                heartbeat_timeout=120, quorum_timeout=120,
+                                node_timeout=120)  # 1 GiB through loopback, flat: slow
+    started, cpu_started = time.perf_counter(), time.process_time()
+    group = px.WorkerGroup(Sim, nodes=nodes, procs_per_node=ranks_per_node, backend=backend,
+                           heartbeat_timeout=None, straggler_warning=None, echo_output=False,
+                           start_timeout=600)
     startup = time.perf_counter() - started
+    startup_cpu = time.process_time() - cpu_started
     try:
         connections = agent_connections({int(h.rsplit(":", 1)[1]) for h in hosts})
         for _ in range(5):
@@ -127,25 +160,33 @@ def measure(cluster: SimCluster, nodes: int, tree: bool, calls: int) -> dict[str
             cpu.append(time.process_time() - c0)
         agents_cpu = (cluster.cpu_seconds() - agents_before) / len(noop)
         data = bytes(MIB)
-        assert group.call("size", data) == [MIB] * nodes
+        assert group.call("size", data) == [MIB] * ranks
         broadcast = []
+        received = cluster.received_bytes()
         for _ in range(max(5, calls // 4)):
             t0 = time.perf_counter()
             group.call("size", data)
             broadcast.append(time.perf_counter() - t0)
+        after = cluster.received_bytes()
+        per_link = [(after.get(h, 0) - received.get(h, 0)) / len(broadcast) / MIB
+                    for h in hosts]
     finally:
         group.shutdown()
-    return {"nodes": nodes, "mode": "tree" if tree else "flat", "startup_s": startup,
-            "connections": connections, "noop_ms": median(noop) * 1e3,
-            "controller_cpu_ms": median(cpu) * 1e3, "agents_cpu_ms": agents_cpu * 1e3,
-            "broadcast_1mib_ms": median(broadcast) * 1e3}
+    return {"nodes": nodes, "ranks": ranks, "mode": "tree" if tree else "flat",
+            "startup_s": startup, "startup_cpu_s": startup_cpu, "connections": connections,
+            "noop_ms": median(noop) * 1e3, "controller_cpu_ms": median(cpu) * 1e3,
+            "controller_cpu_per_rank_us": median(cpu) * 1e6 / ranks,
+            "agents_cpu_ms": agents_cpu * 1e3, "broadcast_1mib_ms": median(broadcast) * 1e3,
+            "broadcast_mib_per_link": max(per_link)}
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    head = ("nodes", "mode", "start-up s", "connections", "no-op ms", "controller CPU ms",
-            "agents CPU ms", "1 MiB broadcast ms")
-    keys = ("nodes", "mode", "startup_s", "connections", "noop_ms", "controller_cpu_ms",
-            "agents_cpu_ms", "broadcast_1mib_ms")
+    head = ("nodes", "ranks", "mode", "start-up s", "start-up CPU s", "connections",
+            "no-op ms", "controller CPU ms", "CPU/rank us", "agents CPU ms",
+            "1 MiB broadcast ms", "MiB/link")
+    keys = ("nodes", "ranks", "mode", "startup_s", "startup_cpu_s", "connections", "noop_ms",
+            "controller_cpu_ms", "controller_cpu_per_rank_us", "agents_cpu_ms",
+            "broadcast_1mib_ms", "broadcast_mib_per_link")
     rows = [[f"{r[k]:.2f}" if isinstance(r[k], float) else str(r[k]) for k in keys]
             for r in results]
     widths = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
@@ -154,13 +195,27 @@ def table(results: list[dict[str, Any]]) -> str:
 
 
 def targets(results: list[dict[str, Any]]) -> list[tuple[str, float, bool]]:
-    by = {(r["nodes"], r["mode"]): r for r in results}
+    by = {(r["nodes"], r["ranks"], r["mode"]): r for r in results}
     checks = []
-    for (nodes, mode), r in sorted(by.items()):
+    for (nodes, ranks, mode), r in sorted(by.items()):
         if mode == "tree":
-            checks.append((f"tree, {nodes} nodes: controller connections <= {FANOUT}",
-                           r["connections"], r["connections"] <= FANOUT))
-    small, large = by.get((10, "tree")), by.get((1000, "tree"))
+            checks.append((f"tree, {ranks} ranks on {nodes} nodes: controller connections "
+                           f"<= {FANOUT}", r["connections"], r["connections"] <= FANOUT))
+    for (_, ranks, mode), r in sorted(by.items()):
+        checks.append((f"{mode}, {ranks} ranks: a 1 MiB argument crosses each link once "
+                       "(MiB per link per call <= 1.05)", r["broadcast_mib_per_link"],
+                       r["broadcast_mib_per_link"] <= 1.05))
+    for key, most in (((1000, 1000, "tree"), 1.0), ((1000, 10000, "tree"), 2.0)):
+        r = by.get(key)
+        if r is not None:
+            checks.append((f"tree, {key[1]} ranks on {key[0]} nodes: controller CPU per "
+                           f"no-op call <= {most:g} ms", r["controller_cpu_ms"],
+                           r["controller_cpu_ms"] <= most))
+    r = by.get((1000, 1000, "tree"))
+    if r is not None:
+        checks.append(("tree, 1000 nodes: start-up in <= 2 s of the controller's CPU",
+                       r["startup_cpu_s"], r["startup_cpu_s"] <= 2.0))
+    small, large = by.get((10, 10, "tree")), by.get((1000, 1000, "tree"))
     if small and large:
         for key, what in (("noop_ms", "no-op call"), ("controller_cpu_ms", "controller CPU"),
                           ("broadcast_1mib_ms", "1 MiB broadcast")):
@@ -183,17 +238,17 @@ def plot(results: list[dict[str, Any]], path: Path) -> bool:
     for ax, key, title in ((axes[0], "noop_ms", "no-op call"),
                            (axes[1], "broadcast_1mib_ms", "1 MiB to every rank")):
         for mode, style in (("flat", "o--"), ("tree", "s-")):
-            points = sorted((r["nodes"], r[key]) for r in results if r["mode"] == mode)
+            points = sorted((r["ranks"], r[key]) for r in results if r["mode"] == mode)
             if points:
                 ax.plot(*zip(*points, strict=True), style, label=mode)
         if key == "noop_ms":
-            points = sorted((r["nodes"], r["controller_cpu_ms"]) for r in results
+            points = sorted((r["ranks"], r["controller_cpu_ms"]) for r in results
                             if r["mode"] == "tree")
             if points:
                 ax.plot(*zip(*points, strict=True), "^:", label="tree: controller CPU")
         ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.set_xlabel("nodes (one rank each)")
+        ax.set_xlabel("ranks")
         ax.set_ylabel("ms per call (median)")
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
@@ -207,22 +262,33 @@ def plot(results: list[dict[str, Any]], path: Path) -> bool:
 def main(argv: list[str] | None = None) -> None:
     compile_sources()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="10,100,1000")
+    parser.add_argument("--sizes", default="10,100,1000,1000x10",
+                        help="nodes, or NODESxRANKS (ranks per node), comma-separated")
+    parser.add_argument("--ranks-per-node", type=int, default=1,
+                        help="ranks per node where a size does not say")
+    parser.add_argument("--modes", default="flat,tree")
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args(argv)
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = []
+    for size in args.sizes.split(","):
+        nodes, _, per = size.partition("x")
+        sizes.append((int(nodes), int(per) if per else args.ranks_per_node))
+    modes = [m.strip() for m in args.modes.split(",")]
     import logging
 
     logging.getLogger("phalanx").setLevel(logging.ERROR)
-    cluster = SimCluster(max(sizes))
+    cluster = SimCluster(max(nodes for nodes, _ in sizes))
     results = []
     try:
-        for nodes in sizes:
+        for nodes, per in sizes:
             for tree in (False, True):
-                result = measure(cluster, nodes, tree, args.calls)
-                print(f"  {nodes} nodes, {result['mode']}: no-op {result['noop_ms']:.2f} ms",
-                      file=sys.stderr, flush=True)
+                if ("tree" if tree else "flat") not in modes:
+                    continue
+                result = measure(cluster, nodes, tree, args.calls, per)
+                print(f"  {result['ranks']} ranks on {nodes} nodes, {result['mode']}: no-op "
+                      f"{result['noop_ms']:.2f} ms, controller CPU "
+                      f"{result['controller_cpu_ms']:.2f} ms", file=sys.stderr, flush=True)
                 results.append(result)
     finally:
         cluster.close()

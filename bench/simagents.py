@@ -9,8 +9,18 @@ answers the rank's messages in the relay's own pass (INIT, CALL, SHUTDOWN), with
 frames a worker process would send. So a thousand nodes fit on a small machine, and what
 is measured is the controller's and the agents' part of a call.
 
+A simulated rank answers as a real one does: its method's value as a RESULT, an exception
+as an ERROR with the rank's traceback (what the controller reports, naming the rank); a
+method that returns :data:`NO_ANSWER` leaves the call unanswered, as a rank stuck in it
+would (a test of fail-fast: another rank's error must not wait for it).
+
 Run as ``python -m bench.simagents --token-file F ADDRESS...``: it prints one JSON line
-with the agents' ``host:port`` entries, then serves until stdin closes or SIGTERM.
+with the agents' ``host:port`` entries, then serves until stdin closes or SIGTERM. A line
+``bytes`` on stdin is answered with one JSON line: for each agent (its address), the bytes
+it has received from whoever is above it (the controller, or its parent agent in a tree),
+over all its sessions -- what each link of a tree carries. A line ``stop HOST:PORT`` stops
+that agent as if its machine went (its connections end, above and below; its listener
+closes) and is answered ``stopped HOST:PORT``: a test's dead node, or dead subtree.
 """
 
 from __future__ import annotations
@@ -30,9 +40,21 @@ from typing import Any
 from phalanx.backends.cluster import messages as agentwire
 from phalanx.backends.cluster.agent.daemon import Agent
 from phalanx.backends.cluster.agent.ranks import Session
+from phalanx.errors import RemoteFailure
 from phalanx.wire import pickling, protocol
 
 _PREFIX = struct.Struct("<IQ")
+
+
+class _NoAnswer:
+    # told by this mark, not by identity: this module runs as __main__ in the agents'
+    # processes, where the ranks' code imports it again as bench.simagents
+    sim_no_answer = True
+
+
+NO_ANSWER = _NoAnswer()  # a simulated rank's method that returns it never answers the call
+_RECEIVED: dict[str, int] = {}  # an agent's address -> bytes it received from above
+_RECEIVED_LOCK = threading.Lock()
 
 
 def _segments(frame: list[Any]) -> list[bytes]:
@@ -62,8 +84,17 @@ class _SimConn:
         kind, call_id, _, extra = protocol.parse(segs[0])
         rank = self.rank
         if kind == protocol.CALL:
-            args, kwargs = pickling.loads(segs[1:])
-            value = getattr(rank.obj, extra[0])(*args, **kwargs)
+            try:
+                args, kwargs = pickling.loads(segs[1:])
+                value = getattr(rank.obj, extra[0])(*args, **kwargs)
+            except Exception as exc:  # the rank's error, reported as a rank does
+                failure = RemoteFailure.from_exception(exc, "running the method",
+                                                       exc.__traceback__)
+                self.session._up(rank, [[protocol.header(  # type: ignore[arg-type]
+                    protocol.ERROR, call_id, rank.rank, failure.as_tuple())]])
+                return
+            if getattr(type(value), "sim_no_answer", False) is True:
+                return
             self.session._up(rank, [[protocol.header(protocol.RESULT, call_id,  # type: ignore[arg-type]
                                                      rank.rank),
                                      *pickling.dumps_fast(value)]])
@@ -106,6 +137,19 @@ class _SimRank:
 
 class SimSession(Session):
     """A session whose ranks are simulated in-process (see the module's docstring)."""
+
+    def __init__(self, sock: Any, **options: Any) -> None:
+        count = options["counters"]
+        host, port = sock.getsockname()[:2]
+        address = f"{host}:{port}"
+
+        def counters(name: str, value: float) -> None:  # the bytes from above, kept too
+            if name == "received_bytes_total":
+                with _RECEIVED_LOCK:
+                    _RECEIVED[address] = _RECEIVED.get(address, 0) + int(value)
+            count(name, value)
+
+        super().__init__(sock, **{**options, "counters": counters})
 
     def _launch(self, starts: list[tuple], sys_path: list[str], options: dict,
                 cwd: str | None, payload: list[Any]) -> list[int]:
@@ -177,7 +221,21 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps([f"{a.address[0]}:{a.address[1]}" for a in agents]), flush=True)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
-    threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+
+    by_address = {f"{a.address[0]}:{a.address[1]}": a for a in agents}
+
+    def commands() -> None:
+        for line in sys.stdin:
+            word, _, argument = line.strip().partition(" ")
+            if word == "bytes":
+                with _RECEIVED_LOCK:
+                    print(json.dumps(_RECEIVED), flush=True)
+            elif word == "stop" and argument in by_address:
+                by_address[argument].stop(2.0)
+                print(json.dumps(f"stopped {argument}"), flush=True)
+        done.set()
+
+    threading.Thread(target=commands, daemon=True).start()
     done.wait()
     stoppers = [threading.Thread(target=agent.stop, args=(2.0,), daemon=True)
                 for agent in agents]
