@@ -1,0 +1,119 @@
+"""What a rank on Ray costs and how its end is told (the benchmark's W5 and W1 on Ray): a
+rank killed from outside fails its call with its signal and its last words every time (the
+controller reads the exit status from the kernel as the rank's stream ends, not waiting for
+Ray to learn of the death, nor missing it when the raylet reaps the actor first); a rank
+that never uses Ray's serializer does not pay for Ray's serialization context, which still
+works when it does; its start leaves nothing in Ray's store; and a rank that exits on its
+own is told with its code, though its actor's ``serve`` returns nothing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+import phalanx as px
+from phalanx import WorkerDied
+from tests import raycluster
+from tests.workers import Probe
+
+ray = pytest.importorskip("ray", reason="the ray backend needs ray (pip install 'phalanx[ray]')")
+
+
+@pytest.fixture(autouse=True)
+def cluster(ray_cluster):
+    yield ray_cluster
+    assert raycluster.leftovers() == []
+
+
+class Costs(Probe):
+    """What a rank has loaded, and Ray's serializer used from it."""
+
+    def loaded(self, name: str) -> bool:
+        return name in sys.modules
+
+    def put_and_get(self, value: object) -> dict:
+        import ray
+
+        ref = ray.put(value)
+        return {"ref": ref, "value": ray.get(ref, timeout=30)}
+
+    def get(self, refs: dict) -> object:
+        import ray
+
+        return ray.get(refs["ref"], timeout=30)
+
+
+def test_a_rank_killed_from_outside_fails_its_call_with_its_signal_every_time():
+    """An external ``kill -9`` (what W5 does): the warden did not deliver it and Ray only
+    says that the worker died, so the signal comes from the kernel's record alone; the
+    raylet reaps the actor at once, so a look at a zombie would miss it now and then."""
+    with px.WorkerGroup(Probe, procs_per_node=2, backend="ray", echo_output=False) as group:
+        for attempt in range(4):
+            pid = group.call_one(1, "pid")
+            future = group.call_async("sleep", 30, workers=[1])
+            time.sleep(0.2)
+            os.kill(pid, signal.SIGKILL)  # the test cluster's nodes are this machine
+            with pytest.raises(WorkerDied) as died:
+                future.result(timeout=10)
+            assert (died.value.rank, died.value.pid) == (1, pid), attempt
+            assert died.value.signal == "SIGKILL", (attempt, died.value.cause)
+            group.recreate(1)
+        assert group.call("rank") == [0, 1]
+
+
+def test_a_rank_that_kills_itself_is_told_with_its_last_words():
+    """Its stderr lines are still unread as it dies: the death told at once carries them."""
+    lines = tuple(f"last words {i}" for i in range(3))
+    with px.WorkerGroup(Probe, procs_per_node=2, backend="ray", echo_output=False) as group:
+        with pytest.raises(WorkerDied) as died:
+            group.call_one(0, "kill_self", lines, timeout=30)
+        assert died.value.signal == "SIGKILL"
+        assert list(died.value.stderr_tail[-3:]) == list(lines)
+        assert group.call_one(1, "rank") == 1
+
+
+def test_a_rank_that_exits_on_its_own_is_told_with_its_code():
+    with px.WorkerGroup(Probe, procs_per_node=2, backend="ray", echo_output=False) as group:
+        started = time.monotonic()
+        with pytest.raises(WorkerDied) as died:
+            group.call_one(1, "sys_exit", 3, timeout=30)
+        assert (died.value.rank, died.value.exitcode) == (1, 3)
+        # promptly: its warden's account, not Ray's (its actor lives on, serving nothing)
+        assert time.monotonic() - started < 5
+        assert not group.health()[1].alive and group.health()[1].exitcode == 3
+        group.recreate(1)
+        assert group.call("rank") == [0, 1]
+
+
+def test_a_rank_that_does_not_use_rays_serializer_does_not_make_it():
+    """Making Ray's serialization context imports pyarrow (~50 ms of CPU in every rank's
+    actor as it starts, and memory): a rank whose calls never go through Ray's serializer
+    never makes it; one that does gets it, and its refs keep their owner both ways."""
+    pytest.importorskip("pyarrow", reason="without pyarrow Ray's context costs little")
+    with px.WorkerGroup(Costs, procs_per_node=2, backend="ray", echo_output=False) as group:
+        assert group.call("loaded", "pyarrow") == [False, False]
+        made = group.call_one(0, "put_and_get", [1, 2, 3])
+        assert made["value"] == [1, 2, 3]
+        assert ray.get(made["ref"], timeout=30) == [1, 2, 3]  # returned: its owner kept
+        assert group.call_one(1, "get", {"ref": ray.put("from the driver")}) == \
+            "from the driver"
+        assert group.call("loaded", "pyarrow") == [True, True]
+
+
+def test_a_ranks_start_is_not_left_in_rays_store():
+    """The start (with the group's secret) is taken by the actor as it starts; a start no
+    actor took is removed when the group ends."""
+    from ray.experimental import internal_kv
+
+    def starts() -> list[bytes]:
+        return internal_kv._internal_kv_list(b"start/", namespace="phalanx")
+
+    with px.WorkerGroup(Probe, procs_per_node=2, backend="ray", echo_output=False) as group:
+        assert starts() == []
+        group.recreate(1)
+        assert starts() == []
+    assert starts() == []
