@@ -27,6 +27,7 @@ import psutil
 import pytest
 
 import phalanx as px
+from tests.agentcluster import free_port
 from tests.conftest import BACKENDS
 from tests.helpers import REPO, wait_until
 from tests.workers import Probe
@@ -46,7 +47,7 @@ CONTROLLER = textwrap.dedent("""
         group = px.attach(name, backend=backend, echo_output=False)
         group.call("record", "second")
     else:
-        group = px.WorkerGroup(Probe, nodes=None if hosts is None else 2,
+        group = px.WorkerGroup(Probe, nodes=None if hosts is None else len(hosts[:2]),
                                procs_per_node=None if hosts is not None else 2,
                                backend=backend, name=name, detached=detached,
                                detach_timeout=timeout, echo_output=False)
@@ -157,6 +158,23 @@ def test_a_group_outlives_one_controller_after_another(agent_cluster):
     finally:
         group.shutdown()
     assert wait_until(lambda: not _alive(started["pids"]), 15)
+
+
+@needs_agents
+def test_an_agent_that_stops_ends_the_detached_groups_it_keeps(agent_cluster):
+    from tests.agentcluster import Agents, listening, start_agent, terminate
+
+    host, port = "127.0.0.5", free_port("127.0.0.5")
+    agent = start_agent(host, port, agent_cluster.token_file, "--once")
+    try:
+        assert wait_until(lambda: listening(host, port), 30)
+        proc, started = _controller(Agents([agent], [f"{host}:{port}"], agent_cluster.token,
+                                           agent_cluster.token_file), "agent-ends")
+        _kill(proc)
+        assert _alive(started["pids"]) == started["pids"]  # kept for the next controller
+    finally:
+        terminate([agent])  # SIGTERM: an agent that stops stops every rank it holds
+    assert wait_until(lambda: not _alive(started["pids"]), 10)
 
 
 @needs_agents
