@@ -131,6 +131,23 @@ def agent_connections(ports: set[int]) -> int:
                if c.status == psutil.CONN_ESTABLISHED and c.raddr and c.raddr.port in ports)
 
 
+def descriptors_short(nodes: int, ranks: int) -> str | None:
+    """Why this process cannot hold a group of ``ranks`` ranks on ``nodes`` nodes (None: it
+    can): the controller keeps four descriptors per rank (its output's two pipes, at
+    phalanx.backends.cluster.link.AgentRankChannel) and one per connection. The soft limit
+    is raised to the hard one first."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = 4 * ranks + nodes + 512
+    if soft < needed and soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        soft = hard
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return None
+    return f"{ranks} ranks need about {needed} descriptors here; the limit is {soft}"
+
+
 def measure(cluster: SimCluster, nodes: int, tree: bool, calls: int,
             ranks_per_node: int = 1) -> dict[str, Any]:
     import phalanx as px
@@ -284,6 +301,10 @@ def main(argv: list[str] | None = None) -> None:
         for nodes, per in sizes:
             for tree in (False, True):
                 if ("tree" if tree else "flat") not in modes:
+                    continue
+                short = descriptors_short(nodes, nodes * per)
+                if short is not None:
+                    print(f"  skipped {nodes}x{per}: {short}", file=sys.stderr, flush=True)
                     continue
                 result = measure(cluster, nodes, tree, args.calls, per)
                 print(f"  {result['ranks']} ranks on {nodes} nodes, {result['mode']}: no-op "

@@ -326,7 +326,7 @@ class Sender:
         for link, places in runs.items():
             sends.append((link, protocol.ranks_part([ranks[i] for i in places])))
             if places[-1] - places[0] == len(places) - 1:  # a run: its answers come as one
-                cohort.parts[link] = (places[0], places[-1] + 1)
+                cohort.add_part(link, places[0], places[-1] + 1)
         cohort.sends = sends
         if len(self._cohorts) >= _COHORTS_KEPT:
             oldest = self._cohorts.pop(next(iter(self._cohorts)))

@@ -224,9 +224,8 @@ class Dispatcher:
                     continue
                 lo = -1 if cohort.gone.get(call_id) else cohort.span(link, ranks)
                 if lo >= 0 and future.resolve_span(lo, gathered):
-                    now = time.monotonic()  # each a sign of life, as a RESULT would be
-                    for called in cohort.entries[lo:lo + len(ranks)]:
-                        called.seen = now
+                    # each a sign of life, as a RESULT would be
+                    cohort.answered(link, lo, len(ranks), time.monotonic())
                     return
                 break
         by_rank = self._by_rank
@@ -236,7 +235,7 @@ class Dispatcher:
             entry = by_rank.get(rank)
             if channel is None or entry is None or entry.channel is not channel:
                 continue  # an earlier incarnation's, or a rank not on that link
-            entry.seen = now
+            entry.heard_at = now
             pending = entry.calls.pop(call_id, None)
             if pending is None and entry.cohorts:
                 pending = entry.cohort_call(call_id)
@@ -467,7 +466,7 @@ class Dispatcher:
                 if not self._stray(channel, segs, kind, rank):
                     return  # the channel's rank broke the protocol: nothing more of it
                 continue
-            entry.seen = now
+            entry.heard_at = now
             if kind == _RESULT:  # the hot path
                 future = entry.calls.pop(call_id, None)
                 if future is None and entry.cohorts:

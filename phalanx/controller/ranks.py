@@ -10,14 +10,16 @@ Who changes what: only an entry's own methods move it from state to state (the d
 calls them as READY, INIT_ERROR and EXITED arrive, the watchdog when a rank falls silent,
 the shutdown when it stops them all); only the table places and drops entries. Two fields are
 left plain for the hot path's sake, each with one writer documented on it:
-:attr:`RankEntry.seen` (stamped by the dispatcher on every message) and :attr:`RankEntry.calls`
-(a call's sender adds to it, the dispatcher takes its answers out).
+:attr:`RankEntry.heard_at` (stamped by the dispatcher on every message of the rank's own) and
+:attr:`RankEntry.calls` (a call's sender adds to it, the dispatcher takes its answers out).
 
 A call to many ranks at once is not registered on each of them: the sender registers it
 once on a :class:`Cohort`, the entries it calls together (every rank of the group, say),
 and the call's future says which of them still owe an answer. So a call to a thousand
 ranks costs the controller no per-rank registration, and its answers, gathered by an agent
-tree, resolve a whole run of ranks at once. :attr:`RankEntry.pending` shows both kinds
+tree, resolve a whole run of ranks at once -- and are their sign of life at once: a run that
+is every rank a link carries stamps that part of the cohort, which :attr:`RankEntry.seen`
+reads with the rank's own stamp. :attr:`RankEntry.pending` shows both kinds
 together -- the calls a rank owes an answer to -- for everything that looks at one rank
 (its death, a membership change, health, the watchdog); taking a call from it there takes
 it for that rank alone.
@@ -128,9 +130,9 @@ class RankEntry:
         self.init_failure: RemoteFailure | None = None
         self.failure: ProcessFailure | None = None
         self.started = time.monotonic()  # when its launch began
-        # When it last gave a sign of life (any message); None until its first. The
-        # dispatcher stamps it on every message it routes here.
-        self.seen: float | None = None
+        # When its last message of its own came (None: none yet): the dispatcher stamps it
+        # on every message it routes here. seen adds what its cohorts heard of it.
+        self.heard_at: float | None = None
         # Call id -> the completion side of its future, for the calls registered on it
         # alone: the sender adds a call as it sends it, the dispatcher pops it as the answer
         # comes; everything else uses pending and take_pending.
@@ -144,6 +146,21 @@ class RankEntry:
         self.restarts = 0  # how many incarnations of its rank came before it (RankTable)
 
     # -- reading --------------------------------------------------------------------------
+
+    @property
+    def seen(self) -> float | None:
+        """When it last gave a sign of life (any message, an answer among its cohort's);
+        None until its first."""
+        seen = self.heard_at
+        for cohort, i in self.cohorts:
+            stamp = cohort.heard(i)
+            if stamp is not None and (seen is None or stamp > seen):
+                seen = stamp
+        return seen
+
+    @seen.setter
+    def seen(self, value: float | None) -> None:
+        self.heard_at = value
 
     @property
     def pending(self) -> PendingCalls:
@@ -304,12 +321,13 @@ class Cohort:
     ``ranks`` and ``entries`` are in the calls' order (``positions``: a rank's place
     there); a registered call is owed by each entry whose place its future still waits on
     (:meth:`Call.waits_on <phalanx.controller.futures.Call.waits_on>`), unless it was taken
-    from that entry (:meth:`take`). ``parts`` is the sender's: which places each connection
-    carries (a run of them), for the answers that come back over it.
+    from that entry (:meth:`take`). Its parts are the sender's (:meth:`add_part`): which
+    places each connection carries (a run of them), for the answers that come back over it,
+    with when the last answer of every one of them came (their sign of life).
     """
 
-    __slots__ = ("calls", "entries", "gone", "parts", "positions", "ranks", "retired",
-                 "sends", "version")
+    __slots__ = ("_part_of", "_stamps", "calls", "entries", "gone", "parts", "positions",
+                 "ranks", "retired", "sends", "version")
 
     def __init__(self, ranks: list[int], entries: list[RankEntry], version: Any) -> None:
         self.ranks = ranks  # never mutated (calls' futures share it)
@@ -318,7 +336,9 @@ class Cohort:
         self.positions = {rank: i for i, rank in enumerate(ranks)}
         self.calls: dict[int, Call] = {}  # call id -> its future, until every place is done
         self.gone: dict[int, set[int]] = {}  # call id -> places it was taken from
-        self.parts: dict[Any, tuple[int, int]] = {}  # a link -> the places [lo, hi) on it
+        self.parts: dict[Any, tuple[int, int, int]] = {}  # a link -> [lo, hi) and its number
+        self._part_of: list[int] = [-1] * len(ranks)  # a place -> its part's number
+        self._stamps: list[float | None] = []  # a part's number -> when all of it answered
         self.sends: list[tuple[Any, bytes]] = []  # each link, and its ranks' header field
         self.retired = False
         for i, entry in enumerate(entries):
@@ -348,6 +368,28 @@ class Cohort:
     def let_go(self, call_id: int, i: int) -> None:
         """The entry at place ``i`` no longer owes call ``call_id`` (taken from it)."""
         self.gone.setdefault(call_id, set()).add(i)
+
+    def add_part(self, link: Any, lo: int, hi: int) -> None:
+        """``link`` carries the places ``lo`` to ``hi`` (and no other)."""
+        number = len(self._stamps)
+        self._stamps.append(None)
+        self.parts[link] = (lo, hi, number)
+        self._part_of[lo:hi] = [number] * (hi - lo)
+
+    def heard(self, i: int) -> float | None:
+        """When the last answer of every place of the part of place ``i`` came."""
+        number = self._part_of[i]
+        return None if number < 0 else self._stamps[number]
+
+    def answered(self, link: Any, lo: int, count: int, now: float) -> None:
+        """The places ``lo`` to ``lo + count`` of ``link``'s part answered (at ``now``):
+        the whole part stamped at once, else each of those entries."""
+        part = self.parts.get(link)
+        if part is not None and part[0] == lo and part[1] == lo + count:
+            self._stamps[part[2]] = now
+            return
+        for entry in self.entries[lo:lo + count]:
+            entry.heard_at = now
 
     def span(self, link: Any, ranks: Sequence[int]) -> int:
         """The place of ``ranks[0]`` when ``ranks`` (increasing) are a run of places all

@@ -168,7 +168,8 @@ def entries(count: int) -> list[RankEntry]:
 def test_a_cohorts_call_is_owed_taken_and_failed_rank_by_rank():
     called = entries(6)
     cohort = Cohort(list(range(6)), called, version=(0, 0))
-    cohort.parts = {"link-a": (0, 3), "link-b": (3, 6)}
+    cohort.add_part("link-a", 0, 3)
+    cohort.add_part("link-b", 3, 6)
     call = call_of(list(range(6)))
     call.fan_out(cohort, 11)
     cohort.calls[11] = call
@@ -227,3 +228,18 @@ def test_a_frame_to_packed_ranks_is_the_call_frame_to_those_ranks():
     big = [b"x" * (framing.SMALL_FRAME + 1)]
     assert unframe(protocol.call_frame_to(8, protocol.ranks_part([1, 2]), "m", big)) == \
         unframe(protocol.call_frame(8, [1, 2], "m", big))
+
+
+def test_a_run_of_answers_is_a_sign_of_life_of_those_ranks_only():
+    called = entries(6)
+    cohort = Cohort(list(range(6)), called, version=(0, 0))
+    cohort.add_part("link-a", 0, 3)
+    cohort.add_part("link-b", 3, 6)
+    assert [e.seen for e in called] == [None] * 6 and not called[0].heard
+    cohort.answered("link-a", 0, 3, 5.0)  # all of link-a's part: stamped at once
+    cohort.answered("link-b", 3, 2, 6.0)  # part of link-b's: those ranks alone
+    assert [e.seen for e in called] == [5.0, 5.0, 5.0, 6.0, 6.0, None]
+    called[1].seen = 7.0  # a message of its own, later
+    called[0].seen = 1.0  # ... or earlier than its part's
+    assert [e.seen for e in called] == [5.0, 7.0, 5.0, 6.0, 6.0, None]
+    assert called[0].last_sign == 5.0 and called[5].last_sign == called[5].started

@@ -210,6 +210,7 @@ def results(call_id: int, ranks: Sequence[int], payloads: Sequence[Sequence[Any]
 # kind, call id, first rank; (count, None, sizes, None) as t 4 | q count | N | b 8*count...
 _USUAL = struct.Struct("<BQIcIcqccI")
 _USUAL_TAGS = (b"t", 4, b"q", b"N", b"b")
+_SIZES: dict[int, struct.Struct] = {}  # a number of ranks -> the layout of their sizes
 
 
 def read_results(segs: Sequence[Any]) -> protocol.Gathered:
@@ -224,8 +225,14 @@ def read_results(segs: Sequence[Any]) -> protocol.Gathered:
         if (kind == RESULTS and (t, four, q, none, b) == _USUAL_TAGS and count > 0
                 and nbytes == 8 * count and len(head) == _USUAL.size + nbytes + 1
                 and first + count <= protocol.MANY):
-            lengths = struct.unpack_from(f"<{count}Q", head, _USUAL.size)
-            carried = memoryview(segs[1]).nbytes
+            table = _SIZES.get(count)
+            if table is None:
+                table = struct.Struct(f"<{count}Q")
+                if len(_SIZES) < 4096:
+                    _SIZES[count] = table
+            lengths = table.unpack_from(head, _USUAL.size)
+            blob = segs[1]
+            carried = len(blob) if type(blob) is bytes else memoryview(blob).nbytes
             if sum(lengths) != carried:
                 raise ValueError(f"pickles of {sum(lengths)} bytes in all, in a segment of "
                                  f"{carried}")
