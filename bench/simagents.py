@@ -214,7 +214,10 @@ def main(argv: list[str] | None = None) -> None:
     with open(args.token_file, "rb") as f:
         token = f.read().strip()
     store = tempfile.mkdtemp(prefix="phalanx-sim-store-")  # no code is shipped here
-    agents = [SimAgent(address, 0, token, heartbeat_timeout=120.0, store=store)
+    # node_timeout: a parent judges its children by it; two CPUs shared by a thousand
+    # agents may leave one unscheduled for seconds under a broadcast
+    agents = [SimAgent(address, 0, token, heartbeat_timeout=120.0, node_timeout=120.0,
+                       store=store)
               for address in args.addresses]
     for agent in agents:
         threading.Thread(target=agent.serve_forever, daemon=True).start()

@@ -353,7 +353,8 @@ class Cohort:
 
     def owed(self, i: int) -> list[tuple[int, Completion]]:
         """The calls the entry at place ``i`` owes its answer to."""
-        return [(call_id, call) for call_id, call in self.calls.items()
+        # a copy first (made at once): the sender may register a call meanwhile
+        return [(call_id, call) for call_id, call in list(self.calls.items())
                 if self.owes(call_id, call, i)]
 
     def take(self, i: int, which: Callable[[Completion], bool] | None) -> list[Completion]:
