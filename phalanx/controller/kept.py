@@ -2,13 +2,14 @@
 
 ``group.call("rollout", ..., keep=True)`` (and ``call_async``, ``map``, ``map_async``,
 ``call_one``, ``call_sharded``) leaves each rank's result where it was made
-(:mod:`phalanx.rank.kept`: a memory block of the rank's process, or Ray's object store)
+(:mod:`phalanx.rank.kept`: a memory block of the rank's process, on every backend)
 and returns a :class:`~phalanx.controller.refs.ResultRef` per rank instead of the value
 (an :class:`~phalanx.controller.refs.ObjectRef`, as ``put()``'s handles are). A handle
 goes into any call of any group of this controller, anywhere in its arguments (as a
 ``put()`` handle does); the rank that receives it reads the value straight from the
-producer -- a mapping of the producer's block on the same machine, Ray's object store on
-Ray -- never through the controller. ``ref.get()`` fetches the value here.
+producer -- a mapping of the producer's block on the same machine; on Ray, from another
+machine, a Ray task on the producer's node and Ray's object store -- never through the
+controller. ``ref.get()`` fetches the value here.
 
 A kept result lives until its handle is freed (``ref.free()``, the last reference to it
 dropped, or its group shut down); a call in flight that names it keeps it until the call
@@ -19,7 +20,6 @@ group, the rank and why (and so does a call whose rank finds it gone).
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import threading
@@ -56,7 +56,7 @@ class KeptRecord(Record):
         self.method = method
         self.nbytes = nbytes
         self.rows = rows  # its first dimension, if it has one (phalanx.rank.rows)
-        self.location = location  # where it is (a block of its rank, or Ray's store)
+        self.location = location  # where it is (a block of its rank)
         self.source = source  # its node, for nodes that copy it (KeptCopying.source_of)
         self.copies: list[SharedObjects] = []  # the groups whose nodes hold a copy
 
@@ -99,10 +99,8 @@ class KeptResults:
               ) -> ResultRef:
         nbytes, where, rows = answer
         location = rankkept.location_of(where)
-        source = (None if isinstance(location, rankkept.RayLocation) else
-                  self._source(rank))
         result = KeptRecord(next(self._ids), rank, call_id, method, nbytes, location,
-                            source, rows)
+                            self._source(rank), rows)
         with self._lock:
             if self._closed:
                 result.move(RefState.RELEASED)
@@ -123,25 +121,37 @@ class KeptResults:
                                consumer.copy_of(result))
 
     def to_ray(self, ref: ResultRef) -> Any:
-        """A Ray ``ObjectRef`` of ``ref``'s value (see :meth:`ResultRef.to_ray`)."""
+        """A Ray ``ObjectRef`` of ``ref``'s value (see :meth:`ResultRef.to_ray`): a Ray
+        task on the producer's node reads it there into Ray's store; it is read before
+        this returns, so that the handle may be freed at once."""
         result: KeptRecord = ref.record
         check_usable(result, ref)
         location = result.location
-        if not isinstance(location, rankkept.RayLocation):
-            raise TypeError(f"{self.describe(result)} is kept in a memory block of its rank, "
-                            "not in Ray's object store: only results kept on the Ray backend "
-                            "convert to a Ray ObjectRef (pass the handle itself to phalanx "
-                            "calls, or .get() the value)")
+        if location.ray_node is None:
+            raise TypeError(f"{self.describe(result)} is kept by a rank that is no Ray "
+                            "worker: only results kept on the Ray backend convert to a Ray "
+                            "ObjectRef (pass the handle itself to phalanx calls, or .get() "
+                            "the value)")
         import ray
 
-        return _decoder(ray).remote(rankshared.ray_ref(location))
+        self.use([result])  # held until the task has read it, even if freed meanwhile
+        try:
+            converted = rankkept.ray_reader(location).remote(location, self.describe(result))
+            ready, _ = ray.wait([converted], timeout=rankshared.RAY_GET_TIMEOUT,
+                                fetch_local=False)
+        finally:
+            self.unhold([result])
+        if not ready:
+            raise TimeoutError(f"Ray did not read {self.describe(result)} on its node within "
+                               f"{rankshared.RAY_GET_TIMEOUT:.0f} s")
+        return converted
 
     def get(self, ref: ResultRef, timeout: float | None) -> Any:
         """The value of ``ref``, here (see :meth:`ResultRef.get`)."""
         result: KeptRecord = ref.record
         check_usable(result, ref)
         location = result.location
-        if isinstance(location, rankkept.RayLocation) or location.machine == rankkept.machine():
+        if location.machine == rankkept.machine():
             return rankkept.read(location, self.describe(result))
         payload = self._encode((result.call_id,), {})  # see phalanx.rank.kept
         return self._send("@fetch", [result.rank], [payload], builtin=True).result(timeout)[0]
@@ -230,13 +240,6 @@ class KeptResults:
 
     def __len__(self) -> int:
         return sum(len(r) for r in self._live.values())
-
-
-@functools.cache
-def _decoder(ray: Any) -> Any:
-    """The Ray task that turns a kept result's parts into its value (no CPU of its own:
-    it runs beside the groups' ranks)."""
-    return ray.remote(num_cpus=0, max_retries=0)(rankkept.decode_parts)
 
 
 def _release_copies(results: Any) -> None:

@@ -382,7 +382,7 @@ class SharedObjects:
         location = result.location
         if self._copier is None or result.source is None or not isinstance(
                 location, BlockLocation):
-            return None  # (Ray's store is read where it is)
+            return None  # (on Ray, a task on the producer's node reads it: rank/kept.py)
         with self._lock:
             copy = self._copies.get(result)
             if copy is None:

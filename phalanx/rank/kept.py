@@ -3,15 +3,20 @@ kept result named in a call of any group.
 
 A call with the ``KEEP`` flag (:mod:`phalanx.wire.protocol`) runs as any other, but its result stays
 here: pickled once (protocol 5) into an anonymous memory block of this process
-(:class:`phalanx.wire.memfd.Block`), or, in a Ray worker, into Ray's object store
-(``ray.put``, owned by this worker). The answer is only its size and where it is; the
-controller makes a handle of it (:class:`phalanx.controller.refs.ResultRef`), and where it
-is, a :data:`KeptLocation`, is what the handle carries into other calls. A rank whose
-call names the handle reads the value straight from here: on the same machine it maps the
-block through ``/proc/<pid>/fd/<n>`` (no copy: arrays are read-only views of it); on Ray
-it reads Ray's object store of its node; on an agent's node of another machine it maps
-the copy its agent fetched straight from the producer's agent. The controller never sees
-the bytes.
+(:class:`phalanx.wire.memfd.Block`), on every backend. The answer is only its size and
+where it is; the controller makes a handle of it (:class:`phalanx.controller.refs.ResultRef`),
+and where it is, a :class:`BlockLocation`, is what the handle carries into other calls. A
+rank whose call names the handle reads the value straight from here: on the same machine it
+maps the block through ``/proc/<pid>/fd/<n>`` (no copy: arrays are read-only views of it);
+on an agent's node of another machine it maps the copy its agent fetched straight from the
+producer's agent; on Ray, from another machine, it has a Ray task on the producer's node
+read the block there, and Ray's object store bring the value over. The controller never
+sees the bytes.
+
+A Ray worker keeps its results in its own block too, not in Ray's object store: a
+``ray.put`` of 64 MiB took a Ray worker 9-60 ms on a 2-core machine (its store allocating),
+writing them into a block it pooled 6 ms; and a rank of the same machine maps the block
+with no copy, as a Ray worker maps its node's store.
 
 Built-in calls (the ``BUILTIN`` flag; their names start with :data:`BUILTIN`, which keeps
 them apart from the user's methods in traces) serve the controller: ``@fetch`` (a
@@ -41,6 +46,7 @@ from phalanx.rank import rows, shared, tracing
 from phalanx.wire import pickling
 
 if TYPE_CHECKING:  # what a handle's rows are; the rank never needs the module itself
+    from phalanx.wire.memfd import Block, Extents
     from phalanx.world.rowselect import Rows
 
 BUILTIN = "@"  # the names of the calls phalanx's runtime serves itself start with it
@@ -62,19 +68,17 @@ class BlockLocation(NamedTuple):
     # it holds torch tensors: readers map it copy-on-write (torch has no read-only views,
     # and a rank writing into what it was given must not change the producer's value)
     tensors: bool = False
+    # the producer's Ray node, where it runs on Ray: a rank of another machine has a Ray
+    # task there read the block (read_on_node); None on the other backends
+    ray_node: str | None = None
+
+    def block(self) -> list[Any]:
+        """(pid, fd, token, extents, capacity, tensors): what an agent that copies the
+        result from the producer's agent names (the cluster backend's COPY)."""
+        return [self.pid, self.fd, self.token, self.extents, self.capacity, self.tensors]
 
 
-class RayLocation(NamedTuple):
-    """A result kept in Ray's object store (see :func:`phalanx.rank.shared.ray_location`)."""
-
-    kind: str  # shared.RAY_LOCATION
-    object_id: bytes
-    owner: Any  # its owner's address, as Ray serializes a reference
-    status: Any
-    tensors: bool = False  # holds torch tensors: readers take copies (see BlockLocation)
-
-
-KeptLocation = BlockLocation | RayLocation
+KeptLocation = BlockLocation  # where a kept result is, as handles carry it
 
 
 def _lost(message: str) -> Exception:
@@ -88,8 +92,6 @@ def _lost(message: str) -> Exception:
 def location_of(answer: Any) -> KeptLocation:
     """A rank's answer to a kept call says where the result is as a plain tuple (so that
     it pickles as fast as any small answer); the same, named."""
-    if answer[0] == shared.RAY_LOCATION:
-        return RayLocation(*answer)
     return BlockLocation(*answer)
 
 
@@ -103,13 +105,26 @@ def machine() -> str:
     return memfd.block_domain()
 
 
+@functools.cache
+def _ray_node_id() -> str:
+    import ray
+
+    node: str = ray.get_runtime_context().get_node_id()
+    return node
+
+
+def ray_node() -> str | None:
+    """This rank's Ray node (asked once), in a Ray worker; None elsewhere."""
+    return _ray_node_id() if IN_RAY_WORKER else None
+
+
 class Kept:
     """This rank's kept results, by the id of the call that made them (``keep=True``) or
     by a negative id of their own (a :func:`keep` inside a result)."""
 
     def __init__(self) -> None:
-        # key -> (its Block, extents, whether it holds tensors), or its ray.ObjectRef
-        self._held: dict[Hashable, Any] = {}
+        # key -> (its Block, extents, whether it holds tensors)
+        self._held: dict[Hashable, tuple[Block, Extents, bool]] = {}
         self._pool: list[tuple[float, Any]] = []  # (when, Block) of dropped results
         self._lock = threading.Lock()  # calls on a thread pool may keep at once
         self._trimmer: threading.Thread | None = None
@@ -146,20 +161,12 @@ class Kept:
         finally:
             _NESTING.depth -= 1
         nbytes = sum(memoryview(p).nbytes for p in parts)
-        held: Any
-        if IN_RAY_WORKER:
-            import numpy
-            import ray
+        from phalanx.wire import memfd
 
-            held = ray.put([numpy.frombuffer(p, numpy.uint8) for p in parts])
-            location: tuple[Any, ...] = (*shared.ray_location(held), tensors)
-        else:
-            from phalanx.wire import memfd
-
-            extents, size = memfd.extents_of(parts)
-            block = self._reusable(size) or memfd.Block(size)
-            held = (*block.fill(parts, extents), tensors)
-            location = _location(*held)
+        extents, size = memfd.extents_of(parts)
+        block = self._reusable(size) or memfd.Block(size)
+        held = (*block.fill(parts, extents), tensors)
+        location = _location(*held)
         with self._lock:
             self._held[key] = held
         made = _NESTING.made
@@ -173,9 +180,7 @@ class Kept:
             held = self._held.get(call_id)
         if held is None:
             raise _lost(f"no result of call {call_id} is kept on this rank")
-        if isinstance(held, tuple):
-            return read(BlockLocation(*_location(*held)), f"the result of call {call_id}")
-        return read(RayLocation(*shared.ray_location(held)), f"the result of call {call_id}")
+        return read(BlockLocation(*_location(*held)), f"the result of call {call_id}")
 
     def drop(self, call_ids: list[Hashable]) -> None:
         """Forget these results (``@drop``): their blocks go to the pool (the oldest of
@@ -186,7 +191,7 @@ class Kept:
             for call_id in call_ids:
                 self._answers.pop(call_id, None)
                 held = self._held.pop(call_id, None)
-                if isinstance(held, tuple):
+                if held is not None:
                     self._pool.append((now, held[0]))
             while len(self._pool) > POOL_BLOCKS:
                 closing.append(self._pool.pop(0)[1])
@@ -310,7 +315,8 @@ def piece(rank: int, key: int, nbytes: int, location: Any, rows: int | None) -> 
 def _location(block: Any, extents: list[Any], tensors: bool) -> tuple[Any, ...]:
     """Where a result kept in ``block`` of this process is: a :class:`BlockLocation`'s
     fields, as a plain tuple."""
-    return (machine(), os.getpid(), block.fd, block.token, extents, block.capacity, tensors)
+    return (machine(), os.getpid(), block.fd, block.token, extents, block.capacity, tensors,
+            ray_node())
 
 
 WEIGHT_SYNC = "@sync."  # px.weight_sync's built-ins start so (phalanx.rank.weightsync.PREFIX)
@@ -348,33 +354,77 @@ def read(location: KeptLocation, producer: str, copy: tuple[int, str] | None = N
     naming ``producer`` when it is gone. ``copy``: the id and token under which this
     rank's node holds a copy of it, where the node is another machine than the
     producer's (its agent fetched it from the producer's: see ``Backend.copy_kept``)."""
-    if isinstance(location, RayLocation):
-        if not (IN_RAY_WORKER or _is_ray_driver()):
-            raise NotImplementedError(
-                f"{producer} is kept in Ray's object store, which only ranks on Ray (and the "
-                "controller) can read; fetch it with .get() and pass the value")
-        try:
-            return shared.from_ray(0, location, location.tensors)
-        except shared.NotShared as exc:
-            raise _lost(f"{producer} is lost: {exc}") from None
-    if location.machine != machine() and copy is not None:
+    if location.machine == machine():
+        return _mapped(location, producer)
+    if copy is not None:
         try:
             # tensors: a fresh copy-on-write mapping per call, as the producer's own is
             return shared.resolve(*copy, private=location.tensors)
         except shared.NotShared as exc:
             raise _lost(f"{producer} is lost: this node's copy of it is gone "
                              f"({exc})") from None
-    if location.machine != machine():
-        raise NotImplementedError(
-            f"{producer} is kept on another machine: a rank reads kept results of its own "
-            "machine (or Ray's object store) only; fetch it with .get() and pass the "
-            "value, or put() it")
+    if location.ray_node is not None and (IN_RAY_WORKER or _is_ray_driver()):
+        return _read_through_ray(location, producer)
+    raise NotImplementedError(
+        f"{producer} is kept on another machine: a rank reads kept results of its own "
+        "machine (or, on Ray, of its Ray cluster) only; fetch it with .get() and pass the "
+        "value, or put() it")
+
+
+def _mapped(location: KeptLocation, producer: str) -> Any:
+    """A kept result of this machine, unpickled from a mapping of its block (holding the
+    block's read lock while any view of it lives)."""
     try:
         block = shared.map_block(location.pid, location.fd, location.token,
                                  location.capacity, location.tensors, locked=True)
     except shared.NotShared as exc:
         raise _lost(f"{producer} is lost: {exc} (the rank that made it is gone)") from None
     return shared.unpickle(block, location.extents, location.tensors, [])
+
+
+def read_on_node(location: KeptLocation, producer: str) -> Any:
+    """What the Ray task that reads a kept result on its producer's node runs: the value,
+    mapped from the block there; Ray copies it into its object store as the task's
+    return, and from there to whoever gets it."""
+    if location.machine != machine():
+        raise _lost(f"{producer} could not be read: the Ray task sent to its node ran on "
+                    "another machine")
+    return _mapped(location, producer)
+
+
+@functools.cache
+def _read_task(ray: Any) -> Any:
+    return ray.remote(num_cpus=0, max_retries=0)(read_on_node)
+
+
+def ray_reader(location: KeptLocation) -> Any:
+    """The Ray task (:func:`read_on_node`, no CPU of its own: it runs beside the ranks)
+    bound to the node of ``location``'s producer, a rank on Ray."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    assert location.ray_node is not None  # kept by a rank on Ray
+    where = NodeAffinitySchedulingStrategy(node_id=location.ray_node, soft=False)
+    return _read_task(ray).options(scheduling_strategy=where)
+
+
+def _read_through_ray(location: KeptLocation, producer: str) -> Any:
+    """A kept result of a rank on Ray on another machine: read by a Ray task on its node
+    and brought here by Ray (read-only arrays of this node's object store)."""
+    import ray
+
+    try:
+        return ray.get(ray_reader(location).remote(location, producer),
+                       timeout=shared.RAY_GET_TIMEOUT)
+    except ray.exceptions.GetTimeoutError:
+        raise TimeoutError(f"Ray did not bring {producer} to this node within "
+                           f"{shared.RAY_GET_TIMEOUT:.0f} s") from None
+    except ray.exceptions.RayError as exc:  # the task failed, or its node is gone
+        cause = getattr(exc, "cause", None) or exc
+        text = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
+        if type(cause).__name__ == "ObjectLost":
+            raise _lost(text) from None
+        raise _lost(f"{producer} could not be read on its node: {text}") from None
 
 
 def resolve_ray_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -395,15 +445,6 @@ def resolve_ray_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]
                            f"within {shared.RAY_GET_TIMEOUT:.0f} s") from None
     return (tuple(values.get(id(a), a) for a in args),
             {k: values.get(id(v), v) for k, v in kwargs.items()})
-
-
-def decode_parts(parts: list[Any]) -> Any:
-    """A kept result's value from its parts in Ray's store (the pickle, then its buffers):
-    what the task behind ``ResultRef.to_ray()`` returns, for Ray to store as a value."""
-    import pickle
-
-    head, *rest = parts
-    return pickle.loads(memoryview(head), buffers=[memoryview(p) for p in rest])
 
 
 def _is_ray_driver() -> bool:

@@ -627,7 +627,7 @@ def start_in_actor(conn: framing.Connection,
     side asks (:func:`arm_stack_dumps`)."""
     global _STARTED
     _STARTED = (time.monotonic(), 0.0)  # the process was there before the rank
-    kept.IN_RAY_WORKER = True  # results it keeps go to Ray's object store
+    kept.IN_RAY_WORKER = True  # its kept results name its Ray node (read from other machines)
     if stacks_fd is not None:
         arm_stack_dumps(stacks_fd)
     runtime = WorkerRuntime(conn)

@@ -37,7 +37,7 @@ class Producer:
         return os.getpid()
 
     def blocks(self) -> list[str]:
-        """The memory blocks this rank keeps its results in (none on Ray)."""
+        """The memory blocks this rank keeps its results in."""
         from phalanx.rank.kept import KEPT
 
         return sorted(held[0].token for held in KEPT._held.values() if type(held) is tuple)
@@ -200,9 +200,7 @@ def test_a_result_a_rank_still_holds_is_never_overwritten_by_the_next(groups):
     del again
 
 
-def test_a_block_no_one_reads_any_more_is_reused_for_the_next_result(groups, backend):
-    if backend == "ray":
-        pytest.skip("on Ray, results are kept in Ray's object store, not in blocks")
+def test_a_block_no_one_reads_any_more_is_reused_for_the_next_result(groups):
     producers, consumers = groups
     first = producers.call("make", MIB, keep=True)
     consumers.map("total", first)  # read, and no view left

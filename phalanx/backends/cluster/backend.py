@@ -630,7 +630,7 @@ class ClusterBackend(Backend):
         wait = config.KEPT_COPY_TIMEOUT
 
         def fetch(agent: AgentNode) -> None:
-            agent.request(agentwire.COPY, copy.id, copy.token, list(copy.location[1:]), host,
+            agent.request(agentwire.COPY, copy.id, copy.token, copy.location.block(), host,
                           port, wait, timeout=wait + REQUEST_TIMEOUT)
             agent.holding.add(copy.id)
 
