@@ -28,8 +28,9 @@ of again) and ``@trace`` (the spans a trace recorded: :mod:`phalanx.rank.tracing
 A dropped result's block is kept for the next results (at most :data:`POOL_BLOCKS`, each
 closed after :data:`POOL_IDLE` s unused): writing into pages that exist is a plain memory
 copy, several times faster than making a new block's. A block is reused only once no
-process reads it: every reader holds a shared lock on it while its mapping lives
-(:func:`phalanx.wire.memfd.read_lock`), released with its last view or its process.
+process reads it: every reader holds a shared lock on it while a view of what it read
+lives (one per read, :class:`Mappings`; a copy-on-write mapping's while the mapping lives,
+:func:`phalanx.wire.memfd.read_lock`), released with its last view or its process.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import time
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from phalanx.config import SHARE_BLOCK_PREFIX
 from phalanx.rank import rows, shared, tracing
 from phalanx.wire import pickling
 
@@ -53,6 +55,7 @@ BUILTIN = "@"  # the names of the calls phalanx's runtime serves itself start wi
 IN_RAY_WORKER = False  # set when the rank runs in its Ray actor's worker (start_in_actor)
 POOL_BLOCKS = 4  # dropped results' blocks a rank keeps for its next results
 POOL_IDLE = 2.0  # seconds a pooled block waits for a result before it is closed
+MAP_IDLE = 1.0  # seconds a reader's mapping of a kept block stays unused before it goes
 RANK: int | None = None  # this process's rank, set by its runtime (None: not a rank)
 
 
@@ -373,13 +376,126 @@ def read(location: KeptLocation, producer: str, copy: tuple[int, str] | None = N
 
 def _mapped(location: KeptLocation, producer: str) -> Any:
     """A kept result of this machine, unpickled from a mapping of its block (holding the
-    block's read lock while any view of it lives)."""
+    block's read lock while any view of it lives): the mapping this process keeps of it
+    (:class:`Mappings`), or, for torch tensors, a copy-on-write mapping of this read's own."""
     try:
+        if not location.tensors:
+            return MAPPINGS.read(location)
         block = shared.map_block(location.pid, location.fd, location.token,
                                  location.capacity, location.tensors, locked=True)
     except shared.NotShared as exc:
         raise _lost(f"{producer} is lost: {exc} (the rank that made it is gone)") from None
     return shared.unpickle(block, location.extents, location.tensors, [])
+
+
+class Mappings:
+    """This process's mappings of kept blocks, kept from one read to the next.
+
+    A rank that reads another's results round after round reads the same few blocks (its
+    producer reuses them: :meth:`Kept._reusable`); mapped once, a block costs nothing the
+    next time, where mapping 64 MiB afresh -- its page table filled, then torn down after
+    the call -- costs a reader half of what summing its floats does. The read lock that
+    keeps the producer from writing into the block is not the mapping's: each read takes
+    it on a descriptor of its own, released once no view of that read is left, so a
+    block nobody holds a view of is reused while it stays mapped here (a shared mapping:
+    the next result is in it). A mapping goes :data:`MAP_IDLE` s after its last read (its
+    pages once no view of them is left), so that it holds no block its producer let go
+    for long; one of the same descriptor with another name (a new block) goes at once.
+    """
+
+    def __init__(self) -> None:
+        # (pid, fd, name) -> [the mapping, when it was last read]
+        self._maps: dict[tuple[int, int, str], list[Any]] = {}
+        self._lock = threading.Lock()  # calls on a thread pool may read at once
+        self._trimmer: threading.Thread | None = None
+
+    def read(self, location: KeptLocation) -> Any:
+        """The value in ``location``'s block, its arrays read-only views of the mapping;
+        NotShared when the producer no longer holds the block."""
+        import ctypes
+        import fcntl
+        import weakref
+
+        key = (location.pid, location.fd, location.token)
+        lock = _open_block(*key)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_SH)  # before the first view: see Block.unread
+            mapping = self._mapping(key, lock, location.capacity)
+            whole = (ctypes.c_char * location.capacity).from_buffer(mapping)
+            # every view of this read references ``whole``: the lock goes with the last
+            weakref.finalize(whole, os.close, lock).atexit = False
+        except BaseException:
+            os.close(lock)
+            raise
+        return shared.unpickle(whole, location.extents, False, [])
+
+    def _mapping(self, key: tuple[int, int, str], lock: int, capacity: int) -> Any:
+        """The mapping of ``key``'s block, made (from ``lock``, the read's descriptor of
+        it) if this process has none."""
+        import mmap
+
+        now = time.monotonic()
+        with self._lock:
+            entry = self._maps.get(key)
+            if entry is not None:
+                entry[1] = now
+                return entry[0]
+        # a descriptor of its own: the mapping keeps one open, which must hold no lock
+        file = os.open(f"/proc/self/fd/{lock}", os.O_RDWR | os.O_CLOEXEC)
+        try:  # writable: ctypes views need it; only read-only views are handed out
+            mapping = mmap.mmap(file, capacity, flags=mmap.MAP_SHARED,
+                                prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(file)
+        try:  # every page mapped in one go, none copied (see shared.map_block)
+            mapping.madvise(getattr(mmap, "MADV_POPULATE_READ", 22))
+        except OSError:
+            pass
+        with self._lock:
+            for other in [k for k in self._maps if k[:2] == key[:2]]:
+                del self._maps[other]  # that descriptor holds another block now
+            self._maps[key] = [mapping, now]
+            if self._trimmer is None:
+                self._trimmer = threading.Thread(target=self._trim, daemon=True,
+                                                 name="phalanx-kept-maps")
+                self._trimmer.start()
+        return mapping
+
+    def _trim(self) -> None:
+        """Forget mappings unread for MAP_IDLE s; end once there is none."""
+        while True:
+            time.sleep(MAP_IDLE / 2)
+            now = time.monotonic()
+            with self._lock:
+                for key in [k for k, (_, used) in self._maps.items() if now - used >= MAP_IDLE]:
+                    del self._maps[key]  # unmapped with its last view
+                if not self._maps:
+                    self._trimmer = None  # the next mapping starts another
+                    return
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+
+MAPPINGS = Mappings()
+
+
+def _open_block(pid: int, fd: int, name: str) -> int:
+    """A descriptor of this process's own on block ``name``, descriptor ``fd`` of process
+    ``pid``; NotShared when that is not, or no longer, the block."""
+    try:
+        file = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise shared.NotShared(f"its holder (pid {pid}) no longer holds it "
+                               f"({exc.strerror})") from None
+    try:  # what was opened, not what the number named a moment before
+        opened = os.readlink(f"/proc/self/fd/{file}")
+    except OSError:
+        opened = ""
+    if not opened.startswith(f"/memfd:{SHARE_BLOCK_PREFIX}{name}"):
+        os.close(file)
+        raise shared.NotShared(f"its holder (pid {pid}) no longer holds it")
+    return file
 
 
 def read_on_node(location: KeptLocation, producer: str) -> Any:

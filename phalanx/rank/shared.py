@@ -33,6 +33,7 @@ RAY_LOCATION = "ray"  # a location in Ray's object store (phalanx.backends.ray.s
 RAY_GET_TIMEOUT = 120.0  # seconds for Ray to bring an object to this node
 
 if TYPE_CHECKING:
+    import ctypes
     import mmap
 
 # ctypes and mmap are imported on first use: a rank that is never sent a shared object
@@ -213,8 +214,8 @@ def from_ray(ref_id: int, location: tuple[Any, ...], private: bool) -> Any:
     return pickle.loads(memoryview(head), buffers=buffers)
 
 
-def unpickle(block: mmap.mmap, layout: list[tuple[int, int]], writable: bool,
-             owners: list[Any]) -> Any:
+def unpickle(block: mmap.mmap | ctypes.Array[ctypes.c_char], layout: list[tuple[int, int]],
+             writable: bool, owners: list[Any]) -> Any:
     import ctypes
 
     (start, length), *rest = layout

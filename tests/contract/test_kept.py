@@ -75,6 +75,12 @@ class Consumer:
     def release(self) -> None:
         self.held = None
 
+    def mapped(self, tokens: list[str]) -> list[str]:
+        """Which of these blocks this rank maps now."""
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+        return [t for t in tokens if t in maps]
+
 
 @pytest.fixture(scope="module")
 def groups(backend):
@@ -215,6 +221,25 @@ def test_a_block_no_one_reads_any_more_is_reused_for_the_next_result(groups):
     assert all(len(n) == 1 and n[0] in p for n, p in zip(now, pooled, strict=True)), (now, pooled)
     assert consumers.map("total", second) == [(3.0 * MIB, False), (4.0 * MIB, False)]
     assert [float(r.get().sum()) for r in second] == [3.0 * MIB, 4.0 * MIB]
+
+
+def test_a_reader_maps_a_block_once_and_lets_it_go_once_unread(groups, backend):
+    producers, consumers = groups
+    first = producers.call("make", MIB, keep=True)
+    consumers.map("total", first[::-1])
+    held = producers.call("blocks")  # each producer's one block
+    blocks = [token for tokens in held for token in tokens]
+    del first
+    gc.collect()
+    assert wait_until(lambda: producers.call("kept") == [0, 0], 10)
+    second = producers.call("make", MIB, 7.0, keep=True)  # into the same blocks, pooled
+    assert consumers.map("total", second[::-1]) == [(8.0 * MIB, False), (7.0 * MIB, False)]
+    if isinstance(backend, str):  # (agents: each node reads a copy of its own)
+        assert consumers.map("mapped", held[::-1]) == held[::-1]  # still mapped
+    del second
+    gc.collect()
+    # freed, unread: the producers close their pooled blocks, the readers unmap them
+    assert wait_until(lambda: consumers.call("mapped", blocks) == [[], []], 10)
 
 
 def test_handles_cannot_be_put(groups):
