@@ -230,7 +230,7 @@ class Sender:
         frames = protocol.small_call_frames(call_id, ranks, method, payload[0])
         for i, rank in enumerate(ranks):
             entry = entries[rank]
-            entry.pending[call_id] = future  # type: ignore[union-attr]
+            entry.calls[call_id] = future  # type: ignore[union-attr]
             entry.channel.send(frames[i])  # type: ignore[union-attr]
             if not entry.alive:  # type: ignore[union-attr]
                 self._fail_if_dead(entry, call_id, future)  # type: ignore[arg-type]
@@ -249,7 +249,7 @@ class Sender:
         entries = self._entries
         for i, rank in enumerate(ranks):
             entry = entries[rank]
-            entry.pending[call_id] = future  # type: ignore[union-attr]
+            entry.calls[call_id] = future  # type: ignore[union-attr]
             entry.channel.send(frames[i])  # type: ignore[union-attr]
             if not entry.alive:  # type: ignore[union-attr]
                 self._fail_if_dead(entry, call_id, future)  # type: ignore[arg-type]
@@ -273,7 +273,7 @@ class Sender:
                 self._deliver(call_id, on_link, future, frames)
                 continue
             for rank in on_link:
-                entries[rank].pending[call_id] = future  # type: ignore[union-attr]
+                entries[rank].calls[call_id] = future  # type: ignore[union-attr]
             link.send(protocol.call_frame(call_id, on_link, method, payload, stream, flags))
             for rank in on_link:
                 entry = entries[rank]

@@ -370,8 +370,7 @@ class GroupFuture:
                         value = _loads(only[0])
                     except Exception:  # noqa: BLE001 - redone below, naming the rank
                         pass
-                    else:
-                        self._values = [_DECODED]
+                    else:  # (its small answer kept: no list made to let go of it)
                         self._out = [value]
                         self._decoded = 1
                         return [value]
