@@ -70,17 +70,17 @@ class FrameAuth:
 
     def __init__(self, send_key: bytes, recv_key: bytes) -> None:
         # here, not at the top: a rank of the local backend (pipes, no keys) imports this
-        # module with framing and never pays hashlib's ~2 ms or cryptography's import
+        # module with framing and never pays hashlib's ~2 ms; cryptography's import (~10 ms)
+        # waits for the first large segment (_make_gmacs): a Ray rank on the controller's
+        # machine, whose streams' keys go unused, never pays it
         import hashlib
         import hmac
-
-        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
         self._keys = (send_key, recv_key)
         self._send = hashlib.blake2b(key=send_key, digest_size=TAG_SIZE)
         self._recv = hashlib.blake2b(key=recv_key, digest_size=TAG_SIZE)
-        self._send_gmac = AESGCM(hashlib.sha256(_SEGMENTS + send_key).digest()).encrypt
-        self._recv_gmac = AESGCM(hashlib.sha256(_SEGMENTS + recv_key).digest()).encrypt
+        self._send_gmac: Any = None
+        self._recv_gmac: Any = None
         self._same = hmac.compare_digest
         self.sent = 0
         self.received = 0
@@ -105,6 +105,17 @@ class FrameAuth:
     def __repr__(self) -> str:
         return f"<FrameAuth sent={self.sent} received={self.received}>"
 
+    def _make_gmacs(self) -> None:
+        """Both directions' GMAC of large segments (AES-GCM over no plaintext), made
+        on the first one (made twice at once, they are the same)."""
+        import hashlib
+
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        send_key, recv_key = self._keys
+        self._send_gmac = AESGCM(hashlib.sha256(_SEGMENTS + send_key).digest()).encrypt
+        self._recv_gmac = AESGCM(hashlib.sha256(_SEGMENTS + recv_key).digest()).encrypt
+
     def sign(self, nseg: int, table: Any, segments: Iterable[Any]) -> bytes:
         """The tag of the next frame sent: ``nseg`` segments whose lengths are ``table``
         (their ``<u64>`` each, as framed) and whose bytes are ``segments`` (one buffer
@@ -115,6 +126,8 @@ class FrameAuth:
         piece = 0
         for segment in segments:
             if memoryview(segment).nbytes >= PREHASH:
+                if self._send_gmac is None:
+                    self._make_gmacs()
                 piece = _gmacs(self._send_gmac, self.sent, piece, segment, mac.update)
             else:
                 mac.update(segment)
@@ -147,6 +160,8 @@ class FrameAuth:
             if length < PREHASH:
                 mac.update(segment)
             else:
+                if self._recv_gmac is None:
+                    self._make_gmacs()
                 piece = _gmacs(self._recv_gmac, self.received, piece, segment, mac.update)
         if not self._same(mac.digest(), segments[n]):
             return False
