@@ -128,3 +128,38 @@ def test_a_ranks_start_is_not_left_in_rays_store():
         group.recreate(1)
         assert starts() == []
     assert starts() == []
+
+
+def test_ranks_start_in_a_ray_namespace_other_than_the_drivers():
+    """An actor knows its driver's namespace, not the one it is named in: its start is
+    found all the same."""
+    backend = px.RayBackend(namespace="phalanx-test-elsewhere")
+    with px.WorkerGroup(Probe, procs_per_node=2, backend=backend, echo_output=False) as group:
+        assert group.call("rank") == [0, 1]
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["namespace"] == "phalanx-test-elsewhere"]
+        assert len(names) == 2
+
+
+def test_a_start_whose_key_is_taken_goes_as_an_argument():
+    """Two groups of one driver sharing a placement group and a name prefix (in two Ray
+    namespaces) would leave their starts under one key: the second goes the way Ray's
+    arguments do, and its rank starts all the same."""
+    from ray.experimental import internal_kv
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from phalanx.backends.ray.actor import START_STORE, start_key
+
+    pg = placement_group([{"CPU": 1}])
+    assert pg.wait(timeout_seconds=60)
+    key = start_key(ray.get_runtime_context().namespace, pg.id.hex(), "taken-r0-i1")
+    internal_kv._internal_kv_put(key, b"another group's", namespace=START_STORE)
+    try:
+        backend = px.RayBackend(placement_group=pg, name_prefix="taken")
+        with px.WorkerGroup(Probe, procs_per_node=1, backend=backend,
+                            echo_output=False) as group:
+            assert group.call("rank") == [0]
+        assert internal_kv._internal_kv_get(key, namespace=START_STORE) == b"another group's"
+    finally:
+        internal_kv._internal_kv_del(key, namespace=START_STORE)
+        remove_placement_group(pg)

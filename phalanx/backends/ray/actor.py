@@ -250,20 +250,22 @@ class ActorStart(NamedTuple):
 START_STORE = "phalanx"  # the store's namespace
 
 
-def start_key(namespace: str | None, actor_name: str) -> bytes:
-    """The key of the start of the actor ``actor_name`` in the Ray namespace ``namespace``
-    (actors' names are unique within one)."""
-    return f"start/{namespace or ''}/{actor_name}".encode()
+def start_key(job_namespace: str, placement_group: str, actor_name: str) -> bytes:
+    """The key of the start of the actor ``actor_name`` in ``placement_group`` (its id, in
+    hex), made by a driver of the Ray namespace ``job_namespace``: what the actor can
+    tell of itself (the namespace an actor is named in is not among it)."""
+    return f"start/{job_namespace}/{placement_group}/{actor_name}".encode()
 
 
-def put_start(start: ActorStart, namespace: str | None, actor_name: str) -> bytes:
-    """Leave ``start`` for the actor to be made as ``actor_name``; its key."""
+def put_start(start: ActorStart, key: bytes) -> bool:
+    """Leave ``start`` under ``key`` for the actor about to be made; False if another's
+    is there (two groups of one driver sharing a placement group and a ``name_prefix``,
+    in two namespaces), which is left as it is."""
     from ray.experimental import internal_kv
 
-    key = start_key(namespace, actor_name)
-    internal_kv._internal_kv_put(key, start.encode(), overwrite=True,  # noqa: SLF001
-                                 namespace=START_STORE)
-    return key
+    taken: bool = internal_kv._internal_kv_put(key, start.encode(),  # noqa: SLF001
+                                               overwrite=False, namespace=START_STORE)
+    return not taken
 
 
 def drop_starts(keys: Sequence[bytes]) -> None:
@@ -285,7 +287,7 @@ def _take_start() -> ActorStart:
 
     context = ray.get_runtime_context()
     name = context.get_actor_name()
-    key = start_key(context.namespace, name or "")
+    key = start_key(context.namespace, context.get_placement_group_id() or "", name or "")
     data = internal_kv._internal_kv_get(key, namespace=START_STORE)  # noqa: SLF001
     if data is None:
         raise StartupError(f"the start of this rank's actor ({name}) is not in Ray's store: "
@@ -302,18 +304,21 @@ class RankActor:
     (:data:`START_STORE`, under its name) and starts its rank in its constructor: the
     rank connects, builds the user's object and answers READY there, without waiting for
     Ray to deliver a second call; :meth:`serve`, Ray's one long call to the actor, then
-    serves it. An actor ``made_ahead``, before its rank was known (the first of a node on
+    serves it. Given its ``start`` (where the store's key was another's), it starts it
+    the same. An actor ``made_ahead``, before its rank was known (the first of a node on
     another machine, asked for the node's ports), is given its start by :meth:`serve`
     instead."""
 
-    def __init__(self, made_ahead: bool = False) -> None:
+    def __init__(self, made_ahead: bool = False, start: ActorStart | None = None) -> None:
         # imported now, while the controller places the other actors: the rank's start
         # does not wait for them
         from phalanx.node import proctree, warden  # noqa: F401
         from phalanx.rank import runtime  # noqa: F401
         from phalanx.wire import framing, pickling, protocol  # noqa: F401
 
-        self._rank = None if made_ahead else _InActor.begin(_take_start())
+        if not made_ahead and start is None:
+            start = _take_start()
+        self._rank = None if start is None else _InActor.begin(start)
 
     def free_ports(self, host: str, count: int) -> list[int]:
         """``count`` distinct ports free on this node now."""

@@ -375,6 +375,7 @@ class RayBackend(Backend):
             RankActor,
             put_start,
             rank_runtime_env,
+            start_key,
         )
         from phalanx.backends.ray.relay import RELAY_CONCURRENCY, RelayedRankActor
 
@@ -407,15 +408,13 @@ class RayBackend(Backend):
         elif start is None:
             b.actor = made.remote(True)  # made ahead: serve() brings its start
         else:  # no argument: the actor takes its start from Ray's store
-            self._start_keys[(rank, b.incarnation)] = put_start(
-                start, self._ray_namespace(), options["name"])
-            b.actor = made.remote()
-
-    def _ray_namespace(self) -> str:
-        """The Ray namespace of the actors (theirs if set, else this job's)."""
-        if self.namespace is not None:
-            return self.namespace
-        return str(self._ray.get_runtime_context().namespace)
+            key = start_key(str(self._ray.get_runtime_context().namespace),
+                            self._pg.id.hex(), options["name"])
+            if put_start(start, key):
+                self._start_keys[(rank, b.incarnation)] = key
+                b.actor = made.remote()
+            else:  # the key is another group's: the start goes the way Ray's arguments do
+                b.actor = made.remote(False, start)
 
     def _live_bundle(self, rank: int) -> Bundle:
         """The rank's bundle with an actor that has not served yet: a new one (a fresh
