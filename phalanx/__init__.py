@@ -92,7 +92,7 @@ _EXPORTS = {
     "trace": "phalanx.controller.trace",
     "Dashboard": "phalanx.monitor.server",
     "dashboard": "phalanx.monitor.server",
-    "Orphaned": "phalanx.controller.attach",
+    "Orphaned": "phalanx.controller.detached",
     "attach": "phalanx.controller.attach",
     "attached": "phalanx.controller.attach",
 }
@@ -170,7 +170,8 @@ if TYPE_CHECKING:
     from phalanx.backends.cluster.slurm import SlurmBackend
     from phalanx.backends.local import LocalBackend
     from phalanx.backends.ray.backend import RayBackend
-    from phalanx.controller.attach import Orphaned, attach, attached
+    from phalanx.controller.attach import attach, attached
+    from phalanx.controller.detached import Orphaned
     from phalanx.controller.callforms import CallView
     from phalanx.controller.chunks import chunk
     from phalanx.controller.futures import GroupFuture, RankFuture, ShardedFuture, StreamFuture

@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 from phalanx import config
 from phalanx.backends import Backend
-from phalanx.controller.attach import Orphaned, detach_spec, detached_backend, orphan_of
 from phalanx.controller.callforms import CallForms, Scope
 from phalanx.controller.callpath import CallPath
 from phalanx.controller.calls import Sender
 from phalanx.controller.collectivewatch import CollectiveWatch
+from phalanx.controller.detached import Orphaned, detach_spec, detached_backend, orphan_of
 from phalanx.controller.dispatch import Dispatcher
 from phalanx.controller.injection import inject_fault
 from phalanx.controller.internals import GroupInternals, register

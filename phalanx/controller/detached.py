@@ -1,0 +1,103 @@
+"""What a group needs to be detachable (see :mod:`phalanx.controller.attach`): its
+description, the backend it runs on when detached, and its orphaned answers.
+
+:func:`detach_spec` pickles the constructor's arguments as the ranks get them (a class of a
+script's ``__main__`` by value); :func:`detached_backend` puts a detached group of the local
+backend on this user's own agent (:mod:`phalanx.backends.cluster.localagent`), whose ranks
+outlive the controller; :func:`orphan_of` turns an agent's record of an answer no controller
+asked for into an :class:`Orphaned`.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from phalanx.errors import RemoteFailure, WorkerError
+from phalanx.options import check_seconds
+from phalanx.wire import pickling, protocol
+
+if TYPE_CHECKING:
+    from phalanx.backends.base import Backend
+
+SPEC_VERSION = 1  # of the description's layout
+
+
+class Orphaned(NamedTuple):
+    """An answer no controller asked for: a call that was running when its controller
+    went. ``error`` is the :class:`WorkerError` it raised (then ``value`` is None)."""
+
+    rank: int
+    call_id: int
+    method: str
+    value: Any
+    error: WorkerError | None
+
+
+def detach_spec(name: str | None, timeout: float, arguments: dict[str, Any]) -> bytes:
+    """The description of a detached group: its constructor's ``arguments``, pickled;
+    ValueError before anything starts when it has no name or they do not pickle."""
+    if not isinstance(name, str) or not name:
+        raise ValueError("detached=True needs name=: another controller attaches to the "
+                         "group by it (px.attach(name, backend=...))")
+    seconds = check_seconds(timeout, "detach_timeout")
+    if seconds is None or seconds <= 0:
+        raise ValueError(f"detach_timeout must be a positive number of seconds, got "
+                         f"{timeout!r}")
+    try:  # as the ranks get the target: a class of a script's __main__ by value
+        parts = pickling.dumps({"version": SPEC_VERSION, "arguments": arguments})
+        return pickle.dumps([bytes(part) for part in parts], protocol=5)
+    except Exception as exc:  # noqa: BLE001 - anything a __reduce__ raises
+        raise ValueError(
+            f"detached=True: the group's arguments must pickle, since the controller that "
+            f"attaches rebuilds the group from them ({type(exc).__name__}: {exc}); a lock, "
+            "an open file or a socket among them cannot be") from None
+
+
+def is_local(backend: Backend | str) -> bool:
+    from phalanx.backends.local import LocalBackend
+
+    return backend == "local" or isinstance(backend, LocalBackend)
+
+
+def detached_backend(backend: Backend | str, nodes: int | None) -> Backend | str:
+    """Where a detached group runs: ``backend``, or for the local backend this user's own
+    agent on this machine (:mod:`phalanx.backends.cluster.localagent`), started if none
+    runs: the controller's children die with it, an agent's ranks do not."""
+    if not is_local(backend):
+        return backend
+    if nodes not in (None, 1):
+        raise ValueError(f"detached=True on the local backend runs the group on this "
+                         f"user's local agent, one node: nodes={nodes!r} cannot be had (use "
+                         "procs_per_node, or agents of your own with px.ClusterBackend)")
+    from phalanx.backends.cluster import localagent
+    from phalanx.backends.cluster.backend import ClusterBackend
+
+    host, token_file = localagent.ensure()
+    return ClusterBackend([host], token_file=token_file, quorum_timeout=10.0)
+
+
+def local_agent_backend() -> Backend:
+    """The backend of this user's running local agent (LookupError when none runs)."""
+    from phalanx.backends.cluster import localagent
+    from phalanx.backends.cluster.backend import ClusterBackend
+
+    found = localagent.running()
+    if found is None:
+        raise LookupError("no detached group on this machine: this user's local phalanx "
+                          "agent, which holds them, does not run")
+    host, token_file = found
+    return ClusterBackend([host], token_file=token_file, quorum_timeout=10.0)
+
+
+def orphan_of(item: list[Any], group: str) -> Orphaned:
+    """An agent's record of an orphaned answer ([rank, node, pid, call id, method, ok,
+    segments])."""
+    rank, node, pid, call_id, method, ok, segments = item
+    if ok:
+        value = pickle.loads(segments[1], buffers=segments[2:])
+        return Orphaned(rank, call_id, method, value, None)
+    failure = RemoteFailure(*protocol.parse(segments[0])[3][0])
+    return Orphaned(rank, call_id, method, None,
+                    WorkerError(failure, rank=rank, node=node, pid=pid, method=method,
+                                group=group))
