@@ -171,9 +171,9 @@ if TYPE_CHECKING:
     from phalanx.backends.local import LocalBackend
     from phalanx.backends.ray.backend import RayBackend
     from phalanx.controller.attach import attach, attached
-    from phalanx.controller.detached import Orphaned
     from phalanx.controller.callforms import CallView
     from phalanx.controller.chunks import chunk
+    from phalanx.controller.detached import Orphaned
     from phalanx.controller.futures import GroupFuture, RankFuture, ShardedFuture, StreamFuture
     from phalanx.controller.group import WorkerGroup
     from phalanx.controller.joint import rendezvous
