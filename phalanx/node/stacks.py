@@ -28,8 +28,6 @@ from __future__ import annotations
 import errno
 import functools
 import os
-import platform
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -56,8 +54,12 @@ class StackFile:
         """A new file (unnamed, gone once closed); or, given ``fd``, the file open on that
         descriptor (a dump file made by another process and handed over, as the warden's:
         its actor dumps there), which this object now owns."""
-        self._file = (tempfile.TemporaryFile(prefix="phalanx-stacks-") if fd is None
-                      else os.fdopen(fd, "w+b"))
+        if fd is None:
+            import tempfile  # here: the warden, which is handed its file, starts without it
+
+            self._file = tempfile.TemporaryFile(prefix="phalanx-stacks-")
+        else:
+            self._file = os.fdopen(fd, "w+b")
         self.fd = self._file.fileno()
         # every write appends, whatever offset the other side left: a truncated file is
         # written from its start, with no hole of zeros before
@@ -200,6 +202,8 @@ def _tgkill() -> Callable[[int, int, int], None]:
     if hasattr(libc, "tgkill"):
         call = libc.tgkill
     else:  # pragma: no cover - glibc before 2.30
+        import platform
+
         number = _TGKILL_SYSCALL.get(platform.machine())
         if number is None:
             raise OSError(errno.ENOSYS, f"no tgkill for {platform.machine()}")
