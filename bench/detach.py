@@ -22,11 +22,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from collections.abc import Iterator
@@ -36,7 +34,7 @@ from statistics import median
 from typing import Any
 
 from bench.report import write_json
-from bench.util import machine_info, reap
+from bench.util import machine_info
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "detach.json"
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,36 +70,10 @@ CONTROLLER = textwrap.dedent("""
 @contextmanager
 def agents(count: int) -> Iterator[tuple[list[str], str]]:
     """``count`` agents on 127.0.0.2, .3, ...: their ``host:port`` and the token file."""
-    from bench.cluster import _free_port
-    from bench.shardsync import _listening
+    from bench.shardsync import _agents
 
-    directory = tempfile.mkdtemp(prefix="phalanx-bench-")
-    token_file = os.path.join(directory, "token")
-    Path(token_file).write_text(secrets.token_urlsafe(32))
-    os.chmod(token_file, 0o600)
-    procs, hosts = [], []
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT),
-                                                         os.environ.get("PYTHONPATH", "")])}
-    try:
-        for i in range(count):
-            host = f"127.0.0.{i + 2}"
-            port = _free_port(host)
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "phalanx", "agent", "--host", host, "--port",
-                 str(port), "--no-http", "--token-file", token_file],
-                env={**env, "PHALANX_BLOCK_DOMAIN": f"bench-detach-{i}-{os.getpid()}"},
-                cwd=ROOT, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-            hosts.append(f"{host}:{port}")
-        deadline = time.monotonic() + 30
-        while not all(_listening(h) for h in hosts):
-            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                raise RuntimeError("the benchmark's agents did not start")
-            time.sleep(0.1)
-        yield hosts, token_file
-    finally:
-        for proc in procs:
-            proc.terminate()
-        reap(procs)
+    with _agents([f"127.0.0.{i + 2}" for i in range(count)]) as hosts:
+        yield hosts, _agents.token_file  # type: ignore[attr-defined]
 
 
 def trial(hosts: list[str], token_file: str, per_node: int, name: str) -> dict[str, Any]:

@@ -56,7 +56,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -351,9 +351,10 @@ def _loopback_gbps(reps: int = 4) -> float:
 
 
 @contextmanager
-def _agents() -> Iterator[list[str]]:
-    """Two ``phalanx agent`` processes, on 127.0.0.2 and .3, each a memory domain of its
-    own; yields their ``host:port`` (the token file is ``_agents.token_file``)."""
+def _agents(addresses: Sequence[str] = ADDRESSES) -> Iterator[list[str]]:
+    """A ``phalanx agent`` process on each of ``addresses`` (default: 127.0.0.2 and .3),
+    each a memory domain of its own; yields their ``host:port`` (the token file is
+    ``_agents.token_file``)."""
     from bench.cluster import _free_port
 
     root = Path(__file__).resolve().parent.parent
@@ -363,7 +364,7 @@ def _agents() -> Iterator[list[str]]:
     os.chmod(token_file, 0o600)
     procs, hosts = [], []
     try:
-        for i, host in enumerate(ADDRESSES):
+        for i, host in enumerate(addresses):
             port = _free_port(host)
             env = {**os.environ, "PHALANX_BLOCK_DOMAIN": f"bench-node-{i}-{os.getpid()}",
                    "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}

@@ -93,6 +93,16 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.stdout.close()  # type: ignore[union-attr]
 
 
+def _attach_the_same_ranks(name: str, backend, pids: list[int], force: bool = False) -> None:
+    """Attach, find the very ranks ``pids`` there, and end the group: they go."""
+    group = px.attach(name, backend=backend, force=force, echo_output=False)
+    try:
+        assert group.call("pid") == pids
+    finally:
+        group.shutdown()
+    assert wait_until(lambda: not _alive(pids), 15)
+
+
 def _alive(pids: list[int]) -> list[int]:
     return [pid for pid in pids if psutil.pid_exists(pid)
             and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
@@ -133,14 +143,9 @@ def test_a_controller_that_exits_or_detaches_leaves_the_group_to_the_next(agent_
     proc, started = _controller(agent_cluster, f"left-{end}", end=end)
     try:
         assert proc.wait(timeout=20) == 0 if end == "exit" else proc.poll() is None
-        group = px.attach(f"left-{end}", backend=agent_cluster.backend(), echo_output=False)
-        try:
-            assert group.call("pid") == started["pids"]
-        finally:
-            group.shutdown()
+        _attach_the_same_ranks(f"left-{end}", agent_cluster.backend(), started["pids"])
     finally:
         _kill(proc)
-    assert wait_until(lambda: not _alive(started["pids"]), 15)
 
 
 @needs_agents
@@ -214,15 +219,9 @@ def test_a_held_group_is_refused_naming_its_controller_or_taken_over_with_force(
             timeout=60, cwd=REPO)
         line = next(row for row in shown.stdout.splitlines() if row.startswith("held "))
         assert line.split()[1] == "2" and "127.0.0.1:" in line, shown.stdout
-        group = px.attach("held", backend=agent_cluster.backend(), force=True,
-                          echo_output=False)
-        try:
-            assert group.call("pid") == started["pids"]
-        finally:
-            group.shutdown()
+        _attach_the_same_ranks("held", agent_cluster.backend(), started["pids"], force=True)
     finally:
         _kill(proc)
-    assert wait_until(lambda: not _alive(started["pids"]), 15)
 
 
 @needs_agents
