@@ -15,10 +15,12 @@ Reservation (:meth:`RayBackend._reserve`): the placement group, ready within
 ``start_timeout`` or a :class:`~phalanx.errors.StartupError` saying what was asked and
 what the cluster has (a request no node could ever hold fails at once), where each rank
 sits (:mod:`phalanx.backends.ray.seats`). A rank's actor is made when the rank launches,
-given its start, and starts its rank in its constructor; only the first actor of a node on
-another machine is made at once, to pick that node's ports. Ranks are numbered by node,
-then by bundle; the nodes are the Ray nodes as they are, so ``NODE_RANK``, ``LOCAL_RANK``,
-``LOCAL_WORLD_SIZE`` and ``MASTER_ADDR`` tell the truth on a real cluster.
+its start left in Ray's key-value store for it (``actor.put_start``: an argument would cost
+the actor Ray's serialization context), and starts its rank in its constructor; only the
+first actor of a node on another machine is made at once, to pick that node's ports.
+Ranks are numbered by node, then by bundle; the nodes are the Ray nodes as they are, so
+``NODE_RANK``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and ``MASTER_ADDR`` tell the truth on
+a real cluster.
 
 The rank runs inside its actor's worker process (:mod:`phalanx.backends.ray.actor`), so
 Ray inside a rank is Ray inside an actor. A rank's death reaches the group as soon as its
