@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import os
 import re
+import time
 
 import numpy as np
 import psutil
@@ -233,9 +234,12 @@ def test_a_reader_maps_a_block_once_and_lets_it_go_once_unread(groups, backend):
     gc.collect()
     assert wait_until(lambda: producers.call("kept") == [0, 0], 10)
     second = producers.call("make", MIB, 7.0, keep=True)  # into the same blocks, pooled
+    read = time.monotonic()
     assert consumers.map("total", second[::-1]) == [(8.0 * MIB, False), (7.0 * MIB, False)]
     if isinstance(backend, str):  # (agents: each node reads a copy of its own)
-        assert consumers.map("mapped", held[::-1]) == held[::-1]  # still mapped
+        mapped = consumers.map("mapped", held[::-1])
+        if time.monotonic() - read < 0.8:  # a mapping goes 1 s after its last read: a
+            assert mapped == held[::-1]  # loaded machine may take that long between calls
     del second
     gc.collect()
     # freed, unread: the producers close their pooled blocks, the readers unmap them
