@@ -197,17 +197,23 @@ def state(pid: int) -> str | None:
     return stat[stat.rfind(b")") + 2:][:1].decode()
 
 
-def exit_status(pid: int) -> int | None:
-    """The wait status of ``pid`` if it is a zombie (exited, not yet reaped by its parent),
-    from ``/proc/PID/stat``'s ``exit_code`` field (Linux 3.5); None if it runs, is gone,
-    or the kernel does not say."""
+def stat_fields(pid: int) -> list[bytes] | None:
+    """``/proc/PID/stat``'s fields after the command name (the state first), or None when
+    the process is gone or the file cannot be read."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
         return None
-    fields = stat[stat.rfind(b")") + 2:].split()
-    if fields[:1] != [b"Z"] or len(fields) < 50:
+    return stat[stat.rfind(b")") + 2:].split()
+
+
+def exit_status(pid: int) -> int | None:
+    """The wait status of ``pid`` if it is a zombie (exited, not yet reaped by its parent),
+    from ``/proc/PID/stat``'s ``exit_code`` field (Linux 3.5); None if it runs, is gone,
+    or the kernel does not say."""
+    fields = stat_fields(pid)
+    if fields is None or fields[:1] != [b"Z"] or len(fields) < 50:
         return None
     try:
         return int(fields[49])  # field 52 of the file: the third is the state

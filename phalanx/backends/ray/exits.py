@@ -41,6 +41,8 @@ import struct
 import threading
 import time
 
+from phalanx.node.proctree import stat_fields
+
 logger = logging.getLogger(__name__)
 
 # ioctl(pidfd, PIDFD_GET_INFO, struct pidfd_info *): _IOWR(0xFF, 11, struct pidfd_info)
@@ -88,12 +90,9 @@ def exiting_status(pid: int) -> int | None:
     """The wait status ``pid`` ends with, from ``/proc/PID/stat``, once it is known there:
     a zombie's, or an exiting process's (``PF_EXITING``, a code set); None while it runs,
     once it is gone, or where the kernel does not say."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
+    fields = stat_fields(pid)
+    if fields is None:
         return None
-    fields = stat[stat.rfind(b")") + 2:].split()
     try:
         state, flags, code = fields[_STATE], int(fields[_FLAGS]), int(fields[_EXIT_FIELD])
     except (IndexError, ValueError):
