@@ -22,6 +22,18 @@ neither, the group's ``nodes`` size the job. A group's backend submits its own j
 which its colocated groups share. The job ends as the group or the pool closes, and when
 the controller dies (the agents see their last connection end and exit, and the last of
 them removes the job's directory).
+
+A detached group (``WorkerGroup(..., name="policy", detached=True, detach_timeout=600)``)
+keeps its job instead: the agents keep the group's ranks while it waits for a controller
+(its session counts as their connection), and this backend's close leaves the job running
+while it holds a group so kept. The token goes back into the job's directory for the
+next controller: ``px.attach("policy", backend=px.SlurmBackend(job=JOBID))``, in any
+process of this user that sees the directory (the login node), finds the job's
+directory by its id (:meth:`~.slurmjob.SlurmJob.existing`), reads the agents' addresses
+and the token there, and takes the ranks over as on any cluster backend.
+``px.attached(px.SlurmBackend(job=JOBID))`` lists the job's detached groups. The group
+ended for good (``shutdown()``, or nobody attaching within ``detach_timeout``), the agents
+exit and the job ends with them, its directory removed.
 """
 
 from __future__ import annotations
@@ -38,7 +50,7 @@ from phalanx.backends.cluster.backend import ClusterBackend
 from phalanx.backends.cluster.pool import ClusterSlots
 from phalanx.backends.cluster.pool import reserve_slots as reserve_cluster_slots
 from phalanx.backends.cluster.slurmjob import JobRequest, SlurmJob, sequence_or_empty
-from phalanx.backends.parts import Capabilities, SlotReservation
+from phalanx.backends.parts import SlotReservation
 from phalanx.errors import MembershipEvent
 from phalanx.output.logs import OutputOptions
 from phalanx.world.pools import PoolSlot
@@ -62,6 +74,13 @@ class SlurmBackend(ClusterBackend):
     agents' addresses and logs) is made, on a filesystem the nodes share (default:
     ``~/.cache/phalanx/slurm``). ``node_timeout``, ``heartbeat_timeout`` and ``sync``:
     as for ``ClusterBackend``.
+
+    ``job``: the id of a running job whose agents a controller of this user started here
+    (with the same ``state_dir``), to attach to its detached group
+    (``px.attach(name, backend=px.SlurmBackend(job=4711))``); nothing is submitted, and
+    the arguments that shape a job may not be given with it. PhalanxError naming the job
+    when it does not run, has no phalanx directory under ``state_dir``, or keeps no
+    detached group.
     """
 
     name = "slurm"
@@ -72,7 +91,7 @@ class SlurmBackend(ClusterBackend):
                  cpus_per_node: int | None = None, account: str | None = None,
                  qos: str | None = None, sbatch_args: Sequence[str] = (),
                  allocation_timeout: float | None = None, *, start_timeout: float = 300.0,
-                 state_dir: str | None = None,
+                 state_dir: str | None = None, job: str | int | None = None,
                  heartbeat_timeout: float = config.DEFAULT_HEARTBEAT_TIMEOUT,
                  node_timeout: float = config.DEFAULT_NODE_TIMEOUT, sync: Any = None,
                  max_frame: int = 1 << 30) -> None:
@@ -95,8 +114,19 @@ class SlurmBackend(ClusterBackend):
                                   account, qos, sequence_or_empty(sbatch_args, "sbatch_args"))
         self.allocation_timeout, self.start_timeout = allocation_timeout, start_timeout
         self.state_dir = state_dir
-        self.job = SlurmJob(self.request, state_dir=state_dir,
-                            allocation_timeout=allocation_timeout, start_timeout=start_timeout)
+        shaping = ([] if nodes is None else ["nodes"]) + self.request.given()
+        if job is not None and shaping:
+            raise ValueError(f"px.SlurmBackend(job={job!r}) attaches to a running job: "
+                             f"{', '.join(shaping)} shape a job that is submitted (leave "
+                             "them out)")
+        self.job = (SlurmJob.existing(job, state_dir) if job is not None else
+                    SlurmJob(self.request, state_dir=state_dir,
+                             allocation_timeout=allocation_timeout,
+                             start_timeout=start_timeout))
+        self.job_id = None if job is None else self.job.job_id
+        # the detached groups this backend had its agents keep, or attaches to: while it
+        # holds one, its close leaves the job running (the group may outlive it)
+        self._keeping: set[str] = set()
         self._told_why = False  # whether the log has said why Slurm ended the job
         super().__init__(token=self.job.token, quorum_timeout=start_timeout,
                          heartbeat_timeout=heartbeat_timeout, node_timeout=node_timeout,
@@ -104,7 +134,8 @@ class SlurmBackend(ClusterBackend):
 
     def __repr__(self) -> str:
         given = {k: v for k, v in self.settings().items()
-                 if k in ("nodes", "partition", "time", "gpus_per_node") and v is not None}
+                 if k in ("nodes", "partition", "time", "gpus_per_node", "job")
+                 and v is not None}
         return f"px.SlurmBackend({', '.join(f'{k}={v!r}' for k, v in given.items())})"
 
     def settings(self) -> dict[str, Any]:
@@ -114,7 +145,7 @@ class SlurmBackend(ClusterBackend):
                 "account": r.account, "qos": r.qos, "sbatch_args": list(r.sbatch_args),
                 "allocation_timeout": self.allocation_timeout,
                 "start_timeout": self.start_timeout, "state_dir": self.state_dir,
-                "heartbeat_timeout": self.heartbeat_timeout,
+                "job": self.job_id, "heartbeat_timeout": self.heartbeat_timeout,
                 "node_timeout": self.node_timeout, "sync": self.sync,
                 "max_frame": self.max_frame}
 
@@ -140,7 +171,9 @@ class SlurmBackend(ClusterBackend):
     def _node_limit(self) -> int | None:
         """The nodes the job has or asks for: ``nodes`` given here (checked against the
         allocation's inside one), else the allocation's; None outside an allocation when
-        ``nodes`` was not given."""
+        ``nodes`` was not given. A job attached to (``job=``): its nodes."""
+        if self.job.attached:
+            return len(self.job.node_names)
         have = self.job.allocation_nodes()
         wanted = self.request.nodes
         if have is not None and wanted is not None and wanted > have:
@@ -150,22 +183,50 @@ class SlurmBackend(ClusterBackend):
         return wanted if wanted is not None else have
 
     def _node_source(self, limit: int) -> str:
+        if self.job.attached:
+            return f"{self.job.label} runs agents on {limit} node(s)"
         if self.request.nodes is not None:
             return (f"px.SlurmBackend(nodes={limit}) "
                     + ("uses" if self.job.inside else "asks Slurm for")
                     + f" {limit} node(s){'' if self.job.inside else ': ask for more there'}")
         return f"this allocation ({self.job.label}) has {limit} node(s) ($SLURM_JOB_NUM_NODES)"
 
-    @property
-    def capabilities(self) -> Capabilities:
-        """A cluster backend's, but no detached groups yet: its job ends with the
-        controller's backend (attaching needs a backend that joins a running job)."""
-        return dataclasses.replace(super().capabilities, detaching=None)
+    # -- a detached group ------------------------------------------------------------------
+
+    def detach(self, name: str, timeout: float | None, spec: bytes) -> None:
+        """As the cluster backend's; and while a group is kept, the job outlives this
+        backend, its token in the job's directory for the controller that attaches."""
+        super().detach(name, timeout, spec)
+        if timeout is not None:
+            self._keeping.add(name)
+            self.job.keep_token()
+        else:  # shut down for good: the agents, then the job, end as this backend closes
+            self._keeping.discard(name)
+            if not self._keeping:
+                self.job.drop_token()
+
+    def attach_to(self, name: str, force: bool) -> None:
+        super().attach_to(name, force)
+        self._keeping.add(name)  # a failed attach leaves the group (and the job) as it was
+
+    def carry_over(self, original: Backend) -> None:
+        super().carry_over(original)  # px.attach's request: the copy keeps the job too
+        if self.attach_request is not None:
+            self._keeping.add(self.attach_request[0])
+
+    def agent_hosts(self) -> list[str]:
+        """The agents of the job given as ``job=`` (px.attach's, px.attached's); a backend
+        that would submit a job of its own has none to ask."""
+        if not self.hosts and not self.job.attached:
+            raise ValueError("a detached group on Slurm is found by its job: give "
+                             "px.SlurmBackend(job=JOBID) (squeue --me lists your jobs; "
+                             "phalanx's are named phalanx)")
+        return super().agent_hosts()
 
     # -- the job --------------------------------------------------------------------------
 
     def _find_agents(self) -> list[str]:
-        hosts = self.job.start()
+        hosts = self.job.read_agents() if self.job.attached else self.job.start()
         self.labels = {host: f"{self.job.label} node {name}"
                        for host, name in zip(hosts, self.job.node_names, strict=True)}
         logger.info("%s: agents on %s", self.job.label, ", ".join(
@@ -196,7 +257,11 @@ class SlurmBackend(ClusterBackend):
         try:
             super().close()  # the agents' connections end: they exit, and the job ends
         finally:
-            self.job.end()
+            if self._keeping:  # unless they keep a detached group: it waits, and the job
+                logger.info("%s runs on: its agents keep detached group(s) %s",
+                            self.job.label, ", ".join(sorted(self._keeping)))
+            else:
+                self.job.end()
 
     # -- a pool's job -------------------------------------------------------------------
 

@@ -10,6 +10,9 @@ filesystem the nodes share: ``~/.cache/phalanx/slurm`` by default), holding
                  once every agent listens (each read it first)
     agents/<n>   ``host:port`` of node n's agent, written by the agent once it listens,
                  removed as it exits
+    job          the job's id, its nodes in the group's order, and whether the agents
+                 run as a step of an allocation (JSON), written once every agent listens:
+                 how ``SlurmBackend(job=ID)`` finds the directory of job ``ID``
     job.sh       the batch script (a submitted job)
     agent-<host>.log, batch.log, srun.log   what the agents, the script and srun printed
 
@@ -34,12 +37,22 @@ addresses, RUNNING once every node's has, and ENDED. It ends when its user is do
 them; ``scancel`` after ``config.SLURM_END_WAIT``), and also when the controller dies: the
 agents see their last connection end and exit (``--once``), which ends the step and the job.
 A job whose controller died before its agents started ends by the agents' idle timeout.
+
+A detached group (``WorkerGroup(..., detached=True)``) keeps the job past its controller:
+its agents keep the group's session while it waits for another controller, and an agent
+that serves one job (``--once``) counts that session as a connection, so it stays. The
+controller writes the token back (:meth:`SlurmJob.keep_token`; it holds it in memory) for
+the controller that attaches, which finds the job by its id (:meth:`SlurmJob.existing`)
+and reads the agents' addresses and the token here. The group ended for good (shut down,
+or nobody attaching within its ``detach_timeout``), its agents exit and the job ends with
+them, its directory removed, as above.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import logging
 import os
 import re
@@ -51,7 +64,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from phalanx import config
 from phalanx.backends.cluster.token import new_token
@@ -62,6 +75,9 @@ from phalanx.world.slurm import JOB_TOKEN as TOKEN
 from phalanx.world.slurm import expand_hostlist, parse_record
 
 logger = logging.getLogger(__name__)
+
+JOB = "job"  # DIR/job: the job's id, its nodes in order, whether a step (JSON)
+_JOB_ID = re.compile(r"^[0-9]+(_[0-9]+)?$")  # a job's id (an array's task: 4711_3)
 
 # Slurm's job states once a job is over (squeue's and scontrol's JobState)
 _OVER = frozenset(("BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL",
@@ -179,6 +195,8 @@ class SlurmJob:
         self._environ = os.environ if environ is None else environ
         self.inside = bool(self._environ.get("SLURM_JOB_ID"))  # an allocation of our own
         self.job_id: str | None = self._environ.get("SLURM_JOB_ID") if self.inside else None
+        self.step = self.inside  # the agents run as a step of an allocation (not the job)
+        self.attached = False  # another controller's job, found by its id (existing())
         self.state = JobState.NEW
         self._state_dir = state_dir
         self.directory: str | None = None
@@ -209,6 +227,109 @@ class SlurmJob:
                                      "count")
                 return int(text)
         return 1
+
+    @classmethod
+    def existing(cls, job: str | int, state_dir: str | None = None) -> SlurmJob:
+        """The running job ``job`` whose agents a controller's ``SlurmBackend`` started,
+        for another controller to attach to its detached group: its directory under
+        ``state_dir`` (the one holding that id in its ``job`` file), its nodes and the
+        token its controller left there. ValueError for what is no job id; PhalanxError
+        naming the job when it does not run, has no phalanx directory there, or keeps no
+        detached group (only a detached group's controller leaves the token)."""
+        if isinstance(job, bool) or not isinstance(job, (str, int)) or not _JOB_ID.match(
+                str(job)):
+            raise ValueError(f"job must be a Slurm job id such as '4711', got {job!r}")
+        self = cls(JobRequest(), state_dir=state_dir, environ={})
+        self.job_id, self.attached = str(job), True
+        root = state_root(state_dir)
+        found = self._directories(root)
+        record = self.record()
+        state = record.get("JobState", "")
+        if not found:
+            said = ("Slurm knows no such job (it may have ended long ago)" if not record
+                    else f"it is {state}" if state != "RUNNING" else
+                    "it runs, but not with agents of this state_dir (give SlurmBackend("
+                    "state_dir=) as the controller that started it did)")
+            raise PhalanxError(f"{self.label} has no phalanx directory under {root}: {said}")
+        if state != "RUNNING":
+            said = "Slurm knows it no more" if not record else f"it is {state}"
+            raise PhalanxError(f"{self.label} is not running ({said}): its agents, and any "
+                               f"detached group they kept, are gone")
+        keeping = [(d, info) for d, info in found
+                   if os.path.lexists(os.path.join(d, TOKEN))]
+        if not keeping:
+            raise PhalanxError(f"{self.label} keeps no detached group: its directory "
+                               f"{found[0][0]} holds no token (the controller of a group "
+                               "started with detached=True leaves it there)")
+        if len(keeping) > 1:
+            raise PhalanxError(f"{self.label} holds {len(keeping)} phalanx steps that keep "
+                               f"detached groups ({', '.join(d for d, _ in keeping)}); "
+                               "attach with one state_dir per step")
+        self.directory, info = keeping[0]
+        self.node_names, self.step = list(info["nodes"]), bool(info.get("step"))
+        path = os.path.join(self.directory, TOKEN)
+        try:
+            token = ownfiles.read_regular(path, f"{self.label}'s token {path}", 1024)
+        except (OSError, ValueError) as exc:
+            raise PhalanxError(f"{self.label}'s token cannot be read: {exc}") from None
+        self.token = token.decode(errors="replace").strip()
+        self.state = JobState.RUNNING
+        return self
+
+    def _directories(self, root: str) -> list[tuple[str, dict[str, Any]]]:
+        """The job directories under ``root`` that name this job in their ``job`` file,
+        with what it says (only private directories of this user's are looked at)."""
+        try:
+            ownfiles.private_dir(root, f"state_dir {root!r}", _STATE_DIR_FIX, create=False)
+            names = sorted(os.listdir(root))
+        except (OSError, ValueError):
+            return []
+        found = []
+        for name in names:
+            directory = os.path.join(root, name)
+            path = os.path.join(directory, JOB)
+            if not name.startswith("job-"):
+                continue
+            try:
+                ownfiles.private_dir(directory, directory, _STATE_DIR_FIX, create=False)
+                info = json.loads(ownfiles.read_regular(path, path, 65536))
+            except (OSError, ValueError):  # (json's errors are ValueErrors)
+                continue
+            if isinstance(info, dict) and info.get("job") == self.job_id and isinstance(
+                    info.get("nodes"), list):
+                found.append((directory, info))
+        return found
+
+    def read_agents(self) -> list[str]:
+        """The ``host:port`` of the agents of a job found by :meth:`existing`, in its
+        nodes' order; PhalanxError naming a node whose agent is gone."""
+        assert self.directory is not None
+        hosts = []
+        for name in self.node_names:
+            address = self._read_address(os.path.join(self.directory, AGENTS, name))
+            if address is None:
+                raise PhalanxError(f"{self.label}: the agent of node {name} is gone (no "
+                                   f"address in {self.directory}/{AGENTS}/)")
+            hosts.append(address)
+        self.hosts = hosts
+        return hosts
+
+    def keep_token(self) -> None:
+        """Write the token back into the job's directory (0600, as it was there when the
+        agents started) for the controller that attaches to a detached group."""
+        if self.directory is None or os.path.lexists(os.path.join(self.directory, TOKEN)):
+            return  # (there already: it is this job's, or _create would refuse it)
+        with self._create(TOKEN) as out:
+            out.write(self.token.encode() + b"\n")
+
+    def drop_token(self) -> None:
+        """No one needs the token on the disk (the agents read it; no detached group)."""
+        if self.directory is None:
+            return
+        try:
+            os.unlink(os.path.join(self.directory, TOKEN))
+        except FileNotFoundError:
+            pass
 
     # -- starting ---------------------------------------------------------------------
 
@@ -241,9 +362,7 @@ class SlurmJob:
         return self.hosts
 
     def _prepare(self) -> None:
-        root = self._state_dir or os.path.join(
-            os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "phalanx",
-            "slurm")
+        root = state_root(self._state_dir)
         shown = f"state_dir {root!r}" if self._state_dir else f"Slurm state directory {root!r}"
         try:  # made 0700 if absent; else it must be ours, and no one else's to write
             ownfiles.private_dir(root, shown, _STATE_DIR_FIX)
@@ -374,12 +493,12 @@ class SlurmJob:
         names = [n for n in order if n in found] + sorted(set(found) - set(order))
         self.node_names = names[:wanted]
         self.hosts = [found[n] for n in self.node_names]
+        with self._create(JOB) as out:  # how SlurmBackend(job=) finds this directory
+            out.write(json.dumps({"job": self.job_id, "nodes": self.node_names,
+                                  "step": self.step}).encode())
         # every agent read the token before it listened: it need not wait on the shared
         # disk for the job's end (the controller holds it in memory for the connections)
-        try:
-            os.unlink(os.path.join(self.directory, TOKEN))
-        except FileNotFoundError:
-            pass
+        self.drop_token()
 
     def _ended(self) -> str | None:
         """Why the agents' step or job is over, or None while it runs."""
@@ -522,6 +641,16 @@ class SlurmJob:
         state, self.state = self.state, JobState.ENDED
         if self._srun is not None:
             _end_process(self._srun, wait)
+        elif self.attached and self.step:  # the step of another's allocation: the
+            # agents end as their connections did; the allocation is not this one's to end
+            deadline = time.monotonic() + wait
+            agents = os.path.join(self.directory or "", AGENTS)
+            while os.path.isdir(agents) and time.monotonic() < deadline:
+                time.sleep(min(config.SLURM_POLL, 0.2))
+            if os.path.isdir(agents):
+                logger.warning("%s: its agents did not exit within %g s (%s)", self.label,
+                               wait, agents)
+                return
         elif self.job_id is not None and state is not JobState.NEW:
             deadline = time.monotonic() + (wait if state is JobState.RUNNING else 0)
             while time.monotonic() < deadline and self._ended() is None:
@@ -531,6 +660,14 @@ class SlurmJob:
                 logger.info("cancelled %s", self.label)
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def state_root(state_dir: str | None) -> str:
+    """Where the jobs' directories are made: ``state_dir``, else phalanx's Slurm directory
+    in the user's cache (``~/.cache/phalanx/slurm``)."""
+    return state_dir or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "phalanx",
+        "slurm")
 
 
 def _end_process(proc: subprocess.Popen[bytes], wait: float) -> None:
