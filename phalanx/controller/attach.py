@@ -26,9 +26,11 @@ Backends offer this through :class:`~phalanx.backends.parts.Detaching`: the clus
 backend's agents do (a flat cluster: not yet across an agent tree). The local backend's
 ranks are this process's children, so a detached group of the local backend runs on this
 user's own agent on this machine instead (:mod:`phalanx.backends.cluster.localagent`,
-started as needed; ``px.attach(name)`` finds it). The Ray and Slurm backends do not yet --
-their ranks are its Ray job's, or a job that ends with the controller's backend -- and
-``detached=True`` there is refused before anything starts.
+started as needed; ``px.attach(name)`` finds it). The Slurm backend's agents are cluster
+agents too: its job runs on while they keep the group, and ``px.attach(name,
+backend=px.SlurmBackend(job=JOBID))`` finds the job's agents and token by its id
+(:mod:`phalanx.backends.cluster.slurm`). The Ray backend does not yet -- its ranks are its
+Ray job's -- and ``detached=True`` there is refused before anything starts.
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ starts one agent per node of the job with ``--slurm DIR``. Each agent
 - publishes ``host:port`` in ``DIR/agents/<node>`` (written whole, then renamed, so the
   controller never reads half of it);
 - serves one controller and exits as it leaves (or when none came within its idle
-  timeout), which ends the step and so the job;
+  timeout), which ends the step and so the job; a detached group's session counts as a
+  connection while it waits for the next controller, so the agent stays until that
+  group ends (shut down, or its ``detach_timeout`` passed with nobody attaching);
 - withdraws its address as it exits, and the last agent of the job to go removes ``DIR``
   (the controller removes it as it closes; one killed outright cannot, and the directory,
   with the agents' logs, would stay in the user's home). An agent killed outright leaves
