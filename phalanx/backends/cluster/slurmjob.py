@@ -7,7 +7,8 @@ is submitted. ``DIR`` is a directory only this user can enter, under ``state_dir
 filesystem the nodes share: ``~/.cache/phalanx/slurm`` by default), holding
 
     token        the job's token: 256 fresh bits (0600; never on a command line), removed
-                 once every agent listens (each read it first)
+                 once every agent listens (each read it first); written back while the
+                 agents keep a detached group, for the controller that attaches
     agents/<n>   ``host:port`` of node n's agent, written by the agent once it listens,
                  removed as it exits
     job          the job's id, its nodes in the group's order, and whether the agents
