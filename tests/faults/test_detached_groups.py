@@ -238,7 +238,9 @@ def test_bad_detached_groups_are_refused_before_anything_starts(agent_cluster):
                        kwargs={"lock": threading.Lock()})
     with pytest.raises(ValueError, match="keeps no detached groups"):
         px.attach("x", backend=px.RayBackend())
-    assert px.SlurmBackend(nodes=1).capabilities.detaching is None  # not yet (its job ends)
+    # a Slurm backend that would submit a job of its own has no agents to ask: give the job
+    with pytest.raises(ValueError, match=r"give px\.SlurmBackend\(job=JOBID\)"):
+        px.attached(px.SlurmBackend(nodes=1))
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -91,6 +92,8 @@ def test_a_killed_controllers_group_is_attached_by_its_job_id_and_ends_with_it(t
         listed = px.attached(backend)
         assert [(g["name"], g["ranks"], g["holder"]) for g in listed] == [
             ("policy", [0, 1], None)]
+        with pytest.raises(LookupError, match="no agent keeps a detached group named 'nope'"):
+            px.attach("nope", backend=backend)
         t0 = time.monotonic()
         group = px.attach("policy", backend=backend, echo_output=False)
         try:
@@ -131,13 +134,16 @@ def test_nobody_attaching_within_the_timeout_ends_the_job(tmp_path):
         assert helpers.wait_until(lambda: not Path(started["directory"]).exists(), 10), \
             list(Path(started["directory"]).rglob("*"))
         # a job that is over, or that never was, is named in the error
-        with pytest.raises(px.PhalanxError, match=f"slurm job {job} has no phalanx "
-                                                  f"directory under {state}"):
+        with pytest.raises(px.PhalanxError, match=re.escape(
+                f"slurm job {job} has no phalanx directory under {state}: it is COMPLETED")):
             px.SlurmBackend(job=job, state_dir=str(state))
-        with pytest.raises(px.PhalanxError, match="slurm job 999999 has no phalanx "
-                                                  "directory.*Slurm knows no such job"):
+        with pytest.raises(px.PhalanxError, match=r"slurm job 999999 has no phalanx "
+                                                  r"directory .*Slurm knows no such job"):
             px.SlurmBackend(job="999999", state_dir=str(state))
         with pytest.raises(ValueError, match="job must be a Slurm job id"):
             px.SlurmBackend(job="4711; rm")
+        with pytest.raises(ValueError, match=r"job=.*attaches to a running job: nodes, "
+                                             r"partition shape a job that is submitted"):
+            px.SlurmBackend(job=job, nodes=2, partition="debug")
     finally:
         _end(proc, started)

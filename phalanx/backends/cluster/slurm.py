@@ -127,6 +127,9 @@ class SlurmBackend(ClusterBackend):
         # the detached groups this backend had its agents keep, or attaches to: while it
         # holds one, its close leaves the job running (the group may outlive it)
         self._keeping: set[str] = set()
+        # whether it ended one for good: a job attached to (job=) is ended only then (a
+        # group merely run on another's agents leaves their job as it found it)
+        self._ended_one = False
         self._told_why = False  # whether the log has said why Slurm ended the job
         super().__init__(token=self.job.token, quorum_timeout=start_timeout,
                          heartbeat_timeout=heartbeat_timeout, node_timeout=node_timeout,
@@ -202,6 +205,7 @@ class SlurmBackend(ClusterBackend):
             self.job.keep_token()
         else:  # shut down for good: the agents, then the job, end as this backend closes
             self._keeping.discard(name)
+            self._ended_one = True
             if not self._keeping:
                 self.job.drop_token()
 
@@ -260,7 +264,7 @@ class SlurmBackend(ClusterBackend):
             if self._keeping:  # unless they keep a detached group: it waits, and the job
                 logger.info("%s runs on: its agents keep detached group(s) %s",
                             self.job.label, ", ".join(sorted(self._keeping)))
-            else:
+            elif not self.job.attached or self._ended_one:
                 self.job.end()
 
     # -- a pool's job -------------------------------------------------------------------
