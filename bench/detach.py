@@ -15,6 +15,18 @@ changed, must be 0), every kept result is usable through its new handle (**kept
 usable**: ``get()`` of each equals what the killed controller read), and the running
 call's answers are reachable (**orphans**: ``group.orphaned()`` once the call ended, one
 per rank). Prints a table, writes JSON (default bench/results/detach.json).
+
+    python -m bench.detach --simulated 1000 [--flat] [--trials 3]
+
+The same at scale: 1,000 simulated nodes (``bench.simagents``, as ``bench.scale`` starts
+them: real agents and sessions, one in-process rank each), in a tree as a cluster of that
+size forms by default (``bench.scale``'s fan-out: the controller holds 50 connections), or
+``--flat`` (one connection to each). The killed controller
+set every rank's state and left a call running on every rank (one that a simulated rank
+never answers: a simulated rank answers at once or not at all, so no orphan comes, and
+kept results, which live in a real rank, are not held); after the attach the first call
+reads every rank's state back (**state kept**: all as the killed controller set it). The
+controller's CPU time for the attach is beside its wall time.
 """
 
 from __future__ import annotations
@@ -65,6 +77,120 @@ CONTROLLER = textwrap.dedent("""
     print("running", flush=True)
     time.sleep(600)
 """)
+
+
+SIM_CONTROLLER = textwrap.dedent("""
+    import json, sys, time
+    import phalanx as px
+    from bench.detach import SimPolicy, sim_backend
+
+    hosts, token_file, name, tree = json.loads(sys.argv[1])
+    group = px.WorkerGroup(SimPolicy, nodes=len(hosts),
+                           backend=sim_backend(hosts, token_file, tree),
+                           name=name, detached=True, detach_timeout=300, echo_output=False,
+                           heartbeat_timeout=None, straggler_warning=None, start_timeout=600)
+    group.call("step", 7)
+    group.call_async("hang")
+    time.sleep(0.5)
+    print("running", flush=True)
+    time.sleep(600)
+""")
+
+
+class SimPolicy:
+    """A simulated rank's object (``--simulated``): state that must outlive its controller."""
+
+    def __init__(self) -> None:
+        self.step_seen = -1
+
+    def step(self, i: int) -> int:
+        self.step_seen = i
+        return i
+
+    def state(self) -> int:
+        return self.step_seen
+
+    def hang(self) -> object:
+        from bench.simagents import NO_ANSWER
+
+        return NO_ANSWER  # a call still running when the controller is killed
+
+
+def sim_backend(hosts: list[str], token_file: str, tree: bool) -> Any:
+    """The cluster backend of the simulated nodes, a tree or flat (their timeouts as
+    bench.scale's: two CPUs shared by a thousand agents may leave one unscheduled for
+    seconds)."""
+    import phalanx as px
+    from bench.scale import FANOUT
+
+    return px.ClusterBackend(hosts, token_file=token_file,
+                             tree_threshold=1 if tree else len(hosts) + 1, fanout=FANOUT,
+                             heartbeat_timeout=120, quorum_timeout=120, node_timeout=120)
+
+
+def sim_trial(hosts: list[str], token_file: str, name: str, tree: bool) -> dict[str, Any]:
+    import phalanx as px
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SIM_CONTROLLER, json.dumps([hosts, token_file, name, tree])],
+        stdout=subprocess.PIPE, env=env, cwd=ROOT, text=True)
+    try:
+        if proc.stdout.readline() != "running\n":  # type: ignore[union-attr]
+            raise RuntimeError("the controller did not start its call")
+        killed = time.perf_counter()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()  # type: ignore[union-attr]
+    t0, c0 = time.perf_counter(), time.process_time()
+    group = px.attach(name, backend=sim_backend(hosts, token_file, tree), echo_output=False,
+                      start_timeout=600)
+    attached, attach_cpu = time.perf_counter(), time.process_time() - c0
+    try:
+        states = group.call("state")
+        first_call = time.perf_counter()
+    finally:
+        group.shutdown()
+    return {"ranks": len(states), "attach_s": attached - t0, "attach_cpu_s": attach_cpu,
+            "first_call_s": first_call - t0, "kill_to_first_call_s": first_call - killed,
+            "state_kept": states == [7] * len(hosts)}
+
+
+def simulated(args: argparse.Namespace) -> int:
+    from bench.scale import SimCluster
+
+    cluster = SimCluster(args.simulated)
+    results = []
+    try:
+        for i in range(args.trials):
+            result = sim_trial(cluster.hosts, cluster.token_file, f"bench-detach-sim-{i}",
+                               not args.flat)
+            results.append(result)
+            print(f"trial {i}: {json.dumps(result)}", flush=True)
+    finally:
+        cluster.close()
+    ok = all(r["state_kept"] and r["ranks"] == args.simulated for r in results)
+    attach = median(r["attach_s"] for r in results)
+    cpu = median(r["attach_cpu_s"] for r in results)
+    first = median(r["first_call_s"] for r in results)
+    shape = "flat" if args.flat else "tree"
+    print(f"\nW17 {args.simulated} simulated nodes ({shape}): attach {attach:.2f} s "
+          f"({cpu:.2f} s of the controller's CPU), attach to first call {first:.2f} s, "
+          f"median of {len(results)}; every rank's state kept: {'yes' if ok else 'NO'}")
+    print(f"  {'PASS' if first < 10.0 else 'FAIL'}  attach to first call < 10 s at "
+          f"{args.simulated} nodes")
+    write_json(args.json, {"benchmark": "detach", "simulated_nodes": args.simulated,
+                           "shape": shape,
+                           "trials": results, "attach_s": attach, "attach_cpu_s": cpu,
+                           "first_call_s": first, "checks_ok": ok,
+                           "machine": machine_info()}, [])
+    print(f"JSON: {args.json}")
+    return 0 if ok else 1
 
 
 @contextmanager
@@ -126,7 +252,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--per-node", type=int, default=16)
     parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--simulated", type=int, default=0, metavar="NODES",
+                        help="simulated nodes (bench.simagents) instead of real agents")
+    parser.add_argument("--flat", action="store_true",
+                        help="with --simulated: the controller connects to every node")
     args = parser.parse_args(argv)
+    if args.simulated:
+        if args.json == DEFAULT_JSON:
+            args.json = DEFAULT_JSON.with_name(
+                f"detach_simulated{'_flat' if args.flat else ''}.json")
+        return simulated(args)
     results = []
     with agents(args.nodes) as (hosts, token_file):
         for i in range(args.trials):

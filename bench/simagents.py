@@ -118,6 +118,10 @@ class _SimBurial:
         return self._rank.exitcode is not None
 
 
+class _SimProcess:
+    pid = os.getpid()
+
+
 class _SimRank:
     def __init__(self, session: SimSession, rank: int, node: int, incarnation: int,
                  obj: Any) -> None:
@@ -126,6 +130,7 @@ class _SimRank:
         self.calls: dict[int, str] = {}  # as a real rank's record: the calls sent to it
         self.broke: str | None = None
         self.ready: list[Any] | None = None  # a real rank's READY kept for an attach
+        self.process = _SimProcess()  # what the session's record of an orphan reads
         self.conn = _SimConn(session, self)
         self.burial = _SimBurial(self)
 
@@ -169,7 +174,9 @@ class SimSession(Session):
                     methods[m] = ([] if code is None
                                   else list(code.co_varnames[1:code.co_argcount]))
         for r in ranks:  # after _launched: the relay registers them before the next call
-            self._send(protocol.ready_frame(r.rank, os.getpid(), methods, {}))
+            ready = protocol.ready_frame(r.rank, os.getpid(), methods, {})
+            r.ready = _segments(ready)  # as a real rank's: sent again to an attaching one
+            self._send(ready)
         return [os.getpid()] * len(ranks)
 
     def _from_controller(self) -> bool:

@@ -23,7 +23,8 @@ The new controller numbers its calls from the clock's microseconds, above any nu
 ranks and agents knew from the old one (a kept result is known by its call's number).
 
 Backends offer this through :class:`~phalanx.backends.parts.Detaching`: the cluster
-backend's agents do (a flat cluster: not yet across an agent tree). The local backend's
+backend's agents do, flat or in a tree (the top agents wait for the next controller and
+keep their subtrees' orphans; the nodes below them run on). The local backend's
 ranks are this process's children, so a detached group of the local backend runs on this
 user's own agent on this machine instead (:mod:`phalanx.backends.cluster.localagent`,
 started as needed; ``px.attach(name)`` finds it). The Slurm backend's agents are cluster

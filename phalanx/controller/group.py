@@ -379,7 +379,13 @@ class WorkerGroup(CallForms):
         detaching = self._backend.capabilities.detaching
         if detaching is None or self._detached is None:
             return []
-        return [orphan_of(item, self._name) for item in detaching.orphans(take)]
+        found = detaching.orphans(take)
+        entries = self._ranks.entries
+        for item in found:  # kept by a tree's top agent for a rank below it: named here
+            entry = entries[item[0]] if 0 <= item[0] < len(entries) else None
+            if item[2] is None and entry is not None:
+                item[1], item[2] = entry.node, entry.pid
+        return [orphan_of(item, self._name) for item in found]
 
     def _abandon(self) -> None:
         """A failed start ends CLOSED (what a repr or a stray reference then says)."""

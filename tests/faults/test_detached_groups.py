@@ -40,14 +40,18 @@ CONTROLLER = textwrap.dedent("""
     import phalanx as px
     from tests.workers import Probe
 
-    hosts, token_file, name, detached, timeout, end = json.loads(sys.argv[1])
+    TREE = {"tree_threshold": 1, "fanout": 2}
+
+    hosts, token_file, name, detached, timeout, end, tree = json.loads(sys.argv[1])
+    if hosts is not None:
+        hosts = hosts if tree else hosts[:2]  # a tree: all three, node 1 below node 0
     backend = ("local" if hosts is None else
-               px.ClusterBackend(hosts[:2], token_file=token_file))
+               px.ClusterBackend(hosts, token_file=token_file, **TREE if tree else {}))
     if end == "attach-kill":  # a second controller, itself killed in a call
         group = px.attach(name, backend=backend, echo_output=False)
         group.call("record", "second")
     else:
-        group = px.WorkerGroup(Probe, nodes=None if hosts is None else len(hosts[:2]),
+        group = px.WorkerGroup(Probe, nodes=None if hosts is None else len(hosts),
                                procs_per_node=None if hosts is not None else 2,
                                backend=backend, name=name, detached=detached,
                                detach_timeout=timeout, echo_output=False)
@@ -67,7 +71,7 @@ CONTROLLER = textwrap.dedent("""
 
 
 def _controller(agents, name: str, *, detached: bool = True, timeout: float = 30.0,
-                end: str = "kill") -> tuple[subprocess.Popen, dict]:
+                end: str = "kill", tree: bool = False) -> tuple[subprocess.Popen, dict]:
     """A controller process that started the group (on ``agents``; None: the local
     backend) and runs a call; what it printed."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO),
@@ -76,7 +80,7 @@ def _controller(agents, name: str, *, detached: bool = True, timeout: float = 30
     token_file = None if agents is None else agents.token_file
     proc = subprocess.Popen(
         [sys.executable, "-c", CONTROLLER,
-         json.dumps([hosts, token_file, name, detached, timeout, end])],
+         json.dumps([hosts, token_file, name, detached, timeout, end, tree])],
         stdout=subprocess.PIPE, env=env, cwd=REPO, text=True)
     line = proc.stdout.readline()  # type: ignore[union-attr]
     running = proc.stdout.readline()  # type: ignore[union-attr]
@@ -132,6 +136,34 @@ def test_a_killed_controllers_group_is_attached_with_its_ranks_state_and_kept_re
                    for s in group.call("array_summary", kept[0]))
         assert group.call("history") == [["before"], ["before"]]  # state on the ranks
         assert group.call("add", 1, 2) == [3, 3]
+    finally:
+        group.shutdown()
+    assert wait_until(lambda: not _alive(started["pids"]), 15)
+
+
+@needs_agents
+def test_a_detached_group_on_a_tree_of_agents_is_attached_through_its_top_agent(
+        agent_cluster):
+    """Three agents in a tree (the controller reaches nodes 0 and 2; node 1 is below node
+    0): the top agents wait, the node below runs on, and the controller that attaches
+    drives all three again, with the running call's answers of every rank -- node 1's kept
+    by node 0's agent, named with its node and pid here."""
+    proc, started = _controller(agent_cluster, "tree-group", tree=True)
+    _kill(proc)  # inside the 2 s call, on all three ranks
+    backend = agent_cluster.backend(tree_threshold=1, fanout=2)
+    group = px.attach("tree-group", backend=backend, echo_output=False)
+    try:
+        assert group._backend.connection_count() == 2  # the top agents' only
+        assert group.call("pid") == started["pids"]  # 0 restarts, on every level
+        assert wait_until(lambda: len(group.orphaned()) == 3, 10)
+        orphans = group.orphaned()
+        assert [(o.rank, o.method, o.value) for o in orphans] == [
+            (r, "sleep", "slept") for r in range(3)]
+        assert group.call("history") == [["before"]] * 3
+        assert sorted(float(h.get().sum()) for h in group.kept()) == sorted(started["sums"])
+        assert group.call("add", 1, 2) == [3, 3, 3]
+        assert [g["ranks"] for g in px.attached(agent_cluster.backend())
+                if g["name"] == "tree-group"] == [[0, 1, 2]]
     finally:
         group.shutdown()
     assert wait_until(lambda: not _alive(started["pids"]), 15)

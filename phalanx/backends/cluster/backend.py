@@ -365,7 +365,8 @@ class ClusterBackend(Backend):
         wanted = self.quorum or len(self.hosts)
         entries = [(i + 1, *parse_host(h)) for i, h in enumerate(self.hosts)]
         while True:
-            formation = agenttree.form(entries, self.fanout, self._dialer.connect, deadline)
+            formation = agenttree.form(entries, self.fanout, self._dialer.connect, deadline,
+                                       attaching=self.attach_request)
             if formation.refused:
                 formation.close()
                 raise formation.refused[0]
@@ -460,7 +461,10 @@ class ClusterBackend(Backend):
             agent.request(agentwire.DETACH, name, timeout, payload=[spec])
 
         used = self.members.nodes[:self._in_use]  # the group's: the first in_use, in order
-        _on_each([node for node in used if node.lost_reason is None], tell, "phalanx-detach")
+        # in a tree, its top agents: the nodes below them see no controller come or go (the
+        # agents above them stay), and the top ones keep their subtrees' orphans
+        _on_each([node for node in used if node.lost_reason is None and node.direct], tell,
+                 "phalanx-detach")
 
     @property
     def dialer(self) -> Dialer:

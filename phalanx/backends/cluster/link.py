@@ -89,6 +89,12 @@ class AgentNode:
         return f"{self.host}:{self.port}"
 
     @property
+    def direct(self) -> bool:
+        """Whether the controller's connection reaches this node's agent itself (flat, or
+        a tree's top agent), not through the agents above it."""
+        return (self.host, self.port) == (self.link.host, self.link.port)
+
+    @property
     def where(self) -> str:
         also = "" if self.label is None else f"{self.label}, "
         return (f"node {self.index} ({also}agent at {self.name})" if self.index >= 0 else

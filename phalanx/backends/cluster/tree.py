@@ -143,21 +143,43 @@ def adopt(joined: Joined, own_id: int, rest: Sequence[Entry], fanout: int,
     """Ask the agent ``joined`` reaches to be node ``own_id`` and adopt ``rest`` (its
     chunk's other agents); its answer: ``{"nodes": [(id, welcome)], "missing": [(id,
     "host:port", why)]}`` for the subtree below it. OSError if it does not answer in time."""
+    return _ask(joined, timeout, "adopting its part of the tree", agentwire.ADOPT, own_id,
+                [list(e) for e in rest], fanout, timeout)
+
+
+def attach(joined: Joined, own_id: int, name: str, force: bool,
+           timeout: float) -> dict[str, Any]:
+    """Take over the top agent ``joined`` reaches of detached group ``name``'s tree (its
+    connection moves to the group's waiting session there) and learn the subtree below it,
+    which it formed when the group started: the answer :func:`adopt` gives. OSError when it
+    cannot, or was not node ``own_id`` of that tree (other hosts, order or fan-out)."""
+    answer = _ask(joined, timeout, f"attaching to detached group {name}", agentwire.ATTACH,
+                  name, [], force)
+    if answer.get("tree_id") != own_id:
+        raise OSError(f"the agent at {joined.host}:{joined.port} is node "
+                      f"{answer.get('tree_id')} of detached group {name}'s tree, not node "
+                      f"{own_id}: attach with the hosts (in the same order) and fanout the "
+                      "group was started with")
+    return answer
+
+
+def _ask(joined: Joined, timeout: float, doing: str, kind: int,
+         *fields: Any) -> dict[str, Any]:
+    """Request 1 of a connection not yet a link, and its answer (OSError if it fails)."""
     joined.sock.settimeout(max(0.1, timeout) + 5.0)
     try:
         joined.sock.sendall(b"".join(framing.seal_frames(agentwire.request(
-            agentwire.ADOPT, 1, own_id, [list(e) for e in rest], fanout, timeout),
-            joined.auth)))
+            kind, 1, *fields), joined.auth)))
         while True:
             for segs in joined.reader.recv_frames(block=True):
                 kind, request_id, _, extra = protocol.parse(segs[0])
                 if kind == agentwire.REPLY and request_id == 1:
                     ok, value = extra
                     if not ok:
-                        raise OSError(f"the agent at {joined.host}:{joined.port} could not "
-                                      f"adopt its part of the tree: {printable(value)}")
-                    adopted: dict[str, Any] = value  # what its Branch.adopt returned
-                    return adopted
+                        raise OSError(f"the agent at {joined.host}:{joined.port} failed "
+                                      f"{doing}: {printable(value)}")
+                    answer: dict[str, Any] = value  # what its Branch.adopt returned
+                    return answer
                 if kind == agentwire.FAULT:
                     raise OSError(f"the agent at {joined.host}:{joined.port}: "
                                   f"{printable(extra[0])}")
@@ -165,11 +187,11 @@ def adopt(joined: Joined, own_id: int, rest: Sequence[Entry], fanout: int,
         raise OSError(f"the connection to the agent at {joined.host}:{joined.port} was "
                       f"tampered with: {exc}") from None
     except framing.FrameTooLarge as exc:
-        raise OSError(f"the agent at {joined.host}:{joined.port} sent {exc} while adopting "
-                      f"its part of the tree") from None
+        raise OSError(f"the agent at {joined.host}:{joined.port} sent {exc} while "
+                      f"{doing}") from None
     except framing.ConnectionLost:
         raise OSError(f"the agent at {joined.host}:{joined.port} closed the connection "
-                      f"while adopting its part of the tree") from None
+                      f"while {doing}") from None
     finally:
         joined.sock.settimeout(None)
 
@@ -196,10 +218,13 @@ class Formation:
 
 
 def form(entries: Sequence[Entry], fanout: int, connect: Callable[[str, int, float], Joined],
-         deadline: float) -> Formation:
+         deadline: float, attaching: tuple[str, bool] | None = None) -> Formation:
     """Connect to one head per chunk of ``entries`` (in parallel) and have it adopt the
     rest of its chunk; who answered and who did not. Each attempt ends by ``deadline``
-    (a ``time.monotonic()`` value)."""
+    (a ``time.monotonic()`` value). ``attaching`` (a detached group's name, and whether
+    to force): the tree is that group's, formed already -- each chunk's first agent is
+    attached to (:func:`attach`), and a chunk whose first agent does not answer is
+    missing whole (its subtree went with it)."""
     result = Formation([], {}, {}, [])
     lock = threading.Lock()
 
@@ -218,12 +243,17 @@ def form(entries: Sequence[Entry], fanout: int, connect: Callable[[str, int, flo
                 continue
             except OSError as exc:
                 with lock:
-                    result.missing[tree_id] = (f"{host}:{port}", str(exc))
+                    for other_id, other_host, other_port in (
+                            chunk[i:] if attaching is not None else [entry]):
+                        result.missing[other_id] = (f"{other_host}:{other_port}", str(exc))
+                if attaching is not None:
+                    return
                 continue
             rest = chunk[i + 1:]
             try:
-                answer = adopt(joined, tree_id, rest, fanout,
-                               max(0.1, deadline - time.monotonic()))
+                left = max(0.1, deadline - time.monotonic())
+                answer = (adopt(joined, tree_id, rest, fanout, left) if attaching is None
+                          else attach(joined, tree_id, *attaching, left))
             except OSError as exc:
                 joined.close()
                 with lock:

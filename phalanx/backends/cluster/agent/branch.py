@@ -17,6 +17,13 @@ to back in one segment, their lengths in the header
 at once (a failure anywhere reaches the controller without waiting for the rest), and the
 ranks they concern are no longer waited for.
 
+A detached group's tree (:mod:`phalanx.backends.cluster.agent.detached`) waits at its top
+agents: when the controller leaves, the calls gathered then become *inherited*, and each
+answer to one that reaches this node -- its own ranks' or a child's -- is handed to the
+session's keeper of orphans instead of going up. The children and their ranks run on
+untouched (their upstream, this agent, stays); the subtree this node formed is kept
+(:attr:`Branch.formed`), so that a controller attaching learns it without forming it again.
+
 A child is an agent with the token, but its messages are still checked before they are
 read: a FAULT or RESULTS that is malformed (sizes or counts that do not give each rank its
 own bytes and segments, ranks out of order, a header that does not parse) loses that
@@ -84,13 +91,20 @@ class _Child:
 class _Gather:
     """The results of one call's ranks in this subtree, held until all are in."""
 
-    __slots__ = ("got", "last", "since", "waiting")
+    __slots__ = ("got", "inherited", "last", "method", "since", "waiting")
 
-    def __init__(self) -> None:
+    def __init__(self, method: str) -> None:
+        self.method = method
         self.waiting: set[int] = set()  # ranks not answered yet
         self.got: dict[int, list[Any]] = {}  # rank -> its RESULT's payload segments
         self.since = 0.0  # when the first result held now arrived
         self.last = 0.0  # when the last one did
+        self.inherited = False  # a call of a controller that left: its answers are orphans
+
+
+# what keeps an answer to an inherited call: (rank, call id, method, ok, segments: the
+# header first)
+Orphans = Callable[[int, int, str, bool, list[Any]], None]
 
 
 class Relay(NamedTuple):
@@ -121,6 +135,9 @@ class Branch:
         self._node_route: dict[int, _Child] = {}  # tree node -> the child it is below
         self._rank_route: dict[int, _Child] = {}  # rank -> the child it is below
         self._gathers: dict[int, _Gather] = {}  # call id -> its results held here
+        self._orphans: Orphans | None = None  # set once calls were inherited
+        # what this node's ADOPT formed below it ({"nodes", "missing"}, as it answered)
+        self.formed: dict[str, Any] = {"nodes": [], "missing": []}
 
     @property
     def has_children(self) -> bool:
@@ -144,12 +161,39 @@ class Branch:
 
     # -- gathering results ---------------------------------------------------------------
 
-    def expect(self, call_id: int, ranks: tuple[int, ...]) -> None:
-        """A call for ``ranks`` of this subtree passes: gather their results."""
+    def expect(self, call_id: int, ranks: tuple[int, ...], method: str) -> None:
+        """A call of ``method`` for ``ranks`` of this subtree passes: gather their
+        results."""
         gather = self._gathers.get(call_id)
         if gather is None:
-            gather = self._gathers[call_id] = _Gather()
+            gather = self._gathers[call_id] = _Gather(method)
         gather.waiting.update(ranks)
+
+    def inherit(self, orphans: Orphans) -> None:
+        """The controller left: the calls gathered now are inherited, their answers (those
+        held here already, and those to come) go to ``orphans``, not up."""
+        self._orphans = orphans
+        for call_id, gather in list(self._gathers.items()):
+            gather.inherited = True
+            for rank in sorted(gather.got):
+                orphans(rank, call_id, gather.method, True,
+                        [protocol.header(_RESULT, call_id, rank), *gather.got[rank]])
+            gather.got, gather.since = {}, 0.0
+            if not gather.waiting:
+                del self._gathers[call_id]
+
+    def _orphan(self, call_id: int, gather: _Gather, rank: int, ok: bool,
+                segs: list[Any]) -> None:
+        """An answer to an inherited call (``segs``: the header first) to the keeper."""
+        gather.waiting.discard(rank)
+        if not gather.waiting:
+            self._gathers.pop(call_id, None)
+        assert self._orphans is not None  # (set by inherit, before any call is inherited)
+        self._orphans(rank, call_id, gather.method, ok, [bytes(s) for s in segs])
+
+    def ranks_below(self) -> list[int]:
+        """The ranks of this subtree below this node's children."""
+        return sorted(self._rank_route)
 
     def up(self, segs: list[Any], head: tuple[int, int, int]) -> None:
         """A message of a rank of this subtree, for the controller (``head``: its header's
@@ -165,6 +209,11 @@ class Branch:
         gather = self._gathers.get(call_id)
         if gather is None:
             self._relay.queue(framing.frame(list(segs)))
+            return
+        if gather.inherited:
+            for i, rank in enumerate(gathered.ranks):
+                self._orphan(call_id, gather, rank, True,
+                             [protocol.header(_RESULT, call_id, rank), *gathered.payload(i)])
             return
         waiting, got = gather.waiting, gather.got
         for i, rank in enumerate(gathered.ranks):
@@ -182,10 +231,16 @@ class Branch:
         if kind == _RESULT:
             if gather is None or rank not in gather.waiting:
                 return False
+            if gather.inherited:
+                self._orphan(call_id, gather, rank, True, segs)
+                return True
             gather.waiting.discard(rank)
             gather.got[rank] = segs[1:]
         elif kind == protocol.ERROR:
             if gather is not None:
+                if gather.inherited and rank in gather.waiting:
+                    self._orphan(call_id, gather, rank, False, segs)
+                    return True
                 gather.waiting.discard(rank)
             return False
         elif kind == protocol.EXITED:
@@ -357,8 +412,20 @@ class Branch:
         with self._relay.lock:  # registered by the relay before it reads the next request
             self._adopted.extend(children)
         self._relay.wake()
-        return {"nodes": [[i, welcome] for i, (_, welcome) in formation.nodes.items()],
-                "missing": [[i, where, why] for i, (where, why) in formation.missing.items()]}
+        self.formed = {
+            "nodes": [[i, welcome] for i, (_, welcome) in formation.nodes.items()],
+            "missing": [[i, where, why] for i, (where, why) in formation.missing.items()]}
+        return self.formed
+
+    def subtree(self) -> dict[str, Any]:
+        """The subtree below this node as its ADOPT formed it, less the nodes lost since
+        (an ADOPT's answer, for a controller attaching to a detached group)."""
+        alive = self._node_route
+        nodes = [[i, welcome] for i, welcome in self.formed["nodes"] if i in alive]
+        lost = [[i, "?", "lost while the group was detached"]
+                for i, _ in self.formed["nodes"] if i not in alive]
+        return {"tree_id": self.tree_id, "nodes": nodes,
+                "missing": [*self.formed["missing"], *lost]}
 
     def close(self) -> None:
         """End every child's connection (they stop their ranks in turn)."""

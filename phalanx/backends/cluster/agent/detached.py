@@ -81,12 +81,20 @@ class Detachment:
         calls = self.inherited.get(rank)
         if not calls or call_id not in calls:
             return False
-        method = calls.pop(call_id)
+        self.add(Orphan(rank, node, pid, call_id, calls.pop(call_id), ok,
+                        [bytes(s) for s in segments]))
+        return True
+
+    def keep(self, rank: int, call_id: int, method: str, ok: bool,
+             segments: list[Any]) -> None:
+        """Keep an answer to an inherited call of a rank below this node in a tree (its
+        node and pid are the controller's to know)."""
+        self.add(Orphan(rank, -1, None, call_id, method, ok, segments))
+
+    def add(self, orphan: Orphan) -> None:
         if len(self.orphans) >= MAX_ORPHANS:
             del self.orphans[0]
-        self.orphans.append(Orphan(rank, node, pid, call_id, method, ok,
-                                   [bytes(s) for s in segments]))
-        return True
+        self.orphans.append(orphan)
 
     def describe(self, ranks: list[int]) -> dict[str, Any]:
         """What DESCRIBE answers: enough for ``px.attach`` to rebuild the group."""

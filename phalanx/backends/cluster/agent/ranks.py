@@ -355,7 +355,7 @@ class Session:
                 continue
             if branch.routes_ranks:
                 if kind == protocol.CALL:
-                    branch.expect(call_id, ranks)
+                    branch.expect(call_id, ranks, extra[0])
                 ranks = branch.hand_down(ranks, segs)
             call = kind == protocol.CALL or kind == protocol.CALL_STREAM
             if call:
@@ -674,9 +674,6 @@ class Session:
             return True
         if self._book is None:
             raise RuntimeError("this agent keeps no detached groups")
-        if self._branch.has_children:
-            raise ValueError("a detached group cannot span a tree of agents yet: give the "
-                             "backend a tree_threshold above its node count")
         self._book.enter(name, self)
         spec = bytes(payload[0]) if payload else b""
         record = self._detach
@@ -708,7 +705,8 @@ class Session:
     def detached_description(self) -> dict[str, Any] | None:
         """This session's detached group, as DESCRIBE tells it (None: it has none)."""
         record = self._detach
-        return None if record is None else record.describe(sorted(self._ranks))
+        return None if record is None else record.describe(
+            sorted([*self._ranks, *self._branch.ranks_below()]))
 
     def _orphans(self, take: bool, payload: list[Any]) -> list[Any]:
         """ORPHANS: the answers of calls whose controller left before they ended."""
@@ -724,8 +722,8 @@ class Session:
         """The controller left (``why``): a detached group with ranks running waits for
         another (True); anything else ends (False). The relay's thread."""
         record = self._detach
-        if record is None or self._closing or not any(
-                not r.burial.claimed for r in self._ranks.values()):
+        if record is None or self._closing or not (self._branch.has_children or any(
+                not r.burial.claimed for r in self._ranks.values())):
             return False
         conn, self._conn = self._conn, None
         if conn is not None:
@@ -733,6 +731,7 @@ class Session:
             conn.close()
         record.left, record.why_left = time.monotonic(), why
         record.inherited = {r.rank: dict(r.calls) for r in self._ranks.values() if r.calls}
+        self._branch.inherit(record.keep)  # a tree's: its subtree's answers to them too
         logger.warning("the controller of detached group %s left (%s): its %d rank(s) run "
                        "on; another may attach within %g s", record.name, why,
                        len(self._ranks), record.timeout)
@@ -743,7 +742,12 @@ class Session:
         the session of detached group ``name``, which answers it from then on."""
         book, conn = self._book, self._conn
         target = None if book is None else book.find(name)
-        if target is None or target is self or conn is None:
+        if target is self or (target is None and starts and self._detach is None):
+            # ranks this connection drives already: a controller that attached through a
+            # tree's top agent asks this node below it (or that top agent) for its ranks
+            self._answer_attach(request_id, starts, name)
+            return
+        if target is None or conn is None:
             others = ", ".join(book.names()) if book is not None else ""
             self._send(agentwire.reply(request_id, False, (
                 f"LookupError: no detached group named {name!r} on this node (detached "
@@ -807,11 +811,23 @@ class Session:
         self._watch(conn.read_fd, "controller", None)
         self._heard = time.monotonic()
         record.left, record.holder = None, peer or "a controller"
+        if not starts:  # a tree's top agent: first, the subtree the controller drives again
+            self._send(agentwire.reply(request_id, True, self._branch.subtree()))
+            logger.info("a controller from %s attached to detached group %s through this "
+                        "node", peer, record.name)
+            return
+        self._answer_attach(request_id, starts, record.name)
+        logger.info("a controller from %s attached to detached group %s (%d rank(s))",
+                    peer, record.name, len(starts))
+
+    def _answer_attach(self, request_id: int, starts: list[Any], name: str) -> None:
+        """ATTACH's answer for this node's ``starts``: their pids, then each one's READY
+        again, as a start would send (an error naming the ranks no longer running)."""
         gone = [start[0] for start in starts if start[0] not in self._ranks
                 or self._ranks[start[0]].burial.claimed]
         if gone:
             self._send(agentwire.reply(request_id, False, (
-                f"RuntimeError: rank(s) {gone} of detached group {record.name} are no longer "
+                f"RuntimeError: rank(s) {gone} of detached group {name} are no longer "
                 "running on this node")))
             return
         pids = []
@@ -824,8 +840,6 @@ class Session:
             ready = self._ranks[number].ready
             if ready is not None:
                 self._send(framing.frame(list(ready)))
-        logger.info("a controller from %s attached to detached group %s (%d rank(s))",
-                    peer, record.name, len(starts))
 
     # -- bookkeeping ------------------------------------------------------------------
 
