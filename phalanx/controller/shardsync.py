@@ -58,6 +58,14 @@ its ``get`` raised) fails the stage naming it, and nothing of that stage is appl
 Every wait is bounded: ``timeout`` seconds on the ranks for each transfer, and a tenth
 more here for each step.
 
+**Carried on** by the controller of detached groups that attached (see
+:mod:`phalanx.controller.weightsync`): :meth:`ShardSync.resume` takes the generation and
+each target's applied version from what the ranks said they hold; the first stage forms
+a new generation above theirs (the plan of a controller that died may have been mid-step),
+:meth:`ShardSync.versions` answers from the versions the targets applied, the next stage
+is the version after the highest of them, and :meth:`ShardSync.catch_up` brings the
+targets behind to the highest.
+
 States: :class:`~phalanx.controller.weightsync.SyncState`, with the same moves as the
 broadcast sync's (BROKEN: the next stage forms again).
 """
@@ -152,13 +160,16 @@ class ShardSync:
     :class:`~phalanx.controller.weightsync.WeightSync`, which checks its arguments."""
 
     def __init__(self, source: WorkerGroup, targets: Sequence[WorkerGroup],
-                 src_ranks: Sequence[int] | None, *, timeout: float, deadline: float) -> None:
+                 src_ranks: Sequence[int] | None, *, timeout: float, deadline: float,
+                 sync_id: str | None = None) -> None:
         self._source = source
         self._targets = list(targets)
         self._src_ranks = None if src_ranks is None else list(src_ranks)
         self._timeout = timeout
         self._deadline = deadline  # what the controller waits for each step
-        self._id = uuid.uuid4().hex[:16]  # names this sync on every rank
+        # names this sync on every rank (one of detached groups': the same in the next
+        # controller, see phalanx.controller.weightsync)
+        self._id = sync_id or uuid.uuid4().hex[:16]
         self._lock = threading.Lock()  # one stage, apply or close at a time
         self._state = SyncState.NEW
         self._generation = 0
@@ -206,6 +217,18 @@ class ShardSync:
     @property
     def targets(self) -> list[WorkerGroup]:
         return list(self._targets)
+
+    def resume(self, generation: int, applied: Mapping[Target, tuple[int, int]]) -> None:
+        """Carry on a sync the ranks hold from an earlier controller: they were formed up
+        to ``generation``, and each target of ``applied`` (pid, version) set that version;
+        the next stage forms again first (a new generation) and stages the version after
+        the highest applied. Before any step only."""
+        with self._lock, self._record:
+            if self._state is not SyncState.NEW:
+                raise RuntimeError(f"weight sync {self._id} is in use: resume() comes first")
+            self._generation = max(self._generation, generation)
+            self._applied = dict(applied)
+            self._version = max((v for _, v in applied.values()), default=0)
 
     # -- the steps ------------------------------------------------------------------------
 

@@ -72,6 +72,25 @@ is bounded: ``timeout`` seconds (and a tenth more) for each step of a push at th
 controller, and ``timeout`` for every gloo operation on the ranks, so a member that
 failed on one side leaves no other waiting for ever.
 
+**Detached groups.** A sync whose groups are all detached (``detached=True``, or attached
+by ``px.attach``) outlives its controller with them: its id on the ranks is made from the
+groups' names and ``src_rank`` rather than drawn at random, so the next controller's
+``px.weight_sync(trainers, generators)`` -- the same source, ``src_rank`` and targets, in
+the same order -- is the same sync. When it is made, it asks every rank what it holds of
+it (:data:`phalanx.rank.weightsync.HELD`: a rank keeps the generation and the version of
+the last push it sent or loaded, by parts each target's applied version) and carries on
+there: :attr:`WeightSync.version` is the highest version a rank holds, the next push is
+the one after it, and ``versions()`` / ``catch_up`` of a sync by parts know which targets
+applied what. The weights are the ranks' own (nothing is moved to carry on); the joint
+world or plan is formed again on the first push, a new generation above the ranks' (the
+controller that died may have been in the middle of a push, leaving a gloo world out of
+step). One process makes one such sync per source, ``src_rank`` and targets at a time
+(ValueError naming it while the other is open); ``close()`` ends it on the ranks, and the
+next one starts from version 0.
+
+Every push has a *version*: 1 for the first, one more for each push after it (a push that
+failed uses its number up), in :attr:`PushStats.version` and :attr:`WeightSync.version`.
+
 States (:class:`SyncState`), and the moves between them::
 
     NEW     -> FORMED (the first push) | BROKEN (its forming failed) | CLOSED
@@ -86,6 +105,8 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import enum
+import hashlib
+import json
 import logging
 import secrets
 import threading
@@ -104,7 +125,7 @@ from phalanx.controller.syncrecords import (
     release,
     release_quietly,
 )
-from phalanx.errors import CallTimeout, GroupClosed
+from phalanx.errors import CallTimeout, GroupClosed, PhalanxError, WorkerDied
 from phalanx.options import check_seconds
 from phalanx.rank import weightsync as rankside
 
@@ -121,6 +142,10 @@ DEFAULT_TIMEOUT = 300.0  # seconds for a push, a formation, and each gloo operat
 # its CallTimeout would): a tenth of them, at least a second, at most this.
 _MARGIN = 10.0
 MiB = 1 << 20
+
+# This process's open syncs between detached groups, by id: one each (their ranks' state
+# is under that id).
+_DETACHED_SYNCS: weakref.WeakValueDictionary[str, WeightSync] = weakref.WeakValueDictionary()
 
 
 class Transport(enum.Enum):
@@ -194,10 +219,16 @@ class WeightSync:
         self._targets = list(listed)
         self._src_rank = 0 if self._all else int(src_rank)
         self._check_groups()
-        self._id = uuid.uuid4().hex[:16]  # names this sync on every rank
+        # names this sync on every rank: for detached groups, the same in the next
+        # controller (see the module docstring)
+        lasting = _lasting_id(source, self._targets, src_rank)
+        self._id = lasting or uuid.uuid4().hex[:16]
         self._lock = threading.Lock()  # one push (or close) at a time
         self._state = SyncState.NEW
         self._generation = 0
+        self._version = 0  # of the last push src_rank=<int> made (by parts: ShardSync's)
+        # what the ranks hold by parts from an earlier controller (ShardSync.resume)
+        self._held_parts: tuple[int, dict[tuple[str, int], tuple[int, int]]] | None = None
         self._transport: Transport | None = None  # the one chosen at the last formation
         self._parts: list[_Part] = []  # source part first
         self._identity: tuple[Any, ...] | None = None  # members' processes when formed
@@ -207,6 +238,21 @@ class WeightSync:
                                            rankside.CLOSE)
         self._finalizer.atexit = False  # at exit the ranks end anyway
         self._parts_sync: ShardSync | None = None  # the sync by parts, made at first use
+        if lasting is not None:
+            other = _DETACHED_SYNCS.get(lasting)
+            if other is not None and other.state is not SyncState.CLOSED:
+                self._state = SyncState.CLOSED
+                self._finalizer.detach()  # the ranks' state is the other's
+                raise ValueError(f"weight_sync(): {other!r} is open in this process; one "
+                                 "sync per source, src_rank and targets of detached groups "
+                                 "at a time (close() it first)")
+            _DETACHED_SYNCS[lasting] = self
+            try:
+                self._carry_on()
+            except BaseException:
+                self._state = SyncState.CLOSED
+                self._finalizer.detach()  # what the ranks hold stays theirs
+                raise
         if self._all:
             self._shards()
 
@@ -245,8 +291,31 @@ class WeightSync:
 
             self._parts_sync = ShardSync(
                 self._source, self._targets, None if self._all else [self._src_rank],
-                timeout=self._timeout, deadline=self._deadline)
+                timeout=self._timeout, deadline=self._deadline, sync_id=self._id)
+            if self._held_parts is not None:
+                self._parts_sync.resume(*self._held_parts)
         return self._parts_sync
+
+    def _carry_on(self) -> None:
+        """Carry on where the ranks are (a sync of detached groups: see the module
+        docstring): ask every live rank of every member what it holds of this sync,
+        waiting for a call it runs as a push would; a rank that died holds nothing."""
+        held = _held(self._id, [self._source, *self._targets], self._deadline)
+        plain = [answer["plain"] for answer in held.values() if answer["plain"]]
+        if plain:
+            self._generation = max(generation for generation, _ in plain)
+            self._version = max(version for _, version in plain)
+        names = {g.name for g in self._targets}
+        parts = {key: answer for key, answer in held.items() if answer["parts"]}
+        if parts:
+            applied = {key: (answer["pid"], answer["parts"][1])
+                       for key, answer in parts.items()
+                       if key[0] in names and answer["parts"][1] is not None}
+            self._held_parts = (max(a["parts"][0] for a in parts.values()), applied)
+        if plain or parts:
+            logger.info("weight sync %s carried on from the ranks: version %d", self._id,
+                        self.version)
+
 
     def stage(self, get: str, want: str | None = None, *, verify: bool = False) -> PushStats:
         """Stage a new version on every target rank while they keep answering calls:
@@ -273,8 +342,14 @@ class WeightSync:
 
     @property
     def version(self) -> int:
-        """How many versions were staged (:meth:`stage`, :meth:`push` by parts)."""
-        return 0 if self._parts_sync is None else self._parts_sync.version
+        """The last version pushed or staged (0: none yet); for a sync of detached groups
+        that another controller pushed, the highest a rank holds (see the module
+        docstring)."""
+        if self._parts_sync is not None:
+            return max(self._version, self._parts_sync.version)
+        if self._held_parts is not None:
+            return max([self._version] + [v for _, v in self._held_parts[1].values()])
+        return self._version
 
     def versions(self) -> dict[tuple[str, int], int | None]:
         """Each target rank's applied version, ``{(group name, rank): version}``: None
@@ -342,6 +417,7 @@ class WeightSync:
             if self._state is not SyncState.FORMED or self._identity != self._identity_now():
                 self._form()
                 formed = True
+            self._version += 1  # used up by a push that fails too: no number twice
             try:
                 if self._transport is Transport.SHARED:
                     tensors, nbytes, buckets = self._push_shared(get, set)
@@ -353,27 +429,31 @@ class WeightSync:
             assert self._transport is not None
             return PushStats(self._transport.value, tensors, nbytes,
                              sum(len(p.ranks) for p in self._parts[1:]), buckets,
-                             time.monotonic() - began, formed)
+                             time.monotonic() - began, formed, version=self._version)
 
     def _push_broadcast(self, get: str, set_: str, bucket: int) -> tuple[int, int, int]:
         source, *targets = self._parts
+        version = self._version
         sent = [source.group_internals.send_builtin(
-            rankside.SEND, source.ranks, [(self._id, self._generation, get, bucket)],
-            defer=True)]
+            rankside.SEND, source.ranks,
+            [(self._id, self._generation, get, bucket, version)], defer=True)]
         sent += [part.group_internals.send_builtin(
-            rankside.RECEIVE, part.ranks, [(self._id, self._generation, set_)] * len(part.ranks),
-            defer=True) for part in targets]
+            rankside.RECEIVE, part.ranks,
+            [(self._id, self._generation, set_, version)] * len(part.ranks), defer=True)
+            for part in targets]
         stats = _gather(sent, self._deadline)[0][0]
         return stats["tensors"], stats["bytes"], stats["buckets"]
 
     def _push_shared(self, get: str, set_: str) -> tuple[int, int, int]:
         source, *targets = self._parts
+        version = self._version
         staged = source.group_internals.send_builtin(
-            rankside.STAGE, source.ranks, [(self._id, self._generation, get)])
+            rankside.STAGE, source.ranks, [(self._id, self._generation, get, version)])
         where, tensors, nbytes = _gather([staged], self._deadline)[0][0]
         loads = [part.group_internals.send_builtin(
             rankside.LOAD, part.ranks,
-            [(self._id, self._generation, set_, where)] * len(part.ranks), defer=True)
+            [(self._id, self._generation, set_, where, version)] * len(part.ranks),
+            defer=True)
             for part in targets]
         _gather(loads, self._deadline)
         return tensors, nbytes, 0
@@ -504,6 +584,11 @@ class WeightSync:
                         wait=CLOSE_TIMEOUT)
         if self._parts_sync is not None:
             self._parts_sync.close()
+        elif self._held_parts is not None:  # held from an earlier controller: ended too
+            from phalanx.rank import shardsync as shardside
+
+            release(self._id, [self._source, *self._targets], shardside.CLOSE,
+                    wait=CLOSE_TIMEOUT)
 
     def __enter__(self) -> WeightSync:
         return self
@@ -538,6 +623,50 @@ def weight_sync(source: WorkerGroup, targets: WorkerGroup | Sequence[WorkerGroup
 
 
 # -- helpers ----------------------------------------------------------------------------
+
+
+def _lasting_id(source: WorkerGroup, targets: Sequence[WorkerGroup],
+                src_rank: int | str) -> str | None:
+    """The id of a sync whose groups are all detached: made from their names and
+    ``src_rank``, the same in the next controller (None: any other sync's is random)."""
+    if not all(group.detachable for group in [source, *targets]):
+        return None
+    key = json.dumps([source.name, src_rank, [group.name for group in targets]])
+    return hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
+
+
+def _held(sync_id: str, groups: Sequence[WorkerGroup], timeout: float
+          ) -> dict[tuple[str, int], dict[str, Any]]:
+    """What each live rank of ``groups`` holds of sync ``sync_id`` (HELD's answer), by
+    (group name, rank); a rank that died meanwhile holds nothing. CallTimeout naming the
+    ranks that did not answer within ``timeout`` s (a call they run outlasted it)."""
+    calls: dict[tuple[str, int], Call] = {}
+    for group in groups:
+        gi = internals(group)
+        for health in group.health():
+            if not health.alive:
+                continue
+            try:
+                calls[(group.name, health.rank)] = gi.send_builtin(
+                    rankside.HELD, [health.rank], [(sync_id,)], defer=True)
+            except PhalanxError as exc:  # it died (or its group closed) meanwhile
+                logger.debug("weight sync %s: %s", sync_id, exc)
+    bridges = {key: call.as_concurrent() for key, call in calls.items()}  # sends them
+    concurrent.futures.wait(list(bridges.values()), timeout)
+    held: dict[tuple[str, int], dict[str, Any]] = {}
+    for key, bridge in bridges.items():
+        if not bridge.done():
+            for call in calls.values():
+                call.cancel()
+            late = calls[key]
+            raise CallTimeout(late.method, timeout, late.late_ranks(), group=late.group_name)
+        failure = bridge.exception()
+        if isinstance(failure, WorkerDied):
+            continue
+        if failure is not None:
+            raise failure
+        held[key] = bridge.result()[0]
+    return held
 
 
 def _nodes(group: WorkerGroup) -> dict[int, int]:

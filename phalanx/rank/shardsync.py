@@ -189,6 +189,8 @@ class Syncs(weightsync.Syncs[_Member]):
                 raise LookupError(f"sharded weight sync {sync_id}: this rank is in "
                                   f"generation {member.generation}, not {generation}")
             old, member = member, _Member(generation)
+            if old is not None:  # the weights it holds are still that version's
+                member.applied = old.applied
             self._members[sync_id] = member
         if old is not None:
             old.close()

@@ -10,7 +10,12 @@ the source's ``get`` (once per push) and each target's ``set``.
 One weight sync, on one rank, is a :class:`_Member` in :data:`SYNCS`, under the sync's
 id and the *generation* the controller formed it in: a call naming another generation
 (the rank's process is younger than the sync's last formation, or an older formation
-was replaced) fails at once instead of waiting for peers that will not come.
+was replaced) fails at once instead of waiting for peers that will not come. A member
+also knows the *version* (the push's number) it last sent or loaded, kept when the sync
+forms again (the weights it holds are still that version's): :data:`HELD` tells the
+generation and version of both kinds of sync, so that the controller of a detached
+group that attached carries the sync on where the ranks are (see
+:mod:`phalanx.controller.weightsync`).
 
 Two transports:
 
@@ -69,6 +74,8 @@ RECEIVE = PREFIX + "receive"  # target, broadcast: (sync id, generation, set)
 STAGE = PREFIX + "stage"  # source, shared: (sync id, generation, get) -> where the block is
 LOAD = PREFIX + "load"  # target, shared: (sync id, generation, set, where)
 CLOSE = PREFIX + "close"  # (sync id): forget it, its world and its block
+HELD = PREFIX + "held"  # (sync id) -> what this rank holds of it (see held())
+# (send, receive, stage and load take the push's version last: what the member records)
 
 IN_FLIGHT = 2  # buckets broadcast at once (gloo's two threads; 16 MiB ones: ~20% faster)
 # A tensor this large moves in place, one smaller is packed: a bucket costs ~0.7 ms more
@@ -86,9 +93,10 @@ _OK, _FAILED = 0, 1  # the source's status in the header
 class _Member:
     """This rank's part in one weight sync, in one generation of it."""
 
-    def __init__(self, generation: int, timeout: float) -> None:
+    def __init__(self, generation: int, timeout: float, version: int = 0) -> None:
         self.generation = generation
         self.timeout = timeout
+        self.version = version  # of the last push this rank sent or loaded
         self.store: Any = None  # its joint store (kept as long as the world)
         self.world: Any = None  # dist.ProcessGroupGloo, for the broadcast transport
         self.staging: list[Any] = []  # IN_FLIGHT uint8 buffers for packed buckets
@@ -218,6 +226,11 @@ class Syncs(Generic[M]):
         if old is not None:
             old.close()
 
+    def held(self, sync_id: str) -> M | None:
+        """The sync's member, of whatever generation (None: this rank holds none)."""
+        with self._lock:
+            return self._members.get(sync_id)
+
     def get(self, sync_id: str, generation: int | None = None) -> M:
         """The sync's member (of ``generation``, unless None); LookupError if this rank
         holds none, or another generation."""
@@ -258,9 +271,11 @@ def form(obj: Any, sync_id: str, generation: int, spec: tuple[Any, ...] | None,
          timeout: float) -> None:
     """Take part in ``generation`` of the sync (replacing any older one): in its joint
     gloo world ``spec`` = ``(address, port, rank, size, master, secret)``, or none
-    (shared)."""
+    (shared). The version of the weights it holds is the old member's."""
+    old = SYNCS.held(sync_id)
+    version = 0 if old is None else old.version
     SYNCS.close(sync_id)  # the old world first: a port or pages it holds are not needed
-    member = _Member(generation, timeout)
+    member = _Member(generation, timeout, version)
     if spec is not None:
         try:
             member.join(*spec)
@@ -274,7 +289,24 @@ def close(obj: Any, sync_id: str) -> None:
     SYNCS.close(sync_id)
 
 
-def send(obj: Any, sync_id: str, generation: int, get: str, bucket: int) -> dict[str, int]:
+def held(obj: Any, sync_id: str) -> dict[str, Any]:
+    """What this rank holds of the sync ``sync_id``: its ``pid``; ``plain``, ``[generation,
+    version]`` of its whole-state-dict member (None: none); ``parts``, ``[generation,
+    applied version or None]`` of its by-parts member (:mod:`phalanx.rank.shardsync`,
+    read only where this process imported it: else it holds none)."""
+    member = SYNCS.held(sync_id)
+    plain = None if member is None else [member.generation, member.version]
+    parts = None
+    shards = sys.modules.get("phalanx.rank.shardsync")
+    if shards is not None:
+        shard = shards.SYNCS.held(sync_id)
+        if shard is not None:
+            parts = [shard.generation, shard.applied]
+    return {"pid": os.getpid(), "plain": plain, "parts": parts}
+
+
+def send(obj: Any, sync_id: str, generation: int, get: str, bucket: int,
+         version: int = 0) -> dict[str, int]:
     """The source's push over the joint world: header, metadata, buckets."""
     import torch
 
@@ -294,11 +326,13 @@ def send(obj: Any, sync_id: str, generation: int, get: str, bucket: int) -> dict
     flats = [_bytes_of(t) for t in tensors]
     ops = plan([flat.numel() for flat in flats], bucket)
     _run(member, ops, flats, source=True)
+    member.version = version
     return {"bytes": sum(flat.numel() for flat in flats), "tensors": len(tensors),
             "buckets": len(ops)}
 
 
-def receive(obj: Any, sync_id: str, generation: int, set_: str) -> dict[str, int]:
+def receive(obj: Any, sync_id: str, generation: int, set_: str,
+            version: int = 0) -> dict[str, int]:
     """A target's push over the joint world: the source's state dict received into
     tensors of the member's arena (:meth:`_Member.receiving`), then ``set`` called with
     them: its own to keep (the next push then receives into a new arena)."""
@@ -326,10 +360,12 @@ def receive(obj: Any, sync_id: str, generation: int, set_: str) -> dict[str, int
     received = sum(flat.numel() for flat in flats)
     del flats
     loader(state)
+    member.version = version
     return {"bytes": received, "tensors": len(state), "buckets": len(ops), "received": 1}
 
 
-def stage(obj: Any, sync_id: str, generation: int, get: str) -> tuple[Any, ...]:
+def stage(obj: Any, sync_id: str, generation: int, get: str,
+          version: int = 0) -> tuple[Any, ...]:
     """The source's push through shared memory: ``get``'s state dict into the sync's
     block; the answer is where it is, ``(machine, pid, fd, token, extents, capacity)``,
     and its ``(tensors, bytes)``."""
@@ -347,19 +383,20 @@ def stage(obj: Any, sync_id: str, generation: int, get: str) -> tuple[Any, ...]:
         block.close()
         raise
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    member.version = version
     where = (memfd.block_domain(), os.getpid(), block.fd, block.token, extents,
              block.capacity)
     return where, len(state), nbytes
 
 
 def load(obj: Any, sync_id: str, generation: int, set_: str,
-         where: tuple[Any, ...]) -> dict[str, int]:
+         where: tuple[Any, ...], version: int = 0) -> dict[str, int]:
     """A target's push through shared memory: ``set`` called with views of the source's
     block, mapped copy-on-write (and unmapped with the last view of it)."""
     from phalanx.rank import shared
     from phalanx.wire import memfd
 
-    SYNCS.get(sync_id, generation)
+    member = SYNCS.get(sync_id, generation)
     loader = _method(obj, set_)
     machine, pid, fd, token, extents, capacity = where
     if machine != memfd.block_domain():
@@ -369,13 +406,14 @@ def load(obj: Any, sync_id: str, generation: int, set_: str,
     state = shared.unpickle(mapping, extents, True, [])
     del mapping  # the views hold it (and its read lock) as long as they live
     loader(state)
+    member.version = version
     return {"bytes": sum(t.numel() * t.element_size() for t in state.values()),
             "tensors": len(state)}
 
 
 _BUILTINS: dict[str, Callable[..., Any]] = {
     HELLO: hello, FORM: form, SEND: send, RECEIVE: receive, STAGE: stage, LOAD: load,
-    CLOSE: close,
+    CLOSE: close, HELD: held,
 }
 
 
