@@ -4,8 +4,9 @@ description, the backend it runs on when detached, and its orphaned answers.
 :func:`detach_spec` pickles the constructor's arguments as the ranks get them (a class of a
 script's ``__main__`` by value); :func:`detached_backend` puts a detached group of the local
 backend on this user's own agent (:mod:`phalanx.backends.cluster.localagent`), whose ranks
-outlive the controller; :func:`orphan_of` turns an agent's record of an answer no controller
-asked for into an :class:`Orphaned`.
+outlive the controller, and one of the Ray backend on agents that are detached Ray actors
+(:mod:`phalanx.backends.ray.detached`); :func:`orphan_of` turns an agent's record of an
+answer no controller asked for into an :class:`Orphaned`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from phalanx.wire import pickling, protocol
 
 if TYPE_CHECKING:
     from phalanx.backends.base import Backend
+    from phalanx.backends.ray.backend import RayBackend
+    from phalanx.backends.ray.detached import Agents
 
 SPEC_VERSION = 1  # of the description's layout
 
@@ -60,10 +63,22 @@ def is_local(backend: Backend | str) -> bool:
     return backend == "local" or isinstance(backend, LocalBackend)
 
 
-def detached_backend(backend: Backend | str, nodes: int | None) -> Backend | str:
+def detached_backend(backend: Backend | str, nodes: int | None, name: str | None = None,
+                     procs_per_node: object = None,
+                     gpus_per_worker: int | None = 0) -> Backend | str:
     """Where a detached group runs: ``backend``, or for the local backend this user's own
     agent on this machine (:mod:`phalanx.backends.cluster.localagent`), started if none
-    runs: the controller's children die with it, an agent's ranks do not."""
+    runs: the controller's children die with it, an agent's ranks do not. For the Ray
+    backend, agents that are detached Ray actors, one per node, started for group ``name``
+    with its nodes' resources (:mod:`phalanx.backends.ray.detached`)."""
+    if is_ray(backend):
+        from phalanx.backends.ray import detached as ray_detached
+
+        ray_backend = _ray_backend(backend)
+        counts = ray_detached.node_counts(nodes, procs_per_node)
+        agents = ray_detached.start_agents(ray_backend, str(name), counts,
+                                           gpus_per_worker or 0)
+        return _on_agents(agents)
     if not is_local(backend):
         return backend
     if nodes not in (None, 1):
@@ -88,6 +103,44 @@ def local_agent_backend() -> Backend:
                           "agent, which holds them, does not run")
     host, token_file = found
     return ClusterBackend([host], token_file=token_file, quorum_timeout=10.0)
+
+
+def is_ray(backend: Backend | str) -> bool:
+    return backend == "ray" or getattr(backend, "name", None) == "ray"
+
+
+def ray_agents_backend(backend: Backend | str, name: str) -> Backend:
+    """The backend of the agents of the Ray backend's detached group ``name``, found in
+    its cluster's key-value store (LookupError when it keeps none of that name)."""
+    from phalanx.backends.ray import detached as ray_detached
+
+    return _on_agents(ray_detached.find_agents(_ray_backend(backend), name))
+
+
+def ray_attached(backend: Backend | str) -> list[dict[str, Any]]:
+    """The detached groups of the Ray backend's namespace (as ``px.attached``): each
+    group's agents have a token of their own, so each is asked apart."""
+    from phalanx.backends.ray import detached as ray_detached
+
+    found: list[dict[str, Any]] = []
+    for name, agents in ray_detached.groups(_ray_backend(backend)).items():
+        detaching = _on_agents(agents).capabilities.detaching
+        if detaching is not None:
+            found.extend(g for g in detaching.listing() if g["name"] == name)
+    return found
+
+
+def _ray_backend(backend: Backend | str) -> RayBackend:
+    from phalanx.backends.ray.backend import RayBackend
+
+    return backend if isinstance(backend, RayBackend) else RayBackend()  # (or "ray")
+
+
+def _on_agents(agents: Agents) -> Backend:
+    """A cluster backend over a Ray detached group's agents."""
+    from phalanx.backends.cluster.backend import ClusterBackend
+
+    return ClusterBackend(list(agents.hosts), token=agents.token, quorum_timeout=10.0)
 
 
 def orphan_of(item: list[Any], group: str) -> Orphaned:

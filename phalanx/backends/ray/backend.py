@@ -33,6 +33,10 @@ learnt of it. Otherwise the bury waits a moment for Ray's account too (``ray.kil
 lost node); an account that arrives later (Ray's memory monitor behind a SIGKILL) still
 replaces the record kept for the rank. The pure placement rules live in
 :mod:`phalanx.backends.ray.placement`.
+
+A detached group (``detached=True``) outlives its driver, which an actor of the driver's
+cannot: it runs on agents that are detached Ray actors instead, through a cluster backend
+(:mod:`phalanx.backends.ray.detached`), so this backend offers no ``detaching`` of its own.
 """
 
 from __future__ import annotations
