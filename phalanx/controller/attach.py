@@ -50,6 +50,7 @@ from phalanx.wire import pickling
 
 if TYPE_CHECKING:
     from phalanx.backends.base import Backend
+    from phalanx.backends.parts import Detaching
 
 __all__ = ["Orphaned", "attach", "attached"]
 
@@ -87,10 +88,28 @@ def attach(name: str, backend: Backend | str = "local", *, force: bool = False,
         raise RuntimeError(f"detached group {name} was described by another phalanx "
                            f"version (layout {description.get('version')!r})")
     arguments = dict(description["arguments"])
+    backend = _on_its_nodes(backend, detaching, name, arguments.get("nodes"))
+    detaching = backend.capabilities.detaching
+    assert detaching is not None  # (a copy of a backend that has it)
     detaching.attach_to(name, force)
     return WorkerGroup(**arguments, backend=backend, name=name, detached=True,
                        start_timeout=start_timeout, echo_output=echo_output,
                        log_dir=log_dir)
+
+
+def _on_its_nodes(backend: Backend, detaching: Detaching, name: str,
+                  nodes: int | None) -> Backend:
+    """``backend`` on the agents that keep group ``name`` only, in the order it lists
+    them, where it lists more than the group's nodes: a group that ran on some of them
+    (the later slots of a resource pool) is attached there, not on the first ones."""
+    hosts = getattr(backend, "hosts", None)
+    settings = getattr(backend, "settings", None)
+    if not hosts or settings is None or nodes is None or nodes >= len(hosts):
+        return backend  # (one that finds its agents, by DNS: as it is)
+    keeping = next((g["hosts"] for g in detaching.listing() if g["name"] == name), None)
+    if not keeping or list(keeping) == list(hosts)[:len(keeping)]:
+        return backend
+    return type(backend)(**{**settings(), "hosts": list(keeping)})
 
 
 def attached(backend: Backend | str = "local") -> list[dict[str, Any]]:

@@ -34,6 +34,7 @@ from phalanx.controller.membership import Membership
 from phalanx.controller.methods import MethodNames
 from phalanx.controller.names import GROUP_NAMES
 from phalanx.controller.observe import EVERY_GROUP
+from phalanx.controller.pool import placing_on
 from phalanx.controller.ranks import RankTable
 from phalanx.controller.refs import ObjectRef
 from phalanx.controller.request import GroupPlan, heartbeat_interval, plan_group
@@ -179,6 +180,9 @@ class WorkerGroup(CallForms):
         detached: bool = False,
         detach_timeout: float = config.DEFAULT_DETACH_TIMEOUT,
     ) -> None:
+        if pool is not None:  # a detached pool's groups are detached, laid out as it says
+            detached, detach_timeout, nodes, procs_per_node = placing_on(
+                pool, name, detached, detach_timeout, nodes, procs_per_node)
         spec = None
         if detached:  # what another controller rebuilds the group from (px.attach)
             spec = detach_spec(name, detach_timeout, dict(
@@ -191,7 +195,7 @@ class WorkerGroup(CallForms):
                 straggler_warning=straggler_warning, collective_timeout=collective_timeout,
                 preload=preload, detach_timeout=detach_timeout))
         self._detached: float | None = None  # detach_timeout, while detachable
-        if spec is not None:
+        if spec is not None and pool is None:  # (a pool's is where its groups run)
             backend = detached_backend(backend, nodes)  # local: this user's own agent
         # handles of what ranks kept before this controller attached (None: not asked yet)
         self._kept_before: list[ObjectRef] | None = []

@@ -10,6 +10,23 @@ of each runs on the same node with the same ``CUDA_VISIBLE_DEVICES`` (on Ray eac
 slot order. A slot is free again when its group shuts down; the pool outlives its groups,
 and ``close()`` frees what it reserved (shutting down any group still on it first).
 
+**Detached** (``ResourcePool(..., name="rl", detached=True, detach_timeout=600)``): every
+group placed on the pool is detached (see :mod:`phalanx.controller.attach`), with the
+pool's ``detach_timeout``, and needs a name of its own (``WorkerGroup(Trainer,
+pool=pool, name="trainer")``: ``px.attach`` finds it by it). Its description is the
+layout the pool gave it, so ``px.attach("trainer", backend=...)`` in another controller
+rebuilds it on the same nodes without the pool. The pool reserves on the nodes that keep
+detached groups: the agents of a ``px.ClusterBackend``, or for the local backend this
+user's own agent (one node), as a detached group does. Its slots are the nodes its groups
+run on, and stay theirs while the groups run: a controller that died leaves them to its
+groups. The pool itself is this controller's: the next controller attaches each group by
+its name (``px.attached()`` lists them) and drives them as any group, with no pool (make a
+new pool for new groups); ``pool.detach()`` leaves on purpose (every group on it detached,
+the pool closed here), ``close()`` ends the groups as for any pool. Not yet: a detached pool
+of GPUs (``gpus_per_proc``: the agents hold a pool's GPUs for the controller's connection,
+which ends with it), and one on the Ray or Slurm backends (a placement group, a job, that
+ends with the pool): both refused with a ValueError before anything is reserved.
+
 The books are :mod:`phalanx.world.pools`' (pure); what a slot stands for is the backend's
 (the backend's :class:`~phalanx.backends.parts.SlotReserving` part).
 """
@@ -27,6 +44,8 @@ from typing import TYPE_CHECKING, Any
 from phalanx import config
 from phalanx.backends import Backend, create_backend
 from phalanx.backends.parts import lacking
+from phalanx.controller.detached import detached_backend, is_local
+from phalanx.controller.names import check_name
 from phalanx.options import check_count, check_seconds
 from phalanx.world import pools
 
@@ -57,6 +76,7 @@ class _Reserved:
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     groups: weakref.WeakSet[Any] = dataclasses.field(default_factory=weakref.WeakSet)
     closed: bool = False
+    detach_timeout: float | None = None  # a detached pool's (None: not detached)
 
 
 class ResourcePool:
@@ -64,7 +84,14 @@ class ResourcePool:
 
     ``procs_per_node`` may be a list (one count per node, uneven allowed);
     ``resources_per_proc`` are Ray resources beside the GPUs (``{"CPU": 2}``; Ray only);
-    ``colocate`` is how many groups may share each slot. A context manager.
+    ``colocate`` is how many groups may share each slot. ``name``: what logs, errors and
+    the nodes' books call it (default ``pool-N``); letters, digits and ``-_.``. A context
+    manager.
+
+    ``detached=True``: every group placed on it is detached, for ``detach_timeout``
+    seconds, and needs ``name=``; after this controller is gone, another attaches each
+    group by its name (``px.attach("trainer", backend=...)``: the same ranks, on the
+    slots they had), not the pool. See the module docstring.
     """
 
     def __init__(
@@ -77,6 +104,9 @@ class ResourcePool:
         backend: str | Backend = "local",
         *,
         timeout: float | None = None,
+        name: str | None = None,
+        detached: bool = False,
+        detach_timeout: float = config.DEFAULT_DETACH_TIMEOUT,
     ) -> None:
         layout = pools.pool_layout(check_count(nodes, "nodes"), procs_per_node)
         if isinstance(gpus_per_proc, bool) or not isinstance(gpus_per_proc, int) \
@@ -89,17 +119,37 @@ class ResourcePool:
                             f"{type(resources_per_proc).__name__}")
         timeout = check_seconds(config.Settings.from_env().start_timeout
                                 if timeout is None else timeout, "timeout", allow_zero=False)
+        if name is None:
+            name = f"pool-{next(_names)}"
+        else:
+            check_name(name)
+            if any(p.name == name for p in live_pools()):
+                raise ValueError(f"name={name!r}: another open pool of this process has it")
+        held_for = None
+        if detached:
+            held_for = _detach_timeout(detach_timeout)
+            if gpus_per_proc:
+                raise ValueError(
+                    f"detached=True with gpus_per_proc={gpus_per_proc}: not yet (the agents "
+                    "hold a pool's GPUs for this controller's connection, which ends with "
+                    "it); give each detached group gpus_per_worker= instead of a pool")
+            if is_local(backend):  # this user's own agent, as for a detached group
+                backend = detached_backend(backend, nodes)
+            elif create_backend(backend).name != "cluster":  # (starts nothing)
+                raise ValueError(
+                    f"detached=True: a resource pool on the {create_backend(backend).name} "
+                    "backend cannot keep its groups past this process yet; run it on "
+                    "agents (px.ClusterBackend; on one machine, backend='local')")
         template = create_backend(backend)
         reserving = template.capabilities.slots
         if reserving is None:
             raise lacking(template.name, "hold resource pools")
         slots = pools.slots_of(layout.counts)
-        name = f"pool-{next(_names)}"
         reservation = reserving.reserve_slots(
             layout.counts, gpus=gpus_per_proc, resources=dict(resources_per_proc or {}),
             timeout=timeout, holder=name)
         self._attach(_Reserved(template, reservation, pools.SlotBook(len(slots), colocate),
-                               gpus_per_proc), slots, name)
+                               gpus_per_proc, detach_timeout=held_for), slots, name)
         logger.info("%s reserved %d slots on the %s backend", self.name, len(self._slots),
                     template.name)
 
@@ -143,6 +193,39 @@ class ResourcePool:
     @property
     def backend(self) -> str:
         return self._shared.backend.name
+
+    @property
+    def detached(self) -> bool:
+        """Whether its groups outlive this controller (``detached=True``)."""
+        return self._shared.detach_timeout is not None
+
+    @property
+    def detach_timeout(self) -> float | None:
+        """How long a detached pool's groups wait for another controller (None: not
+        detached)."""
+        return self._shared.detach_timeout
+
+    def placing(self, name: str | None, detached: bool, detach_timeout: float,
+                nodes: int | None, procs_per_node: int | str | Sequence[int] | None
+                ) -> tuple[bool, float, int | None, int | str | Sequence[int] | None]:
+        """What a group placed here is started with: on a detached pool, detached with
+        the pool's ``detach_timeout`` and the layout the pool gives it (its description,
+        from which ``px.attach`` rebuilds it, needs it); ValueError before anything
+        starts when it has no name, or asks ``detached=True`` of a pool that is not."""
+        timeout = self._shared.detach_timeout
+        if timeout is None:
+            if detached:
+                raise ValueError(f"detached=True on {self.name}, which is not detached: make "
+                                 "the pool detached (px.ResourcePool(..., detached=True)) and "
+                                 "every group placed on it is")
+            return detached, detach_timeout, nodes, procs_per_node
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{self.name} is detached: each group placed on it needs name= "
+                             "(another controller attaches to it by it: px.attach(name))")
+        if isinstance(procs_per_node, str):  # booking_for says why not
+            return True, timeout, nodes, procs_per_node
+        counts = pools.layout_on(self._slots, nodes, procs_per_node)
+        return True, timeout, len(counts), counts
 
     def booking_for(self, backend: object, nodes: int | None,
                     procs_per_node: int | str | Sequence[int] | None,
@@ -212,9 +295,31 @@ class ResourcePool:
             first += size
         return subs
 
+    def detach(self) -> None:
+        """Leave every group on the pool running without this controller (a detached
+        pool: ``detached=True``): each detached (``group.detach()``), for another
+        controller to attach by its name; the pool is closed here. Idempotent; detaching
+        a sub-pool detaches the whole pool."""
+        shared = self._shared
+        if shared.detach_timeout is None:
+            raise RuntimeError(f"{self.name} was not made with detached=True: close() ends "
+                               "its groups, detach() is for a detached pool")
+        with shared.lock:
+            if shared.closed:
+                return
+            shared.closed = True
+            groups = list(shared.groups)
+        for group in groups:
+            group.detach()
+        if shared.reservation is not None:
+            shared.reservation.release()
+        logger.info("%s detached: %d group(s) left to the next controller", self.name,
+                    len(groups))
+
     def close(self) -> None:
         """Free what the pool reserved (its placement group on Ray). Groups still placed
-        on it are shut down first. Idempotent; closing a sub-pool closes the whole pool."""
+        on it are shut down first (a detached pool's too: they end). Idempotent; closing
+        a sub-pool closes the whole pool."""
         shared = self._shared
         with shared.lock:
             if shared.closed:
@@ -237,6 +342,8 @@ class ResourcePool:
 
     def __repr__(self) -> str:
         state = ", closed" if self._shared.closed else ""
+        if self.detached:
+            state = f", detached{state}"
         return (f"<ResourcePool {self.name}: {self.slots} slots {self.counts} per node on "
                 f"{self.backend}, {self.gpus_per_proc} GPU(s) each, colocate="
                 f"{self.colocate}{state}>")
@@ -287,6 +394,23 @@ class Booking:
         ValueError if another group took them meanwhile: the check is repeated under the
         pool's lock)."""
         return self.pool.book(self.slots, holder)
+
+
+def placing_on(pool: object, name: str | None, detached: bool, detach_timeout: float,
+               nodes: int | None, procs_per_node: int | str | Sequence[int] | None
+               ) -> tuple[bool, float, int | None, int | str | Sequence[int] | None]:
+    """:meth:`ResourcePool.placing` (what is not a pool is left to :func:`booking_on`)."""
+    if not isinstance(pool, ResourcePool):
+        return detached, detach_timeout, nodes, procs_per_node
+    return pool.placing(name, detached, detach_timeout, nodes, procs_per_node)
+
+
+def _detach_timeout(timeout: float) -> float:
+    seconds = check_seconds(timeout, "detach_timeout")
+    if seconds is None or seconds <= 0:
+        raise ValueError(f"detach_timeout must be a positive number of seconds, got "
+                         f"{timeout!r}")
+    return seconds
 
 
 def booking_on(pool: object, backend: object, nodes: int | None,
