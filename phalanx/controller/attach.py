@@ -30,8 +30,10 @@ user's own agent on this machine instead (:mod:`phalanx.backends.cluster.localag
 started as needed; ``px.attach(name)`` finds it). The Slurm backend's agents are cluster
 agents too: its job runs on while they keep the group, and ``px.attach(name,
 backend=px.SlurmBackend(job=JOBID))`` finds the job's agents and token by its id
-(:mod:`phalanx.backends.cluster.slurm`). The Ray backend does not yet -- its ranks are its
-Ray job's -- and ``detached=True`` there is refused before anything starts.
+(:mod:`phalanx.backends.cluster.slurm`). The Ray backend's ranks are its Ray job's, so a
+detached group of the Ray backend runs on agents that are detached Ray actors instead, one
+per node, found through the cluster's key-value store by the group's name and the
+backend's namespace (:mod:`phalanx.backends.ray.detached`).
 """
 
 from __future__ import annotations
@@ -43,7 +45,10 @@ from phalanx.controller.detached import (
     SPEC_VERSION,
     Orphaned,
     is_local,
+    is_ray,
     local_agent_backend,
+    ray_agents_backend,
+    ray_attached,
 )
 from phalanx.controller.group import WorkerGroup
 from phalanx.wire import pickling
@@ -67,6 +72,8 @@ def attach(name: str, backend: Backend | str = "local", *, force: bool = False,
     ``force=True`` (its calls then fail). The output options are this controller's own."""
     if is_local(backend):
         backend = local_agent_backend()
+    elif is_ray(backend):  # the group's agents, found in the Ray cluster's key-value store
+        backend = ray_agents_backend(backend, name)
     if isinstance(backend, str):
         raise ValueError(f"px.attach: backend={backend!r}: give the backend the group ran on "
                          "(px.ClusterBackend(hosts, token_file=...)), or 'local'")
@@ -117,6 +124,8 @@ def attached(backend: Backend | str = "local") -> list[dict[str, Any]]:
     agent's), which a controller may attach to: each with its ``name``, ``ranks``,
     ``hosts``, ``holder`` (the controller holding it, None while it waits),
     ``waiting_for`` (seconds), ``timeout``, ``orphans``."""
+    if is_ray(backend):  # each group's agents, with a token of their own
+        return ray_attached(backend)
     if is_local(backend):
         try:
             backend = local_agent_backend()

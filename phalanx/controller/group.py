@@ -196,7 +196,8 @@ class WorkerGroup(CallForms):
                 preload=preload, detach_timeout=detach_timeout))
         self._detached: float | None = None  # detach_timeout, while detachable
         if spec is not None and pool is None:  # (a pool's is where its groups run)
-            backend = detached_backend(backend, nodes)  # local: this user's own agent
+            # local: this user's own agent; Ray: agents kept by Ray, sized for the group
+            backend = detached_backend(backend, nodes, name, procs_per_node, gpus_per_worker)
         # handles of what ranks kept before this controller attached (None: not asked yet)
         self._kept_before: list[ObjectRef] | None = []
         # Acquire, register the release: a start that fails at any step gives back what
