@@ -4,8 +4,10 @@
 
 ``--nodes`` ``phalanx agent`` processes on 127.0.0.2, .3, ... (a private token), and a
 controller in a process of its own that starts a detached group of ``nodes x per_node``
-ranks on them (64 by default), keeps a 1 MiB result on every rank (``keep=True``), starts
-a 1 s call on every rank, and is SIGKILLed 0.5 s into it. This process then attaches
+ranks on them (64 by default) and a detached generator group of 2 ranks on the last
+agent, forms a weight sync from the first group's rank 0 to the generators and pushes
+twice (version 2), keeps a 1 MiB result on every rank (``keep=True``), starts a 1 s call
+on every rank, and is SIGKILLed 0.5 s into it. This process then attaches
 (``px.attach``) and makes its first call on every rank: **attach** is the time until
 ``px.attach`` returned the live group, **attach to first call** until that call answered
 (from ``px.attach``'s start; it includes the rest of the call the ranks were running when
@@ -14,7 +16,10 @@ Checked each trial: the ranks are the same processes (**restarts**: ranks whose 
 changed, must be 0), every kept result is usable through its new handle (**kept
 usable**: ``get()`` of each equals what the killed controller read), and the running
 call's answers are reachable (**orphans**: ``group.orphaned()`` once the call ended, one
-per rank). Prints a table, writes JSON (default bench/results/detach.json).
+per rank), and the weight sync carries on (**sync**: the generators attached,
+``px.weight_sync`` made again says version 2, its next push is version 3 and every
+generator holds the new weights; its time, attach to push done, beside). Prints a table,
+writes JSON (default bench/results/detach.json).
 
     python -m bench.detach --simulated 1000 [--flat] [--trials 3]
 
@@ -64,13 +69,31 @@ CONTROLLER = textwrap.dedent("""
             return "slept"
         def pid(self):
             return __import__("os").getpid()
+        def train(self, step):
+            self.step = step
+        def weights(self):  # the sync's source, rank 0: torch there alone
+            import torch
+            return {"w": torch.full((1 << 16,), float(self.step))}  # 256 KiB
+
+    class Generator:
+        def load(self, state):
+            self.state = {k: v.clone() for k, v in state.items()}
+        def held(self):
+            return float(self.state["w"][0])
 
     hosts, token_file, name, per_node = json.loads(sys.argv[1])
     group = px.WorkerGroup(Rank, nodes=len(hosts), procs_per_node=per_node,
                            backend=px.ClusterBackend(hosts, token_file=token_file),
                            name=name, detached=True, detach_timeout=120, echo_output=False)
+    generator = px.WorkerGroup(Generator, nodes=1, procs_per_node=2, name=name + "-gen",
+                               backend=px.ClusterBackend(hosts[-1:], token_file=token_file),
+                               detached=True, detach_timeout=120, echo_output=False)
+    sync = px.weight_sync(group, generator)
+    for step in (1, 2):
+        group.call("train", step)
+        sync.push("weights", "load")
     kept = group.call("make", 1 << 17, keep=True)  # 1 MiB each
-    print(json.dumps({"pids": group.call("pid"),
+    print(json.dumps({"pids": group.call("pid"), "version": sync.version,
                       "kept": [float(h.get()[0]) for h in kept]}), flush=True)
     group.call_async("sleep", 1.0)
     time.sleep(0.5)
@@ -236,9 +259,25 @@ def trial(hosts: list[str], token_file: str, per_node: int, name: str) -> dict[s
         while len(orphans) < len(pids) and time.monotonic() < deadline:
             time.sleep(0.1)
             orphans = group.orphaned()
+        # the weight sync: made again, at the ranks' version; its next push the one after
+        t1 = time.perf_counter()
+        generator = px.attach(name + "-gen", backend=px.ClusterBackend(
+            hosts[-1:], token_file=token_file), echo_output=False)
+        try:
+            sync = px.weight_sync(group, generator)
+            resumed_at = sync.version
+            group.call("train", 3)
+            pushed = sync.push("weights", "load").version
+            sync_s = time.perf_counter() - t1
+            sync_ok = (resumed_at == started["version"] == 2 and pushed == 3
+                       and generator.call("held") == [3.0, 3.0])
+            sync.close()
+        finally:
+            generator.shutdown()
     finally:
         group.shutdown()
     return {"ranks": len(pids), "attach_s": attached - t0, "first_call_s": first_call - t0,
+            "sync_resumed": sync_ok, "sync_attach_and_push_s": sync_s,
             "kill_to_first_call_s": first_call - killed,
             "restarts": sum(a != b for a, b in zip(pids, started["pids"], strict=True)),
             "kept_usable": usable and len(handles) == len(pids),
@@ -269,13 +308,14 @@ def main(argv: list[str] | None = None) -> int:
             results.append(result)
             print(f"trial {i}: {json.dumps(result)}", flush=True)
     ok = all(r["restarts"] == 0 and r["kept_usable"] and r["orphans"] == r["ranks"]
-             for r in results)
+             and r["sync_resumed"] for r in results)
     attach = median(r["attach_s"] for r in results)
     first = median(r["first_call_s"] for r in results)
     total = median(r["kill_to_first_call_s"] for r in results)
     print(f"\nW17 {args.nodes} agents x {args.per_node} ranks: attach {attach:.2f} s, "
           f"attach to first call {first:.2f} s (kill to first call {total:.2f} s), median "
-          f"of {len(results)}; restarts 0, kept usable, orphans reachable: "
+          f"of {len(results)}; restarts 0, kept usable, orphans reachable, the weight sync "
+          f"carried on at its version: "
           f"{'yes' if ok else 'NO'}")
     print(f"  {'PASS' if first < 2.0 else 'FAIL'}  attach to first call < 2 s at "
           f"{args.nodes * args.per_node} ranks")
