@@ -41,7 +41,7 @@ import signal
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from phalanx.errors import (
@@ -222,15 +222,62 @@ class Dispatcher:
                 future = cohort.calls.get(call_id)
                 if future is None:
                     continue
-                lo = -1 if cohort.gone.get(call_id) else cohort.span(link, ranks)
-                if lo >= 0 and future.resolve_span(lo, gathered):
-                    # each a sign of life, as a RESULT would be
-                    cohort.answered(link, lo, len(ranks), time.monotonic())
+                if cohort.gone.get(call_id):
+                    break
+                lo = cohort.span(link, ranks)
+                if lo >= 0:
+                    if future.resolve_span(lo, gathered):
+                        # each a sign of life, as a RESULT would be
+                        cohort.answered(link, lo, len(ranks), time.monotonic())
+                        return
+                    break
+                # answers of several runs (the late ones of a subtree came apart): each
+                # run at once, what is left of them rank by rank
+                left = self._resolve_runs(cohort, future, link, gathered)
+                if left is None:
+                    return
+                if len(left) < len(ranks):
+                    self._resolve_each(call_id, gathered, left, channel_of)
                     return
                 break
+        self._resolve_each(call_id, gathered, range(len(ranks)), channel_of)
+
+    @staticmethod
+    def _resolve_runs(cohort: Cohort, future: Call, link: object,
+                      gathered: Gathered) -> list[int] | None:
+        """Resolve each run of ``gathered``'s ranks that lies in ``link``'s part of
+        ``cohort`` at once; the indices of those left (None: none)."""
+        part = cohort.parts.get(link)
+        if part is None:
+            return list(range(len(gathered)))
+        positions, ranks = cohort.positions, gathered.ranks
+        lo_part, hi_part = part[0], part[1]
+        left: list[int] = []
+        now = time.monotonic()
+        start, count = 0, len(ranks)
+        while start < count:
+            first = positions.get(ranks[start])
+            end = start + 1
+            if first is not None:
+                while end < count and positions.get(ranks[end]) == first + end - start:
+                    end += 1
+            if (first is None or first < lo_part or first + end - start > hi_part
+                    or not future.resolve_span(first, gathered.sub(start, end))):
+                left.extend(range(start, end))
+            else:
+                cohort.answered(link, first, end - start, now)
+            start = end
+        return left or None
+
+    def _resolve_each(self, call_id: int, gathered: Gathered, indices: Iterable[int],
+                      channel_of: Callable[[int], Channel | None]) -> None:
+        """Each of ``gathered``'s answers at ``indices`` to its rank's call, as a RESULT's
+        would go."""
+        ranks = gathered.ranks
         by_rank = self._by_rank
         now = time.monotonic()
-        for i, rank in enumerate(ranks):
+        for i in indices:
+            rank = ranks[i]
             channel = channel_of(rank)
             entry = by_rank.get(rank)
             if channel is None or entry is None or entry.channel is not channel:

@@ -361,6 +361,16 @@ class Gathered:
         blob, offsets = self._blob, self._offsets
         return [blob[a:b] for a, b in itertools.pairwise(offsets)]
 
+    def sub(self, i: int, j: int) -> Gathered:
+        """The answers of ``ranks[i:j]`` alone (their pickles' bytes copied out)."""
+        offsets, starts = self._offsets, self._starts
+        blob = self._blob[offsets[i]:offsets[j]]
+        if starts is None:
+            return Gathered(self.ranks[i:j], blob, self._sizes[i:j])
+        counts = [b - a for a, b in itertools.pairwise(starts[i:j + 1])]
+        return Gathered(self.ranks[i:j], blob, self._sizes[i:j],
+                        self._buffers[starts[i]:starts[j]], counts)
+
     def payload(self, i: int) -> list[Any]:
         """The answer of ``ranks[i]`` as a RESULT carries it: its pickle, then its buffers."""
         offsets, starts = self._offsets, self._starts

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from phalanx.backends.cluster import messages as agentwire
+from phalanx.controller.dispatch import Dispatcher
 from phalanx.controller.futures import Call
 from phalanx.controller.ranks import Cohort, RankEntry
 from phalanx.wire import framing, protocol
@@ -156,6 +157,32 @@ def test_a_run_resolves_only_places_still_waited_for_and_each_rank_reads_alone()
     assert call2.futures[3].result(timeout=0) == "c"
     call2.resolve_rank(0, [pickle.dumps("z")])
     assert call2.result(timeout=0) == ["z", "a", "b", "c"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_answers_of_several_runs_resolve_each_run_its_own_values_and_leave_the_rest(data):
+    """A subtree's late answers come apart (ranks with gaps): each run of them resolves its
+    places at once, those outside the link's part are left for rank by rank."""
+    count = data.draw(st.integers(2, 30))
+    ranks = list(range(50, 50 + count))
+    came = sorted(data.draw(st.sets(st.sampled_from(ranks), min_size=1)))
+    carried = data.draw(st.integers(1, count))  # the link carries the first places only
+    cohort = Cohort(ranks, entries(count), version=(0, 0))
+    link = object()
+    cohort.add_part(link, 0, carried)
+    call = call_of(ranks)
+    answers = gathered(came, [[pickle.dumps(("v", r), protocol=5)] for r in came])
+    assert answers.sub(0, len(came)).pickles() == answers.pickles()
+    left = set(Dispatcher._resolve_runs(cohort, call, link, answers) or ())
+    assert {i for i, r in enumerate(came) if r - 50 >= carried} <= left  # not its part's
+    if carried == count:
+        assert not left  # all of the part's: every run resolved at once
+    for i, r in enumerate(came):
+        assert call.waits_on(r - 50) is (i in left)
+        if i not in left:
+            assert call.futures[r - 50].result(timeout=0) == ("v", r)
+    assert all(call.waits_on(r - 50) for r in ranks if r not in came)
 
 
 # -- a call registered once on a cohort -------------------------------------------------------
