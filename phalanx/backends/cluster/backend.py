@@ -190,6 +190,7 @@ class ClusterBackend(Backend):
         self._stopping = threading.Event()
         # each node's GPUs, set on the backend of a group placed on a pool (which holds them)
         self.placed_gpus: list[tuple[str, ...]] | None = None
+        self.placed_hold: agentgpus.PoolHold | None = None  # the pool's, its nodes share
         self._holding: tuple[str, list[AgentNode]] | None = None  # GPUs held: whose, where
         self.labels: dict[str, str] = {}  # "host:port" -> what else names that agent's node
         # px.attach's (group name, force): the ranks "launched" are that group's, taken over
@@ -421,6 +422,8 @@ class ClusterBackend(Backend):
         gpus = [tuple(agent.welcome.get("gpus") or ()) for agent in chosen]
         if self.placed_gpus is not None:  # on a pool's slots: the pool holds them
             gpus = list(self.placed_gpus)
+            if self.placed_hold is not None and self._holding is None:  # until it closes
+                self._holding = agentgpus.share(chosen, self.placed_hold)
         elif gpus_per_worker and all(layout.counts[n] * gpus_per_worker <= len(gpus[n])
                                      for n in range(layout.nodes)):  # else placement says
             gpus = self.hold_gpus(chosen, [c * gpus_per_worker for c in layout.counts],

@@ -7,11 +7,18 @@ any rank starts, under a holder name that says which controller holds them; a no
 GPUs another holder has refuses, and the group or pool fails at once with
 :class:`~phalanx.errors.DevicesTaken` naming the node, the holders and what is free. Asking
 for none gives them back; an agent whose controller goes away frees what it held.
+
+A pool holds its GPUs with a key of its own (:class:`PoolHold`), and each group placed on
+it shares that hold from its own connection to the node (:func:`share`): the GPUs stay held
+while the pool or one of those groups does. A detached pool's groups keep their nodes past
+the controller, and so, through their sessions on the agents, the GPUs they run on.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import secrets
 import socket
 from collections.abc import Sequence
 
@@ -28,15 +35,30 @@ def holder_name(holder: str) -> str:
     return f"{holder} of the controller on {socket.gethostname()} (pid {os.getpid()})"
 
 
-def hold(agents: Sequence[AgentNode], counts: Sequence[int], holder: str
-         ) -> list[tuple[str, ...]]:
-    """``counts[n]`` GPUs of ``agents[n]``'s node for ``holder`` -> each node's ids.
+@dataclasses.dataclass(frozen=True)
+class PoolHold:
+    """A pool's GPUs on its nodes: the holder name the agents' books give them, and the
+    key a session shows to share them (this controller's secret)."""
+
+    name: str
+    key: bytes = dataclasses.field(repr=False)
+
+    @classmethod
+    def new(cls, holder: str) -> PoolHold:
+        return cls(holder_name(holder), secrets.token_bytes(32))
+
+
+def hold(agents: Sequence[AgentNode], counts: Sequence[int], holder: str,
+         sharing: PoolHold | None = None) -> list[tuple[str, ...]]:
+    """``counts[n]`` GPUs of ``agents[n]``'s node for ``holder`` -> each node's ids
+    (``sharing``: a pool's, under its name, which the sessions of its groups may share).
     DevicesTaken naming the node when one refuses; what the others took is given back."""
     taken: list[AgentNode] = []
     out: list[tuple[str, ...]] = []
+    payload = [] if sharing is None else [agentwire.DEVICES_SHARED, sharing.key]
     try:
         for agent, count in zip(agents, counts, strict=True):
-            answer = agent.request(agentwire.DEVICES, count, holder)
+            answer = agent.request(agentwire.DEVICES, count, holder, payload=payload)
             if "refused" in answer:
                 raise DevicesTaken(f"{agent.where}: {answer['refused']}")
             taken.append(agent)
@@ -45,6 +67,25 @@ def hold(agents: Sequence[AgentNode], counts: Sequence[int], holder: str
         give_back(taken, holder)
         raise
     return out
+
+
+def share(agents: Sequence[AgentNode], pool: PoolHold) -> tuple[str, list[AgentNode]]:
+    """The GPUs ``pool`` holds on each of ``agents``' nodes are held by this connection
+    too (a group placed on the pool), until it gives them back or ends -> (the holder's
+    name, the agents), what :func:`give_back` takes. DevicesTaken naming the node when one
+    refuses (the pool was closed); the shares taken are given back."""
+    joined: list[AgentNode] = []
+    try:
+        for agent in agents:
+            answer = agent.request(agentwire.DEVICES, 0, pool.name,
+                                   payload=[agentwire.DEVICES_SHARE, pool.key])
+            if "refused" in answer:
+                raise DevicesTaken(f"{agent.where}: {answer['refused']}")
+            joined.append(agent)
+    except BaseException:
+        give_back(joined, pool.name)
+        raise
+    return pool.name, list(agents)
 
 
 def give_back(agents: Sequence[AgentNode], holder: str) -> None:

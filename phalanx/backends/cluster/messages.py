@@ -33,6 +33,10 @@ One authenticated connection per node (:mod:`phalanx.wire.handshake`) carries, a
                          DEVICES   (count, holder)                   hold count of the node's
                                                                      GPUs for holder (0: give
                                                                      back what it holds);
+                                                                     payload: none, or a
+                                                                     pool's (SHARED, key) /
+                                                                     its group's (SHARE,
+                                                                     key);
                                                                      {"gpus": ids} or
                                                                      {"refused": why} (see
                                                                      phalanx.backends.cluster.agent.devices)
@@ -135,6 +139,10 @@ DESCRIBE = 89
 ORPHANS = 90
 
 STDOUT, STDERR = 1, 2
+
+# A DEVICES request's payload, when it has one: (mode, key) (agent.devices says more)
+DEVICES_SHARED = b"shared"  # take the GPUs; the sessions that show the key may share them
+DEVICES_SHARE = b"share"  # share the GPUs the holder took with this key (count unused)
 
 
 def request(kind: int, request_id: int, *fields: Any, payload: Sequence[Any] = (),

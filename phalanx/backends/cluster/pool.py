@@ -7,7 +7,11 @@ takes ``counts[n] * gpus_per_proc`` GPUs from the node's book
 group, of this controller or another, is given them. A group placed on the pool is a
 :class:`~phalanx.backends.cluster.backend.ClusterBackend` on the agents of its slots, its
 ranks given the GPUs of their slots, so that colocated groups' rank i see the same
-``CUDA_VISIBLE_DEVICES``. A pool without GPUs holds nothing on the agents.
+``CUDA_VISIBLE_DEVICES``; its connections share the pool's hold (the pool's key,
+:class:`~phalanx.backends.cluster.gpus.PoolHold`) until the group closes. So the GPUs of a
+detached pool stay held on a node while one of its detached groups runs there, past the
+controller, the pool and its connections (the agent's book: ``agent.devices``). A pool
+without GPUs holds nothing on the agents.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from phalanx.backends.cluster import gpus as agentgpus
 from phalanx.output.logs import OutputOptions
 
 if TYPE_CHECKING:
@@ -27,12 +32,14 @@ class ClusterSlots:
 
     def __init__(self, template: ClusterBackend, counts: Sequence[int], gpus: int,
                  held: list[tuple[str, ...]] | None = None,
-                 keeper: ClusterBackend | None = None) -> None:
+                 keeper: ClusterBackend | None = None,
+                 hold: agentgpus.PoolHold | None = None) -> None:
         self._template = template
         self.counts = list(counts)
         self.gpus_per_worker = gpus
         self._held = held  # node -> the GPU ids the pool holds there, slot by slot
         self._keeper = keeper
+        self._hold = hold  # what the keeper holds them as, shared by the pool's groups
 
     def backend_for(self, slots: Sequence[PoolSlot], share: float) -> ClusterBackend:
         nodes: dict[int, list[PoolSlot]] = {}
@@ -46,12 +53,15 @@ class ClusterSlots:
             backend.placed_gpus = [
                 tuple(gpu for slot in on for gpu in held[n][slot.local * g:(slot.local + 1) * g])
                 for n, on in nodes.items()]
+            backend.placed_hold = self._hold  # its connections hold them too
         return backend
 
     def release(self) -> None:
         keeper, self._keeper = self._keeper, None
         if keeper is not None:
-            keeper.close()  # gives the GPUs back, then ends its connections
+            if self._hold is not None:  # free at once unless a group placed here holds them
+                agentgpus.give_back(keeper.members.nodes, self._hold.name)
+            keeper.close()  # then ends its connections
 
 
 def reserve_slots(template: ClusterBackend, counts: Sequence[int], gpus: int,
@@ -85,8 +95,9 @@ def reserve_slots(template: ClusterBackend, counts: Sequence[int], gpus: int,
                     f"a pool of {count} slots x {gpus} GPU(s) on {agent.where} needs "
                     f"{count * gpus} GPUs; its agent lists {len(have)} "
                     f"({', '.join(have) or 'none'})")
-        held = keeper.hold_gpus(agents, [c * gpus for c in counts], holder)
+        hold = agentgpus.PoolHold.new(holder)
+        held = agentgpus.hold(agents, [c * gpus for c in counts], hold.name, hold)
     except BaseException:
         keeper.close()
         raise
-    return ClusterSlots(template, counts, gpus, held, keeper)
+    return ClusterSlots(template, counts, gpus, held, keeper, hold)

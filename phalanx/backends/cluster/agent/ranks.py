@@ -630,7 +630,7 @@ class Session:
         return pick_free_ports(self.address, count)
 
     def _hold_devices(self, count: int, holder: str, payload: list[Any]) -> dict[str, Any]:
-        answer = self._devices.take(self, count, holder)
+        answer = self._devices.take(self, count, holder, payload)  # (a pool's: shared)
         if "gpus" in answer and count:
             logger.info("GPUs %s of this node are held by %s", ", ".join(answer["gpus"]),
                         holder)
