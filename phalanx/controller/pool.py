@@ -17,19 +17,22 @@ name="trainer")``: ``px.attach`` finds it by it). Its description is the layout 
 gave it, so ``px.attach("trainer", backend=...)`` in another controller rebuilds it on the
 same nodes without the pool. The pool reserves on the nodes that keep detached groups: the
 agents of a ``px.ClusterBackend``, or for the local backend this user's own agent (one
-node), as a detached group does. Its slots are the nodes its groups run on, and stay theirs
-while the groups run: a controller that died leaves them to its groups. GPUs too
-(``gpus_per_proc``): each group placed on the pool shares the pool's hold on its nodes'
-agents, so a node's GPUs stay held -- another controller's pool or group is refused them,
-naming this pool -- while one of the pool's detached groups runs there (for at most its
-``detach_timeout`` with no controller), and are free once the last of them ends. The pool
-itself is this controller's: the next controller attaches each group by its name
-(``px.attached()`` lists them) and drives them as any group, with no pool (make a new pool
-for new groups); ``pool.detach()`` leaves on purpose (every group on it detached, the pool
-closed here), ``close()`` ends the groups as for any pool. Refused with a ValueError before
-anything is reserved: a detached pool on Ray, whose pool is a placement group of this
-driver's job, removed with it (a detached group on Ray brings detached agents of its own
-instead), and one on Slurm, whose job ends with the pool.
+node), as a detached group does, or the agents of the job a ``px.SlurmBackend`` submits for
+the pool. Its slots are the nodes its groups run on, and stay theirs while the groups run:
+a controller that died leaves them to its groups. GPUs too (``gpus_per_proc``): each group
+placed on the pool shares the pool's hold on its nodes' agents, so a node's GPUs stay held
+-- another controller's pool or group is refused them, naming this pool -- while one of the
+pool's detached groups runs there (for at most its ``detach_timeout`` with no controller),
+and are free once the last of them ends. On Slurm the pool's job runs on while its agents
+keep a detached group (the token is written back into the job's directory) and ends with
+the last of them; each group is attached with ``px.attach(name,
+backend=px.SlurmBackend(job=JOBID))``. The pool itself is this controller's: the next
+controller attaches each group by its name (``px.attached()`` lists them) and drives them
+as any group, with no pool (make a new pool for new groups); ``pool.detach()`` leaves on
+purpose (every group on it detached, the pool closed here), ``close()`` ends the groups as
+for any pool. Refused with a ValueError before anything is reserved: a detached pool on
+Ray, whose pool is a placement group of this driver's job, removed with it (a detached
+group on Ray brings detached agents of its own instead).
 
 The books are :mod:`phalanx.world.pools`' (pure); what a slot stands for is the backend's
 (the backend's :class:`~phalanx.backends.parts.SlotReserving` part).
@@ -134,12 +137,13 @@ class ResourcePool:
             held_for = _detach_timeout(detach_timeout)
             if is_local(backend):  # this user's own agent, as for a detached group
                 backend = detached_backend(backend, nodes)
-            elif create_backend(backend).name != "cluster":  # (starts nothing)
+            elif create_backend(backend).name not in ("cluster", "slurm"):  # (starts nothing)
                 raise ValueError(
                     f"detached=True: a resource pool on the {create_backend(backend).name} "
-                    "backend cannot keep its groups past this process; run it on agents "
-                    "(px.ClusterBackend; on one machine, backend='local'), or give each "
-                    "group detached=True of its own")
+                    "backend cannot keep its groups past this process (its placement group "
+                    "is this driver's job's); run it on agents (px.ClusterBackend, "
+                    "px.SlurmBackend; on one machine, backend='local'), or give each group "
+                    "detached=True of its own")
         template = create_backend(backend)
         reserving = template.capabilities.slots
         if reserving is None:

@@ -34,6 +34,15 @@ and the token there, and takes the ranks over as on any cluster backend.
 ``px.attached(px.SlurmBackend(job=JOBID))`` lists the job's detached groups. The group
 ended for good (``shutdown()``, or nobody attaching within ``detach_timeout``), the agents
 exit and the job ends with them, its directory removed.
+
+A detached pool (``ResourcePool(..., backend=px.SlurmBackend(...), detached=True,
+name=...)``) keeps its job the same way: each group placed on it runs on the job's agents
+(:class:`JobAgents`), and detaching one writes the token back; releasing the pool leaves the
+job running while its agents keep a detached group. Its groups share the job, each on the
+nodes of its slots: ``px.attach(name, backend=px.SlurmBackend(job=JOBID))`` takes a group
+over on the agents that keep it (of those that still run: an agent exits once its node's
+last group ended), and a group ended for good ends the job only when the job's agents keep
+no other detached group -- the last one's end ends it.
 """
 
 from __future__ import annotations
@@ -46,12 +55,14 @@ from typing import Any
 
 from phalanx import config
 from phalanx.backends.base import Backend
+from phalanx.backends.cluster import detaching
+from phalanx.backends.cluster import messages as agentwire
 from phalanx.backends.cluster.backend import ClusterBackend
 from phalanx.backends.cluster.pool import ClusterSlots
 from phalanx.backends.cluster.pool import reserve_slots as reserve_cluster_slots
 from phalanx.backends.cluster.slurmjob import JobRequest, SlurmJob, sequence_or_empty
 from phalanx.backends.parts import SlotReservation
-from phalanx.errors import MembershipEvent
+from phalanx.errors import MembershipEvent, PhalanxError
 from phalanx.output.logs import OutputOptions
 from phalanx.world.pools import PoolSlot
 
@@ -205,9 +216,26 @@ class SlurmBackend(ClusterBackend):
             self.job.keep_token()
         else:  # shut down for good: the agents, then the job, end as this backend closes
             self._keeping.discard(name)
+            others = [] if self._keeping or not self.job.attached else self._kept_on_job()
+            if others:  # a pool's job: the last of its groups ends it (its agents exit)
+                logger.info("%s runs on: its agents keep detached group(s) %s",
+                            self.job.label, ", ".join(others))
+                return
             self._ended_one = True
             if not self._keeping:
                 self.job.drop_token()
+
+    def _kept_on_job(self) -> list[str]:
+        """The detached groups every running agent of the job keeps (a pool's job holds
+        several), by name; asked of each over a connection of its own."""
+        names: set[str] = set()
+        for host in self.job.hosts:
+            try:
+                found = detaching.ask(self, host, agentwire.DESCRIBE, "")
+            except (PhalanxError, OSError):  # gone: it keeps none
+                continue
+            names.update(group["name"] for group in found)
+        return sorted(names)
 
     def attach_to(self, name: str, force: bool) -> None:
         super().attach_to(name, force)
@@ -230,12 +258,34 @@ class SlurmBackend(ClusterBackend):
     # -- the job --------------------------------------------------------------------------
 
     def _find_agents(self) -> list[str]:
-        hosts = self.job.read_agents() if self.job.attached else self.job.start()
-        self.labels = {host: f"{self.job.label} node {name}"
-                       for host, name in zip(hosts, self.job.node_names, strict=True)}
+        if self.job.attached:  # (a pool's job: the agents of ended groups' nodes are gone)
+            nodes = list(self.job.node_names)
+            hosts = self.job.read_agents(running=True)
+            gone = [n for n in nodes if n not in self.job.node_names]
+            if gone:
+                logger.info("%s: the agents of node(s) %s are gone (their groups ended)",
+                            self.job.label, ", ".join(gone))
+        else:
+            hosts = self.job.start()
+        named = dict(zip(hosts, self.job.node_names, strict=True))
+        if self.attach_request is not None:  # a pool's group: on the nodes of its slots
+            hosts = self._keeping_group(hosts, self.attach_request[0])
+        self.labels = {host: f"{self.job.label} node {named[host]}" for host in hosts}
         logger.info("%s: agents on %s", self.job.label, ", ".join(
-            f"{n} ({h})" for n, h in zip(self.job.node_names, hosts, strict=True)))
+            f"{named[h]} ({h})" for h in hosts))
         return hosts
+
+    def _keeping_group(self, hosts: list[str], name: str) -> list[str]:
+        """Of ``hosts``, in order, the agents that keep detached group ``name`` (all of
+        them when none says so: attaching then names what each agent keeps)."""
+        keeping = []
+        for host in hosts:
+            try:
+                detaching.ask(self, host, agentwire.DESCRIBE, name)
+            except (PhalanxError, OSError):  # it keeps no such group (or is gone)
+                continue
+            keeping.append(host)
+        return keeping or hosts
 
     def _open(self, output: OutputOptions) -> None:
         super()._open(output)
@@ -285,10 +335,10 @@ class SlurmBackend(ClusterBackend):
         labels = {host: f"{job.label} node {name}"
                   for host, name in zip(hosts, job.node_names, strict=True)}
         try:
-            template = ClusterBackend(hosts, token=job.token, quorum_timeout=self.start_timeout,
-                                      heartbeat_timeout=self.heartbeat_timeout,
-                                      node_timeout=self.node_timeout, sync=self.sync,
-                                      max_frame=self.max_frame, dns_interval=None)
+            template = JobAgents(hosts, token=job.token, quorum_timeout=self.start_timeout,
+                                 heartbeat_timeout=self.heartbeat_timeout,
+                                 node_timeout=self.node_timeout, sync=self.sync,
+                                 max_frame=self.max_frame, dns_interval=None)
             slots = reserve_cluster_slots(template, counts, gpus, resources, holder, timeout)
         except BaseException:
             job.end()
@@ -296,13 +346,29 @@ class SlurmBackend(ClusterBackend):
         return SlurmSlots(slots, job, labels)
 
 
+class JobAgents(ClusterBackend):
+    """A cluster backend on the agents of a pool's Slurm job (a group placed on the pool):
+    detaching its group keeps the job for the next controller, as :class:`SlurmBackend`
+    does for a group of its own (the token written back into the job's directory)."""
+
+    slots: SlurmSlots | None = None  # the pool's, set as the group is placed
+
+    def detach(self, name: str, timeout: float | None, spec: bytes) -> None:
+        super().detach(name, timeout, spec)
+        if self.slots is not None:
+            self.slots.keeping(name, timeout is not None)
+
+
 class SlurmSlots:
-    """A pool's slots on a Slurm job's agents: a cluster pool whose release ends the job.
+    """A pool's slots on a Slurm job's agents: a cluster pool whose release ends the job,
+    unless its agents keep a detached group placed on it (a detached pool's), which the
+    next controller attaches by the job's id; the job then ends with the last such group.
     A keeper connection stays open to every agent while the pool lives, so that the agents
     (which end with their last connection) outlast the groups placed on it."""
 
     def __init__(self, slots: ClusterSlots, job: SlurmJob, labels: dict[str, str]) -> None:
         self._slots, self._job, self._labels = slots, job, labels
+        self._kept: set[str] = set()  # its groups the agents keep past this controller
         self._keeper = ClusterBackend(job.hosts, token=job.token, dns_interval=None)
         try:
             self._keeper.open(OutputOptions(echo=False))
@@ -321,11 +387,29 @@ class SlurmSlots:
     def backend_for(self, slots: Sequence[PoolSlot], share: float) -> Backend:
         backend = self._slots.backend_for(slots, share)
         backend.labels = dict(self._labels)
+        if isinstance(backend, JobAgents):
+            backend.slots = self
         return backend
 
+    def keeping(self, name: str, kept: bool) -> None:
+        """Group ``name`` placed here is detached (``kept``: its token goes back into the
+        job's directory, for px.attach by the job's id), or no more."""
+        if kept:
+            self._kept.add(name)
+            self._job.keep_token()
+        else:
+            self._kept.discard(name)
+
     def release(self) -> None:
+        kept: list[str] = []
         try:
             self._slots.release()
+            if self._kept:  # detached groups: do the agents still keep one?
+                kept = [g["name"] for g in self._keeper.listing()]
             self._keeper.close()
         finally:
-            self._job.end()
+            if kept:
+                logger.info("%s runs on: its agents keep detached group(s) %s",
+                            self._job.label, ", ".join(kept))
+            else:
+                self._job.end()

@@ -301,18 +301,24 @@ class SlurmJob:
                 found.append((directory, info))
         return found
 
-    def read_agents(self) -> list[str]:
+    def read_agents(self, running: bool = False) -> list[str]:
         """The ``host:port`` of the agents of a job found by :meth:`existing`, in its
-        nodes' order; PhalanxError naming a node whose agent is gone."""
+        nodes' order; PhalanxError naming a node whose agent is gone. ``running``: those
+        that still run, ``node_names`` narrowed to their nodes (a pool's job, whose agents
+        exit node by node as its groups end); PhalanxError only when none does."""
         assert self.directory is not None
-        hosts = []
+        hosts, names, gone = [], [], []
         for name in self.node_names:
             address = self._read_address(os.path.join(self.directory, AGENTS, name))
             if address is None:
-                raise PhalanxError(f"{self.label}: the agent of node {name} is gone (no "
-                                   f"address in {self.directory}/{AGENTS}/)")
-            hosts.append(address)
-        self.hosts = hosts
+                gone.append(name)
+            else:
+                hosts.append(address)
+                names.append(name)
+        if gone and (not running or not hosts):
+            raise PhalanxError(f"{self.label}: the agent of node {gone[0]} is gone (no "
+                               f"address in {self.directory}/{AGENTS}/)")
+        self.hosts, self.node_names = hosts, names
         return hosts
 
     def keep_token(self) -> None:
