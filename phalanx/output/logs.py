@@ -428,6 +428,11 @@ class LogPump:
         if self._file_group is not None and named is None:  # taken since build()
             _say_named(group, self._log_dir)
 
+    @property
+    def writes_files(self) -> bool:
+        """Whether each rank's output also goes to files of its own (``log_dir``)."""
+        return self._log_dir is not None
+
     def attach(self, rank: int, stdout_fd: int, stderr_fd: int,
                decoders: Sequence[Callable[[bytes], bytes] | None] = (None, None)
                ) -> OutputTap:

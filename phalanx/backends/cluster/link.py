@@ -114,7 +114,12 @@ class AgentNode:
 class AgentRankChannel(Channel):
     """One rank on an agent's node: its messages travel on the node's :class:`AgentLink`;
     its death (the agent's EXITED, or its node lost) is told by its
-    :class:`~phalanx.node.spawn.Burial`, with the output this side read."""
+    :class:`~phalanx.node.spawn.Burial`, with the output this side read.
+
+    The rank's output reaches the group's output pump through two pipes of this process,
+    made when its first bytes come (at once where the pump also writes log files, which
+    every rank has): a rank that prints nothing holds no descriptor here, so a controller
+    can hold ten thousand ranks of agents."""
 
     def __init__(self, agent: AgentNode, start: RankStart, incarnation: int,
                  logs: LogPump) -> None:
@@ -133,10 +138,21 @@ class AgentRankChannel(Channel):
         self._lock = threading.Lock()
         self._burial = Burial(start.rank, lambda: self.exit_record(start.rank),
                               lambda event: self.deliver([event]))
-        out_r, self._out_w = os.pipe()
-        err_r, self._err_w = os.pipe()
-        self._writers = {agentwire.STDOUT: self._out_w, agentwire.STDERR: self._err_w}
-        self._tap: OutputTap = logs.attach(start.rank, out_r, err_r)
+        self._logs = logs
+        # the output pipes' write ends by stream (None: not made yet; {}: closed)
+        self._writers: dict[int, int] | None = None
+        self._tap: OutputTap | None = None
+        if logs.writes_files:
+            self._open_output()
+
+    def _open_output(self) -> dict[int, int]:
+        """The rank's output pipes, made now and handed to the output pump (lock held, or
+        in the constructor)."""
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        self._writers = {agentwire.STDOUT: out_w, agentwire.STDERR: err_w}
+        self._tap = self._logs.attach(self.rank, out_r, err_r)
+        return self._writers
 
     # -- from the link's reader thread ------------------------------------------------
 
@@ -160,11 +176,16 @@ class AgentRankChannel(Channel):
     def output(self, stream: int, data: bytes | None) -> None:
         """Bytes the rank wrote (None: that stream ended), into the local output pump."""
         with self._lock:
-            fd = self._writers.get(stream)
+            writers = self._writers
+            if writers is None:
+                if data is None:
+                    return  # a stream that ended with no output: nothing to end here
+                writers = self._open_output()
+            fd = writers.get(stream)
             if fd is None:
                 return
             if data is None:
-                del self._writers[stream]
+                del writers[stream]
         if data is None:
             os.close(fd)
             return
@@ -190,9 +211,10 @@ class AgentRankChannel(Channel):
     def _settle(self) -> None:
         """A moment for the rank's last output (relayed by its agent, if it still can)."""
         if self._reason is not None:  # no more output will come: end the streams here
-            for stream in list(self._writers):
+            for stream in list(self._writers or ()):
                 self.output(stream, None)
-        self._tap.wait_closed(config.OUTPUT_WAIT)
+        if self._tap is not None:
+            self._tap.wait_closed(config.OUTPUT_WAIT)
 
     # -- the group's side -------------------------------------------------------------
 
@@ -223,8 +245,9 @@ class AgentRankChannel(Channel):
             return f"(no stack: {exc})"
 
     def exit_record(self, rank: int) -> ProcessFailure:
-        failure = ProcessFailure(self.rank, self.node, self.pid, self._exitcode,
-                                 self._tap.stderr_tail(), self._reason or self._told)
+        tail = () if self._tap is None else self._tap.stderr_tail()
+        failure = ProcessFailure(self.rank, self.node, self.pid, self._exitcode, tail,
+                                 self._reason or self._told)
         label = self.agent.label
         if failure.reason is None and label is not None:
             # where else its node is named (a Slurm job's node: a signal there is most
@@ -239,7 +262,8 @@ class AgentRankChannel(Channel):
     def close(self) -> None:
         with self._lock:
             self._burial.stop()
-            writers, self._writers = list(self._writers.values()), {}
+            writers = list((self._writers or {}).values())
+            self._writers = {}
         for fd in writers:
             os.close(fd)
         self.link.forget(self)
