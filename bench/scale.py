@@ -14,7 +14,8 @@ over all of them.
 
 For each size, a group runs on ``px.ClusterBackend`` twice: *flat* (``tree_threshold``
 above the size: the controller connects to every agent) and *tree* (``tree_threshold=1,
-fanout=50``: at most 50 connections, the agents adopting the rest). Measured, each the
+fanout=50``, the backend's default ``top_fanout``: the controller holds at most 8
+connections, each agent adopts up to 50 of the rest). Measured, each the
 median over the calls:
 
 - a no-op call on every rank (ms), the controller's own CPU time per call (ms, and per
@@ -27,7 +28,7 @@ median over the calls:
 - group start-up (s), and the controller's CPU time during it (s).
 
 It prints a table, writes JSON and a PNG (latency against node count) under ``--out``,
-and checks the targets: in tree mode at most ``fanout`` connections; a no-op call to
+and checks the targets: in tree mode at most ``top_fanout`` connections; a no-op call to
 1,000 nodes at most 1 ms of the controller's CPU, to 10,000 ranks at most 2 ms; 1,000
 nodes started in at most 2 s of its CPU; a broadcast crossing each link once; and a call
 to 1,000 nodes at most 3x a call to 10 nodes.
@@ -54,6 +55,7 @@ from bench.util import compile_sources, reap
 
 PROCESSES = 8
 FANOUT = 50
+TOP = 8  # the controller's connections in a tree: the backend's default top_fanout
 MIB = 1 << 20
 REPO = Path(__file__).resolve().parent.parent
 
@@ -133,13 +135,13 @@ def agent_connections(ports: set[int]) -> int:
 
 def descriptors_short(nodes: int, ranks: int) -> str | None:
     """Why this process cannot hold a group of ``ranks`` ranks on ``nodes`` nodes (None: it
-    can): the controller keeps four descriptors per rank (its output's two pipes, at
-    phalanx.backends.cluster.link.AgentRankChannel) and one per connection. The soft limit
-    is raised to the hard one first."""
+    can): the controller keeps one descriptor per connection (at most ``nodes``), and a
+    rank's output pipes only once it prints (phalanx.backends.cluster.link.AgentRankChannel:
+    the simulated ranks print nothing). The soft limit is raised to the hard one first."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    needed = 4 * ranks + nodes + 512
+    needed = nodes + 512
     if soft < needed and soft != hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         soft = hard
@@ -156,6 +158,7 @@ def measure(cluster: SimCluster, nodes: int, tree: bool, calls: int,
     ranks = nodes * ranks_per_node
     backend = px.ClusterBackend(hosts, token_file=cluster.token_file,
                                 tree_threshold=1 if tree else nodes + 1, fanout=FANOUT,
+                                top_fanout=TOP,
                                 heartbeat_timeout=120, quorum_timeout=120,
                                 node_timeout=120)  # 1 GiB through loopback, flat: slow
     started, cpu_started = time.perf_counter(), time.process_time()
@@ -217,7 +220,7 @@ def targets(results: list[dict[str, Any]]) -> list[tuple[str, float, bool]]:
     for (nodes, ranks, mode), r in sorted(by.items()):
         if mode == "tree":
             checks.append((f"tree, {ranks} ranks on {nodes} nodes: controller connections "
-                           f"<= {FANOUT}", r["connections"], r["connections"] <= FANOUT))
+                           f"<= {TOP}", r["connections"], r["connections"] <= TOP))
     for (_, ranks, mode), r in sorted(by.items()):
         checks.append((f"{mode}, {ranks} ranks: a 1 MiB argument crosses each link once "
                        "(MiB per link per call <= 1.05)", r["broadcast_mib_per_link"],
@@ -323,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
     png = args.out / f"scale-{stamp}.png"
     drawn = plot(results, png)
     payload = {"timestamp": stamp, "cpus": os.cpu_count(), "processes": PROCESSES,
-               "fanout": FANOUT, "calls": args.calls, "results": results,
+               "fanout": FANOUT, "top_fanout": TOP, "calls": args.calls, "results": results,
                "targets": [{"target": t, "value": v, "pass": ok} for t, v, ok in checks],
                "plot": str(png) if drawn else None}
     path = args.out / "scale-latest.json"

@@ -16,6 +16,7 @@ from bench import scale
 def test_simulated_agents_answer_for_every_rank(tree, monkeypatch):
     # a fan-out of 2: in a tree, 4 of the 6 agents are adopted and answer through others
     monkeypatch.setattr(scale, "FANOUT", 2)
+    monkeypatch.setattr(scale, "TOP", 2)
     cluster = scale.SimCluster(6)
     try:
         result = scale.measure(cluster, 6, tree, calls=3)  # checks every rank's answer
@@ -24,3 +25,15 @@ def test_simulated_agents_answer_for_every_rank(tree, monkeypatch):
     assert result["nodes"] == 6 and result["mode"] == ("tree" if tree else "flat")
     assert result["connections"] == (2 if tree else 6)
     assert result["noop_ms"] > 0 and result["controller_cpu_ms"] >= 0
+
+
+@pytest.mark.timeout(180)
+def test_a_tree_holds_the_controllers_few_connections_and_the_agents_adopt_the_rest():
+    """The controller's share of a tree is its own (top_fanout, 8), smaller than what each
+    agent adopts (fanout, 50): 20 agents answer through 8 connections, not 20."""
+    cluster = scale.SimCluster(20)
+    try:
+        result = scale.measure(cluster, 20, True, calls=3)  # checks every rank's answer
+    finally:
+        cluster.close()
+    assert result["connections"] == scale.TOP == 8

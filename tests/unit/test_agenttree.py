@@ -60,6 +60,7 @@ def test_retarget_keeps_everything_but_the_ranks(ranks, data):
     ("tree_threshold", 2.5, "tree_threshold must be an integer >= 1"),
     ("fanout", 1, "fanout must be an integer >= 2"),
     ("fanout", True, "fanout must be an integer >= 2"),
+    ("top_fanout", 0, "top_fanout must be an integer >= 1"),
     ("dns_interval", 0, "dns_interval must be > 0 seconds"),
     ("dns_interval", "5", "dns_interval must be > 0 seconds"),
 ])
@@ -72,8 +73,12 @@ def test_tree_and_membership_options_survive_the_copy_a_group_makes():
     backend = px.ClusterBackend(dns="agents.ns.svc", port=32300, token=TOKEN, dns_interval=0.5,
                                 tree_threshold=10, fanout=4)
     settings = type(backend)(**backend.settings()).settings()
-    assert (settings["dns_interval"], settings["tree_threshold"], settings["fanout"]) == (
-        0.5, 10, 4)
+    assert (settings["dns_interval"], settings["tree_threshold"], settings["fanout"],
+            settings["top_fanout"]) == (0.5, 10, 4, 4)  # top: the fewer of fanout and 8
+    wide = px.ClusterBackend(["127.0.0.1:32300"], token=TOKEN, fanout=50)
+    assert wide.top_fanout == 8 and wide.members.top_fanout == 8
+    copied = type(wide)(**{**wide.settings(), "top_fanout": 3})
+    assert type(copied)(**copied.settings()).top_fanout == 3
 
 
 def test_an_agents_link_is_what_its_ranks_channels_share_not_a_channel():

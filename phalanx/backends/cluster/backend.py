@@ -26,8 +26,12 @@ wait unread here are read before anyone is judged, so a controller that falls be
 (stopped, starved) does not take its agents for silent ones. Every control connection has
 TCP keepalive too (:func:`phalanx.wire.streams.keep_alive`).
 
-From ``tree_threshold`` agents on, the controller connects to at most ``fanout`` of them
-and the agents form a tree below those (:mod:`phalanx.backends.cluster.tree`). Nodes lost, and with
+From ``tree_threshold`` agents on, the controller connects to at most ``top_fanout`` of
+them and the agents form a tree below those, each with at most ``fanout`` children
+(:mod:`phalanx.backends.cluster.tree`). The controller's share is small on purpose: it is
+the one process every call passes through, and its CPU per call grows with its
+connections (each a send, a wake-up, a read and a check of a sealed frame), while the
+agents below share the rest. Nodes lost, and with
 ``dns=`` nodes leaving or joining the name, are membership changes
 (:mod:`phalanx.backends.cluster.members`): the group hears of them before anything fails.
 """
@@ -97,7 +101,8 @@ class ClusterBackend(Backend):
     (``group.reload()`` re-ships it).
     ``dns_interval``: how often the name is resolved again while the group lives (None:
     never). ``tree_threshold``: from this many agents on they form a tree, each with at
-    most ``fanout`` children, and the controller holds at most ``fanout`` connections.
+    most ``fanout`` children, and the controller holds at most ``top_fanout``
+    connections (the tree's top agents; default: ``fanout`` or 8, the fewer).
     """
 
     name = "cluster"
@@ -115,7 +120,7 @@ class ClusterBackend(Backend):
                  max_frame: int = 1 << 30, tls: bool | str | ssl.SSLContext | None = None,
                  sync: str | os.PathLike[str] | None = None,
                  dns_interval: float | None = 5.0, tree_threshold: int = 100,
-                 fanout: int = 50) -> None:
+                 fanout: int = 50, top_fanout: int | None = None) -> None:
         found_at_open = hosts is None and dns is None and self.finds_agents
         if (hosts is None) == (dns is None) and not found_at_open:
             raise ValueError("give the agents as hosts=['host:port', ...] or dns='name' "
@@ -176,15 +181,19 @@ class ClusterBackend(Backend):
                              f"{dns_interval!r}")
         self.dns_interval = dns_interval
         for name, value, least in (("tree_threshold", tree_threshold, 1),
-                                   ("fanout", fanout, 2)):
+                                   ("fanout", fanout, 2),
+                                   ("top_fanout", 1 if top_fanout is None else top_fanout, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
         self.tree_threshold, self.fanout = tree_threshold, fanout
+        self.top_fanout = (min(fanout, config.TREE_TOP_FANOUT) if top_fanout is None
+                           else top_fanout)
         self.code_version: str | None = None  # of the code the nodes run (with sync)
         self._in_use: int | None = None  # how many of the nodes the group runs on
         discovery = None if dns is None else Discovery(dns, port, nameserver, dns_interval)
         # the connections and the nodes, in the group's order (members.nodes)
         self.members = Members(self._dialer, max_frame=max_frame, fanout=fanout,
+                               top_fanout=self.top_fanout,
                                discovery=discovery, tell=self._membership_changed)
         self._incarnations = itertools.count(1)
         self._stopping = threading.Event()
@@ -219,7 +228,8 @@ class ClusterBackend(Backend):
                 "heartbeat_timeout": self.heartbeat_timeout,
                 "node_timeout": self.node_timeout, "max_frame": self.max_frame,
                 "tls": self.tls, "sync": self.sync, "dns_interval": self.dns_interval,
-                "tree_threshold": self.tree_threshold, "fanout": self.fanout}
+                "tree_threshold": self.tree_threshold, "fanout": self.fanout,
+                "top_fanout": self.top_fanout}
 
     # -- connecting -------------------------------------------------------------------
 
@@ -358,7 +368,7 @@ class ClusterBackend(Backend):
         return [answered[i] for i in sorted(answered)]
 
     def _form_tree(self, deadline: float) -> list[AgentNode]:
-        """The agents as a tree below at most ``fanout`` of them; its nodes in order."""
+        """The agents as a tree below at most ``top_fanout`` of them; its nodes in order."""
         if self._dialer.tls is not None:
             raise ValueError(f"{len(self.hosts)} agents would form a tree (tree_threshold="
                              f"{self.tree_threshold}), which does not use TLS yet: raise "
@@ -367,7 +377,7 @@ class ClusterBackend(Backend):
         entries = [(i + 1, *parse_host(h)) for i, h in enumerate(self.hosts)]
         while True:
             formation = agenttree.form(entries, self.fanout, self._dialer.connect, deadline,
-                                       attaching=self.attach_request)
+                                       attaching=self.attach_request, top=self.top_fanout)
             if formation.refused:
                 formation.close()
                 raise formation.refused[0]

@@ -53,9 +53,11 @@ class Members:
     connections that reach them. ``tell`` hears of every change (any thread)."""
 
     def __init__(self, dialer: Dialer, *, max_frame: int, fanout: int,
+                 top_fanout: int | None = None,
                  discovery: Discovery | None, tell: Callable[[MembershipEvent], None]) -> None:
         self.dialer = dialer
         self.max_frame, self.fanout = max_frame, fanout
+        self.top_fanout = fanout if top_fanout is None else top_fanout  # its connections
         self.discovery = discovery
         self._on_change = tell
         self.links: list[AgentLink] = []  # every connection to an agent
@@ -199,9 +201,9 @@ class Members:
 
     def _add(self, host: str, port: int) -> AgentNode | None:
         """Connect to a newly listed agent (in a tree: below a top agent when the
-        controller holds ``fanout`` connections already); None if it does not answer."""
+        controller holds ``top_fanout`` connections already); None if it does not answer."""
         try:
-            if self.tree and self.connection_count() >= self.fanout:
+            if self.tree and self.connection_count() >= self.top_fanout:
                 node = self._adopt_below(host, port)
             else:
                 joined = self.dialer.connect(host, port, config.CONNECT_TIMEOUT)

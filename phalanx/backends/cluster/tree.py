@@ -218,13 +218,16 @@ class Formation:
 
 
 def form(entries: Sequence[Entry], fanout: int, connect: Callable[[str, int, float], Joined],
-         deadline: float, attaching: tuple[str, bool] | None = None) -> Formation:
+         deadline: float, attaching: tuple[str, bool] | None = None,
+         top: int | None = None) -> Formation:
     """Connect to one head per chunk of ``entries`` (in parallel) and have it adopt the
     rest of its chunk; who answered and who did not. Each attempt ends by ``deadline``
     (a ``time.monotonic()`` value). ``attaching`` (a detached group's name, and whether
     to force): the tree is that group's, formed already -- each chunk's first agent is
     attached to (:func:`attach`), and a chunk whose first agent does not answer is
-    missing whole (its subtree went with it)."""
+    missing whole (its subtree went with it). ``top``: how many chunks here (default
+    ``fanout``: the controller's own share is smaller), each head adopting with
+    ``fanout``."""
     result = Formation([], {}, {}, [])
     lock = threading.Lock()
 
@@ -273,7 +276,8 @@ def form(entries: Sequence[Entry], fanout: int, connect: Callable[[str, int, flo
             return
 
     threads = [threading.Thread(target=chunk_head, args=(chunk,), daemon=True,
-                                name="phalanx-tree-form") for chunk in split(entries, fanout)]
+                                name="phalanx-tree-form")
+               for chunk in split(entries, top or fanout)]
     for thread in threads:
         thread.start()
     for thread in threads:
