@@ -11,6 +11,11 @@ group ran, frees them. Another controller attaches the group (the same processes
 ``CUDA_VISIBLE_DEVICES``), and once it shut the group down the GPUs are free for a new
 pool. A group nobody attaches within the pool's ``detach_timeout`` frees them too. The
 node's book itself: a share needs the pool's key, and the last share frees the GPUs.
+
+A detached group that asked for GPUs itself (``gpus_per_worker``, no pool) keeps them the
+same way: its waiting sessions hold them (another session is refused, naming the dead
+controller's group), ``px.attach`` takes them over with the ranks -- a rank recreated after
+it gets the GPU it had, not the node's first free one -- and shutting it down frees them.
 """
 
 from __future__ import annotations
@@ -52,6 +57,25 @@ CONTROLLER = textwrap.dedent("""
 """)
 
 
+GROUP_CONTROLLER = textwrap.dedent("""
+    import json, sys, time
+    import phalanx as px
+    from tests.workers import Probe
+
+    hosts, token_file, timeout = json.loads(sys.argv[1])
+    group = px.WorkerGroup(Probe, nodes=2, procs_per_node=2, gpus_per_worker=1,
+                           name="learner", detached=True, detach_timeout=timeout,
+                           backend=px.ClusterBackend(hosts, token_file=token_file),
+                           echo_output=False)
+    group.call("record", "learning")
+    print(json.dumps({"pids": group.call("pid"),
+                      "cuda": [e["CUDA_VISIBLE_DEVICES"]
+                               for e in group.call("env", "CUDA_VISIBLE_DEVICES")]}),
+          flush=True)
+    time.sleep(120)  # SIGKILLed here
+""")
+
+
 @pytest.fixture
 def gpu_agents(agents, monkeypatch, tmp_path):  # noqa: F811 - the fixture imported above
     """Two agents of this test's own, each listing GPUs 0, 1 and 2, logging (``-v``) to
@@ -66,10 +90,10 @@ def gpu_agents(agents, monkeypatch, tmp_path):  # noqa: F811 - the fixture impor
     return started
 
 
-def _controller(hosts: list[str], tokens: str, timeout: float
+def _controller(hosts: list[str], tokens: str, timeout: float, script: str = CONTROLLER
                 ) -> tuple[subprocess.Popen, dict]:
     proc = subprocess.Popen(
-        [sys.executable, "-c", CONTROLLER, json.dumps([hosts, tokens, timeout])],
+        [sys.executable, "-c", script, json.dumps([hosts, tokens, timeout])],
         stdout=subprocess.PIPE, text=True, cwd=helpers.REPO,
         env={**os.environ, "PYTHONPATH": str(helpers.REPO)})
     line = proc.stdout.readline()  # type: ignore[union-attr]
@@ -163,6 +187,72 @@ def test_a_detached_pools_gpus_are_freed_when_nobody_attaches_in_time(
             _kill(proc)
 
 
+def _cuda(group: px.WorkerGroup) -> list[str]:
+    return [e["CUDA_VISIBLE_DEVICES"] for e in group.call("env", "CUDA_VISIBLE_DEVICES")]
+
+
+def test_a_detached_group_that_holds_gpus_itself_is_attached_on_the_same_gpus(
+        gpu_agents, token_file):  # noqa: F811
+    """Not through a pool: the group's own hold (``gpus_per_worker``) stays with its
+    waiting sessions, and the controller that attaches takes it over -- the same GPUs for
+    the ranks it recreates -- until the group is shut down."""
+    first, second = gpu_agents
+    # GPU 0 of the first node is busy while the group starts: it gets 1 and 2 there, not
+    # the first ids the agent lists (what a rank recreated after the attach must get too)
+    with px.WorkerGroup(Probe, gpus_per_worker=1, backend=cluster([first], token_file),
+                        echo_output=False) as busy:
+        assert _cuda(busy) == ["0"]
+        proc, started = _controller([first.address, second.address], token_file, 60,
+                                    GROUP_CONTROLLER)
+    pids = started["pids"]
+    try:
+        assert started["cuda"] == ["1", "2", "0", "1"]
+        _kill(proc)
+        assert helpers.wait_until(lambda: "another may attach" in _log(first), 15), _log(first)
+        # while the group waits its GPUs are its own: another session is refused them,
+        # naming the dead controller's group, and gets only what is free
+        with pytest.raises(px.DevicesTaken) as info:
+            px.WorkerGroup(Probe, procs_per_node=2, gpus_per_worker=1,
+                           backend=cluster([first], token_file), echo_output=False)
+        message = str(info.value)
+        assert f"agent at {first.address}" in message, message
+        assert "group learner" in message and f"(pid {proc.pid}) holds 1, 2" in message, \
+            message
+        with px.WorkerGroup(Probe, gpus_per_worker=1, backend=cluster([first], token_file),
+                            echo_output=False) as other:
+            assert _cuda(other) == ["0"]
+
+        group = px.attach("learner", backend=cluster([first, second], token_file),
+                          echo_output=False)
+        try:
+            assert group.call("pid") == pids  # the same processes, on the same GPUs
+            assert _cuda(group) == ["1", "2", "0", "1"]
+            assert group.call("history") == [["learning"]] * 4
+            assert _pool_takes(first, token_file, gpus=2) is None  # still its, attached
+            assert _pool_takes(second, token_file, gpus=2) is None
+            group.recreate(0)  # a fresh process gets the GPU its rank had
+            fresh = group.call("pid")
+            assert fresh[0] != pids[0] and fresh[1:] == pids[1:]
+            assert _cuda(group) == ["1", "2", "0", "1"]
+        finally:
+            group.shutdown()
+        assert helpers.wait_until(lambda: not _alive([*pids, *fresh]), 15)
+        # shut down for good: its sessions ended, and every GPU is free
+        assert _once_free(first, token_file) == ["0", "1", "2"]
+        assert _once_free(second, token_file) == ["0", "1", "2"]
+    finally:
+        if proc.poll() is None:
+            _kill(proc)
+
+
+def _once_free(agent, tokens: str) -> list[str] | None:
+    """The GPUs a pool of all three gets on ``agent`` once they are free (within 15 s: the
+    sessions of a group shut down end on their own), or None."""
+    taken: list[list[str] | None] = [None]
+    helpers.wait_until(lambda: bool(taken.append(_pool_takes(agent, tokens)) or taken[-1]), 15)
+    return taken[-1]
+
+
 def _log(agent) -> str:
     """What the agent logged so far."""
     path: Path = agent.log
@@ -178,6 +268,7 @@ def test_a_nodes_book_shares_a_pools_gpus_only_with_its_key_until_the_last_share
     assert node.take(pool, 2, name, shared) == {"gpus": ["0", "1"]}
     assert node.take(group, 0, name, share) == {"gpus": ["0", "1"]}
     assert node.take(colocated, 0, name, share) == {"gpus": ["0", "1"]}
+    assert node.held(group) == ["0", "1"] and node.held(stranger) == []  # what DESCRIBE says
     refused = node.take(stranger, 0, name, [agentwire.DEVICES_SHARE, b"x" * 32])
     assert "another controller's session holds GPUs as" in refused["refused"], refused
     assert "refused" in node.take(stranger, 1, name)  # nor by asking under its name

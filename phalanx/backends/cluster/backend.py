@@ -68,6 +68,7 @@ from phalanx.backends.held import HeldObject, KeptCopy, NodeAddress
 from phalanx.backends.parts import Capabilities, SlotReservation
 from phalanx.errors import (
     AuthenticationError,
+    DevicesTaken,
     MembershipEvent,
     PhalanxError,
     QuorumTimeout,
@@ -204,6 +205,7 @@ class ClusterBackend(Backend):
         self.labels: dict[str, str] = {}  # "host:port" -> what else names that agent's node
         # px.attach's (group name, force): the ranks "launched" are that group's, taken over
         self.attach_request: tuple[str, bool] | None = None
+        self._taken_over: set[int] = set()  # the nodes whose ranks it took over: LAUNCH now
 
     def __repr__(self) -> str:
         parts = [repr(self.hosts)] if self.dns is None else [
@@ -434,6 +436,8 @@ class ClusterBackend(Backend):
             gpus = list(self.placed_gpus)
             if self.placed_hold is not None and self._holding is None:  # until it closes
                 self._holding = agentgpus.share(chosen, self.placed_hold)
+        elif gpus_per_worker and self.attach_request is not None:  # px.attach: the group's
+            gpus = self._attached_gpus(chosen, [c * gpus_per_worker for c in layout.counts])
         elif gpus_per_worker and all(layout.counts[n] * gpus_per_worker <= len(gpus[n])
                                      for n in range(layout.nodes)):  # else placement says
             gpus = self.hold_gpus(chosen, [c * gpus_per_worker for c in layout.counts],
@@ -452,6 +456,36 @@ class ClusterBackend(Backend):
         gpus = agentgpus.hold(agents, counts, name)
         self._holding = (name, list(agents))
         return gpus
+
+    def _attached_gpus(self, agents: Sequence[AgentNode],
+                       counts: Sequence[int]) -> list[tuple[str, ...]]:
+        """The GPUs the detached group being attached holds on each of ``agents``' nodes
+        (``counts[n]`` each), as its sessions there say (DESCRIBE): those its ranks run on.
+        Taken over, not held anew: ATTACH moves this controller's connections to those
+        sessions, which hold them on -- through a restart, for this controller, or the
+        next -- and free them when the group ends. DevicesTaken naming the node where
+        the group holds other than its ranks there need."""
+        assert self.attach_request is not None
+        name = self.attach_request[0]
+        below = [agent.where for agent in agents if not agent.direct]
+        if below:  # their sessions are the top agents' children, which DESCRIBE does not ask
+            raise RuntimeError(f"attaching detached group {name}: its GPUs on nodes below "
+                               f"a tree's top agents ({', '.join(below[:3])}) cannot be told "
+                               "yet; use fewer agents than tree_threshold")
+        held: dict[AgentNode, tuple[str, ...]] = {}
+
+        def ask(agent: AgentNode) -> None:
+            described = agent.request(agentwire.DESCRIBE, name)
+            held[agent] = tuple(described.get("gpus") or ())
+
+        _on_each(list(agents), ask, "phalanx-attach-gpus")
+        out = [held[agent] for agent in agents]
+        for agent, gpus, count in zip(agents, out, counts, strict=True):
+            if len(gpus) != count:
+                raise DevicesTaken(f"{agent.where}: detached group {name} holds "
+                                   f"{len(gpus)} GPU(s) there ({', '.join(gpus) or 'none'}), "
+                                   f"not the {count} its ranks there were given")
+        return out
 
     def _give_back_gpus(self) -> None:
         if self._holding is not None:
@@ -572,9 +606,10 @@ class ClusterBackend(Backend):
             controller_path = without_own_install(controller_path)  # its own, not ours
         sys_path = ([code] if code else []) + (list(controller_path) if same else [])
         cwd = code or ((boot.cwd or os.getcwd()) if same else None)
-        if self.attach_request is not None:  # px.attach: the detached group's running ranks
-            name, force = self.attach_request
+        if self.attach_request is not None and node.index not in self._taken_over:
+            name, force = self.attach_request  # px.attach: the group's running ranks
             pids = agent.request(agentwire.ATTACH, name, starts, force)
+            self._taken_over.add(node.index)  # a rank started again there is launched
         else:
             pids = agent.request(agentwire.LAUNCH, starts, sys_path, options, cwd,
                                  payload=boot.payload)

@@ -6,7 +6,10 @@ pool that reserves GPUs, takes its ranks' devices from the book of each of its n
 any rank starts, under a holder name that says which controller holds them; a node whose
 GPUs another holder has refuses, and the group or pool fails at once with
 :class:`~phalanx.errors.DevicesTaken` naming the node, the holders and what is free. Asking
-for none gives them back; an agent whose controller goes away frees what it held.
+for none gives them back; an agent whose controller goes away frees what it held -- but
+for a detached group's: its sessions hold its GPUs on while it waits, and the controller
+that attaches takes them over instead of holding any (``ClusterBackend._attached_gpus``:
+each node's session says which it holds, the ids the group's ranks run on).
 
 A pool holds its GPUs with a key of its own (:class:`PoolHold`), and each group placed on
 it shares that hold from its own connection to the node (:func:`share`): the GPUs stay held

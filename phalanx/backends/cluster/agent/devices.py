@@ -5,7 +5,12 @@ takes devices from it for a holder it names (a pool, a group: "pool-1 of the con
 host, pid 4242"), and a request for devices another holder has is refused with the book's
 account of who holds what and what is free (:class:`phalanx.world.devices.DeviceBook`).
 A holder gives its devices back by asking for none; whatever a session still holds when it
-ends (its controller closed the connection, was killed, or went silent) is free again.
+ends (its controller closed the connection, was killed, or went silent) is free again. A
+detached group's session does not end with its controller: it waits for the next one
+holding what it held, tells the controller that attaches which GPUs those are
+(:meth:`NodeDevices.held`, in its DESCRIBE answer: the ids its ranks run on, which that
+controller gives the ranks it starts again), then serves it, and frees them when the group
+ends (shut down, or nobody attached within its ``detach_timeout``).
 
 A holder's name belongs to the session that first took devices under it while it holds
 them: another session asking under the same name is refused, so that no controller can
@@ -132,6 +137,15 @@ class NodeDevices:
             logger.info("the GPUs held as %s stay held: %d session(s) of the groups placed "
                         "on them run on", holder, sessions)
         return freed
+
+    def held(self, owner: object) -> list[str]:
+        """The GPUs ``owner`` (a session) holds, or shares, in the order they were taken:
+        a detached group's session tells the controller that attaches which of the node's
+        GPUs its ranks run on (``DESCRIBE``)."""
+        with self._lock:
+            holders = self._book.holders()
+            return [gpu for holder, owners in self._owners.items() if owner in owners
+                    for gpu in holders.get(holder, [])]
 
     def holders(self) -> dict[str, list[str]]:
         """Holder -> the GPUs it holds (the agent's health report)."""

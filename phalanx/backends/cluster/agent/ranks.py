@@ -703,10 +703,13 @@ class Session:
         return found if name == "" else found[0]
 
     def detached_description(self) -> dict[str, Any] | None:
-        """This session's detached group, as DESCRIBE tells it (None: it has none)."""
+        """This session's detached group, as DESCRIBE tells it (None: it has none), with
+        the node's GPUs it holds (``gpus``: those its ranks were given, which the
+        controller that attaches gives the ranks it starts again)."""
         record = self._detach
-        return None if record is None else record.describe(
-            sorted([*self._ranks, *self._branch.ranks_below()]))
+        return None if record is None else {**record.describe(
+            sorted([*self._ranks, *self._branch.ranks_below()])),
+            "gpus": self._devices.held(self)}
 
     def _orphans(self, take: bool, payload: list[Any]) -> list[Any]:
         """ORPHANS: the answers of calls whose controller left before they ended."""
