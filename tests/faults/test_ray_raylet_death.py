@@ -43,6 +43,15 @@ ANSWER_TIMEOUT = 3.0  # raycluster.ANSWER_TIMEOUT in the driver (20 s in the sui
 CHECK_WAIT = 1.0  # leftovers(wait=)
 # leftovers(): its wait, then at most two questions of ANSWER_TIMEOUT each
 CHECK_BOUND = CHECK_WAIT + 2 * ANSWER_TIMEOUT + 5.0
+# The head's extra settings. Its GCS checks each raylet every 0.3 s, not 3 s: a dead
+# raylet's node (and its actors) is declared dead about 1.5 s after its death (5 failed
+# checks in a row), so the teardown's checks find the actors dead at once instead of
+# waiting out CHECK_WAIT -- while a live raylet that is slow to answer on a loaded machine
+# still has Ray's default 10 s a check before one counts as failed. No autoscaler monitor:
+# nothing here autoscales, and each Python daemon fewer is a second of CPU less while the
+# throwaway Ray starts (as is each node's log monitor: the driver takes no worker logs).
+HEAD_ONLY = ["--no-monitor", "--system-config=" + json.dumps(
+    {"health_check_initial_delay_ms": 1000, "health_check_period_ms": 300})]
 
 
 def _free_ports(host: str, count: int) -> list[int]:
@@ -101,6 +110,7 @@ def _ray_start(node_ip: str, temp_dir: str, env: dict[str, str], cpus: int,
                f"--node-ip-address={node_ip}", f"--temp-dir={temp_dir}",
                f"--num-cpus={cpus}", "--num-gpus=0", "--disable-usage-stats",
                f"--object-store-memory={150 * 1024 * 1024}",
+               "--include-log-monitor=false", *(HEAD_ONLY if is_head else []),
                *(f"--{option}={port}" for option, port in zip(options, ports, strict=True))]
     started = subprocess.run(command, env=env, capture_output=True, text=True, timeout=90)
     return None if started.returncode == 0 else started.stderr[-3000:]
@@ -176,10 +186,11 @@ DRIVER = """
     from tests import raycluster
     from tests.workers import Probe
 
-    address, host, repo = sys.argv[1:4]
-    call_bound, shutdown_bound, check_bound = map(float, sys.argv[4:7])
-    raycluster.ANSWER_TIMEOUT = float(sys.argv[7])
-    check_wait = float(sys.argv[8])
+    host, repo = sys.argv[1:3]
+    call_bound, shutdown_bound, check_bound = map(float, sys.argv[3:6])
+    raycluster.ANSWER_TIMEOUT = float(sys.argv[6])
+    check_wait = float(sys.argv[7])
+    address = sys.stdin.readline().strip()  # once the throwaway Ray is up
 
 
     def report(**fields):
@@ -245,6 +256,16 @@ def _steps(stdout: str) -> dict[str, dict]:
     return steps
 
 
+def _end_driver(driver: subprocess.Popen) -> None:
+    """Kill the driver if it still runs, and close its pipes (again: a no-op)."""
+    if driver.poll() is None:
+        driver.kill()
+        driver.wait(10)
+    for pipe in (driver.stdin, driver.stdout, driver.stderr):
+        with contextlib.suppress(OSError):
+            pipe.close()
+
+
 def _readline(pipe, timeout: float) -> str:
     ready, _, _ = select.select([pipe], [], [], timeout)
     return pipe.readline() if ready else ""
@@ -260,15 +281,22 @@ def test_a_dead_raylet_fails_calls_and_lets_shutdown_and_the_teardown_checks_end
     run on apart from the driver's, is SIGKILLed while a call runs on the ranks."""
     script = helpers.write_script(tmp_path, DRIVER, name="driver.py")
     marker = uuid.uuid4().hex
-    # (without the shared cluster's RAY_ADDRESS; marked: it is stopped with that Ray)
-    env = ray_env(marker, helpers.script_env())
-    with throwaway_ray(ranks_apart, marker) as (address, temp_dirs):
-        args = [sys.executable, str(script), address, HOST, str(helpers.REPO),
-                str(CALL_BOUND), str(SHUTDOWN_BOUND), str(CHECK_BOUND), str(ANSWER_TIMEOUT),
-                str(CHECK_WAIT)]
-        driver = subprocess.Popen(args, cwd=str(tmp_path), env=env, text=True,
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE)
+    # The driver starts first and imports Ray and phalanx while the throwaway Ray starts
+    # (seconds of a loaded machine's time), then reads that Ray's address. Without the
+    # shared cluster's RAY_ADDRESS; marked apart from that Ray's processes, which a
+    # failed ``ray start`` has killed before a retry (this test kills the driver itself).
+    env = ray_env(f"{marker}-driver", helpers.script_env())
+    args = [sys.executable, str(script), HOST, str(helpers.REPO),
+            str(CALL_BOUND), str(SHUTDOWN_BOUND), str(CHECK_BOUND), str(ANSWER_TIMEOUT),
+            str(CHECK_WAIT)]
+    driver = subprocess.Popen(args, cwd=str(tmp_path), env=env, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
+    with contextlib.ExitStack() as stack:
+        stack.callback(_end_driver, driver)  # however the Ray's start went
+        address, temp_dirs = stack.enter_context(throwaway_ray(ranks_apart, marker))
+        driver.stdin.write(address + "\n")
+        driver.stdin.flush()
         try:
             line = _readline(driver.stdout, 90)
             ready = _steps(line).get("ready")
@@ -294,12 +322,7 @@ def test_a_dead_raylet_fails_calls_and_lets_shutdown_and_the_teardown_checks_end
                             f"death:\n{out[-3000:]}\n{err[-3000:]}")
             ended = time.monotonic() - killed
         finally:
-            if driver.poll() is None:
-                driver.kill()
-                driver.wait(10)
-            for pipe in (driver.stdin, driver.stdout, driver.stderr):
-                with contextlib.suppress(OSError):
-                    pipe.close()
+            _end_driver(driver)
         steps = _steps(out)
         context = f"steps: {json.dumps(steps, indent=1)}\nstderr:\n{err[-3000:]}"
         for name in ("pending call", "new call", "leftovers before shutdown", "shutdown",
