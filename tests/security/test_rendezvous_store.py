@@ -43,10 +43,35 @@ from phalanx.wire.kvstore import StoreClient, StoreServer, StoreTimeout
 from tests import helpers
 
 SECRET = secrets.token_bytes(32)
-NAP = 15.0  # seconds a target holds its world's formation open while the stranger tries
-SOURCE_NAP = 5.0  # seconds the source answers late, so that a target's nap comes first
+# A nap ends when the test releases it (a file appears), once what it holds up is done:
+# these are bounds on a nap the test never released (a failure), below the formation's
+# 60 s timeouts; a fixed nap had to outlast the stranger's tries on a loaded machine.
+NAP = 40.0  # seconds a target holds its world's formation open while the stranger tries
+SOURCE_NAP = 20.0  # seconds the source answers late, so that a target's nap comes first
 PROBE_TIMEOUT = 3.0  # seconds the stranger gives each attempt
 WILDCARDS = {"0.0.0.0", "::"}
+
+
+# -- the naps that hold a formation open -----------------------------------------------------
+
+
+def _nap(seconds: float, until: str | None) -> None:
+    """Sleep ``seconds``, or until the file ``until`` exists (every rank of the suite runs
+    on this machine, the agent cluster's too)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not (until and os.path.exists(until)):
+        time.sleep(0.02)
+
+
+class Release:
+    """A file whose creation ends the naps given its path (:func:`_nap`)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+
+    def __call__(self) -> None:
+        with open(self.path, "a"):
+            pass
 
 
 # -- the stranger -------------------------------------------------------------------------
@@ -234,8 +259,8 @@ class Trainer:
     def pid(self) -> int:
         return os.getpid()
 
-    def nap(self, seconds: float) -> None:
-        time.sleep(seconds)
+    def nap(self, seconds: float, until: str | None = None) -> None:
+        _nap(seconds, until)
 
 
 class Generator:
@@ -251,8 +276,8 @@ class Generator:
     def total(self) -> float:
         return float(sum(t.sum() for t in self.weights.values()))
 
-    def nap(self, seconds: float) -> None:
-        time.sleep(seconds)
+    def nap(self, seconds: float, until: str | None = None) -> None:
+        _nap(seconds, until)
 
 
 @pytest.fixture(params=["local", "cluster"])
@@ -264,7 +289,9 @@ def where(request):
     return "local"
 
 
-def test_a_stranger_cannot_read_write_or_fail_a_weight_sync_formation(where, torch_stranger):
+def test_a_stranger_cannot_read_write_or_fail_a_weight_sync_formation(where, torch_stranger,
+                                                                      tmp_path):
+    source_answers, formation_goes_on = Release(tmp_path / "source"), Release(tmp_path / "nap")
     with px.WorkerGroup(Trainer, backend=where, echo_output=False) as trainers, \
             px.WorkerGroup(Generator, procs_per_node=2, backend=where,
                            echo_output=False) as generators:
@@ -274,8 +301,9 @@ def test_a_stranger_cannot_read_write_or_fail_a_weight_sync_formation(where, tor
         with px.weight_sync(trainers, generators, transport="broadcast", timeout=120) as sync:
             # The push asks every member where it is, then forms the world. The source
             # answers late (it naps first); the generators at once, and then generator 1
-            # starts a nap of its own, which the formation waits for.
-            source_napping = trainers.call_async("nap", SOURCE_NAP)
+            # starts a nap of its own, which the formation waits for (until the stranger
+            # is done).
+            source_napping = trainers.call_async("nap", SOURCE_NAP, source_answers.path)
             pushing = concurrent.futures.ThreadPoolExecutor(1)
             try:
                 pushed = pushing.submit(sync.push, "state", "load")
@@ -284,15 +312,21 @@ def test_a_stranger_cannot_read_write_or_fail_a_weight_sync_formation(where, tor
                 # after the other, then sent): still so a moment later, they were answered
                 time.sleep(0.3)
                 assert helpers.wait_until(lambda: _asked_where(trainers, generators), 30)
-                napping = generators.call_async("nap", NAP, workers=[1])
+                napping = generators.call_async("nap", NAP, formation_goes_on.path,
+                                                workers=[1])
+                # the nap is sent ahead of the formation's own calls to generator 1
+                source_answers()
                 source_napping.result(timeout=60)
                 opened = _new_listeners(serving, before)
                 attempts = _attack(sorted(opened), 3, torch_stranger)
                 held_open = not pushed.done()
+                formation_goes_on()
                 store = _check_the_stranger_failed(attempts, node_address)
                 assert held_open, "the formation ended before the stranger's tries"
                 stats = pushed.result(timeout=120)  # formed, whatever the stranger did
             finally:
+                source_answers()  # (on a failure: the groups shut down at once)
+                formation_goes_on()
                 pushing.shutdown(wait=True)
             napping.result(timeout=60)
             assert stats.formed and sync.state.name == "FORMED"
@@ -335,14 +369,15 @@ class Member:
         self.joint.broadcast([self.tensor], options).wait()
         return float(self.tensor.sum())
 
-    def nap(self, seconds: float) -> None:
-        time.sleep(seconds)
+    def nap(self, seconds: float, until: str | None = None) -> None:
+        _nap(seconds, until)
 
     def pid(self) -> int:
         return os.getpid()
 
 
-def test_a_stranger_cannot_read_write_or_fail_a_rendezvous_world(torch_stranger):
+def test_a_stranger_cannot_read_write_or_fail_a_rendezvous_world(torch_stranger, tmp_path):
+    formation_goes_on = Release(tmp_path / "nap")
     with px.WorkerGroup(Member, args=(2.0,), echo_output=False) as trainers, \
             px.WorkerGroup(Member, procs_per_node=2, echo_output=False) as generators:
         worlds = px.rendezvous(trainers, generators)
@@ -352,12 +387,15 @@ def test_a_stranger_cannot_read_write_or_fail_a_rendezvous_world(torch_stranger)
         address = (worlds[0][0]["MASTER_ADDR"], int(worlds[0][0]["MASTER_PORT"]))
         serving = trainers.call_one(0, "pid")
         before = _listening(serving)
-        napping = generators.call_async("nap", NAP, workers=[1])
+        napping = generators.call_async("nap", NAP, formation_goes_on.path, workers=[1])
         joined = [trainers.map_async("join", worlds[0]), generators.map_async("join", worlds[1])]
-        opened = _new_listeners(serving, before)
-        assert address in opened, f"rank 0 does not serve on {address}: {sorted(opened)}"
-        attempts = _attack(sorted(opened), 3, torch_stranger)
-        held_open = not joined[1].done()
+        try:
+            opened = _new_listeners(serving, before)
+            assert address in opened, f"rank 0 does not serve on {address}: {sorted(opened)}"
+            attempts = _attack(sorted(opened), 3, torch_stranger)
+            held_open = not joined[1].done()
+        finally:
+            formation_goes_on()
         assert _check_the_stranger_failed(attempts, address[0]) == address
         assert held_open, "the formation ended before the stranger's tries"
         assert [f.result(timeout=120) for f in joined] == [[0], [1, 2]]
