@@ -12,6 +12,7 @@ must still give their stacks (or say why not).
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import psutil
@@ -35,16 +36,23 @@ class Sleeper:
         unslept = libc.sleep(seconds)
         return time.monotonic() - started, unslept
 
-    def python_sleep(self, seconds: float) -> float:
+    def python_sleep(self, seconds: float, until: str | None = None) -> float:
+        """``time.sleep`` for ``seconds``, or (in sleeps of 0.25 s) until the file
+        ``until`` exists: the test's stacks have shown it."""
         started = time.monotonic()
-        time.sleep(seconds)
+        deadline = started + seconds
+        while (left := deadline - time.monotonic()) > 0 and not (until and os.path.exists(until)):
+            time.sleep(min(left, 0.25) if until else left)
         return time.monotonic() - started
 
-    def python_loop(self, seconds: float) -> int:
+    def python_loop(self, seconds: float, until: str | None = None) -> int:
+        """Python code spinning for ``seconds``, or until the file ``until`` exists."""
         deadline = time.monotonic() + seconds
         spins = 0
         while time.monotonic() < deadline:
             spins += 1
+            if until and spins % 10_000 == 0 and os.path.exists(until):
+                break
         return spins
 
     def c_loop_keeping_gil(self, seconds: float) -> float:
@@ -99,11 +107,20 @@ def test_a_blocking_c_call_takes_its_full_time_while_its_stacks_are_taken(
 
 
 @pytest.mark.timeout(90)
-def test_stacks_show_a_rank_in_python_code_a_sleep_or_a_c_loop(make_group):
+def test_stacks_show_a_rank_in_python_code_a_sleep_or_a_c_loop(make_group, tmp_path):
     group = make_group(Sleeper, procs_per_node=2, heartbeat_timeout=120)
-    for method in ("python_sleep", "python_loop", "c_loop_keeping_gil"):
-        future = group.call_async(method, 2.0, workers=[1])
-        wait_for_frame(group, method)
+    # the sleep and the Python loop end once their stacks were seen (every backend's ranks
+    # run on this machine here), else after 2 s; the C loop (one call) lasts its 2 s
+    for method, until in (("python_sleep", tmp_path / "slept"),
+                          ("python_loop", tmp_path / "looped"),
+                          ("c_loop_keeping_gil", None)):
+        kwargs = {"until": str(until)} if until else {}
+        future = group.call_async(method, 2.0, workers=[1], **kwargs)
+        try:
+            wait_for_frame(group, method)
+        finally:
+            if until:
+                until.touch()
         assert future.result(timeout=60)[0] > 0, method
 
 
