@@ -33,7 +33,9 @@ backend=px.SlurmBackend(job=JOBID))`` finds the job's agents and token by its id
 (:mod:`phalanx.backends.cluster.slurm`). The Ray backend's ranks are its Ray job's, so a
 detached group of the Ray backend runs on agents that are detached Ray actors instead, one
 per node, found through the cluster's key-value store by the group's name and the
-backend's namespace (:mod:`phalanx.backends.ray.detached`).
+backend's namespace (:mod:`phalanx.backends.ray.detached`); a group placed on a detached
+resource pool there runs on the pool's agents, found by asking those of the namespace's
+pools which groups they keep.
 """
 
 from __future__ import annotations

@@ -5,13 +5,15 @@ description, the backend it runs on when detached, and its orphaned answers.
 script's ``__main__`` by value); :func:`detached_backend` puts a detached group of the local
 backend on this user's own agent (:mod:`phalanx.backends.cluster.localagent`), whose ranks
 outlive the controller, and one of the Ray backend on agents that are detached Ray actors
-(:mod:`phalanx.backends.ray.detached`); :func:`orphan_of` turns an agent's record of an
+(:mod:`phalanx.backends.ray.detached`), as are a detached resource pool's on Ray
+(:func:`ray_pool_backend`); :func:`orphan_of` turns an agent's record of an
 answer no controller asked for into an :class:`Orphaned`.
 """
 
 from __future__ import annotations
 
 import pickle
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from phalanx.errors import RemoteFailure, WorkerError
@@ -111,23 +113,59 @@ def is_ray(backend: Backend | str) -> bool:
 
 def ray_agents_backend(backend: Backend | str, name: str) -> Backend:
     """The backend of the agents of the Ray backend's detached group ``name``, found in
-    its cluster's key-value store (LookupError when it keeps none of that name)."""
+    its cluster's key-value store: its own, else those of the namespace's detached pool
+    whose agents keep it (LookupError when none keeps a group of that name)."""
     from phalanx.backends.ray import detached as ray_detached
 
-    return _on_agents(ray_detached.find_agents(_ray_backend(backend), name))
+    ray_backend = _ray_backend(backend)
+    try:
+        return _on_agents(ray_detached.find_agents(ray_backend, name))
+    except LookupError as missing:
+        for agents in ray_detached.groups(ray_backend).values():
+            if agents.pool:
+                on = _on_agents(agents)
+                if any(g["name"] == name for g in _listing(on)):
+                    return on
+        raise missing from None
 
 
 def ray_attached(backend: Backend | str) -> list[dict[str, Any]]:
     """The detached groups of the Ray backend's namespace (as ``px.attached``): each
-    group's agents have a token of their own, so each is asked apart."""
+    group's or pool's agents have a token of their own, so each is asked apart (a pool's
+    for every group placed on it)."""
     from phalanx.backends.ray import detached as ray_detached
 
     found: list[dict[str, Any]] = []
     for name, agents in ray_detached.groups(_ray_backend(backend)).items():
-        detaching = _on_agents(agents).capabilities.detaching
-        if detaching is not None:
-            found.extend(g for g in detaching.listing() if g["name"] == name)
+        found.extend(g for g in _listing(_on_agents(agents))
+                     if agents.pool or g["name"] == name)
     return found
+
+
+def ray_pool_backend(backend: Backend | str, name: str, counts: Sequence[int], gpus: int,
+                     resources: dict[str, float] | None, timeout: float) -> Backend:
+    """The backend of the agents of a detached resource pool ``name`` on the Ray backend,
+    started for it: a node per pool node, each holding ``counts[n]`` slots of one CPU
+    (or ``resources``) and ``gpus`` GPUs (:mod:`phalanx.backends.ray.detached`)."""
+    from phalanx.backends.ray import detached as ray_detached
+    from phalanx.backends.ray.placement import bundle_for
+
+    per_rank = {"CPU": 1.0, **{k: float(v) for k, v in (resources or {}).items()}}
+    agents = ray_detached.start_agents(_ray_backend(backend), name, counts, gpus, timeout,
+                                       per_rank=bundle_for(per_rank, gpus), pool=True)
+    return _on_agents(agents)
+
+
+def end_ray_pool(backend: Backend | str, name: str) -> None:
+    """End the agents of the Ray backend's detached pool ``name`` now (its start failed)."""
+    from phalanx.backends.ray import detached as ray_detached
+
+    ray_detached.end_agents(_ray_backend(backend), name)
+
+
+def _listing(backend: Backend) -> list[dict[str, Any]]:
+    detaching = backend.capabilities.detaching
+    return [] if detaching is None else detaching.listing()
 
 
 def _ray_backend(backend: Backend | str) -> RayBackend:

@@ -18,7 +18,8 @@ gave it, so ``px.attach("trainer", backend=...)`` in another controller rebuilds
 same nodes without the pool. The pool reserves on the nodes that keep detached groups: the
 agents of a ``px.ClusterBackend``, or for the local backend this user's own agent (one
 node), as a detached group does, or the agents of the job a ``px.SlurmBackend`` submits for
-the pool. Its slots are the nodes its groups run on, and stay theirs while the groups run:
+the pool, or on Ray agents started for the pool. Its slots are the nodes its groups run
+on, and stay theirs while the groups run:
 a controller that died leaves them to its groups. GPUs too (``gpus_per_proc``): each group
 placed on the pool shares the pool's hold on its nodes' agents, so a node's GPUs stay held
 -- another controller's pool or group is refused them, naming this pool -- while one of the
@@ -26,13 +27,20 @@ pool's detached groups runs there (for at most its ``detach_timeout`` with no co
 and are free once the last of them ends. On Slurm the pool's job runs on while its agents
 keep a detached group (the token is written back into the job's directory) and ends with
 the last of them; each group is attached with ``px.attach(name,
-backend=px.SlurmBackend(job=JOBID))``. The pool itself is this controller's: the next
+backend=px.SlurmBackend(job=JOBID))``. On Ray (``backend=px.RayBackend(address=...)``) the
+pool starts an agent per node as detached Ray actors, in a detached placement group of its
+slots' resources (a bundle per node: ``resources_per_proc``, one CPU by default, and
+``gpus_per_proc`` GPUs per slot), found through Ray's key-value store by the namespace and
+the pool's name (:mod:`phalanx.backends.ray.detached`), and reserves on them as on agents;
+a connection of its own keeps them while the pool is open. ``px.attach(name,
+backend=px.RayBackend(...))`` finds each group on the pool's agents; an agent exits with
+the last group of its node (a node no group ran on, with the pool), and the last one to
+exit removes the placement group and the keys: nothing is left. The pool itself is this
+controller's: the next
 controller attaches each group by its name (``px.attached()`` lists them) and drives them
 as any group, with no pool (make a new pool for new groups); ``pool.detach()`` leaves on
 purpose (every group on it detached, the pool closed here), ``close()`` ends the groups as
-for any pool. Refused with a ValueError before anything is reserved: a detached pool on
-Ray, whose pool is a placement group of this driver's job, removed with it (a detached
-group on Ray brings detached agents of its own instead).
+for any pool.
 
 The books are :mod:`phalanx.world.pools`' (pure); what a slot stands for is the backend's
 (the backend's :class:`~phalanx.backends.parts.SlotReserving` part).
@@ -51,7 +59,13 @@ from typing import TYPE_CHECKING, Any
 from phalanx import config
 from phalanx.backends import Backend, create_backend
 from phalanx.backends.parts import lacking
-from phalanx.controller.detached import detached_backend, is_local
+from phalanx.controller.detached import (
+    detached_backend,
+    end_ray_pool,
+    is_local,
+    is_ray,
+    ray_pool_backend,
+)
 from phalanx.controller.names import check_name
 from phalanx.options import check_count, check_seconds
 from phalanx.world import pools
@@ -133,25 +147,37 @@ class ResourcePool:
             if any(p.name == name for p in live_pools()):
                 raise ValueError(f"name={name!r}: another open pool of this process has it")
         held_for = None
+        on_ray: Backend | str | None = None  # a detached pool's Ray backend (its agents')
         if detached:
             held_for = _detach_timeout(detach_timeout)
             if is_local(backend):  # this user's own agent, as for a detached group
                 backend = detached_backend(backend, nodes)
+            elif is_ray(backend):  # agents kept by Ray, started for the pool (its slots')
+                on_ray, backend = backend, ray_pool_backend(
+                    backend, name, layout.counts, gpus_per_proc,
+                    dict(resources_per_proc or {}), timeout)
+                resources_per_proc = None  # the agents' bundles hold them
             elif create_backend(backend).name not in ("cluster", "slurm"):  # (starts nothing)
                 raise ValueError(
                     f"detached=True: a resource pool on the {create_backend(backend).name} "
-                    "backend cannot keep its groups past this process (its placement group "
-                    "is this driver's job's); run it on agents (px.ClusterBackend, "
-                    "px.SlurmBackend; on one machine, backend='local'), or give each group "
-                    "detached=True of its own")
+                    "backend cannot keep its groups past this process; run it on agents "
+                    "(px.ClusterBackend, px.SlurmBackend, px.RayBackend; on one machine, "
+                    "backend='local'), or give each group detached=True of its own")
         template = create_backend(backend)
         reserving = template.capabilities.slots
         if reserving is None:
             raise lacking(template.name, "hold resource pools")
         slots = pools.slots_of(layout.counts)
-        reservation = reserving.reserve_slots(
-            layout.counts, gpus=gpus_per_proc, resources=dict(resources_per_proc or {}),
-            timeout=timeout, holder=name)
+        try:
+            reservation = reserving.reserve_slots(
+                layout.counts, gpus=gpus_per_proc, resources=dict(resources_per_proc or {}),
+                timeout=timeout, holder=name)
+            if on_ray is not None:
+                reservation = _KeptAgents(reservation, template)
+        except BaseException:
+            if on_ray is not None:  # nothing of the pool's is left on the cluster
+                end_ray_pool(on_ray, name)
+            raise
         self._attach(_Reserved(template, reservation, pools.SlotBook(len(slots), colocate),
                                gpus_per_proc, detach_timeout=held_for), slots, name)
         logger.info("%s reserved %d slots on the %s backend", self.name, len(self._slots),
@@ -380,6 +406,41 @@ class Lease:
             group = self.group() if self.group is not None else None
             if group is not None:
                 shared.groups.discard(group)
+
+
+class _KeptAgents:
+    """The slots of a detached pool on Ray, on agents started for it: a connection of the
+    pool's own to each keeps them while the pool is open (they end with their last
+    connection, so that one whose node has no group yet outlasts the pool's other groups);
+    closing it lets each end with the last group of its node."""
+
+    def __init__(self, slots: SlotReservation, agents: Backend) -> None:
+        from phalanx.output.logs import OutputOptions
+
+        self._slots = slots
+        # a cluster backend of its own on the same agents (no code shipped: it runs none)
+        keeper = type(agents)(**{**agents.settings(), "quorum": None, "sync": None})
+        self._keeper: Backend | None = keeper
+        try:
+            keeper.open(OutputOptions(echo=False))
+        except BaseException:
+            slots.release()
+            raise
+
+    @property
+    def gpus_per_worker(self) -> int:
+        return self._slots.gpus_per_worker
+
+    def backend_for(self, slots: Sequence[pools.PoolSlot], share: float) -> Backend:
+        return self._slots.backend_for(slots, share)
+
+    def release(self) -> None:
+        keeper, self._keeper = self._keeper, None
+        try:
+            self._slots.release()
+        finally:
+            if keeper is not None:
+                keeper.close()
 
 
 @dataclasses.dataclass

@@ -7,17 +7,20 @@ middle of it. This process, another driver of the same cluster, finds the group 
 and namespace (``px.attached``, ``px.attach``) and holds the very same ranks: their pids,
 state, the answers of the call that was running, and new calls. Once it shuts the group
 down, the agents' actors, their placement group and their keys in Ray's store are gone;
-nobody attaching within ``detach_timeout`` ends it the same way.
+nobody attaching within ``detach_timeout`` ends it the same way. A detached resource pool on
+Ray is the same: its agents' groups, placed by ``pool.split``, are attached each by its own
+name after their driver is killed, and the last one shut down leaves nothing of the pool.
 """
 
 from __future__ import annotations
 
 import json
-import select
+import queue
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import psutil
 import pytest
@@ -57,22 +60,51 @@ DRIVER = textwrap.dedent("""
 """)
 
 
+POOL_DRIVER = textwrap.dedent("""
+    import json, sys, time
+    import ray
+    import phalanx as px
+    from tests.workers import Probe
+
+    address, host, repo, namespace, name, timeout = json.loads(sys.argv[1])
+    ray.init(address=address, _node_ip_address=host, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": repo}})
+    pool = px.ResourcePool(nodes=2, procs_per_node=1, name=name, detached=True,
+                           detach_timeout=timeout, backend=px.RayBackend(namespace=namespace))
+    first, second = pool.split([1, 1])
+    learner = px.WorkerGroup(Probe, pool=first, name="learner", echo_output=False)
+    actor = px.WorkerGroup(Probe, pool=second, name="actor", echo_output=False)
+    learner.call("record", "learning")
+    actor.call("record", "acting")
+    print(json.dumps({"learner": learner.call("pid"), "actor": actor.call("pid"),
+                      "nodes": learner.call("ray_node") + actor.call("ray_node")}),
+          flush=True)
+    print("running", flush=True)
+    time.sleep(120)  # killed here
+""")
+
+
 @pytest.fixture(autouse=True)
 def cluster(ray_cluster):
     return ray_cluster
 
 
-def _driver(cluster, name: str, timeout: float) -> tuple[subprocess.Popen, dict]:
-    """A driver process that started detached group ``name`` and runs a call in it; what
-    it printed."""
+def _driver(cluster, name: str, timeout: float, script: str = DRIVER
+            ) -> tuple[subprocess.Popen, dict]:
+    """A driver process that started detached group ``name`` and runs a call in it (or
+    what ``script`` does); what it printed."""
     args = json.dumps([cluster.address, raycluster.NODE_ADDRESSES[0], str(helpers.REPO),
                        NAMESPACE, name, timeout])
-    proc = subprocess.Popen([sys.executable, "-c", DRIVER, args], cwd=helpers.REPO,
+    proc = subprocess.Popen([sys.executable, "-c", script, args], cwd=helpers.REPO,
                             env=helpers.script_env(), stdout=subprocess.PIPE, text=True)
+    said: queue.Queue[str] = queue.Queue()  # read aside: both lines may come in one read
+    threading.Thread(target=_read, args=(proc, said), daemon=True).start()
     lines = []
     for _ in range(2):
-        ready, _, _ = select.select([proc.stdout], [], [], START_BOUND)
-        lines.append(proc.stdout.readline() if ready else "")  # type: ignore[union-attr]
+        try:
+            lines.append(said.get(timeout=START_BOUND))
+        except queue.Empty:
+            lines.append("")
     if not lines[0] or lines[1] != "running\n":
         proc.kill()
         proc.wait(timeout=10)
@@ -80,10 +112,16 @@ def _driver(cluster, name: str, timeout: float) -> tuple[subprocess.Popen, dict]
     return proc, json.loads(lines[0])
 
 
+def _read(proc: subprocess.Popen, said: queue.Queue[str]) -> None:
+    """Hand each line the driver prints on; its pipe is closed at its end (its kill)."""
+    with proc.stdout:  # type: ignore[union-attr]
+        for line in proc.stdout:  # type: ignore[union-attr]
+            said.put(line)
+
+
 def _kill(proc: subprocess.Popen) -> None:
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
-    proc.stdout.close()  # type: ignore[union-attr]
 
 
 def _alive(pids: list[int]) -> list[int]:
@@ -162,3 +200,40 @@ def test_what_a_detached_group_on_ray_cannot_be_is_refused_before_anything_start
     with pytest.raises(ValueError, match="Ray Client"):
         px.WorkerGroup(Probe, backend=px.RayBackend(transport="ray"), name="relayed",
                        detached=True)
+    with pytest.raises(ValueError, match="Ray Client"):
+        px.ResourcePool(backend=px.RayBackend(transport="ray"), name="relayed",
+                        detached=True)
+
+
+def test_a_detached_pools_groups_are_attached_each_by_its_name_and_leave_nothing(cluster):
+    proc, started = _driver(cluster, "rl", timeout=60.0, script=POOL_DRIVER)
+    assert len(set(started["nodes"])) == 2  # a Ray node per node of the pool
+    _kill(proc)
+    pids = started["learner"] + started["actor"]
+    assert _alive(pids) == pids  # the pool's agents keep its groups
+    assert _agent_actors("rl") == ["node 0", "node 1"]
+    backend = px.RayBackend(namespace=NAMESPACE)
+    listed = {g["name"]: (g["ranks"], g["holder"]) for g in px.attached(backend)}
+    assert listed == {"learner": ([0], None), "actor": ([0], None)}
+    learner = px.attach("learner", backend=backend, echo_output=False)
+    actor = None
+    try:
+        actor = px.attach("actor", backend=backend, echo_output=False)
+        assert learner.call("pid") == started["learner"]  # the same processes
+        assert actor.call("pid") == started["actor"]
+        assert learner.call("history") == [["learning"]]  # their state
+        assert actor.call("history") == [["acting"]]
+        assert actor.call("ray_node") == started["nodes"][1:]  # on the pool's node 1
+        learner.shutdown()
+        assert _alive(started["actor"]) == started["actor"]  # the other group runs on
+        assert actor.call("add", 1, 2) == [3]
+    finally:
+        for group in (learner, actor):
+            if group is not None:
+                group.shutdown()
+    assert helpers.wait_until(lambda: not _alive(pids), END_BOUND)
+    assert helpers.wait_until(lambda: not _left_on_ray("rl"), END_BOUND, interval=0.5), \
+        _left_on_ray("rl")
+    assert px.attached(backend) == []
+    with pytest.raises(LookupError, match="no detached group named 'learner'"):
+        px.attach("learner", backend=backend)

@@ -24,6 +24,18 @@ nodes anyway).
 ``px.attach(name, backend=px.RayBackend(...))`` finds the agents in the store
 (:func:`find_agents`), ``px.attached`` the namespace's groups (:func:`groups`).
 
+A detached resource pool (``px.ResourcePool(..., backend=px.RayBackend(...), name="rl",
+detached=True)``) is started the same way under the pool's name: an agent actor per node of
+the pool, in a detached placement group of the pool's slots (a bundle per node with its
+slots' ``resources_per_proc``, one CPU by default, and ``gpus_per_proc`` GPUs each), their
+records marked as a pool's. The groups placed on it run on those agents, each under a name
+of its own, which the store does not hold: the controller finds one by asking the agents of
+the namespace's pools which groups they keep (:func:`groups` lists the pools with their
+live agents). A pool's agent ends with the last group of its node -- or, for a node none
+was placed on, as the pool's own connection ends -- and the pool's last agent to end
+removes the placement group, as a group's does; one whose agent ended before its pool's
+others is not waited for (a pool's record lists its live agents only).
+
 How it ends. Each agent runs with ``--once`` (it exits as the last of its sessions ends: the
 group shut down by a controller, or given up after its ``detach_timeout`` with nobody
 attaching) and ``--idle-timeout`` (no controller ever came). Its actor waits on it: once it
@@ -45,7 +57,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from phalanx import config
@@ -82,10 +94,12 @@ _PDEATHSIG_EXEC = (
 
 class Agents(NamedTuple):
     """Where a detached group's agents listen (``host:port``, node by node) and their
-    token."""
+    token; ``pool``: those of a detached resource pool (its live agents only), on which
+    groups of other names run."""
 
     hosts: list[str]
     token: str
+    pool: bool = False
 
 
 def node_counts(nodes: int | None, procs_per_node: object) -> list[int]:
@@ -136,16 +150,42 @@ def _key(namespace: str, group: str | None = None, node: int | None = None) -> s
 
 
 def start_agents(backend: RayBackend, name: str, counts: Sequence[int], gpus_per_worker: int,
-                 timeout: float = config.DEFAULT_START_TIMEOUT) -> Agents:
+                 timeout: float = config.DEFAULT_START_TIMEOUT, *,
+                 per_rank: Mapping[str, float] | None = None, pool: bool = False) -> Agents:
     """Start the agents of detached group ``name`` on the Ray cluster of ``backend`` (a
     ``RayBackend``), one per node with ``counts[i]`` ranks' resources, and wait until each
-    listens; where they are. ValueError if the backend cannot keep a group past this
-    process, or a group of that name runs in its namespace; StartupError if Ray cannot
-    place them within ``timeout`` s. On failure nothing is left."""
+    listens; where they are. ``pool``: those of a detached resource pool of that name, whose
+    slots hold ``per_rank`` each (one CPU and ``gpus_per_worker`` GPUs by default; a group's
+    hold its backend's ``resources_per_worker``). ValueError if the backend cannot keep a
+    group past this process, or a group or pool of that name runs in its namespace;
+    StartupError if Ray cannot place them within ``timeout`` s. On failure nothing is
+    left."""
     _check_settings(backend)
+    if per_rank is None:
+        per_rank = bundle_for(backend.resources_per_worker, gpus_per_worker)
     lease = _connect(backend)
     try:
-        return _start(backend, name, list(counts), gpus_per_worker, timeout)
+        return _start(backend, name, list(counts), dict(per_rank), timeout, pool)
+    finally:
+        lease.release()
+
+
+def end_agents(backend: RayBackend, name: str) -> None:
+    """End the agents of detached group or pool ``name`` at once, whatever they run: their
+    actors, placement group and records (what a pool whose start failed after its agents
+    started leaves)."""
+    lease = _connect(backend)
+    try:
+        ray = _ray()
+        namespace = namespace_of(backend)
+        records = _records(ray, namespace, name)
+        for record in records.values():
+            with contextlib.suppress(Exception):  # gone meanwhile
+                ray.kill(ray.get_actor(record["actor"], namespace=namespace),
+                         no_restart=True)
+        for pg_hex in {r.get("placement_group") for r in records.values()}:
+            _remove_placement_group(ray, pg_hex)
+        _drop(namespace, name)
     finally:
         lease.release()
 
@@ -173,19 +213,22 @@ def _connect(backend: RayBackend) -> ray_session.Lease:
                                runtime_env=backend.runtime_env, min_cpus=1)
 
 
-def _start(backend: RayBackend, name: str, counts: list[int], gpus_per_worker: int,
-           timeout: float) -> Agents:
+def _start(backend: RayBackend, name: str, counts: list[int], per_rank: dict[str, float],
+           timeout: float, pool: bool) -> Agents:
     ray = _ray()
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     namespace = namespace_of(backend)
-    if _records(ray, namespace, name):
-        raise ValueError(f"a detached group named {name!r} runs in Ray namespace "
-                         f"{namespace!r} already: px.attach it, or shut it down first (the "
-                         f"agents of a group whose start failed go within "
+    what = "pool" if pool else "group"
+    running = _records(ray, namespace, name)
+    if running:
+        other = ("detached resource pool" if next(iter(running.values())).get("pool")
+                 else "detached group")
+        raise ValueError(f"a {other} named {name!r} runs in Ray namespace {namespace!r} "
+                         f"already: px.attach its group(s), or shut them down first (the "
+                         f"agents of a {what} whose start failed go within "
                          f"{AGENT_IDLE_TIMEOUT:g} s)")
-    per_rank = bundle_for(backend.resources_per_worker, gpus_per_worker)
     bundles = [{k: v * n for k, v in per_rank.items()} for n in counts]
     alive = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
     if len(bundles) == 1:
@@ -198,7 +241,7 @@ def _start(backend: RayBackend, name: str, counts: list[int], gpus_per_worker: i
     asked = f"{len(bundles)} bundles {bundles[0]} (strategy {strategy})"
     problem = placement_problem(bundles, strategy, alive)
     if problem is not None:
-        raise StartupError(f"Ray cannot place the agents of detached group {name}, {asked}: "
+        raise StartupError(f"Ray cannot place the agents of detached {what} {name}, {asked}: "
                            f"{problem} (cluster resources: {ray.cluster_resources()})")
     deadline = time.monotonic() + timeout
     pg = placement_group(bundles, strategy=strategy, name=f"phalanx-detached-{name}",
@@ -208,7 +251,7 @@ def _start(backend: RayBackend, name: str, counts: list[int], gpus_per_worker: i
     try:
         if not pg.wait(timeout_seconds=max(1, int(timeout))):
             raise StartupError(
-                f"Ray did not place the agents of detached group {name}, {asked}, within "
+                f"Ray did not place the agents of detached {what} {name}, {asked}, within "
                 f"{timeout:g} s (available now: {ray.available_resources()}); free "
                 "resources or raise start_timeout")
         made = ray_session.remote_class(AgentActor)
@@ -228,7 +271,7 @@ def _start(backend: RayBackend, name: str, counts: list[int], gpus_per_worker: i
             if backend.runtime_env is not None:
                 options["runtime_env"] = dict(backend.runtime_env)
             actors.append(made.options(**options).remote(
-                token, namespace, name, index, len(bundles)))
+                token, namespace, name, index, len(bundles), pool))
         left = max(1.0, deadline - time.monotonic())
         hosts: list[str] = ray.get([a.address.remote() for a in actors], timeout=left)
     except BaseException as exc:  # interrupted too: nothing is left holding the cluster
@@ -239,20 +282,22 @@ def _start(backend: RayBackend, name: str, counts: list[int], gpus_per_worker: i
             remove_placement_group(pg)
         _drop(namespace, name)
         if isinstance(exc, ray.exceptions.GetTimeoutError):
-            raise StartupError(f"the agents of detached group {name} did not start within "
+            raise StartupError(f"the agents of detached {what} {name} did not start within "
                                f"{timeout:g} s") from None
         if isinstance(exc, ray.exceptions.RayError):
-            raise StartupError(f"the agents of detached group {name} could not start: "
+            raise StartupError(f"the agents of detached {what} {name} could not start: "
                                f"{describe_ray_error(exc)}") from exc
         raise
-    logger.info("detached group %s: agents at %s (Ray namespace %s)", name,
+    logger.info("detached %s %s: agents at %s (Ray namespace %s)", what, name,
                 ", ".join(hosts), namespace)
-    return Agents(hosts, token)
+    return Agents(hosts, token, pool)
 
 
 def find_agents(backend: RayBackend, name: str) -> Agents:
     """The agents of detached group ``name`` in the backend's Ray namespace, as the store
-    holds them; LookupError when none keeps it there, or some of its agents are gone."""
+    holds them; LookupError when none keeps it there (under its own name: a group placed on
+    a detached pool is its pool's agents', see :func:`groups`), or some of its agents are
+    gone."""
     lease = _connect(backend)
     try:
         import ray
@@ -260,7 +305,7 @@ def find_agents(backend: RayBackend, name: str) -> Agents:
         records = _records(ray, namespace_of(backend), name)
     finally:
         lease.release()
-    if not records:
+    if not records or any(r.get("pool") for r in records.values()):
         raise LookupError(f"no detached group named {name!r} in Ray namespace "
                           f"{namespace_of(backend)!r} (RayBackend(namespace=) names the one "
                           "it was started in)")
@@ -268,7 +313,8 @@ def find_agents(backend: RayBackend, name: str) -> Agents:
 
 
 def groups(backend: RayBackend) -> dict[str, Agents]:
-    """Every detached group of the backend's Ray namespace whose agents all run -> them."""
+    """Every detached group of the backend's Ray namespace whose agents all run -> them,
+    and every detached pool with an agent running -> its live agents (``pool`` set)."""
     lease = _connect(backend)
     try:
         import ray
@@ -290,7 +336,11 @@ def groups(backend: RayBackend) -> dict[str, Agents]:
 
 def _agents_of(name: str, records: dict[tuple[str, int], dict[str, Any]]) -> Agents:
     nodes = {node: record for (_, node), record in records.items()}
-    count = int(next(iter(nodes.values()))["nodes"])
+    first = next(iter(nodes.values()))
+    if first.get("pool"):  # its agents end node by node, with their groups
+        return Agents([str(nodes[n]["host"]) for n in sorted(nodes)], str(first["token"]),
+                      pool=True)
+    count = int(first["nodes"])
     missing = [node for node in range(count) if node not in nodes]
     if missing:
         raise LookupError(f"detached group {name!r}: the agents of its node(s) {missing} are "
@@ -350,7 +400,8 @@ class AgentActor:
     """One node's ``phalanx agent`` for a detached group, kept by Ray (a detached actor):
     the agent is this actor's child, and the actor ends once the agent has."""
 
-    def __init__(self, token: str, namespace: str, group: str, node: int, nodes: int) -> None:
+    def __init__(self, token: str, namespace: str, group: str, node: int, nodes: int,
+                 pool: bool = False) -> None:
         ray = _ray()
         from phalanx.node.machine import pick_free_ports
 
@@ -382,7 +433,7 @@ class AgentActor:
             time.sleep(0.05)
         pg = ray.util.get_current_placement_group()
         record = {"group": group, "node": node, "nodes": nodes, "host": self.address(),
-                  "token": token, "actor": actor_name(group, node),
+                  "token": token, "actor": actor_name(group, node), "pool": pool,
                   "placement_group": None if pg is None else pg.id.hex()}
         from ray.experimental import internal_kv
 
