@@ -9,11 +9,13 @@ state, the answers of the call that was running, and new calls. Once it shuts th
 down, the agents' actors, their placement group and their keys in Ray's store are gone;
 nobody attaching within ``detach_timeout`` ends it the same way. A detached resource pool on
 Ray is the same: its agents' groups, placed by ``pool.split``, are attached each by its own
-name after their driver is killed, and the last one shut down leaves nothing of the pool.
+name after their driver is killed (listed by ``phalanx ps --ray``, each with its GPU), and
+the last one shut down leaves nothing of the pool; nor does a pool its driver closes.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import queue
 import signal
@@ -26,6 +28,7 @@ import psutil
 import pytest
 
 import phalanx as px
+from phalanx.cli import ps
 from tests import helpers, raycluster
 from tests.workers import Probe
 
@@ -69,16 +72,18 @@ POOL_DRIVER = textwrap.dedent("""
     address, host, repo, namespace, name, timeout = json.loads(sys.argv[1])
     ray.init(address=address, _node_ip_address=host, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": repo}})
-    pool = px.ResourcePool(nodes=2, procs_per_node=1, name=name, detached=True,
-                           detach_timeout=timeout, backend=px.RayBackend(namespace=namespace))
+    pool = px.ResourcePool(nodes=2, procs_per_node=1, gpus_per_proc=1, name=name,
+                           detached=True, detach_timeout=timeout,
+                           backend=px.RayBackend(namespace=namespace))
     first, second = pool.split([1, 1])
     learner = px.WorkerGroup(Probe, pool=first, name="learner", echo_output=False)
     actor = px.WorkerGroup(Probe, pool=second, name="actor", echo_output=False)
     learner.call("record", "learning")
     actor.call("record", "acting")
     print(json.dumps({"learner": learner.call("pid"), "actor": actor.call("pid"),
-                      "nodes": learner.call("ray_node") + actor.call("ray_node")}),
-          flush=True)
+                      "nodes": learner.call("ray_node") + actor.call("ray_node"),
+                      "gpus": [learner.call("env", "CUDA_VISIBLE_DEVICES"),
+                               actor.call("env", "CUDA_VISIBLE_DEVICES")]}), flush=True)
     print("running", flush=True)
     time.sleep(120)  # killed here
 """)
@@ -205,7 +210,8 @@ def test_what_a_detached_group_on_ray_cannot_be_is_refused_before_anything_start
                         detached=True)
 
 
-def test_a_detached_pools_groups_are_attached_each_by_its_name_and_leave_nothing(cluster):
+def test_a_detached_pools_groups_are_attached_each_by_its_name_and_leave_nothing(
+        cluster, capsys):
     proc, started = _driver(cluster, "rl", timeout=60.0, script=POOL_DRIVER)
     assert len(set(started["nodes"])) == 2  # a Ray node per node of the pool
     _kill(proc)
@@ -215,6 +221,11 @@ def test_a_detached_pools_groups_are_attached_each_by_its_name_and_leave_nothing
     backend = px.RayBackend(namespace=NAMESPACE)
     listed = {g["name"]: (g["ranks"], g["holder"]) for g in px.attached(backend)}
     assert listed == {"learner": ([0], None), "actor": ([0], None)}
+    assert ps.main(argparse.Namespace(hosts=None, token_file=None, slurm_job=None,
+                                      state_dir=None, ray=cluster.address,
+                                      namespace=NAMESPACE)) == 0
+    assert sorted(line.split()[0] for line in capsys.readouterr().out.splitlines()[1:]) \
+        == ["actor", "learner"]  # phalanx ps --ray ADDRESS
     learner = px.attach("learner", backend=backend, echo_output=False)
     actor = None
     try:
@@ -224,6 +235,11 @@ def test_a_detached_pools_groups_are_attached_each_by_its_name_and_leave_nothing
         assert learner.call("history") == [["learning"]]  # their state
         assert actor.call("history") == [["acting"]]
         assert actor.call("ray_node") == started["nodes"][1:]  # on the pool's node 1
+        # a GPU of the pool's bundle each (as Ray gave it to the node's agent), kept
+        assert [learner.call("env", "CUDA_VISIBLE_DEVICES"),
+                actor.call("env", "CUDA_VISIBLE_DEVICES")] == started["gpus"]
+        assert all(len(g[0]["CUDA_VISIBLE_DEVICES"].split(",")) == 1
+                   for g in started["gpus"])
         learner.shutdown()
         assert _alive(started["actor"]) == started["actor"]  # the other group runs on
         assert actor.call("add", 1, 2) == [3]
@@ -237,3 +253,21 @@ def test_a_detached_pools_groups_are_attached_each_by_its_name_and_leave_nothing
     assert px.attached(backend) == []
     with pytest.raises(LookupError, match="no detached group named 'learner'"):
         px.attach("learner", backend=backend)
+
+
+def test_a_detached_pool_its_driver_closes_leaves_nothing_on_ray(cluster):
+    backend = px.RayBackend(namespace=NAMESPACE)
+    pool = px.ResourcePool(nodes=2, name="closed", detached=True, detach_timeout=30,
+                           backend=backend)
+    try:
+        group = px.WorkerGroup(Probe, pool=pool.split([1, 1])[0], name="closing",
+                               echo_output=False)
+        pids = group.call("pid")
+        assert [g["name"] for g in px.attached(backend)] == ["closing"]
+        with pytest.raises(ValueError, match="a detached resource pool named 'closed' runs"):
+            px.WorkerGroup(Probe, backend=backend, name="closed", detached=True)
+    finally:
+        pool.close()  # its group ends, and the node none ran on with it
+    assert helpers.wait_until(lambda: not _alive(pids), END_BOUND)
+    assert helpers.wait_until(lambda: not _left_on_ray("closed"), END_BOUND, interval=0.5), \
+        _left_on_ray("closed")
