@@ -79,7 +79,14 @@ class CollectiveWatch:
         if self._releasing.is_set():
             return
         reports = []
-        for entry in self._table.live():
+        reporters = self._dispatcher.collective_reporters
+        # (a copy made at once, the pump adds to it; in rank order, as the reports are told)
+        for entry in sorted(list(reporters), key=_rank_of):
+            current = self._table.entries
+            if not entry.alive or not (0 <= entry.rank < len(current)
+                                       and current[entry.rank] is entry):
+                reporters.discard(entry)  # a dead or replaced rank's reports are no state
+                continue
             if entry.collectives is None:
                 continue
             for fields in entry.collectives[0]:
@@ -266,6 +273,10 @@ class CollectiveWatch:
                 culprits=culprits, waiting=waits, collective=waiting.op,
                 since=waiting.since, released=released, group=name))
         self._dispatcher.wake_waiters()
+
+
+def _rank_of(entry: RankEntry) -> int:
+    return entry.rank
 
 
 def _was_inside(entry: RankEntry, waiting: stuck.Waiting) -> bool:

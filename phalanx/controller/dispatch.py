@@ -150,6 +150,9 @@ class Dispatcher:
         self._fd_lock = threading.Lock()  # watch/unwatch: the map and the poller agree
         self._by_fd: dict[int, Receiver] = {}
         self._by_rank: dict[int, RankEntry] = {}
+        # the entries that reported collectives (the collective watch reads these, not
+        # every rank, each tick: ten thousand ranks that report none cost it nothing)
+        self.collective_reporters: set[RankEntry] = set()
         self._cond = threading.Condition(threading.Lock())
         self._lead = threading.Lock()  # held by the thread that pumps (the leader)
         self._followers = 0  # threads waiting for the leader to finish their future
@@ -615,6 +618,7 @@ class Dispatcher:
                 self._on_released(entry.channel, extra[0])
         elif kind == protocol.COLLECTIVE:  # judged by phalanx.controller.collectivewatch
             entry.collectives = (extra[0], extra[1])
+            self.collective_reporters.add(entry)
         elif kind == protocol.EXITED:
             failure = ProcessFailure.from_dict(extra[0])
             if failure.pid is None and entry.pid is not None:
