@@ -25,7 +25,7 @@ writes JSON (default bench/results/detach.json).
 
 The same at scale: 1,000 simulated nodes (``bench.simagents``, as ``bench.scale`` starts
 them: real agents and sessions, one in-process rank each), in a tree as a cluster of that
-size forms by default (the controller holds 8 connections, each agent adopts up to 50), or
+size forms by default (the controller holds 4 connections, each agent adopts up to 50), or
 ``--flat`` (one connection to each). The killed controller
 set every rank's state and left a call running on every rank (one that a simulated rank
 never answers: a simulated rank answers at once or not at all, so no orphan comes, and

@@ -14,7 +14,7 @@ over all of them.
 
 For each size, a group runs on ``px.ClusterBackend`` twice: *flat* (``tree_threshold``
 above the size: the controller connects to every agent) and *tree* (``tree_threshold=1,
-fanout=50``, the backend's default ``top_fanout``: the controller holds at most 8
+fanout=50``, the backend's default ``top_fanout``: the controller holds at most 4
 connections, each agent adopts up to 50 of the rest). Measured, each the
 median over the calls:
 
@@ -55,7 +55,7 @@ from bench.util import compile_sources, reap
 
 PROCESSES = 8
 FANOUT = 50
-TOP = 8  # the controller's connections in a tree: the backend's default top_fanout
+TOP = 4  # the controller's connections in a tree: the backend's default top_fanout
 MIB = 1 << 20
 REPO = Path(__file__).resolve().parent.parent
 

@@ -29,11 +29,11 @@ def test_simulated_agents_answer_for_every_rank(tree, monkeypatch):
 
 @pytest.mark.timeout(180)
 def test_a_tree_holds_the_controllers_few_connections_and_the_agents_adopt_the_rest():
-    """The controller's share of a tree is its own (top_fanout, 8), smaller than what each
-    agent adopts (fanout, 50): 20 agents answer through 8 connections, not 20."""
+    """The controller's share of a tree is its own (top_fanout, 4), smaller than what each
+    agent adopts (fanout, 50): 20 agents answer through 4 connections, not 20."""
     cluster = scale.SimCluster(20)
     try:
         result = scale.measure(cluster, 20, True, calls=3)  # checks every rank's answer
     finally:
         cluster.close()
-    assert result["connections"] == scale.TOP == 8
+    assert result["connections"] == scale.TOP == 4

@@ -74,9 +74,11 @@ def test_tree_and_membership_options_survive_the_copy_a_group_makes():
                                 tree_threshold=10, fanout=4)
     settings = type(backend)(**backend.settings()).settings()
     assert (settings["dns_interval"], settings["tree_threshold"], settings["fanout"],
-            settings["top_fanout"]) == (0.5, 10, 4, 4)  # top: the fewer of fanout and 8
+            settings["top_fanout"]) == (0.5, 10, 4, 4)  # top: the fewer of fanout and 4
+    narrow = px.ClusterBackend(["127.0.0.1:32300"], token=TOKEN, fanout=3)
+    assert narrow.top_fanout == 3
     wide = px.ClusterBackend(["127.0.0.1:32300"], token=TOKEN, fanout=50)
-    assert wide.top_fanout == 8 and wide.members.top_fanout == 8
+    assert wide.top_fanout == 4 and wide.members.top_fanout == 4
     copied = type(wide)(**{**wide.settings(), "top_fanout": 3})
     assert type(copied)(**copied.settings()).top_fanout == 3
 

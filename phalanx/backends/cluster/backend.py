@@ -103,7 +103,7 @@ class ClusterBackend(Backend):
     ``dns_interval``: how often the name is resolved again while the group lives (None:
     never). ``tree_threshold``: from this many agents on they form a tree, each with at
     most ``fanout`` children, and the controller holds at most ``top_fanout``
-    connections (the tree's top agents; default: ``fanout`` or 8, the fewer).
+    connections (the tree's top agents; default: ``fanout`` or 4, the fewer).
     """
 
     name = "cluster"
