@@ -1,12 +1,12 @@
-"""A call to hundreds of nodes through an agent tree gives exactly what a call to a few gives:
+"""A call to a thousand nodes through an agent tree gives exactly what a call to a few gives:
 every rank's value in rank order, one rank's error with its rank, node and traceback (and
 at once, not after the others), and a dead subtree named node by node.
 
 The nodes are the scale harness's (``bench.scale.SimCluster``: real agents, each with its
 own loopback address, handshake, relay and, in a tree, adoption and forwarding; their ranks
-simulated in-process), 200 of them with 2 ranks each and a fan-out of 4, so that the tree
-has four levels below the controller and most results travel up through three agents that
-gather them: the path where the controller resolves a subtree's answers at once
+simulated in-process), 1,000 of them with 2 ranks each and a fan-out of 4, so that the
+tree has five levels below the controller and most results travel up through four agents
+that gather them: the path where the controller resolves a subtree's answers at once
 (``phalanx.wire.protocol.Gathered``) and registers a call once for all its ranks
 (``phalanx.controller.ranks.Cohort``).
 """
@@ -24,7 +24,7 @@ from bench import scale
 from bench.simagents import NO_ANSWER
 from phalanx.backends.cluster import tree as agenttree
 
-NODES = 200
+NODES = 1000
 PER_NODE = 2
 RANKS = NODES * PER_NODE
 FANOUT = 4
