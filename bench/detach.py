@@ -151,6 +151,22 @@ def sim_backend(hosts: list[str], token_file: str, tree: bool) -> Any:
                              heartbeat_timeout=120, quorum_timeout=120, node_timeout=120)
 
 
+def _kill_in_its_call(proc: subprocess.Popen[str]) -> float:
+    """SIGKILL the controller ``proc`` once it says its call runs; when (perf_counter)."""
+    try:
+        if proc.stdout.readline() != "running\n":  # type: ignore[union-attr]
+            raise RuntimeError("the controller did not start its call")
+        killed = time.perf_counter()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        return killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()  # type: ignore[union-attr]
+
+
 def sim_trial(hosts: list[str], token_file: str, name: str, tree: bool) -> dict[str, Any]:
     import phalanx as px
 
@@ -159,17 +175,7 @@ def sim_trial(hosts: list[str], token_file: str, name: str, tree: bool) -> dict[
     proc = subprocess.Popen(
         [sys.executable, "-c", SIM_CONTROLLER, json.dumps([hosts, token_file, name, tree])],
         stdout=subprocess.PIPE, env=env, cwd=ROOT, text=True)
-    try:
-        if proc.stdout.readline() != "running\n":  # type: ignore[union-attr]
-            raise RuntimeError("the controller did not start its call")
-        killed = time.perf_counter()
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()  # type: ignore[union-attr]
+    killed = _kill_in_its_call(proc)
     t0, c0 = time.perf_counter(), time.process_time()
     group = px.attach(name, backend=sim_backend(hosts, token_file, tree), echo_output=False,
                       start_timeout=600)
@@ -233,18 +239,8 @@ def trial(hosts: list[str], token_file: str, per_node: int, name: str) -> dict[s
     proc = subprocess.Popen(
         [sys.executable, "-c", CONTROLLER, json.dumps([hosts, token_file, name, per_node])],
         stdout=subprocess.PIPE, env=env, cwd=ROOT, text=True)
-    try:
-        started = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
-        if proc.stdout.readline() != "running\n":  # type: ignore[union-attr]
-            raise RuntimeError("the controller did not start its call")
-        killed = time.perf_counter()
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()  # type: ignore[union-attr]
+    started = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
+    killed = _kill_in_its_call(proc)
     t0 = time.perf_counter()
     group = px.attach(name, backend=px.ClusterBackend(hosts, token_file=token_file),
                       echo_output=False)

@@ -334,11 +334,9 @@ class ResourcePool:
         if shared.detach_timeout is None:
             raise RuntimeError(f"{self.name} was not made with detached=True: close() ends "
                                "its groups, detach() is for a detached pool")
-        with shared.lock:
-            if shared.closed:
-                return
-            shared.closed = True
-            groups = list(shared.groups)
+        groups = self._close_once()
+        if groups is None:
+            return
         for group in groups:
             group.detach()
         if shared.reservation is not None:
@@ -346,16 +344,24 @@ class ResourcePool:
         logger.info("%s detached: %d group(s) left to the next controller", self.name,
                     len(groups))
 
+    def _close_once(self) -> list[Any] | None:
+        """Mark the whole pool closed: the groups still placed on it, or None when it was
+        closed (or detached) already."""
+        shared = self._shared
+        with shared.lock:
+            if shared.closed:
+                return None
+            shared.closed = True
+            return list(shared.groups)
+
     def close(self) -> None:
         """Free what the pool reserved (its placement group on Ray). Groups still placed
         on it are shut down first (a detached pool's too: they end). Idempotent; closing
         a sub-pool closes the whole pool."""
         shared = self._shared
-        with shared.lock:
-            if shared.closed:
-                return
-            shared.closed = True
-            groups = list(shared.groups)
+        groups = self._close_once()
+        if groups is None:
+            return
         for group in groups:
             # documented (close() ends what still sits on the pool): not a warning
             logger.info("closing %s: shutting down %r, which still sat on it", self.name, group)

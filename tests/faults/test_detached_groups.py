@@ -13,7 +13,6 @@ with its controller as before; bad input is refused before anything starts.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -274,26 +273,6 @@ def test_bad_detached_groups_are_refused_before_anything_starts(agent_cluster):
     # a Slurm backend that would submit a job of its own has no agents to ask: give the job
     with pytest.raises(ValueError, match=r"give px\.SlurmBackend\(job=JOBID\)"):
         px.attached(px.SlurmBackend(nodes=1))
-
-
-@pytest.fixture
-def local_agent_dir(tmp_path, monkeypatch):
-    """This user's local agent, in a private runtime directory of the test's own; stopped
-    (if it still runs) at the end."""
-    from phalanx.backends.cluster import localagent
-
-    runtime = tmp_path / "run"
-    runtime.mkdir(mode=0o700)
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
-    yield runtime
-    state = runtime / "phalanx" / "local-agent.json"
-    if state.exists():
-        pid = json.loads(state.read_text())["pid"]
-        if not wait_until(lambda: not _alive([pid]), 10):  # --once: it ends with its groups
-            os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, 0)
-    assert localagent.running() is None
 
 
 def test_the_local_backend_keeps_a_detached_group_in_a_local_agent(local_agent_dir):

@@ -13,7 +13,6 @@ leaves them to the next controller. Bad input is refused before anything starts.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -199,26 +198,6 @@ def test_a_detached_pools_groups_and_their_weight_syncs_carry_on_after_the_contr
         again.close()
     finally:
         _end([g for g in (trainer, generator) if g is not None], pids)
-
-
-@pytest.fixture
-def local_agent_dir(tmp_path, monkeypatch):
-    """This user's local agent, in a private runtime directory of the test's own; stopped
-    (if it still runs) at the end."""
-    from phalanx.backends.cluster import localagent
-
-    runtime = tmp_path / "run"
-    runtime.mkdir(mode=0o700)
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
-    yield runtime
-    state = runtime / "phalanx" / "local-agent.json"
-    if state.exists():
-        pid = json.loads(state.read_text())["pid"]
-        if not wait_until(lambda: not _alive([pid]), 10):  # --once: it ends with its groups
-            os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, 0)
-    assert localagent.running() is None
 
 
 def test_a_detached_pool_on_the_local_backend_leaves_its_groups_to_the_next_controller(
