@@ -119,6 +119,11 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def alive(pids: list[int]) -> list[int]:
+    """Those of ``pids`` that still run, in order (zombies count as dead)."""
+    return [pid for pid in pids if pid_alive(pid)]
+
+
 def wait_dead(pids: list[int] | int, timeout: float = 5.0) -> bool:
     """Wait until every pid has exited (without reaping anything)."""
     pids = [pids] if isinstance(pids, int) else list(pids)

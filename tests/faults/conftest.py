@@ -7,14 +7,9 @@ import json
 import os
 import signal
 
-import psutil
 import pytest
 
-from tests.helpers import wait_until
-
-
-def _running(pid: int) -> bool:
-    return psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+from tests.helpers import pid_alive, wait_until
 
 
 @pytest.fixture
@@ -30,7 +25,7 @@ def local_agent_dir(tmp_path, monkeypatch):
     state = runtime / "phalanx" / "local-agent.json"
     if state.exists():
         pid = json.loads(state.read_text())["pid"]
-        if not wait_until(lambda: not _running(pid), 10):  # --once: it ends with its groups
+        if not wait_until(lambda: not pid_alive(pid), 10):  # --once: it ends with its groups
             os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, 0)

@@ -27,7 +27,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import psutil
 import pytest
 
 import phalanx as px
@@ -109,11 +108,6 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.stdout.close()  # type: ignore[union-attr]
 
 
-def _alive(pids: list[int]) -> list[int]:
-    return [pid for pid in pids if psutil.pid_exists(pid)
-            and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
-
-
 def _pool_takes(agent, tokens: str, gpus: int = 3) -> list[str] | None:
     """The GPUs a pool of ``gpus`` slots gets on ``agent`` (its group says), or None when
     they are held."""
@@ -160,7 +154,7 @@ def test_a_detached_pools_gpus_stay_held_while_its_group_runs_and_free_after(
             assert _pool_takes(first, token_file, gpus=2) is None  # still its, attached
         finally:
             group.shutdown()
-        assert helpers.wait_until(lambda: not _alive(pids), 15)
+        assert helpers.wait_until(lambda: not helpers.alive(pids), 15)
         # shut down for good: the last share of the pool's hold is gone, the GPUs free
         taken: list[list[str] | None] = []
         assert helpers.wait_until(lambda: bool(taken.append(_pool_takes(first, token_file))
@@ -177,10 +171,10 @@ def test_a_detached_pools_gpus_are_freed_when_nobody_attaches_in_time(
     proc, started = _controller([first.address, second.address], token_file, 3)
     try:
         _kill(proc)
-        assert _alive(started["pids"]) == started["pids"]
+        assert helpers.alive(started["pids"]) == started["pids"]
         assert _pool_takes(first, token_file, gpus=1) == ["2"]  # 0 and 1 kept for the group
         # nobody attached within detach_timeout: the ranks end, and the GPUs are free
-        assert helpers.wait_until(lambda: not _alive(started["pids"]), 30)
+        assert helpers.wait_until(lambda: not helpers.alive(started["pids"]), 30)
         assert helpers.wait_until(lambda: _pool_takes(first, token_file) is not None, 15)
     finally:
         if proc.poll() is None:
@@ -236,7 +230,7 @@ def test_a_detached_group_that_holds_gpus_itself_is_attached_on_the_same_gpus(
             assert _cuda(group) == ["1", "2", "0", "1"]
         finally:
             group.shutdown()
-        assert helpers.wait_until(lambda: not _alive([*pids, *fresh]), 15)
+        assert helpers.wait_until(lambda: not helpers.alive([*pids, *fresh]), 15)
         # shut down for good: its sessions ended, and every GPU is free
         assert _once_free(first, token_file) == ["0", "1", "2"]
         assert _once_free(second, token_file) == ["0", "1", "2"]

@@ -22,10 +22,10 @@ import textwrap
 import threading
 import time
 
-import psutil
 import pytest
 
 import phalanx as px
+from tests import helpers
 from tests.agentcluster import free_port
 from tests.conftest import BACKENDS
 from tests.helpers import REPO, wait_until
@@ -103,12 +103,7 @@ def _attach_the_same_ranks(name: str, backend, pids: list[int], force: bool = Fa
         assert group.call("pid") == pids
     finally:
         group.shutdown()
-    assert wait_until(lambda: not _alive(pids), 15)
-
-
-def _alive(pids: list[int]) -> list[int]:
-    return [pid for pid in pids if psutil.pid_exists(pid)
-            and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert wait_until(lambda: not helpers.alive(pids), 15)
 
 
 @needs_agents
@@ -137,7 +132,7 @@ def test_a_killed_controllers_group_is_attached_with_its_ranks_state_and_kept_re
         assert group.call("add", 1, 2) == [3, 3]
     finally:
         group.shutdown()
-    assert wait_until(lambda: not _alive(started["pids"]), 15)
+    assert wait_until(lambda: not helpers.alive(started["pids"]), 15)
 
 
 @needs_agents
@@ -165,7 +160,7 @@ def test_a_detached_group_on_a_tree_of_agents_is_attached_through_its_top_agent(
                 if g["name"] == "tree-group"] == [[0, 1, 2]]
     finally:
         group.shutdown()
-    assert wait_until(lambda: not _alive(started["pids"]), 15)
+    assert wait_until(lambda: not helpers.alive(started["pids"]), 15)
 
 
 @needs_agents
@@ -193,7 +188,7 @@ def test_a_group_outlives_one_controller_after_another(agent_cluster):
         assert sorted(o.call_id for o in group.orphaned())[0] < 1 << 32  # the first's
     finally:
         group.shutdown()
-    assert wait_until(lambda: not _alive(started["pids"]), 15)
+    assert wait_until(lambda: not helpers.alive(started["pids"]), 15)
 
 
 @needs_agents
@@ -207,18 +202,18 @@ def test_an_agent_that_stops_ends_the_detached_groups_it_keeps(agent_cluster):
         proc, started = _controller(Agents([agent], [f"{host}:{port}"], agent_cluster.token,
                                            agent_cluster.token_file), "agent-ends")
         _kill(proc)
-        assert _alive(started["pids"]) == started["pids"]  # kept for the next controller
+        assert helpers.alive(started["pids"]) == started["pids"]  # kept for the next controller
     finally:
         terminate([agent])  # SIGTERM: an agent that stops stops every rank it holds
-    assert wait_until(lambda: not _alive(started["pids"]), 10)
+    assert wait_until(lambda: not helpers.alive(started["pids"]), 10)
 
 
 @needs_agents
 def test_nobody_attaching_within_the_timeout_stops_the_ranks(agent_cluster):
     proc, started = _controller(agent_cluster, "left-alone", timeout=1.0)
     _kill(proc)
-    assert _alive(started["pids"]) == started["pids"]  # the nodes keep them a while
-    assert wait_until(lambda: not _alive(started["pids"]), 20)
+    assert helpers.alive(started["pids"]) == started["pids"]  # the nodes keep them a while
+    assert wait_until(lambda: not helpers.alive(started["pids"]), 20)
     with pytest.raises(LookupError, match="no agent keeps a detached group named"):
         px.attach("left-alone", backend=agent_cluster.backend())
 
@@ -227,7 +222,7 @@ def test_nobody_attaching_within_the_timeout_stops_the_ranks(agent_cluster):
 def test_a_group_that_is_not_detached_ends_with_its_controller(agent_cluster):
     proc, started = _controller(agent_cluster, "not-detached", detached=False)
     _kill(proc)
-    assert wait_until(lambda: not _alive(started["pids"]), 20)
+    assert wait_until(lambda: not helpers.alive(started["pids"]), 20)
 
 
 @needs_agents
@@ -287,4 +282,4 @@ def test_the_local_backend_keeps_a_detached_group_in_a_local_agent(local_agent_d
         assert wait_until(lambda: len(group.orphaned()) == 2, 10)
     finally:
         group.shutdown()
-    assert wait_until(lambda: not _alive(started["pids"]), 15)
+    assert wait_until(lambda: not helpers.alive(started["pids"]), 15)

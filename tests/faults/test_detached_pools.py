@@ -20,10 +20,10 @@ import subprocess
 import sys
 import textwrap
 
-import psutil
 import pytest
 
 import phalanx as px
+from tests import helpers
 from tests.conftest import BACKENDS
 from tests.helpers import REPO, wait_until
 from tests.workers import Probe
@@ -139,15 +139,10 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.stdout.close()  # type: ignore[union-attr]
 
 
-def _alive(pids: list[int]) -> list[int]:
-    return [pid for pid in pids if psutil.pid_exists(pid)
-            and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
-
-
 def _end(groups: list[px.WorkerGroup], pids: list[int]) -> None:
     for group in groups:
         group.shutdown()
-    assert wait_until(lambda: not _alive(pids), 15)
+    assert wait_until(lambda: not helpers.alive(pids), 15)
 
 
 @needs_agents
@@ -160,7 +155,7 @@ def test_a_detached_pools_groups_and_their_weight_syncs_carry_on_after_the_contr
     assert started["loaded"] == [started["held"]] * 2
     _kill(proc)
     pids = started["pids"]["trainer"] + started["pids"]["generator"]
-    assert _alive(pids) == pids  # the pool's nodes keep its groups
+    assert helpers.alive(pids) == pids  # the pool's nodes keep its groups
     backend = agent_cluster.backend
     listed = {g["name"]: g for g in px.attached(backend())}
     assert listed["generator"]["hosts"] == agent_cluster.hosts[1:]  # the pool's later slots

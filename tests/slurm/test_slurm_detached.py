@@ -17,7 +17,6 @@ import textwrap
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 import phalanx as px
@@ -74,11 +73,6 @@ def _end(proc: subprocess.Popen, started: dict | None) -> None:
         wait_ended(started["job"])
 
 
-def _alive(pids: list[int]) -> list[int]:
-    return [pid for pid in pids if psutil.pid_exists(pid)
-            and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
-
-
 def test_a_killed_controllers_group_is_attached_by_its_job_id_and_ends_with_it(tmp_path):
     state = tmp_path / "state"
     proc, started = _controller(state, "policy", timeout=60)
@@ -112,7 +106,7 @@ def test_a_killed_controllers_group_is_attached_by_its_job_id_and_ends_with_it(t
         # ended for good: the agents exit, the job completes, its directory goes
         assert wait_ended(job, timeout=30) in ("COMPLETED", "")
         assert not any(line.split()[0] == job for line in queued_jobs())
-        assert helpers.wait_until(lambda: not _alive(pids), 10)
+        assert helpers.wait_until(lambda: not helpers.alive(pids), 10)
         assert helpers.wait_until(lambda: not Path(started["directory"]).exists(), 10), \
             list(Path(started["directory"]).rglob("*"))
     finally:
@@ -127,10 +121,10 @@ def test_nobody_attaching_within_the_timeout_ends_the_job(tmp_path):
         job = started["job"]
         assert proc.wait(30) == 0
         assert job_state(job) == "RUNNING"
-        assert _alive(started["pids"]) == started["pids"]
+        assert helpers.alive(started["pids"]) == started["pids"]
         # no one came within detach_timeout: the ranks stop, the agents exit, the job ends
         assert wait_ended(job, timeout=30) in ("COMPLETED", "")
-        assert not _alive(started["pids"])
+        assert not helpers.alive(started["pids"])
         assert helpers.wait_until(lambda: not Path(started["directory"]).exists(), 10), \
             list(Path(started["directory"]).rglob("*"))
         # a job that is over, or that never was, is named in the error

@@ -14,7 +14,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import psutil
 import pytest
 
 import phalanx as px
@@ -42,11 +41,6 @@ CONTROLLER = textwrap.dedent("""
                   for name, group in groups.items()}}), flush=True)
     time.sleep(120)  # SIGKILLed here
 """)
-
-
-def _alive(pids: list[int]) -> list[int]:
-    return [pid for pid in pids if psutil.pid_exists(pid)
-            and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
 
 
 def test_a_detached_pools_groups_keep_its_job_until_the_last_one_ends(tmp_path):
@@ -78,7 +72,7 @@ def test_a_detached_pools_groups_keep_its_job_until_the_last_one_ends(tmp_path):
         assert actor.call("history") == [["actor"]]
 
         trainer.shutdown()  # one group ended: the job runs on for the other
-        assert helpers.wait_until(lambda: not _alive(pids["trainer"]), 15)
+        assert helpers.wait_until(lambda: not helpers.alive(pids["trainer"]), 15)
         assert job_state(job) == "RUNNING"
         assert actor.call("pid") == pids["actor"]
         assert [g["name"] for g in px.attached(px.SlurmBackend(job=job, state_dir=str(
@@ -86,7 +80,7 @@ def test_a_detached_pools_groups_keep_its_job_until_the_last_one_ends(tmp_path):
 
         actor.shutdown()  # the last one: the job ends, its directory with it
         assert wait_ended(job, timeout=30) in ("COMPLETED", "")
-        assert helpers.wait_until(lambda: not _alive(pids["actor"]), 10)
+        assert helpers.wait_until(lambda: not helpers.alive(pids["actor"]), 10)
         assert helpers.wait_until(lambda: not Path(directory).exists(), 10), \
             list(Path(directory).rglob("*"))
     finally:
