@@ -151,6 +151,15 @@ def sim_backend(hosts: list[str], token_file: str, tree: bool) -> Any:
                              heartbeat_timeout=120, quorum_timeout=120, node_timeout=120)
 
 
+def _controller(script: str, argument: list[Any]) -> subprocess.Popen[str]:
+    """A controller process running ``script`` (its argument as JSON), this checkout
+    importable; its stdout read here."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen([sys.executable, "-c", script, json.dumps(argument)],
+                            stdout=subprocess.PIPE, env=env, cwd=ROOT, text=True)
+
+
 def _kill_in_its_call(proc: subprocess.Popen[str]) -> float:
     """SIGKILL the controller ``proc`` once it says its call runs; when (perf_counter)."""
     try:
@@ -170,12 +179,7 @@ def _kill_in_its_call(proc: subprocess.Popen[str]) -> float:
 def sim_trial(hosts: list[str], token_file: str, name: str, tree: bool) -> dict[str, Any]:
     import phalanx as px
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT),
-                                                         os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", SIM_CONTROLLER, json.dumps([hosts, token_file, name, tree])],
-        stdout=subprocess.PIPE, env=env, cwd=ROOT, text=True)
-    killed = _kill_in_its_call(proc)
+    killed = _kill_in_its_call(_controller(SIM_CONTROLLER, [hosts, token_file, name, tree]))
     t0, c0 = time.perf_counter(), time.process_time()
     group = px.attach(name, backend=sim_backend(hosts, token_file, tree), echo_output=False,
                       start_timeout=600)
@@ -234,11 +238,7 @@ def agents(count: int) -> Iterator[tuple[list[str], str]]:
 def trial(hosts: list[str], token_file: str, per_node: int, name: str) -> dict[str, Any]:
     import phalanx as px
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT),
-                                                         os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", CONTROLLER, json.dumps([hosts, token_file, name, per_node])],
-        stdout=subprocess.PIPE, env=env, cwd=ROOT, text=True)
+    proc = _controller(CONTROLLER, [hosts, token_file, name, per_node])
     started = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
     killed = _kill_in_its_call(proc)
     t0 = time.perf_counter()

@@ -107,6 +107,11 @@ class _Gather:
 Orphans = Callable[[int, int, str, bool, list[Any]], None]
 
 
+def _result(call_id: int, rank: int, payload: list[Any]) -> list[Any]:
+    """The segments of ``rank``'s RESULT of ``call_id`` (``payload``: its pickle, buffers)."""
+    return [protocol.header(_RESULT, call_id, rank), *payload]
+
+
 class Relay(NamedTuple):
     """What a branch needs of its session (the relay thread's, unless said otherwise)."""
 
@@ -175,12 +180,11 @@ class Branch:
         self._orphans = orphans
         for call_id, gather in list(self._gathers.items()):
             gather.inherited = True
-            for rank in sorted(gather.got):
-                orphans(rank, call_id, gather.method, True,
-                        [protocol.header(_RESULT, call_id, rank), *gather.got[rank]])
-            gather.got, gather.since = {}, 0.0
+            got, gather.got, gather.since = gather.got, {}, 0.0
+            for rank in sorted(got):
+                self._orphan(call_id, gather, rank, True, _result(call_id, rank, got[rank]))
             if not gather.waiting:
-                del self._gathers[call_id]
+                self._gathers.pop(call_id, None)
 
     def _orphan(self, call_id: int, gather: _Gather, rank: int, ok: bool,
                 segs: list[Any]) -> None:
@@ -213,7 +217,7 @@ class Branch:
         if gather.inherited:
             for i, rank in enumerate(gathered.ranks):
                 self._orphan(call_id, gather, rank, True,
-                             [protocol.header(_RESULT, call_id, rank), *gathered.payload(i)])
+                             _result(call_id, rank, gathered.payload(i)))
             return
         waiting, got = gather.waiting, gather.got
         for i, rank in enumerate(gathered.ranks):
