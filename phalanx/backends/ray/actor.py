@@ -248,6 +248,10 @@ class ActorStart(NamedTuple):
 # every rank's actor (it imports pyarrow), where a rank that never uses Ray's serializer
 # needs none of it.
 START_STORE = "phalanx"  # the store's namespace
+# The end of the name of an actor made ahead of its rank's launch, with no argument either
+# (an argument is deserialized with Ray's serialization context): its constructor leaves
+# the store alone, and serve() takes its start from there.
+AHEAD = "-ahead"
 
 
 def start_key(job_namespace: str, placement_group: str, actor_name: str) -> bytes:
@@ -296,6 +300,15 @@ def _take_start() -> ActorStart:
     return ActorStart.decode(data)
 
 
+def _made_ahead() -> bool:
+    """Whether this actor was made ahead of its rank's launch (:data:`AHEAD`): its start
+    comes at :meth:`RankActor.serve`, and is not looked for before (a start under its name
+    now would be another group's)."""
+    import ray
+
+    return (ray.get_runtime_context().get_actor_name() or "").endswith(AHEAD)
+
+
 class RankActor:
     """One rank's place in Ray, on the direct transport: its actor's process runs the rank
     on its main thread (a sync actor: ``max_concurrency=1``, no concurrency groups).
@@ -305,18 +318,19 @@ class RankActor:
     rank connects, builds the user's object and answers READY there, without waiting for
     Ray to deliver a second call; :meth:`serve`, Ray's one long call to the actor, then
     serves it. Given its ``start`` (where the store's key was another's), it starts it
-    the same. An actor ``made_ahead``, before its rank was known (the first of a node on
-    another machine, asked for the node's ports), is given its start by :meth:`serve`
-    instead."""
+    the same. An actor made ahead of its rank's launch (every actor of a node on another
+    machine, whose first is asked for the node's ports; named so: :data:`AHEAD`) starts
+    its rank in :meth:`serve` instead, from the store the same way (or given it). None
+    of these goes through Ray's serializer, except the ports' answer."""
 
-    def __init__(self, made_ahead: bool = False, start: ActorStart | None = None) -> None:
+    def __init__(self, start: ActorStart | None = None) -> None:
         # imported now, while the controller places the other actors: the rank's start
         # does not wait for them
         from phalanx.node import proctree, warden  # noqa: F401
         from phalanx.rank import runtime  # noqa: F401
         from phalanx.wire import framing, pickling, protocol  # noqa: F401
 
-        if not made_ahead and start is None:
+        if start is None and not _made_ahead():
             start = _take_start()
         self._rank = None if start is None else _InActor.begin(start)
 
@@ -337,7 +351,8 @@ class RankActor:
     def serve(self, start: ActorStart | None = None) -> None:
         """Serve the rank until it ends, then wait for the controller to end the actor:
         this call returns nothing (raises how the rank's start failed). The rank is the
-        one the constructor started, or, given ``start``, one started now.
+        one the constructor started, or one started now: given ``start``, or taken from
+        Ray's store (an actor made ahead).
         ``own_process``: the rank runs in a child process instead (``python -m
         phalanx.rank.runtime``), for a rank that joins a Ray of its own
         (``framework="ray"``), which a process already connected to this Ray cannot.
@@ -349,11 +364,8 @@ class RankActor:
         would pay for that alone. The controller ends the actor (``ray.kill``) as it stops
         or replaces the rank; a SIGTERM (Ray ending the job) ends the wait too."""
         rank, self._rank = self._rank, None
-        if rank is None:
-            if start is None:
-                raise RuntimeError("this rank's actor was made without its start, and "
-                                   "serve() was not given one")
-            rank = _InActor.begin(start)
+        if rank is None:  # made ahead: its start given, or left in Ray's store by now
+            rank = _InActor.begin(start if start is not None else _take_start())
         rank.finish()
         threading.Event().wait()
 

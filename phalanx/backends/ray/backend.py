@@ -120,7 +120,8 @@ class RayBackend(Backend):
     ``num_gpus`` and ``resources`` are the resources per rank, its ``runtime_env`` the
     ranks' (other options are refused). ``runtime_env`` and ``namespace`` are used when
     phalanx connects to Ray (``runtime_env`` also for every actor); actors are named
-    ``{name_prefix}-r{rank}-i{incarnation}`` (a fresh name per incarnation).
+    ``{name_prefix}-r{rank}-i{incarnation}`` (a fresh name per incarnation; ``-ahead``
+    after it for an actor made before its rank launched, on a node of another machine).
     ``transport``: ``"direct"`` (each rank connects back to this process), ``"ray"`` (calls
     travel as Ray calls through each rank's actor: for a controller the cluster cannot
     reach), or ``"auto"``: direct, except for a Ray Client (``ray://``) address.
@@ -346,10 +347,12 @@ class RayBackend(Backend):
         self._pg, self._own_pg, self._seat_resources = held.pg, held.own, held.resources
         self._bundles = seats = held.seats
         # Where each rank is comes from the placement group itself: nothing waits here for
-        # an actor to start. A rank's actor is made when the rank launches, given its
-        # start (it starts its rank in its constructor), except the first of a node on
-        # another machine, made now: it picks the node's ports. Relayed ranks' actors are
-        # all made now.
+        # an actor to start. On this machine a rank's actor is made when the rank
+        # launches, given its start (it starts its rank in its constructor). On another
+        # machine the node's first actor picks its ports, which the launch waits for: every
+        # actor of such a node is made now, so that they all start while the first is
+        # asked (made one after the other, the group's start took two actor starts).
+        # Relayed ranks' actors are all made now.
         addresses = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
         self._start_timeout = timeout
         nodes: list[Node] = []
@@ -360,7 +363,7 @@ class RayBackend(Backend):
             self._first_rank.append(ranks[0])
             nodes.append(Node(index=len(nodes), address=address, ranks=len(ranks), gpus=None,
                               same_host=address == self._host))
-            made_now = ranks if self._relayed else [] if nodes[-1].same_host else ranks[:1]
+            made_now = [] if nodes[-1].same_host and not self._relayed else ranks
             for rank in made_now:
                 self._new_actor(seats[rank], rank)
         return nodes
@@ -377,11 +380,10 @@ class RayBackend(Backend):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from phalanx.backends.ray.actor import (
+            AHEAD,
             CONCURRENCY,
             RankActor,
-            put_start,
             rank_runtime_env,
-            start_key,
         )
         from phalanx.backends.ray.relay import RELAY_CONCURRENCY, RelayedRankActor
 
@@ -397,7 +399,8 @@ class RayBackend(Backend):
             # direct: the rank runs on the actor's main thread (a sync actor, one call at
             # a time); relayed: the relay's calls run beside serve_relayed
             "max_concurrency": RELAY_CONCURRENCY if self._relayed else CONCURRENCY,
-            "name": f"{self._prefix}-r{rank}-i{b.incarnation}",
+            "name": f"{self._prefix}-r{rank}-i{b.incarnation}" + (
+                AHEAD if start is None and not self._relayed else ""),
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
                 placement_group=self._pg, placement_group_bundle_index=b.index),
         }
@@ -405,22 +408,30 @@ class RayBackend(Backend):
             options["memory"] = memory
         if self.namespace is not None:
             options["namespace"] = self.namespace
+        b.actor_name = options["name"]
         options["runtime_env"] = rank_runtime_env(self._actor_env, self._python)
         self._made_with[rank] = self._python
         made = ray_session.remote_class(
             RelayedRankActor if self._relayed else RankActor).options(**options)
-        if self._relayed:
+        # no argument (Ray would deserialize it with its serialization context): the
+        # actor takes its start from Ray's store, in its constructor or (made ahead) serve()
+        if self._relayed or start is None or self._leave_start(b, rank, start):
             b.actor = made.remote()
-        elif start is None:
-            b.actor = made.remote(True)  # made ahead: serve() brings its start
-        else:  # no argument: the actor takes its start from Ray's store
-            key = start_key(str(self._ray.get_runtime_context().namespace),
-                            self._pg.id.hex(), options["name"])
-            if put_start(start, key):
-                self._start_keys[(rank, b.incarnation)] = key
-                b.actor = made.remote()
-            else:  # the key is another group's: the start goes the way Ray's arguments do
-                b.actor = made.remote(False, start)
+        else:  # the key is another group's: the start goes the way Ray's arguments do
+            b.actor = made.remote(start)
+
+    def _leave_start(self, b: Bundle, rank: int, start: Any) -> bool:
+        """Leave ``start`` (an ``ActorStart``) in Ray's store for ``b``'s actor (named
+        already), under the key its name makes; False where another group's start holds
+        that key."""
+        from phalanx.backends.ray.actor import put_start, start_key
+
+        key = start_key(str(self._ray.get_runtime_context().namespace), self._pg.id.hex(),
+                        b.actor_name)
+        if not put_start(start, key):
+            return False
+        self._start_keys[(rank, b.incarnation)] = key
+        return True
 
     def _live_bundle(self, rank: int) -> Bundle:
         """The rank's bundle with an actor that has not served yet: a new one (a fresh
@@ -503,8 +514,9 @@ class RayBackend(Backend):
                 actor_start = ActorStart((self._host, self._port, self._local_name),
                                          self._secret, start.rank, b.incarnation,
                                          dict(start.env), cwd, own)
-                if ahead:
-                    channel.serve_ref = b.actor.serve.remote(actor_start)
+                if ahead:  # its start from Ray's store too, where the key is free
+                    channel.serve_ref = (b.actor.serve.remote() if self._leave_start(
+                        b, start.rank, actor_start) else b.actor.serve.remote(actor_start))
                 else:  # the rank starts in its actor's constructor: serve() serves it
                     self._make_actor(b, start.rank, actor_start)
                     channel.actor = b.actor
