@@ -429,6 +429,9 @@ class Lifecycle:
         grace = min(config.DEFAULT_TERM_GRACE, max(0.0, deadline - time.monotonic()))
         self.stop_ranks(entries, grace, force)
         self._shared.close()
-        self._dispatcher.release()
+        # the backend's last words before the dispatcher lets go of the connections: an
+        # agent's answer that the group's GPUs are free is read through it (released
+        # first, every group holding GPUs waited 5 s for an answer nobody read)
         self._backend.close()
+        self._dispatcher.release()
         logger.info("shut down %d workers of group %s", len(self._table), self._starter.name)

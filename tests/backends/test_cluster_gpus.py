@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import select
 import signal
+import time
 
 import pytest
 
@@ -110,3 +111,29 @@ def test_a_pool_asking_more_gpus_than_an_agent_lists_names_the_node(gpu_agents, 
     with px.ResourcePool(nodes=1, procs_per_node=3, gpus_per_proc=1,
                          backend=cluster([agent], token_file)):
         pass  # the refused pool held nothing
+
+
+def test_a_group_holding_gpus_shuts_down_as_promptly_as_one_without(gpu_agents, token_file):  # noqa: F811
+    """Its GPUs are given back as it closes, and the agent's answer read at once: the
+    shutdown of a group that holds GPUs took the give-back's whole 5 s wait, for an
+    answer nobody read any more."""
+    from phalanx.backends.cluster.gpus import GIVE_BACK_TIMEOUT
+
+    (agent,) = gpu_agents(1)
+    backend = cluster([agent], token_file)
+
+    def shutdown_seconds(gpus: int) -> float:
+        group = px.WorkerGroup(Where, gpus_per_worker=gpus, backend=backend,
+                               echo_output=False)
+        group.call("cuda")
+        started = time.monotonic()
+        group.shutdown()
+        return time.monotonic() - started
+
+    without = shutdown_seconds(0)
+    holding = shutdown_seconds(1)
+    # relative to the same shutdown without GPUs, with half the wait's margin for a load
+    assert holding < without + GIVE_BACK_TIMEOUT / 2, (holding, without)
+    with px.WorkerGroup(Where, procs_per_node=3, gpus_per_worker=1, backend=backend,
+                        echo_output=False) as whole:  # free again, all of them, at once
+        assert whole.call("cuda") == ["0", "1", "2"]
