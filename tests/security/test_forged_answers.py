@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,11 +52,14 @@ class Forger:
     """A worker that can answer as someone else."""
 
     def victim(self, path: str, seconds: float) -> str:
-        """Say which call this is (in ``path``), then answer it after ``seconds``."""
+        """Say which call this is (in ``path``), then answer it once ``path.done`` exists
+        (``seconds`` at most)."""
         _, call_id = _runtime_and_call()
         Path(path + ".tmp").write_text(str(call_id))
         os.replace(path + ".tmp", path)
-        time.sleep(seconds)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not os.path.exists(path + ".done"):
+            time.sleep(0.02)
         return f"real-{my_rank()}"
 
     def answer(self, call_id: int, as_rank: int, value: str) -> str:
@@ -81,21 +85,25 @@ class Forger:
         return my_rank()
 
 
-def _victim_call(group: px.WorkerGroup, tmp_path: Path) -> tuple[Any, int]:
-    """Rank 1's call in progress (for a few seconds), and its id."""
+def _victim_call(group: px.WorkerGroup, tmp_path: Path) -> tuple[Any, int, Callable[[], None]]:
+    """Rank 1's call in progress (until released, or 30 s), its id, and its release."""
     path = tmp_path / "victim-call"
-    future = group.call_async("victim", str(path), 3.0, workers=[1])
+    future = group.call_async("victim", str(path), 30.0, workers=[1])
     assert helpers.wait_until(path.exists, CALL_WAIT), "the victim's call did not start"
-    return future, int(path.read_text())
+    return future, int(path.read_text()), (tmp_path / "victim-call.done").touch
 
 
-def _ended(group: px.WorkerGroup, method: str, *args: Any) -> WorkerDied:
-    """The error of rank 0's call ``method(*args)``, which must end it."""
+def _ended(group: px.WorkerGroup, method: str, *args: Any,
+           then: Callable[[], None] | None = None) -> WorkerDied:
+    """The error of rank 0's call ``method(*args)``, which must end it; ``then()`` before
+    rank 1 is called (the victim's release)."""
     with pytest.raises(WorkerDied) as caught:
         group.call_one(0, method, *args, timeout=CALL_WAIT)
     assert caught.value.rank == 0
     with pytest.raises(WorkerDied):  # it is gone, not just this call
         group.call_one(0, "rank", timeout=CALL_WAIT)
+    if then is not None:
+        then()
     assert group.call_one(1, "rank", timeout=CALL_WAIT) == 1  # the other rank goes on
     return caught.value
 
@@ -133,16 +141,16 @@ def ray_group(ray_cluster):
 
 
 def test_an_answer_forged_as_another_rank_is_not_taken(on_agent, tmp_path):
-    future, call_id = _victim_call(on_agent, tmp_path)
-    error = _ended(on_agent, "answer", call_id, 1, "FORGED-by-rank-0")
+    future, call_id, release = _victim_call(on_agent, tmp_path)
+    error = _ended(on_agent, "answer", call_id, 1, "FORGED-by-rank-0", then=release)
     assert ("rank 0 broke the protocol: it sent an answer as rank 1 (ended by the agent)"
             in str(error)), str(error)
     assert future.result(timeout=CALL_WAIT) == ["real-1"]
 
 
 def test_an_answer_to_a_call_sent_to_another_rank_ends_the_rank(on_agent, tmp_path):
-    future, call_id = _victim_call(on_agent, tmp_path)
-    error = _ended(on_agent, "answer", call_id, 0, "FORGED-by-rank-0")
+    future, call_id, release = _victim_call(on_agent, tmp_path)
+    error = _ended(on_agent, "answer", call_id, 0, "FORGED-by-rank-0", then=release)
     assert (f"rank 0 broke the protocol: it answered call {call_id}, which was not sent to "
             "it" in str(error)), str(error)
     assert future.result(timeout=CALL_WAIT) == ["real-1"]
@@ -164,16 +172,16 @@ def test_a_node_message_from_a_rank_ends_the_rank(on_agent):
 
 
 def test_an_answer_forged_as_another_rank_ends_the_local_rank(local_group, tmp_path):
-    future, call_id = _victim_call(local_group, tmp_path)
-    error = _ended(local_group, "answer", call_id, 1, "FORGED-by-rank-0")
+    future, call_id, release = _victim_call(local_group, tmp_path)
+    error = _ended(local_group, "answer", call_id, 1, "FORGED-by-rank-0", then=release)
     assert ("rank 0 broke the protocol: it sent an answer as rank 1 (ended by the "
             "controller)" in str(error)), str(error)
     assert future.result(timeout=CALL_WAIT) == ["real-1"]
 
 
 def test_an_answer_forged_as_another_rank_ends_the_ray_rank(ray_group, tmp_path):
-    future, call_id = _victim_call(ray_group, tmp_path)
-    error = _ended(ray_group, "answer", call_id, 1, "FORGED-by-rank-0")
+    future, call_id, release = _victim_call(ray_group, tmp_path)
+    error = _ended(ray_group, "answer", call_id, 1, "FORGED-by-rank-0", then=release)
     assert ("rank 0 broke the protocol: it sent an answer as rank 1 (ended by the "
             "controller)" in str(error)), str(error)
     assert future.result(timeout=CALL_WAIT) == ["real-1"]
