@@ -248,10 +248,10 @@ class ActorStart(NamedTuple):
 # every rank's actor (it imports pyarrow), where a rank that never uses Ray's serializer
 # needs none of it.
 START_STORE = "phalanx"  # the store's namespace
-# The end of the name of an actor made ahead of its rank's launch, with no argument either
-# (an argument is deserialized with Ray's serialization context): its constructor leaves
-# the store alone, and serve() takes its start from there.
-AHEAD = "-ahead"
+# What the store holds for an actor made ahead of its rank's launch (no argument either:
+# an argument is deserialized with Ray's serialization context) until its start replaces
+# it: its constructor leaves it there, and serve() takes the start.
+AHEAD = b"ahead"
 
 
 def start_key(job_namespace: str, placement_group: str, actor_name: str) -> bytes:
@@ -261,15 +261,17 @@ def start_key(job_namespace: str, placement_group: str, actor_name: str) -> byte
     return f"start/{job_namespace}/{placement_group}/{actor_name}".encode()
 
 
-def put_start(start: ActorStart, key: bytes) -> bool:
-    """Leave ``start`` under ``key`` for the actor about to be made; False if another's
-    is there (two groups of one driver sharing a placement group and a ``name_prefix``,
-    in two namespaces), which is left as it is."""
+def put_start(start: ActorStart | bytes, key: bytes, *, replace: bool = False) -> bool:
+    """Leave ``start`` (or :data:`AHEAD`) under ``key`` for the actor about to be made
+    (``replace``: over what this controller left there); False if another's is there
+    (two groups of one driver sharing a placement group and a ``name_prefix``, in two
+    namespaces), which is left as it is."""
     from ray.experimental import internal_kv
 
-    taken: bool = internal_kv._internal_kv_put(key, start.encode(),  # noqa: SLF001
-                                               overwrite=False, namespace=START_STORE)
-    return not taken
+    data = start if isinstance(start, bytes) else start.encode()
+    taken: bool = internal_kv._internal_kv_put(key, data, overwrite=replace,  # noqa: SLF001
+                                               namespace=START_STORE)
+    return replace or not taken
 
 
 def drop_starts(keys: Sequence[bytes]) -> None:
@@ -284,8 +286,18 @@ def drop_starts(keys: Sequence[bytes]) -> None:
 
 
 def _take_start() -> ActorStart:
+    """This actor's start (see :func:`_start_or_ahead`), which must be there by now."""
+    start = _start_or_ahead()
+    if start is None:
+        raise StartupError("this rank's actor was made ahead of its launch, and its start "
+                           "is not in Ray's store yet")
+    return start
+
+
+def _start_or_ahead() -> ActorStart | None:
     """This actor's start, as the controller left it under its name; removed from the
-    store (it holds the group's secret)."""
+    store (it holds the group's secret). None where the store says the actor was made
+    ahead of its rank's launch (:data:`AHEAD`)."""
     import ray
     from ray.experimental import internal_kv
 
@@ -293,20 +305,13 @@ def _take_start() -> ActorStart:
     name = context.get_actor_name()
     key = start_key(context.namespace, context.get_placement_group_id() or "", name or "")
     data = internal_kv._internal_kv_get(key, namespace=START_STORE)  # noqa: SLF001
+    if data == AHEAD:
+        return None
     if data is None:
         raise StartupError(f"the start of this rank's actor ({name}) is not in Ray's store: "
                            "its controller is gone, or removed it")
     internal_kv._internal_kv_del(key, namespace=START_STORE)  # noqa: SLF001
     return ActorStart.decode(data)
-
-
-def _made_ahead() -> bool:
-    """Whether this actor was made ahead of its rank's launch (:data:`AHEAD`): its start
-    comes at :meth:`RankActor.serve`, and is not looked for before (a start under its name
-    now would be another group's)."""
-    import ray
-
-    return (ray.get_runtime_context().get_actor_name() or "").endswith(AHEAD)
 
 
 class RankActor:
@@ -319,19 +324,20 @@ class RankActor:
     Ray to deliver a second call; :meth:`serve`, Ray's one long call to the actor, then
     serves it. Given its ``start`` (where the store's key was another's), it starts it
     the same. An actor made ahead of its rank's launch (every actor of a node on another
-    machine, whose first is asked for the node's ports; named so: :data:`AHEAD`) starts
-    its rank in :meth:`serve` instead, from the store the same way (or given it). None
-    of these goes through Ray's serializer, except the ports' answer."""
+    machine, whose first is asked for the node's ports) finds :data:`AHEAD` there, or is
+    told so (``made_ahead``), and starts its rank in :meth:`serve` instead, from the store
+    the same way (or given it). None of these goes through Ray's serializer, except the
+    ports' answer and the arguments where a key was another's."""
 
-    def __init__(self, start: ActorStart | None = None) -> None:
+    def __init__(self, start: ActorStart | None = None, made_ahead: bool = False) -> None:
         # imported now, while the controller places the other actors: the rank's start
         # does not wait for them
         from phalanx.node import proctree, warden  # noqa: F401
         from phalanx.rank import runtime  # noqa: F401
         from phalanx.wire import framing, pickling, protocol  # noqa: F401
 
-        if start is None and not _made_ahead():
-            start = _take_start()
+        if start is None and not made_ahead:
+            start = _start_or_ahead()
         self._rank = None if start is None else _InActor.begin(start)
 
     def free_ports(self, host: str, count: int) -> list[int]:

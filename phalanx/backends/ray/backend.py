@@ -16,8 +16,9 @@ Reservation (:meth:`RayBackend._reserve`): the placement group, ready within
 what the cluster has (a request no node could ever hold fails at once), where each rank
 sits (:mod:`phalanx.backends.ray.seats`). A rank's actor is made when the rank launches,
 its start left in Ray's key-value store for it (``actor.put_start``: an argument would cost
-the actor Ray's serialization context), and starts its rank in its constructor; only the
-first actor of a node on another machine is made at once, to pick that node's ports.
+the actor Ray's serialization context), and starts its rank in its constructor. The
+actors of a node on another machine are all made at once, the first to pick that node's
+ports, the others to start meanwhile; their starts come at launch the same way.
 Ranks are numbered by node, then by bundle; the nodes are the Ray nodes as they are, so
 ``NODE_RANK``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and ``MASTER_ADDR`` tell the truth on
 a real cluster.
@@ -120,8 +121,7 @@ class RayBackend(Backend):
     ``num_gpus`` and ``resources`` are the resources per rank, its ``runtime_env`` the
     ranks' (other options are refused). ``runtime_env`` and ``namespace`` are used when
     phalanx connects to Ray (``runtime_env`` also for every actor); actors are named
-    ``{name_prefix}-r{rank}-i{incarnation}`` (a fresh name per incarnation; ``-ahead``
-    after it for an actor made before its rank launched, on a node of another machine).
+    ``{name_prefix}-r{rank}-i{incarnation}`` (a fresh name per incarnation).
     ``transport``: ``"direct"`` (each rank connects back to this process), ``"ray"`` (calls
     travel as Ray calls through each rank's actor: for a controller the cluster cannot
     reach), or ``"auto"``: direct, except for a Ray Client (``ray://``) address.
@@ -399,8 +399,7 @@ class RayBackend(Backend):
             # direct: the rank runs on the actor's main thread (a sync actor, one call at
             # a time); relayed: the relay's calls run beside serve_relayed
             "max_concurrency": RELAY_CONCURRENCY if self._relayed else CONCURRENCY,
-            "name": f"{self._prefix}-r{rank}-i{b.incarnation}" + (
-                AHEAD if start is None and not self._relayed else ""),
+            "name": self._actor_name(b, rank),
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
                 placement_group=self._pg, placement_group_bundle_index=b.index),
         }
@@ -408,30 +407,34 @@ class RayBackend(Backend):
             options["memory"] = memory
         if self.namespace is not None:
             options["namespace"] = self.namespace
-        b.actor_name = options["name"]
         options["runtime_env"] = rank_runtime_env(self._actor_env, self._python)
         self._made_with[rank] = self._python
         made = ray_session.remote_class(
             RelayedRankActor if self._relayed else RankActor).options(**options)
         # no argument (Ray would deserialize it with its serialization context): the
-        # actor takes its start from Ray's store, in its constructor or (made ahead) serve()
-        if self._relayed or start is None or self._leave_start(b, rank, start):
+        # actor takes its start from Ray's store, in its constructor or (made ahead,
+        # AHEAD there until then) serve()
+        if self._relayed or self._leave_start(b, rank, AHEAD if start is None else start):
             b.actor = made.remote()
         else:  # the key is another group's: the start goes the way Ray's arguments do
-            b.actor = made.remote(start)
+            b.actor = made.remote(start, start is None)
 
     def _leave_start(self, b: Bundle, rank: int, start: Any) -> bool:
-        """Leave ``start`` (an ``ActorStart``) in Ray's store for ``b``'s actor (named
-        already), under the key its name makes; False where another group's start holds
-        that key."""
+        """Leave ``start`` (an ``ActorStart``, or ``AHEAD``) in Ray's store for ``b``'s
+        actor, under the key its name makes (over this controller's ``AHEAD``); False where
+        another group's start holds that key."""
         from phalanx.backends.ray.actor import put_start, start_key
 
-        key = start_key(str(self._ray.get_runtime_context().namespace), self._pg.id.hex(),
-                        b.actor_name)
-        if not put_start(start, key):
+        ours = self._start_keys.get((rank, b.incarnation))
+        key = ours or start_key(str(self._ray.get_runtime_context().namespace),
+                                self._pg.id.hex(), self._actor_name(b, rank))
+        if not put_start(start, key, replace=ours is not None):
             return False
         self._start_keys[(rank, b.incarnation)] = key
         return True
+
+    def _actor_name(self, b: Bundle, rank: int) -> str:
+        return f"{self._prefix}-r{rank}-i{b.incarnation}"
 
     def _live_bundle(self, rank: int) -> Bundle:
         """The rank's bundle with an actor that has not served yet: a new one (a fresh

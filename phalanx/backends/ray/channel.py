@@ -63,7 +63,6 @@ class Bundle:
     index: int  # the placement-group bundle (a node's bundle holds all its ranks)
     node_id: str = ""
     actor: Any = None
-    actor_name: str = ""
     incarnation: int = 0
     used: bool = False  # its actor has served (or been launched): the next needs a new one
 
