@@ -57,9 +57,7 @@ class Forger:
         _, call_id = _runtime_and_call()
         Path(path + ".tmp").write_text(str(call_id))
         os.replace(path + ".tmp", path)
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and not os.path.exists(path + ".done"):
-            time.sleep(0.02)
+        helpers.wait_until(lambda: os.path.exists(path + ".done"), seconds)
         return f"real-{my_rank()}"
 
     def answer(self, call_id: int, as_rank: int, value: str) -> str:

@@ -58,9 +58,7 @@ WILDCARDS = {"0.0.0.0", "::"}
 def _nap(seconds: float, until: str | None) -> None:
     """Sleep ``seconds``, or until the file ``until`` exists (every rank of the suite runs
     on this machine, the agent cluster's too)."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and not (until and os.path.exists(until)):
-        time.sleep(0.02)
+    helpers.wait_until(lambda: until is not None and os.path.exists(until), seconds)
 
 
 class Release:
