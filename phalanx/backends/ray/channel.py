@@ -334,6 +334,8 @@ class RayChannel(Channel):
             return []
         if not self._claim():
             return []
+        with self._lock:
+            self._name_ray_shutdown()
         return [self._burial.exited()]
 
     def _claim(self) -> bool:
@@ -358,9 +360,16 @@ class RayChannel(Channel):
             self._await_cause()
         if self._tap is not None:
             self._tap.wait_closed(config.OUTPUT_WAIT)
-        with self._lock:  # the watcher may not have looked yet: Ray's shutdown is the why
-            if self._reason is None and not self._services.ray.is_initialized():
-                self._reason = RAY_SHUT_DOWN
+        with self._lock:
+            self._name_ray_shutdown()
+
+    def _name_ray_shutdown(self) -> None:
+        """(lock held) Ray's shutdown is why, if this process left Ray before the rank's
+        end was told and Ray said nothing: ``ray.shutdown()`` disconnects this process
+        before it ends the job's actors (whichever signal they get), and the watcher may
+        not have looked yet."""
+        if self._reason is None and not self._services.ray.is_initialized():
+            self._reason = RAY_SHUT_DOWN
 
     def _await_cause(self) -> None:
         """Wait until how the rank ended is known, or nothing is left that could tell,
