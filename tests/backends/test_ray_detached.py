@@ -48,8 +48,7 @@ DRIVER = textwrap.dedent("""
 
     address, host, repo, namespace, name, timeout = json.loads(sys.argv[1])
     # connected as the suite connects (tests/raycluster.py): loopback node addresses
-    ray.init(address=address, _node_ip_address=host, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": repo}})
+    ray.init(address=address, _node_ip_address=host, log_to_driver=False)
     group = px.WorkerGroup(Probe, nodes=2, procs_per_node=1,
                            backend=px.RayBackend(namespace=namespace), name=name,
                            detached=True, detach_timeout=timeout, echo_output=False)
@@ -70,8 +69,7 @@ POOL_DRIVER = textwrap.dedent("""
     from tests.workers import Probe
 
     address, host, repo, namespace, name, timeout = json.loads(sys.argv[1])
-    ray.init(address=address, _node_ip_address=host, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": repo}})
+    ray.init(address=address, _node_ip_address=host, log_to_driver=False)
     pool = px.ResourcePool(nodes=2, procs_per_node=1, gpus_per_proc=1, name=name,
                            detached=True, detach_timeout=timeout,
                            backend=px.RayBackend(namespace=namespace))

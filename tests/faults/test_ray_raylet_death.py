@@ -139,7 +139,7 @@ def throwaway_ray(ranks_apart: bool, marker: str):
     bytes), under the system's temp dir rather than tmp_path. Stopped by killing its
     processes: ``ray stop`` would stop every Ray of this machine's user, the shared
     cluster included."""
-    env = ray_env(marker)
+    env = ray_env(marker, helpers.script_env())  # its workers find this checkout
     root = tempfile.mkdtemp(prefix="phx-ray-")
     dirs = {"head": os.path.join(root, "h"), "node": os.path.join(root, "n")}
     try:
@@ -217,8 +217,7 @@ DRIVER = """
 
     # connected the way the suite connects (raycluster.start): the connection is the
     # driver's, so it outlives the group and the teardown's checks run on it
-    ray.init(address=address, _node_ip_address=host,
-             runtime_env={"env_vars": {"PYTHONPATH": repo}}, log_to_driver=False)
+    ray.init(address=address, _node_ip_address=host, log_to_driver=False)
     group = px.WorkerGroup(Probe, procs_per_node=2, backend=px.RayBackend(address=address),
                            echo_output=False)
     pids = group.call("pid", timeout=30)
