@@ -65,15 +65,19 @@ def _free_ports(host: str, count: int) -> list[int]:
 
 def _instance_processes(marker: str) -> list[psutil.Process]:
     """The live processes of the throwaway Ray: they all inherit ``MARKER`` (``ray start``
-    leaves them to init, so they are no children of this process)."""
-    found = []
+    leaves them to init, so they are no children of this process), and their children.
+    (A process that sets its title -- Ray's agents, ``ray::DashboardAgent`` -- may write
+    over its environment's block, where the marker is read from: found as its raylet's
+    child, else left behind once that raylet is killed.)"""
+    found: dict[int, psutil.Process] = {}
     for proc in psutil.process_iter():
         try:
-            if proc.environ().get(MARKER) == marker and helpers.pid_alive(proc.pid):
-                found.append(proc)
+            if proc.environ().get(MARKER) == marker:
+                found[proc.pid] = proc
+                found.update((child.pid, child) for child in proc.children(recursive=True))
         except psutil.Error:  # gone, or another user's
             continue
-    return found
+    return [proc for proc in found.values() if helpers.pid_alive(proc.pid)]
 
 
 def _stop_instance(marker: str) -> list[str]:
