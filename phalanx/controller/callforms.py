@@ -89,6 +89,9 @@ class CallForms:
         # and makes its record once. Checked records only; a value that is not plain
         # data is checked each time.
         self._made: dict[tuple[Any, ...], CallOptions] = {}
+        # call_async(method, workers=[rank]) alone, the pipelined loop's call: its records
+        # by method and rank, looked up without making a key
+        self._async_one: dict[str, dict[int, CallOptions]] = {}
 
     def options(self, **options: Any) -> CallView:
         """A view of these ranks whose calls are made with ``options`` (any of
@@ -158,6 +161,9 @@ class CallForms:
         options = self._options.with_options(taken)
         if key is not None and len(self._made) < _MADE:
             self._made[key] = options
+            if (form == "call_async" and list(taken) == ["workers"]
+                    and type(first) is list and len(first) == 1 and type(first[0]) is int):
+                self._async_one.setdefault(method, {})[first[0]] = options
         return options
 
     # -- the forms --------------------------------------------------------------------
@@ -182,8 +188,14 @@ class CallForms:
         Options: ``workers``, ``rank0_only_axes``, ``keep``."""
         options = self._options
         if not (workers is _UNSET and rank0_only_axes is _UNSET and keep is _UNSET):
-            options = self._given("call_async", method, kwargs, workers, rank0_only_axes,
-                                  keep)
+            found = None
+            if (type(workers) is list and len(workers) == 1 and type(workers[0]) is int
+                    and rank0_only_axes is _UNSET and keep is _UNSET):
+                by_rank = self._async_one.get(method)
+                if by_rank is not None:
+                    found = by_rank.get(workers[0])
+            options = found if found is not None else self._given(
+                "call_async", method, kwargs, workers, rank0_only_axes, keep)
         return self._path.call_async(method, args, kwargs, options, self._scope)
 
     def call_one(self, rank: int, method: str, /, *args: Any, timeout: float | None = _UNSET,

@@ -528,7 +528,9 @@ class Dispatcher:
                 if future is None and entry.cohorts:
                     future = entry.cohort_call(call_id)
                 if future is not None:
-                    future.resolve_rank(rank, segs[1:])
+                    # one pickle (nearly every answer): a tuple, which the collector stops
+                    # tracking -- a future keeps its answer until its result is taken
+                    future.resolve_rank(rank, (segs[1],) if len(segs) == 2 else segs[1:])
             elif kind == _YIELD:  # an item of a streamed call; RESULT ends the stream
                 future = entry.calls.get(call_id)
                 if future is not None:

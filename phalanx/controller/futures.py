@@ -45,7 +45,7 @@ import collections
 import concurrent.futures
 import logging
 import pickle
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from phalanx import config
@@ -107,6 +107,7 @@ class _Span:
 # In the pickle of an answer that holds px.keep() parts: the function they unpickle by
 # (phalanx.rank.kept.piece). Only a failed call's answers are searched for it.
 _KEPT_PART = b"piece"
+_SEGMENTS = (tuple, list)  # the types an answer's segments come as (one pickle: a tuple)
 _POSITIONS_FROM = 8  # calls on more ranks than this find a rank's entry through a dict
 
 
@@ -121,7 +122,7 @@ class Completion(Protocol):
     def tolerant(self) -> bool:
         """Made on workers="ready" / "any": a membership change does not fail it."""
 
-    def resolve_rank(self, rank: int, segments: list[Any]) -> None:
+    def resolve_rank(self, rank: int, segments: Sequence[Any]) -> None:
         """``rank`` answered: ``segments`` are its encoded value (a pickle and buffers)."""
 
     def fail_rank(self, rank: int, error: BaseException) -> None:
@@ -364,14 +365,15 @@ class GroupFuture:
             values = self._values
             if len(values) == 1:  # one rank's plain pickle, the pipelined call's
                 only = values[0]
-                if (type(only) is list and len(only) == 1 and type(only[0]) is bytes
+                if (type(only) in _SEGMENTS and len(only) == 1 and type(only[0]) is bytes
                         and _KEPT_PART not in only[0]):  # no px.keep() part to adopt
                     try:
                         value = _loads(only[0])
                     except Exception:  # noqa: BLE001 - redone below, naming the rank
                         pass
-                    else:  # (its small answer kept: no list made to let go of it)
-                        self._out = [value]
+                    else:  # the value takes its answer's place, which is its _out too:
+                        values[0] = value  # no other list kept (the collector's work
+                        self._out = values  # grows with every object a future keeps)
                         self._decoded = 1
                         return [value]
             adopting, previous = ADOPTING, ADOPTING.future
@@ -408,7 +410,7 @@ class GroupFuture:
             covered += len(run)
         if covered != len(values):  # some came on their own
             for i, p in enumerate(values):
-                if type(p) is list:
+                if type(p) in _SEGMENTS:
                     out[i] = _loads(p[0]) if len(p) == 1 else _loads(p[0], buffers=p[1:])
         return out
 
@@ -625,7 +627,7 @@ class Call(GroupFuture):
             self._holds = []
         self._holds.append((owner, objects))
 
-    def resolve_rank(self, rank: int, segments: list[Any]) -> None:
+    def resolve_rank(self, rank: int, segments: Sequence[Any]) -> None:
         """``rank`` answered with ``segments`` (decoded on first access)."""
         positions = self._positions
         if positions is None:

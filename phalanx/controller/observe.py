@@ -59,7 +59,7 @@ class _Done:
     method = ""
     tolerant = True
 
-    def resolve_rank(self, rank: int, segments: list[Any]) -> None:
+    def resolve_rank(self, rank: int, segments: Sequence[Any]) -> None:
         pass
 
     def fail_rank(self, rank: int, error: BaseException) -> None:
@@ -130,7 +130,7 @@ class CallWatch:
 
     # -- the completion side, handed on to the future ------------------------------------
 
-    def resolve_rank(self, rank: int, segments: list[Any]) -> None:
+    def resolve_rank(self, rank: int, segments: Sequence[Any]) -> None:
         future = self._future
         if rank in self.answered:  # late news of a rank already counted: handed on only
             future.resolve_rank(rank, segments)

@@ -452,6 +452,10 @@ class RankTable:
         self._dispatcher = dispatcher
         self._deaths_seen = -1  # dispatcher.deaths when every rank was last seen alive
         self.version = 0  # moves on whenever an entry is placed (a cohort made before: stale)
+        # the last list or tuple of ranks selected, its ranks, and the deaths and version
+        # then: the same selection object again (a cached options record's) is taken as is
+        # while no rank died and no entry changed (the pipelined loop's call)
+        self._last: tuple[object, list[int], int, int] = (None, [], -1, -1)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -503,11 +507,18 @@ class RankTable:
     def select(self, workers: Workers) -> list[int]:
         """The ranks ``workers=`` names, each checked to be alive (WorkerDied otherwise);
         ``"ready"`` skips dead ones, ``"any"`` is the first live one."""
-        if workers == "all" and self._dispatcher.deaths == self._deaths_seen:
+        deaths = self._dispatcher.deaths
+        if workers == "all" and deaths == self._deaths_seen:
             return self._all  # no rank died since every rank was last known alive
+        last, ranks, seen, version = self._last
+        if workers is last and deaths == seen and version == self.version:
+            return ranks  # (never mutated: futures share it)
         if (isinstance(workers, (list, tuple)) and workers
                 and self._all_usable(workers)):
-            return list(workers)  # live, valid, increasing; a copy: the caller may change theirs
+            ranks = list(workers)  # live, valid, increasing; a copy: the caller may change theirs
+            if type(workers) is tuple:  # (a list may change in place: not remembered)
+                self._last = (workers, ranks, deaths, self.version)
+            return ranks
         if workers in ("ready", "any"):
             self._dispatcher.poll_now()  # learn of deaths that already happened
             # and skip those whose death is known but not yet told (Ray's, for a second)

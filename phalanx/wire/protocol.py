@@ -230,6 +230,7 @@ def call_frames(
 SMALL_PAYLOAD = framing.SMALL_FRAME  # a pickle shorter than this frames as one bytes object
 _NAMES: dict[str, bytes] = {}  # a method's name, encoded (the hot path's, flags 0)
 _PAIR = struct.Struct("<IQQQ")  # a two-segment frame's prefix (see framing's layout)
+_PAIR_HEAD = struct.Struct("<IQQQBQI")  # that prefix and a header, packed at once
 
 
 def small_call_frames(call_id: int, ranks: Sequence[int], method: str,
@@ -243,11 +244,12 @@ def small_call_frames(call_id: int, ranks: Sequence[int], method: str,
             _NAMES[method] = name
     head_size = HEAD_SIZE + len(name)
     size = len(pickled)
+    if len(ranks) == 1:  # no comprehension: a tenth of the call's own time at one rank
+        return [[b"".join((_PAIR_HEAD.pack(2, 16 + head_size + size, head_size, size, CALL,
+                                           call_id, ranks[0]), name, pickled))]]
     prefix = _PAIR.pack(2, 16 + head_size + size, head_size, size)
     tail = name + pickled
     pack = _HEAD.pack
-    if len(ranks) == 1:  # no comprehension: a tenth of the call's own time at one rank
-        return [[prefix + pack(CALL, call_id, ranks[0]) + tail]]
     return [[prefix + pack(CALL, call_id, rank) + tail] for rank in ranks]
 
 

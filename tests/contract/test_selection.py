@@ -66,6 +66,26 @@ def test_calling_a_dead_rank_raises_worker_died_at_once(group, kill):
     assert group.call("rank", workers=[0, 2]) == [0, 2]
 
 
+def test_a_pipelined_selection_sees_its_ranks_death_and_their_recreation(group, kill):
+    # the same selection again and again (one record of options: the pipelined loop's)
+    view = group.options(workers=[0, 1])
+    for _ in range(3):
+        assert view.call("rank") == [0, 1]
+        assert [f.result(timeout=30) for f in
+                [group.call_async("rank", workers=[1]) for _ in range(50)]] == [[1]] * 50
+    kill(group, 1)
+    with pytest.raises(WorkerDied) as info:  # at once: nothing is sent
+        group.call_async("rank", workers=[1])
+    assert info.value.rank == 1
+    with pytest.raises(WorkerDied) as info:
+        view.call("rank")
+    assert info.value.rank == 1
+    assert group.call_async("rank", workers=[0]).result(timeout=30) == [0]
+    group.recreate(1)
+    assert group.call_async("rank", workers=[1]).result(timeout=30) == [1]
+    assert view.call("rank") == [0, 1]
+
+
 def test_a_call_racing_a_fresh_death_fails_promptly(group, ranks):
     group.call_one(2, "pid")
     ranks.kill(group, 2, wait=False)  # the controller has not noticed yet
