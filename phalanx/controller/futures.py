@@ -46,7 +46,7 @@ import concurrent.futures
 import logging
 import pickle
 from collections.abc import Callable, Generator, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from phalanx import config
 from phalanx.errors import CallTimeout, SerializationError
@@ -174,13 +174,17 @@ class GroupFuture:
         self.method = method
         self._ranks = ranks  # never mutated (it may be shared with the group)
         self._dispatcher = dispatcher
-        # each place's answer as it came: a RESULT's segments, a _Span, None (failed)
-        self._values: list[Any] = [_PENDING] * len(ranks)
+        # each place's answer as it came: a RESULT's segments, a _Span, None (failed); a
+        # one-rank call's, once answered, a tuple (never written again), as is its _out
+        # once decoded: the collector stops tracking a tuple of untracked objects, and a
+        # loop of pipelined calls keeps thousands of futures
+        count = len(ranks)
+        self._values: list[Any] | tuple[Any, ...] = [_PENDING] * count
         self._decoded = 0  # bit i set once _out[i] holds the decoded value
-        self._out: list[Any] | None = None  # the decoded values
+        self._out: list[Any] | tuple[Any, ...] | None = None  # the decoded values
         self._spans: list[_Span] | None = None  # the runs of answers that came together
         self._errors: dict[int, BaseException] | None = None
-        self._remaining = len(ranks)
+        self._remaining = count
         self._failed = -1  # index of the first failed rank
         self._cancelled = False
         # a rank's place, for calls on more than _POSITIONS_FROM ranks: made when first
@@ -311,7 +315,7 @@ class GroupFuture:
             adopting.future = previous
         if self._out is None:
             self._out = [None] * len(self._values)
-        self._out[i] = value
+        cast("list[Any]", self._out)[i] = value  # (a tuple only once all are decoded)
         self._decoded |= 1 << i
         return value
 
@@ -371,9 +375,8 @@ class GroupFuture:
                         value = _loads(only[0])
                     except Exception:  # noqa: BLE001 - redone below, naming the rank
                         pass
-                    else:  # the value takes its answer's place, which is its _out too:
-                        values[0] = value  # no other list kept (the collector's work
-                        self._out = values  # grows with every object a future keeps)
+                    else:  # (see __init__: a tuple, and the answer's bytes go)
+                        self._values = self._out = (value,)
                         self._decoded = 1
                         return [value]
             adopting, previous = ADOPTING, ADOPTING.future
@@ -629,17 +632,21 @@ class Call(GroupFuture):
 
     def resolve_rank(self, rank: int, segments: Sequence[Any]) -> None:
         """``rank`` answered with ``segments`` (decoded on first access)."""
-        positions = self._positions
-        if positions is None:
-            i = 0 if len(self._ranks) == 1 else self._index(rank)
+        values = self._values
+        if len(values) == 1:
+            if values[0] is not _PENDING:
+                return
+            self._values = (segments,)  # (see __init__)
         else:
-            i = positions[rank]
-        if self._values[i] is _PENDING:
-            self._values[i] = segments
-            self._remaining -= 1
-            if self._remaining == 0 and (self._callbacks is not None or self._holds is not None
-                                         or self._failed >= 0 or self._fanned is not None):
-                self._settle()
+            positions = self._positions
+            i = self._index(rank) if positions is None else positions[rank]
+            if values[i] is not _PENDING:
+                return
+            cast("list[Any]", values)[i] = segments
+        self._remaining -= 1
+        if self._remaining == 0 and (self._callbacks is not None or self._holds is not None
+                                     or self._failed >= 0 or self._fanned is not None):
+            self._settle()
 
     def resolve_span(self, lo: int, gathered: Gathered) -> bool:
         """The ranks at places ``lo`` to ``lo + len(gathered)`` answered, together
@@ -654,7 +661,7 @@ class Call(GroupFuture):
         elif not all(values[i] is _PENDING for i in range(lo, hi)):
             return False
         span = _Span(gathered, lo)
-        values[lo:hi] = [span] * count
+        cast("list[Any]", values)[lo:hi] = [span] * count
         if self._spans is None:
             self._spans = [span]
         else:
@@ -683,7 +690,7 @@ class Call(GroupFuture):
         if self._errors is None:
             self._errors = {}
         self._errors[i] = error
-        self._values[i] = None
+        cast("list[Any]", self._values)[i] = None
         self._remaining -= 1
         if self._failed < 0:
             self._failed = i
