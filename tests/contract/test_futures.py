@@ -54,6 +54,20 @@ def test_per_rank_futures(group):
     assert future.ranks == [0, 1] and len(future) == 2
 
 
+def test_each_result_is_a_list_of_its_own_and_the_rank_future_agrees(group):
+    # pipelined one-rank calls, the form whose answers are kept the leanest way
+    futures = [group.call_async("add", i, 1, workers=[1]) for i in range(200)]
+    for i, future in enumerate(futures):
+        first = future.result(timeout=30)
+        assert first == [i + 1]
+        first.append("changed by the caller")
+        assert future.result() == [i + 1]
+        assert future.futures[0].result() == i + 1 and future.futures[0].rank == 1
+    late = group.call_async("add", 2, 3, workers=[0])
+    (rank_future,) = late.futures  # read through the rank's future first
+    assert rank_future.result(timeout=30) == 5 and late.result() == [5]
+
+
 def test_await_inside_asyncio_run(group):
     async def main():
         first = group.call_async("sleep", 0.2, value="a")
