@@ -226,15 +226,8 @@ class Sender:
         call_id = next(self._call_ids)
         future = Call(method, ranks, self._dispatcher,
                       type(workers) is str and workers in ("ready", "any"), self._kept)
-        frames = protocol.small_call_frames(call_id, ranks, method, payload[0])
-        if len(ranks) == 1:  # _deliver, for one rank: a tenth of the path's own time
-            entry = self._entries[ranks[0]]
-            entry.calls[call_id] = future  # type: ignore[union-attr]
-            entry.channel.send(frames[0])  # type: ignore[union-attr]
-            if not entry.alive:  # type: ignore[union-attr]
-                self._fail_if_dead(entry, call_id, future)  # type: ignore[arg-type]
-        else:
-            self._deliver(call_id, ranks, future, frames)
+        self._deliver(call_id, ranks, future,
+                      protocol.small_call_frames(call_id, ranks, method, payload[0]))
         return future
 
     def _channels(self, ranks: list[int]) -> list[Channel]:

@@ -230,7 +230,7 @@ def call_frames(
 SMALL_PAYLOAD = framing.SMALL_FRAME  # a pickle shorter than this frames as one bytes object
 _NAMES: dict[str, bytes] = {}  # a method's name, encoded (the hot path's, flags 0)
 _PAIR = struct.Struct("<IQQQ")  # a two-segment frame's prefix (see framing's layout)
-_PAIR_HEAD = struct.Struct("<IQQQBQI")  # that prefix and a header, packed at once
+_PAIR_HEAD = struct.Struct(_PAIR.format + _HEAD.format[1:])  # that prefix and a header
 
 
 def small_call_frames(call_id: int, ranks: Sequence[int], method: str,
