@@ -180,6 +180,7 @@ class Probe:
         """A cleanup method for shutdown(cleanup=...): marks that it ran on this rank."""
         if my_rank() == self.kwargs.get("fail_cleanup_on"):
             raise RuntimeError("cleanup failed on purpose")
+        time.sleep(self.kwargs.get("cleanup_delay", 0.0))
         Path(self.kwargs["marker_dir"], f"rank{my_rank()}").write_text(str(os.getpid()))
 
     # -- crash matrix --

@@ -45,7 +45,7 @@ from phalanx.controller.state import Gate, GroupState
 from phalanx.controller.trace import SPANS_TIMEOUT, Trace
 from phalanx.controller.watch import RankHealth, StackReport, StartupReport, Watcher
 from phalanx.controller.watchdog import Watchdog
-from phalanx.errors import MembershipEvent, PhalanxError
+from phalanx.errors import CallTimeout, MembershipEvent, PhalanxError
 from phalanx.options import check_seconds
 from phalanx.world.frameworks import WorldPart
 from phalanx.world.selection import Workers
@@ -686,10 +686,7 @@ class WorkerGroup(CallForms):
             self._undetach()
         deadline = time.monotonic() + (float("inf") if timeout is None else timeout)
         if cleanup is not None and not force:
-            try:
-                self.options(workers="ready", timeout=timeout).call(cleanup)
-            except PhalanxError as exc:
-                logger.warning("cleanup method %r failed: %s", cleanup, exc)
+            self._run_cleanup(cleanup, timeout, deadline)
         # An operation in progress in another thread (a recreate) ends first, or by the
         # deadline at most; the state is CLOSING meanwhile.
         wait = config.DEFAULT_TERM_GRACE if timeout is None else timeout
@@ -705,6 +702,29 @@ class WorkerGroup(CallForms):
                 if self._lease is not None:  # its pool's slots are free again
                     self._lease.release()
                 GROUP_NAMES.release(self._name)  # and its name
+
+    def _run_cleanup(self, cleanup: str, timeout: float | None, deadline: float) -> None:
+        """Run ``cleanup`` on every ready rank and wait for each to end, by the deadline at
+        most: one rank's failure is logged, and never cuts another rank's cleanup short."""
+        try:
+            futures = self.options(workers="ready").call_async(cleanup).futures
+        except PhalanxError as exc:
+            logger.warning("cleanup method %r failed: %s", cleanup, exc)
+            return
+        for rank_future in futures:
+            left = None if timeout is None else max(0.0, deadline - time.monotonic())
+            try:
+                rank_future.exception(timeout=left)
+            except CallTimeout:  # the deadline passed: the teardown ends the rest
+                break
+        for rank_future in futures:
+            error = rank_future.exception(timeout=0.0) if rank_future.done() else None
+            if error is not None:
+                logger.warning("cleanup method %r failed: %s", cleanup, error)
+        late = [f.rank for f in futures if not f.done()]
+        if late:
+            logger.warning("cleanup method %r did not end within %s s on ranks %s of group %s; "
+                           "the shutdown ends them", cleanup, timeout, late, self._name)
 
     def __enter__(self) -> WorkerGroup:
         return self
