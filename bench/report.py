@@ -86,6 +86,8 @@ TARGETS = [
         RAY_SUBJECT,
         RAY_BASE,
     ),
+    Target("W4 phalanx-ray broadcast (plain call) <= raw ray actors", "W4.seconds", "ratio",
+           "<=", 1.0, RAY_SUBJECT, RAY_BASE),
     Target("W5 phalanx-ray death detection <= raw ray actors", "W5.kill", "ratio", "<=", 1.0,
            RAY_SUBJECT, RAY_BASE),
     Target("W1@16 phalanx-ray startup <= raw ray actors", "W1.startup.16", "ratio", "<=", 1.0,

@@ -16,8 +16,8 @@ helper thread (a moment for the last stderr lines) and posted, so the dispatcher
 never waits on it. Both are the node side's one routine for a dead rank
 (:class:`phalanx.node.spawn.Burial`).
 
-Put objects are held once, in this process, for every simulated node: a pooled
-:class:`phalanx.node.shm.Holder`.
+Put objects are held once, in this process, for every simulated node
+(:class:`phalanx.backends.ownblocks.OwnBlocks`).
 """
 
 from __future__ import annotations
@@ -32,13 +32,14 @@ from typing import TYPE_CHECKING, Any
 from phalanx import config
 from phalanx.backends.base import Backend, Boot, Channel, EventSink, Node, RankStart
 from phalanx.backends.held import HeldObject
+from phalanx.backends.ownblocks import OwnBlocks
 from phalanx.backends.parts import Capabilities
 from phalanx.errors import ProcessFailure
 from phalanx.node import shm
 from phalanx.node import spawn as node
 from phalanx.node.machine import pick_free_ports, visible_gpus
 from phalanx.output.logs import LogPump, OutputOptions, OutputTap
-from phalanx.wire import framing, protocol
+from phalanx.wire import framing
 from phalanx.world.devices import DeviceBook
 from phalanx.world.layout import Layout, split_gpus
 
@@ -176,8 +177,7 @@ class LocalBackend(Backend):
         self._gpus = visible_gpus()
         self._node_gpus: list[tuple[str, ...]] | None = None  # on a pool: each node's
         self._holder: str | None = None  # its group's name in the book of devices
-        self._objects = shm.Holder(shm.Pool(_alive))  # every simulated node's copies
-        self._objects_lock = threading.Lock()  # an object is written once, however shared
+        self._objects = OwnBlocks(_alive)  # every simulated node's copies
 
     def place_on(self, node_gpus: list[tuple[str, ...]]) -> None:
         """Run the group on a pool's slots: node n gets ``node_gpus[n]`` (before
@@ -292,39 +292,16 @@ class LocalBackend(Backend):
     # -- held objects (ObjectHolding): one copy in this process for every node --------------
 
     def share(self, obj: HeldObject, channels: Sequence[Channel]) -> None:
-        """Write the object into a block of this process (a pooled one, see
-        :class:`phalanx.node.shm.Holder`) once; tell each rank where it is."""
-        with self._objects_lock:
-            location = self._objects.where(obj.id)
-            if location is None:
-                if obj.segments is None:
-                    return  # freed meanwhile
-                location = self._objects.hold(obj.id, obj.token, obj.segments,
-                                              writable=obj.tensors)
-                obj.segments = None  # the block is the copy now
-            self._objects.told(obj.id, channels)
-        for channel in channels:
-            channel.send(protocol.share_frame(channel.ranks[0], obj.id, obj.token, location))
+        self._objects.share(obj, channels)
 
     def unshare(self, obj: HeldObject, channels: Sequence[Channel]) -> None:
-        for channel in channels:
-            channel.send(protocol.unshare_frame(channel.ranks[0], obj.id))
-        # reused once each rank told of it let go of every view (RELEASED)
-        self._unmap(self._objects.drop(obj.id, channels))
+        self._objects.unshare(obj, channels)
 
     def released(self, channel: Channel, ref_id: int) -> None:
-        self._unmap(self._objects.released(ref_id, channel))
+        self._objects.released(channel, ref_id)
 
     def segments(self, obj: HeldObject) -> list[Any] | None:
         return obj.segments if obj.segments is not None else self._objects.parts(obj.id)
-
-    @staticmethod
-    def _unmap(unmaps: list[tuple[str, set[Any]]]) -> None:
-        """Closed blocks: the ranks that mapped them let go of their mappings too."""
-        for name, readers in unmaps:
-            for channel in readers:
-                if _alive(channel):
-                    channel.send(protocol.unmap_frame(channel.ranks[0], name))
 
     def _stop(self, channels: list[Channel], *, grace: float, force: bool) -> None:
         node.stop_processes(_procs(channels), grace=grace, force=force)

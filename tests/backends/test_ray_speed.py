@@ -3,8 +3,10 @@ rank killed from outside fails its call with its signal and its last words every
 controller reads the exit status from the kernel as the rank's stream ends, not waiting for
 Ray to learn of the death, nor missing it when the raylet reaps the actor first); a rank
 that never uses Ray's serializer does not pay for Ray's serialization context, which still
-works when it does; its start leaves nothing in Ray's store; and a rank that exits on its
-own is told with its code, though its actor's ``serve`` returns nothing."""
+works when it does; its start leaves nothing in Ray's store; a rank that exits on its
+own is told with its code, though its actor's ``serve`` returns nothing; and a put object
+or a large argument reaches the ranks on the controller's machine from the controller's
+own memory (one copy, as on the local backend), the others through Ray's store."""
 
 from __future__ import annotations
 
@@ -55,6 +57,23 @@ class Costs(Probe):
         import ray
 
         return ray.get(refs["ref"], timeout=30)
+
+    def sources(self) -> list[object]:
+        """Where each put object this rank was told of is: the pid of the process whose
+        block holds it, or "ray" (Ray's object store)."""
+        from phalanx.rank.shared import RANK_SHARES, RAY_LOCATION
+
+        return sorted((str(w[0]) if w[0] == RAY_LOCATION else w[0])
+                      for _, w in RANK_SHARES._where.values())
+
+    def total(self, array) -> float:
+        return float(array.sum())
+
+    def scribble(self, array) -> float:
+        """The array's sum before this rank writes into it (its own copy of the page)."""
+        total = float(array.sum())
+        array[:] = -1.0
+        return total
 
 
 def test_a_rank_killed_from_outside_fails_its_call_with_its_signal_every_time():
@@ -173,3 +192,28 @@ def test_a_start_whose_key_is_taken_goes_as_an_argument():
     finally:
         internal_kv._internal_kv_del(key, namespace=START_STORE)
         remove_placement_group(pg)
+
+
+def test_objects_reach_ranks_on_the_controllers_machine_from_its_own_memory():
+    """The test cluster's nodes are all this machine: their ranks map the controller's
+    block (no copy in Ray's store, no store actor); ranks made to stand for another
+    machine (``PHALANX_BLOCK_DOMAIN``) read Ray's store, through a node's store actor for
+    writable arguments. Either way, an argument's pages are each rank's own to write."""
+    import numpy as np
+
+    from phalanx.config import AUTO_SHARE_BYTES
+
+    with px.WorkerGroup(Costs, procs_per_node=2, backend="ray", echo_output=False) as near, \
+            px.WorkerGroup(Costs, procs_per_node=2, backend="ray", echo_output=False,
+                           env={"PHALANX_BLOCK_DOMAIN": "another-machine"}) as far:
+        array = np.arange(1000, dtype=np.float64)
+        big = np.ones(AUTO_SHARE_BYTES // 8 * 2)
+        for group, source in ((near, os.getpid()), (far, "ray")):
+            ref = group.put(array)
+            assert group.call("total", ref) == [float(array.sum())] * 2
+            assert group.call("sources") == [[source]] * 2
+            ref.free()
+            for _ in range(2):  # the second call's block is the first's, reused
+                assert group.call("scribble", big) == [float(big.size)] * 2
+            assert group.call("sources") == [[]] * 2
+        assert float(big.sum()) == big.size

@@ -55,6 +55,7 @@ from typing import Any
 from phalanx import config
 from phalanx.backends.base import Backend, Boot, Channel, Node, RankStart
 from phalanx.backends.held import HeldObject
+from phalanx.backends.ownblocks import OwnBlocks, maps_blocks_of_here
 from phalanx.backends.parts import Capabilities, SlotReservation
 from phalanx.backends.ray import session as ray_session
 from phalanx.backends.ray.channel import (
@@ -240,6 +241,7 @@ class RayBackend(Backend):
         self._services = ChannelServices(ray, self._writer, self._logs)
         self._watch_lock = threading.Lock()
         self._watched: dict[Any, RayChannel] = {}
+        self._own = OwnBlocks(_alive)  # put objects for the ranks on this machine
         self._host, self._port, self._local_name = "", 0, ""  # (the Unix socket's path)
         if self._relayed:
             console.notice("phalanx: calls to this group go through Ray's own calls (the "
@@ -270,6 +272,8 @@ class RayBackend(Backend):
         elif hello.role == handshake.ROLE_CONTROL and sock.family == socket.AF_UNIX:
             # a rank in its actor's process on this machine: its end is watched from here
             watch = ExitWatch.of_peer(sock) if channel.ray_worker else None
+            channel.maps_own_blocks = (watch is not None and channel.blocks_here
+                                       and maps_blocks_of_here(watch.pid))
             channel.connected_pipes(*hand_over_pipes(sock), exits=watch)
         else:
             channel.connected(hello.role, sock, hello.auth)
@@ -596,6 +600,7 @@ class RayBackend(Backend):
         finally:
             for thread in self._threads:
                 thread.join(timeout=5)
+            self._own.close()
             if self._logs is not None:
                 self._logs.stop()
             if self._writer is not None:
@@ -605,21 +610,36 @@ class RayBackend(Backend):
                 self._session = None
 
     def share(self, obj: HeldObject, channels: Sequence[Channel]) -> None:
-        """Into Ray's object store once; ranks in Ray workers read it from there, others
-        through a store actor on their node (:mod:`phalanx.backends.ray.store`)."""
-        self._node_side().share(obj, channels, lambda c: self._bundles[c.rank].node_id)
+        """Ranks that map this process's blocks (on the controller's machine) read it from
+        one of them, as the local backend's ranks do; the others from Ray's object store,
+        put there once: ranks in Ray workers read it there, others through a store actor
+        on their node (:mod:`phalanx.backends.ray.store`)."""
+        here, there = _by_reach(channels)
+        if here:
+            self._own.share(obj, here, keep_segments=bool(there), fetch=lambda: (
+                None if self._shares is None else self._shares.segments(obj.id)))
+        if there:
+            self._node_side().share(obj, there, lambda c: self._bundles[c.rank].node_id,
+                                    fetch=lambda: self._own.parts(obj.id))
 
     def unshare(self, obj: HeldObject, channels: Sequence[Channel]) -> None:
+        here, there = _by_reach(channels)
+        self._own.unshare(obj, here)
         if self._shares is not None:
-            self._shares.unshare(obj, channels)
+            self._shares.unshare(obj, there)
 
     def released(self, channel: Channel, ref_id: int) -> None:
-        return None  # Ray's store keeps an object's pages while any view of them lives
+        # a block of this process: reused once its readers let go of it (Ray's store keeps
+        # an object's pages while any view of them lives)
+        self._own.released(channel, ref_id)
 
     def segments(self, obj: HeldObject) -> list[Any] | None:
-        if obj.segments is not None or self._shares is None:
+        if obj.segments is not None:
             return obj.segments
-        return self._shares.segments(obj.id)
+        parts = self._own.parts(obj.id)
+        if parts is None and self._shares is not None:
+            parts = self._shares.segments(obj.id)
+        return parts
 
     def free_port(self, node: Node) -> int:
         """Asked of the node's store actor (its ranks' actors are busy running them)."""
@@ -655,3 +675,18 @@ class RayBackend(Backend):
 
             remove_placement_group(self._pg)
         self._pg, self._own_pg = None, False
+
+
+def _alive(channel: Any) -> bool:
+    """Whether a rank's channel still has its rank (the pool's question: can it still say
+    RELEASED?)."""
+    return isinstance(channel, RayChannel) and channel.alive()
+
+
+def _by_reach(channels: Sequence[Channel]) -> tuple[list[Channel], list[Channel]]:
+    """``channels`` split: the ranks that map this process's blocks, and the others."""
+    here: list[Channel] = []
+    there: list[Channel] = []
+    for channel in channels:
+        (here if getattr(channel, "maps_own_blocks", False) else there).append(channel)
+    return here, there

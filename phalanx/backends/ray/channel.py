@@ -30,6 +30,7 @@ from phalanx.errors import AuthenticationError, ProcessFailure
 from phalanx.node.spawn import Burial
 from phalanx.node.warden import SideStream
 from phalanx.output.logs import LogPump, OutputTap
+from phalanx.rank.kept import machine as blocks_of_here
 from phalanx.wire import framing, handshake, protocol, seal, streams
 from phalanx.wire.admission import Admission
 
@@ -108,6 +109,11 @@ class RayChannel(Channel):
         self.pid: int | None = None  # the rank's process (READY says it; so does serve)
         self.serve_ref: Any = None
         self.ray_worker = True  # the rank runs in its actor's Ray worker (not framework="ray")
+        # on the controller's machine, seeing its processes and files: the rank maps put
+        # objects from the controller's own blocks (phalanx.backends.ownblocks); never a
+        # rank made to stand for another machine (its own PHALANX_BLOCK_DOMAIN)
+        self.maps_own_blocks = False
+        self.blocks_here = start.env.get(config.ENV_BLOCK_DOMAIN) in (None, blocks_of_here())
         self._services = services
         self._lock = threading.Lock()
         self._conn: framing.Connection | None = None
@@ -194,6 +200,10 @@ class RayChannel(Channel):
         self._queued = []
         if self._sink is not None:
             self._sink.watch(conn.read_fd, self)
+
+    def alive(self) -> bool:
+        """Whether the rank is still there (to answer, or to unmap)."""
+        return not self._closed and not self._burial.claimed
 
     def attach(self, sink: EventSink) -> None:
         with self._lock:

@@ -70,16 +70,20 @@ class RayShares:
         self._held: dict[tuple[int, str], Location] = {}  # (ref id, node id) -> location
         self._lock = threading.Lock()
 
-    def share(self, obj: Any, channels: Sequence[Any], node_of: Callable[[Any], str]) -> None:
+    def share(self, obj: Any, channels: Sequence[Any], node_of: Callable[[Any], str],
+              fetch: Callable[[], list[Any] | None] = lambda: None) -> None:
+        """Put the object into Ray's store once (from its segments, else from ``fetch()``:
+        the controller's own copy); tell each channel's rank where to read it."""
         ray = self._ray
         import numpy
 
         with self._lock:
             data = self._objects.get(obj.id)
             if data is None:
-                if obj.segments is None:
+                parts = obj.segments if obj.segments is not None else fetch()
+                if parts is None:
                     return  # freed meanwhile
-                data = ray.put([numpy.frombuffer(s, numpy.uint8) for s in obj.segments])
+                data = ray.put([numpy.frombuffer(s, numpy.uint8) for s in parts])
                 self._objects[obj.id] = data
                 obj.segments = None  # Ray's store has it now
         by_node: dict[str, list[Any]] = {}
