@@ -5,6 +5,7 @@ process's own)."""
 from __future__ import annotations
 
 import gc
+import os
 import pickle
 
 import numpy as np
@@ -242,3 +243,50 @@ def test_a_put_handle_cannot_be_pickled_outside_its_group_s_calls():
     with pytest.raises(TypeError, match="WorkerGroup that put it"):
         pickle.dumps(ref)
     assert "ObjectRef 1: list, 10 B" in repr(ref)
+
+
+def test_only_a_process_that_sees_this_ones_processes_and_files_maps_its_blocks():
+    """What decides whether a Ray rank on this machine maps the controller's blocks: the
+    same pid and mount namespaces (``/proc/<pid>/fd/<n>`` names the block there as here)."""
+    import shutil
+    import subprocess
+
+    from phalanx.backends.ownblocks import maps_blocks_of_here
+
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        assert maps_blocks_of_here(child.pid)
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+    assert not maps_blocks_of_here(child.pid)  # gone
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return
+    # a process in a mount namespace of its own (where the kernel lets this user make one)
+    apart = subprocess.Popen([unshare, "--mount", "--", "sleep", "30"],
+                             stderr=subprocess.DEVNULL)
+    try:
+        if _in_a_namespace_of_its_own(apart, "mnt"):
+            assert not maps_blocks_of_here(apart.pid)
+    finally:
+        apart.kill()
+        apart.wait(timeout=10)
+
+
+def _in_a_namespace_of_its_own(proc, ns: str) -> bool:
+    """Whether ``proc`` runs ``sleep`` in a namespace of kind ``ns`` other than this
+    process's (within 10 s; False where it could not make one)."""
+    import time
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if (os.readlink(f"/proc/{proc.pid}/exe").endswith("sleep")
+                    and os.readlink(f"/proc/{proc.pid}/ns/{ns}")
+                    != os.readlink(f"/proc/self/ns/{ns}")):
+                return True
+        except OSError:
+            pass
+        time.sleep(0.01)
+    return False

@@ -184,6 +184,7 @@ class RayBackend(Backend):
         self._logs: LogPump | None = None
         self._writer: framing.BacklogWriter | None = None
         self._shares: RayShares | None = None
+        self._own = OwnBlocks(_alive)  # put objects for the ranks on this machine
 
     def settings(self) -> dict[str, Any]:
         return {
@@ -241,7 +242,6 @@ class RayBackend(Backend):
         self._services = ChannelServices(ray, self._writer, self._logs)
         self._watch_lock = threading.Lock()
         self._watched: dict[Any, RayChannel] = {}
-        self._own = OwnBlocks(_alive)  # put objects for the ranks on this machine
         self._host, self._port, self._local_name = "", 0, ""  # (the Unix socket's path)
         if self._relayed:
             console.notice("phalanx: calls to this group go through Ray's own calls (the "
