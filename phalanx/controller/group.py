@@ -57,6 +57,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+_CLEANUP_SLICE = config.STACKS_ON_TIMEOUT / 2  # seconds of each wait for a rank's cleanup
+
 _live_groups: weakref.WeakSet[WorkerGroup] = weakref.WeakSet()
 
 
@@ -712,11 +714,14 @@ class WorkerGroup(CallForms):
             logger.warning("cleanup method %r failed: %s", cleanup, exc)
             return
         for rank_future in futures:
-            left = None if timeout is None else max(0.0, deadline - time.monotonic())
-            try:
-                rank_future.exception(timeout=left)
-            except CallTimeout:  # the deadline passed: the teardown ends the rest
-                break
+            # waits short of config.STACKS_ON_TIMEOUT: a late rank's stacks are not asked
+            # for (the teardown ends it; the shutdown is not made later by asking)
+            while not rank_future.done() and time.monotonic() < deadline:
+                try:
+                    rank_future.exception(timeout=max(0.0, min(_CLEANUP_SLICE,
+                                                               deadline - time.monotonic())))
+                except CallTimeout:
+                    continue
         for rank_future in futures:
             error = rank_future.exception(timeout=0.0) if rank_future.done() else None
             if error is not None:
