@@ -62,16 +62,12 @@ _loads = pickle.loads
 logger = logging.getLogger(__name__)
 
 
-class _Pending:
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "<pending>"
-
-
-_PENDING = _Pending()
+# A place still waiting for its rank's answer. A plain object, which the cyclic collector
+# does not track: a one-rank call's places, a tuple of it, go untracked too (see __init__).
+_PENDING = object()
 # a place whose value was decoded (GroupFuture._out holds it) and its answer let go
-_DECODED = _Pending()
+_DECODED = object()
+_ONE_PENDING = (_PENDING,)  # a one-rank call's places before its answer (never written)
 # what one decoding of the same bytes may give every rank of a run: immutable values
 _ATOMS = frozenset((type(None), bool, int, float, complex, str, bytes))
 
@@ -179,7 +175,8 @@ class GroupFuture:
         # once decoded: the collector stops tracking a tuple of untracked objects, and a
         # loop of pipelined calls keeps thousands of futures
         count = len(ranks)
-        self._values: list[Any] | tuple[Any, ...] = [_PENDING] * count
+        self._values: list[Any] | tuple[Any, ...] = (
+            _ONE_PENDING if count == 1 else [_PENDING] * count)
         self._decoded = 0  # bit i set once _out[i] holds the decoded value
         self._out: list[Any] | tuple[Any, ...] | None = None  # the decoded values
         self._spans: list[_Span] | None = None  # the runs of answers that came together
@@ -661,7 +658,10 @@ class Call(GroupFuture):
         elif not all(values[i] is _PENDING for i in range(lo, hi)):
             return False
         span = _Span(gathered, lo)
-        cast("list[Any]", values)[lo:hi] = [span] * count
+        if isinstance(values, tuple):
+            self._values = (*values[:lo], *(span,) * count, *values[hi:])
+        else:
+            values[lo:hi] = [span] * count
         if self._spans is None:
             self._spans = [span]
         else:
@@ -682,6 +682,14 @@ class Call(GroupFuture):
         self._positions = cohort.positions
         self._fanned = (cohort, call_id)
 
+    def _put(self, i: int, value: Any) -> None:
+        """Place ``i`` holds ``value`` now (a one-rank call's places are a tuple)."""
+        values = self._values
+        if isinstance(values, tuple):
+            self._values = (*values[:i], value, *values[i + 1:])
+        else:
+            values[i] = value
+
     def fail_rank(self, rank: int, error: BaseException) -> None:
         """``rank`` failed: the call fails with ``error`` unless another rank failed first."""
         i = self._index(rank)
@@ -690,7 +698,7 @@ class Call(GroupFuture):
         if self._errors is None:
             self._errors = {}
         self._errors[i] = error
-        cast("list[Any]", self._values)[i] = None
+        self._put(i, None)
         self._remaining -= 1
         if self._failed < 0:
             self._failed = i
