@@ -366,10 +366,19 @@ def _table(title: str, rows: list[Row], columns: list[str]) -> None:
             f"{'-':>{cw}}" if v is None else f"{v:>{cw}.3f}" for v in cells))
 
 
-def _target(text: str, ok: bool | None) -> dict[str, Any]:
+def _target(text: str, ok: bool | None, measured: float | None = None,
+            measure: str = "ratio") -> dict[str, Any]:
+    """A goal's verdict, printed; ``measured``: the figure it judged (a ratio, or with
+    ``measure="value"`` a quantity)."""
     verdict = "SKIP" if ok is None else "PASS" if ok else "FAIL"
-    print(f"  {verdict}  {text}")
-    return {"target": text, "result": verdict}
+    shown = "" if measured is None else (f"  measured {measured:.2f}x" if measure == "ratio"
+                                         else f"  measured {measured:.3g}")
+    print(f"  {verdict}  {text}{shown}")
+    return {"target": text, "result": verdict, "measured": measured, "measure": measure}
+
+
+def _over(top: float | None, bottom: float | None) -> float | None:
+    return None if top is None or bottom is None or bottom == 0 else top / bottom
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -457,15 +466,16 @@ def main(argv: list[str] | None = None) -> int:
         beside, on_ray = t.value("handles, Ray up"), t.value("phalanx-ray")
         targets.append(_target("W11: handles >= 1.2x faster than Ray's object refs (timed "
                                "alternately with them)",
-                               None if beside is None or y is None else y >= 1.2 * beside))
+                               None if beside is None or y is None else y >= 1.2 * beside,
+                               _over(y, beside)))
         targets.append(_target("W11: phalanx-ray's handles >= 1.2x faster than Ray's object "
                                "refs", None if on_ray is None or y is None
-                               else y >= 1.2 * on_ray))
+                               else y >= 1.2 * on_ray, _over(y, on_ray)))
         targets.append(_target("W11: handles >= 3x faster than through the controller",
-                               None if h is None or c is None else c >= 3 * h))
+                               None if h is None or c is None else c >= 3 * h, _over(c, h)))
         growth = r.value("handles")
         targets.append(_target("W11: controller RSS growth with handles < 16 MiB",
-                               None if growth is None else growth < 16))
+                               None if growth is None else growth < 16, growth, "value"))
         if w11_soak:
             left = max(w11_soak[k] for k in w11_soak if k.endswith("_growth_mib"))
             targets.append(_target(f"W11 soak: {w11_soak['handoffs']:.0f} handoffs leave no "
