@@ -5,8 +5,11 @@ A block is mapped once and kept (shared, its arrays handed out read-only: no pag
 ever written here), so an object written later into a reused block costs no new mapping.
 An object whose views must be writable -- a call's own arguments, which the method may
 change as it would its own copy, and torch tensors, which have no read-only form -- gets a
-copy-on-write mapping of its own instead, gone with its last view: a write changes only
-this rank's pages, and never outlives the object.
+copy-on-write mapping instead: a write changes only this rank's pages, and never outlives
+the object. Once no view of such an object is left, the pages this rank wrote are dropped
+(:func:`forget_writes`) and its mapping of a pooled block is kept for the block's next
+writable object: a call's large arguments, in a block the holder reuses call after call,
+cost no new mapping of every page each time.
 
 Every buffer of an object (a numpy array's data, a torch tensor's) is handed to pickle as
 a view of a small ctypes object over the block's mapping: whatever the rank builds from it
@@ -87,6 +90,10 @@ class RankShares:
         self._where: dict[int, tuple[str, tuple[Any, ...]]] = {}  # ref id -> (token, location)
         self._objects: dict[int, Any] = {}  # ref id -> the object, once unpickled
         self._maps: dict[str, mmap.mmap] = {}  # block name -> this rank's mapping
+        # copy-on-write mappings of pooled blocks: an object's while its views live (ref
+        # id -> block name, mapping), then spare for the block's next such object
+        self._private: dict[int, tuple[str, mmap.mmap]] = {}
+        self._spare: dict[str, mmap.mmap] = {}  # block name -> a mapping of it no view uses
         self._owners: dict[int, list[Any]] = {}  # ref id -> what its views reference
         self._pending: dict[int, tuple[Any, ...]] = {}  # freed, views left: ref id -> location
         self._lock = threading.Lock()  # calls on a thread pool may resolve at once
@@ -112,9 +119,12 @@ class RankShares:
                 if not private:
                     self._objects[ref_id] = obj
                 return obj
-            pid, fd, name, layout, capacity, _, writable = where[1]
+            pid, fd, name, layout, capacity, pooled, writable = where[1]
             writable = writable or private
-            block = None if writable else self._maps.get(name)
+            if not writable:
+                block = self._maps.get(name)
+            else:  # a spare copy-on-write mapping of the block (see poll)
+                block = self._spare.pop(name, None) if pooled else None
             if block is None:
                 try:
                     block = map_block(pid, fd, name, capacity, writable)
@@ -122,6 +132,8 @@ class RankShares:
                     raise NotShared(f"shared object {ref_id}: {exc}") from None
                 if not writable:
                     self._maps[name] = block
+            if writable and pooled:
+                self._private[ref_id] = (name, block)
             owners = self._owners.setdefault(ref_id, [])
             obj = unpickle(block, layout, writable, owners)
             if not private:
@@ -143,6 +155,7 @@ class RankShares:
             if not location[5]:  # a block of its own (not pooled): unmap it with the views
                 self._owners.pop(ref_id, None)
                 self._maps.pop(location[2], None)
+                self._private.pop(ref_id, None)
                 return
             self._pending[ref_id] = location
         self.poll()
@@ -151,6 +164,7 @@ class RankShares:
         """UNMAP: the holder closed a pooled block (views of it keep their pages)."""
         with self._lock:
             self._maps.pop(name, None)
+            self._spare.pop(name, None)
 
     def poll(self) -> None:
         """Tell holders about freed objects of which no view is left now."""
@@ -161,8 +175,50 @@ class RankShares:
             for ref_id in done:
                 del self._pending[ref_id]
                 self._owners.pop(ref_id, None)
+                private = self._private.pop(ref_id, None)
+                # no view of it left: the mapping is the block's next writable object's,
+                # the pages written here given back now (none can be written meanwhile)
+                if private is not None and forget_writes(private[1]):
+                    self._spare[private[0]] = private[1]
         for ref_id in done:
             self.notify(ref_id)
+
+
+# A page of a copy-on-write mapping that this process wrote is its own (anonymous)
+# copy: /proc/self/pagemap says so in each page's top byte -- present and not a file page,
+# or swapped out. A page never written maps the block's own, as it is now.
+_WRITTEN = bytes(1 if (b & 0x80 and not b & 0x20) or b & 0x40 else 0 for b in range(256))
+_PAGEMAP: list[int] = []  # this process's /proc/self/pagemap, once opened
+
+
+def forget_writes(block: mmap.mmap) -> bool:
+    """Drop the pages this process wrote in copy-on-write mapping ``block``: read again,
+    they are the block's as it is now, and the pages never written stay mapped (a mapping
+    made anew costs every page's mapping again). False where pagemap cannot tell."""
+    import ctypes
+    import mmap
+
+    size = mmap.PAGESIZE
+    try:
+        if not _PAGEMAP:
+            _PAGEMAP.append(os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC))
+        anchor = ctypes.c_char.from_buffer(block)
+        start = ctypes.addressof(anchor)
+        del anchor  # (a buffer export of the mapping while it lives)
+        pages = len(block) // size
+        entries = os.pread(_PAGEMAP[0], pages * 8, start // size * 8)
+    except (OSError, ValueError, BufferError):
+        return False
+    if len(entries) != pages * 8:
+        return False
+    written = entries[7::8].translate(_WRITTEN)
+    first = written.find(1)
+    while first >= 0:
+        end = written.find(0, first)
+        end = pages if end < 0 else end
+        block.madvise(mmap.MADV_DONTNEED, first * size, (end - first) * size)
+        first = written.find(1, end)
+    return True
 
 
 def _in_use(owners: Any) -> bool:

@@ -203,6 +203,40 @@ def test_a_pooled_holder_reuses_a_block_once_its_readers_released_it():
         holder.close()
 
 
+def test_a_calls_arguments_in_a_reused_block_are_the_new_ones_however_the_rank_wrote():
+    """A rank keeps its copy-on-write mapping of a pooled block once no view of the
+    arguments in it is left, and maps the block's next arguments through it: what it wrote
+    is gone, the holder's new bytes are there, pages it never wrote included."""
+    holder = shm.Holder(shm.Pool(alive=lambda reader: True))
+    shares = shmrank.RankShares()
+    released = []
+    shares.notify = released.append
+    size = 1 << 20
+    try:
+        names = set()
+        mapped = []
+        for call in range(1, 5):
+            sent = np.full(size // 8, float(call))
+            where = holder.hold(call, f"t{call}", pickling.dumps(sent))
+            names.add(where[2])
+            holder.told(call, ["rank"])
+            shares.add(call, f"t{call}", where)
+            got = shares.resolve(call, f"t{call}", private=True)
+            assert np.array_equal(got, sent) and got.flags.writeable
+            mapped.append(shares._private[call][1])
+            got[::4096] = -1.0  # this rank's own pages now: one in eight
+            assert got[0] == -1.0 and sent[0] == float(call)  # never the holder's
+            del got
+            shares.drop(call)  # UNSHARE: no view left, RELEASED
+            assert released[-1] == call
+            assert holder.drop(call, ["rank"]) == []
+            holder.released(call, "rank")
+        assert len(names) == 1  # one block, reused call after call
+        assert all(m is mapped[0] for m in mapped)  # and one mapping of it
+    finally:
+        holder.close()
+
+
 def test_a_pooled_holder_names_the_readers_of_each_block_it_closes():
     holder = shm.Holder(shm.Pool(alive=lambda reader: True))
     unmapped = []
