@@ -658,10 +658,7 @@ class Call(GroupFuture):
         elif not all(values[i] is _PENDING for i in range(lo, hi)):
             return False
         span = _Span(gathered, lo)
-        if isinstance(values, tuple):
-            self._values = (*values[:lo], *(span,) * count, *values[hi:])
-        else:
-            values[lo:hi] = [span] * count
+        self._put(lo, span, count)
         if self._spans is None:
             self._spans = [span]
         else:
@@ -682,13 +679,14 @@ class Call(GroupFuture):
         self._positions = cohort.positions
         self._fanned = (cohort, call_id)
 
-    def _put(self, i: int, value: Any) -> None:
-        """Place ``i`` holds ``value`` now (a one-rank call's places are a tuple)."""
+    def _put(self, lo: int, value: Any, count: int = 1) -> None:
+        """Places ``lo`` to ``lo + count`` hold ``value`` now (a one-rank call's places
+        are a tuple)."""
         values = self._values
         if isinstance(values, tuple):
-            self._values = (*values[:i], value, *values[i + 1:])
+            self._values = (*values[:lo], *(value,) * count, *values[lo + count:])
         else:
-            values[i] = value
+            values[lo:lo + count] = [value] * count
 
     def fail_rank(self, rank: int, error: BaseException) -> None:
         """``rank`` failed: the call fails with ``error`` unless another rank failed first."""
