@@ -51,7 +51,7 @@ class CallPath:
         self._checked: Callable[[list[int]], list[int]] = table.checked
         self._encode = sender.encode
         self._send = sender.send
-        self._send_now = sender.send_now
+        self._send_plain = sender.send_plain
 
     def _select(self, method: str, options: CallOptions, scope: Scope,
                 only: list[int] | None = None) -> tuple[list[int], Workers]:
@@ -74,7 +74,7 @@ class CallPath:
         if options.keep:
             return self._send(method, ranks, [payload], workers=workers,  # type: ignore[no-any-return]
                               keep=True)
-        return self._send_now(method, ranks, payload, workers)
+        return self._send_plain(method, ranks, payload, workers)
 
     def call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
              options: CallOptions, scope: Scope, only: list[int] | None = None) -> list[Any]:
@@ -82,8 +82,10 @@ class CallPath:
         ``only``: these ranks, not the options' selection (``call_one``)."""
         ranks, workers = self._select(method, options, scope, only)
         payload = self._encode(args, kwargs)
-        return self._send(method, ranks, [payload], defer=True,  # type: ignore[no-any-return]
-                          workers=workers, keep=options.keep).result(options.timeout)
+        if options.keep:
+            return self._send(method, ranks, [payload], defer=True,  # type: ignore[no-any-return]
+                              workers=workers, keep=True).result(options.timeout)
+        return self._send_plain(method, ranks, payload, workers, True).result(options.timeout)
 
     def map_async(self, method: str, arg_lists: tuple[Sequence[Any], ...],
                   kwarg_lists: dict[str, Sequence[Any]], options: CallOptions, scope: Scope,

@@ -43,6 +43,7 @@ from phalanx.wire import pickling, protocol
 _clock = time.monotonic
 _POLL_EVERY = 0.001  # s: a death older than this is known before the next call goes out
 _SMALL = protocol.SMALL_PAYLOAD  # a pickle framed with its header in one bytes object
+_NO_ARGUMENTS = pickling.NO_ARGUMENTS
 _COHORTS_KEPT = 8  # cohorts of rank selections other than the last one used
 
 if TYPE_CHECKING:
@@ -110,6 +111,8 @@ class Sender:
     def encode(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                rank: int | None = None) -> Payload:
         """The payload of ``(args, kwargs)`` (``rank``: the one it is for, for messages)."""
+        if not args and not kwargs:  # a method called without arguments: nothing to pickle
+            return [_NO_ARGUMENTS]
         plain = pickling.dumps_plain((args, kwargs))
         if plain is not None:
             return plain
@@ -208,17 +211,18 @@ class Sender:
             deliver()
         return future
 
-    def send_now(self, method: str, ranks: list[int], payload: Payload,
-                 workers: Workers) -> GroupFuture:
-        """:meth:`send` of the usual asynchronous call, sent now: one payload for every
-        rank, its result returned (not kept), not streamed. The pipelined loop's path:
-        what :meth:`send` decides call by call is decided here by one test, and its
-        frames are made and written without the general path's steps (a tenth of the
-        controller's CPU per call where calls are pipelined)."""
+    def send_plain(self, method: str, ranks: list[int], payload: Payload,
+                   workers: Workers, defer: bool = False) -> GroupFuture:
+        """:meth:`send` of the usual call: one payload for every rank, its result returned
+        (not kept), not streamed; sent now, or at the first wait (``defer``: a synchronous
+        call). The hot path of ``call`` and ``call_async``: what :meth:`send` decides
+        call by call is decided here by one test, and its frames are made without the
+        general path's steps (a tenth of the controller's CPU per call where calls are
+        pipelined)."""
         if (self.observers or type(payload) is not list or len(payload) != 1
                 or type(payload[0]) is not bytes or len(payload[0]) >= _SMALL
                 or (self._shared_links and len(ranks) > 1)):
-            return self.send(method, ranks, [payload], workers=workers)  # type: ignore[no-any-return]
+            return self.send(method, ranks, [payload], workers=workers, defer=defer)  # type: ignore[no-any-return]
         now = _clock()
         if now - self._polled > _POLL_EVERY:  # as send(): deaths already in, first
             self._polled = now
@@ -226,8 +230,11 @@ class Sender:
         call_id = next(self._call_ids)
         future = Call(method, ranks, self._dispatcher,
                       type(workers) is str and workers in ("ready", "any"), self._kept)
-        self._deliver(call_id, ranks, future,
-                      protocol.small_call_frames(call_id, ranks, method, payload[0]))
+        frames = protocol.small_call_frames(call_id, ranks, method, payload[0])
+        if defer:
+            future.defer(functools.partial(self._deliver, call_id, ranks, future, frames))
+        else:
+            self._deliver(call_id, ranks, future, frames)
         return future
 
     def _channels(self, ranks: list[int]) -> list[Channel]:

@@ -636,10 +636,15 @@ class Call(GroupFuture):
             self._values = (segments,)  # (see __init__)
         else:
             positions = self._positions
-            i = self._index(rank) if positions is None else positions[rank]
+            if positions is not None:
+                i = positions[rank]
+            elif len(self._ranks) <= _POSITIONS_FROM:  # _index, inlined: once per answer
+                i = self._ranks.index(rank)
+            else:
+                i = self._index(rank)
             if values[i] is not _PENDING:
                 return
-            cast("list[Any]", values)[i] = segments
+            values[i] = segments  # type: ignore[index]  # a list: more than one place
         self._remaining -= 1
         if self._remaining == 0 and (self._callbacks is not None or self._holds is not None
                                      or self._failed >= 0 or self._fanned is not None):

@@ -119,6 +119,8 @@ _unpack_length = _TABLES[1].unpack_from
 _unpack_pair = _TABLES[2].unpack_from
 _unpack_prefix = _PREFIX.unpack_from
 _PREFIX_SIZE = _PREFIX.size
+_unpack_pair_frame = _PREFIX_2.unpack_from  # a two-segment frame's prefix and table
+_PAIR_START = _PREFIX_2.size  # where such a frame's first segment starts
 # A large frame (from _BIG_FRAME) is received in place, into a buffer of its own. Up to
 # _WHOLE_FRAME that buffer is the frame's size at once, from the heap. A larger one goes
 # into anonymous memory, whose pages exist only once bytes are written into them, mapped
@@ -246,6 +248,8 @@ class FrameReader:
         self._max_segments: int | None = None
         self._body_cap = HARD_BODY_LIMIT  # what is checked: the limits, or the hard ones
         self._segment_cap = HARD_SEGMENT_LIMIT
+        self._pair_cap = HARD_BODY_LIMIT  # a two-segment frame's largest body (-1: none)
+        self._chunk_view = memoryview(self._chunk)  # the chunk is never resized
         self._pending = getattr(stream, "pending", None)
 
     @property
@@ -257,6 +261,7 @@ class FrameReader:
     def limit(self, value: int | None) -> None:
         self._limit = value
         self._body_cap = HARD_BODY_LIMIT if value is None else min(value, HARD_BODY_LIMIT)
+        self._pair_cap = self._body_cap if self._segment_cap >= 2 else -1
 
     @property
     def max_segments(self) -> int | None:
@@ -268,6 +273,7 @@ class FrameReader:
         self._max_segments = value
         self._segment_cap = (HARD_SEGMENT_LIMIT if value is None
                              else min(value, HARD_SEGMENT_LIMIT))
+        self._pair_cap = self._body_cap if self._segment_cap >= 2 else -1
 
     def recv_frames(self, block: bool = True) -> list[list[Any]]:
         """Receive once and return every frame now complete (possibly none).
@@ -298,6 +304,12 @@ class FrameReader:
         if n == 0:
             raise ConnectionLost("end of stream")
         if not self._buf:  # the usual case: parse straight out of the read buffer
+            if n > _PAIR_START:  # one whole frame of a header and a pickle: nearly every read
+                nseg, body, first, second = _unpack_pair_frame(self._chunk)
+                if (nseg == 2 and n == _PREFIX_SIZE + body and first + second == body - 16
+                        and body <= self._pair_cap):
+                    view, mid = self._chunk_view, _PAIR_START + first
+                    return [[view[_PAIR_START:mid].tobytes(), view[mid:n].tobytes()]]
             return self._parse(self._chunk, n, owned=False)
         with memoryview(self._chunk) as mv:
             self._buf += mv[:n]  # amortised growth: a partial frame is not copied again

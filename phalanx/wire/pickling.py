@@ -158,6 +158,7 @@ def _is_plain(obj: Any, depth: int = 0) -> bool:
 
 
 _NO_ARGUMENTS = pickle.dumps(((), {}), protocol=5)
+NO_ARGUMENTS = _NO_ARGUMENTS  # a call's payload without arguments: ``((), {})`` pickled
 
 
 _NONE = pickle.dumps(None, protocol=5)

@@ -207,7 +207,9 @@ class PipeStream(Stream):
             if not block:
                 raise ValueError("non-blocking read on a blocking pipe")
             return self._read(buf, nbytes)
-        with self._closing:
+        with self._closing:  # _read, inlined for a whole buffer: the pump's every read
+            if nbytes == len(buf):
+                return os.readv(self.read_fd, (buf,))
             return self._read(buf, nbytes)
 
     def _read(self, buf: Any, nbytes: int) -> int:

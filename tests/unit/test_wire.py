@@ -283,6 +283,27 @@ def test_a_malformed_prefix_or_table_is_refused(link, data, words):
         link.drain()
 
 
+@pytest.mark.parametrize(("limit", "most", "words"), [
+    (None, None, None),
+    (100, None, r"a frame of \d+ bytes in 2 segments \(the limit is 100 bytes\)"),
+    (None, 1, r"a frame of 2 segments \(the limit is 1 segments\)"),
+], ids=["within", "over-the-byte-limit", "over-the-segment-limit"])
+def test_a_read_of_exactly_one_header_and_pickle_keeps_the_readers_limits(link, limit, most,
+                                                                         words):
+    """The usual answer comes in one read of one two-segment frame, which the reader cuts
+    without its general parse: the limits hold there too."""
+    link.reader.limit, link.reader.max_segments = limit, most
+    segments = [header(RESULT, 9, 2), bytes(range(80))]
+    link.write(as_bytes(framing.frame(segments)))
+    if words is None:
+        assert [segments_of(f) for f in link.receive(1)] == [segments]
+        link.write(as_bytes(framing.frame(segments)))  # and again, from the same buffer
+        assert [segments_of(f) for f in link.receive(1)] == [segments]
+        return
+    with pytest.raises(framing.FrameTooLarge, match=words):
+        link.drain()
+
+
 def test_an_announced_gigabyte_is_not_allocated_before_it_arrives():
     psutil = pytest.importorskip("psutil")
     link = Link("socket")
