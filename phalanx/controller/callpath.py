@@ -71,10 +71,7 @@ class CallPath:
         """The same arguments (pickled once) to every selected rank."""
         ranks, workers = self._select(method, options, scope)
         payload = self._encode(args, kwargs)
-        if options.keep:
-            return self._send(method, ranks, [payload], workers=workers,  # type: ignore[no-any-return]
-                              keep=True)
-        return self._send_plain(method, ranks, payload, workers)
+        return self._send_plain(method, ranks, payload, workers, False, options.keep)
 
     def call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
              options: CallOptions, scope: Scope, only: list[int] | None = None) -> list[Any]:
@@ -82,10 +79,8 @@ class CallPath:
         ``only``: these ranks, not the options' selection (``call_one``)."""
         ranks, workers = self._select(method, options, scope, only)
         payload = self._encode(args, kwargs)
-        if options.keep:
-            return self._send(method, ranks, [payload], defer=True,  # type: ignore[no-any-return]
-                              workers=workers, keep=True).result(options.timeout)
-        return self._send_plain(method, ranks, payload, workers, True).result(options.timeout)
+        return self._send_plain(method, ranks, payload, workers, True,
+                                options.keep).result(options.timeout)
 
     def map_async(self, method: str, arg_lists: tuple[Sequence[Any], ...],
                   kwarg_lists: dict[str, Sequence[Any]], options: CallOptions, scope: Scope,

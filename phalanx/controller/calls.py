@@ -212,17 +212,18 @@ class Sender:
         return future
 
     def send_plain(self, method: str, ranks: list[int], payload: Payload,
-                   workers: Workers, defer: bool = False) -> GroupFuture:
-        """:meth:`send` of the usual call: one payload for every rank, its result returned
-        (not kept), not streamed; sent now, or at the first wait (``defer``: a synchronous
-        call). The hot path of ``call`` and ``call_async``: what :meth:`send` decides
-        call by call is decided here by one test, and its frames are made without the
+                   workers: Workers, defer: bool = False, keep: bool = False) -> GroupFuture:
+        """:meth:`send` of one payload for every rank, not streamed; sent now, or at the
+        first wait (``defer``: a synchronous call). The path of ``call`` and
+        ``call_async``: the usual call (its result returned, not kept; no observer; a small
+        plain pickle) is told apart by one test, and its frames are made without the
         general path's steps (a tenth of the controller's CPU per call where calls are
-        pipelined)."""
-        if (self.observers or type(payload) is not list or len(payload) != 1
+        pipelined); any other goes through :meth:`send`."""
+        if (keep or self.observers or type(payload) is not list or len(payload) != 1
                 or type(payload[0]) is not bytes or len(payload[0]) >= _SMALL
                 or (self._shared_links and len(ranks) > 1)):
-            return self.send(method, ranks, [payload], workers=workers, defer=defer)  # type: ignore[no-any-return]
+            return self.send(method, ranks, [payload], workers=workers,  # type: ignore[no-any-return]
+                             defer=defer, keep=keep)
         now = _clock()
         if now - self._polled > _POLL_EVERY:  # as send(): deaths already in, first
             self._polled = now

@@ -261,7 +261,7 @@ class FrameReader:
     def limit(self, value: int | None) -> None:
         self._limit = value
         self._body_cap = HARD_BODY_LIMIT if value is None else min(value, HARD_BODY_LIMIT)
-        self._pair_cap = self._body_cap if self._segment_cap >= 2 else -1
+        self._cap_pairs()
 
     @property
     def max_segments(self) -> int | None:
@@ -273,6 +273,10 @@ class FrameReader:
         self._max_segments = value
         self._segment_cap = (HARD_SEGMENT_LIMIT if value is None
                              else min(value, HARD_SEGMENT_LIMIT))
+        self._cap_pairs()
+
+    def _cap_pairs(self) -> None:
+        """What the whole-frame read of :meth:`_recv_once` checks, from the two limits."""
         self._pair_cap = self._body_cap if self._segment_cap >= 2 else -1
 
     def recv_frames(self, block: bool = True) -> list[list[Any]]:
@@ -311,8 +315,7 @@ class FrameReader:
                     view, mid = self._chunk_view, _PAIR_START + first
                     return [[view[_PAIR_START:mid].tobytes(), view[mid:n].tobytes()]]
             return self._parse(self._chunk, n, owned=False)
-        with memoryview(self._chunk) as mv:
-            self._buf += mv[:n]  # amortised growth: a partial frame is not copied again
+        self._buf += self._chunk_view[:n]  # amortised growth: a partial frame is not copied again
         return self._parse(self._buf, len(self._buf), owned=True)
 
     def _read(self, buf: Any, nbytes: int, block: bool) -> int:

@@ -157,8 +157,7 @@ def _is_plain(obj: Any, depth: int = 0) -> bool:
     return False
 
 
-_NO_ARGUMENTS = pickle.dumps(((), {}), protocol=5)
-NO_ARGUMENTS = _NO_ARGUMENTS  # a call's payload without arguments: ``((), {})`` pickled
+NO_ARGUMENTS = pickle.dumps(((), {}), protocol=5)  # a call's payload without arguments
 
 
 _NONE = pickle.dumps(None, protocol=5)
@@ -174,16 +173,6 @@ def dumps_plain(obj: Any) -> list[Any] | None:
     in it can reduce itself: no handle, no buffer), else None."""
     if obj is None:
         return [_NONE]
-    # Structural test only: "==" would run user code (numpy compares element-wise).
-    if (
-        type(obj) is tuple
-        and len(obj) == 2
-        and type(obj[0]) is tuple
-        and not obj[0]
-        and type(obj[1]) is dict
-        and not obj[1]
-    ):
-        return [_NO_ARGUMENTS]
     if _is_plain(obj):
         return [pickle.dumps(obj, protocol=5)]
     return None
