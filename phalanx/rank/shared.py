@@ -191,6 +191,19 @@ _WRITTEN = bytes(1 if (b & 0x80 and not b & 0x20) or b & 0x40 else 0 for b in ra
 _PAGEMAP: list[int] = []  # this process's /proc/self/pagemap, once opened
 
 
+def _forget_pagemap() -> None:
+    """In a forked child: an inherited pagemap descriptor reads the parent's pages (its
+    memory is the one of the process that opened it), so the child opens its own."""
+    while _PAGEMAP:
+        try:
+            os.close(_PAGEMAP.pop())
+        except OSError:
+            pass
+
+
+os.register_at_fork(after_in_child=_forget_pagemap)
+
+
 def forget_writes(block: mmap.mmap) -> bool:
     """Drop the pages this process wrote in copy-on-write mapping ``block``: read again,
     they are the block's as it is now, and the pages never written stay mapped (a mapping

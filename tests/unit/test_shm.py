@@ -237,6 +237,43 @@ def test_a_calls_arguments_in_a_reused_block_are_the_new_ones_however_the_rank_w
         holder.close()
 
 
+def test_a_forked_process_drops_its_own_written_pages_not_by_its_parents_pagemap(tmp_path):
+    """The pagemap descriptor is the memory of the process that opened it: a process
+    forked after its parent opened one (a rank forked from a process that ran calls) reads
+    its own pages, and its writes are dropped."""
+    import mmap
+    import signal
+    import time
+
+    page = mmap.PAGESIZE
+    path = tmp_path / "block"
+    path.write_bytes(bytes(4 * page))
+    with open(path, "rb") as f:
+        parents = mmap.mmap(f.fileno(), 4 * page, flags=mmap.MAP_PRIVATE)
+        assert shmrank.forget_writes(parents)  # the parent's descriptor is open now
+        pid = os.fork()
+        if pid == 0:  # the child: exit status 0 only if its write is gone
+            status = 1
+            try:
+                block = mmap.mmap(f.fileno(), 4 * page, flags=mmap.MAP_PRIVATE)
+                block[page] = 7  # this process's own page now
+                status = 0 if shmrank.forget_writes(block) and block[page] == 0 else 2
+            finally:
+                os._exit(status)
+    deadline = time.monotonic() + 30
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked process did not end within 30 s")
+        time.sleep(0.01)
+    parents.close()
+    assert os.waitstatus_to_exitcode(status) == 0, "the child's written page stayed its own"
+
+
 def test_a_pooled_holder_names_the_readers_of_each_block_it_closes():
     holder = shm.Holder(shm.Pool(alive=lambda reader: True))
     unmapped = []
