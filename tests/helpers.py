@@ -158,7 +158,7 @@ def stray_children() -> list[psutil.Process]:
     for root in CLUSTER_ROOTS:
         try:
             allowed |= {root} | {p.pid for p in psutil.Process(root).children(recursive=True)}
-        except psutil.Error:
+        except (psutil.Error, OSError):  # gone (psutil may say so as its /proc file went)
             pass
     strays = []
     for child in psutil.Process().children(recursive=True):
