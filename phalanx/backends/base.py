@@ -63,9 +63,13 @@ class Receiver(Protocol):
 class EventSink(Protocol):
     """Where a channel delivers events (implemented by the dispatcher). Thread-safe."""
 
-    def watch(self, fd: int, channel: Receiver) -> None:
+    def watch(self, fd: int, channel: Receiver,
+              read: Callable[[], list[list[Any]]] | None = None) -> None:
         """Call ``channel.receive(fd)`` whenever ``fd`` is readable; the events it returns
-        are that channel's."""
+        are that channel's. ``read``, where given, is what ``receive(fd)`` does while the
+        stream is whole, called instead (one call fewer per event): it never blocks, and
+        it raises :class:`~phalanx.wire.streams.ConnectionLost` once the stream ended or
+        broke, when ``receive(fd)`` is called to handle that (it must see the same end)."""
 
     def unwatch(self, fd: int, channel: Receiver | None = None) -> None:
         """Stop watching ``fd`` (before it is closed), if ``channel`` still owns it."""

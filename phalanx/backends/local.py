@@ -81,8 +81,9 @@ class LocalChannel(Channel):
         self._watched = [self.process.conn.read_fd]
         if self.process.death_fd is not None:
             self._watched.append(self.process.death_fd)
+        conn = self.process.conn
         for fd in self._watched:
-            sink.watch(fd, self)
+            sink.watch(fd, self, conn.recv_ready if fd == conn.read_fd else None)
 
     def receive(self, fd: int) -> list[list[Any]]:
         process = self.process

@@ -56,6 +56,7 @@ from phalanx.errors import (
     rank_text,
 )
 from phalanx.wire import protocol, streams
+from phalanx.wire.streams import ConnectionLost
 
 if TYPE_CHECKING:
     from phalanx.backends.base import Channel, Receiver
@@ -149,6 +150,7 @@ class Dispatcher:
         self._poller = select.epoll() if hasattr(select, "epoll") else select.poll()
         self._fd_lock = threading.Lock()  # watch/unwatch: the map and the poller agree
         self._by_fd: dict[int, Receiver] = {}
+        self._reads: dict[int, Callable[[], list[list[Any]]]] = {}  # watch(read=)
         self._by_rank: dict[int, RankEntry] = {}
         # the entries that reported collectives (the collective watch reads these, not
         # every rank, each tick: ten thousand ranks that report none cost it nothing)
@@ -180,9 +182,14 @@ class Dispatcher:
 
     # -- the sink channels deliver to (any thread) ------------------------------------
 
-    def watch(self, fd: int, channel: Receiver) -> None:
+    def watch(self, fd: int, channel: Receiver,
+              read: Callable[[], list[list[Any]]] | None = None) -> None:
         with self._fd_lock:
             self._by_fd[fd] = channel
+            if read is None:
+                self._reads.pop(fd, None)
+            else:
+                self._reads[fd] = read
             try:
                 self._poller.register(fd, select.POLLIN)
             except FileExistsError:  # the number of a descriptor closed without unwatch()
@@ -198,6 +205,7 @@ class Dispatcher:
             if current is None or (channel is not None and current is not channel):
                 return
             del self._by_fd[fd]
+            self._reads.pop(fd, None)
             if self._released:
                 return
             try:
@@ -482,7 +490,14 @@ class Dispatcher:
             if channel is None:
                 continue
             read = True
-            received = channel.receive(fd)
+            fast = self._reads.get(fd)
+            if fast is None:
+                received = channel.receive(fd)
+            else:
+                try:
+                    received = fast()
+                except ConnectionLost:  # the stream's end: its channel's to handle
+                    received = channel.receive(fd)
             if received:
                 self._on_events(channel, received)
         if self._tasks:  # what reading just now asked for (a node lost: calls to fail)
@@ -528,9 +543,10 @@ class Dispatcher:
                 if future is None and entry.cohorts:
                     future = entry.cohort_call(call_id)
                 if future is not None:
-                    # one pickle (nearly every answer): a tuple, which the collector stops
-                    # tracking -- a future keeps its answer until its result is taken
-                    future.resolve_rank(rank, (segs[1],) if len(segs) == 2 else segs[1:])
+                    # one pickle (nearly every answer): its bytes alone, in no container
+                    # for the collector to track -- a future keeps its answer until its
+                    # result is taken, and pipelined calls keep thousands of futures
+                    future.resolve_rank(rank, segs[1] if len(segs) == 2 else segs[1:])
             elif kind == _YIELD:  # an item of a streamed call; RESULT ends the stream
                 future = entry.calls.get(call_id)
                 if future is not None:

@@ -103,7 +103,10 @@ class _Span:
 # In the pickle of an answer that holds px.keep() parts: the function they unpickle by
 # (phalanx.rank.kept.piece). Only a failed call's answers are searched for it.
 _KEPT_PART = b"piece"
-_SEGMENTS = (tuple, list)  # the types an answer's segments come as (one pickle: a tuple)
+# the types an answer's segments come as; any other answer is one pickle alone (bytes, or
+# a memoryview of a large one)
+_SEGMENTS = (tuple, list)
+_PICKLES_ONLY = {bytes}  # the types of a call's answers when each is one pickle alone
 _POSITIONS_FROM = 8  # calls on more ranks than this find a rank's entry through a dict
 
 
@@ -119,7 +122,9 @@ class Completion(Protocol):
         """Made on workers="ready" / "any": a membership change does not fail it."""
 
     def resolve_rank(self, rank: int, segments: Sequence[Any]) -> None:
-        """``rank`` answered: ``segments`` are its encoded value (a pickle and buffers)."""
+        """``rank`` answered: ``segments`` are its encoded value, a pickle and its buffers
+        (a tuple or list), or the pickle alone (bytes or a memoryview: nearly every
+        answer, kept as it came, in no container for the collector to track)."""
 
     def fail_rank(self, rank: int, error: BaseException) -> None:
         """``rank`` failed with ``error`` (the first failure fails the whole call)."""
@@ -170,7 +175,8 @@ class GroupFuture:
         self.method = method
         self._ranks = ranks  # never mutated (it may be shared with the group)
         self._dispatcher = dispatcher
-        # each place's answer as it came: a RESULT's segments, a _Span, None (failed); a
+        # each place's answer as it came: a RESULT's segments (bytes: one pickle alone),
+        # a _Span, None (failed); a
         # one-rank call's, once answered, a tuple (never written again), as is its _out
         # once decoded: the collector stops tracking a tuple of untracked objects, and a
         # loop of pipelined calls keeps thousands of futures
@@ -252,7 +258,8 @@ class GroupFuture:
         for i, value in enumerate(self._values):
             if self._decoded >> i & 1 or value is None or value is _PENDING:
                 continue
-            pickled = value.payload(i)[0] if type(value) is _Span else value[0]
+            pickled = (value.payload(i)[0] if type(value) is _Span
+                       else value[0] if type(value) in _SEGMENTS else value)
             if _KEPT_PART not in (pickled if isinstance(pickled, bytes) else bytes(pickled)):
                 continue
             try:
@@ -297,7 +304,9 @@ class GroupFuture:
         adopting, previous = ADOPTING, ADOPTING.future
         adopting.future = self
         try:
-            if len(payload) == 1:
+            if type(payload) not in _SEGMENTS:  # the pickle alone
+                value = _loads(payload)
+            elif len(payload) == 1:
                 value = _loads(payload[0])
             else:
                 value = _loads(payload[0], buffers=payload[1:])
@@ -366,10 +375,9 @@ class GroupFuture:
             values = self._values
             if len(values) == 1:  # one rank's plain pickle, the pipelined call's
                 only = values[0]
-                if (type(only) in _SEGMENTS and len(only) == 1 and type(only[0]) is bytes
-                        and _KEPT_PART not in only[0]):  # no px.keep() part to adopt
+                if type(only) is bytes and _KEPT_PART not in only:  # no px.keep() part
                     try:
-                        value = _loads(only[0])
+                        value = _loads(only)
                     except Exception:  # noqa: BLE001 - redone below, naming the rank
                         pass
                     else:  # (see __init__: a tuple, and the answer's bytes go)
@@ -400,7 +408,9 @@ class GroupFuture:
         values = self._values
         spans = self._spans
         if spans is None:
-            return [_loads(p[0]) if len(p) == 1 else _loads(p[0], buffers=p[1:])
+            if {*map(type, values)} == _PICKLES_ONLY:  # each answer one pickle: no loop here
+                return list(map(_loads, values))
+            return [_loads(p[0], buffers=p[1:]) if type(p) in _SEGMENTS else _loads(p)
                     for p in values]
         out = list(values)
         covered = 0
@@ -412,6 +422,8 @@ class GroupFuture:
             for i, p in enumerate(values):
                 if type(p) in _SEGMENTS:
                     out[i] = _loads(p[0]) if len(p) == 1 else _loads(p[0], buffers=p[1:])
+                elif p is not None and type(p) is not _Span:  # the pickle alone
+                    out[i] = _loads(p)
         return out
 
     def exception(self, timeout: float | None = None) -> BaseException | None:

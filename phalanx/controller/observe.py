@@ -31,7 +31,12 @@ EVERY_GROUP: list[Observer] = []
 
 
 def nbytes(segments: Sequence[Any]) -> int:
-    """The size of a payload's segments (a pickle and its buffers), in bytes."""
+    """The size of a payload's segments (a pickle and its buffers, or the pickle alone:
+    bytes), in bytes."""
+    if type(segments) is bytes:
+        return len(segments)
+    if isinstance(segments, memoryview):  # a large pickle alone
+        return segments.nbytes
     if len(segments) == 1 and type(segments[0]) is bytes:  # the usual: one small pickle
         return len(segments[0])
     total = 0

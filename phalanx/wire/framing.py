@@ -42,6 +42,7 @@ from phalanx.wire.streams import Stream, WakePipe
 
 TYPE_CHECKING = False  # typing's, without importing typing (the warden starts lean)
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import Any, Protocol
 
     class ByteSource(Protocol):
@@ -276,8 +277,15 @@ class FrameReader:
         self._cap_pairs()
 
     def _cap_pairs(self) -> None:
-        """What the whole-frame read of :meth:`_recv_once` checks, from the two limits."""
+        """What the whole-frame read of :meth:`recv_once` checks, from the two limits."""
         self._pair_cap = self._body_cap if self._segment_cap >= 2 else -1
+
+    @property
+    def holds_bytes(self) -> bool:
+        """Whether its stream holds bytes of its own that no poll announces (TLS, once
+        decrypted): then :meth:`recv_frames` reads on, and :meth:`recv_once` is not
+        enough."""
+        return self._pending is not None
 
     def recv_frames(self, block: bool = True) -> list[list[Any]]:
         """Receive once and return every frame now complete (possibly none).
@@ -287,15 +295,19 @@ class FrameReader:
         frame breaks the reader's limits or is malformed (then on every call: the stream
         cannot go on; the frames complete before it in the same read are not returned).
         """
-        if self._broken is not None:
-            raise self._broken
-        frames = self._recv_once(block)
+        frames = self.recv_once(block)
         pending = self._pending
         while pending is not None and pending():  # TLS: decrypted bytes no poll() announces
-            frames += self._recv_once(False)
+            frames += self.recv_once(False)
         return frames
 
-    def _recv_once(self, block: bool) -> list[list[Any]]:
+    def recv_once(self, block: bool = False) -> list[list[Any]]:
+        """One read, and the frames it completed (possibly none); raises as
+        :meth:`recv_frames`. Alone, for a stream that holds no bytes back (a pipe, a plain
+        socket; not TLS): what a poll loop calls each time the stream is readable (the
+        controller's every answer), in one call."""
+        if self._broken is not None:
+            raise self._broken
         big = self._big
         if big is not None:
             return self._fill_big(big, block)
@@ -588,6 +600,11 @@ class Connection:
         if auth is not None and not isinstance(reader, VerifyingReader):
             reader = VerifyingReader(reader, auth)
         self.reader: FrameReader | VerifyingReader = reader
+        # the frames complete now, never blocking: recv_frames(block=False), in one call
+        # where one read takes all that arrived (a poll loop's read: EventSink.watch)
+        self.recv_ready: Callable[[], list[list[Any]]] = (
+            reader.recv_once if type(reader) is FrameReader and not reader.holds_bytes
+            else lambda: reader.recv_frames(False))
         self._auth = auth  # the handshake's keys: every frame sent is sealed with them
         self._write = stream.write_nowait
         self._lock = threading.Lock()
