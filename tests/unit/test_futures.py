@@ -149,6 +149,40 @@ def test_a_rank_result_is_decoded_once():
     assert CountingLoads.loads == 1
 
 
+# The forms an answer reaches a future in: the pickle alone as the frame's bytes (nearly
+# every answer), the pickle alone as a view of a large frame's buffer, a pickle with its
+# out-of-band buffers, and a pickle in a sequence of its own (an answer gathered by a node).
+ANSWER_FORMS = {
+    "bytes": lambda value: encoded(value)[0],
+    "view": lambda value: memoryview(bytearray(encoded(value)[0])),
+    "segments": lambda value: encoded(value),
+    "one-tuple": lambda value: tuple(encoded(value)[:1]),
+}
+
+
+@pytest.mark.parametrize("form", sorted(ANSWER_FORMS))
+def test_an_answer_in_any_form_it_arrives_in_decodes_to_the_ranks_value(form):
+    values = [{"rank": 0, "blob": b"x" * 100}, None, "two"]
+    if form == "segments":  # a value with a buffer out of band: an array
+        np = pytest.importorskip("numpy")
+        values[1] = np.arange(5)
+    make_answer = ANSWER_FORMS[form]
+    group, futures, _ = make()
+    for handle, value in zip(futures, values, strict=True):
+        handle.resolve(make_answer(value))
+    decoded = group.result()
+    assert decoded[0] == values[0] and decoded[2] == values[2]
+    assert (decoded[1] == values[1]).all() if form == "segments" else decoded[1] is None
+    one, (handle,), _ = make(ranks=(0,))  # a one-rank call (the pipelined call's path)
+    handle.resolve(make_answer(values[0]))
+    assert handle.result() == values[0] and one.result() == [values[0]]
+    mixed, handles, _ = make()  # answers of the forms together: each decoded as its own
+    forms = sorted(ANSWER_FORMS)
+    for i, handle in enumerate(handles):
+        handle.resolve(ANSWER_FORMS[forms[(forms.index(form) + i) % len(forms)]](i))
+    assert mixed.result() == [0, 1, 2] and [h.result() for h in handles] == [0, 1, 2]
+
+
 def test_a_result_that_cannot_be_unpickled_raises_serialization_error_for_that_rank():
     group, futures, _ = make(ranks=(0, 1))
     futures[0].resolve(encoded("fine"))
