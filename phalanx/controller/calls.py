@@ -249,10 +249,10 @@ class Sender:
         self, call_id: int, ranks: list[int], future: Completion, frames: list[list[Any]]
     ) -> None:
         entries = self._entries
-        for i, rank in enumerate(ranks):
+        for rank, frame in zip(ranks, frames, strict=False):  # (as many: the callers')
             entry = entries[rank]
             entry.calls[call_id] = future  # type: ignore[union-attr]
-            entry.channel.send(frames[i])  # type: ignore[union-attr]
+            entry.channel.send(frame)  # type: ignore[union-attr]
             if not entry.alive:  # type: ignore[union-attr]
                 self._fail_if_dead(entry, call_id, future)  # type: ignore[arg-type]
 

@@ -149,8 +149,8 @@ class Dispatcher:
         # epoll: waiting costs the same however many workers the group has.
         self._poller = select.epoll() if hasattr(select, "epoll") else select.poll()
         self._fd_lock = threading.Lock()  # watch/unwatch: the map and the poller agree
-        self._by_fd: dict[int, Receiver] = {}
-        self._reads: dict[int, Callable[[], list[list[Any]]]] = {}  # watch(read=)
+        # each watched descriptor's channel, and its read (watch's read=) or None
+        self._by_fd: dict[int, tuple[Receiver, Callable[[], list[list[Any]]] | None]] = {}
         self._by_rank: dict[int, RankEntry] = {}
         # the entries that reported collectives (the collective watch reads these, not
         # every rank, each tick: ten thousand ranks that report none cost it nothing)
@@ -166,6 +166,7 @@ class Dispatcher:
                 close()
             raise
         self._poller.register(self._wakeup.fd, select.POLLIN)
+        self._wakeup_fd = self._wakeup.fd
         self._poll = self._poller.poll
         self._epoll = hasattr(select, "epoll")
         self._posted: list[tuple[Channel, list[list[Any]]]] = []
@@ -185,11 +186,7 @@ class Dispatcher:
     def watch(self, fd: int, channel: Receiver,
               read: Callable[[], list[list[Any]]] | None = None) -> None:
         with self._fd_lock:
-            self._by_fd[fd] = channel
-            if read is None:
-                self._reads.pop(fd, None)
-            else:
-                self._reads[fd] = read
+            self._by_fd[fd] = (channel, read)
             try:
                 self._poller.register(fd, select.POLLIN)
             except FileExistsError:  # the number of a descriptor closed without unwatch()
@@ -202,10 +199,9 @@ class Dispatcher:
         which a late unwatch must not take away (a rank that would never be heard)."""
         with self._fd_lock:
             current = self._by_fd.get(fd)
-            if current is None or (channel is not None and current is not channel):
+            if current is None or (channel is not None and current[0] is not channel):
                 return
             del self._by_fd[fd]
-            self._reads.pop(fd, None)
             if self._released:
                 return
             try:
@@ -482,15 +478,15 @@ class Dispatcher:
             return False
         read = False
         for fd, _ in events:
-            if fd == self._wakeup.fd:
+            if fd == self._wakeup_fd:
                 self._wakeup.drain()
                 self._take_posted()
                 continue
-            channel = self._by_fd.get(fd)
-            if channel is None:
+            watched = self._by_fd.get(fd)
+            if watched is None:
                 continue
             read = True
-            fast = self._reads.get(fd)
+            channel, fast = watched
             if fast is None:
                 received = channel.receive(fd)
             else:
