@@ -12,7 +12,8 @@ arguments (their pickles, a ``map()`` list's length, a sharded argument's shape)
 
 The path holds the bound methods of the parts a call goes through (the gate's check, the
 method check, the rank table's selection, the sender's encode and send), so a call costs
-no more hops than when they were the group's own.
+no more hops than when they were the group's own; the first two run only where a read of
+the gate's ``shut`` and the known method names says the call will fail.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class CallPath:
     def __init__(self, gate: Gate, methods: MethodNames, table: RankTable,
                  sender: Sender) -> None:
         self.methods = methods
+        self._gate = gate
         self.check_open: Callable[[], None] = gate.check
         self._check_method: Callable[[str], None] = methods.check
         self._select_ranks: Callable[[Workers], list[int]] = table.select
@@ -57,8 +59,10 @@ class CallPath:
                 only: list[int] | None = None) -> tuple[list[int], Workers]:
         """The checks every form makes first (see the module docstring): the ranks to
         call, and the selection they came from."""
-        self.check_open()
-        self._check_method(method)
+        if self._gate.shut:  # (each check a call only where it fails)
+            self.check_open()
+        if method not in self.methods.known:
+            self._check_method(method)
         # (none of these is ever empty: a slice's ranks, a form's own, the options')
         workers = only or scope.workers or options.workers
         ranks = self._select_ranks(workers)

@@ -22,7 +22,8 @@ class MethodNames:
     def __init__(self, target_name: str) -> None:
         self.target_name = target_name  # what the messages call the worker object
         self._names: list[str] | None = None
-        self._set: frozenset[str] = frozenset()
+        # the names checked: a call tests ``method in known`` before :meth:`check`
+        self.known: frozenset[str] = frozenset()
         self._parameters: Mapping[str, Sequence[str]] = {}
 
     def learn(self, methods: Mapping[str, Sequence[str]]) -> None:
@@ -30,7 +31,7 @@ class MethodNames:
         given by (only the first report counts)."""
         if self._names is None:
             self._names = list(methods)
-            self._set = frozenset(methods)
+            self.known = frozenset(methods)
             self._parameters = dict(methods)
 
     def parameters(self, method: str) -> Sequence[str] | None:
@@ -42,13 +43,13 @@ class MethodNames:
         return list(self._names or [])
 
     def __contains__(self, name: object) -> bool:
-        return name in self._set
+        return name in self.known
 
     def check(self, method: str) -> None:
         """TypeError unless ``method`` is a name; AttributeError, naming the methods there
         are, if the worker object has no such public method. Private names pass (the
         worker answers for them)."""
-        if method in self._set:
+        if method in self.known:
             return
         if not isinstance(method, str):
             raise TypeError(f"method must be a name (str), got {method!r}")

@@ -71,6 +71,9 @@ class Gate:
 
     def __init__(self, name: str | None = None) -> None:
         self._state = GroupState.STARTING
+        # True once closing or closed, never False again: what a call tests first, an
+        # attribute read (check() raises, naming the group, where it is True)
+        self.shut = False
         self._what = "this WorkerGroup" if name is None else f"group {name}"
         self._moving = threading.Lock()  # guards a move (read and write of the state)
         # One replacing operation or shutdown at a time; re-entrant: reload() restarts.
@@ -101,6 +104,8 @@ class Gate:
                 raise RuntimeError(f"{self._what}: no move from {self._state.name} to "
                                    f"{to.name}")
             self._state = to
+            if to is _CLOSING or to is _CLOSED:
+                self.shut = True
 
     @contextmanager
     def operation(self, what: str) -> Iterator[None]:
@@ -131,6 +136,7 @@ class Gate:
                     # from REPLACING too: an operation that outlived the wait (or the
                     # thread's own, at exit) ends as its ranks go
                     self._state = GroupState.CLOSING
+                    self.shut = True
             try:
                 yield first
             finally:

@@ -105,3 +105,35 @@ def test_closing_does_not_wait_past_its_bound():
         release.set()
         thread.join(timeout=30)
     assert gate.state is GroupState.CLOSED  # the late operation did not reopen it
+
+
+@pytest.mark.parametrize("through", ["closing", "move"])
+def test_shut_says_a_call_must_fail_exactly_when_check_raises(through):
+    """A call reads ``shut`` instead of calling check(): the two agree in every state."""
+    gate = Gate("g")
+    seen: list[tuple[bool, bool]] = []
+
+    def look() -> None:
+        try:
+            gate.check()
+            raised = False
+        except GroupClosed:
+            raised = True
+        seen.append((gate.shut, raised))
+
+    look()
+    gate.move(GroupState.RUNNING)
+    look()
+    with gate.operation("restart"):
+        look()
+    look()
+    if through == "closing":
+        with gate.closing(1):
+            look()
+    else:
+        gate.move(GroupState.CLOSING)
+        look()
+        gate.move(GroupState.CLOSED)
+    look()
+    assert seen == [(False, False)] * 4 + [(True, True)] * 2
+
