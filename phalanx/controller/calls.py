@@ -249,7 +249,7 @@ class Sender:
         self, call_id: int, ranks: list[int], future: Completion, frames: list[list[Any]]
     ) -> None:
         entries = self._entries
-        for rank, frame in zip(ranks, frames, strict=False):  # (as many: the callers')
+        for rank, frame in zip(ranks, frames, strict=False):  # (one frame per rank)
             entry = entries[rank]
             entry.calls[call_id] = future  # type: ignore[union-attr]
             entry.channel.send(frame)  # type: ignore[union-attr]

@@ -175,11 +175,11 @@ class GroupFuture:
         self.method = method
         self._ranks = ranks  # never mutated (it may be shared with the group)
         self._dispatcher = dispatcher
-        # each place's answer as it came: a RESULT's segments (bytes: one pickle alone),
-        # a _Span, None (failed); a
-        # one-rank call's, once answered, a tuple (never written again), as is its _out
-        # once decoded: the collector stops tracking a tuple of untracked objects, and a
-        # loop of pipelined calls keeps thousands of futures
+        # each place's answer as it came: a RESULT's segments (or its pickle alone, as
+        # bytes), a _Span, None (failed); a one-rank call's, once answered, a tuple (never
+        # written again), as is its _out once decoded: the collector stops tracking a
+        # tuple of untracked objects, and a loop of pipelined calls keeps thousands of
+        # futures
         count = len(ranks)
         self._values: list[Any] | tuple[Any, ...] = (
             _ONE_PENDING if count == 1 else [_PENDING] * count)
