@@ -71,8 +71,9 @@ class Gate:
 
     def __init__(self, name: str | None = None) -> None:
         self._state = GroupState.STARTING
-        # True once closing or closed, never False again: what a call tests first, an
-        # attribute read (check() raises, naming the group, where it is True)
+        # True once closing or closed, never False again (set with the state, at every
+        # move to CLOSING or CLOSED): what a call reads first, and what check() and
+        # closed say
         self.shut = False
         self._what = "this WorkerGroup" if name is None else f"group {name}"
         self._moving = threading.Lock()  # guards a move (read and write of the state)
@@ -86,14 +87,11 @@ class Gate:
     @property
     def closed(self) -> bool:
         """Whether the group is shutting down or shut down."""
-        state = self._state
-        return state is _CLOSING or state is _CLOSED
+        return self.shut
 
     def check(self) -> None:
-        """GroupClosed if the group is shutting down or shut down (before every call:
-        kept cheap, by identity: an enum member's hash is a Python-level call)."""
-        state = self._state
-        if state is _CLOSING or state is _CLOSED:
+        """GroupClosed if the group is shutting down or shut down (before every call)."""
+        if self.shut:
             raise GroupClosed(f"{self._what} has been shut down")
 
     def move(self, to: GroupState) -> None:
@@ -103,9 +101,9 @@ class Gate:
             if to not in MOVES[self._state]:
                 raise RuntimeError(f"{self._what}: no move from {self._state.name} to "
                                    f"{to.name}")
-            self._state = to
             if to is _CLOSING or to is _CLOSED:
-                self.shut = True
+                self.shut = True  # (first: a call is refused from the move on)
+            self._state = to
 
     @contextmanager
     def operation(self, what: str) -> Iterator[None]:
@@ -135,8 +133,8 @@ class Gate:
                 if first:
                     # from REPLACING too: an operation that outlived the wait (or the
                     # thread's own, at exit) ends as its ranks go
-                    self._state = GroupState.CLOSING
                     self.shut = True
+                    self._state = GroupState.CLOSING
             try:
                 yield first
             finally:

@@ -317,6 +317,8 @@ class FrameReader:
             return []
         except OSError as exc:
             raise ConnectionLost(str(exc)) from exc
+        if n == 0:
+            raise ConnectionLost("end of stream")
         if not self._buf:  # the usual case: parse straight out of the read buffer
             if n > _PAIR_START:  # one whole frame of a header and a pickle: nearly every read
                 nseg, body, first, second = _unpack_pair_frame(self._chunk)
@@ -324,11 +326,7 @@ class FrameReader:
                         and body <= self._pair_cap):
                     view, mid = self._chunk_view, _PAIR_START + first
                     return [[view[_PAIR_START:mid].tobytes(), view[mid:n].tobytes()]]
-            elif n == 0:
-                raise ConnectionLost("end of stream")
             return self._parse(self._chunk, n, owned=False)
-        if n == 0:
-            raise ConnectionLost("end of stream")
         self._buf += self._chunk_view[:n]  # amortised growth: a partial frame is not copied again
         return self._parse(self._buf, len(self._buf), owned=True)
 
