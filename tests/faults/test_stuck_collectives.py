@@ -166,14 +166,22 @@ def test_a_late_rank_is_named_as_the_one_waited_for_and_how_late(group, caplog):
     caplog.set_level(logging.WARNING, logger="phalanx.controller.collectivewatch")
     delay = 1.6  # past straggler_warning, well within collective_timeout
     assert group.call("reduce", "late", delay, timeout=60) == [9.0, 9.0, 9.0]
-    waited_for = [r.getMessage() for r in caplog.records if "have waited" in r.getMessage()]
-    assert helpers.wait_until(lambda: sum(
-        "entered all_reduce" in r.getMessage() for r in caplog.records) >= 2, 10), \
+
+    def said(text: str) -> list[str]:
+        return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
+    # both warnings of each collective may land after the call returned, on a loaded machine
+    assert helpers.wait_until(
+        lambda: len(said("have waited")) >= 2 and len(said("entered all_reduce")) >= 2, 10), \
         [r.getMessage() for r in caplog.records]
-    late = [r.getMessage() for r in caplog.records if "entered all_reduce" in r.getMessage()]
+    waited_for, late = said("have waited"), said("entered all_reduce")
     print("\n" + "\n".join(waited_for + late))
     assert len(waited_for) == 2 and all(f"for ranks {CULPRIT}:" in m for m in waited_for)
-    assert all(f"rank {CULPRIT}: it is still in reduce()" in m for m in waited_for)
+    # the first stack is taken while rank 2 still sleeps in reduce() (0.6 s of margin). The
+    # second may be taken after its late entry, once the call has ended: then it is idle
+    assert f"rank {CULPRIT}: it is still in reduce()" in waited_for[0], waited_for[0]
+    assert all(f"rank {CULPRIT}: it is still in reduce()" in m or f"rank {CULPRIT}: it is idle" in m
+               for m in waited_for[1:]), waited_for
     for message in late:
         assert message.startswith(f"rank {CULPRIT} of group {group.name} entered all_reduce")
         seconds = float(message.split(") ")[1].split(" s after")[0])
