@@ -29,7 +29,7 @@ from phalanx.world.calloptions import DEFAULT, FORM_OPTIONS, CallOptions, refuse
 from phalanx.world.selection import Workers
 
 if TYPE_CHECKING:
-    from phalanx.controller.callpath import CallPath
+    from phalanx.controller.callpath import CallPath, Route
     from phalanx.controller.futures import GroupFuture, ShardedFuture, StreamFuture
     from phalanx.controller.meshcalls import Mesh
 
@@ -89,9 +89,9 @@ class CallForms:
         # and makes its record once. Checked records only; a value that is not plain
         # data is checked each time.
         self._made: dict[tuple[Any, ...], CallOptions] = {}
-        # call_async(method, workers=[rank]) alone, the pipelined loop's call: its records
-        # by method and rank, looked up without making a key
-        self._async_one: dict[str, dict[int, CallOptions]] = {}
+        # call_async(method, workers=[rank]) alone, the pipelined loop's call: its routes
+        # (see CallPath.call_routed) by method and rank, looked up without making a key
+        self._async_one: dict[str, dict[int, Route]] = {}
 
     def options(self, **options: Any) -> CallView:
         """A view of these ranks whose calls are made with ``options`` (any of
@@ -163,7 +163,9 @@ class CallForms:
             self._made[key] = options
             if (form == "call_async" and list(taken) == ["workers"]
                     and type(first) is list and len(first) == 1 and type(first[0]) is int):
-                self._async_one.setdefault(method, {})[first[0]] = options
+                route = self._path.route(options, self._scope)
+                if route is not None:
+                    self._async_one.setdefault(method, {})[first[0]] = route
         return options
 
     # -- the forms --------------------------------------------------------------------
@@ -188,14 +190,16 @@ class CallForms:
         Options: ``workers``, ``rank0_only_axes``, ``keep``."""
         options = self._options
         if not (workers is _UNSET and rank0_only_axes is _UNSET and keep is _UNSET):
-            found = None
             if (type(workers) is list and len(workers) == 1 and type(workers[0]) is int
                     and rank0_only_axes is _UNSET and keep is _UNSET):
                 by_rank = self._async_one.get(method)
                 if by_rank is not None:
-                    found = by_rank.get(workers[0])
-            options = found if found is not None else self._given(
-                "call_async", method, kwargs, workers, rank0_only_axes, keep)
+                    route = by_rank.get(workers[0])
+                    if route is not None:
+                        return self._path.call_routed(route, method, args, kwargs,
+                                                      self._scope)
+            options = self._given("call_async", method, kwargs, workers, rank0_only_axes,
+                                  keep)
         return self._path.call_async(method, args, kwargs, options, self._scope)
 
     def call_one(self, rank: int, method: str, /, *args: Any, timeout: float | None = _UNSET,

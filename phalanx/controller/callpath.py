@@ -14,6 +14,11 @@ The path holds the bound methods of the parts a call goes through (the gate's ch
 method check, the rank table's selection, the sender's encode and send), so a call costs
 no more hops than when they were the group's own; the first two run only where a read of
 the gate's ``shut`` and the known method names says the call will fail.
+
+A loop of ``call_async(method, workers=[rank])`` (the pipelined call) goes by a
+:class:`Route`: its ranks, checked once, are used again while no rank died and none was
+placed since (the dispatcher's and the rank table's change counters), and the gate is open.
+Anything else takes the whole path, which makes the route current again.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from phalanx.controller.meshcalls import Mesh, map_payloads
 if TYPE_CHECKING:
     from phalanx.controller.callforms import Scope
     from phalanx.controller.calls import Sender
+    from phalanx.controller.dispatch import Dispatcher
     from phalanx.controller.futures import GroupFuture, StreamFuture
     from phalanx.controller.methods import MethodNames
     from phalanx.controller.ranks import RankTable
@@ -35,18 +41,34 @@ if TYPE_CHECKING:
     from phalanx.world.selection import Workers
 
 
+class Route:
+    """One options record's ``call_async`` of one method, made again and again: the ranks
+    it selected, with the deaths and table version they were checked at (``None`` until
+    a call went the whole path). Made by :meth:`CallPath.route`, kept by the caller."""
+
+    __slots__ = ("checked", "options")
+
+    def __init__(self, options: CallOptions) -> None:
+        self.options = options
+        # (ranks, deaths, version): replaced whole, never changed in place (a thread that
+        # reads it sees one selection and the counters it was made at)
+        self.checked: tuple[list[int], int, int] | None = None
+
+
 class CallPath:
     """One group's calls, on any selection of its ranks.
 
-    Interface: :meth:`call`, :meth:`call_async`, :meth:`map`, :meth:`map_async`,
-    :meth:`call_stream`, :meth:`call_sharded` (each with the call's options and its
-    scope), :meth:`check_open`, :attr:`methods`.
+    Interface: :meth:`call`, :meth:`call_async`, :meth:`call_routed`, :meth:`route`,
+    :meth:`map`, :meth:`map_async`, :meth:`call_stream`, :meth:`call_sharded` (each with
+    the call's options and its scope), :meth:`check_open`, :attr:`methods`.
     """
 
     def __init__(self, gate: Gate, methods: MethodNames, table: RankTable,
-                 sender: Sender) -> None:
+                 sender: Sender, dispatcher: Dispatcher) -> None:
         self.methods = methods
         self._gate = gate
+        self._table = table
+        self._dispatcher = dispatcher
         self.check_open: Callable[[], None] = gate.check
         self._check_method: Callable[[str], None] = methods.check
         self._select_ranks: Callable[[Workers], list[int]] = table.select
@@ -75,6 +97,36 @@ class CallPath:
         """The same arguments (pickled once) to every selected rank."""
         ranks, workers = self._select(method, options, scope)
         payload = self._encode(args, kwargs)
+        return self._send_plain(method, ranks, payload, workers, False, options.keep)
+
+    @staticmethod
+    def route(options: CallOptions, scope: Scope) -> Route | None:
+        """A :class:`Route` for ``call_async`` with ``options`` on ``scope``: None unless
+        its ranks are the options' list of ranks alone (not "ready" or "any", whose ranks
+        change with more than deaths; not narrowed by ``rank0_only_axes`` or a slice)."""
+        if (type(options.workers) is not tuple or options.rank0_only_axes
+                or scope.workers is not None):
+            return None
+        return Route(options)
+
+    def call_routed(self, route: Route, method: str, args: tuple[Any, ...],
+                    kwargs: dict[str, Any], scope: Scope) -> GroupFuture:
+        """:meth:`call_async` with the route's options, by its checked ranks where no rank
+        died or was placed since and the group is open (the checks' outcome is the same)."""
+        checked = route.checked
+        if checked is not None and not self._gate.shut:
+            ranks, deaths, version = checked
+            if deaths == self._dispatcher.deaths and version == self._table.version:
+                options = route.options
+                return self._send_plain(method, ranks, self._encode(args, kwargs),
+                                        options.workers, False, options.keep)
+        # the counters first: a rank that dies while it is selected makes the route stale
+        deaths, version = self._dispatcher.deaths, self._table.version
+        options = route.options
+        ranks, workers = self._select(method, options, scope)
+        payload = self._encode(args, kwargs)
+        if method in self.methods.known:  # (a name checked before any rank was ready: not)
+            route.checked = (ranks, deaths, version)
         return self._send_plain(method, ranks, payload, workers, False, options.keep)
 
     def call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any],

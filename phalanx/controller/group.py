@@ -301,7 +301,7 @@ class WorkerGroup(CallForms):
             membership=membership, methods=methods, sender=sender, shared=shared,
             watchdog=watchdog)
         collectives.release = self._lifecycle.release
-        self._init_forms(CallPath(gate, methods, ranks, sender), Scope(self._mesh))
+        self._init_forms(CallPath(gate, methods, ranks, sender, dispatcher), Scope(self._mesh))
         register(self, GroupInternals(gate, ranks, sender, starter.node_address))
         backend_.open(plan.output)
         undo.callback(backend_.close)  # what it opened, reserved and launched
