@@ -125,8 +125,8 @@ class CallPath:
         options = route.options
         ranks, workers = self._select(method, options, scope)
         payload = self._encode(args, kwargs)
-        if method in self.methods.known:  # (a name checked before any rank was ready: not)
-            route.checked = (ranks, deaths, version)
+        if method in self.methods.known:  # (a name let through before any rank was ready
+            route.checked = (ranks, deaths, version)  # is checked again on its next call)
         return self._send_plain(method, ranks, payload, workers, False, options.keep)
 
     def call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
