@@ -98,8 +98,19 @@ class _Span:
             return [value, *[_loads(same) for _ in range(count - 1)]]
         if gathered.plain:
             return [_loads(p) for p in gathered.pickles()]
-        return [_loads(p[0]) if len(p) == 1 else _loads(p[0], buffers=p[1:])
-                for p in map(gathered.payload, range(count))]
+        return [_decode(p) for p in map(gathered.payload, range(count))]
+
+
+def _decode(answer: Any) -> Any:
+    """One answer's value, in whichever form it came: its pickle alone (bytes, or a
+    memoryview of a large one) or its segments (a pickle and its buffers)."""
+    if type(answer) not in _SEGMENTS:
+        return _loads(answer)
+    if len(answer) == 1:
+        return _loads(answer[0])
+    return _loads(answer[0], buffers=answer[1:])
+
+
 # In the pickle of an answer that holds px.keep() parts: the function they unpickle by
 # (phalanx.rank.kept.piece). A one-rank answer is searched for it before its quick decode,
 # a failed call's answers to free their parts. With find(): `part in pickle` tries the part
@@ -306,12 +317,7 @@ class GroupFuture:
         adopting, previous = ADOPTING, ADOPTING.future
         adopting.future = self
         try:
-            if type(payload) not in _SEGMENTS:  # the pickle alone
-                value = _loads(payload)
-            elif len(payload) == 1:
-                value = _loads(payload[0])
-            else:
-                value = _loads(payload[0], buffers=payload[1:])
+            value = _decode(payload)
         except Exception as exc:
             raise SerializationError(
                 f"could not unpickle the result of {self.method}() from rank "
@@ -412,8 +418,7 @@ class GroupFuture:
         if spans is None:
             if {*map(type, values)} == _PICKLES_ONLY:  # each answer one pickle: no loop here
                 return list(map(_loads, values))
-            return [_loads(p[0], buffers=p[1:]) if type(p) in _SEGMENTS else _loads(p)
-                    for p in values]
+            return [_decode(p) for p in values]
         out = list(values)
         covered = 0
         for span in spans:
@@ -422,10 +427,8 @@ class GroupFuture:
             covered += len(run)
         if covered != len(values):  # some came on their own
             for i, p in enumerate(values):
-                if type(p) in _SEGMENTS:
-                    out[i] = _loads(p[0]) if len(p) == 1 else _loads(p[0], buffers=p[1:])
-                elif p is not None and type(p) is not _Span:  # the pickle alone
-                    out[i] = _loads(p)
+                if p is not None and type(p) is not _Span:
+                    out[i] = _decode(p)
         return out
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
