@@ -113,21 +113,20 @@ class CallPath:
                     kwargs: dict[str, Any], scope: Scope) -> GroupFuture:
         """:meth:`call_async` with the route's options, by its checked ranks where no rank
         died or was placed since and the group is open (the checks' outcome is the same)."""
-        checked = route.checked
-        if checked is not None and not self._gate.shut:
-            ranks, deaths, version = checked
-            if deaths == self._dispatcher.deaths and version == self._table.version:
-                options = route.options
-                return self._send_plain(method, ranks, self._encode(args, kwargs),
-                                        options.workers, False, options.keep)
-        # the counters first: a rank that dies while it is selected makes the route stale
-        deaths, version = self._dispatcher.deaths, self._table.version
         options = route.options
-        ranks, workers = self._select(method, options, scope)
-        payload = self._encode(args, kwargs)
-        if method in self.methods.known:  # (a name let through before any rank was ready
-            route.checked = (ranks, deaths, version)  # is checked again on its next call)
-        return self._send_plain(method, ranks, payload, workers, False, options.keep)
+        checked = route.checked
+        if (checked is not None and not self._gate.shut
+                and checked[1] == self._dispatcher.deaths
+                and checked[2] == self._table.version):
+            ranks = checked[0]
+        else:  # the whole path's checks (its selection is the options' own: no slice)
+            # the counters first: a rank that dies while it is selected makes it stale
+            deaths, version = self._dispatcher.deaths, self._table.version
+            ranks = self._select(method, options, scope)[0]
+            if method in self.methods.known:  # (a name let through before any rank was
+                route.checked = (ranks, deaths, version)  # ready: checked again next time)
+        return self._send_plain(method, ranks, self._encode(args, kwargs), options.workers,
+                                False, options.keep)
 
     def call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
              options: CallOptions, scope: Scope, only: list[int] | None = None) -> list[Any]:
