@@ -323,6 +323,10 @@ class SupervisedProcess:
                     _note_once(value)
 
     def _until(self, done: Any, timeout: float | None) -> None:
+        if timeout == 0:  # one look (a death's path makes several: each one read)
+            if not done():
+                self._read(0)
+            return
         deadline = None if timeout is None else time.monotonic() + timeout
         left = timeout
         while not done() and not self._ended and self.death_fd is not None:
