@@ -57,10 +57,8 @@ def parent_table() -> dict[int, tuple[int, str]]:
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:  # exited meanwhile
+        stat = _stat(int(name))
+        if stat is None:  # exited meanwhile
             continue
         # "pid (comm) state ppid ...": comm may hold spaces and parentheses
         fields = stat[stat.rfind(b")") + 2:].split(b" ", 2)
