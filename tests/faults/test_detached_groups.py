@@ -65,6 +65,7 @@ CONTROLLER = textwrap.dedent("""
         sys.exit(0)
     if end == "detach":
         group.detach()
+        print("detached", flush=True)
     time.sleep(60)  # killed here, inside the running call
 """)
 
@@ -88,6 +89,17 @@ def _controller(agents, name: str, *, detached: bool = True, timeout: float = 30
         proc.wait()
         pytest.fail(f"the controller ended before starting its group (code {proc.wait()})")
     return proc, json.loads(line)
+
+
+def _next_line(proc: subprocess.Popen, timeout: float = 30.0) -> str:
+    """The controller's next line of output within ``timeout`` s ("" if none came; the
+    reader ends once the controller is killed and its output closed)."""
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(proc.stdout.readline()),  # type: ignore[union-attr]
+                              daemon=True)
+    reader.start()
+    reader.join(timeout)
+    return got[0] if got else ""
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -168,6 +180,8 @@ def test_a_detached_group_on_a_tree_of_agents_is_attached_through_its_top_agent(
 def test_a_controller_that_exits_or_detaches_leaves_the_group_to_the_next(agent_cluster, end):
     proc, started = _controller(agent_cluster, f"left-{end}", end=end)
     try:
+        if end == "detach":  # attached once detach() returned, not while it lets go
+            assert _next_line(proc) == "detached\n"
         assert proc.wait(timeout=20) == 0 if end == "exit" else proc.poll() is None
         _attach_the_same_ranks(f"left-{end}", agent_cluster.backend(), started["pids"])
     finally:
