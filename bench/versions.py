@@ -21,7 +21,9 @@ is gone (startup and teardown seconds apart); W5 SIGKILLs rank 0 50 ms into a
 the rank recreated afterwards (``group.recreate(0)``, not timed). The driver asks the
 versions in turn, batch by batch, one sample of each workload a batch, the order
 swapping every batch, so that whatever else the machine does lands on both alike.
-``--batches`` counts W2 and W3's batches, ``--w1-batches`` and ``--w5-batches`` those of
+W2 and W3 on the local backend report the controller's CPU time per call (its whole
+process: ``time.process_time()`` around the batch) beside the wall clock. ``--batches``
+counts W2 and W3's batches, ``--w1-batches`` and ``--w5-batches`` those of
 W1 and W5 (default: as many; 0 leaves one out). Prints a table of medians (about two
 minutes at the defaults on 2 cores) and writes JSON.
 
@@ -103,18 +105,18 @@ print("ready", px.__file__, flush=True)
 for line in sys.stdin:
     kind, count = line.split()
     count = int(count)
-    if kind == "w2":
+    if kind == "w2":  # wall-clock and CPU seconds of the batch
         call = fanout.call
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         for _ in range(count):
             call("noop")
-        answer = [time.perf_counter() - t0]
+        answer = [time.perf_counter() - t0, time.process_time() - c0]
     elif kind == "w3":
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         futures = [single.call_async("noop", workers=[0]) for _ in range(count)]
         for f in futures:
             f.result()
-        answer = [time.perf_counter() - t0]
+        answer = [time.perf_counter() - t0, time.process_time() - c0]
     elif kind == "w1":  # count trials: startup and teardown seconds of each
         errors = Errors()
         plan = dataclasses.replace(make_plan(False), w1_trials={4: count},
@@ -392,7 +394,9 @@ _ROWS = {
     "W1.startup": ("W1 startup, 4 workers (s)", "{:>12.3f}", "{:,.3f}", "W1.startup.4_s"),
     "W1.teardown": ("W1 teardown, 4 workers (s)", "{:>12.3f}", "{:,.3f}", "W1.teardown.4_s"),
     "W2": ("W2 no-op fan-out to 4 (us/call)", "{:>12.1f}", "{:,.1f}", "W2.noop.4_us"),
+    "W2.cpu": ("W2 controller CPU (us/call)", "{:>12.2f}", "{:,.2f}", "W2.cpu.4_us"),
     "W3": ("W3 pipelined to 1 (calls/s)", "{:>12,.0f}", "{:,.1f}", "W3.pipelined_calls_per_s"),
+    "W3.cpu": ("W3 controller CPU (us/call)", "{:>12.2f}", "{:,.2f}", "W3.cpu_us"),
     "W5": ("W5 SIGKILL to WorkerDied (ms)", "{:>12.1f}", "{:,.1f}", "W5.kill_ms"),
 }
 _RAY_ROWS = {
@@ -410,13 +414,14 @@ _CLUSTER_ROWS = {
 def measure(versions: list[Version], batches: int, w2_calls: int, w3_calls: int,
             cluster: bool = False, w1_batches: int = 0, w5_batches: int = 0) -> dict:
     """Per version, one sample a batch of each workload: W1's startup and teardown in s
-    (local only, ``w1_batches`` of them), W2 in us/call, W3 in calls/s (or, on the
+    (local only, ``w1_batches`` of them), W2 in us/call, W3 in calls/s (on the local
+    backend each with the controller's CPU time per call beside it, in us) (or, on the
     cluster, W9 in MiB/s a node: one 64 MiB broadcast per sample, ``w3_calls`` ignored),
     then W5 in ms (local only, ``w5_batches``). The versions take turns, the order
     swapping every batch."""
     other = "W9" if cluster else "W3"
-    names = [*(["W1.startup", "W1.teardown"] if w1_batches else []), "W2", other,
-             *(["W5"] if w5_batches else [])]
+    names = [*(["W1.startup", "W1.teardown"] if w1_batches else []), "W2", "W2.cpu", other,
+             "W3.cpu", *(["W5"] if w5_batches else [])]
     raw: dict[str, dict[str, list[float]]] = {v.name: {n: [] for n in names} for v in versions}
     for batch in range(max(batches, w1_batches, w5_batches)):
         order = versions if batch % 2 == 0 else versions[::-1]
@@ -428,13 +433,19 @@ def measure(versions: list[Version], batches: int, w2_calls: int, w3_calls: int,
         if batch < batches:
             for v in order:
                 settle()
-                raw[v.name]["W2"].append(v.run("w2", w2_calls) / w2_calls * 1e6)
+                answer = v.ask("w2", w2_calls)
+                raw[v.name]["W2"].append(answer[0] / w2_calls * 1e6)
+                if len(answer) > 1:  # the local server's CPU seconds too
+                    raw[v.name]["W2.cpu"].append(answer[1] / w2_calls * 1e6)
             for v in order:
                 settle()
                 if cluster:
                     raw[v.name]["W9"].append(BROADCAST_MIB / v.run("w9", 1))
-                else:
-                    raw[v.name]["W3"].append(w3_calls / v.run("w3", w3_calls))
+                    continue
+                answer = v.ask("w3", w3_calls)
+                raw[v.name]["W3"].append(w3_calls / answer[0])
+                if len(answer) > 1:
+                    raw[v.name]["W3.cpu"].append(answer[1] / w3_calls * 1e6)
         if batch < w5_batches:
             for v in order:  # settle() in the server, as bench.measure.w5_death does
                 raw[v.name]["W5"].append(v.run("w5", 1) * 1e3)
