@@ -185,6 +185,11 @@ class Channel(abc.ABC):
     def send(self, frame: list[Any]) -> None:
         """Queue one frame; a lost connection is reported as EXITED, never raised here."""
 
+    def sender(self) -> Callable[[list[Any]], None]:
+        """:meth:`send`, as the call path keeps it for each rank: a channel with a shorter
+        way to the same effect returns that (the local one, its connection's own send)."""
+        return self.send
+
     @abc.abstractmethod
     def signal(self, rank: int, sig: int) -> None:
         """Deliver ``sig`` to the rank's process (and its process group)."""

@@ -26,7 +26,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from phalanx import config
@@ -65,7 +65,6 @@ class LocalChannel(Channel):
         self.ranks = (start.rank,)
         self.node = start.node
         self.process = process
-        self._send = process.conn.send
         self._tap = tap
         self._sink: EventSink | None = None
         self._watched: list[int] = []
@@ -144,10 +143,10 @@ class LocalChannel(Channel):
             self._sink.unwatch(fd, self)
 
     def send(self, frame: list[Any]) -> None:
-        try:  # straight to its connection: the hot path of every call
-            self._send(frame)
-        except framing.ConnectionLost:  # a lost rank's death arrives as EXITED
-            pass
+        self.process.conn.send(frame)  # quiet: a lost rank's death arrives as EXITED
+
+    def sender(self) -> Callable[[list[Any]], None]:
+        return self.process.conn.send  # (no hop: the hot path of every call)
 
     def signal(self, rank: int, sig: int) -> None:
         self.process.signal(sig)

@@ -97,7 +97,7 @@ class CallPath:
         """The same arguments (pickled once) to every selected rank."""
         ranks, workers = self._select(method, options, scope)
         payload = self._encode(args, kwargs)
-        return self._send_plain(method, ranks, payload, workers, False, options.keep)
+        return self._send_plain(method, ranks, payload, workers, options.keep)
 
     @staticmethod
     def route(options: CallOptions, scope: Scope) -> Route | None:
@@ -126,32 +126,32 @@ class CallPath:
             if method in self.methods.known:  # (a name let through before any rank was
                 route.checked = (ranks, deaths, version)  # ready: checked again next time)
         return self._send_plain(method, ranks, self._encode(args, kwargs), options.workers,
-                                False, options.keep)
+                                options.keep)
 
     def call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
              options: CallOptions, scope: Scope, only: list[int] | None = None) -> list[Any]:
-        """:meth:`call_async`, waited for; its sends made at the wait (see Sender.send);
-        ``only``: these ranks, not the options' selection (``call_one``)."""
+        """:meth:`call_async`, waited for; ``only``: these ranks, not the options'
+        selection (``call_one``)."""
         ranks, workers = self._select(method, options, scope, only)
         payload = self._encode(args, kwargs)
-        return self._send_plain(method, ranks, payload, workers, True,
+        return self._send_plain(method, ranks, payload, workers,
                                 options.keep).result(options.timeout)
 
     def map_async(self, method: str, arg_lists: tuple[Sequence[Any], ...],
-                  kwarg_lists: dict[str, Sequence[Any]], options: CallOptions, scope: Scope,
-                  defer: bool = False) -> GroupFuture:
+                  kwarg_lists: dict[str, Sequence[Any]], options: CallOptions,
+                  scope: Scope) -> GroupFuture:
         """One item of each list per selected rank, in rank order."""
         ranks, workers = self._select(method, options, scope)
         payloads = map_payloads(self._encode, ranks, arg_lists, options.common_kwargs,
                                 kwarg_lists)
-        return self._send(method, ranks, payloads, defer=defer,  # type: ignore[no-any-return]
+        return self._send(method, ranks, payloads,  # type: ignore[no-any-return]
                           workers=workers, keep=options.keep)
 
     def map(self, method: str, arg_lists: tuple[Sequence[Any], ...],
             kwarg_lists: dict[str, Sequence[Any]], options: CallOptions,
             scope: Scope) -> list[Any]:
-        return self.map_async(method, arg_lists, kwarg_lists, options, scope,
-                              defer=True).result(options.timeout)
+        return self.map_async(method, arg_lists, kwarg_lists, options,
+                              scope).result(options.timeout)
 
     def call_stream(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                     options: CallOptions, scope: Scope) -> StreamFuture:

@@ -10,10 +10,14 @@ whose arguments name handles, or carry large buffers, goes through
 A call is registered on each entry's ``pending`` table before its frame goes out, so
 that an answer (or the rank's death) always finds it.
 
-The sends of a synchronous call are deferred to the first wait on its future (see
-:meth:`Dispatcher.wait <phalanx.controller.dispatch.Dispatcher.wait>`): nothing then
-stands between the last send and sleeping. When several ranks share one link (an agent's
-connection), the same payload crosses it once, addressed to all of them.
+A call's frames go out as it is made, a synchronous call's too (deferring those to the
+first wait, for nothing to stand between the last send and sleeping, saved no time once
+ranks ran as ``SCHED_BATCH`` and cost the controller a hop per call). A call made with
+``defer`` (what composes several calls before any is sent: weight syncs, the internals'
+builtin calls) is sent at its future's first wait (see
+:meth:`Dispatcher.wait <phalanx.controller.dispatch.Dispatcher.wait>`). When several ranks
+share one link (an agent's connection), the same payload crosses it once, addressed to all
+of them.
 
 A call of one payload to many ranks on shared links costs the controller per link, not per
 rank: the ranks' entries, grouped by link with each link's rank field packed, are a
@@ -212,18 +216,17 @@ class Sender:
         return future
 
     def send_plain(self, method: str, ranks: list[int], payload: Payload,
-                   workers: Workers, defer: bool = False, keep: bool = False) -> GroupFuture:
-        """:meth:`send` of one payload for every rank, not streamed; sent now, or at the
-        first wait (``defer``: a synchronous call). The path of ``call`` and
-        ``call_async``: the usual call (its result returned, not kept; no observer; a small
-        plain pickle) is told apart by one test, and its frames are made without the
-        general path's steps (a tenth of the controller's CPU per call where calls are
-        pipelined); any other goes through :meth:`send`."""
+                   workers: Workers, keep: bool = False) -> GroupFuture:
+        """:meth:`send` of one payload for every rank, not streamed, sent now. The path of
+        ``call`` and ``call_async``: the usual call (its result returned, not kept; no
+        observer; a small plain pickle) is told apart by one test, and its frames are made
+        without the general path's steps (a tenth of the controller's CPU per call where
+        calls are pipelined); any other goes through :meth:`send`."""
         if (keep or self.observers or type(payload) is not list or len(payload) != 1
                 or type(payload[0]) is not bytes or len(payload[0]) >= _SMALL
                 or (self._shared_links and len(ranks) > 1)):
             return self.send(method, ranks, [payload], workers=workers,  # type: ignore[no-any-return]
-                             defer=defer, keep=keep)
+                             keep=keep)
         now = _clock()
         if now - self._polled > _POLL_EVERY:  # as send(): deaths already in, first
             self._polled = now
@@ -231,11 +234,8 @@ class Sender:
         call_id = next(self._call_ids)
         future = Call(method, ranks, self._dispatcher,
                       type(workers) is str and workers in ("ready", "any"), self._kept)
-        frames = protocol.small_call_frames(call_id, ranks, method, payload[0])
-        if defer:
-            future.defer(functools.partial(self._deliver, call_id, ranks, future, frames))
-        else:
-            self._deliver(call_id, ranks, future, frames)
+        self._deliver(call_id, ranks, future,
+                      protocol.small_call_frames(call_id, ranks, method, payload[0]))
         return future
 
     def _channels(self, ranks: list[int]) -> list[Channel]:
@@ -252,7 +252,7 @@ class Sender:
         for rank, frame in zip(ranks, frames, strict=False):  # (one frame per rank)
             entry = entries[rank]
             entry.calls[call_id] = future  # type: ignore[union-attr]
-            entry.channel.send(frame)  # type: ignore[union-attr]
+            entry.send(frame)  # type: ignore[union-attr]
             if not entry.alive:  # type: ignore[union-attr]
                 self._fail_if_dead(entry, call_id, future)  # type: ignore[arg-type]
 

@@ -341,10 +341,8 @@ class Dispatcher:
     ) -> bool:
         """Wait until ``is_done()`` or ``timeout``; drive the pump while nobody else does.
 
-        ``kickoff`` (the sends of a synchronous call) runs once, as late as possible: right
-        before this thread's first poll. Nothing then stands between the last send and
-        sleeping, which lets the scheduler run the woken worker on this CPU at once instead
-        of waking an idle one (a difference of tens of microseconds per call).
+        ``kickoff`` (the sends of a call made with ``defer``) runs once, right before this
+        thread's first poll (or at once, where another thread leads).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:

@@ -30,7 +30,7 @@ lives on the internal subclasses the sender makes (:class:`Call`, :class:`Stream
 never on the public classes: the dispatcher resolves or fails each rank as its answer (or
 its death) is known and hands a streamed call its items, a membership change fails the
 calls it breaks, the watchdog asks which ranks are late (all through the
-:class:`Completion` protocol); the sender defers a synchronous call's sends to its first
+:class:`Completion` protocol); the sender holds a deferred call's sends until its first
 wait (:meth:`Call.defer`) and :mod:`phalanx.controller.shared` makes it hold the put
 objects its arguments name (:meth:`Call.hold`). :class:`RankFuture` is a view into its
 group future, the one other class that reads the group future's private per-rank state.

@@ -106,10 +106,10 @@ _LEGAL = {
 class RankEntry:
     """The controller's view of one incarnation of one rank (see the module docstring).
 
-    Read freely: ``rank``, ``node``, ``channel``, ``state``, ``alive`` (``state`` is not
-    ``EXITED``; kept as a plain attribute because every call reads it), ``ever_ready``,
-    ``pid``, ``methods``, ``timings`` and ``code_version`` (what READY told),
-    ``init_failure`` (what INIT_ERROR told), ``failure`` (how its process ended),
+    Read freely: ``rank``, ``node``, ``channel`` (and ``send``, its sender), ``state``,
+    ``alive`` (``state`` is not ``EXITED``; kept as a plain attribute because every call
+    reads it), ``ever_ready``, ``pid``, ``methods``, ``timings`` and ``code_version``
+    (what READY told), ``init_failure`` (what INIT_ERROR told), ``failure`` (how its process ended),
     ``started``, ``restarts`` (how many incarnations of its rank came before it). Written
     only through the methods, except :attr:`seen`, :attr:`calls` and :attr:`restarts`
     (the rank table's, as it installs the entry); :attr:`pending` is every call it owes an
@@ -120,6 +120,7 @@ class RankEntry:
         self.rank = rank
         self.node = node
         self.channel = channel
+        self.send = channel.sender()  # a frame to it: the call path's every send
         self.state = RankState.STARTING
         self.alive = True
         self.ever_ready = False  # its READY arrived (whatever state followed)

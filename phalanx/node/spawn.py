@@ -151,11 +151,9 @@ class NodeRank:
         return output
 
     def send(self, frame: list[Any]) -> None:
-        """Queue a frame for it; a rank that is gone is reported by its status pipe."""
-        try:
-            self.conn.send(frame)
-        except framing.ConnectionLost:
-            pass
+        """Queue a frame for it; a rank that is gone is reported by its status pipe (its
+        connection is quiet: a frame for a lost rank is dropped)."""
+        self.conn.send(frame)
 
     # -- its death --------------------------------------------------------------------
 
@@ -457,8 +455,9 @@ class RankSpawner:
         stream = streams.PipeStream(proc.read_fd, proc.write_fd, blocking_reads=False)
         if self._writer is None:  # pragma: no cover - a bug: launch() needs a writer
             raise RuntimeError("RankSpawner.launch() needs the writer of the ranks' pipes")
-        return NodeRank(rank, node, incarnation, proc, framing.Connection(stream, self._writer),
-                        stack_file)
+        # quiet: a rank that is gone is reported by its status pipe, not by a send
+        conn = framing.Connection(stream, self._writer, quiet=True)
+        return NodeRank(rank, node, incarnation, proc, conn, stack_file)
 
     def close(self) -> None:
         """End the supervisor, which kills whatever is still below it."""

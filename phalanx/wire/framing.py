@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import mmap
+import os
 import select
 import struct
 import threading
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
 
         def read_into(self, buf: Any, nbytes: int, block: bool) -> int: ...
 
+_write = os.write
 _PREFIX = struct.Struct("<IQ")
 _LEN = struct.Struct("<Q")
 _RECV_CHUNK = 256 * 1024
@@ -592,7 +594,7 @@ class Connection:
 
     def __init__(self, stream: Stream, writer: BacklogWriter,
                  reader: FrameReader | VerifyingReader | None = None,
-                 auth: FrameAuth | None = None) -> None:
+                 auth: FrameAuth | None = None, quiet: bool = False) -> None:
         self.stream = stream
         self.read_fd = stream.read_fd
         self.write_fd = stream.write_fd
@@ -607,6 +609,12 @@ class Connection:
             else lambda: reader.recv_frames(False))
         self._auth = auth  # the handshake's keys: every frame sent is sealed with them
         self._write = stream.write_nowait
+        # a frame in one bytes object goes to this descriptor by os.write (-1: _write);
+        # it is closed only by close(), which a send under the lock has excluded
+        self._fd = stream.direct_write_fd
+        # a frame for a broken or closed connection is dropped, not raised: its owner
+        # learns of the loss another way (a local rank's death comes as its exit status)
+        self._quiet = quiet
         self._lock = threading.Lock()
         self._backlog: collections.deque[Any] = collections.deque()
         self._writer = writer
@@ -615,25 +623,31 @@ class Connection:
 
     def send(self, segments: list[Any]) -> None:
         """Queue one frame, or several back to back (built by :func:`frame`); raises
-        ConnectionLost if broken."""
+        ConnectionLost if broken (unless ``quiet``: then the frame is dropped)."""
         with self._lock:
             if self.broken is not None or self.closed:
+                if self._quiet:
+                    return
                 raise ConnectionLost(f"connection is closed ({self.broken or 'closed'})")
             if self._auth is not None:  # sealed in the order they will be written
                 segments = seal_frames(segments, self._auth)
             if self._backlog:
                 self._backlog.extend(segments)
                 return
-            if len(segments) == 1:
-                total = len(segments[0])  # one bytes object: see frame()
-            else:
-                total = sum(memoryview(s).nbytes for s in segments)
             try:
-                sent = self._write(segments)
+                if len(segments) == 1:  # one bytes object: see frame()
+                    total = len(segments[0])
+                    sent = (_write(self._fd, segments[0]) if self._fd >= 0
+                            else self._write(segments))
+                else:
+                    total = sum(memoryview(s).nbytes for s in segments)
+                    sent = self._write(segments)
             except (BlockingIOError, InterruptedError):
                 sent = 0
             except OSError as exc:
                 self.broken = exc
+                if self._quiet:
+                    return
                 raise ConnectionLost(str(exc)) from exc
             if sent == total:
                 return

@@ -43,6 +43,9 @@ class Stream:
     read_fd: int
     write_fd: int
     hangup_events: int  # poll() mask that reports the peer going away without reading data
+    # a descriptor os.write() takes a frame's bytes on without blocking, whole or in part
+    # (a pipe's non-blocking write end), or -1 (a socket, TLS): write_nowait, one hop less
+    direct_write_fd = -1
 
     def read_into(self, buf: Any, nbytes: int, block: bool) -> int:
         raise NotImplementedError
@@ -190,7 +193,7 @@ class PipeStream(Stream):
 
     def __init__(self, read_fd: int, write_fd: int, *, blocking_reads: bool) -> None:
         self.read_fd = read_fd
-        self.write_fd = write_fd
+        self.write_fd = self.direct_write_fd = write_fd  # (non-blocking: set below)
         self.hangup_events = 0  # POLLHUP is always reported on a read end without writers
         self._blocking_reads = blocking_reads
         self._closing = _thread.allocate_lock()

@@ -60,7 +60,7 @@ class Sender:
         return [repr((args, kwargs)).encode()]
 
     def send_plain(self, method: str, ranks: list[int], payload: Any, workers: Any,
-                   defer: bool, keep: bool) -> tuple[str, list[int], Any]:
+                   keep: bool = False) -> tuple[str, list[int], Any]:
         sent = (method, list(ranks), payload)
         self.sent.append(sent)
         return sent

@@ -85,6 +85,9 @@ class FakeChannel:
     def send(self, frame: list) -> None:
         self.sent.append(frame)
 
+    def sender(self):
+        return self.send
+
 
 class FakeBackend:
     name = "fake"

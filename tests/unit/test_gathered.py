@@ -188,8 +188,13 @@ def test_answers_of_several_runs_resolve_each_run_its_own_values_and_leave_the_r
 # -- a call registered once on a cohort -------------------------------------------------------
 
 
+class _Channel:
+    def sender(self):
+        return lambda frame: None  # (nothing is sent here)
+
+
 def entries(count: int) -> list[RankEntry]:
-    return [RankEntry(r, r // 2, object()) for r in range(count)]  # type: ignore[arg-type]
+    return [RankEntry(r, r // 2, _Channel()) for r in range(count)]  # type: ignore[arg-type]
 
 
 def test_a_cohorts_call_is_owed_taken_and_failed_rank_by_rank():

@@ -19,6 +19,9 @@ class FakeChannel:
     def dying(self, rank: int) -> bool:
         return rank in self.dying_ranks
 
+    def sender(self):
+        return lambda frame: None  # (nothing is sent here)
+
 
 class FakeDispatcher:
     group_name = None  # a group of no name: messages name the ranks alone

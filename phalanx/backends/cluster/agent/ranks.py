@@ -373,10 +373,7 @@ class Session:
                     target.calls[call_id] = extra[0]
                 frame = same if same is not None else framing.frame(
                     [protocol.header(kind, call_id, rank, *extra), *segs[1:]])
-                try:
-                    target.conn.send(frame)
-                except framing.ConnectionLost:
-                    pass  # its death is reported from the status pipe
+                target.conn.send(frame)  # (quiet: a dead rank's death comes by its status)
         return True
 
     def _refuse(self, what: str) -> bool:
