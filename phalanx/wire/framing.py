@@ -693,7 +693,9 @@ class Connection:
 class BacklogWriter:
     """A thread that writes queued bytes to connections whose peer was not reading fast enough.
 
-    It is idle (blocked in ``poll``) unless some send could not complete at once.
+    The thread starts with the first send that could not complete at once (most processes
+    never need it: a rank has one thread fewer to start and to end), and is idle (blocked in
+    ``poll``) whenever no connection has a backlog.
     """
 
     def __init__(self, name: str = "phalanx-writer") -> None:
@@ -701,18 +703,27 @@ class BacklogWriter:
         self._lock = threading.Lock()
         self._wake = WakePipe()
         self._stopped = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._name = name
+        self._thread: threading.Thread | None = None
 
     def schedule(self, conn: Connection) -> None:
         with self._lock:
+            if self._stopped:
+                return
             self._pending.add(conn)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name,
+                                                daemon=True)
+                self._thread.start()
         self._wake.wake()
 
     def stop(self) -> None:
-        self._stopped = True
-        self._wake.wake()
-        self._thread.join(timeout=5)
+        with self._lock:
+            self._stopped = True
+            thread = self._thread
+        if thread is not None:
+            self._wake.wake()
+            thread.join(timeout=5)
         self._wake.close()
 
     def _run(self) -> None:

@@ -154,6 +154,31 @@ def test_connection_queues_what_a_slow_reader_cannot_take_yet(link):
         writer.stop()
 
 
+def test_a_writer_starts_its_thread_at_the_first_backlog_and_stops_it(link):
+    def running() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "test-lazy-writer"]
+
+    writer = framing.BacklogWriter("test-lazy-writer")
+    try:
+        conn = framing.Connection(link.a, writer)
+        conn.send(protocol.result_frame(0, 2, pickling.dumps("small")))
+        assert running() == []  # the pipe took it at once: no thread to start or end
+        big = np.arange(1_000_000, dtype=np.float64)  # 8 MB: more than a pipe holds
+        sent = 0
+        while not running() and sent < 16:  # (a socket's buffer may take a few)
+            conn.send(protocol.result_frame(1, 2, pickling.dumps(big)))
+            sent += 1
+        assert len(running()) == 1
+        small, *large = link.receive(1 + sent)
+        assert pickling.loads(small[1:]) == "small"
+        for frame in large:
+            np.testing.assert_array_equal(pickling.loads(frame[1:]), big)
+    finally:
+        writer.stop()
+    assert running() == []
+    writer.stop()  # again: nothing to do
+
+
 def test_end_of_stream_raises_connection_lost(link):
     link.write(as_bytes(framing.frame([b"last"])))
     link.a.close()
