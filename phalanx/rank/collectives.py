@@ -18,7 +18,7 @@ When it leaves, the group's last collective (number, operation, entered, left) i
 the controller learns from it how late a straggler entered one that completed.
 
 :func:`report` gives that state as plain data and :func:`changed` says whether it moved
-since the last report: the rank's heartbeat sends it (``COLLECTIVE``) only then. A
+since the last report: the rank's heartbeat thread sends it (``COLLECTIVE``) only then. A
 collective that starts and ends between two heartbeats costs two dictionary writes.
 A collective run inside another (``all_gather_object`` gathers sizes, then data) is part
 of the outer one: only the outer is counted. Asynchronous collectives (``async_op=True``)

@@ -71,32 +71,24 @@ def arm_stack_dumps(fd: int | None = None) -> None:
 
 def _beat(conn: framing.Connection, rank: int, interval: float,
           tracker: types.ModuleType | None = None) -> None:
-    """Send HEARTBEAT every ``interval`` s from a thread other than the main one (the
-    process's :class:`_Watch`, or one of its own in a Ray actor): the controller hears
+    """Send HEARTBEAT every ``interval`` s from a thread of its own: the controller hears
     nothing while the process is stopped or a C call holds the GIL. With ``tracker``
     (:mod:`phalanx.rank.collectives`), the collectives the rank is in go with it
     (COLLECTIVE) whenever they changed."""
-    frame = protocol.heartbeat_frame(rank)
 
-    def beat() -> bool:
-        try:
-            conn.send(frame)
-            if tracker is not None and tracker.changed():
-                conn.send(protocol.collective_frame(rank, *tracker.report()))
-        except framing.ConnectionLost:
-            return False
-        _SHARES.poll()  # a view of a freed object dropped since
-        return True
-
-    if _WATCH is not None:
-        _WATCH.beat(beat, interval)
-        return
-
-    def loop() -> None:
-        while beat():  # the first at once: the controller judges silence from then on
+    def beat() -> None:
+        frame = protocol.heartbeat_frame(rank)
+        while True:  # the first at once: the controller judges silence from then on
+            try:
+                conn.send(frame)
+                if tracker is not None and tracker.changed():
+                    conn.send(protocol.collective_frame(rank, *tracker.report()))
+            except framing.ConnectionLost:
+                return
+            _SHARES.poll()  # a view of a freed object dropped since
             time.sleep(interval)
 
-    threading.Thread(target=loop, name="phalanx-heartbeat", daemon=True).start()
+    threading.Thread(target=beat, name="phalanx-heartbeat", daemon=True).start()
 
 
 def _process_age() -> float:
@@ -113,52 +105,25 @@ def _process_age() -> float:
 _STARTED = (time.monotonic(), 0.0)  # when main() began, and how long the process had lived
 
 
-class _Watch:
-    """The rank process's one thread of its own housekeeping (``phalanx-watch``, started
-    by :func:`main`): it ends the process when the controller's end of the control stream
-    closes, even if user code never returns, and once the runtime asks (:meth:`beat`) it
-    sends the heartbeat too, at once and then every interval -- one thread for both, where
-    each had its own (a thread fewer to start, and to end at a death). It sleeps in one
-    poll: on the stream's hang-up, a pipe of its own that :meth:`beat` wakes it by, and
-    the time to the next heartbeat."""
+def _watch_for_hangup(stream: streams.Stream) -> None:
+    """Exit when the controller's end of the stream closes, even if user code never returns."""
 
-    def __init__(self, stream: streams.Stream) -> None:
-        self._poller = select.poll()
-        self._poller.register(stream.read_fd, stream.hangup_events)
-        self._wake_read, self._wake_write = os.pipe()
-        self._poller.register(self._wake_read, select.POLLIN)
-        # (the heartbeat's send, its interval in ms): set once, by beat()
-        self._beating: tuple[Callable[[], bool], int] | None = None
-        threading.Thread(target=self._run, name="phalanx-watch", daemon=True).start()
-
-    def beat(self, send: Callable[[], bool], interval: float) -> None:
-        """Call ``send()`` now and every ``interval`` s, until it returns False."""
-        self._beating = (send, max(1, round(interval * 1000)))
-        os.write(self._wake_write, b"b")
-
-    def _run(self) -> None:
-        timeout = None  # ms to the next heartbeat; None: no heartbeat
+    def watch() -> None:
+        poller = select.poll()
+        poller.register(stream.read_fd, stream.hangup_events)
         while True:
             try:
-                events = self._poller.poll(timeout)
+                events = poller.poll()
             except InterruptedError:  # pragma: no cover
                 continue
             except (OSError, ValueError):
                 return
-            for fd, _ in events:
-                if fd != self._wake_read:  # the stream hung up
-                    time.sleep(config.ORPHAN_GRACE)  # let an orderly exit finish first
-                    os._exit(1)
-                os.read(self._wake_read, 64)
-            beating = self._beating
-            if beating is not None:
-                if beating[0]():
-                    timeout = beating[1]
-                else:  # its stream is lost: the hang-up ends the process
-                    self._beating = timeout = None
+            if events:
+                break
+        time.sleep(config.ORPHAN_GRACE)  # let an orderly exit of the main thread finish first
+        os._exit(1)
 
-
-_WATCH: _Watch | None = None  # the process's own, once main() started it (no Ray actor's)
+    threading.Thread(target=watch, name="phalanx-hangup-watch", daemon=True).start()
 
 
 def _static_attr(obj: Any, name: str) -> Any:
@@ -678,7 +643,7 @@ def _default_signals() -> None:
 
 
 def main() -> None:
-    global _STARTED, _WATCH
+    global _STARTED
     _STARTED = (time.monotonic(), _process_age())
     _default_signals()
     arm_stack_dumps()
@@ -689,7 +654,7 @@ def main() -> None:
     # the keys of its handshake: every frame on it is sealed and checked (wire.seal)
     keys = os.environ.pop(config.ENV_FRAME_KEYS, None)
     auth = seal.FrameAuth.taken_over(keys) if keys else None
-    _WATCH = _Watch(stream)
+    _watch_for_hangup(stream)
     conn = framing.Connection(stream, framing.BacklogWriter("phalanx-worker-writer"),
                               auth=auth)
     sys.exit(run(conn, WorkerRuntime(conn)))
