@@ -199,13 +199,29 @@ def _keep(request: StartRequest, fds: list[int], supervisor: int) -> int:
         if fd != status:
             os.close(fd)
     _report(status, "pid", rank)
-    while True:
-        pid, code = os.waitpid(-1, 0)  # adopted orphans that exit are reaped here too
-        if pid == rank:
+    while True:  # adopted orphans that exit are reaped here too
+        # who exited, left a zombie until its status is told: the node side, woken by the
+        # end of the rank's stream, finds the status in /proc or already on the pipe (were
+        # the rank reaped first, it would wait for this line: a millisecond of scheduling)
+        exited = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)
+        if exited is None:  # pragma: no cover - only with WNOHANG
+            continue
+        if exited.si_pid == rank:
+            _report(status, "status", _wait_status(exited))
+            os.waitpid(rank, 0)
             break
-    _report(status, "status", code)
+        os.waitpid(exited.si_pid, 0)
     proctree.kill_descendants()
     return 0
+
+
+def _wait_status(exited: os.waitid_result) -> int:
+    """The wait status (as ``os.waitpid`` gives it) of a child ``os.waitid`` reported."""
+    if exited.si_code == os.CLD_EXITED:
+        return exited.si_status << 8
+    if exited.si_code == os.CLD_DUMPED:
+        return exited.si_status | 0x80
+    return exited.si_status  # CLD_KILLED: the signal
 
 
 def _start(request: StartRequest, fds: list[int], env: dict[str, str]) -> int:

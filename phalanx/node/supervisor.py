@@ -393,10 +393,12 @@ class SupervisedProcess:
         """The exit code, if the worker has exited, without waiting for its keeper's word:
         its control stream just ended, which the kernel does as the process exits, a
         moment before the keeper is woken to reap it and write the status (about a
-        millisecond of scheduling on a small machine, which every death would wait). A
-        zombie's status is read from ``/proc``; a worker reaped already has its status on
-        the way, read within ``_REAPED_WAIT``. None: it still runs (or its keeper is slow);
-        the status follows on the pipe as always."""
+        millisecond of scheduling on a small machine, which every death would wait). An
+        exiting worker's status (a zombie's, or one still tearing itself down: see
+        :func:`~phalanx.node.proctree.exit_status`) is read from ``/proc``; a worker reaped
+        already had its status told first (its keeper tells, then reaps), read within
+        ``_REAPED_WAIT``. None: it still runs (or its keeper is slow); the status follows
+        on the pipe as always."""
         code = self.exitcode(0)
         if code is not None or self._pid is None:
             return code

@@ -77,8 +77,9 @@ def argv(side_fd: int, notes_fd: int, stacks_fd: int, actor_pid: int, *,
 
 
 def exit_status(pid: int) -> int | None:
-    """The exit status of ``pid`` as the kernel keeps it while it is a zombie (its parent
-    has not reaped it yet): the exit code, or minus the signal that killed it."""
+    """The exit status of ``pid`` as the kernel keeps it once it is exiting (a zombie, its
+    parent has not reaped it yet, or still tearing itself down): the exit code, or minus
+    the signal that killed it."""
     status = proctree.exit_status(pid)
     return None if status is None else os.waitstatus_to_exitcode(status)
 

@@ -63,3 +63,42 @@ def test_has_children_sees_an_exited_child_without_reaping_it():
         time.sleep(0.01)
     assert proctree.has_children()
     assert done.wait(10) == 3  # its status is still there for its owner
+
+
+# A single-threaded process that ends as the test says once its pipe is read: its pipe's
+# write end closes as its exit begins, well before it is a zombie (about 2 ms here).
+_ENDING = "import os, sys, time\nos.write(int(sys.argv[1]), b'r')\nos.read(0, 1)\n" \
+          "os._exit(int(sys.argv[2])) if sys.argv[2] != 'kill' else time.sleep(60)"
+
+
+@pytest.mark.parametrize("how, status", [("3", 3 << 8), ("kill", 9)])
+def test_an_exiting_process_has_its_status_as_its_pipes_end(how, status):
+    ready_read, ready_write = os.pipe()
+    child = subprocess.Popen([sys.executable, "-c", _ENDING, str(ready_write), how],
+                             pass_fds=(ready_write,), stdin=subprocess.PIPE)
+    os.close(ready_write)
+    try:
+        assert os.read(ready_read, 1) == b"r"
+        assert proctree.exit_status(child.pid) is None  # it runs
+        if how == "kill":
+            child.kill()
+        else:
+            child.stdin.write(b"x")
+            child.stdin.flush()
+        assert os.read(ready_read, 1) == b""  # its end of the pipe is closed: it exits
+        assert proctree.exit_status(child.pid) == status  # zombie or not yet
+    finally:
+        os.close(ready_read)
+        child.kill()
+        child.wait(10)
+        child.stdin.close()
+
+
+def test_an_exit_with_0_counts_only_from_a_zombie():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 10
+    while proctree.state(child.pid) != "Z" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert proctree.exit_status(child.pid) == 0
+    child.wait(10)
+    assert proctree.exit_status(child.pid) is None  # reaped: gone
