@@ -414,9 +414,9 @@ _CLUSTER_ROWS = {
 def measure(versions: list[Version], batches: int, w2_calls: int, w3_calls: int,
             cluster: bool = False, w1_batches: int = 0, w5_batches: int = 0) -> dict:
     """Per version, one sample a batch of each workload: W1's startup and teardown in s
-    (local only, ``w1_batches`` of them), W2 in us/call, W3 in calls/s (on the local
-    backend each with the controller's CPU time per call beside it, in us) (or, on the
+    (local only, ``w1_batches`` of them), W2 in us/call, W3 in calls/s (or, on the
     cluster, W9 in MiB/s a node: one 64 MiB broadcast per sample, ``w3_calls`` ignored),
+    on the local backend W2's and W3's controller CPU time per call beside them (us),
     then W5 in ms (local only, ``w5_batches``). The versions take turns, the order
     swapping every batch."""
     other = "W9" if cluster else "W3"
