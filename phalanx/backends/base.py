@@ -64,12 +64,15 @@ class EventSink(Protocol):
     """Where a channel delivers events (implemented by the dispatcher). Thread-safe."""
 
     def watch(self, fd: int, channel: Receiver,
-              read: Callable[[], list[list[Any]]] | None = None) -> None:
+              read: Callable[[], list[list[Any]] | tuple[bytes, bytes]] | None = None
+              ) -> None:
         """Call ``channel.receive(fd)`` whenever ``fd`` is readable; the events it returns
         are that channel's. ``read``, where given, is what ``receive(fd)`` does while the
         stream is whole, called instead (one call fewer per event): it never blocks, and
         it raises :class:`~phalanx.wire.streams.ConnectionLost` once the stream ended or
-        broke, when ``receive(fd)`` is called to handle that (it must see the same end)."""
+        broke, when ``receive(fd)`` is called to handle that (it must see the same end).
+        It may return one event of a header and one pickle as that pair alone, a tuple
+        (:meth:`FrameReader.recv_pair <phalanx.wire.framing.FrameReader.recv_pair>`)."""
 
     def unwatch(self, fd: int, channel: Receiver | None = None) -> None:
         """Stop watching ``fd`` (before it is closed), if ``channel`` still owns it."""

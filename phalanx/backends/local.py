@@ -146,7 +146,7 @@ class LocalChannel(Channel):
         self.process.conn.send(frame)  # quiet: a lost rank's death arrives as EXITED
 
     def sender(self) -> Callable[[list[Any]], None]:
-        return self.process.conn.send  # (no hop: the hot path of every call)
+        return self.process.conn.sender()  # (no hop: the hot path of every call)
 
     def signal(self, rank: int, sig: int) -> None:
         self.process.signal(sig)

@@ -64,9 +64,13 @@ if TYPE_CHECKING:
     from phalanx.controller.ranks import Cohort, RankEntry
     from phalanx.wire.protocol import Gathered
 
+    # what a channel's read returns: its events, or one alone as its header and pickle
+    Received = list[list[Any]] | tuple[bytes, bytes]
+
 logger = logging.getLogger(__name__)
 
 _ROUTE = protocol.unpack_head  # (kind, call id, rank) of an event's header
+_monotonic = time.monotonic
 _RESULT = protocol.RESULT
 _YIELD = protocol.YIELD
 _HEARTBEAT = protocol.HEARTBEAT
@@ -150,7 +154,7 @@ class Dispatcher:
         self._poller = select.epoll() if hasattr(select, "epoll") else select.poll()
         self._fd_lock = threading.Lock()  # watch/unwatch: the map and the poller agree
         # each watched descriptor's channel, and its read (watch's read=) or None
-        self._by_fd: dict[int, tuple[Receiver, Callable[[], list[list[Any]]] | None]] = {}
+        self._by_fd: dict[int, tuple[Receiver, Callable[[], Received] | None]] = {}
         self._by_rank: dict[int, RankEntry] = {}
         # the entries that reported collectives (the collective watch reads these, not
         # every rank, each tick: ten thousand ranks that report none cost it nothing)
@@ -184,7 +188,7 @@ class Dispatcher:
     # -- the sink channels deliver to (any thread) ------------------------------------
 
     def watch(self, fd: int, channel: Receiver,
-              read: Callable[[], list[list[Any]]] | None = None) -> None:
+              read: Callable[[], Received] | None = None) -> None:
         with self._fd_lock:
             self._by_fd[fd] = (channel, read)
             try:
@@ -475,6 +479,7 @@ class Dispatcher:
         except InterruptedError:  # pragma: no cover
             return False
         read = False
+        now = _monotonic()
         for fd, _ in events:
             if fd == self._wakeup_fd:
                 self._wakeup.drain()
@@ -485,6 +490,7 @@ class Dispatcher:
                 continue
             read = True
             channel, fast = watched
+            received: Received
             if fast is None:
                 received = channel.receive(fd)
             else:
@@ -492,6 +498,24 @@ class Dispatcher:
                     received = fast()
                 except ConnectionLost:  # the stream's end: its channel's to handle
                     received = channel.receive(fd)
+            if isinstance(received, tuple):  # one event alone, a header and a pickle
+                # an answer is routed here (_on_events' hot path, inlined: nearly every
+                # read of the pump's); anything else goes the whole way
+                head, payload = received
+                try:
+                    kind, call_id, rank = _ROUTE(head)
+                except struct.error:
+                    kind = rank = -1
+                entry = self._by_rank.get(rank)
+                if kind == _RESULT and entry is not None and entry.channel is channel:
+                    entry.heard_at = now
+                    future = entry.calls.pop(call_id, None)
+                    if future is None and entry.cohorts:
+                        future = entry.cohort_call(call_id)
+                    if future is not None:
+                        future.resolve_rank(rank, payload)
+                    continue
+                received = [[head, payload]]
             if received:
                 self._on_events(channel, received)
         if self._tasks:  # what reading just now asked for (a node lost: calls to fail)
@@ -517,7 +541,7 @@ class Dispatcher:
 
     def _on_events(self, channel: Receiver, events: list[list[Any]]) -> None:
         by_rank = self._by_rank
-        now = time.monotonic()
+        now = _monotonic()
         for segs in events:
             first = segs[0]
             try:

@@ -249,6 +249,7 @@ class WorkerRuntime:
 
     def __init__(self, conn: framing.Connection) -> None:
         self.conn = conn
+        self._answer = conn.sender()  # a result's send: compiled where it can be (a pipe)
         self.obj: Any = None
         self._loop: Any = None  # asyncio event loop, made on the first async method
         self._pool: Any = None  # ThreadPoolExecutor when concurrency > 1
@@ -472,7 +473,7 @@ class WorkerRuntime:
         del result
         if answered is not None:
             answered.append(tracing.clock())
-        self.conn.send(protocol.result_frame(call_id, self.rank, payload))
+        self._answer(protocol.result_frame(call_id, self.rank, payload))
         _SHARES.poll()  # freed objects whose last views this call may have let go (if any)
         return False
 

@@ -53,6 +53,21 @@ if TYPE_CHECKING:
 
         def read_into(self, buf: Any, nbytes: int, block: bool) -> int: ...
 
+# Connection.send and FrameReader.recv_pair of a pipe, compiled (phalanx.wire._speedups):
+# None where the module did not build, or where PHALANX_PURE_PYTHON=1
+# (phalanx.config.ENV_PURE_PYTHON) asks for the pure-Python twins. Read here, not from
+# phalanx.config: the warden starts lean.
+_CompiledPairReader: Any = None
+_CompiledSender: Any = None
+if os.environ.get("PHALANX_PURE_PYTHON", "") in ("", "0"):
+    try:
+        from phalanx.wire import _speedups
+    except ImportError:  # not built here (no compiler at install, another interpreter)
+        pass
+    else:
+        _CompiledPairReader, _CompiledSender = _speedups.PairReader, _speedups.FrameSender
+COMPILED = _CompiledPairReader is not None  # whether the compiled steps run in this process
+
 _write = os.write
 _PREFIX = struct.Struct("<IQ")
 _LEN = struct.Struct("<Q")
@@ -254,6 +269,8 @@ class FrameReader:
         self._pair_cap = HARD_BODY_LIMIT  # a two-segment frame's largest body (-1: none)
         self._chunk_view = memoryview(self._chunk)  # the chunk is never resized
         self._pending = getattr(stream, "pending", None)
+        # a Stream's whole-chunk read (recv_pair's); None: another byte source
+        self._read_chunk: Callable[[Any], int] | None = getattr(stream, "read_chunk", None)
 
     @property
     def limit(self) -> int | None:
@@ -331,6 +348,40 @@ class FrameReader:
             return self._parse(self._chunk, n, owned=False)
         self._buf += self._chunk_view[:n]  # amortised growth: a partial frame is not copied again
         return self._parse(self._buf, len(self._buf), owned=True)
+
+    def recv_pair(self) -> list[list[Any]] | tuple[bytes, bytes]:
+        """:meth:`recv_once` (not blocking), except that a read of exactly one frame of a
+        header and one pickle is returned as that pair alone, a tuple in no list: nearly
+        every answer the controller's pump reads. For a :class:`Stream` that holds no
+        bytes back (a pipe, a plain socket)."""
+        read_chunk = self._read_chunk
+        if self._broken is not None or self._big is not None or self._buf or read_chunk is None:
+            return self.recv_once()
+        try:
+            n = read_chunk(self._chunk)
+        except (BlockingIOError, InterruptedError):
+            return []
+        except OSError as exc:
+            raise ConnectionLost(str(exc)) from exc
+        if n > _PAIR_START:
+            nseg, body, first, second = _unpack_pair_frame(self._chunk)
+            if (nseg == 2 and n == _PREFIX_SIZE + body and first + second == body - 16
+                    and body <= self._pair_cap):
+                view, mid = self._chunk_view, _PAIR_START + first
+                return view[_PAIR_START:mid].tobytes(), view[mid:n].tobytes()
+        elif n == 0:
+            raise ConnectionLost("end of stream")
+        return self._parse(self._chunk, n, owned=False)
+
+    def pair_reader(self) -> Callable[[], list[list[Any]] | tuple[bytes, bytes]]:
+        """:meth:`recv_pair`, compiled where it can be: for a stream whose reads hold a
+        lock (a pipe read without blocking), where ``phalanx.wire._speedups`` was built.
+        The same results, the same errors (it leaves everything but the one pair to this
+        reader's Python)."""
+        lock = getattr(self._stream, "read_lock", None)
+        if _CompiledPairReader is None or lock is None:
+            return self.recv_pair
+        return _CompiledPairReader(self, self._stream, lock)  # type: ignore[no-any-return]
 
     def _read(self, buf: Any, nbytes: int, block: bool) -> int:
         """Bytes read into ``buf``; 0 when nothing is there yet (non-blocking)."""
@@ -603,9 +654,10 @@ class Connection:
             reader = VerifyingReader(reader, auth)
         self.reader: FrameReader | VerifyingReader = reader
         # the frames complete now, never blocking: recv_frames(block=False), in one call
-        # where one read takes all that arrived (a poll loop's read: EventSink.watch)
-        self.recv_ready: Callable[[], list[list[Any]]] = (
-            reader.recv_once if type(reader) is FrameReader and not reader.holds_bytes
+        # where one read takes all that arrived (a poll loop's read: EventSink.watch), one
+        # frame of a header and a pickle as that pair alone (FrameReader.recv_pair)
+        self.recv_ready: Callable[[], list[list[Any]] | tuple[bytes, bytes]] = (
+            reader.pair_reader() if type(reader) is FrameReader and not reader.holds_bytes
             else lambda: reader.recv_frames(False))
         self._auth = auth  # the handshake's keys: every frame sent is sealed with them
         self._write = stream.write_nowait
@@ -651,9 +703,22 @@ class Connection:
                 raise ConnectionLost(str(exc)) from exc
             if sent == total:
                 return
-            self._backlog.extend(segments)
-            _advance(self._backlog, sent)
+            self._keep_rest(segments, sent)
         self._writer.schedule(self)
+
+    def sender(self) -> Callable[[list[Any]], None]:
+        """:meth:`send`, compiled where it can be: to a pipe's write end, without keys,
+        where ``phalanx.wire._speedups`` was built. The same effect (it leaves everything
+        but a small frame written whole to this connection's Python)."""
+        if _CompiledSender is None or self._fd < 0 or self._auth is not None:
+            return self.send
+        return _CompiledSender(self, self._lock, self._fd)  # type: ignore[no-any-return]
+
+    def _keep_rest(self, segments: list[Any], sent: int) -> None:
+        """Queue what of ``segments`` the stream did not take (``sent`` bytes of them it
+        did), under the lock; the caller schedules the writer once it let go."""
+        self._backlog.extend(segments)
+        _advance(self._backlog, sent)
 
     def flush_some(self) -> bool:
         """Write what the socket takes now; True when the backlog is empty. Its

@@ -46,9 +46,17 @@ class Stream:
     # a descriptor os.write() takes a frame's bytes on without blocking, whole or in part
     # (a pipe's non-blocking write end), or -1 (a socket, TLS): write_nowait, one hop less
     direct_write_fd = -1
+    # the lock a non-blocking read of read_fd holds, which close() takes to retire the
+    # number (a compiled read takes it too: phalanx.wire._speedups); None: reads need none
+    read_lock: Any = None
 
     def read_into(self, buf: Any, nbytes: int, block: bool) -> int:
         raise NotImplementedError
+
+    def read_chunk(self, buf: Any) -> int:
+        """A non-blocking :meth:`read_into` of the whole of ``buf``: what a poll loop
+        reads each time the stream is readable."""
+        return self.read_into(buf, len(buf), False)
 
     def write_nowait(self, segments: list[Any]) -> int:
         raise NotImplementedError
@@ -197,6 +205,8 @@ class PipeStream(Stream):
         self.hangup_events = 0  # POLLHUP is always reported on a read end without writers
         self._blocking_reads = blocking_reads
         self._closing = _thread.allocate_lock()
+        if not blocking_reads:
+            self.read_lock = self._closing
         os.set_blocking(read_fd, blocking_reads)
         os.set_blocking(write_fd, False)
         for fd in (read_fd, write_fd):
@@ -214,6 +224,12 @@ class PipeStream(Stream):
             if nbytes == len(buf):
                 return os.readv(self.read_fd, (buf,))
             return self._read(buf, nbytes)
+
+    def read_chunk(self, buf: Any) -> int:
+        if self._blocking_reads:
+            raise ValueError("non-blocking read on a blocking pipe")
+        with self._closing:  # (see read_into)
+            return os.readv(self.read_fd, (buf,))
 
     def _read(self, buf: Any, nbytes: int) -> int:
         if nbytes == len(buf):
