@@ -36,6 +36,7 @@ import select
 import struct
 import threading
 
+from phalanx.wire.compiled import speedups
 from phalanx.wire.seal import PREHASH, TAG_SIZE, FrameAuth, FrameRejected
 from phalanx.wire.streams import MAX_SEGMENTS as _MAX_SEGMENTS
 from phalanx.wire.streams import ConnectionLost as ConnectionLost  # what its readers raise
@@ -53,20 +54,10 @@ if TYPE_CHECKING:
 
         def read_into(self, buf: Any, nbytes: int, block: bool) -> int: ...
 
-# Connection.send and FrameReader.recv_pair of a pipe, compiled (phalanx.wire._speedups):
-# None where the module did not build, or where PHALANX_PURE_PYTHON=1
-# (phalanx.config.ENV_PURE_PYTHON) asks for the pure-Python twins. Read here, not from
-# phalanx.config: the warden starts lean.
-_CompiledPairReader: Any = None
-_CompiledSender: Any = None
-if os.environ.get("PHALANX_PURE_PYTHON", "") in ("", "0"):
-    try:
-        from phalanx.wire import _speedups
-    except ImportError:  # not built here (no compiler at install, another interpreter)
-        pass
-    else:
-        _CompiledPairReader, _CompiledSender = _speedups.PairReader, _speedups.FrameSender
-COMPILED = _CompiledPairReader is not None  # whether the compiled steps run in this process
+# Connection.send and FrameReader.recv_pair of a pipe, compiled where they can be
+_CompiledPairReader: Any = None if speedups is None else speedups.PairReader
+_CompiledSender: Any = None if speedups is None else speedups.FrameSender
+COMPILED = speedups is not None  # whether the compiled steps run in this process
 
 _write = os.write
 _PREFIX = struct.Struct("<IQ")
