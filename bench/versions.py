@@ -481,6 +481,10 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--old", required=True, help="git revision or phalanx tree")
     parser.add_argument("--new", default=str(REPO), help="phalanx tree (default: this one)")
+    parser.add_argument("--old-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="set in the old version's environment (and its ranks'): "
+                             "--old . --old-env PHALANX_PURE_PYTHON=1 times this tree's "
+                             "pure-Python steps against its compiled ones")
     parser.add_argument("--batches", type=int, default=9, help="of W2 and W3 (or W9)")
     parser.add_argument("--w1-batches", type=int, default=None,
                         help="W1 trials a version (default: --batches; 0: no W1)")
@@ -491,6 +495,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", choices=("local", "cluster", "ray"), default="local")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     args = parser.parse_args(argv)
+    old_env = dict(item.partition("=")[::2] for item in args.old_env)
+    if any(not name for name in old_env) or not all("=" in item for item in args.old_env):
+        parser.error(f"--old-env takes NAME=VALUE, not {args.old_env}")
     cluster, on_ray = args.backend == "cluster", args.backend == "ray"
     server = {"local": _SERVER, "cluster": _CLUSTER_SERVER, "ray": _RAY_SERVER}[args.backend]
     local = args.backend == "local"
@@ -508,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
         ray_dirs: list[Path] = []  # each version's Ray session directory (short: sockets)
         try:
             for name, tree in (("old", old_tree), ("new", new_tree)):
-                env: dict[str, str] = {}
+                env: dict[str, str] = dict(old_env) if name == "old" else {}
                 if on_ray:
                     ray_dirs.append(Path(tempfile.mkdtemp(prefix=f"pxv-{name}-", dir="/tmp")))
                     env[RAY_DIR_VARIABLE] = str(ray_dirs[-1])
@@ -534,7 +541,8 @@ def main(argv: list[str] | None = None) -> int:
             if raw["old"].get(k)}  # a workload given 0 batches has no row
     medians = {k: {name: median(r[k]) for name, r in raw.items()} for k in rows}
     result: dict[str, Any] = {
-        "old": args.old, "new": args.new, "backend": args.backend, "batches": args.batches,
+        "old": args.old, "old_env": old_env, "new": args.new, "backend": args.backend,
+        "batches": args.batches,
         "w1_batches": w1_batches, "w5_batches": w5_batches,
         "w2_calls": args.w2_calls, "w3_calls": args.w3_calls, "raw": raw,
         "median": {row[3]: medians[k] for k, row in rows.items()},
