@@ -132,14 +132,7 @@ class CallPath:
              options: CallOptions, scope: Scope, only: list[int] | None = None) -> list[Any]:
         """:meth:`call_async`, waited for; ``only``: these ranks, not the options'
         selection (``call_one``)."""
-        if self._gate.shut:  # _select, inlined: the synchronous call's every step is paid
-            self.check_open()  # (no sleep for ranks to answer meanwhile)
-        if method not in self.methods.known:
-            self._check_method(method)
-        workers = only or scope.workers or options.workers
-        ranks = self._select_ranks(workers)
-        if options.rank0_only_axes and only is None:
-            ranks = scope.mesh.rank0_only(ranks, options.rank0_only_axes)
+        ranks, workers = self._select(method, options, scope, only)
         return self._send_plain(method, ranks, self._encode(args, kwargs), workers,
                                 options.keep).result(options.timeout)
 

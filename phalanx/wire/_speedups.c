@@ -50,6 +50,54 @@ le32(const unsigned char *p)
            | ((uint32_t)p[3] << 24);
 }
 
+/* -- what both types do ------------------------------------------------------------------ */
+
+/* Whether obj.name is None (want_none) or, else, empty (false: b"", a deque of nothing,
+ * False): 1 yes, 0 no, -1 on error. */
+static int
+attr_is_none_or_empty(PyObject *obj, PyObject *name, int want_none)
+{
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL) {
+        return -1;
+    }
+    int truth = want_none ? (v != Py_None) : PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return truth < 0 ? -1 : !truth;
+}
+
+static int
+lock_take(PyObject *lock)
+{
+    PyObject *got = PyObject_CallMethodNoArgs(lock, str_acquire);
+    Py_XDECREF(got);
+    return got == NULL ? -1 : 0;
+}
+
+/* Release ``lock``, keeping an error raised while it was held: -1 when there is one (that
+ * error, or the release's own), 0 otherwise. */
+static int
+lock_give_back(PyObject *lock)
+{
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyObject *released = PyObject_CallMethodNoArgs(lock, str_release);
+    if (released == NULL) {
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(traceback);
+        return -1;
+    }
+    Py_DECREF(released);
+    if (type != NULL) {
+        PyErr_Restore(type, value, traceback);
+        return -1;
+    }
+    return 0;
+}
+
+/* -- PairReader ---------------------------------------------------------------------- */
+
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
@@ -119,31 +167,14 @@ PairReader_init(PairReader *self, PyObject *args, PyObject *kwds)
 static int
 reader_is_clean(PyObject *reader)
 {
-    PyObject *v = PyObject_GetAttr(reader, str_broken);
-    if (v == NULL) {
-        return -1;
+    int clean = attr_is_none_or_empty(reader, str_broken, 1);
+    if (clean == 1) {
+        clean = attr_is_none_or_empty(reader, str_big, 1);
     }
-    int clean = v == Py_None;
-    Py_DECREF(v);
-    if (!clean) {
-        return 0;
+    if (clean == 1) {
+        clean = attr_is_none_or_empty(reader, str_buf, 0);
     }
-    v = PyObject_GetAttr(reader, str_big);
-    if (v == NULL) {
-        return -1;
-    }
-    clean = v == Py_None;
-    Py_DECREF(v);
-    if (!clean) {
-        return 0;
-    }
-    v = PyObject_GetAttr(reader, str_buf);
-    if (v == NULL) {
-        return -1;
-    }
-    clean = PyObject_IsTrue(v);
-    Py_DECREF(v);
-    return clean < 0 ? -1 : !clean;
+    return clean;
 }
 
 static PyObject *
@@ -163,11 +194,9 @@ PairReader_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
     if (!clean) {
         return PyObject_CallMethodNoArgs(self->reader, str_recv_once);
     }
-    PyObject *got = PyObject_CallMethodNoArgs(self->lock, str_acquire);
-    if (got == NULL) {
+    if (lock_take(self->lock) < 0) {
         return NULL;
     }
-    Py_DECREF(got);
     /* the descriptor is read under the lock: a stream closed meanwhile has -1 there */
     ssize_t n = -1;
     int err = 0;
@@ -181,18 +210,7 @@ PairReader_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
             err = errno;
         }
     }
-    PyObject *type, *value, *traceback;  /* an error of the above, kept across the release */
-    PyErr_Fetch(&type, &value, &traceback);
-    PyObject *released = PyObject_CallMethodNoArgs(self->lock, str_release);
-    if (released == NULL) {
-        Py_XDECREF(type);
-        Py_XDECREF(value);
-        Py_XDECREF(traceback);
-        return NULL;
-    }
-    Py_DECREF(released);
-    if (type != NULL) {
-        PyErr_Restore(type, value, traceback);
+    if (lock_give_back(self->lock) < 0) {
         return NULL;
     }
     if (n < 0) {
@@ -347,31 +365,14 @@ FrameSender_init(FrameSender *self, PyObject *args, PyObject *kwds)
 static int
 conn_is_clear(PyObject *conn)
 {
-    PyObject *v = PyObject_GetAttr(conn, str_conn_broken);
-    if (v == NULL) {
-        return -1;
+    int clear = attr_is_none_or_empty(conn, str_conn_broken, 1);
+    if (clear == 1) {
+        clear = attr_is_none_or_empty(conn, str_closed, 0);
     }
-    int clear = v == Py_None;
-    Py_DECREF(v);
-    if (!clear) {
-        return 0;
+    if (clear == 1) {
+        clear = attr_is_none_or_empty(conn, str_backlog, 0);
     }
-    v = PyObject_GetAttr(conn, str_closed);
-    if (v == NULL) {
-        return -1;
-    }
-    int closed = PyObject_IsTrue(v);
-    Py_DECREF(v);
-    if (closed) {
-        return closed < 0 ? -1 : 0;
-    }
-    v = PyObject_GetAttr(conn, str_backlog);
-    if (v == NULL) {
-        return -1;
-    }
-    Py_ssize_t queued = PyObject_Length(v);
-    Py_DECREF(v);
-    return queued < 0 ? -1 : queued == 0;
+    return clear;
 }
 
 static PyObject *FrameSender_vectorcall(PyObject *, PyObject *const *, size_t, PyObject *);
@@ -407,11 +408,9 @@ FrameSender_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
     if (data == NULL) {
         return PyObject_CallMethodOneArg(self->conn, str_send, segments);
     }
-    PyObject *got = PyObject_CallMethodNoArgs(self->lock, str_acquire);
-    if (got == NULL) {
+    if (lock_take(self->lock) < 0) {
         return NULL;
     }
-    Py_DECREF(got);
     Py_ssize_t size = PyBytes_GET_SIZE(data);
     ssize_t written = -1;
     int clear = conn_is_clear(self->conn);
@@ -428,18 +427,7 @@ FrameSender_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
             Py_XDECREF(kept);
         }
     }
-    PyObject *type, *value, *traceback;  /* an error of the above, kept across the release */
-    PyErr_Fetch(&type, &value, &traceback);
-    PyObject *released = PyObject_CallMethodNoArgs(self->lock, str_release);
-    if (released == NULL) {
-        Py_XDECREF(type);
-        Py_XDECREF(value);
-        Py_XDECREF(traceback);
-        return NULL;
-    }
-    Py_DECREF(released);
-    if (type != NULL || clear < 0) {
-        PyErr_Restore(type, value, traceback);
+    if (lock_give_back(self->lock) < 0 || clear < 0) {
         return NULL;
     }
     if (written == size) {

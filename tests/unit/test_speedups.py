@@ -1,6 +1,7 @@
 """The compiled twins of framing's hottest steps (phalanx.wire._speedups) against their
 pure-Python originals: the same frames, the same errors, the same order, from the same
-bytes. Each test runs both, the compiled one skipped where the module was not built."""
+bytes. Each test runs both, the compiled one skipped where the module was not built (any
+split of a stream read both ways: tests/unit/test_wire.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,6 @@ import sysconfig
 import threading
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from phalanx.wire import framing, protocol, streams
 from phalanx.wire.protocol import RESULT, header
@@ -87,30 +86,6 @@ def test_one_answer_comes_as_its_pair_and_anything_else_as_frames(pipe_link, kin
     assert read() == []  # nothing there: no frames, no wait
     pipe_link.write(as_bytes(framing.frame(answer)) * 2 + as_bytes(framing.frame([b"hb"])))
     assert as_frames(read()) == [answer, answer, [b"hb"]]
-
-
-@pytest.mark.parametrize("kind", IMPLEMENTATIONS)
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(frames=st.lists(st.lists(st.binary(max_size=300), min_size=1, max_size=4), min_size=1,
-                       max_size=10),
-       cuts=st.lists(st.integers(min_value=1, max_value=700), max_size=20))
-def test_any_split_of_the_stream_yields_the_same_frames(kind, frames, cuts):
-    link = Link("pipe")
-    try:
-        read = pair_reader(link, kind)
-        data = b"".join(as_bytes(framing.frame(list(f))) for f in frames)
-        received: list[list[bytes]] = []
-        pos = 0
-        for cut in [*cuts, len(data)]:
-            chunk = data[pos: pos + cut]
-            pos += len(chunk)
-            if chunk:
-                link.write(chunk)
-                received += as_frames(read())
-        received += as_frames(read())
-        assert received == frames
-    finally:
-        link.close()
 
 
 @pytest.mark.parametrize("kind", IMPLEMENTATIONS)
