@@ -263,14 +263,18 @@ class WorkerError(PhalanxError):
         self.stage = failure.stage
 
 
+# each signal's name by its number, looked up once: a death's message names its signal
+# several times, on the path from the death to its calls failing (the enum's own lookup
+# runs cold there, once a death)
+_SIGNAL_NAMES = {int(sig): sig.name for sig in signal.Signals}
+
+
 def signal_name(exitcode: int | None) -> str | None:
     """``-9`` -> ``"SIGKILL"``; None for a normal exit code."""
     if exitcode is None or exitcode >= 0:
         return None
-    try:
-        return signal.Signals(-exitcode).name
-    except ValueError:
-        return f"signal {-exitcode}"
+    name = _SIGNAL_NAMES.get(-exitcode)
+    return f"signal {-exitcode}" if name is None else name
 
 
 _LIKELY_CAUSE = {
