@@ -164,8 +164,8 @@ ENV_PRELOAD = "PHALANX_PRELOAD"
 ENV_PRELOAD_PATH = "PHALANX_PRELOAD_PATH"
 ENV_PARENT_PID = "PHALANX_PARENT_PID"  # the parent's pid, re-checked after PDEATHSIG
 ENV_RANK_SCHED = "PHALANX_RANK_SCHED"  # "batch" (default) or "normal": a rank's CPU policy
-# "1": run the pure-Python twin of phalanx.wire._speedups even where it was built (read by
-# phalanx.wire.framing at import, in every process, from its own environment)
+# "1": run the pure-Python twins of phalanx.wire._speedups even where it was built (read by
+# phalanx.wire.compiled at import, in every process, from its own environment)
 ENV_PURE_PYTHON = "PHALANX_PURE_PYTHON"
 ENV_STACKS_FD = "PHALANX_STACKS_FD"  # file the worker dumps its threads' stacks into
 STACKS_SIGNAL = signal.SIGRTMIN + 3  # asks for that dump (SIGUSR1/2 are the frameworks')

@@ -133,7 +133,8 @@ class CallPath:
         """:meth:`call_async`, waited for; ``only``: these ranks, not the options'
         selection (``call_one``)."""
         ranks, workers = self._select(method, options, scope, only)
-        return self._send_plain(method, ranks, self._encode(args, kwargs), workers,
+        payload = self._encode(args, kwargs)
+        return self._send_plain(method, ranks, payload, workers,
                                 options.keep).result(options.timeout)
 
     def map_async(self, method: str, arg_lists: tuple[Sequence[Any], ...],
