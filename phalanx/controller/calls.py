@@ -234,14 +234,8 @@ class Sender:
         call_id = next(self._call_ids)
         future = Call(method, ranks, self._dispatcher,
                       type(workers) is str and workers in ("ready", "any"), self._kept)
-        entries = self._entries  # _deliver, inlined
-        for rank, frame in zip(ranks, protocol.small_call_frames(call_id, ranks, method,
-                                                                 payload[0]), strict=False):
-            entry = entries[rank]
-            entry.calls[call_id] = future  # type: ignore[union-attr]
-            entry.send(frame)  # type: ignore[union-attr]
-            if not entry.alive:  # type: ignore[union-attr]
-                self._fail_if_dead(entry, call_id, future)  # type: ignore[arg-type]
+        self._deliver(call_id, ranks, future,
+                      protocol.small_call_frames(call_id, ranks, method, payload[0]))
         return future
 
     def _channels(self, ranks: list[int]) -> list[Channel]:

@@ -367,11 +367,11 @@ class GroupFuture:
         """Every rank's value in rank order; raises the first failure at once."""
         if timeout is not None:
             check_seconds(timeout)
-            self._wait_for(self._settled, timeout)
-        elif self._kickoff is not None:
-            self._wait_for(self._settled, None)
-        elif not (self._remaining == 0 or self._failed >= 0):  # _wait_for's one step here
-            self._dispatcher.wait(self._settled, None)  # (no deadline: it cannot time out)
+        if self._kickoff is not None or not (self._remaining == 0 or self._failed >= 0):
+            if timeout is None and self._kickoff is None:  # _wait_for's one step, here
+                self._dispatcher.wait(self._settled, None)  # (no deadline: no timeout)
+            else:
+                self._wait_for(self._settled, timeout)
         if self._cancelled:
             raise concurrent.futures.CancelledError(f"{self.method}() was cancelled")
         if self._failed >= 0:

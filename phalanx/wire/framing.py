@@ -54,10 +54,8 @@ if TYPE_CHECKING:
 
         def read_into(self, buf: Any, nbytes: int, block: bool) -> int: ...
 
-# Connection.send and FrameReader.recv_pair of a pipe, compiled where they can be
-_CompiledPairReader: Any = None if speedups is None else speedups.PairReader
-_CompiledSender: Any = None if speedups is None else speedups.FrameSender
-COMPILED = speedups is not None  # whether the compiled steps run in this process
+# whether Connection.send and FrameReader.recv_pair of a pipe run compiled in this process
+COMPILED = speedups is not None
 
 _write = os.write
 _PREFIX = struct.Struct("<IQ")
@@ -370,9 +368,9 @@ class FrameReader:
         The same results, the same errors (it leaves everything but the one pair to this
         reader's Python)."""
         lock = getattr(self._stream, "read_lock", None)
-        if _CompiledPairReader is None or lock is None:
+        if speedups is None or lock is None:
             return self.recv_pair
-        return _CompiledPairReader(self, self._stream, lock)  # type: ignore[no-any-return]
+        return speedups.PairReader(self, self._stream, lock)  # type: ignore[no-any-return]
 
     def _read(self, buf: Any, nbytes: int, block: bool) -> int:
         """Bytes read into ``buf``; 0 when nothing is there yet (non-blocking)."""
@@ -701,9 +699,9 @@ class Connection:
         """:meth:`send`, compiled where it can be: to a pipe's write end, without keys,
         where ``phalanx.wire._speedups`` was built. The same effect (it leaves everything
         but a small frame written whole to this connection's Python)."""
-        if _CompiledSender is None or self._fd < 0 or self._auth is not None:
+        if speedups is None or self._fd < 0 or self._auth is not None:
             return self.send
-        return _CompiledSender(self, self._lock, self._fd)  # type: ignore[no-any-return]
+        return speedups.FrameSender(self, self._lock, self._fd)  # type: ignore[no-any-return]
 
     def _keep_rest(self, segments: list[Any], sent: int) -> None:
         """Queue what of ``segments`` the stream did not take (``sent`` bytes of them it

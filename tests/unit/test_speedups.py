@@ -14,6 +14,7 @@ import threading
 
 import pytest
 
+from phalanx import config
 from phalanx.wire import framing, protocol, streams
 from phalanx.wire.protocol import RESULT, header
 from tests.unit.test_wire import Link, as_bytes, segments_of
@@ -67,10 +68,10 @@ def pipe_link():
 def test_the_module_is_built_wherever_a_compiler_is():
     """CI installs with a compiler: there, the compiled steps must be what runs (an install
     that quietly fell back to Python would leave them untested)."""
-    if not (shutil.which(sysconfig.get_config_var("CC").split()[0] or "cc")
+    if not (shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0])
             and os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))):
         pytest.skip("no C compiler or Python headers here: the pure-Python steps run")
-    if os.environ.get("PHALANX_PURE_PYTHON", "") not in ("", "0"):
+    if os.environ.get(config.ENV_PURE_PYTHON, "") not in ("", "0"):
         pytest.skip("PHALANX_PURE_PYTHON asks for the pure-Python steps")
     assert _speedups is not None, "phalanx.wire._speedups did not build: rerun scripts/setup-venv"
     assert framing.COMPILED
@@ -274,7 +275,7 @@ def test_pure_python_is_chosen_by_the_environment(tmp_path):
             "c = framing.Connection(s, framing.BacklogWriter()); "
             "print(framing.COMPILED, c.sender() == c.send, "
             "c.recv_ready == c.reader.recv_pair)")
-    env = {**os.environ, "PHALANX_PURE_PYTHON": "1"}
+    env = {**os.environ, config.ENV_PURE_PYTHON: "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, timeout=60, check=True).stdout.split()
     assert out == ["False", "True", "True"]
