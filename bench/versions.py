@@ -464,13 +464,13 @@ def _compile(trees: list[Path]) -> None:
 
 
 def _build_compiled(tree: Path) -> None:
-    """Build a tree's compiled part in place where it has one and it is not built yet (a
+    """Build a tree's compiled parts in place where it has them and one is not built yet (a
     worktree of a revision holds only its sources), as its editable install does: else that
-    version would run its pure-Python twin, and the comparison would time that."""
-    wire = tree / "phalanx" / "wire"
-    if not (tree / "setup.py").is_file() or not list(wire.glob("_speedups*.c")):
+    version would run their pure-Python twins, and the comparison would time those."""
+    sources = list((tree / "phalanx").rglob("_*.c"))
+    if not (tree / "setup.py").is_file() or not sources:
         return
-    if list(wire.glob("_speedups*.so")):
+    if all(list(source.parent.glob(f"{source.stem}.*.so")) for source in sources):
         return
     subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=tree,
                    check=True, capture_output=True)

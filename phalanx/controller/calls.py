@@ -36,6 +36,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from phalanx.backends.held import NodeAddress
+from phalanx.controller.compiled import hotpath
 from phalanx.controller.futures import Call, StreamCall
 from phalanx.controller.kept import KeptFuture, KeptResults
 from phalanx.controller.observe import CallWatch, nbytes
@@ -48,6 +49,7 @@ _clock = time.monotonic
 _POLL_EVERY = 0.001  # s: a death older than this is known before the next call goes out
 _SMALL = protocol.SMALL_PAYLOAD  # a pickle framed with its header in one bytes object
 _NO_ARGUMENTS = pickling.NO_ARGUMENTS
+_send_small = None if hotpath is None else hotpath.send_small  # (see send_plain)
 _COHORTS_KEPT = 8  # cohorts of rank selections other than the last one used
 
 if TYPE_CHECKING:
@@ -234,8 +236,12 @@ class Sender:
         call_id = next(self._call_ids)
         future = Call(method, ranks, self._dispatcher,
                       type(workers) is str and workers in ("ready", "any"), self._kept)
-        self._deliver(call_id, ranks, future,
-                      protocol.small_call_frames(call_id, ranks, method, payload[0]))
+        if _send_small is not None:  # _deliver of small_call_frames, compiled
+            _send_small(self._entries, ranks, call_id, future,
+                        *protocol.small_call_parts(method, payload[0]), self._fail_if_dead)
+        else:
+            self._deliver(call_id, ranks, future,
+                          protocol.small_call_frames(call_id, ranks, method, payload[0]))
         return future
 
     def _channels(self, ranks: list[int]) -> list[Channel]:

@@ -46,6 +46,7 @@ from collections.abc import Callable, Iterable
 from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
+from phalanx.controller.compiled import hotpath
 from phalanx.errors import (
     ObjectLost,
     ProcessFailure,
@@ -189,6 +190,8 @@ class Dispatcher:
 
     def watch(self, fd: int, channel: Receiver,
               read: Callable[[], Received] | None = None) -> None:
+        if read is not None and hotpath is not None:  # read, and _pump's routing of a lone
+            read = hotpath.AnswerRouter(read, self._by_rank, channel)  # answer, compiled
         with self._fd_lock:
             self._by_fd[fd] = (channel, read)
             try:

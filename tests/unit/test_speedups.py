@@ -75,6 +75,10 @@ def test_the_module_is_built_wherever_a_compiler_is():
         pytest.skip("PHALANX_PURE_PYTHON asks for the pure-Python steps")
     assert _speedups is not None, "phalanx.wire._speedups did not build: rerun scripts/setup-venv"
     assert framing.COMPILED
+    from phalanx.controller import compiled
+
+    assert compiled.hotpath is not None, ("phalanx.controller._hotpath did not build: rerun "
+                                          "scripts/setup-venv")
 
 
 @pytest.mark.parametrize("kind", IMPLEMENTATIONS)
@@ -273,12 +277,13 @@ def test_pure_python_is_chosen_by_the_environment(tmp_path):
             "from phalanx.wire import streams; "
             "s = streams.PipeStream(r, w, blocking_reads=False); "
             "c = framing.Connection(s, framing.BacklogWriter()); "
+            "from phalanx.controller import compiled; "
             "print(framing.COMPILED, c.sender() == c.send, "
-            "c.recv_ready == c.reader.recv_pair)")
+            "c.recv_ready == c.reader.recv_pair, compiled.hotpath is None)")
     env = {**os.environ, config.ENV_PURE_PYTHON: "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, timeout=60, check=True).stdout.split()
-    assert out == ["False", "True", "True"]
+    assert out == ["False", "True", "True", "True"]
 
 
 def test_a_blocking_pipe_offers_no_lock_for_a_compiled_read():
