@@ -15,6 +15,13 @@
  * from its entry (or its cohort's) and resolved with the pickle, and the router returns []
  * (nothing left to read). Anything else read() returns, it returns as it came, untouched, for
  * the pump's Python; errors go up as they came.
+ *
+ * route_events(events, by_fd) is the pump's loop over a poll's events, for the events of
+ * descriptors watched with an AnswerRouter: each such router is called, and an event whose
+ * read it routed whole (or that had nothing to read) is done. It returns the events left, in
+ * their order, for the pump's Python loop, and whether any watched descriptor was read. A
+ * router whose read was something else holds it (``holds``), and hands it over, value or
+ * error, at its next call: the pump's, for that event, as if it read it then.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -164,6 +171,9 @@ typedef struct {
     PyObject *read;     /* the channel's read: a pair, a list of frames, or it raises */
     PyObject *by_rank;  /* the dispatcher's entries by rank (a dict, never replaced) */
     PyObject *channel;  /* the channel read: an entry routed here has it as its channel */
+    /* what route_events read but did not route, for the pump's next call of this router:
+     * a value (kept) or an error (its type, value and traceback) */
+    PyObject *kept, *error_type, *error_value, *error_traceback;
 } AnswerRouter;
 
 static int
@@ -172,6 +182,10 @@ AnswerRouter_traverse(AnswerRouter *self, visitproc visit, void *arg)
     Py_VISIT(self->read);
     Py_VISIT(self->by_rank);
     Py_VISIT(self->channel);
+    Py_VISIT(self->kept);
+    Py_VISIT(self->error_type);
+    Py_VISIT(self->error_value);
+    Py_VISIT(self->error_traceback);
     return 0;
 }
 
@@ -181,6 +195,10 @@ AnswerRouter_clear(AnswerRouter *self)
     Py_CLEAR(self->read);
     Py_CLEAR(self->by_rank);
     Py_CLEAR(self->channel);
+    Py_CLEAR(self->kept);
+    Py_CLEAR(self->error_type);
+    Py_CLEAR(self->error_value);
+    Py_CLEAR(self->error_traceback);
     return 0;
 }
 
@@ -315,16 +333,11 @@ done:
     return status;
 }
 
+/* read(), and a lone answer routed: [] where it was (a new reference), else what read()
+ * returned; NULL with its error where it raised. */
 static PyObject *
-AnswerRouter_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
-                        PyObject *kwnames)
+read_and_route(AnswerRouter *self)
 {
-    AnswerRouter *self = (AnswerRouter *)callable;
-    (void)args;
-    if (PyVectorcall_NARGS(nargsf) != 0 || kwnames != NULL) {
-        PyErr_SetString(PyExc_TypeError, "AnswerRouter() takes no arguments");
-        return NULL;
-    }
     PyObject *got = PyObject_CallNoArgs(self->read);
     if (got == NULL || !PyTuple_CheckExact(got) || PyTuple_GET_SIZE(got) != 2) {
         return got;
@@ -335,6 +348,29 @@ AnswerRouter_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf
     }
     Py_DECREF(got);
     return routed < 0 ? NULL : PyList_New(0);
+}
+
+static PyObject *
+AnswerRouter_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
+                        PyObject *kwnames)
+{
+    AnswerRouter *self = (AnswerRouter *)callable;
+    (void)args;
+    if (PyVectorcall_NARGS(nargsf) != 0 || kwnames != NULL) {
+        PyErr_SetString(PyExc_TypeError, "AnswerRouter() takes no arguments");
+        return NULL;
+    }
+    if (self->kept != NULL) {  /* read by route_events: handed over now, once */
+        PyObject *kept = self->kept;
+        self->kept = NULL;
+        return kept;
+    }
+    if (self->error_type != NULL) {
+        PyErr_Restore(self->error_type, self->error_value, self->error_traceback);
+        self->error_type = self->error_value = self->error_traceback = NULL;
+        return NULL;
+    }
+    return read_and_route(self);
 }
 
 static PyObject *
@@ -353,6 +389,20 @@ AnswerRouter_call(PyObject *self, PyObject *args, PyObject *kwds)
     return PyVectorcall_Call(self, args, kwds);
 }
 
+static PyObject *
+AnswerRouter_holds(AnswerRouter *self, void *closure)
+{
+    (void)closure;
+    return PyBool_FromLong(self->kept != NULL || self->error_type != NULL);
+}
+
+static PyGetSetDef AnswerRouter_getset[] = {
+    {"holds", (getter)AnswerRouter_holds, NULL,
+     PyDoc_STR("Whether it holds a read that route_events made and did not route, for its "
+               "next call."), NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
 static PyTypeObject AnswerRouterType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "phalanx.controller._hotpath.AnswerRouter",
@@ -367,9 +417,78 @@ static PyTypeObject AnswerRouterType = {
     .tp_traverse = (traverseproc)AnswerRouter_traverse,
     .tp_clear = (inquiry)AnswerRouter_clear,
     .tp_call = AnswerRouter_call,
+    .tp_getset = AnswerRouter_getset,
 };
 
+/* -- route_events ------------------------------------------------------------------------ */
+
+static PyObject *
+route_events(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 2 || !PyList_CheckExact(args[0]) || !PyDict_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "route_events() takes a poll's list of events and "
+                                         "the watched descriptors' dict");
+        return NULL;
+    }
+    PyObject *events = args[0], *by_fd = args[1];
+    PyObject *rest = PyList_New(0);
+    if (rest == NULL) {
+        return NULL;
+    }
+    int read = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(events); i++) {
+        PyObject *event = PyList_GET_ITEM(events, i);
+        PyObject *watched = NULL;
+        if (PyTuple_CheckExact(event) && PyTuple_GET_SIZE(event) == 2) {
+            watched = PyDict_GetItemWithError(by_fd, PyTuple_GET_ITEM(event, 0));
+            if (watched == NULL && PyErr_Occurred()) {
+                Py_DECREF(rest);
+                return NULL;
+            }
+        }
+        AnswerRouter *router = NULL;
+        if (watched != NULL && PyTuple_CheckExact(watched) && PyTuple_GET_SIZE(watched) == 2
+            && Py_IS_TYPE(PyTuple_GET_ITEM(watched, 1), &AnswerRouterType)) {
+            router = (AnswerRouter *)PyTuple_GET_ITEM(watched, 1);
+        }
+        if (router == NULL || router->kept != NULL || router->error_type != NULL) {
+            if (PyList_Append(rest, event) < 0) {  /* the pump's Python takes it */
+                Py_DECREF(rest);
+                return NULL;
+            }
+            continue;
+        }
+        Py_INCREF(router);  /* (routing runs Python, which may unwatch it) */
+        read = 1;
+        PyObject *got = read_and_route(router);
+        int handled = got != NULL && PyList_CheckExact(got) && PyList_GET_SIZE(got) == 0;
+        if (handled) {
+            Py_DECREF(got);
+        }
+        else {
+            if (got == NULL) {  /* raised: the pump's call of the router raises it */
+                PyErr_Fetch(&router->error_type, &router->error_value,
+                            &router->error_traceback);
+            }
+            router->kept = got;  /* (NULL where it raised) */
+            if (PyList_Append(rest, event) < 0) {
+                Py_DECREF(router);
+                Py_DECREF(rest);
+                return NULL;
+            }
+        }
+        Py_DECREF(router);
+    }
+    PyObject *out = Py_BuildValue("(NO)", rest, read ? Py_True : Py_False);
+    return out;
+}
+
 static PyMethodDef hotpath_functions[] = {
+    {"route_events", (PyCFunction)(void (*)(void))route_events, METH_FASTCALL,
+     PyDoc_STR("route_events(events, by_fd): the pump's loop over a poll's events for the "
+               "lone answers its routers route, compiled: (the events left, whether any "
+               "was read).")},
     {"send_small", (PyCFunction)(void (*)(void))send_small, METH_FASTCALL,
      PyDoc_STR("send_small(entries, ranks, call_id, future, prefix, tail, fail_if_dead): "
                "Sender._deliver of protocol.small_call_frames, compiled.")},

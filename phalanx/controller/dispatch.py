@@ -185,6 +185,10 @@ class Dispatcher:
         self.stacks_of = stacks_of
         self.deaths = 0  # incremented on every death and removal: a cheap change counter
         self._on_released = on_released
+        # the routers' loop over a poll's events, compiled (see watch), and the events an
+        # error left behind in it (see _carry)
+        self._route_events = None if hotpath is None else hotpath.route_events
+        self._carried: list[tuple[int, int]] = []
 
     # -- the sink channels deliver to (any thread) ------------------------------------
 
@@ -482,51 +486,73 @@ class Dispatcher:
         except InterruptedError:  # pragma: no cover
             return False
         read = False
+        route_events = self._route_events
         now = _monotonic()
-        for fd, _ in events:
-            if fd == self._wakeup_fd:
-                self._wakeup.drain()
-                self._take_posted()
-                continue
-            watched = self._by_fd.get(fd)
-            if watched is None:
-                continue
-            read = True
-            channel, fast = watched
-            received: Received
-            if fast is None:
-                received = channel.receive(fd)
-            else:
-                try:
-                    received = fast()
-                except ConnectionLost:  # the stream's end: its channel's to handle
-                    received = channel.receive(fd)
-            if isinstance(received, tuple):  # one event alone, a header and a pickle
-                # an answer is routed here (_on_events' hot path, inlined: nearly every
-                # read of the pump's); anything else goes the whole way
-                head, payload = received
-                try:
-                    kind, call_id, rank = _ROUTE(head)
-                except struct.error:
-                    kind = rank = -1
-                entry = self._by_rank.get(rank)
-                if kind == _RESULT and entry is not None and entry.channel is channel:
-                    entry.heard_at = now
-                    future = entry.calls.pop(call_id, None)
-                    if future is None and entry.cohorts:
-                        future = entry.cohort_call(call_id)
-                    if future is not None:
-                        future.resolve_rank(rank, payload)
+        try:
+            if route_events is not None and events:  # the routers' lone answers (see watch)
+                if self._carried:
+                    events, self._carried = self._carried + events, []
+                events, read = route_events(events, self._by_fd)
+            for fd, _ in events:
+                if fd == self._wakeup_fd:
+                    self._wakeup.drain()
+                    self._take_posted()
                     continue
-                received = [[head, payload]]
-            if received:
-                self._on_events(channel, received)
+                watched = self._by_fd.get(fd)
+                if watched is None:
+                    continue
+                read = True
+                channel, fast = watched
+                received: Received
+                if fast is None:
+                    received = channel.receive(fd)
+                else:
+                    try:
+                        received = fast()
+                    except ConnectionLost:  # the stream's end: its channel's to handle
+                        received = channel.receive(fd)
+                if isinstance(received, tuple):  # one event alone, a header and a pickle
+                    # an answer is routed here (_on_events' hot path, inlined: nearly every
+                    # read of the pump's); anything else goes the whole way
+                    head, payload = received
+                    try:
+                        kind, call_id, rank = _ROUTE(head)
+                    except struct.error:
+                        kind = rank = -1
+                    entry = self._by_rank.get(rank)
+                    if kind == _RESULT and entry is not None and entry.channel is channel:
+                        entry.heard_at = now
+                        future = entry.calls.pop(call_id, None)
+                        if future is None and entry.cohorts:
+                            future = entry.cohort_call(call_id)
+                        if future is not None:
+                            future.resolve_rank(rank, payload)
+                        continue
+                    received = [[head, payload]]
+                if received:
+                    self._on_events(channel, received)
+        except BaseException:
+            if route_events is not None:
+                self._carry(events)
+            raise
         if self._tasks:  # what reading just now asked for (a node lost: calls to fail)
             self._take_posted()
         if self._followers:
             with self._cond:
                 self._cond.notify_all()
         return read
+
+    def _carry(self, events: list[tuple[int, int]]) -> None:
+        """An error went up through the pump before it took all the reads the routers made
+        (:func:`~phalanx.controller._hotpath.route_events`): their events are kept for the
+        next pump, woken now (those reads' bytes left their pipes: no poll reports them
+        again)."""
+        by_fd = self._by_fd
+        held = [event for event in events if (watched := by_fd.get(event[0])) is not None
+                and getattr(watched[1], "holds", False)]
+        if held:
+            self._carried = held + self._carried
+            self._wakeup.wake()
 
     def _take_posted(self) -> None:
         with self._posted_lock:

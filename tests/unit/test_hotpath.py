@@ -295,3 +295,54 @@ def test_a_resolve_that_raises_goes_up_through_the_pump(routed):
     channel.push(_answer(4))
     with pytest.raises(RuntimeError, match="resolve failed"):
         dispatcher.poll_now()
+
+
+@pytest.fixture
+def two_ranks(routed):
+    """``routed``'s dispatcher with a second rank on a channel of its own."""
+    dispatcher, channel, entry = routed
+    other = _Channel((1,))
+    other_entry = _RankEntry(1, other)
+    dispatcher.add(other_entry)  # type: ignore[arg-type]
+    dispatcher.watch(other.fd, other, other.read_now)  # type: ignore[arg-type]
+    yield dispatcher, (channel, entry), (other, other_entry)
+    dispatcher.unwatch(other.fd, other)  # type: ignore[arg-type]
+    other.close()
+
+
+def test_answers_and_other_frames_of_one_poll_are_all_taken(two_ranks):
+    """One rank's answer routed as it is read, the other's frames (read in the same pass,
+    not routed there) taken by the pump's Python in that same poll."""
+    dispatcher, (channel, entry), (other, other_entry) = two_ranks
+    call, late = _Call(), _Call()
+    entry.calls[1] = call
+    other_entry.calls[1] = late
+    channel.push(_answer(1))
+    other.push([list(_answer(1, rank=1)), [header(HEARTBEAT, 0, 1)]])
+    dispatcher.poll_now()
+    assert call.resolved == [(0, b"\x80\x05K\x07.")]
+    assert late.resolved == [(1, b"\x80\x05K\x07.")]
+    assert entry.heard_at is not None and other_entry.heard_at is not None
+
+
+def test_an_error_in_one_answers_routing_loses_no_other_answer(two_ranks):
+    """A resolve that raises goes up through the pump; whatever else that poll read is
+    taken by the next one (its bytes left their pipe: no later poll would report it)."""
+    dispatcher, (channel, entry), (other, other_entry) = two_ranks
+
+    class Broken(_Call):
+        def resolve_rank(self, rank: int, segments: Any) -> None:
+            raise RuntimeError("resolve failed")
+
+    entry.calls[2] = Broken()
+    late = other_entry.calls[2] = _Call()
+    channel.push(_answer(2))  # (a poll reports it first, as it was first written)
+    other.push([list(_answer(2, rank=1))])
+    with pytest.raises(RuntimeError, match="resolve failed"):
+        dispatcher.poll_now()
+    for _ in range(3):  # (the answer may have been left for the next poll, or read there)
+        if late.resolved:
+            break
+        dispatcher.poll_now()
+    assert late.resolved == [(1, b"\x80\x05K\x07.")]
+    assert not other.queued
