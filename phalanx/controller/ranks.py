@@ -304,6 +304,12 @@ class PendingCalls(MutableMapping[int, "Completion"]):
     def __iter__(self) -> Iterator[int]:
         return iter([call_id for call_id, _ in self._items()])
 
+    def calls(self) -> list[Completion]:
+        """Every call it owes, taken at once: what a thread other than the pumping one
+        reads (``values()`` looks each id up again, and an answer that came meanwhile
+        would make that lookup fail)."""
+        return [call for _, call in self._items()]
+
     def __len__(self) -> int:
         return len(self._items())
 

@@ -160,7 +160,7 @@ class Watchdog:
         entries = {entry.rank: entry for entry in self._entries() if entry.alive}
         current: dict[Completion, None] = {}
         for entry in entries.values():
-            for future in list(entry.pending.values()):
+            for future in entry.pending.calls():
                 current[future] = None
         for future in [f for f in self._partial if f not in current]:
             del self._partial[future]

@@ -3,6 +3,8 @@ move, the moves that are ignored, what ``health()`` calls each state, selections
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from phalanx.controller.ranks import RankEntry, RankState, RankTable, channels_of
@@ -133,6 +135,32 @@ def test_pending_calls_are_taken_all_or_by_a_rule():
     assert s.take_pending(lambda f: not f.tolerant) == [strict]
     assert s.pending == {2: tolerant}
     assert s.take_pending() == [tolerant] and s.pending == {}
+
+
+def test_pending_calls_are_read_at_once_while_answers_come():
+    """The watchdog's thread reads every call a rank owes while the pumping thread takes
+    answered ones away: ``pending.calls()`` is one snapshot (a lookup per id, as
+    ``values()`` makes, fails on a call answered in between)."""
+    s = entry()
+    calls = {i: Future(False) for i in range(64)}
+    s.pending.update(calls)
+    stop = threading.Event()
+
+    def answer() -> None:  # as the pump does: a call taken, another registered
+        i = 64
+        while not stop.is_set():
+            s.calls.pop(i - 64, None)
+            s.calls[i] = calls[i % 64]
+            i += 1
+
+    thread = threading.Thread(target=answer)
+    thread.start()
+    try:
+        for _ in range(3000):
+            assert len(s.pending.calls()) in (63, 64)  # (one taken, its next not yet in)
+    finally:
+        stop.set()
+        thread.join(10)
 
 
 def test_channels_of_names_a_shared_channel_once():
