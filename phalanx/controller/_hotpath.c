@@ -64,7 +64,12 @@ static int
 send_one(PyObject *entries, PyObject *rank_obj, PyObject *call_id, uint64_t id,
          PyObject *future, PyObject *prefix, PyObject *tail, PyObject *fail_if_dead)
 {
-    unsigned long long rank = PyLong_AsUnsignedLongLong(rank_obj);
+    PyObject *index = PyNumber_Index(rank_obj);  /* (any integer, as struct's pack) */
+    if (index == NULL) {
+        return -1;
+    }
+    unsigned long long rank = PyLong_AsUnsignedLongLong(index);
+    Py_DECREF(index);
     if (rank == (unsigned long long)-1 && PyErr_Occurred()) {
         return -1;
     }
