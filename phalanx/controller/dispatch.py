@@ -185,8 +185,9 @@ class Dispatcher:
         self.stacks_of = stacks_of
         self.deaths = 0  # incremented on every death and removal: a cheap change counter
         self._on_released = on_released
-        # the routers' loop over a poll's events, compiled (see watch), and the events an
-        # error left behind in it (see _carry)
+        # each watched read's router, and their loop over a poll's events, compiled (see
+        # watch), and the events an error left behind in it (see _carry)
+        self._router = None if hotpath is None else hotpath.AnswerRouter
         self._route_events = None if hotpath is None else hotpath.route_events
         self._carried: list[tuple[int, int]] = []
 
@@ -194,8 +195,8 @@ class Dispatcher:
 
     def watch(self, fd: int, channel: Receiver,
               read: Callable[[], Received] | None = None) -> None:
-        if read is not None and hotpath is not None:  # read, and _pump's routing of a lone
-            read = hotpath.AnswerRouter(read, self._by_rank, channel)  # answer, compiled
+        if read is not None and self._router is not None:  # read, and _pump's routing of
+            read = self._router(read, self._by_rank, channel)  # a lone answer, compiled
         with self._fd_lock:
             self._by_fd[fd] = (channel, read)
             try:

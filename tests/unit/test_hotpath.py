@@ -346,3 +346,65 @@ def test_an_error_in_one_answers_routing_loses_no_other_answer(two_ranks):
         dispatcher.poll_now()
     assert late.resolved == [(1, b"\x80\x05K\x07.")]
     assert not other.queued
+
+
+_EVENT = st.one_of(
+    st.tuples(st.just("answer"), st.integers(0, 2), st.integers(1, 4)),  # (rank, call id)
+    st.tuples(st.just("heartbeat"), st.integers(0, 2), st.just(0)),
+    st.tuples(st.just("frames"), st.integers(0, 2), st.integers(1, 4)),  # an answer in a list
+    st.tuples(st.just("nothing"), st.just(0), st.just(0)),  # a read that found nothing
+)
+
+
+def _play(kind: str, script: list[list[tuple[str, int, int]]]) -> list[Any]:
+    """Two channels (of ranks 0 and 1, each once carrying all three) and an entry of rank 2
+    on neither: each poll, what the script has each channel read; what every call was
+    resolved with, and who was heard from."""
+    original = dispatch.hotpath
+    dispatch.hotpath = _hotpath if kind == "compiled" else None
+    try:
+        dispatcher = Dispatcher()
+    finally:
+        dispatch.hotpath = original
+    channels = [_Channel((0, 1, 2)), _Channel((0, 1, 2))]  # (another's answer: dropped)
+    entries = [_RankEntry(0, channels[0]), _RankEntry(1, channels[1]),
+               _RankEntry(2, object())]
+    calls = {(rank, call_id): _Call() for rank in range(3) for call_id in range(1, 5)}
+    for entry in entries:
+        dispatcher.add(entry)  # type: ignore[arg-type]
+        entry.calls.update({c: calls[entry.rank, c] for c in range(1, 5)})
+    try:
+        for channel in channels:
+            dispatcher.watch(channel.fd, channel, channel.read_now)  # type: ignore[arg-type]
+        for poll in script:
+            for i, (what, rank, call_id) in enumerate(poll[:2]):  # one read per channel
+                if what == "answer":
+                    channels[i].push(_answer(call_id, rank))
+                elif what == "heartbeat":
+                    channels[i].push((header(HEARTBEAT, 0, rank), b""))
+                elif what == "frames":
+                    channels[i].push([list(_answer(call_id, rank))])
+                else:
+                    channels[i].push([])
+            dispatcher.poll_now()
+        return [[(key, call.resolved) for key, call in calls.items()],
+                [entry.heard_at is not None for entry in entries],
+                [sorted(entry.calls) for entry in entries],
+                [channel.queued for channel in channels]]
+    finally:
+        for channel in channels:
+            dispatcher.unwatch(channel.fd, channel)  # type: ignore[arg-type]
+            channel.close()
+        dispatcher.release()
+
+
+@settings(max_examples=40, deadline=None)
+@given(script=st.lists(st.lists(_EVENT, min_size=1, max_size=2), max_size=6))
+def test_any_mix_of_reads_is_routed_as_the_pump_routes_it(script):
+    """Answers of the channel's own rank, of another rank (dropped: the channel does not
+    carry it), answers again (nothing resolved twice), heartbeats, frames in a list, empty
+    reads, on two channels polled together: the same calls resolved with the same answers,
+    the same ranks heard from, either way."""
+    if _hotpath is None:
+        pytest.skip("phalanx.controller._hotpath was not built here")
+    assert _play("compiled", script) == _play("python", script)
