@@ -230,17 +230,22 @@ def call_frames(
 SMALL_PAYLOAD = framing.SMALL_FRAME  # a pickle shorter than this frames as one bytes object
 _NAMES: dict[str, bytes] = {}  # a method's name, encoded (the hot path's, flags 0)
 _PAIR = struct.Struct("<IQQQ")  # a two-segment frame's prefix (see framing's layout)
+_PAIR_HEAD = struct.Struct(_PAIR.format + _HEAD.format[1:])  # that prefix and a header
+
+
+def _name_of(method: str) -> bytes:
+    """A method's name as a plain call's header ends with it (flags 0), kept for the next."""
+    name = _FLAG_BYTES[0] + method.encode()
+    if len(_NAMES) < 4096:
+        _NAMES[method] = name
+    return name
 
 
 def small_call_parts(method: str, pickled: bytes) -> tuple[bytes, bytes]:
     """What every rank's frame of a plain call (no flags, not streamed) with one pickle
     shorter than :data:`SMALL_PAYLOAD` shares: the frame's prefix, before the header of
     its rank, and what follows that header (the method's name and the pickle)."""
-    name = _NAMES.get(method)
-    if name is None:
-        name = _FLAG_BYTES[0] + method.encode()
-        if len(_NAMES) < 4096:
-            _NAMES[method] = name
+    name = _NAMES.get(method) or _name_of(method)
     head_size = HEAD_SIZE + len(name)
     size = len(pickled)
     return _PAIR.pack(2, 16 + head_size + size, head_size, size), name + pickled
@@ -251,9 +256,14 @@ def small_call_frames(call_id: int, ranks: Sequence[int], method: str,
     """:func:`call_frames` of a plain call (no flags, not streamed) with one pickle
     shorter than :data:`SMALL_PAYLOAD`: the same bytes, made with less work (each rank's
     frame is :func:`small_call_parts`' prefix, its rank's header, and their tail)."""
-    prefix, tail = small_call_parts(method, pickled)
+    name = _NAMES.get(method) or _name_of(method)
+    head_size = HEAD_SIZE + len(name)
+    size = len(pickled)
     if len(ranks) == 1:  # no comprehension: a tenth of the call's own time at one rank
-        return [[b"".join((prefix, _HEAD.pack(CALL, call_id, ranks[0]), tail))]]
+        return [[b"".join((_PAIR_HEAD.pack(2, 16 + head_size + size, head_size, size, CALL,
+                                           call_id, ranks[0]), name, pickled))]]
+    prefix = _PAIR.pack(2, 16 + head_size + size, head_size, size)
+    tail = name + pickled
     pack = _HEAD.pack
     return [[prefix + pack(CALL, call_id, rank) + tail] for rank in ranks]
 
