@@ -8,7 +8,10 @@ reaches the waiting thread with no thread hand-off. Only while futures with done
 (or awaited ones) are pending and no thread waits does the group's watchdog thread lead
 (:meth:`Dispatcher.pump_in_background`), stepping down as soon as a thread comes to wait.
 Events that a backend learns on a thread of its own (a death being finished, Ray's account
-of one) are posted and wake the leader through a self-pipe.
+of one) are posted and wake the leader through a self-pipe. Where the controller's compiled
+part was built (:mod:`phalanx.controller.compiled`), a channel's own read (``watch``'s
+``read=``) is wrapped in a router that routes a lone answer as it reads it, and the leader's
+loop over a poll's events runs compiled for those; everything else reaches the same Python.
 
 Every event names its rank in its header (:mod:`phalanx.wire.protocol`); an event from a
 channel that no longer carries that rank (an earlier incarnation) is dropped. A rank speaks
