@@ -394,11 +394,18 @@ AnswerRouter_call(PyObject *self, PyObject *args, PyObject *kwds)
     return PyVectorcall_Call(self, args, kwds);
 }
 
+/* Whether it holds a read route_events made and did not route (a value or an error). */
+static int
+router_holds(AnswerRouter *self)
+{
+    return self->kept != NULL || self->error_type != NULL;
+}
+
 static PyObject *
 AnswerRouter_holds(AnswerRouter *self, void *closure)
 {
     (void)closure;
-    return PyBool_FromLong(self->kept != NULL || self->error_type != NULL);
+    return PyBool_FromLong(router_holds(self));
 }
 
 static PyGetSetDef AnswerRouter_getset[] = {
@@ -457,7 +464,7 @@ route_events(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             && Py_IS_TYPE(PyTuple_GET_ITEM(watched, 1), &AnswerRouterType)) {
             router = (AnswerRouter *)PyTuple_GET_ITEM(watched, 1);
         }
-        if (router == NULL || router->kept != NULL || router->error_type != NULL) {
+        if (router == NULL || router_holds(router)) {
             if (PyList_Append(rest, event) < 0) {  /* the pump's Python takes it */
                 Py_DECREF(rest);
                 return NULL;
