@@ -1,8 +1,9 @@
 """Results of calls: a :class:`GroupFuture` per call, with a :class:`RankFuture` view per rank.
 
-Futures hold no locks and no threads. They are completed by the group's dispatcher, and
-waiting on one drives the dispatcher (see :mod:`phalanx.controller.dispatch`): the thread that waits
-does the receiving, which is what keeps a call's round trip close to a raw pipe's.
+Futures hold no threads, and no lock of their own. They are completed by the group's
+dispatcher, and waiting on one drives the dispatcher (see :mod:`phalanx.controller.dispatch`): the
+thread that waits does the receiving, which is what keeps a call's round trip close to a raw
+pipe's.
 
 A group future *fails fast*: its first failing rank makes ``result()`` raise at once,
 without waiting for the other ranks of that call.
@@ -11,7 +12,9 @@ Futures fit the ecosystem: ``add_done_callback``; ``as_concurrent()`` gives a
 ``concurrent.futures.Future`` for ``concurrent.futures.wait``/``as_completed``; ``await``
 needs no thread. While callbacks are pending and no thread waits, the group's watchdog
 thread drives the dispatcher, so results still arrive; callbacks run on whichever thread
-received the completing message, and must not block.
+received the completing message, and must not block. That thread may not be the one adding
+a callback: adding one and taking them to run are made atomic by one module-wide lock, which
+a call without callbacks never takes.
 
 Per-rank state lives in flat lists inside the group future (a call in flight costs two
 small objects, not one per rank): pipelining tens of thousands of calls stays cheap for the
@@ -45,6 +48,7 @@ import collections
 import concurrent.futures
 import logging
 import pickle
+import threading
 from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -70,6 +74,10 @@ _DECODED = object()
 _ONE_PENDING = (_PENDING,)  # a one-rank call's places before its answer (never written)
 # what one decoding of the same bytes may give every rank of a run: immutable values
 _ATOMS = frozenset((type(None), bool, int, float, complex, str, bytes))
+# Held while a done-callback is added and while a settled future takes its callbacks to
+# run, with the dispatcher's watch of the future that goes with either: the two may happen
+# on different threads at once (see the module docstring).
+_CALLBACKS_LOCK = threading.Lock()
 
 
 class _Span:
@@ -242,11 +250,17 @@ class GroupFuture:
                 holds, self._holds = self._holds, None
                 for owner, objects in holds:
                     owner.unhold(objects)
-        if self._callbacks is None:
-            return
-        callbacks, self._callbacks = self._callbacks, None
-        self._dispatcher.watch_future(self, False)
-        for callback in callbacks or ():
+        if self._callbacks is not None:
+            self._run_callbacks()
+
+    def _run_callbacks(self) -> None:
+        """Run the done-callbacks added so far, each once, whichever thread calls this."""
+        with _CALLBACKS_LOCK:
+            callbacks, self._callbacks = self._callbacks, None
+            if callbacks is None:  # another thread took them
+                return
+            self._dispatcher.watch_future(self, False)
+        for callback in callbacks:
             try:
                 callback(self)
             except Exception:
@@ -482,10 +496,17 @@ class GroupFuture:
         if self._settled():
             fn(self)
             return
-        if self._callbacks is None:
-            self._callbacks = []
-            self._dispatcher.watch_future(self, True)
-        self._callbacks.append(fn)
+        with _CALLBACKS_LOCK:
+            callbacks = self._callbacks
+            if callbacks is None:
+                self._callbacks = [fn]
+                self._dispatcher.watch_future(self, True)
+            else:
+                callbacks.append(fn)
+        if self._settled():
+            # completed meanwhile on a thread that may have looked for callbacks before
+            # ``fn`` was in: whichever thread takes them first runs them
+            self._run_callbacks()
 
     def as_concurrent(self) -> concurrent.futures.Future[list[Any]]:
         """A ``concurrent.futures.Future`` that completes with this one (for

@@ -15,7 +15,6 @@ import os
 import signal
 
 import numpy as np
-import psutil
 import pytest
 
 import phalanx as px
@@ -92,16 +91,10 @@ def test_a_producer_gone_before_its_copy_is_made_is_object_lost(agent_cluster):
         refs = p.call("make", 100, keep=True)
         pid = p.call_one(1, "pid")
         os.kill(pid, signal.SIGKILL)  # node 1: the consumer is on node 0
-        assert wait_until(lambda: not _alive(pid), 10)  # a kill takes effect a moment later
+        # a kill takes effect a moment later
+        assert wait_until(lambda: not helpers.pid_alive(pid), 10)
         with pytest.raises(px.ObjectLost) as info:
             c.call("total", refs[1])
         assert f"make() on rank 1 of group {p.name}" in str(info.value), info.value
         assert c.call("total", refs[0]) == [100.0]  # same node: the block is mapped
         assert c.call("copies") == [[]]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False

@@ -24,7 +24,6 @@ import sys
 import textwrap
 import threading
 
-import psutil
 import pytest
 
 import phalanx as px
@@ -127,11 +126,6 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait(timeout=10)
 
 
-def _alive(pids: list[int]) -> list[int]:
-    return [pid for pid in pids if psutil.pid_exists(pid)
-            and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
-
-
 def _agent_actors(name: str) -> list[str]:
     """The group's agent actors Ray still has alive."""
     alive = []
@@ -179,7 +173,7 @@ def test_a_killed_drivers_group_is_attached_from_another_and_ends_with_nothing_l
         assert group.call("add", 1, 2) == [3, 3]
     finally:
         group.shutdown()
-    assert helpers.wait_until(lambda: not _alive(started["pids"]), END_BOUND)
+    assert helpers.wait_until(lambda: not helpers.alive(started["pids"]), END_BOUND)
     assert helpers.wait_until(lambda: not _left_on_ray("policy"), END_BOUND, interval=0.5), \
         _left_on_ray("policy")
     assert px.attached(backend) == []
@@ -188,8 +182,8 @@ def test_a_killed_drivers_group_is_attached_from_another_and_ends_with_nothing_l
 def test_nobody_attaching_within_the_timeout_ends_the_ranks_and_their_agents(cluster):
     proc, started = _driver(cluster, "left-alone", timeout=5.0)
     _kill(proc)
-    assert _alive(started["pids"]) == started["pids"]  # kept a while
-    assert helpers.wait_until(lambda: not _alive(started["pids"]), END_BOUND)
+    assert helpers.alive(started["pids"]) == started["pids"]  # kept a while
+    assert helpers.wait_until(lambda: not helpers.alive(started["pids"]), END_BOUND)
     assert helpers.wait_until(lambda: not _left_on_ray("left-alone"), END_BOUND,
                               interval=0.5), _left_on_ray("left-alone")
     with pytest.raises(LookupError, match="no detached group named 'left-alone'"):
@@ -214,7 +208,7 @@ def test_a_detached_pools_groups_are_attached_each_by_its_name_and_leave_nothing
     assert len(set(started["nodes"])) == 2  # a Ray node per node of the pool
     _kill(proc)
     pids = started["learner"] + started["actor"]
-    assert _alive(pids) == pids  # the pool's agents keep its groups
+    assert helpers.alive(pids) == pids  # the pool's agents keep its groups
     assert _agent_actors("rl") == ["node 0", "node 1"]
     backend = px.RayBackend(namespace=NAMESPACE)
     listed = {g["name"]: (g["ranks"], g["holder"]) for g in px.attached(backend)}
@@ -239,13 +233,13 @@ def test_a_detached_pools_groups_are_attached_each_by_its_name_and_leave_nothing
         assert all(len(g[0]["CUDA_VISIBLE_DEVICES"].split(",")) == 1
                    for g in started["gpus"])
         learner.shutdown()
-        assert _alive(started["actor"]) == started["actor"]  # the other group runs on
+        assert helpers.alive(started["actor"]) == started["actor"]  # the other group runs on
         assert actor.call("add", 1, 2) == [3]
     finally:
         for group in (learner, actor):
             if group is not None:
                 group.shutdown()
-    assert helpers.wait_until(lambda: not _alive(pids), END_BOUND)
+    assert helpers.wait_until(lambda: not helpers.alive(pids), END_BOUND)
     assert helpers.wait_until(lambda: not _left_on_ray("rl"), END_BOUND, interval=0.5), \
         _left_on_ray("rl")
     assert px.attached(backend) == []
@@ -266,6 +260,6 @@ def test_a_detached_pool_its_driver_closes_leaves_nothing_on_ray(cluster):
             px.WorkerGroup(Probe, backend=backend, name="closed", detached=True)
     finally:
         pool.close()  # its group ends, and the node none ran on with it
-    assert helpers.wait_until(lambda: not _alive(pids), END_BOUND)
+    assert helpers.wait_until(lambda: not helpers.alive(pids), END_BOUND)
     assert helpers.wait_until(lambda: not _left_on_ray("closed"), END_BOUND, interval=0.5), \
         _left_on_ray("closed")

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import sys
+import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -23,6 +26,7 @@ class ScriptedDispatcher:
     def __init__(self) -> None:
         self.events: list[Callable[[], None]] = []
         self.polls = 0
+        self.watched: set[GroupFuture] = set()
 
     def wait(self, is_done: Callable[[], bool], timeout: float | None, kickoff=None) -> bool:
         if kickoff is not None:
@@ -35,6 +39,12 @@ class ScriptedDispatcher:
 
     def poll_now(self) -> None:
         self.polls += 1
+
+    def watch_future(self, future: GroupFuture, on: bool) -> None:
+        if on:
+            self.watched.add(future)
+        else:
+            self.watched.discard(future)
 
 
 class RankHandle:
@@ -221,6 +231,70 @@ def test_cancel_after_completion_returns_false():
     futures[0].resolve(encoded(0))
     assert group.cancel() is False
     assert group.result() == [0]
+
+
+def test_done_callbacks_run_once_each_in_order_when_the_call_completes():
+    group, futures, dispatcher = make(ranks=(0, 1))
+    seen: list[str] = []
+    group.add_done_callback(lambda f: seen.append("first"))
+    group.add_done_callback(lambda f: seen.append("second"))
+    futures[0].resolve(encoded(0))
+    assert seen == [] and dispatcher.watched == {group}
+    futures[1].resolve(encoded(1))
+    assert seen == ["first", "second"] and dispatcher.watched == set()
+    group.add_done_callback(lambda f: seen.append("late"))  # done already: at once
+    assert seen == ["first", "second", "late"]
+
+
+def test_callbacks_added_while_another_thread_completes_the_calls_each_run_once():
+    calls = [make(ranks=(0,)) for _ in range(4000)]
+    runs = [0] * len(calls)
+    errors: list[BaseException] = []
+    # each thread says which call it reached, and both spin until the other reached it
+    # too: both stay runnable, so the interpreter switches between them mid-call
+    reached = [0, 0]
+    deadline = time.monotonic() + 60
+
+    def meet(me: int, n: int) -> None:
+        reached[me] = n
+        while reached[1 - me] < n:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the other thread did not reach call {n}")
+
+    def add() -> None:
+        try:
+            for n, (group, _, _) in enumerate(calls, 1):
+                meet(0, n)
+                for _ in range(n % 32):  # sweeps where the other thread's completion lands
+                    pass
+                for _ in range(2):
+                    group.add_done_callback(lambda f, n=n: runs.__setitem__(n - 1, runs[n - 1] + 1))
+        except BaseException as exc:  # reported by the assertion below
+            errors.append(exc)
+            reached[0] = len(calls)
+
+    def complete() -> None:
+        for n, (_, futures, _) in enumerate(calls, 1):
+            meet(1, n)
+            if n % 3:
+                futures[0].resolve(encoded(n))
+            else:
+                futures[0].fail(KeyError(n))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    try:
+        threads = [threading.Thread(target=add), threading.Thread(target=complete)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=90)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not any(thread.is_alive() for thread in threads)
+    assert errors == []
+    assert runs == [2] * len(calls)
+    assert all(not dispatcher.watched for _, _, dispatcher in calls)
 
 
 def test_done_polls_without_blocking():
