@@ -467,8 +467,8 @@ class GroupFuture:
         if self._remaining == 0 or self._failed >= 0:
             return False
         self._cancelled = True
-        if self._callbacks is not None:
-            self._settle()
+        if self._callbacks is not None:  # the rest of settling waits for the last rank
+            self._run_callbacks()
         return True
 
     def cancelled(self) -> bool:

@@ -369,6 +369,27 @@ def test_held_objects_are_let_go_once_every_rank_is_done_even_after_a_failure():
     assert owner.released == [["obj"]]
 
 
+def test_cancelling_runs_the_callbacks_at_once_and_lets_go_of_held_objects_once_all_answer():
+    class Owner:
+        def __init__(self) -> None:
+            self.released: list = []
+
+        def unhold(self, objects):
+            self.released.append(objects)
+
+    owner = Owner()
+    group, futures, dispatcher = make(ranks=(0, 1))
+    group.hold(owner, ["obj"])  # type: ignore[arg-type]
+    seen: list[bool] = []
+    group.add_done_callback(lambda f: seen.append(f.cancelled()))
+    futures[0].resolve(encoded(0))
+    assert group.cancel() is True
+    assert seen == [True] and dispatcher.watched == set()
+    assert owner.released == []  # rank 1 is still running the call: it may read the object
+    futures[1].resolve(encoded(1))
+    assert owner.released == [["obj"]] and seen == [True]
+
+
 def test_a_call_that_is_not_streamed_ignores_streamed_items():
     group, futures, _ = make(ranks=(0,))
     group.yield_rank(0, encoded("item"))
