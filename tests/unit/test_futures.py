@@ -353,13 +353,17 @@ def test_deferred_sends_run_once_at_the_first_wait():
     assert group.done() and sent == [1]
 
 
+class Owner:
+    """What a call's arguments name is held by: records what it is told to let go of."""
+
+    def __init__(self) -> None:
+        self.released: list = []
+
+    def unhold(self, objects):
+        self.released.append(objects)
+
+
 def test_held_objects_are_let_go_once_every_rank_is_done_even_after_a_failure():
-    class Owner:
-        released: list = []
-
-        def unhold(self, objects):
-            self.released.append(objects)
-
     owner = Owner()
     group, futures, _ = make(ranks=(0, 1))
     group.hold(owner, ["obj"])  # type: ignore[arg-type]
@@ -370,13 +374,6 @@ def test_held_objects_are_let_go_once_every_rank_is_done_even_after_a_failure():
 
 
 def test_cancelling_runs_the_callbacks_at_once_and_lets_go_of_held_objects_once_all_answer():
-    class Owner:
-        def __init__(self) -> None:
-            self.released: list = []
-
-        def unhold(self, objects):
-            self.released.append(objects)
-
     owner = Owner()
     group, futures, dispatcher = make(ranks=(0, 1))
     group.hold(owner, ["obj"])  # type: ignore[arg-type]
